@@ -1,0 +1,1046 @@
+/* ps_config.c - defaults, YAML loading, flags, validation and YAML output.
+ *
+ * Everything is driven by one table, keys[], in the style of redis'
+ * standardConfig: each entry names a dotted key, its type, where it lives in
+ * ps_config_t, its range and its default. Defaults are written as the text a
+ * flag would give and go through the same parser as flags and YAML, so the
+ * table is checked every time ps_config_defaults runs.
+ *
+ * YAML is read with libyaml's event parser (not the document loader) so every
+ * message can name the line of the offending key or value. */
+#include "ps_config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <yaml.h>
+
+/* Programming errors: always on, independent of NDEBUG. */
+#define PS_CFG_ASSERT(cond)                                                               \
+    do {                                                                                  \
+        if (!(cond)) {                                                                    \
+            fprintf(stderr, "%s:%d: assertion failed: %s\n", __FILE__, __LINE__, #cond); \
+            abort();                                                                      \
+        }                                                                                 \
+    } while (0)
+
+/* Enum fields are read and written as int. */
+_Static_assert(sizeof(ps_opt_kind_t) == sizeof(int), "enum size");
+_Static_assert(sizeof(ps_sched_kind_t) == sizeof(int), "enum size");
+_Static_assert(sizeof(ps_act_t) == sizeof(int), "enum size");
+_Static_assert(sizeof(ps_log_level_t) == sizeof(int), "enum size");
+
+#define MAX_LAYER_SIZE (1 << 20)
+#define MAX_FILE_BYTES (16u << 20) /* a config file; anything bigger is a mistake */
+#define SHOW "%.80s"               /* how much of an offending value a message quotes */
+
+/* ---------------------------------------------------------------- table */
+
+typedef enum {
+    KT_INT,    /* int */
+    KT_INT64,  /* int64_t */
+    KT_UINT64, /* uint64_t, full range */
+    KT_DOUBLE, /* double, finite */
+    KT_BOOL,   /* bool */
+    KT_STRING, /* char[size], NUL-terminated; longer text is an error */
+    KT_ENUM,   /* an enum stored as int, 0..n-1 = names[] */
+    KT_LAYERS, /* model.layers: n_sizes + sizes[] */
+} key_type_t;
+
+enum {
+    F_OPEN_MIN = 1u << 0, /* KT_DOUBLE: value must be > dmin, not >= */
+    F_OPEN_MAX = 1u << 1, /* KT_DOUBLE: value must be < dmax, not <= */
+    F_NONEMPTY = 1u << 2, /* KT_STRING: "" is not allowed */
+};
+
+typedef struct {
+    const char *key;          /* "section.name" */
+    key_type_t type;
+    size_t off;               /* offset of the field in ps_config_t */
+    size_t size;              /* KT_STRING: buffer size including the NUL */
+    int64_t imin, imax;       /* KT_INT, KT_INT64; KT_LAYERS: each size */
+    double dmin, dmax;        /* KT_DOUBLE; +-INFINITY = unbounded */
+    unsigned flags;           /* F_* */
+    const char *const *names; /* KT_ENUM: NULL-terminated */
+    const char *def;          /* default, as a flag would spell it */
+} key_spec_t;
+
+static const char *const opt_names[] = {"sgd", "adam", "adamw", NULL};
+static const char *const sched_names[] = {"constant", "step", "cosine", "onecycle", NULL};
+static const char *const act_names[] = {"relu", NULL};
+static const char *const log_names[] = {"error", "warn", "info", "debug", NULL};
+
+/* Sections in the order they are written; every key's prefix is one of them. */
+static const char *const sections[] = {"run",      "model",    "data",   "train",
+                                       "optimizer", "schedule", "server", NULL};
+
+/* Compile-time check that field f of ps_config_t has type T; adds 0. */
+#define FIELD_IS(f, T) (0 * sizeof(_Generic(&((ps_config_t *)0)->f, T *: 1)))
+#define OFF(f, T) (offsetof(ps_config_t, f) + FIELD_IS(f, T))
+
+#define K_INT(k, f, lo, hi, d) \
+    {.key = k, .type = KT_INT, .off = OFF(f, int), .imin = lo, .imax = hi, .def = d}
+#define K_INT64(k, f, lo, hi, d) \
+    {.key = k, .type = KT_INT64, .off = OFF(f, int64_t), .imin = lo, .imax = hi, .def = d}
+#define K_UINT64(k, f, d) {.key = k, .type = KT_UINT64, .off = OFF(f, uint64_t), .def = d}
+#define K_DOUBLE(k, f, lo, hi, fl, d)                                                      \
+    {.key = k, .type = KT_DOUBLE, .off = OFF(f, double), .dmin = lo, .dmax = hi, .flags = fl, \
+     .def = d}
+#define K_BOOL(k, f, d) {.key = k, .type = KT_BOOL, .off = OFF(f, bool), .def = d}
+#define K_STRING(k, f, fl, d)                                                             \
+    {.key = k, .type = KT_STRING, .off = offsetof(ps_config_t, f),                        \
+     .size = sizeof(((ps_config_t *)0)->f), .flags = fl, .def = d}
+#define K_ENUM(k, f, T, n, d) {.key = k, .type = KT_ENUM, .off = OFF(f, T), .names = n, .def = d}
+
+#define FMNIST "/usr/share/datasets/fashion-mnist/"
+
+static const key_spec_t keys[] = {
+    K_UINT64("run.seed", seed, "42"),
+    K_INT("run.epochs", epochs, 1, 1000000, "15"),
+
+    {.key = "model.layers", .type = KT_LAYERS, .off = offsetof(ps_config_t, sizes),
+     .imin = 1, .imax = MAX_LAYER_SIZE, .def = "784,512,256,10"},
+    K_ENUM("model.activation", activation, ps_act_t, act_names, "relu"),
+
+    K_STRING("data.train_images", train_images, F_NONEMPTY, FMNIST "train-images-idx3-ubyte.gz"),
+    K_STRING("data.train_labels", train_labels, F_NONEMPTY, FMNIST "train-labels-idx1-ubyte.gz"),
+    K_STRING("data.test_images", test_images, F_NONEMPTY, FMNIST "t10k-images-idx3-ubyte.gz"),
+    K_STRING("data.test_labels", test_labels, F_NONEMPTY, FMNIST "t10k-labels-idx1-ubyte.gz"),
+    K_DOUBLE("data.normalize_mean", norm_mean, -INFINITY, INFINITY, 0, "0.2860"),
+    K_DOUBLE("data.normalize_std", norm_std, 0.0, INFINITY, F_OPEN_MIN, "0.3530"),
+    K_INT64("data.train_limit", train_limit, 0, INT64_MAX, "0"),
+
+    K_INT("train.batch_size", batch_size, 1, MAX_LAYER_SIZE, "64"),
+    K_INT("train.val_batch_size", val_batch_size, 1, MAX_LAYER_SIZE, "500"),
+
+    K_ENUM("optimizer.name", opt, ps_opt_kind_t, opt_names, "sgd"),
+    K_DOUBLE("optimizer.lr", lr, 0.0, INFINITY, F_OPEN_MIN, "0.1"),
+    K_DOUBLE("optimizer.momentum", momentum, 0.0, 1.0, F_OPEN_MAX, "0.9"),
+    K_BOOL("optimizer.nesterov", nesterov, "true"),
+    K_DOUBLE("optimizer.weight_decay", weight_decay, 0.0, INFINITY, 0, "5e-4"),
+    K_DOUBLE("optimizer.beta1", beta1, 0.0, 1.0, F_OPEN_MAX, "0.9"),
+    K_DOUBLE("optimizer.beta2", beta2, 0.0, 1.0, F_OPEN_MAX, "0.999"),
+    K_DOUBLE("optimizer.eps", eps, 0.0, INFINITY, F_OPEN_MIN, "1e-8"),
+    K_DOUBLE("optimizer.clip_norm", clip_norm, 0.0, INFINITY, 0, "0"),
+
+    K_ENUM("schedule.name", sched, ps_sched_kind_t, sched_names, "onecycle"),
+    K_DOUBLE("schedule.warmup_epochs", warmup_epochs, 0.0, INFINITY, 0, "0"),
+    K_DOUBLE("schedule.step_epochs", step_epochs, 0.0, INFINITY, F_OPEN_MIN, "5"),
+    K_DOUBLE("schedule.gamma", gamma, 0.0, INFINITY, F_OPEN_MIN, "0.1"),
+    K_DOUBLE("schedule.min_lr", min_lr, 0.0, INFINITY, 0, "0"),
+    K_DOUBLE("schedule.pct_start", pct_start, 0.0, 1.0, 0, "0.25"),
+    K_DOUBLE("schedule.div_factor", div_factor, 0.0, INFINITY, F_OPEN_MIN, "25"),
+    K_DOUBLE("schedule.final_div_factor", final_div_factor, 0.0, INFINITY, F_OPEN_MIN, "1e4"),
+
+    K_STRING("server.listen", listen, F_NONEMPTY, "tcp://0.0.0.0:5555"),
+    K_INT("server.workers", workers, 1, 1024, "2"),
+    K_DOUBLE("server.start_timeout", start_timeout, 0.0, INFINITY, F_OPEN_MIN, "300"),
+    K_DOUBLE("server.worker_timeout", worker_timeout, 0.0, INFINITY, F_OPEN_MIN, "60"),
+    K_STRING("server.metrics", metrics, 0, "psd-metrics.jsonl"),
+    K_STRING("server.save", save, 0, "psd-weights.bin"),
+    K_ENUM("server.log_level", log_level, ps_log_level_t, log_names, "info"),
+};
+
+#define N_KEYS (sizeof keys / sizeof keys[0])
+#define N_SECTIONS (sizeof sections / sizeof sections[0] - 1)
+
+/* ---------------------------------------------------------------- helpers */
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (!err || errlen == 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static const key_spec_t *find_key(const char *key)
+{
+    for (size_t i = 0; i < N_KEYS; i++)
+        if (strcmp(keys[i].key, key) == 0) return &keys[i];
+    return NULL;
+}
+
+static int find_section(const char *name)
+{
+    for (size_t i = 0; i < N_SECTIONS; i++)
+        if (strcmp(sections[i], name) == 0) return (int)i;
+    return -1;
+}
+
+/* Length of the section part of a dotted key ("optimizer.lr" -> 9). */
+static size_t section_len(const char *key)
+{
+    const char *dot = strchr(key, '.');
+    PS_CFG_ASSERT(dot);
+    return (size_t)(dot - key);
+}
+
+static void *field(ps_config_t *c, const key_spec_t *e) { return (char *)c + e->off; }
+static const void *cfield(const ps_config_t *c, const key_spec_t *e)
+{
+    return (const char *)c + e->off;
+}
+
+static int enum_count(const char *const *names)
+{
+    int n = 0;
+    while (names[n]) n++;
+    return n;
+}
+
+static const char *enum_name(const char *const *names, int v)
+{
+    return v >= 0 && v < enum_count(names) ? names[v] : "?";
+}
+
+/* "expected ..." text for a key's type: "a number", "one of sgd, adam, adamw". */
+static void describe_type(const key_spec_t *e, char *buf, size_t n)
+{
+    switch (e->type) {
+    case KT_INT:
+    case KT_INT64:
+    case KT_UINT64: snprintf(buf, n, "an integer"); return;
+    case KT_DOUBLE: snprintf(buf, n, "a number"); return;
+    case KT_BOOL: snprintf(buf, n, "true or false"); return;
+    case KT_STRING: snprintf(buf, n, "a string"); return;
+    case KT_LAYERS: snprintf(buf, n, "a list of layer sizes"); return;
+    case KT_ENUM: {
+        size_t used = (size_t)snprintf(buf, n, "one of");
+        for (int i = 0; e->names[i] && used < n; i++)
+            used += (size_t)snprintf(buf + used, n - used, "%s %s", i ? "," : "", e->names[i]);
+        return;
+    }
+    }
+    PS_CFG_ASSERT(!"unknown key type");
+}
+
+/* Shortest of %.15g..%.17g that reads back as exactly v. */
+static void fmt_double(double v, char *buf, size_t n)
+{
+    for (int prec = 15; prec <= 17; prec++) {
+        snprintf(buf, n, "%.*g", prec, v);
+        if (strtod(buf, NULL) == v) return;
+    }
+}
+
+/* "must be in [0, 1)", "must be > 0", "" when unbounded. */
+static void describe_range(const key_spec_t *e, char *buf, size_t n)
+{
+    buf[0] = '\0';
+    if (e->type == KT_DOUBLE) {
+        char lo[32], hi[32];
+        fmt_double(e->dmin, lo, sizeof lo);
+        fmt_double(e->dmax, hi, sizeof hi);
+        const bool has_lo = isfinite(e->dmin), has_hi = isfinite(e->dmax);
+        const bool olo = e->flags & F_OPEN_MIN, ohi = e->flags & F_OPEN_MAX;
+        if (has_lo && has_hi)
+            snprintf(buf, n, " (must be in %c%s, %s%c)", olo ? '(' : '[', lo, hi, ohi ? ')' : ']');
+        else if (has_lo)
+            snprintf(buf, n, " (must be %s %s)", olo ? ">" : ">=", lo);
+        else if (has_hi)
+            snprintf(buf, n, " (must be %s %s)", ohi ? "<" : "<=", hi);
+    } else if (e->type == KT_INT || e->type == KT_INT64 || e->type == KT_LAYERS) {
+        if (e->imax == INT64_MAX)
+            snprintf(buf, n, " (must be >= %lld)", (long long)e->imin);
+        else
+            snprintf(buf, n, " (must be in [%lld, %lld])", (long long)e->imin,
+                     (long long)e->imax);
+    }
+}
+
+static bool double_in_range(const key_spec_t *e, double v)
+{
+    if (!isfinite(v)) return false;
+    if (e->flags & F_OPEN_MIN ? v <= e->dmin : v < e->dmin) return false;
+    if (e->flags & F_OPEN_MAX ? v >= e->dmax : v > e->dmax) return false;
+    return true;
+}
+
+/* ---------------------------------------------------------------- scalar parsing */
+
+/* Strict base-10 integer: the whole text, no surrounding space.
+ * 0, -1 not an integer, -2 out of int64 range. */
+static int parse_i64(const char *s, int64_t *out)
+{
+    if (*s == '\0' || isspace((unsigned char)*s)) return -1;
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end != '\0') return -1;
+    if (errno == ERANGE) return -2;
+    *out = (int64_t)v;
+    return 0;
+}
+
+static int parse_u64(const char *s, uint64_t *out)
+{
+    /* strtoull accepts "-1" and wraps it. */
+    if (*s == '\0' || isspace((unsigned char)*s) || *s == '-') return -1;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (end == s || *end != '\0') return -1;
+    if (errno == ERANGE) return -2;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* Finite double, whole text. Underflow to a denormal or zero is accepted so
+ * that anything fmt_double writes reads back. */
+static int parse_double(const char *s, double *out)
+{
+    if (*s == '\0' || isspace((unsigned char)*s)) return -1;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || *end != '\0') return -1;
+    if (!isfinite(v)) return -2;
+    *out = v;
+    return 0;
+}
+
+/* One entry of model.layers. Messages start with the key. */
+static int parse_layer_size(const key_spec_t *e, const char *s, int *out, char *msg, size_t n)
+{
+    int64_t v;
+    int rc = parse_i64(s, &v);
+    if (rc == -1) {
+        set_err(msg, n, "%s: expected an integer layer size, got '" SHOW "'", e->key, s);
+        return -1;
+    }
+    if (rc == -2 || v < e->imin || v > e->imax) {
+        char range[64];
+        describe_range(e, range, sizeof range);
+        set_err(msg, n, "%s: layer size " SHOW " is out of range%s", e->key, s, range);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int check_layer_count(const key_spec_t *e, int n_sizes, char *msg, size_t n)
+{
+    if (n_sizes > PS_MAX_LAYERS + 1) {
+        set_err(msg, n, "%s: too many layer sizes (at most %d)", e->key, PS_MAX_LAYERS + 1);
+        return -1;
+    }
+    if (n_sizes < 2) {
+        set_err(msg, n, "%s: expected at least 2 sizes (input and output), got %d", e->key,
+                n_sizes);
+        return -1;
+    }
+    return 0;
+}
+
+static void store_layers(ps_config_t *c, const int *sizes, int n_sizes)
+{
+    memset(c->sizes, 0, sizeof c->sizes);
+    memcpy(c->sizes, sizes, (size_t)n_sizes * sizeof *sizes);
+    c->n_sizes = n_sizes;
+}
+
+/* "784,256,10" or "[784, 256, 10]", spaces allowed around entries. */
+static int parse_layers_text(const key_spec_t *e, const char *text, ps_config_t *c, char *msg,
+                             size_t n)
+{
+    int sizes[PS_MAX_LAYERS + 1];
+    int n_sizes = 0;
+    const char *p = text, *stop = text + strlen(text);
+    while (p < stop && isspace((unsigned char)*p)) p++;
+    while (stop > p && isspace((unsigned char)stop[-1])) stop--;
+    if (p < stop && *p == '[') {
+        if (stop[-1] != ']' || stop - p < 2) {
+            set_err(msg, n, "%s: missing ']' in '" SHOW "'", e->key, text);
+            return -1;
+        }
+        p++;
+        stop--;
+    }
+    for (;;) {
+        const char *comma = memchr(p, ',', (size_t)(stop - p));
+        const char *end = comma ? comma : stop;
+        const char *a = p, *b = end;
+        while (a < b && isspace((unsigned char)*a)) a++;
+        while (b > a && isspace((unsigned char)b[-1])) b--;
+        char tok[32];
+        if (b == a || (size_t)(b - a) >= sizeof tok) {
+            set_err(msg, n, "%s: expected comma-separated integers, got '" SHOW "'", e->key, text);
+            return -1;
+        }
+        if (n_sizes == PS_MAX_LAYERS + 1) return check_layer_count(e, n_sizes + 1, msg, n);
+        memcpy(tok, a, (size_t)(b - a));
+        tok[b - a] = '\0';
+        if (parse_layer_size(e, tok, &sizes[n_sizes], msg, n) != 0) return -1;
+        n_sizes++;
+        if (!comma) break;
+        p = comma + 1;
+    }
+    if (check_layer_count(e, n_sizes, msg, n) != 0) return -1;
+    store_layers(c, sizes, n_sizes);
+    return 0;
+}
+
+/* Parse text as the value of e and store it in c; c is untouched on error.
+ * Messages start with the key and name the offending text. */
+static int parse_value(const key_spec_t *e, const char *text, ps_config_t *c, char *msg, size_t n)
+{
+    char want[96], range[96];
+    void *dst = field(c, e);
+    switch (e->type) {
+    case KT_INT:
+    case KT_INT64: {
+        int64_t v;
+        int rc = parse_i64(text, &v);
+        if (rc == -1) break;
+        if (rc == -2 || v < e->imin || v > e->imax) {
+            describe_range(e, range, sizeof range);
+            set_err(msg, n, "%s: " SHOW " is out of range%s", e->key, text, range);
+            return -1;
+        }
+        if (e->type == KT_INT) {
+            int iv = (int)v;
+            memcpy(dst, &iv, sizeof iv);
+        } else {
+            memcpy(dst, &v, sizeof v);
+        }
+        return 0;
+    }
+    case KT_UINT64: {
+        uint64_t v;
+        int rc = parse_u64(text, &v);
+        if (rc == -1) break;
+        if (rc == -2) {
+            set_err(msg, n, "%s: " SHOW " is out of range (must be in [0, %llu])", e->key, text,
+                    (unsigned long long)UINT64_MAX);
+            return -1;
+        }
+        memcpy(dst, &v, sizeof v);
+        return 0;
+    }
+    case KT_DOUBLE: {
+        double v;
+        int rc = parse_double(text, &v);
+        if (rc == -1) break;
+        if (rc == -2) {
+            set_err(msg, n, "%s: expected a finite number, got '" SHOW "'", e->key, text);
+            return -1;
+        }
+        if (!double_in_range(e, v)) {
+            describe_range(e, range, sizeof range);
+            set_err(msg, n, "%s: " SHOW " is out of range%s", e->key, text, range);
+            return -1;
+        }
+        memcpy(dst, &v, sizeof v);
+        return 0;
+    }
+    case KT_BOOL: {
+        static const char *const yes[] = {"true", "yes", "on", "1"};
+        static const char *const no[] = {"false", "no", "off", "0"};
+        for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++) {
+            if (strcasecmp(text, yes[i]) == 0 || strcasecmp(text, no[i]) == 0) {
+                bool v = strcasecmp(text, yes[i]) == 0;
+                memcpy(dst, &v, sizeof v);
+                return 0;
+            }
+        }
+        break;
+    }
+    case KT_STRING: {
+        size_t len = strlen(text);
+        if (len >= e->size) {
+            set_err(msg, n, "%s: too long (%zu bytes, at most %zu)", e->key, len, e->size - 1);
+            return -1;
+        }
+        if (len == 0 && (e->flags & F_NONEMPTY)) {
+            set_err(msg, n, "%s: must not be empty", e->key);
+            return -1;
+        }
+        memcpy(dst, text, len + 1);
+        return 0;
+    }
+    case KT_ENUM:
+        for (int i = 0; e->names[i]; i++) {
+            if (strcmp(text, e->names[i]) == 0) {
+                memcpy(dst, &i, sizeof i);
+                return 0;
+            }
+        }
+        break;
+    case KT_LAYERS: return parse_layers_text(e, text, c, msg, n);
+    }
+    describe_type(e, want, sizeof want);
+    set_err(msg, n, "%s: expected %s, got '" SHOW "'", e->key, want, text);
+    return -1;
+}
+
+/* ---------------------------------------------------------------- public: defaults, set */
+
+void ps_config_defaults(ps_config_t *c)
+{
+    PS_CFG_ASSERT(c);
+    memset(c, 0, sizeof *c);
+    for (size_t i = 0; i < N_KEYS; i++) {
+        char msg[256];
+        if (parse_value(&keys[i], keys[i].def, c, msg, sizeof msg) != 0) {
+            fprintf(stderr, "ps_config: bad default in the key table: %s\n", msg);
+            abort();
+        }
+    }
+}
+
+int ps_config_set(ps_config_t *c, const char *key, const char *value, char *err, size_t errlen)
+{
+    PS_CFG_ASSERT(c && key && value);
+    const key_spec_t *e = find_key(key);
+    if (!e) {
+        set_err(err, errlen, "unknown key '" SHOW "'", key);
+        return -1;
+    }
+    return parse_value(e, value, c, err, errlen);
+}
+
+/* ---------------------------------------------------------------- YAML loading */
+
+typedef struct {
+    yaml_parser_t parser;
+    yaml_event_t ev; /* the current event, valid while have_ev */
+    bool have_ev;
+    const char *name; /* file name for messages */
+    char *err;
+    size_t errlen;
+    ps_config_t *c;
+    bool key_seen[N_KEYS];
+    bool section_seen[N_SECTIONS];
+} loader_t;
+
+static size_t ev_line(const loader_t *l) { return l->ev.start_mark.line + 1; }
+
+static void ld_err(loader_t *l, size_t line, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void ld_err(loader_t *l, size_t line, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    set_err(l->err, l->errlen, "%s:%zu: %s", l->name, line, msg);
+}
+
+/* Advance to the next event; the previous one is freed. */
+static int ld_next(loader_t *l)
+{
+    if (l->have_ev) {
+        yaml_event_delete(&l->ev);
+        l->have_ev = false;
+    }
+    if (yaml_parser_parse(&l->parser, &l->ev)) {
+        l->have_ev = true;
+        return 0;
+    }
+    const yaml_parser_t *p = &l->parser;
+    const char *problem = p->problem ? p->problem : "unknown error";
+    switch (p->error) {
+    case YAML_MEMORY_ERROR: set_err(l->err, l->errlen, "%s: out of memory", l->name); break;
+    case YAML_READER_ERROR:
+        set_err(l->err, l->errlen, "%s: byte %zu: %s", l->name, p->problem_offset, problem);
+        break;
+    default:
+        if (p->context)
+            ld_err(l, p->problem_mark.line + 1, "YAML syntax error: %s (%s)", problem, p->context);
+        else
+            ld_err(l, p->problem_mark.line + 1, "YAML syntax error: %s", problem);
+        break;
+    }
+    return -1;
+}
+
+static const char *ev_scalar(const loader_t *l) { return (const char *)l->ev.data.scalar.value; }
+
+/* A plain scalar that YAML reads as null: "", "~", "null". */
+static bool ev_is_null(const loader_t *l)
+{
+    if (l->ev.data.scalar.style != YAML_PLAIN_SCALAR_STYLE) return false;
+    const char *s = ev_scalar(l);
+    return !*s || !strcmp(s, "~") || !strcmp(s, "null") || !strcmp(s, "Null") ||
+           !strcmp(s, "NULL");
+}
+
+static const char *ev_kind(const yaml_event_t *ev)
+{
+    switch (ev->type) {
+    case YAML_SCALAR_EVENT: return "a scalar";
+    case YAML_SEQUENCE_START_EVENT: return "a sequence";
+    case YAML_MAPPING_START_EVENT: return "a mapping";
+    case YAML_ALIAS_EVENT: return "an alias";
+    default: return "something else";
+    }
+}
+
+/* Scalars with an escaped NUL ("\0") would be cut short as C strings. */
+static int ld_check_scalar(loader_t *l)
+{
+    if (strlen(ev_scalar(l)) != l->ev.data.scalar.length) {
+        ld_err(l, ev_line(l), "NUL byte in a scalar");
+        return -1;
+    }
+    return 0;
+}
+
+/* At SEQUENCE_START of model.layers; consumes through SEQUENCE_END. */
+static int ld_layers(loader_t *l, const key_spec_t *e)
+{
+    const size_t start_line = ev_line(l);
+    int sizes[PS_MAX_LAYERS + 1];
+    int n_sizes = 0;
+    char msg[256];
+    for (;;) {
+        if (ld_next(l) != 0) return -1;
+        if (l->ev.type == YAML_SEQUENCE_END_EVENT) break;
+        if (l->ev.type != YAML_SCALAR_EVENT) {
+            ld_err(l, ev_line(l), "%s: expected an integer layer size, got %s", e->key,
+                   ev_kind(&l->ev));
+            return -1;
+        }
+        if (ld_check_scalar(l) != 0) return -1;
+        if (n_sizes == PS_MAX_LAYERS + 1) {
+            check_layer_count(e, n_sizes + 1, msg, sizeof msg);
+            ld_err(l, ev_line(l), "%s", msg);
+            return -1;
+        }
+        if (parse_layer_size(e, ev_scalar(l), &sizes[n_sizes], msg, sizeof msg) != 0) {
+            ld_err(l, ev_line(l), "%s", msg);
+            return -1;
+        }
+        n_sizes++;
+    }
+    if (check_layer_count(e, n_sizes, msg, sizeof msg) != 0) {
+        ld_err(l, start_line, "%s", msg);
+        return -1;
+    }
+    store_layers(l->c, sizes, n_sizes);
+    return 0;
+}
+
+/* At the event after a key; consumes the whole value. */
+static int ld_value(loader_t *l, const key_spec_t *e)
+{
+    char want[96], msg[512];
+    const yaml_event_type_t t = l->ev.type;
+    if (e->type == KT_LAYERS) {
+        if (t == YAML_SEQUENCE_START_EVENT) return ld_layers(l, e);
+        ld_err(l, ev_line(l), "%s: expected a sequence of layer sizes like [784, 256, 10], got %s",
+               e->key, ev_kind(&l->ev));
+        return -1;
+    }
+    if (t != YAML_SCALAR_EVENT) {
+        describe_type(e, want, sizeof want);
+        ld_err(l, ev_line(l), "%s: expected %s, got %s", e->key, want, ev_kind(&l->ev));
+        return -1;
+    }
+    if (ld_check_scalar(l) != 0) return -1;
+    const char *text = e->type == KT_STRING && ev_is_null(l) ? "" : ev_scalar(l);
+    if (parse_value(e, text, l->c, msg, sizeof msg) != 0) {
+        ld_err(l, ev_line(l), "%s", msg);
+        return -1;
+    }
+    return 0;
+}
+
+/* At MAPPING_START of section sec; consumes through MAPPING_END. */
+static int ld_section(loader_t *l, int sec)
+{
+    for (;;) {
+        if (ld_next(l) != 0) return -1;
+        if (l->ev.type == YAML_MAPPING_END_EVENT) return 0;
+        if (l->ev.type != YAML_SCALAR_EVENT) {
+            ld_err(l, ev_line(l), "expected a key in section '%s', got %s", sections[sec],
+                   ev_kind(&l->ev));
+            return -1;
+        }
+        if (ld_check_scalar(l) != 0) return -1;
+        char key[160];
+        snprintf(key, sizeof key, "%s.%s", sections[sec], ev_scalar(l));
+        const key_spec_t *e = find_key(key);
+        if (!e) {
+            ld_err(l, ev_line(l), "unknown key '%s.%.100s'", sections[sec], ev_scalar(l));
+            return -1;
+        }
+        const size_t i = (size_t)(e - keys);
+        if (l->key_seen[i]) {
+            ld_err(l, ev_line(l), "duplicate key '%s'", e->key);
+            return -1;
+        }
+        l->key_seen[i] = true;
+        if (ld_next(l) != 0) return -1;
+        if (ld_value(l, e) != 0) return -1;
+    }
+}
+
+static void list_sections(char *buf, size_t n)
+{
+    size_t used = 0;
+    buf[0] = '\0';
+    for (size_t i = 0; i < N_SECTIONS && used < n; i++)
+        used += (size_t)snprintf(buf + used, n - used, "%s%s", i ? ", " : "", sections[i]);
+}
+
+/* At MAPPING_START of the document; consumes through MAPPING_END. */
+static int ld_top(loader_t *l)
+{
+    for (;;) {
+        if (ld_next(l) != 0) return -1;
+        if (l->ev.type == YAML_MAPPING_END_EVENT) return 0;
+        if (l->ev.type != YAML_SCALAR_EVENT) {
+            ld_err(l, ev_line(l), "expected a section name, got %s", ev_kind(&l->ev));
+            return -1;
+        }
+        if (ld_check_scalar(l) != 0) return -1;
+        const int sec = find_section(ev_scalar(l));
+        if (sec < 0) {
+            char list[128];
+            list_sections(list, sizeof list);
+            ld_err(l, ev_line(l), "unknown section '%.100s' (expected one of %s)", ev_scalar(l),
+                   list);
+            return -1;
+        }
+        if (l->section_seen[sec]) {
+            ld_err(l, ev_line(l), "duplicate section '%s'", sections[sec]);
+            return -1;
+        }
+        l->section_seen[sec] = true;
+        if (ld_next(l) != 0) return -1;
+        if (l->ev.type == YAML_MAPPING_START_EVENT) {
+            if (ld_section(l, sec) != 0) return -1;
+        } else if (l->ev.type == YAML_SCALAR_EVENT && ev_is_null(l)) {
+            /* "optimizer:" with nothing under it: an empty section. */
+        } else {
+            ld_err(l, ev_line(l), "section '%s' must be a mapping of keys, got %s", sections[sec],
+                   ev_kind(&l->ev));
+            return -1;
+        }
+    }
+}
+
+/* The whole stream: at most one document whose root is a mapping (or empty). */
+static int ld_stream(loader_t *l)
+{
+    if (ld_next(l) != 0) return -1;
+    PS_CFG_ASSERT(l->ev.type == YAML_STREAM_START_EVENT);
+    if (ld_next(l) != 0) return -1;
+    if (l->ev.type == YAML_STREAM_END_EVENT) return 0; /* empty or only comments */
+    PS_CFG_ASSERT(l->ev.type == YAML_DOCUMENT_START_EVENT);
+    if (ld_next(l) != 0) return -1;
+    if (l->ev.type == YAML_MAPPING_START_EVENT) {
+        if (ld_top(l) != 0) return -1;
+    } else if (!(l->ev.type == YAML_SCALAR_EVENT && ev_is_null(l))) {
+        ld_err(l, ev_line(l), "top level must be a mapping of sections, got %s",
+               ev_kind(&l->ev));
+        return -1;
+    }
+    if (ld_next(l) != 0) return -1;
+    PS_CFG_ASSERT(l->ev.type == YAML_DOCUMENT_END_EVENT);
+    if (ld_next(l) != 0) return -1;
+    if (l->ev.type != YAML_STREAM_END_EVENT) {
+        ld_err(l, ev_line(l), "only one YAML document is allowed");
+        return -1;
+    }
+    return 0;
+}
+
+int ps_config_load_string(ps_config_t *c, const char *yaml, size_t len, const char *name,
+                          char *err, size_t errlen)
+{
+    PS_CFG_ASSERT(c && (yaml || len == 0));
+    /* Work on a copy so that c is unchanged on error. */
+    ps_config_t tmp = *c;
+    loader_t l = {.name = name ? name : "<string>", .err = err, .errlen = errlen, .c = &tmp};
+    if (!yaml_parser_initialize(&l.parser)) {
+        set_err(err, errlen, "%s: out of memory", l.name);
+        return -1;
+    }
+    yaml_parser_set_input_string(&l.parser, (const unsigned char *)(yaml ? yaml : ""), len);
+    int rc = ld_stream(&l);
+    if (l.have_ev) yaml_event_delete(&l.ev);
+    yaml_parser_delete(&l.parser);
+    if (rc == 0) *c = tmp;
+    return rc;
+}
+
+int ps_config_load_file(ps_config_t *c, const char *path, char *err, size_t errlen)
+{
+    PS_CFG_ASSERT(c && path);
+    char *buf = NULL;
+    size_t len = 0, cap = 0;
+    int rc = -1;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        set_err(err, errlen, "%s: cannot open: %s", path, strerror(errno));
+        return -1;
+    }
+    for (;;) {
+        if (len == cap) {
+            if (cap >= MAX_FILE_BYTES) {
+                set_err(err, errlen, "%s: larger than %u bytes, not a config file", path,
+                        MAX_FILE_BYTES);
+                goto out;
+            }
+            size_t ncap = cap ? 2 * cap : 4096;
+            char *nbuf = realloc(buf, ncap);
+            if (!nbuf) {
+                set_err(err, errlen, "%s: out of memory", path);
+                goto out;
+            }
+            buf = nbuf;
+            cap = ncap;
+        }
+        size_t got = fread(buf + len, 1, cap - len, f);
+        len += got;
+        if (got == 0) break;
+    }
+    if (ferror(f)) {
+        set_err(err, errlen, "%s: cannot read: %s", path, strerror(errno));
+        goto out;
+    }
+    rc = ps_config_load_string(c, buf, len, path, err, errlen);
+out:
+    free(buf);
+    fclose(f);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- validation */
+
+int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
+{
+    PS_CFG_ASSERT(c);
+    char range[96], num[32];
+    for (size_t i = 0; i < N_KEYS; i++) {
+        const key_spec_t *e = &keys[i];
+        const void *src = cfield(c, e);
+        switch (e->type) {
+        case KT_INT:
+        case KT_INT64: {
+            int64_t v;
+            if (e->type == KT_INT) {
+                int iv;
+                memcpy(&iv, src, sizeof iv);
+                v = iv;
+            } else {
+                memcpy(&v, src, sizeof v);
+            }
+            if (v < e->imin || v > e->imax) {
+                describe_range(e, range, sizeof range);
+                set_err(err, errlen, "%s: %lld is out of range%s", e->key, (long long)v, range);
+                return -1;
+            }
+            break;
+        }
+        case KT_DOUBLE: {
+            double v;
+            memcpy(&v, src, sizeof v);
+            if (!double_in_range(e, v)) {
+                describe_range(e, range, sizeof range);
+                fmt_double(v, num, sizeof num);
+                set_err(err, errlen, "%s: %s is out of range%s", e->key, num, range);
+                return -1;
+            }
+            break;
+        }
+        case KT_STRING:
+            if (!memchr(src, '\0', e->size)) {
+                set_err(err, errlen, "%s: not NUL-terminated", e->key);
+                return -1;
+            }
+            if ((e->flags & F_NONEMPTY) && *(const char *)src == '\0') {
+                set_err(err, errlen, "%s: must not be empty", e->key);
+                return -1;
+            }
+            break;
+        case KT_ENUM: {
+            int v;
+            memcpy(&v, src, sizeof v);
+            if (v < 0 || v >= enum_count(e->names)) {
+                describe_type(e, range, sizeof range);
+                set_err(err, errlen, "%s: invalid value %d (expected %s)", e->key, v, range);
+                return -1;
+            }
+            break;
+        }
+        case KT_LAYERS: {
+            if (check_layer_count(e, c->n_sizes, err, errlen) != 0) return -1;
+            /* Weights and biases of every layer must fit an int32 index:
+             * each size <= 2^20 and <= 16 layers, so int64 cannot overflow. */
+            int64_t params = 0;
+            for (int j = 0; j < c->n_sizes; j++) {
+                const int s = c->sizes[j];
+                if (s < e->imin || s > e->imax) {
+                    describe_range(e, range, sizeof range);
+                    set_err(err, errlen, "%s: layer size %d (entry %d) is out of range%s", e->key,
+                            s, j, range);
+                    return -1;
+                }
+                if (j > 0) params += (int64_t)c->sizes[j - 1] * s + s;
+            }
+            if (params > INT32_MAX) {
+                set_err(err, errlen, "%s: %lld parameters, at most %d", e->key,
+                        (long long)params, INT32_MAX);
+                return -1;
+            }
+            break;
+        }
+        case KT_UINT64:
+        case KT_BOOL: break;
+        }
+    }
+    if ((double)c->epochs < c->warmup_epochs) {
+        fmt_double(c->warmup_epochs, num, sizeof num);
+        set_err(err, errlen, "schedule.warmup_epochs: %s exceeds run.epochs (%d)", num,
+                c->epochs);
+        return -1;
+    }
+    if (c->sched == PS_SCHED_COSINE && c->min_lr > c->lr) {
+        char lr[32];
+        fmt_double(c->min_lr, num, sizeof num);
+        fmt_double(c->lr, lr, sizeof lr);
+        set_err(err, errlen, "schedule.min_lr: %s exceeds optimizer.lr (%s)", num, lr);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- output */
+
+/* A double-quoted YAML scalar that reads back byte for byte (for UTF-8 text). */
+static void write_quoted(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        switch (*p) {
+        case '"': fputs("\\\"", f); break;
+        case '\\': fputs("\\\\", f); break;
+        case '\n': fputs("\\n", f); break;
+        case '\t': fputs("\\t", f); break;
+        case '\r': fputs("\\r", f); break;
+        default:
+            if (*p < 0x20 || *p == 0x7f)
+                fprintf(f, "\\x%02x", *p);
+            else
+                fputc(*p, f);
+        }
+    }
+    fputc('"', f);
+}
+
+static void write_value(FILE *f, const ps_config_t *c, const key_spec_t *e)
+{
+    const void *src = cfield(c, e);
+    char num[32];
+    switch (e->type) {
+    case KT_INT: {
+        int v;
+        memcpy(&v, src, sizeof v);
+        fprintf(f, "%d", v);
+        return;
+    }
+    case KT_INT64: {
+        int64_t v;
+        memcpy(&v, src, sizeof v);
+        fprintf(f, "%lld", (long long)v);
+        return;
+    }
+    case KT_UINT64: {
+        uint64_t v;
+        memcpy(&v, src, sizeof v);
+        fprintf(f, "%llu", (unsigned long long)v);
+        return;
+    }
+    case KT_DOUBLE: {
+        double v;
+        memcpy(&v, src, sizeof v);
+        fmt_double(v, num, sizeof num);
+        fputs(num, f);
+        return;
+    }
+    case KT_BOOL: {
+        bool v;
+        memcpy(&v, src, sizeof v);
+        fputs(v ? "true" : "false", f);
+        return;
+    }
+    case KT_STRING: write_quoted(f, src); return;
+    case KT_ENUM: {
+        int v;
+        memcpy(&v, src, sizeof v);
+        fputs(enum_name(e->names, v), f);
+        return;
+    }
+    case KT_LAYERS:
+        fputc('[', f);
+        for (int i = 0; i < c->n_sizes && i <= PS_MAX_LAYERS; i++)
+            fprintf(f, "%s%d", i ? ", " : "", c->sizes[i]);
+        fputc(']', f);
+        return;
+    }
+}
+
+/* All keys in table order, one "section:" line per section. */
+static int write_yaml(const ps_config_t *c, FILE *f, bool with_server)
+{
+    const char *cur = NULL;
+    size_t cur_len = 0;
+    for (size_t i = 0; i < N_KEYS; i++) {
+        const key_spec_t *e = &keys[i];
+        const size_t sl = section_len(e->key);
+        if (!with_server && strncmp(e->key, "server.", 7) == 0) continue;
+        if (!cur || sl != cur_len || strncmp(cur, e->key, sl) != 0) {
+            fprintf(f, "%.*s:\n", (int)sl, e->key);
+            cur = e->key;
+            cur_len = sl;
+        }
+        fprintf(f, "  %s: ", e->key + sl + 1);
+        write_value(f, c, e);
+        fputc('\n', f);
+    }
+    return ferror(f) ? -1 : 0;
+}
+
+int ps_config_write_yaml(const ps_config_t *c, FILE *f)
+{
+    PS_CFG_ASSERT(c && f);
+    return write_yaml(c, f, true);
+}
+
+uint64_t ps_config_hash(const ps_config_t *c)
+{
+    PS_CFG_ASSERT(c);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    PS_CFG_ASSERT(f); /* only fails when out of memory */
+    int rc = write_yaml(c, f, false);
+    if (fclose(f) != 0) rc = -1;
+    PS_CFG_ASSERT(rc == 0);
+    uint64_t h = 0xcbf29ce484222325ULL; /* FNV-1a 64 */
+    for (size_t i = 0; i < len; i++) {
+        h ^= (unsigned char)text[i];
+        h *= 0x100000001b3ULL;
+    }
+    free(text);
+    return h;
+}
+
+/* ---------------------------------------------------------------- names */
+
+const char *ps_opt_name(ps_opt_kind_t k) { return enum_name(opt_names, (int)k); }
+const char *ps_sched_name(ps_sched_kind_t k) { return enum_name(sched_names, (int)k); }
+const char *ps_log_level_name(ps_log_level_t l) { return enum_name(log_names, (int)l); }

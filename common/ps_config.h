@@ -1,0 +1,117 @@
+/* ps_config.h - the run description owned by psd.
+ *
+ * One struct holds everything that defines a run. It is filled from built-in
+ * defaults, then a YAML file, then command-line flags (ps_config_set), and is
+ * checked by ps_config_validate. The key table in ps_config.c is the single
+ * source of truth for keys, types, defaults and the YAML printed by
+ * ps_config_write_yaml. */
+#ifndef PS_CONFIG_H
+#define PS_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#define PS_MAX_LAYERS 16 /* dense layers; sizes[] holds PS_MAX_LAYERS + 1 */
+#define PS_PATH_MAX 1024
+#define PS_ENDPOINT_MAX 256
+
+typedef enum { PS_OPT_SGD = 0, PS_OPT_ADAM, PS_OPT_ADAMW } ps_opt_kind_t;
+typedef enum {
+    PS_SCHED_CONSTANT = 0,
+    PS_SCHED_STEP,
+    PS_SCHED_COSINE,
+    PS_SCHED_ONECYCLE
+} ps_sched_kind_t;
+typedef enum { PS_ACT_RELU = 0 } ps_act_t;
+typedef enum { PS_LOG_ERROR = 0, PS_LOG_WARN, PS_LOG_INFO, PS_LOG_DEBUG } ps_log_level_t;
+
+typedef struct ps_config {
+    /* run: */
+    uint64_t seed;  /* run.seed: weights init and data order */
+    int epochs;     /* run.epochs */
+
+    /* model: an MLP sizes[0] -> sizes[1] -> ... -> sizes[n_sizes-1] */
+    int n_sizes;                   /* model.layers: number of entries (>= 2) */
+    int sizes[PS_MAX_LAYERS + 1];  /* model.layers: [784, 512, 256, 10] */
+    ps_act_t activation;           /* model.activation: relu */
+
+    /* data: IDX files, gzipped or raw */
+    char train_images[PS_PATH_MAX]; /* data.train_images */
+    char train_labels[PS_PATH_MAX]; /* data.train_labels */
+    char test_images[PS_PATH_MAX];  /* data.test_images */
+    char test_labels[PS_PATH_MAX];  /* data.test_labels */
+    double norm_mean;               /* data.normalize_mean: x = (pixel/255 - mean)/std */
+    double norm_std;                /* data.normalize_std (> 0) */
+    int64_t train_limit;            /* data.train_limit: use the first K training samples, 0 = all */
+
+    /* train: */
+    int batch_size;     /* train.batch_size: per worker, per step */
+    int val_batch_size; /* train.val_batch_size */
+
+    /* optimizer: (server side) */
+    ps_opt_kind_t opt;   /* optimizer.name: sgd | adam | adamw */
+    double lr;           /* optimizer.lr: base (peak for onecycle) learning rate */
+    double momentum;     /* optimizer.momentum (sgd) */
+    bool nesterov;       /* optimizer.nesterov (sgd) */
+    double weight_decay; /* optimizer.weight_decay: L2 for sgd/adam, decoupled for adamw */
+    double beta1;        /* optimizer.beta1 */
+    double beta2;        /* optimizer.beta2 */
+    double eps;          /* optimizer.eps */
+    double clip_norm;    /* optimizer.clip_norm: global-norm clipping, 0 = off */
+
+    /* schedule: all positions are in epochs (fractional), independent of N */
+    ps_sched_kind_t sched;   /* schedule.name: constant | step | cosine | onecycle */
+    double warmup_epochs;    /* schedule.warmup_epochs: linear warm-up, 0 = none */
+    double step_epochs;      /* schedule.step_epochs: step: multiply by gamma every this many epochs */
+    double gamma;            /* schedule.gamma */
+    double min_lr;           /* schedule.min_lr: cosine floor */
+    double pct_start;        /* schedule.pct_start: onecycle rising fraction */
+    double div_factor;       /* schedule.div_factor: onecycle initial lr = lr/div_factor */
+    double final_div_factor; /* schedule.final_div_factor: onecycle final = initial/final_div_factor */
+
+    /* server: */
+    char listen[PS_ENDPOINT_MAX]; /* server.listen */
+    int workers;                  /* server.workers: worker processes to wait for */
+    double start_timeout;         /* server.start_timeout: seconds */
+    double worker_timeout;        /* server.worker_timeout: seconds of silence before a worker is lost */
+    char metrics[PS_PATH_MAX];    /* server.metrics: JSON lines file, "" = none */
+    char save[PS_PATH_MAX];       /* server.save: trained weights file, "" = none */
+    ps_log_level_t log_level;     /* server.log_level: error | warn | info | debug */
+} ps_config_t;
+
+/* Fill with the built-in defaults: Fashion-MNIST MLP that reaches >= 89%. */
+void ps_config_defaults(ps_config_t *c);
+
+/* Merge a YAML file (or string) over c. On error returns -1, leaves c
+ * unchanged and writes a one-line message into err, e.g.
+ * "run.yaml:7: unknown key 'optimizer.lrr'". name is used in messages for
+ * load_string (NULL: "<string>"). An empty document leaves c as it is. */
+int ps_config_load_file(ps_config_t *c, const char *path, char *err, size_t errlen);
+int ps_config_load_string(ps_config_t *c, const char *yaml, size_t len, const char *name,
+                          char *err, size_t errlen);
+
+/* Set one dotted key ("optimizer.lr", "model.layers" = "784,256,10" or
+ * "[784, 256, 10]") from text, as a flag would. -1 + message on error, c
+ * unchanged. */
+int ps_config_set(ps_config_t *c, const char *key, const char *value, char *err, size_t errlen);
+
+/* Check cross-field constraints (layer sizes, ranges). -1 + message. */
+int ps_config_validate(const ps_config_t *c, char *err, size_t errlen);
+
+/* Write the whole config as YAML that ps_config_load_* reads back to the
+ * same values. Returns 0 or -1 on I/O error. */
+int ps_config_write_yaml(const ps_config_t *c, FILE *f);
+
+/* FNV-1a 64 of the YAML ps_config_write_yaml writes, without the server
+ * section: identifies what is trained (model, data, optimizer, schedule,
+ * seed), not where or how it is served. Aborts only when out of memory. */
+uint64_t ps_config_hash(const ps_config_t *c);
+
+/* Names for enums (for logs and YAML). */
+const char *ps_opt_name(ps_opt_kind_t k);
+const char *ps_sched_name(ps_sched_kind_t k);
+const char *ps_log_level_name(ps_log_level_t l);
+
+#endif

@@ -1,0 +1,80 @@
+/* ps_model.c - parameter layout of an MLP and its seeded initialisation. */
+#include "ps_model.h"
+
+#include <assert.h>
+#include <math.h>
+#include <string.h>
+
+#include "ps_rng.h"
+
+/* Tensors start on 64-byte boundaries so that every backend can use aligned
+ * vector loads on any tensor of the arena. */
+#define PS_TENSOR_ALIGN 16 /* floats */
+
+/* Stream ids of the per-tensor generators: stream = PS_INIT_STREAM + tensor
+ * index, so that a tensor's values do not depend on the sizes of the others. */
+#define PS_INIT_STREAM 0x1417
+
+static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+/* "W3", "b12": a letter and the layer index (< PS_MAX_LAYERS, two digits). */
+static void tensor_name(char name[8], char kind, int layer)
+{
+    assert(layer >= 0 && layer < 100);
+    int n = 0;
+    name[n++] = kind;
+    if (layer >= 10) name[n++] = (char)('0' + layer / 10);
+    name[n++] = (char)('0' + layer % 10);
+    name[n] = '\0';
+}
+
+int ps_layout_init(ps_layout_t *l, const int *sizes, int n_sizes)
+{
+    assert(l);
+    if (n_sizes < 2 || n_sizes > PS_MAX_LAYERS + 1 || !sizes) return -1;
+    for (int i = 0; i < n_sizes; i++)
+        if (sizes[i] < 1) return -1;
+
+    memset(l, 0, sizeof(*l));
+    l->n_sizes = n_sizes;
+    for (int i = 0; i < n_sizes; i++) l->sizes[i] = sizes[i];
+    l->n_layers = n_sizes - 1;
+    l->n_tensors = 2 * l->n_layers;
+
+    size_t off = 0;
+    for (int i = 0; i < l->n_layers; i++) {
+        ps_tensor_info_t *w = &l->t[2 * i], *b = &l->t[2 * i + 1];
+        w->rows = sizes[i + 1];
+        w->cols = sizes[i];
+        w->numel = (size_t)w->rows * (size_t)w->cols;
+        w->offset = off;
+        tensor_name(w->name, 'W', i);
+        off = round_up(off + w->numel, PS_TENSOR_ALIGN);
+
+        b->rows = sizes[i + 1];
+        b->cols = 1;
+        b->numel = (size_t)b->rows;
+        b->offset = off;
+        tensor_name(b->name, 'b', i);
+        /* n_params ends at the last tensor: no trailing padding. */
+        l->n_params = off + b->numel;
+        off = round_up(off + b->numel, PS_TENSOR_ALIGN);
+    }
+    return 0;
+}
+
+void ps_model_init_params(const ps_layout_t *l, float *params, uint64_t seed)
+{
+    assert(l && params);
+    /* Zeroes biases and the padding between tensors. */
+    memset(params, 0, l->n_params * sizeof(float));
+    for (int k = 0; k < l->n_tensors; k += 2) {
+        const ps_tensor_info_t *w = &l->t[k];
+        ps_rng_t r;
+        ps_rng_seed(&r, seed, PS_INIT_STREAM + (uint64_t)k);
+        /* He-uniform: Var = bound^2 / 3 = 2 / fan_in. */
+        const float bound = (float)sqrt(6.0 / (double)w->cols);
+        float *p = params + w->offset;
+        for (size_t j = 0; j < w->numel; j++) p[j] = (2.0f * ps_rng_uniform(&r) - 1.0f) * bound;
+    }
+}

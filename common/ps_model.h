@@ -1,0 +1,38 @@
+/* ps_model.h - parameter layout of an MLP and its seeded initialisation.
+ * Shared by psd (master weights), pworker (replica) and the weights file. */
+#ifndef PS_MODEL_H
+#define PS_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ps_config.h"
+
+#define PS_MAX_TENSORS (2 * PS_MAX_LAYERS)
+
+typedef struct {
+    int rows, cols;   /* W: (out, in); b: (out, 1) */
+    size_t offset;    /* in floats, from the start of the arena */
+    size_t numel;
+    char name[8];     /* "W0", "b0", ... */
+} ps_tensor_info_t;
+
+typedef struct {
+    int n_sizes;
+    int sizes[PS_MAX_LAYERS + 1];
+    int n_layers;     /* n_sizes - 1 */
+    int n_tensors;    /* 2 * n_layers: W0, b0, W1, b1, ... */
+    ps_tensor_info_t t[PS_MAX_TENSORS];
+    size_t n_params;
+} ps_layout_t;
+
+/* Lay out W_i (sizes[i+1], sizes[i]) then b_i (sizes[i+1]) for each layer.
+ * Each tensor starts at a multiple of 16 floats (64 bytes). Returns 0, or -1
+ * when n_sizes is out of range or a size is < 1. */
+int ps_layout_init(ps_layout_t *l, const int *sizes, int n_sizes);
+
+/* He-uniform weights U(-sqrt(6/in), sqrt(6/in)) and zero biases, drawn from
+ * seed only (same seed -> same bits). Padding between tensors is zeroed. */
+void ps_model_init_params(const ps_layout_t *l, float *params, uint64_t seed);
+
+#endif

@@ -1,0 +1,140 @@
+#include "ps_util.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+double ps_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+uint64_t ps_fnv1a(uint64_t h, const void *data, size_t n)
+{
+    const uint8_t *p = data;
+    for (size_t i = 0; i < n; i++) {
+        h ^= p[i];
+        h *= 0x100000001b3ULL;
+    }
+    return h;
+}
+
+int ps_file_hash(const char *path, uint64_t *size, uint64_t *hash)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    uint8_t *buf = malloc(1 << 20);
+    int rc = 0;
+    uint64_t h = PS_FNV_INIT, total = 0;
+    if (!buf) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    for (;;) {
+        ssize_t n = read(fd, buf, 1 << 20);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            rc = -errno;
+            goto out;
+        }
+        if (n == 0) break;
+        h = ps_fnv1a(h, buf, (size_t)n);
+        total += (uint64_t)n;
+    }
+    *size = total;
+    *hash = h;
+out:
+    free(buf);
+    close(fd);
+    return rc;
+}
+
+void ps_hostname(char *buf, size_t n)
+{
+    if (gethostname(buf, n) != 0) snprintf(buf, n, "unknown");
+    buf[n - 1] = '\0';
+}
+
+void ps_host_id(char *buf, size_t n)
+{
+    FILE *f = fopen("/etc/machine-id", "r");
+    if (f) {
+        char line[128];
+        if (fgets(line, sizeof line, f)) {
+            line[strcspn(line, "\r\n")] = '\0';
+            if (line[0]) {
+                snprintf(buf, n, "%s", line);
+                fclose(f);
+                return;
+            }
+        }
+        fclose(f);
+    }
+    ps_hostname(buf, n);
+}
+
+int ps_write_all(int fd, const void *buf, size_t n)
+{
+    const char *p = buf;
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+int ps_write_atomic(const char *path, ps_write_fn fn, void *ud)
+{
+    size_t len = strlen(path);
+    char *tmp = malloc(len + 16), *dir = strdup(path);
+    int rc = 0, fd = -1;
+    if (!tmp || !dir) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    snprintf(tmp, len + 16, "%s.tmp", path);
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        rc = -errno;
+        goto out;
+    }
+    if ((rc = fn(fd, ud)) != 0) goto out;
+    if (fsync(fd) != 0) {
+        rc = -errno;
+        goto out;
+    }
+    if (close(fd) != 0) {
+        fd = -1;
+        rc = -errno;
+        goto out;
+    }
+    fd = -1;
+    if (rename(tmp, path) != 0) {
+        rc = -errno;
+        goto out;
+    }
+    int dfd = open(dirname(dir), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
+    }
+out:
+    if (fd >= 0) close(fd);
+    if (rc != 0 && tmp) unlink(tmp);
+    free(tmp);
+    free(dir);
+    return rc;
+}

@@ -1,0 +1,32 @@
+/* ps_util.h - small helpers: time, file hash, hostname, atomic file writes. */
+#ifndef PS_UTIL_H
+#define PS_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Monotonic seconds. */
+double ps_now(void);
+
+/* FNV-1a 64 of a byte range; chain by passing the previous value as h
+ * (start with PS_FNV_INIT). */
+#define PS_FNV_INIT 0xcbf29ce484222325ULL
+uint64_t ps_fnv1a(uint64_t h, const void *data, size_t n);
+
+/* Size and FNV-1a 64 of a whole file. 0, or -errno. */
+int ps_file_hash(const char *path, uint64_t *size, uint64_t *hash);
+
+/* Host name and a stable host id (/etc/machine-id, else the host name). */
+void ps_hostname(char *buf, size_t n);
+void ps_host_id(char *buf, size_t n);
+
+/* Write a file atomically: PATH.tmp, fsync, rename, fsync of the directory.
+ * The writer callback writes the contents to fd and returns 0 or -errno.
+ * Returns 0 or -errno. */
+typedef int (*ps_write_fn)(int fd, void *ud);
+int ps_write_atomic(const char *path, ps_write_fn fn, void *ud);
+
+/* write() all of buf, retrying on EINTR/short writes. 0 or -errno. */
+int ps_write_all(int fd, const void *buf, size_t n);
+
+#endif

@@ -1,0 +1,167 @@
+#include "ps_weights.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zlib.h>
+
+#include "ps_util.h"
+
+typedef struct {
+    uint8_t *buf;
+    size_t len;
+} blob_t;
+
+static void put_u32(uint8_t **p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) *(*p)++ = (uint8_t)(v >> (8 * i));
+}
+static void put_u64(uint8_t **p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) *(*p)++ = (uint8_t)(v >> (8 * i));
+}
+static uint32_t get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t get_u64(const uint8_t *p) { return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32; }
+
+static int write_blob(int fd, void *ud)
+{
+    blob_t *b = ud;
+    return ps_write_all(fd, b->buf, b->len);
+}
+
+static size_t header_len(int n_sizes) { return 4 + 4 + 4 + 4u * (size_t)n_sizes + 4 + 8 + 8 + 4 + 4; }
+
+int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
+                    const ps_weights_meta_t *meta, char *err, size_t errlen)
+{
+    size_t len = header_len(l->n_sizes) + 4 * l->n_params + 4;
+    uint8_t *buf = malloc(len), *p = buf;
+    if (!buf) {
+        snprintf(err, errlen, "%s: out of memory", path);
+        return -1;
+    }
+    memcpy(p, "PSDW", 4);
+    p += 4;
+    put_u32(&p, PS_WEIGHTS_FORMAT);
+    put_u32(&p, (uint32_t)l->n_sizes);
+    for (int i = 0; i < l->n_sizes; i++) put_u32(&p, (uint32_t)l->sizes[i]);
+    put_u32(&p, 0); /* relu */
+    put_u64(&p, meta->run_id);
+    put_u64(&p, meta->step);
+    put_u32(&p, meta->epoch);
+    put_u32(&p, 0);
+    for (int t = 0; t < l->n_tensors; t++) {
+        memcpy(p, params + l->t[t].offset, 4 * l->t[t].numel); /* x86-64/arm64: little-endian */
+        p += 4 * l->t[t].numel;
+    }
+    uLong crc = crc32(0L, buf, (uInt)(p - buf));
+    put_u32(&p, (uint32_t)crc);
+    blob_t b = {buf, (size_t)(p - buf)};
+    int rc = ps_write_atomic(path, write_blob, &b);
+    free(buf);
+    if (rc != 0) {
+        snprintf(err, errlen, "%s: cannot write: %s", path, strerror(-rc));
+        return -1;
+    }
+    return 0;
+}
+
+int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights_meta_t *meta,
+                    char *err, size_t errlen)
+{
+    int rc = -1;
+    uint8_t *buf = NULL;
+    float *arena = NULL;
+    *params = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+        return -1;
+    }
+    if (fseek(f, 0, SEEK_END) != 0) goto io;
+    long flen = ftell(f);
+    if (flen < 0 || fseek(f, 0, SEEK_SET) != 0) goto io;
+    if (flen < 16 || flen > (1L << 34)) {
+        snprintf(err, errlen, "%s: not a psd weights file (%ld bytes)", path, flen);
+        goto out;
+    }
+    buf = malloc((size_t)flen);
+    if (!buf) {
+        snprintf(err, errlen, "%s: out of memory", path);
+        goto out;
+    }
+    if (fread(buf, 1, (size_t)flen, f) != (size_t)flen) goto io;
+    size_t len = (size_t)flen;
+    if (memcmp(buf, "PSDW", 4) != 0) {
+        snprintf(err, errlen, "%s: not a psd weights file (bad magic)", path);
+        goto out;
+    }
+    if (get_u32(buf + 4) != PS_WEIGHTS_FORMAT) {
+        snprintf(err, errlen, "%s: weights format %u, this psd reads %u", path, get_u32(buf + 4),
+                 PS_WEIGHTS_FORMAT);
+        goto out;
+    }
+    uint32_t n_sizes = get_u32(buf + 8);
+    if (n_sizes < 2 || n_sizes > PS_MAX_LAYERS + 1 || len < header_len((int)n_sizes) + 4) {
+        snprintf(err, errlen, "%s: bad layer count %u or truncated header", path, n_sizes);
+        goto out;
+    }
+    uint32_t crc_stored = get_u32(buf + len - 4);
+    if ((uint32_t)crc32(0L, buf, (uInt)(len - 4)) != crc_stored) {
+        snprintf(err, errlen, "%s: checksum mismatch (corrupt or truncated file)", path);
+        goto out;
+    }
+    int sizes[PS_MAX_LAYERS + 1];
+    for (uint32_t i = 0; i < n_sizes; i++) {
+        uint32_t s = get_u32(buf + 12 + 4 * i);
+        if (s < 1 || s > (1u << 20)) {
+            snprintf(err, errlen, "%s: bad layer size %u", path, s);
+            goto out;
+        }
+        sizes[i] = (int)s;
+    }
+    if (ps_layout_init(l, sizes, (int)n_sizes) != 0) {
+        snprintf(err, errlen, "%s: bad layer sizes", path);
+        goto out;
+    }
+    const uint8_t *p = buf + 12 + 4 * n_sizes;
+    if (get_u32(p) != 0) {
+        snprintf(err, errlen, "%s: unknown activation %u", path, get_u32(p));
+        goto out;
+    }
+    meta->run_id = get_u64(p + 4);
+    meta->step = get_u64(p + 12);
+    meta->epoch = get_u32(p + 20);
+    p += 28;
+    size_t numel = 0;
+    for (int t = 0; t < l->n_tensors; t++) numel += l->t[t].numel;
+    if ((size_t)(buf + len - 4 - p) != 4 * numel) {
+        snprintf(err, errlen, "%s: %zu bytes of weights, the layer sizes need %zu", path,
+                 (size_t)(buf + len - 4 - p), 4 * numel);
+        goto out;
+    }
+    arena = calloc(l->n_params ? l->n_params : 1, sizeof(float));
+    if (!arena) {
+        snprintf(err, errlen, "%s: out of memory", path);
+        goto out;
+    }
+    for (int t = 0; t < l->n_tensors; t++) {
+        memcpy(arena + l->t[t].offset, p, 4 * l->t[t].numel);
+        p += 4 * l->t[t].numel;
+    }
+    *params = arena;
+    arena = NULL;
+    rc = 0;
+    goto out;
+io:
+    snprintf(err, errlen, "%s: read error: %s", path, strerror(errno ? errno : EIO));
+out:
+    if (f) fclose(f);
+    free(buf);
+    free(arena);
+    return rc;
+}

@@ -1,0 +1,276 @@
+#include "ps_wire.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+const char *ps_msg_type_name(int type)
+{
+    static const char *names[] = {"NONE",     "REGISTER", "ASSIGN",     "READY",    "EPOCH",
+                                  "PULL",     "WEIGHTS",  "PUSH",       "BARRIER",  "VALIDATE",
+                                  "VAL_RESULT", "SHUTDOWN", "ERROR"};
+    if (type < 0 || type >= (int)(sizeof names / sizeof names[0])) return "UNKNOWN";
+    return names[type];
+}
+
+/* The body each type must carry. */
+static int body_for_type(int type)
+{
+    switch (type) {
+    case PSD__MSG_TYPE__MSG_REGISTER: return PSD__HEADER__BODY_REG;
+    case PSD__MSG_TYPE__MSG_ASSIGN: return PSD__HEADER__BODY_ASSIGN;
+    case PSD__MSG_TYPE__MSG_READY: return PSD__HEADER__BODY_READY;
+    case PSD__MSG_TYPE__MSG_EPOCH: return PSD__HEADER__BODY_EPOCH;
+    case PSD__MSG_TYPE__MSG_PULL: return PSD__HEADER__BODY_PULL;
+    case PSD__MSG_TYPE__MSG_WEIGHTS: return PSD__HEADER__BODY_WEIGHTS;
+    case PSD__MSG_TYPE__MSG_PUSH: return PSD__HEADER__BODY_PUSH;
+    case PSD__MSG_TYPE__MSG_BARRIER: return PSD__HEADER__BODY_BARRIER;
+    case PSD__MSG_TYPE__MSG_VALIDATE: return PSD__HEADER__BODY_VALIDATE;
+    case PSD__MSG_TYPE__MSG_VAL_RESULT: return PSD__HEADER__BODY_VAL_RESULT;
+    case PSD__MSG_TYPE__MSG_SHUTDOWN: return PSD__HEADER__BODY_SHUTDOWN;
+    case PSD__MSG_TYPE__MSG_ERROR: return PSD__HEADER__BODY_ERROR;
+    default: return -1;
+    }
+}
+
+static size_t dtype_size(int dt)
+{
+    switch (dt) {
+    case PSD__DTYPE__DT_F32: return 4;
+    case PSD__DTYPE__DT_U32: return 4;
+    default: return 0;
+    }
+}
+
+void ps_msg_deinit(ps_msg_t *m)
+{
+    if (m->hdr) psd__header__free_unpacked(m->hdr, NULL);
+    m->hdr = NULL;
+    for (int i = 0; i < m->n_frames; i++) zmq_msg_close(&m->frames[i]);
+    m->n_frames = 0;
+}
+
+/* Discard the rest of a multipart message. */
+static void drain_more(void *sock)
+{
+    int more = 0;
+    size_t len = sizeof more;
+    while (zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &len) == 0 && more) {
+        zmq_msg_t f;
+        zmq_msg_init(&f);
+        if (zmq_msg_recv(&f, sock, 0) < 0) {
+            zmq_msg_close(&f);
+            return;
+        }
+        zmq_msg_close(&f);
+        len = sizeof more;
+    }
+}
+
+#define FAIL(...)                               \
+    do {                                        \
+        snprintf(err, errlen, __VA_ARGS__);     \
+        rc = -EPROTO;                           \
+        goto fail;                              \
+    } while (0)
+
+int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size_t errlen)
+{
+    int rc = 0;
+    zmq_msg_t f;
+    memset(m, 0, sizeof *m);
+    if (errlen) err[0] = '\0';
+    zmq_msg_init(&f);
+    if (zmq_msg_recv(&f, sock, flags) < 0) {
+        rc = -zmq_errno();
+        zmq_msg_close(&f);
+        return rc;
+    }
+    if (router) {
+        size_t n = zmq_msg_size(&f);
+        if (n > PS_MAX_IDENTITY) n = PS_MAX_IDENTITY;
+        memcpy(m->ident, zmq_msg_data(&f), n);
+        m->ident_len = n;
+        if (!zmq_msg_more(&f)) FAIL("empty message");
+        zmq_msg_close(&f);
+        zmq_msg_init(&f);
+        if (zmq_msg_recv(&f, sock, 0) < 0) {
+            rc = -zmq_errno();
+            zmq_msg_close(&f);
+            return rc;
+        }
+    }
+    size_t hlen = zmq_msg_size(&f);
+    if (hlen == 0 || hlen > PS_MAX_HEADER) FAIL("header frame of %zu bytes", hlen);
+    m->hdr = psd__header__unpack(NULL, hlen, zmq_msg_data(&f));
+    if (!m->hdr) FAIL("header does not decode (%zu bytes)", hlen);
+    Psd__Header *h = m->hdr;
+    int want = body_for_type((int)h->type);
+    if (want < 0) FAIL("unknown message type %d", (int)h->type);
+    if ((int)h->body_case != want || !h->reg /* any member of the union */)
+        FAIL("%s message without its body", ps_msg_type_name((int)h->type));
+    if (h->n_tensors > PS_MAX_FRAMES) FAIL("%zu tensor descriptors (max %d)", h->n_tensors, PS_MAX_FRAMES);
+
+    bool more = zmq_msg_more(&f);
+    zmq_msg_close(&f);
+    zmq_msg_init(&f);
+    while (more) {
+        if (m->n_frames >= (int)h->n_tensors) FAIL("more frames than tensor descriptors (%zu)", h->n_tensors);
+        zmq_msg_t *t = &m->frames[m->n_frames];
+        zmq_msg_init(t);
+        if (zmq_msg_recv(t, sock, 0) < 0) {
+            rc = -zmq_errno();
+            zmq_msg_close(t);
+            goto fail_nodrain;
+        }
+        m->n_frames++;
+        more = zmq_msg_more(t);
+    }
+    if ((size_t)m->n_frames != h->n_tensors)
+        FAIL("%d frames for %zu tensor descriptors", m->n_frames, h->n_tensors);
+    for (size_t i = 0; i < h->n_tensors; i++) {
+        Psd__TensorDesc *d = h->tensors[i];
+        size_t es = dtype_size(d->dtype);
+        if (es == 0) FAIL("tensor %zu: unknown dtype %d", i, (int)d->dtype);
+        if (d->nbytes != zmq_msg_size(&m->frames[i]))
+            FAIL("tensor %zu: descriptor says %llu bytes, frame has %zu", i,
+                 (unsigned long long)d->nbytes, zmq_msg_size(&m->frames[i]));
+        if (d->nbytes % es) FAIL("tensor %zu: %llu bytes is not a whole number of elements", i,
+                                 (unsigned long long)d->nbytes);
+        if (d->n_shape < 1 || d->n_shape > 4) FAIL("tensor %zu: %zu dimensions", i, d->n_shape);
+        uint64_t numel = 1;
+        for (size_t k = 0; k < d->n_shape; k++) {
+            if (d->shape[k] == 0) FAIL("tensor %zu: zero dimension", i);
+            numel *= d->shape[k];
+            if (numel > (1ull << 34)) FAIL("tensor %zu: shape too large", i);
+        }
+        if (((uintptr_t)zmq_msg_data(&m->frames[i]) & (es - 1)) != 0) {
+            /* small frames can arrive at any offset of ZeroMQ's receive
+             * buffer: give them an aligned copy (large ones are aligned) */
+            zmq_msg_t c;
+            if (zmq_msg_init_size(&c, d->nbytes) != 0) FAIL("out of memory");
+            memcpy(zmq_msg_data(&c), zmq_msg_data(&m->frames[i]), d->nbytes);
+            zmq_msg_close(&m->frames[i]);
+            m->frames[i] = c;
+        }
+        if (d->offset > numel || d->nbytes / es > numel - d->offset)
+            FAIL("tensor %zu: frame [%llu, +%llu) outside shape of %llu elements", i,
+                 (unsigned long long)d->offset, (unsigned long long)(d->nbytes / es),
+                 (unsigned long long)numel);
+    }
+    zmq_msg_close(&f);
+    return 0;
+
+fail:
+    if (zmq_msg_more(&f)) {
+        zmq_msg_close(&f);
+        drain_more(sock);
+    } else {
+        zmq_msg_close(&f);
+        /* the last frame read may have been a tensor frame with more to come */
+        if (m->n_frames > 0 && zmq_msg_more(&m->frames[m->n_frames - 1])) drain_more(sock);
+    }
+    ps_msg_deinit(m);
+    return rc;
+fail_nodrain:
+    zmq_msg_close(&f);
+    ps_msg_deinit(m);
+    return rc;
+}
+
+static const void *frame_as(const ps_msg_t *m, int i, int dtype, size_t *n)
+{
+    if (!m->hdr || i < 0 || i >= m->n_frames) return NULL;
+    if ((int)m->hdr->tensors[i]->dtype != dtype) return NULL;
+    const void *p = zmq_msg_data((zmq_msg_t *)&m->frames[i]);
+    size_t bytes = zmq_msg_size((zmq_msg_t *)&m->frames[i]);
+    if (((uintptr_t)p & 3u) != 0 && bytes) return NULL;
+    *n = bytes / 4;
+    return p;
+}
+
+const float *ps_msg_f32(const ps_msg_t *m, int i, size_t *n)
+{
+    return frame_as(m, i, PSD__DTYPE__DT_F32, n);
+}
+
+const uint32_t *ps_msg_u32(const ps_msg_t *m, int i, size_t *n)
+{
+    return frame_as(m, i, PSD__DTYPE__DT_U32, n);
+}
+
+int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header *hdr,
+                const ps_frame_t *frames, int n_frames)
+{
+    Psd__TensorDesc descs[PS_MAX_FRAMES], *dptr[PS_MAX_FRAMES];
+    uint32_t shapes[PS_MAX_FRAMES][2];
+    int rc = 0, passed = 0; /* frames whose ownership went to ZeroMQ */
+    if (n_frames > PS_MAX_FRAMES) {
+        rc = -E2BIG;
+        goto out;
+    }
+    for (int i = 0; i < n_frames; i++) {
+        const ps_frame_t *fr = &frames[i];
+        psd__tensor_desc__init(&descs[i]);
+        descs[i].id = fr->id;
+        descs[i].dtype = fr->dtype;
+        shapes[i][0] = fr->rows;
+        shapes[i][1] = fr->cols;
+        descs[i].shape = shapes[i];
+        descs[i].n_shape = fr->cols ? 2 : 1;
+        descs[i].nbytes = fr->nbytes;
+        dptr[i] = &descs[i];
+    }
+    hdr->protocol = PS_PROTOCOL_VERSION;
+    hdr->n_tensors = (size_t)n_frames;
+    hdr->tensors = n_frames ? dptr : NULL;
+
+    if (ident && zmq_send(sock, ident, ident_len, ZMQ_SNDMORE) < 0) {
+        rc = -zmq_errno();
+        goto out;
+    }
+    size_t hlen = psd__header__get_packed_size(hdr);
+    zmq_msg_t hm;
+    if (zmq_msg_init_size(&hm, hlen) != 0) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    psd__header__pack(hdr, zmq_msg_data(&hm));
+    if (zmq_msg_send(&hm, sock, n_frames ? ZMQ_SNDMORE : 0) < 0) {
+        rc = -zmq_errno();
+        zmq_msg_close(&hm);
+        goto out;
+    }
+    for (int i = 0; i < n_frames; i++) {
+        const ps_frame_t *fr = &frames[i];
+        zmq_msg_t fm;
+        int flags = i + 1 < n_frames ? ZMQ_SNDMORE : 0;
+        if (fr->ffn) {
+            if (zmq_msg_init_data(&fm, (void *)fr->data, fr->nbytes, fr->ffn, fr->hint) != 0) {
+                rc = -ENOMEM;
+                goto out;
+            }
+            passed = i + 1; /* zmq_msg_close calls ffn from here on */
+        } else {
+            if (zmq_msg_init_size(&fm, fr->nbytes) != 0) {
+                rc = -ENOMEM;
+                goto out;
+            }
+            if (fr->nbytes) memcpy(zmq_msg_data(&fm), fr->data, fr->nbytes);
+            passed = i + 1;
+        }
+        if (zmq_msg_send(&fm, sock, flags) < 0) {
+            rc = -zmq_errno();
+            zmq_msg_close(&fm);
+            goto out;
+        }
+    }
+out:
+    /* release the references of frames ZeroMQ never took */
+    for (int i = passed; i < n_frames; i++)
+        if (frames[i].ffn) frames[i].ffn((void *)frames[i].data, frames[i].hint);
+    hdr->n_tensors = 0;
+    hdr->tensors = NULL;
+    return rc;
+}

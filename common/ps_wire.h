@@ -1,0 +1,72 @@
+/* ps_wire.h - framing of psd messages on ZeroMQ sockets.
+ *
+ * A message is [identity (ROUTER only)] [header: packed Psd__Header]
+ * [tensor frame]...; header->tensors[i] describes tensor frame i. Receiving
+ * checks the structure (header decodes, body matches type, frame count and
+ * byte lengths match the descriptors, dtype known, shapes consistent) and
+ * drops what does not fit; field values that depend on the run (ranks,
+ * versions, sizes of the model) are checked by the handlers. */
+#ifndef PS_WIRE_H
+#define PS_WIRE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <zmq.h>
+
+#include "psd.pb-c.h"
+
+#define PS_PROTOCOL_VERSION 1u
+#define PS_MAX_FRAMES 64         /* tensor frames in one message */
+#define PS_MAX_IDENTITY 255      /* ZeroMQ routing ids are at most 255 bytes */
+#define PS_MAX_HEADER (1u << 20) /* header frame bytes */
+
+typedef struct {
+    Psd__Header *hdr;                /* owned; NULL if not received */
+    int n_frames;
+    zmq_msg_t frames[PS_MAX_FRAMES]; /* tensor frames, owned */
+    uint8_t ident[PS_MAX_IDENTITY];  /* ROUTER peer id */
+    size_t ident_len;
+} ps_msg_t;
+
+/* Receive one whole multipart message. router: the first frame is the peer
+ * identity. flags: 0 or ZMQ_DONTWAIT. Returns
+ *   0        a well-formed message in *m (release with ps_msg_deinit)
+ *   -EAGAIN  nothing to read (ZMQ_DONTWAIT)
+ *   -EPROTO  malformed: the whole message was read and dropped; err says why
+ *            (m->ident is still filled in when known)
+ *   other -errno from ZeroMQ (e.g. -ETERM, -EINTR). */
+int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size_t errlen);
+
+/* Free header and frames. Safe to call twice. */
+void ps_msg_deinit(ps_msg_t *m);
+
+/* Frame data as floats / u32s, or NULL if frame i is not of that dtype or is
+ * misaligned. n receives the element count. Borrowed until ps_msg_deinit. */
+const float *ps_msg_f32(const ps_msg_t *m, int i, size_t *n);
+const uint32_t *ps_msg_u32(const ps_msg_t *m, int i, size_t *n);
+
+/* One tensor frame to send. If ffn is NULL the bytes are copied at send
+ * time; otherwise they are sent in place and ffn(data, hint) is called by
+ * ZeroMQ (on its I/O thread) once they are no longer needed. */
+typedef struct {
+    const void *data;
+    size_t nbytes;
+    zmq_free_fn *ffn;
+    void *hint;
+    uint32_t id;
+    Psd__DType dtype;
+    uint32_t rows, cols; /* shape; cols 0 for 1-D */
+} ps_frame_t;
+
+/* Send header (+frames). hdr->protocol and the tensors list are filled in
+ * here. ident: ROUTER peer id or NULL for DEALER. Returns 0 or -errno. On
+ * error, frames whose ownership had not passed to ZeroMQ get their ffn called,
+ * so the caller's references are released either way. */
+int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header *hdr,
+                const ps_frame_t *frames, int n_frames);
+
+/* Short name of a message type for logs ("PUSH"). */
+const char *ps_msg_type_name(int type);
+
+#endif

@@ -1,0 +1,175 @@
+/* psd - the parameter server daemon: owns the run description, the master
+ * weights and the optimizer state; workers connect and are told what to do. */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ps_config.h"
+#include "ps_log.h"
+#include "ps_wire.h"
+#include "psd_eval.h"
+#include "psd_server.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: psd [options]            train (the built-in defaults train the Fashion-MNIST MLP)\n"
+            "       psd eval WEIGHTS [--config FILE] [--threads N]\n"
+            "                                evaluate a weights file on the test set in one process\n"
+            "\n"
+            "  --config FILE        YAML run description (see README); flags override it\n"
+            "  --listen ENDPOINT    where workers connect (default tcp://0.0.0.0:5555; a warning is\n"
+            "                       logged when listening beyond loopback)\n"
+            "  --workers N          worker processes to wait for (default 2)\n"
+            "  --start-timeout S    exit 3 if not all workers are ready after S seconds (default 300)\n"
+            "  --worker-timeout S   a worker psd waits for that is silent for S seconds is lost (default 60)\n"
+            "  --epochs N           epochs to train\n"
+            "  --seed N             seed of the weights and of the data order\n"
+            "  --metrics FILE       append one JSON line per epoch (\"\" for none)\n"
+            "  --save FILE          write the trained weights here (\"\" for none)\n"
+            "  --set KEY=VALUE      set any config key, e.g. --set optimizer.lr=0.05\n"
+            "  --print-config       print the effective config as YAML and exit\n"
+            "  --check-config       check the config (and flags) and exit 0, or 2 with the error\n"
+            "  --log-level LEVEL    error | warn | info | debug (default info)\n"
+            "  --help               this text\n"
+            "  --version            version, protocol version and git commit\n"
+            "\n"
+            "exit codes: 0 done, 1 runtime error, 2 bad flags/config/data, 3 start timeout,\n"
+            "4 a worker was lost, 128+N stopped by signal N\n");
+}
+
+typedef struct {
+    const char *key, *value;
+} override_t;
+
+int main(int argc, char **argv)
+{
+    enum {
+        OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
+        OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
+        OPT_SET, OPT_THREADS
+    };
+    static const struct option longopts[] = {
+        {"config", required_argument, NULL, OPT_CONFIG},
+        {"listen", required_argument, NULL, OPT_LISTEN},
+        {"workers", required_argument, NULL, OPT_WORKERS},
+        {"epochs", required_argument, NULL, OPT_EPOCHS},
+        {"seed", required_argument, NULL, OPT_SEED},
+        {"metrics", required_argument, NULL, OPT_METRICS},
+        {"save", required_argument, NULL, OPT_SAVE},
+        {"print-config", no_argument, NULL, OPT_PRINT},
+        {"check-config", no_argument, NULL, OPT_CHECK},
+        {"log-level", required_argument, NULL, OPT_LOGLEVEL},
+        {"start-timeout", required_argument, NULL, OPT_START_TMO},
+        {"worker-timeout", required_argument, NULL, OPT_WORKER_TMO},
+        {"set", required_argument, NULL, OPT_SET},
+        {"threads", required_argument, NULL, OPT_THREADS},
+        {"help", no_argument, NULL, OPT_HELP},
+        {"version", no_argument, NULL, OPT_VERSION},
+        {NULL, 0, NULL, 0}};
+    static const char *keys[] = {
+        [OPT_LISTEN - OPT_CONFIG] = "server.listen",   [OPT_WORKERS - OPT_CONFIG] = "server.workers",
+        [OPT_EPOCHS - OPT_CONFIG] = "run.epochs",      [OPT_SEED - OPT_CONFIG] = "run.seed",
+        [OPT_METRICS - OPT_CONFIG] = "server.metrics", [OPT_SAVE - OPT_CONFIG] = "server.save",
+        [OPT_LOGLEVEL - OPT_CONFIG] = "server.log_level",
+        [OPT_START_TMO - OPT_CONFIG] = "server.start_timeout",
+        [OPT_WORKER_TMO - OPT_CONFIG] = "server.worker_timeout",
+    };
+    const char *config = NULL, *eval_path = NULL;
+    int print = 0, check = 0, n_over = 0, threads = 1;
+    override_t *over = calloc((size_t)argc + 1, sizeof *over);
+    char err[1024];
+    int code = 2;
+    if (!over) return 1;
+    ps_log_set_role("psd");
+
+    int first = 1;
+    if (argc > 1 && strcmp(argv[1], "eval") == 0) {
+        if (argc < 3 || argv[2][0] == '-') {
+            fprintf(stderr, "psd eval: a weights file is required (psd eval WEIGHTS [--config FILE])\n");
+            goto out;
+        }
+        eval_path = argv[2];
+        first = 3;
+    }
+    optind = first;
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+        switch (c) {
+        case OPT_CONFIG: config = optarg; break;
+        case OPT_PRINT: print = 1; break;
+        case OPT_CHECK: check = 1; break;
+        case OPT_HELP: usage(stdout); code = 0; goto out;
+        case OPT_VERSION:
+            printf("psd %s (protocol %u, commit %s)\n", PSD_VERSION, PS_PROTOCOL_VERSION, PSD_GIT_COMMIT);
+            code = 0;
+            goto out;
+        case OPT_THREADS: {
+            char *end;
+            long v = strtol(optarg, &end, 10);
+            if (*end || v < 1 || v > 1024) {
+                fprintf(stderr, "psd: --threads: expected an integer in [1, 1024], got '%s'\n", optarg);
+                goto out;
+            }
+            threads = (int)v;
+            break;
+        }
+        case OPT_SET: {
+            char *eq = strchr(optarg, '=');
+            if (!eq || eq == optarg) {
+                fprintf(stderr, "psd: --set: expected KEY=VALUE, got '%s'\n", optarg);
+                goto out;
+            }
+            *eq = '\0';
+            over[n_over++] = (override_t){optarg, eq + 1};
+            break;
+        }
+        case '?':
+        case ':':
+            fprintf(stderr, "psd: unknown or incomplete option '%s' (see --help)\n", argv[optind - 1]);
+            goto out;
+        default:
+            over[n_over++] = (override_t){keys[c - OPT_CONFIG], optarg};
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "psd: unexpected argument '%s' (see --help)\n", argv[optind]);
+        goto out;
+    }
+
+    ps_config_t cfg;
+    ps_config_defaults(&cfg);
+    if (config && ps_config_load_file(&cfg, config, err, sizeof err) != 0) {
+        fprintf(stderr, "psd: %s\n", err);
+        goto out;
+    }
+    for (int i = 0; i < n_over; i++)
+        if (ps_config_set(&cfg, over[i].key, over[i].value, err, sizeof err) != 0) {
+            fprintf(stderr, "psd: %s\n", err);
+            goto out;
+        }
+    if (ps_config_validate(&cfg, err, sizeof err) != 0) {
+        fprintf(stderr, "psd: %s%s%s\n", config ? config : "", config ? ": " : "", err);
+        goto out;
+    }
+    ps_log_set_level(cfg.log_level);
+    if (print) {
+        code = ps_config_write_yaml(&cfg, stdout) == 0 ? 0 : 1;
+        goto out;
+    }
+    if (check) {
+        printf("psd: config OK\n");
+        code = 0;
+        goto out;
+    }
+    if (eval_path) {
+        code = psd_eval_run(&cfg, eval_path, threads);
+        goto out;
+    }
+    code = psd_server_run(&cfg);
+out:
+    free(over);
+    return code;
+}

@@ -1,0 +1,55 @@
+/* psd_optim.h - server-side optimizers, LR schedules and global-norm clipping.
+ *
+ * The optimizer is shaped as reduce -> global scale -> apply per chunk:
+ * the caller reduces gradients into g, computes the global squared norm with
+ * psd_sumsq over every chunk, turns it into a scale with psd_clip_scale, then
+ * calls psd_optim_apply on each chunk (any split of the arrays gives the same
+ * result, element by element). Semantics follow PyTorch's SGD/Adam/AdamW. */
+#ifndef PSD_OPTIM_H
+#define PSD_OPTIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ps_config.h"
+
+typedef struct {
+    ps_opt_kind_t kind;
+    float momentum;     /* sgd */
+    int nesterov;       /* sgd */
+    float weight_decay; /* L2 (sgd, adam) or decoupled (adamw) */
+    float beta1, beta2, eps;
+} psd_optim_t;
+
+/* Copy the optimizer part of a config. */
+void psd_optim_from_config(psd_optim_t *o, const ps_config_t *c);
+
+/* Number of float state slots per parameter: sgd 1 (momentum buffer; 0 if
+ * momentum == 0), adam/adamw 2 (m, v). */
+int psd_optim_slots(const psd_optim_t *o);
+
+/* One update of n parameters.
+ *   w_old (n)  weights of the current version (read)
+ *   w_new (n)  weights of the next version (written; may equal w_old)
+ *   g (n)      averaged gradient (read), multiplied by gscale before use
+ *   s0, s1 (n) state slots (momentum buffer / Adam m, v); unused ones may be NULL
+ *   lr         learning rate for this step
+ *   t          1-based step count (Adam bias correction)
+ * State slots start at zero. */
+void psd_optim_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
+                     float gscale, float *s0, float *s1, size_t n, double lr, uint64_t t);
+
+/* Sum of squares in double precision. */
+double psd_sumsq(const float *g, size_t n);
+
+/* Global-norm clipping factor (PyTorch clip_grad_norm_): given the total
+ * squared norm of the whole gradient, returns max_norm/(norm+1e-6) when that
+ * is below 1, else 1. max_norm <= 0 means no clipping (returns 1). */
+float psd_clip_scale(double total_sumsq, double max_norm);
+
+/* Learning rate for the step that starts at progress p (epochs completed,
+ * fractional: step_index / steps_per_epoch), given steps_per_epoch (> 0) and
+ * the config's schedule, base lr, epochs and warm-up. */
+double psd_sched_lr(const ps_config_t *c, double p, double steps_per_epoch);
+
+#endif

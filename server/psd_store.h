@@ -1,0 +1,54 @@
+/* psd_store.h - the parameter store: master fp32 weights in versioned
+ * arenas, the gradient accumulator and the optimizer state.
+ *
+ * A version is an arena laid out by ps_layout_t. Pull replies send frames
+ * that point into the current version's arena (no copies) and hold a
+ * reference each; the next version is built out of place in an arena nobody
+ * references, so replies in flight are never overwritten. */
+#ifndef PSD_STORE_H
+#define PSD_STORE_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ps_model.h"
+#include "psd_optim.h"
+
+#define PSD_MAX_ARENAS 8
+
+typedef struct psd_arena {
+    atomic_int refs;    /* frames in flight + 1 while current */
+    uint64_t version;
+    float *w;           /* n_params floats */
+} psd_arena_t;
+
+typedef struct {
+    ps_layout_t layout;
+    psd_optim_t opt;
+    psd_arena_t arenas[PSD_MAX_ARENAS];
+    int n_arenas;
+    psd_arena_t *cur;
+    float *grad;        /* reduced gradient (n_params) */
+    float *s0, *s1;     /* optimizer slots (n_params) or NULL */
+    uint64_t steps;     /* optimizer steps applied */
+} psd_store_t;
+
+/* Allocate and initialise weights from seed (version 0). 0 or -ENOMEM. */
+int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt, uint64_t seed);
+void psd_store_deinit(psd_store_t *s);
+
+/* Take a reference on the current arena for a frame sent by ZeroMQ;
+ * psd_store_frame_free is the matching zmq free callback (any thread). */
+psd_arena_t *psd_store_ref_current(psd_store_t *s);
+void psd_store_frame_free(void *data, void *hint);
+
+/* One synchronous step. grads[k][t] is tensor t of contributor k (borrowed),
+ * weight[k] its share of the batch (sum 1); contributors are reduced in the
+ * order given. Clipping by clip_norm (<= 0: off), then the optimizer with lr
+ * writes a new version, which becomes current. Returns the gradient's global
+ * norm before clipping, or -1 if no arena could be allocated. */
+double psd_store_step(psd_store_t *s, int n, const float *const (*grads)[PS_MAX_TENSORS],
+                      const double *weight, double clip_norm, double lr);
+
+#endif

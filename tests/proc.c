@@ -1,0 +1,1 @@
+typedef int proc_placeholder_t;

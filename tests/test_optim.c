@@ -1,0 +1,548 @@
+/* test_optim.c - psd_optim against hand-computed PyTorch semantics.
+ *
+ * Expected numbers are written out as literals with their derivation; the
+ * stated tolerance is 1e-6 relative (float math vs exact arithmetic). */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "psd_optim.h"
+
+#define REL_TOL 1e-6
+
+static int close_rel(double got, double exp)
+{
+    return fabs(got - exp) <= REL_TOL * fabs(exp) + 1e-12;
+}
+
+static void check_vec(const float *got, const double *exp, size_t n, const char *what)
+{
+    for (size_t i = 0; i < n; i++)
+        cr_expect(close_rel(got[i], exp[i]), "%s[%zu]: got %.9g, expected %.9g", what, i,
+                  (double)got[i], exp[i]);
+}
+
+static psd_optim_t make_opt(ps_opt_kind_t kind, float mom, int nesterov, float wd, float b1,
+                            float b2, float eps)
+{
+    psd_optim_t o;
+    memset(&o, 0, sizeof o);
+    o.kind = kind;
+    o.momentum = mom;
+    o.nesterov = nesterov;
+    o.weight_decay = wd;
+    o.beta1 = b1;
+    o.beta2 = b2;
+    o.eps = eps;
+    return o;
+}
+
+/* ---- config / slots ---------------------------------------------------- */
+
+Test(optim, from_config_and_slots)
+{
+    ps_config_t c;
+    memset(&c, 0, sizeof c);
+    c.opt = PS_OPT_SGD;
+    c.momentum = 0.9;
+    c.nesterov = true;
+    c.weight_decay = 5e-4;
+    c.beta1 = 0.8;
+    c.beta2 = 0.99;
+    c.eps = 1e-7;
+    psd_optim_t o;
+    psd_optim_from_config(&o, &c);
+    cr_expect_eq(o.kind, PS_OPT_SGD);
+    cr_expect_float_eq(o.momentum, 0.9f, 1e-7);
+    cr_expect_eq(o.nesterov, 1);
+    cr_expect_float_eq(o.weight_decay, 5e-4f, 1e-10);
+    cr_expect_float_eq(o.beta1, 0.8f, 1e-7);
+    cr_expect_float_eq(o.beta2, 0.99f, 1e-7);
+    cr_expect_float_eq(o.eps, 1e-7f, 1e-13);
+    cr_expect_eq(psd_optim_slots(&o), 1);
+
+    c.momentum = 0.0;
+    c.nesterov = false;
+    psd_optim_from_config(&o, &c);
+    cr_expect_eq(o.nesterov, 0);
+    cr_expect_eq(psd_optim_slots(&o), 0);
+
+    c.opt = PS_OPT_ADAM;
+    psd_optim_from_config(&o, &c);
+    cr_expect_eq(o.kind, PS_OPT_ADAM);
+    cr_expect_eq(psd_optim_slots(&o), 2);
+    c.opt = PS_OPT_ADAMW;
+    psd_optim_from_config(&o, &c);
+    cr_expect_eq(o.kind, PS_OPT_ADAMW);
+    cr_expect_eq(psd_optim_slots(&o), 2);
+}
+
+/* ---- SGD ------------------------------------------------------------------ */
+
+Test(sgd, plain)
+{
+    /* lr 0.1, w = (1, -2, 0.5), g = (0.5, 1, -2) every step:
+     * step 1: w - 0.1*g = (0.95, -2.1, 0.7)
+     * step 2: (0.9, -2.2, 0.9) */
+    psd_optim_t o = make_opt(PS_OPT_SGD, 0, 0, 0, 0, 0, 0);
+    float w[3] = {1.0f, -2.0f, 0.5f};
+    const float g[3] = {0.5f, 1.0f, -2.0f};
+    psd_optim_apply(&o, w, w, g, 1.0f, NULL, NULL, 3, 0.1, 1);
+    check_vec(w, (const double[]){0.95, -2.1, 0.7}, 3, "step1");
+    psd_optim_apply(&o, w, w, g, 1.0f, NULL, NULL, 3, 0.1, 2);
+    check_vec(w, (const double[]){0.9, -2.2, 0.9}, 3, "step2");
+}
+
+Test(sgd, gscale)
+{
+    /* gscale 0.5, lr 0.2, w = (1), g = (3): g' = 1.5, w = 1 - 0.3 = 0.7,
+     * then 0.7 - 0.3 = 0.4 */
+    psd_optim_t o = make_opt(PS_OPT_SGD, 0, 0, 0, 0, 0, 0);
+    float w[1] = {1.0f};
+    const float g[1] = {3.0f};
+    psd_optim_apply(&o, w, w, g, 0.5f, NULL, NULL, 1, 0.2, 1);
+    check_vec(w, (const double[]){0.7}, 1, "step1");
+    psd_optim_apply(&o, w, w, g, 0.5f, NULL, NULL, 1, 0.2, 2);
+    check_vec(w, (const double[]){0.4}, 1, "step2");
+}
+
+Test(sgd, momentum)
+{
+    /* mu 0.9, lr 0.1, w = (1, -2), g = (0.5, 1) every step:
+     * step 1: buf = g = (0.5, 1);                    w = (0.95, -2.1)
+     * step 2: buf = 0.9*buf + g = (0.95, 1.9);       w = (0.855, -2.29)
+     * step 3: buf = (0.855+0.5, 1.71+1) = (1.355, 2.71); w = (0.7195, -2.561) */
+    psd_optim_t o = make_opt(PS_OPT_SGD, 0.9f, 0, 0, 0, 0, 0);
+    cr_assert_eq(psd_optim_slots(&o), 1);
+    float w[2] = {1.0f, -2.0f}, buf[2] = {0, 0};
+    const float g[2] = {0.5f, 1.0f};
+    psd_optim_apply(&o, w, w, g, 1.0f, buf, NULL, 2, 0.1, 1);
+    check_vec(buf, (const double[]){0.5, 1.0}, 2, "buf1");
+    check_vec(w, (const double[]){0.95, -2.1}, 2, "step1");
+    psd_optim_apply(&o, w, w, g, 1.0f, buf, NULL, 2, 0.1, 2);
+    check_vec(buf, (const double[]){0.95, 1.9}, 2, "buf2");
+    check_vec(w, (const double[]){0.855, -2.29}, 2, "step2");
+    psd_optim_apply(&o, w, w, g, 1.0f, buf, NULL, 2, 0.1, 3);
+    check_vec(buf, (const double[]){1.355, 2.71}, 2, "buf3");
+    check_vec(w, (const double[]){0.7195, -2.561}, 2, "step3");
+}
+
+Test(sgd, nesterov)
+{
+    /* mu 0.9, lr 0.1, w = (1, -2), g = (0.5, 1), update = g + mu*buf:
+     * step 1: buf = (0.5, 1);     u = (0.5+0.45, 1+0.9) = (0.95, 1.9);
+     *         w = (1-0.095, -2-0.19) = (0.905, -2.19)
+     * step 2: buf = (0.95, 1.9);  u = (0.5+0.855, 1+1.71) = (1.355, 2.71);
+     *         w = (0.905-0.1355, -2.19-0.271) = (0.7695, -2.461) */
+    psd_optim_t o = make_opt(PS_OPT_SGD, 0.9f, 1, 0, 0, 0, 0);
+    float w[2] = {1.0f, -2.0f}, buf[2] = {0, 0};
+    const float g[2] = {0.5f, 1.0f};
+    psd_optim_apply(&o, w, w, g, 1.0f, buf, NULL, 2, 0.1, 1);
+    check_vec(w, (const double[]){0.905, -2.19}, 2, "step1");
+    psd_optim_apply(&o, w, w, g, 1.0f, buf, NULL, 2, 0.1, 2);
+    check_vec(buf, (const double[]){0.95, 1.9}, 2, "buf2");
+    check_vec(w, (const double[]){0.7695, -2.461}, 2, "step2");
+}
+
+Test(sgd, weight_decay)
+{
+    /* wd 0.1, lr 0.1, w = (1, -2), g = (0.5, 1), g' = g + wd*w:
+     * step 1: g' = (0.6, 0.8);       w = (0.94, -2.08)
+     * step 2: g' = (0.5+0.094, 1-0.208) = (0.594, 0.792);
+     *         w = (0.94-0.0594, -2.08-0.0792) = (0.8806, -2.1592) */
+    psd_optim_t o = make_opt(PS_OPT_SGD, 0, 0, 0.1f, 0, 0, 0);
+    float w[2] = {1.0f, -2.0f};
+    const float g[2] = {0.5f, 1.0f};
+    psd_optim_apply(&o, w, w, g, 1.0f, NULL, NULL, 2, 0.1, 1);
+    check_vec(w, (const double[]){0.94, -2.08}, 2, "step1");
+    psd_optim_apply(&o, w, w, g, 1.0f, NULL, NULL, 2, 0.1, 2);
+    check_vec(w, (const double[]){0.8806, -2.1592}, 2, "step2");
+}
+
+Test(sgd, momentum_weight_decay_gscale)
+{
+    /* mu 0.5, wd 0.1, gscale 2, lr 0.1, w = 1, g = 0.25:
+     * step 1: g' = 0.5 + 0.1 = 0.6; buf = 0.6; w = 0.94
+     * step 2: g' = 0.5 + 0.094 = 0.594; buf = 0.3 + 0.594 = 0.894;
+     *         w = 0.94 - 0.0894 = 0.8506 */
+    psd_optim_t o = make_opt(PS_OPT_SGD, 0.5f, 0, 0.1f, 0, 0, 0);
+    float w[1] = {1.0f}, buf[1] = {0};
+    const float g[1] = {0.25f};
+    psd_optim_apply(&o, w, w, g, 2.0f, buf, NULL, 1, 0.1, 1);
+    check_vec(w, (const double[]){0.94}, 1, "step1");
+    psd_optim_apply(&o, w, w, g, 2.0f, buf, NULL, 1, 0.1, 2);
+    check_vec(buf, (const double[]){0.894}, 1, "buf2");
+    check_vec(w, (const double[]){0.8506}, 1, "step2");
+}
+
+/* ---- Adam / AdamW --------------------------------------------------------- */
+
+Test(adam, basic)
+{
+    /* b1 0.5, b2 0.75, eps 1e-8, lr 0.1, wd 0.
+     * elem 0: w = 1, g = 1, -1, 2
+     *   t1: m = 0.5, v = 0.25; bc1 = 0.5, bc2 = 0.25 -> mhat 1, vhat 1;
+     *       u = 1/(1+1e-8); w = 1 - 0.1*u = 0.900000001
+     *   t2: m = 0.25 - 0.5 = -0.25; v = 0.1875 + 0.25 = 0.4375;
+     *       bc1 = 0.75, bc2 = 0.4375 -> mhat -1/3, vhat 1;
+     *       w = 0.9 + 0.1/3 = 0.933333334
+     *   t3: m = -0.125 + 1 = 0.875; v = 0.328125 + 1 = 1.328125;
+     *       bc1 = 0.875 -> mhat 1; bc2 = 1 - 0.421875 = 0.578125 ->
+     *       vhat = 1.328125/0.578125 = 85/37; u = sqrt(37/85) = 0.65976823;
+     *       w = 0.93333333 - 0.065976823 = 0.86735651
+     * elem 1: w = -0.5, g = 0.5 constant: mhat = g, vhat = g^2 every step,
+     *   u = 1 -> w = -0.6, -0.7, -0.8 */
+    psd_optim_t o = make_opt(PS_OPT_ADAM, 0, 0, 0, 0.5f, 0.75f, 1e-8f);
+    float w[2] = {1.0f, -0.5f}, m[2] = {0, 0}, v[2] = {0, 0};
+    psd_optim_apply(&o, w, w, (const float[]){1.0f, 0.5f}, 1.0f, m, v, 2, 0.1, 1);
+    check_vec(m, (const double[]){0.5, 0.25}, 2, "m1");
+    check_vec(v, (const double[]){0.25, 0.0625}, 2, "v1");
+    check_vec(w, (const double[]){0.9, -0.6}, 2, "step1");
+    psd_optim_apply(&o, w, w, (const float[]){-1.0f, 0.5f}, 1.0f, m, v, 2, 0.1, 2);
+    check_vec(m, (const double[]){-0.25, 0.375}, 2, "m2");
+    check_vec(v, (const double[]){0.4375, 0.109375}, 2, "v2");
+    check_vec(w, (const double[]){0.93333333, -0.7}, 2, "step2");
+    psd_optim_apply(&o, w, w, (const float[]){2.0f, 0.5f}, 1.0f, m, v, 2, 0.1, 3);
+    check_vec(w, (const double[]){0.86735651, -0.8}, 2, "step3");
+}
+
+Test(adam, l2_weight_decay)
+{
+    /* b1 0.5, b2 0.75, eps 1e-8, lr 0.1, wd 0.1, w = 2, g = 0.8 constant,
+     * g' = g + wd*w:
+     *   t1: g' = 1.0; m 0.5, v 0.25; mhat 1, vhat 1; w = 1.9
+     *   t2: g' = 0.8 + 0.19 = 0.99; m = 0.25 + 0.495 = 0.745;
+     *       v = 0.1875 + 0.25*0.9801 = 0.432525; mhat = 0.745/0.75 = 0.99333333;
+     *       vhat = 0.432525/0.4375 = 0.98862857; sqrt = 0.99429803;
+     *       u = 0.99902977; w = 1.9 - 0.099902977 = 1.80009702
+     *   t3: g' = 0.8 + 0.180009702 = 0.980009702; m = 0.3725 + 0.490004851
+     *       = 0.862504851; v = 0.32439375 + 0.25*0.960419016 = 0.564498504;
+     *       mhat = m/0.875 = 0.98571983; vhat = v/0.578125 = 0.97642985;
+     *       u = 0.98571983/0.98814465 = 0.99754609; w = 1.70034242 */
+    psd_optim_t o = make_opt(PS_OPT_ADAM, 0, 0, 0.1f, 0.5f, 0.75f, 1e-8f);
+    float w[1] = {2.0f}, m[1] = {0}, v[1] = {0};
+    const float g[1] = {0.8f};
+    psd_optim_apply(&o, w, w, g, 1.0f, m, v, 1, 0.1, 1);
+    check_vec(w, (const double[]){1.9}, 1, "step1");
+    psd_optim_apply(&o, w, w, g, 1.0f, m, v, 1, 0.1, 2);
+    check_vec(m, (const double[]){0.745}, 1, "m2");
+    check_vec(v, (const double[]){0.432525}, 1, "v2");
+    check_vec(w, (const double[]){1.80009702}, 1, "step2");
+    psd_optim_apply(&o, w, w, g, 1.0f, m, v, 1, 0.1, 3);
+    check_vec(w, (const double[]){1.70034242}, 1, "step3");
+}
+
+Test(adam, adamw_decoupled)
+{
+    /* AdamW b1 0.5, b2 0.75, eps 1e-8, lr 0.1, wd 0.1: w' = w*(1 - 0.01)
+     * then the Adam step on the raw gradient. w = 2, g = 1, -1, 0.5:
+     *   t1: w' = 1.98; mhat 1, vhat 1; w = 1.88
+     *   t2: w' = 1.88*0.99 = 1.8612; m -0.25, v 0.4375 -> mhat -1/3, vhat 1;
+     *       w = 1.8612 + 0.0333333 = 1.89453333
+     *   t3: w' = 1.89453333*0.99 = 1.8755880; m = -0.125 + 0.25 = 0.125,
+     *       v = 0.328125 + 0.0625 = 0.390625; mhat = 0.125/0.875 = 1/7;
+     *       vhat = 0.390625/0.578125 = 25/37; u = (1/7)/(5/sqrt(37))
+     *       = sqrt(37)/35 = 0.17379322; w = 1.8755880 - 0.017379322 = 1.85820868 */
+    psd_optim_t o = make_opt(PS_OPT_ADAMW, 0, 0, 0.1f, 0.5f, 0.75f, 1e-8f);
+    float w[1] = {2.0f}, m[1] = {0}, v[1] = {0};
+    psd_optim_apply(&o, w, w, (const float[]){1.0f}, 1.0f, m, v, 1, 0.1, 1);
+    check_vec(w, (const double[]){1.88}, 1, "step1");
+    psd_optim_apply(&o, w, w, (const float[]){-1.0f}, 1.0f, m, v, 1, 0.1, 2);
+    check_vec(w, (const double[]){1.89453333}, 1, "step2");
+    psd_optim_apply(&o, w, w, (const float[]){0.5f}, 1.0f, m, v, 1, 0.1, 3);
+    check_vec(m, (const double[]){0.125}, 1, "m3");
+    check_vec(v, (const double[]){0.390625}, 1, "v3");
+    check_vec(w, (const double[]){1.85820868}, 1, "step3");
+}
+
+Test(adam, gscale_and_default_betas)
+{
+    /* PyTorch defaults b1 0.9, b2 0.999, eps 1e-8, lr 1e-3, w = 0, g = 4 with
+     * gscale 0.25 -> g' = 1. t1: mhat = 1, vhat = 1 -> w = -0.001*(1/(1+1e-8)).
+     * t2 (same g'): m = 0.19, bc1 = 0.19; v = 0.001999, bc2 = 0.001999 ->
+     * mhat 1, vhat 1 -> w = -0.002. */
+    psd_optim_t o = make_opt(PS_OPT_ADAM, 0, 0, 0, 0.9f, 0.999f, 1e-8f);
+    float w[1] = {0.0f}, m[1] = {0}, v[1] = {0};
+    const float g[1] = {4.0f};
+    psd_optim_apply(&o, w, w, g, 0.25f, m, v, 1, 1e-3, 1);
+    check_vec(w, (const double[]){-0.001}, 1, "step1");
+    psd_optim_apply(&o, w, w, g, 0.25f, m, v, 1, 1e-3, 2);
+    check_vec(w, (const double[]){-0.002}, 1, "step2");
+}
+
+/* ---- in place vs out of place, chunked vs whole -------------------------- */
+
+#define N_BIG 1037
+
+/* Seeded values in (-scale, scale) from splitmix64; 24 bits, exact in float. */
+static void fill(float *x, size_t n, uint64_t seed, float scale)
+{
+    uint64_t st = seed;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t z = (st += 0x9e3779b97f4a7c15ULL);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+        z ^= z >> 31;
+        float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+        x[i] = (u * 2.0f - 1.0f) * scale;
+    }
+}
+
+static const psd_optim_t *all_opts(int *count)
+{
+    static psd_optim_t opts[6];
+    opts[0] = make_opt(PS_OPT_SGD, 0, 0, 0, 0, 0, 0);
+    opts[1] = make_opt(PS_OPT_SGD, 0.9f, 0, 1e-4f, 0, 0, 0);
+    opts[2] = make_opt(PS_OPT_SGD, 0.9f, 1, 5e-4f, 0, 0, 0);
+    opts[3] = make_opt(PS_OPT_SGD, 0, 0, 1e-2f, 0, 0, 0);
+    opts[4] = make_opt(PS_OPT_ADAM, 0, 0, 1e-3f, 0.9f, 0.999f, 1e-8f);
+    opts[5] = make_opt(PS_OPT_ADAMW, 0, 0, 1e-2f, 0.9f, 0.999f, 1e-8f);
+    *count = 6;
+    return opts;
+}
+
+Test(optim, in_place_equals_out_of_place)
+{
+    int n_opts;
+    const psd_optim_t *opts = all_opts(&n_opts);
+    for (int k = 0; k < n_opts; k++) {
+        const psd_optim_t *o = &opts[k];
+        static float wa[N_BIG], wb[N_BIG], wtmp[N_BIG], g[N_BIG];
+        static float sa0[N_BIG], sa1[N_BIG], sb0[N_BIG], sb1[N_BIG];
+        fill(wa, N_BIG, 1, 1.0f);
+        memcpy(wb, wa, sizeof wa);
+        memset(sa0, 0, sizeof sa0); memset(sa1, 0, sizeof sa1);
+        memset(sb0, 0, sizeof sb0); memset(sb1, 0, sizeof sb1);
+        for (uint64_t t = 1; t <= 3; t++) {
+            fill(g, N_BIG, 100 + t, 0.5f);
+            psd_optim_apply(o, wa, wa, g, 0.7f, sa0, sa1, N_BIG, 0.05, t);
+            psd_optim_apply(o, wb, wtmp, g, 0.7f, sb0, sb1, N_BIG, 0.05, t);
+            memcpy(wb, wtmp, sizeof wb);
+        }
+        cr_expect(memcmp(wa, wb, sizeof wa) == 0, "opt %d: in-place differs", k);
+        cr_expect(memcmp(sa0, sb0, sizeof sa0) == 0, "opt %d: s0 differs", k);
+        cr_expect(memcmp(sa1, sb1, sizeof sa1) == 0, "opt %d: s1 differs", k);
+    }
+}
+
+Test(optim, chunked_equals_whole)
+{
+    /* Uneven pieces, including sizes below and across any vector width. */
+    static const size_t pieces[] = {1, 7, 16, 3, 100, 513, 2, 0, 395};
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof pieces / sizeof pieces[0]; i++) total += pieces[i];
+    cr_assert_eq(total, (size_t)N_BIG);
+
+    int n_opts;
+    const psd_optim_t *opts = all_opts(&n_opts);
+    for (int k = 0; k < n_opts; k++) {
+        const psd_optim_t *o = &opts[k];
+        static float wa[N_BIG], wb[N_BIG], wnew[N_BIG], g[N_BIG];
+        static float sa0[N_BIG], sa1[N_BIG], sb0[N_BIG], sb1[N_BIG];
+        fill(wa, N_BIG, 2, 1.0f);
+        memcpy(wb, wa, sizeof wa);
+        memset(sa0, 0, sizeof sa0); memset(sa1, 0, sizeof sa1);
+        memset(sb0, 0, sizeof sb0); memset(sb1, 0, sizeof sb1);
+        for (uint64_t t = 1; t <= 4; t++) {
+            fill(g, N_BIG, 200 + t, 0.3f);
+            psd_optim_apply(o, wa, wa, g, 0.9f, sa0, sa1, N_BIG, 0.01, t);
+            /* chunked, out of place into wnew, then swap in */
+            size_t off = 0;
+            for (size_t i = 0; i < sizeof pieces / sizeof pieces[0]; i++) {
+                psd_optim_apply(o, wb + off, wnew + off, g + off, 0.9f, sb0 + off, sb1 + off,
+                                pieces[i], 0.01, t);
+                off += pieces[i];
+            }
+            memcpy(wb, wnew, sizeof wb);
+        }
+        cr_expect(memcmp(wa, wb, sizeof wa) == 0, "opt %d: chunked weights differ", k);
+        cr_expect(memcmp(sa0, sb0, sizeof sa0) == 0, "opt %d: chunked s0 differs", k);
+        cr_expect(memcmp(sa1, sb1, sizeof sa1) == 0, "opt %d: chunked s1 differs", k);
+    }
+}
+
+Test(optim, zero_length_is_noop)
+{
+    psd_optim_t o = make_opt(PS_OPT_ADAM, 0, 0, 0, 0.9f, 0.999f, 1e-8f);
+    psd_optim_apply(&o, NULL, NULL, NULL, 1.0f, NULL, NULL, 0, 0.1, 1);
+    cr_expect_eq(psd_sumsq(NULL, 0), 0.0);
+}
+
+/* ---- sumsq and clipping --------------------------------------------------- */
+
+Test(clip, sumsq)
+{
+    cr_expect_eq(psd_sumsq((const float[]){1.0f, -2.0f, 3.0f}, 3), 14.0);
+    cr_expect_eq(psd_sumsq((const float[]){0.5f}, 1), 0.25);
+    /* 1e20^2 overflows float but not double */
+    double big = (double)1e20f * (double)1e20f;
+    cr_expect(close_rel(psd_sumsq((const float[]){1e20f, -1e20f}, 2), 2.0 * big));
+    /* 2^24 + 3 ones: a float accumulator would stop at 2^24 */
+    size_t n = ((size_t)1 << 24) + 3;
+    float *ones = malloc(n * sizeof *ones);
+    cr_assert_not_null(ones);
+    for (size_t i = 0; i < n; i++) ones[i] = 1.0f;
+    cr_expect_eq(psd_sumsq(ones, n), 16777219.0);
+    /* split sums add up to the whole */
+    cr_expect_eq(psd_sumsq(ones, 1000) + psd_sumsq(ones + 1000, n - 1000), 16777219.0);
+    free(ones);
+}
+
+Test(clip, scale)
+{
+    /* off */
+    cr_expect_eq(psd_clip_scale(100.0, 0.0), 1.0f);
+    cr_expect_eq(psd_clip_scale(100.0, -1.0), 1.0f);
+    /* norm 3 below max 5 */
+    cr_expect_eq(psd_clip_scale(9.0, 5.0), 1.0f);
+    /* zero gradient: 1/(0 + 1e-6) = 1e6 -> 1 */
+    cr_expect_eq(psd_clip_scale(0.0, 1.0), 1.0f);
+    /* norm 3 above max 1.5: 1.5/(3 + 1e-6) = 0.49999983 */
+    cr_expect(close_rel(psd_clip_scale(9.0, 1.5), 0.4999998333));
+    /* norm equal to max: 2/(2 + 1e-6) = 0.9999995 < 1 (PyTorch clips too) */
+    cr_expect(close_rel(psd_clip_scale(4.0, 2.0), 0.99999950000025));
+    cr_expect_lt(psd_clip_scale(4.0, 2.0), 1.0f);
+    /* norm 100 max 1: 1/(100 + 1e-6) = 0.0099999999 */
+    cr_expect(close_rel(psd_clip_scale(1e4, 1.0), 0.0099999999));
+}
+
+/* ---- schedules ------------------------------------------------------------ */
+
+static ps_config_t sched_cfg(ps_sched_kind_t kind)
+{
+    ps_config_t c;
+    memset(&c, 0, sizeof c);
+    c.sched = kind;
+    c.lr = 0.1;
+    c.epochs = 10;
+    return c;
+}
+
+static void expect_lr(const ps_config_t *c, double p, double spe, double exp)
+{
+    double got = psd_sched_lr(c, p, spe);
+    cr_expect(close_rel(got, exp), "sched %d p=%g spe=%g: got %.12g expected %.12g",
+              (int)c->sched, p, spe, got, exp);
+}
+
+Test(sched, constant)
+{
+    ps_config_t c = sched_cfg(PS_SCHED_CONSTANT);
+    expect_lr(&c, 0.0, 100, 0.1);
+    expect_lr(&c, 5.5, 100, 0.1);
+    expect_lr(&c, 9.99, 100, 0.1);
+}
+
+Test(sched, constant_warmup)
+{
+    /* warm-up 0.5 epochs at 100 steps/epoch: W = 50 steps, step s gets (s+1)/50 */
+    ps_config_t c = sched_cfg(PS_SCHED_CONSTANT);
+    c.warmup_epochs = 0.5;
+    expect_lr(&c, 0.0, 100, 0.1 * 1 / 50);      /* 0.002 */
+    expect_lr(&c, 0.10, 100, 0.1 * 11 / 50);    /* s = 10: 0.022 */
+    expect_lr(&c, 0.25, 100, 0.1 * 26 / 50);    /* s = 25: 0.052 */
+    expect_lr(&c, 49.0 / 100, 100, 0.1);        /* s = 49: 50/50 */
+    expect_lr(&c, 0.5, 100, 0.1);               /* s = 50: past warm-up */
+    expect_lr(&c, 3.0, 100, 0.1);
+    /* fractional W = 2.5 steps (spe 5): s = 2 would be 3/2.5, capped at 1 */
+    expect_lr(&c, 0.0, 5, 0.1 * 1 / 2.5);
+    expect_lr(&c, 1.0 / 5, 5, 0.1 * 2 / 2.5);
+    expect_lr(&c, 2.0 / 5, 5, 0.1);
+}
+
+Test(sched, step)
+{
+    /* gamma 0.5 every 3 epochs: 0.1 on [0,3), 0.05 on [3,6), 0.025 on [6,9), ... */
+    ps_config_t c = sched_cfg(PS_SCHED_STEP);
+    c.gamma = 0.5;
+    c.step_epochs = 3;
+    expect_lr(&c, 0.0, 100, 0.1);
+    expect_lr(&c, 2.99, 100, 0.1);
+    expect_lr(&c, 3.0, 100, 0.05);
+    expect_lr(&c, 5.5, 100, 0.05);
+    expect_lr(&c, 6.0, 100, 0.025);
+    expect_lr(&c, 9.5, 100, 0.0125);
+    /* 0.6/0.3 = 1.9999999999999998 in double: the 1e-9 nudge makes it 2 */
+    c.step_epochs = 0.3;
+    expect_lr(&c, 0.6, 100, 0.025);
+    expect_lr(&c, 0.59, 100, 0.05);
+}
+
+Test(sched, cosine)
+{
+    /* min 0.001, T = 10: f(p) = 0.001 + 0.099*0.5*(1 + cos(pi p/10)) */
+    ps_config_t c = sched_cfg(PS_SCHED_COSINE);
+    c.min_lr = 0.001;
+    expect_lr(&c, 0.0, 100, 0.1);
+    expect_lr(&c, 2.5, 100, 0.0855017857);  /* cos(pi/4) = 0.70710678 */
+    expect_lr(&c, 5.0, 100, 0.0505);        /* cos(pi/2) = 0 */
+    expect_lr(&c, 10.0, 100, 0.001);        /* cos(pi) = -1 */
+    expect_lr(&c, 12.0, 100, 0.001);        /* clamped at T */
+}
+
+Test(sched, cosine_warmup)
+{
+    /* warm-up 1 epoch at 10 steps/epoch; p = 0.5 -> s = 5 -> mult 6/10;
+     * base = 0.001 + 0.0495*(1 + cos(0.05 pi)) = 0.001 + 0.0495*1.98768834
+     *      = 0.0993905729; lr = 0.0596343437 */
+    ps_config_t c = sched_cfg(PS_SCHED_COSINE);
+    c.min_lr = 0.001;
+    c.warmup_epochs = 1.0;
+    expect_lr(&c, 0.5, 10, 0.0596343437);
+    expect_lr(&c, 0.0, 10, 0.01);   /* base 0.1, mult 1/10 */
+    expect_lr(&c, 5.0, 10, 0.0505); /* past warm-up */
+}
+
+Test(sched, onecycle)
+{
+    /* T = 10, spe 100 -> S = 1000 steps; div 25 -> initial 0.004;
+     * final_div 1e4 -> final 4e-7; pct_start 0.3 -> e1 = 299, e2 = 999. */
+    ps_config_t c = sched_cfg(PS_SCHED_ONECYCLE);
+    c.pct_start = 0.3;
+    c.div_factor = 25;
+    c.final_div_factor = 1e4;
+    expect_lr(&c, 0.0, 100, 0.004);                 /* start = lr/div */
+    expect_lr(&c, 1.495, 100, (0.004 + 0.1) / 2);   /* s = 149.5: half way up, 0.052 */
+    expect_lr(&c, 2.99, 100, 0.1);                  /* s = 299 = e1: peak */
+    expect_lr(&c, 6.49, 100, (0.1 + 4e-7) / 2);     /* s = 649: half way down */
+    expect_lr(&c, 9.99, 100, 4e-7);                 /* s = 999 = e2: final */
+    expect_lr(&c, 10.0, 100, 4e-7);                 /* past the end: clamped */
+    /* a quarter up: s = 74.75 -> pct 0.25 -> 0.1 + (0.004-0.1)/2*(1+cos(pi/4))
+     * = 0.1 - 0.048*1.70710678 = 0.0180588745 */
+    expect_lr(&c, 0.7475, 100, 0.0180588745);
+}
+
+Test(sched, onecycle_odd_steps)
+{
+    /* spe 7, T 2 -> S = 14, pct 0.5 -> e1 = 6, e2 = 13; p = k/7 is inexact.
+     * s = 6 -> lr; s = 0 -> lr/10; s = 13 -> lr/10/100 = 1e-4 */
+    ps_config_t c = sched_cfg(PS_SCHED_ONECYCLE);
+    c.epochs = 2;
+    c.pct_start = 0.5;
+    c.div_factor = 10;
+    c.final_div_factor = 100;
+    expect_lr(&c, 0.0 / 7, 7, 0.01);
+    expect_lr(&c, 6.0 / 7, 7, 0.1);
+    expect_lr(&c, 13.0 / 7, 7, 1e-4);
+    /* s = 3: pct 0.5 -> (0.01 + 0.1)/2 = 0.055 */
+    expect_lr(&c, 3.0 / 7, 7, 0.055);
+}
+
+Test(sched, onecycle_degenerate)
+{
+    /* S = 2 steps, e1 = 0.3*2 - 1 < 0: no rising phase; stays finite */
+    ps_config_t c = sched_cfg(PS_SCHED_ONECYCLE);
+    c.epochs = 1;
+    c.pct_start = 0.3;
+    c.div_factor = 25;
+    c.final_div_factor = 1e4;
+    for (int s = 0; s < 3; s++) {
+        double lr = psd_sched_lr(&c, s / 2.0, 2);
+        cr_expect(isfinite(lr) && lr > 0 && lr <= 0.1, "s=%d lr=%g", s, lr);
+    }
+    /* S = 1 step: e1 = -0.7, e2 = 0 */
+    c.epochs = 1;
+    double lr = psd_sched_lr(&c, 0.0, 1);
+    cr_expect(isfinite(lr) && lr > 0 && lr <= 0.1, "lr=%g", lr);
+}

@@ -1,0 +1,331 @@
+/* Wire framing: encode/decode round trips and rejection of malformed messages. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "ps_wire.h"
+
+static void *ctx, *router, *dealer;
+
+static void setup(void)
+{
+    ctx = zmq_ctx_new();
+    router = zmq_socket(ctx, ZMQ_ROUTER);
+    dealer = zmq_socket(ctx, ZMQ_DEALER);
+    cr_assert_eq(zmq_bind(router, "inproc://wire"), 0);
+    cr_assert_eq(zmq_connect(dealer, "inproc://wire"), 0);
+}
+
+static void teardown(void)
+{
+    int z = 0;
+    zmq_setsockopt(router, ZMQ_LINGER, &z, sizeof z);
+    zmq_setsockopt(dealer, ZMQ_LINGER, &z, sizeof z);
+    zmq_close(router);
+    zmq_close(dealer);
+    zmq_ctx_term(ctx);
+}
+
+TestSuite(wire, .init = setup, .fini = teardown);
+
+static atomic_int freed;
+static void count_free(void *data, void *hint)
+{
+    (void)data;
+    (void)hint;
+    atomic_fetch_add(&freed, 1);
+}
+
+static int recv_router(ps_msg_t *m, char *err)
+{
+    zmq_pollitem_t it = {router, 0, ZMQ_POLLIN, 0};
+    zmq_poll(&it, 1, 2000);
+    return ps_msg_recv(router, m, true, ZMQ_DONTWAIT, err, 256);
+}
+
+static void send_valid_pull(uint64_t v)
+{
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Pull p = PSD__PULL__INIT;
+    h.type = PSD__MSG_TYPE__MSG_PULL;
+    h.run_id = 7;
+    p.min_version = v;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &p;
+    cr_assert_eq(ps_msg_send(dealer, NULL, 0, &h, NULL, 0), 0);
+}
+
+/* After a rejected message the next valid one must still come through intact. */
+static void expect_valid_pull(uint64_t v)
+{
+    ps_msg_t m;
+    char err[256];
+    cr_assert_eq(recv_router(&m, err), 0, "valid message after a bad one: %s", err);
+    cr_assert_eq(m.hdr->type, PSD__MSG_TYPE__MSG_PULL);
+    cr_assert_eq(m.hdr->pull->min_version, v);
+    cr_assert_eq(m.n_frames, 0);
+    ps_msg_deinit(&m);
+}
+
+Test(wire, push_round_trip_zero_copy)
+{
+    float a[6] = {1, 2, 3, 4, 5, 6}, b[3] = {-1, -2, -3};
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Push p = PSD__PUSH__INIT;
+    h.type = PSD__MSG_TYPE__MSG_PUSH;
+    h.run_id = 0x1234;
+    h.rank = 3;
+    h.seq = 9;
+    p.version = 41;
+    p.batch = 64;
+    p.loss_sum = 12.5;
+    p.correct = 50;
+    p.pull = 1;
+    h.body_case = PSD__HEADER__BODY_PUSH;
+    h.push = &p;
+    ps_frame_t fr[2] = {
+        {.data = a, .nbytes = sizeof a, .ffn = count_free, .id = 0, .dtype = PSD__DTYPE__DT_F32, .rows = 2, .cols = 3},
+        {.data = b, .nbytes = sizeof b, .ffn = count_free, .id = 1, .dtype = PSD__DTYPE__DT_F32, .rows = 3},
+    };
+    atomic_store(&freed, 0);
+    cr_assert_eq(ps_msg_send(dealer, NULL, 0, &h, fr, 2), 0);
+    ps_msg_t m;
+    char err[256];
+    cr_assert_eq(recv_router(&m, err), 0, "%s", err);
+    cr_assert_eq(m.hdr->protocol, PS_PROTOCOL_VERSION);
+    cr_assert_eq(m.hdr->run_id, 0x1234);
+    cr_assert_eq(m.hdr->rank, 3);
+    cr_assert_eq(m.hdr->seq, 9);
+    cr_assert_eq(m.hdr->push->version, 41);
+    cr_assert_eq(m.hdr->push->batch, 64);
+    cr_assert_float_eq(m.hdr->push->loss_sum, 12.5, 0);
+    cr_assert(m.hdr->push->pull);
+    cr_assert_eq(m.n_frames, 2);
+    cr_assert_gt(m.ident_len, 0);
+    size_t n;
+    const float *g0 = ps_msg_f32(&m, 0, &n);
+    cr_assert_not_null(g0);
+    cr_assert_eq(n, 6);
+    cr_assert_arr_eq(g0, a, sizeof a);
+    const float *g1 = ps_msg_f32(&m, 1, &n);
+    cr_assert_eq(n, 3);
+    cr_assert_arr_eq(g1, b, sizeof b);
+    cr_assert_null(ps_msg_u32(&m, 0, &n), "dtype is checked");
+    cr_assert_eq(m.hdr->tensors[0]->n_shape, 2);
+    cr_assert_eq(m.hdr->tensors[1]->n_shape, 1);
+    ps_msg_deinit(&m);
+    ps_msg_deinit(&m); /* idempotent */
+    /* ZeroMQ released both zero-copy frames */
+    for (int i = 0; i < 200 && atomic_load(&freed) < 2; i++) zmq_poll(NULL, 0, 5);
+    cr_assert_eq(atomic_load(&freed), 2);
+}
+
+Test(wire, router_to_dealer_with_u32_frame)
+{
+    send_valid_pull(1); /* learn the dealer's identity */
+    ps_msg_t m;
+    char err[256];
+    cr_assert_eq(recv_router(&m, err), 0);
+    uint8_t ident[256];
+    size_t ilen = m.ident_len;
+    memcpy(ident, m.ident, ilen);
+    ps_msg_deinit(&m);
+
+    uint32_t ids[5] = {4, 0, 3, 1, 2};
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Epoch e = PSD__EPOCH__INIT;
+    h.type = PSD__MSG_TYPE__MSG_EPOCH;
+    e.epoch = 2;
+    e.world = 3;
+    h.body_case = PSD__HEADER__BODY_EPOCH;
+    h.epoch = &e;
+    ps_frame_t fr = {.data = ids, .nbytes = sizeof ids, .dtype = PSD__DTYPE__DT_U32, .rows = 5};
+    cr_assert_eq(ps_msg_send(router, ident, ilen, &h, &fr, 1), 0);
+    zmq_pollitem_t it = {dealer, 0, ZMQ_POLLIN, 0};
+    zmq_poll(&it, 1, 2000);
+    cr_assert_eq(ps_msg_recv(dealer, &m, false, ZMQ_DONTWAIT, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(m.hdr->epoch->epoch, 2);
+    size_t n;
+    const uint32_t *got = ps_msg_u32(&m, 0, &n);
+    cr_assert_eq(n, 5);
+    cr_assert_arr_eq(got, ids, sizeof ids);
+    ps_msg_deinit(&m);
+}
+
+/* Send raw frames from the dealer. */
+static void send_raw(const void *const *parts, const size_t *lens, int n)
+{
+    for (int i = 0; i < n; i++)
+        cr_assert_geq(zmq_send(dealer, parts[i], lens[i], i + 1 < n ? ZMQ_SNDMORE : 0), 0);
+}
+
+static size_t pack(Psd__Header *h, uint8_t *buf)
+{
+    h->protocol = PS_PROTOCOL_VERSION;
+    return psd__header__pack(h, buf);
+}
+
+static void expect_rejected(const char *what)
+{
+    ps_msg_t m;
+    char err[256];
+    int rc = recv_router(&m, err);
+    cr_assert_eq(rc, -EPROTO, "%s: expected rejection, got %d", what, rc);
+    cr_assert_neq(err[0], '\0', "%s: a reason is given", what);
+    cr_assert_null(m.hdr);
+}
+
+Test(wire, garbage_header_is_dropped)
+{
+    const char junk[] = "\xff\xff\xff\xff this is not protobuf";
+    const void *parts[] = {junk};
+    size_t lens[] = {sizeof junk};
+    send_raw(parts, lens, 1);
+    expect_rejected("garbage");
+    send_valid_pull(5);
+    expect_valid_pull(5);
+}
+
+Test(wire, empty_header_is_dropped)
+{
+    const void *parts[] = {""};
+    size_t lens[] = {0};
+    send_raw(parts, lens, 1);
+    expect_rejected("empty");
+    send_valid_pull(6);
+    expect_valid_pull(6);
+}
+
+Test(wire, type_without_body_is_dropped)
+{
+    uint8_t buf[256];
+    Psd__Header h = PSD__HEADER__INIT;
+    h.type = PSD__MSG_TYPE__MSG_PUSH; /* no push body */
+    size_t n = pack(&h, buf);
+    const void *parts[] = {buf};
+    size_t lens[] = {n};
+    send_raw(parts, lens, 1);
+    expect_rejected("no body");
+    /* body of another type */
+    Psd__Pull p = PSD__PULL__INIT;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &p;
+    lens[0] = pack(&h, buf);
+    send_raw(parts, lens, 1);
+    expect_rejected("wrong body");
+    send_valid_pull(7);
+    expect_valid_pull(7);
+}
+
+Test(wire, unknown_type_is_dropped)
+{
+    uint8_t buf[256];
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Pull p = PSD__PULL__INIT;
+    h.type = 99;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &p;
+    size_t n = pack(&h, buf);
+    const void *parts[] = {buf};
+    size_t lens[] = {n};
+    send_raw(parts, lens, 1);
+    expect_rejected("unknown type");
+    send_valid_pull(8);
+    expect_valid_pull(8);
+}
+
+/* A PUSH header with one descriptor, followed by the given frames. */
+static void send_push_with(Psd__TensorDesc *d, int n_desc, const void *const *frames,
+                           const size_t *lens, int n_frames)
+{
+    uint8_t buf[1024];
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Push p = PSD__PUSH__INIT;
+    Psd__TensorDesc *dp[4] = {d, d, d, d};
+    h.type = PSD__MSG_TYPE__MSG_PUSH;
+    h.body_case = PSD__HEADER__BODY_PUSH;
+    h.push = &p;
+    h.tensors = dp;
+    h.n_tensors = (size_t)n_desc;
+    size_t n = pack(&h, buf);
+    const void *parts[8] = {buf};
+    size_t plens[8] = {n};
+    for (int i = 0; i < n_frames; i++) {
+        parts[i + 1] = frames[i];
+        plens[i + 1] = lens[i];
+    }
+    send_raw(parts, plens, n_frames + 1);
+}
+
+Test(wire, frame_count_and_sizes_are_checked)
+{
+    float data[4] = {0};
+    uint32_t shape[2] = {2, 2};
+    Psd__TensorDesc d = PSD__TENSOR_DESC__INIT;
+    d.dtype = PSD__DTYPE__DT_F32;
+    d.shape = shape;
+    d.n_shape = 2;
+    d.nbytes = sizeof data;
+    const void *fr[3] = {data, data, data};
+    size_t lens[3] = {sizeof data, sizeof data, sizeof data};
+
+    send_push_with(&d, 2, fr, lens, 1); /* fewer frames than descriptors */
+    expect_rejected("missing frame");
+    send_push_with(&d, 1, fr, lens, 3); /* more frames than descriptors */
+    expect_rejected("extra frames");
+    size_t short_len[1] = {sizeof data - 4};
+    send_push_with(&d, 1, fr, short_len, 1); /* byte length differs */
+    expect_rejected("length mismatch");
+    d.dtype = 77;
+    send_push_with(&d, 1, fr, lens, 1);
+    expect_rejected("unknown dtype");
+    d.dtype = PSD__DTYPE__DT_F32;
+    shape[1] = 0;
+    send_push_with(&d, 1, fr, lens, 1);
+    expect_rejected("zero dimension");
+    shape[1] = 2;
+    d.offset = 2; /* 4 floats at offset 2 of a 4-float tensor */
+    send_push_with(&d, 1, fr, lens, 1);
+    expect_rejected("offset outside shape");
+    d.offset = 0;
+    send_push_with(&d, 1, fr, lens, 1); /* and now a good one */
+    ps_msg_t m;
+    char err[256];
+    cr_assert_eq(recv_router(&m, err), 0, "%s", err);
+    cr_assert_eq(m.n_frames, 1);
+    ps_msg_deinit(&m);
+    send_valid_pull(9);
+    expect_valid_pull(9);
+}
+
+Test(wire, too_many_descriptors_are_refused)
+{
+    uint8_t *buf = malloc(1 << 16);
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Push p = PSD__PUSH__INIT;
+    Psd__TensorDesc d = PSD__TENSOR_DESC__INIT;
+    Psd__TensorDesc *dp[PS_MAX_FRAMES + 1];
+    for (int i = 0; i <= PS_MAX_FRAMES; i++) dp[i] = &d;
+    h.type = PSD__MSG_TYPE__MSG_PUSH;
+    h.body_case = PSD__HEADER__BODY_PUSH;
+    h.push = &p;
+    h.tensors = dp;
+    h.n_tensors = PS_MAX_FRAMES + 1;
+    size_t n = pack(&h, buf);
+    const void *parts[] = {buf, "x"};
+    size_t lens[] = {n, 1};
+    send_raw(parts, lens, 2);
+    expect_rejected("too many descriptors");
+    free(buf);
+    send_valid_pull(10);
+    expect_valid_pull(10);
+}
+
+Test(wire, type_names)
+{
+    cr_assert_str_eq(ps_msg_type_name(PSD__MSG_TYPE__MSG_PUSH), "PUSH");
+    cr_assert_str_eq(ps_msg_type_name(1000), "UNKNOWN");
+    cr_assert_str_eq(ps_msg_type_name(-1), "UNKNOWN");
+}

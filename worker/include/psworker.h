@@ -1,0 +1,118 @@
+/* psworker.h - the worker side of the psd protocol, as a small C library.
+ *
+ * pworker is built on it; any training program can be a psd worker with it:
+ *
+ *   psw_client_t *c = psw_client_new("tcp://host:5555", &info, err, sizeof err);
+ *   psw_client_register(c, &assign, timeout, err, sizeof err);  // rank, model, data
+ *   ... check data, psw_client_ready(c, ...) ...
+ *   for (;;) switch (psw_client_next(c, &ev, timeout, ...)) { EPOCH, WEIGHTS, VALIDATE, SHUTDOWN }
+ *
+ * Every call is blocking with a deadline; nothing waits forever. Functions
+ * return 0 or a negative errno (-ETIMEDOUT when psd stayed silent, -EPROTO for
+ * a protocol mismatch or refusal, with a message in err). The client owns one
+ * ZeroMQ context and DEALER socket; not thread-safe. */
+#ifndef PSWORKER_H
+#define PSWORKER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PSW_MAX_LAYERS 16
+#define PSW_MAX_TENSORS (2 * PSW_MAX_LAYERS)
+#define PSW_PATH_MAX 1024
+
+typedef struct psw_client psw_client_t;
+
+typedef struct {
+    const char *device;        /* "cpu" */
+    int device_index;          /* -1 for cpu */
+    const char *identity_hint; /* e.g. SLURM_PROCID, may be NULL */
+    unsigned threads;          /* user's --threads, 0 = default */
+    unsigned protocol;         /* 0 = this library's protocol (tests override) */
+} psw_info_t;
+
+typedef struct {
+    char role[32];
+    char path[PSW_PATH_MAX];
+    uint64_t size, hash;
+} psw_file_t;
+
+typedef struct {
+    uint32_t rank;
+    uint64_t run_id;
+    int n_sizes;
+    int sizes[PSW_MAX_LAYERS + 1];
+    int n_files;
+    psw_file_t files[4];       /* train_images, train_labels, test_images, test_labels */
+    uint32_t batch_size, val_batch_size;
+    double norm_mean, norm_std;
+    uint64_t train_limit;
+    uint32_t epochs;
+    uint64_t seed;
+    double start_timeout_s;    /* how long to wait for the first epoch */
+    double step_timeout_s;     /* how long to wait for any later reply */
+} psw_assign_t;
+
+typedef enum {
+    PSW_EV_EPOCH = 1,   /* samples[]: this worker's training sample ids for the epoch */
+    PSW_EV_WEIGHTS,     /* tensors[]: new weights at `version` */
+    PSW_EV_VALIDATE,    /* tensors[] + [val_begin, val_end) of the test set */
+    PSW_EV_SHUTDOWN,    /* exit with exit_code */
+} psw_event_kind_t;
+
+typedef struct {
+    psw_event_kind_t kind;
+    uint32_t epoch;
+    uint64_t version;
+    uint64_t step;
+    uint32_t world, workers_on_host;
+    const uint32_t *samples;   /* borrowed until the next psw_client_next */
+    size_t n_samples;
+    int n_tensors;
+    const float *tensors[PSW_MAX_TENSORS]; /* borrowed until the next psw_client_next */
+    size_t tensor_numel[PSW_MAX_TENSORS];
+    uint64_t val_begin, val_end;
+    int exit_code;
+    char message[256];
+} psw_event_t;
+
+/* Connect (lazily: ZeroMQ connects in the background). NULL + err on a bad
+ * endpoint. Caller owns (psw_client_destroy). */
+psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char *err, size_t errlen);
+void psw_client_destroy(psw_client_t **c);
+
+/* Register and wait up to timeout_s for the assignment. */
+int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, char *err, size_t errlen);
+
+/* Data checked; ready to train. */
+int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count);
+
+/* Wait up to timeout_s for the next instruction from psd. */
+int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen);
+
+/* Ask for weights of version >= min_version (answered by a WEIGHTS event). */
+int psw_client_pull(psw_client_t *c, uint64_t min_version);
+
+/* Push the mean gradient of a batch computed on `version`. grads[i] has
+ * numel[i] floats for tensor i (n tensors, in layout order). The buffers are
+ * sent without copying: do not modify them until psw_client_push_done()
+ * returns nonzero (in synchronous mode, any reply of psd implies it). pull:
+ * ask for the next version in the same message. */
+int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum,
+                    uint64_t correct, int pull, int n, const float *const *grads,
+                    const size_t *numel, const int *rows, const int *cols);
+int psw_client_push_done(psw_client_t *c);
+
+/* My part of the epoch is done. */
+int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples);
+
+/* Validation partial sums for the test range given by VALIDATE. */
+int psw_client_val_result(psw_client_t *c, uint32_t epoch, uint64_t version, double loss_sum,
+                          uint64_t correct, uint64_t count);
+
+/* Tell psd this worker fails (data mismatch, device error) before exiting. */
+int psw_client_fail(psw_client_t *c, int data_error, const char *message);
+
+uint32_t psw_client_rank(const psw_client_t *c);
+
+#endif

@@ -1,0 +1,57 @@
+/* psw_backend.h - the compute backend interface of a worker.
+ *
+ * A backend is a table of functions over buffers it allocates ("device"
+ * memory: host memory for the CPU backend, GPU memory for CUDA). Every op has
+ * the same signature in every backend: outputs first, then inputs, then sizes.
+ * Matrices are row-major. Ops may run asynchronously; host results are
+ * complete after backend->sync(). The CPU backend (worker/cpu) is the
+ * reference the others are tested against. */
+#ifndef PSW_BACKEND_H
+#define PSW_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct psw_backend psw_backend_t;
+
+struct psw_backend {
+    const char *name; /* "cpu", "cuda" */
+    void *ctx;        /* backend private */
+
+    /* memory: device buffers, zero-filled on alloc */
+    void *(*alloc)(psw_backend_t *be, size_t bytes);
+    void (*free)(psw_backend_t *be, void *p);
+    void (*upload)(psw_backend_t *be, void *dst, const void *src_host, size_t bytes);
+    void (*download)(psw_backend_t *be, void *dst_host, const void *src, size_t bytes);
+    void (*sync)(psw_backend_t *be);
+
+    /* y (B,out) = x (B,in) @ W^T + b, with W (out,in), b (out) */
+    void (*linear_fwd)(psw_backend_t *be, float *y, const float *x, const float *W,
+                       const float *b, int B, int in, int out);
+    /* dW (out,in) = dy^T @ x ; db (out) = sum over B of dy ; dx (B,in) = dy @ W.
+     * dW and db are overwritten (not accumulated); dx may be NULL (first layer). */
+    void (*linear_bwd)(psw_backend_t *be, float *dx, float *dW, float *db, const float *dy,
+                       const float *x, const float *W, int B, int in, int out);
+    /* y = max(x, 0), n elements; y may equal x */
+    void (*relu_fwd)(psw_backend_t *be, float *y, const float *x, size_t n);
+    /* dx = dy * (y > 0); dx may equal dy */
+    void (*relu_bwd)(psw_backend_t *be, float *dx, const float *dy, const float *y, size_t n);
+    /* Softmax cross-entropy over logits (B,C) with int32 labels (B) in device
+     * memory. Adds sum over the batch of -log softmax(logits)[label] (computed
+     * per sample in float with max-subtraction, summed in double) to
+     * *loss_sum_host, and the number of samples whose argmax (first maximum)
+     * equals the label to *correct_host; both are host pointers, valid after
+     * the call returns. If dlogits is not NULL, writes
+     * dlogits = (softmax - onehot(label)) * grad_scale. */
+    void (*xent)(psw_backend_t *be, float *dlogits, const float *logits, const int32_t *labels,
+                 int B, int C, float grad_scale, double *loss_sum_host, int64_t *correct_host);
+
+    /* Release everything; be is freed. */
+    void (*destroy)(psw_backend_t *be);
+};
+
+/* The CPU backend on OpenBLAS with `threads` BLAS threads (0 = leave as is).
+ * Caller owns the result (be->destroy(be)). */
+psw_backend_t *psw_backend_cpu_new(int threads);
+
+#endif

@@ -1,0 +1,394 @@
+/* psw_client.c - worker side of the psd protocol (see include/psworker.h). */
+#include "psworker.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ps_log.h"
+#include "ps_util.h"
+#include "ps_wire.h"
+
+struct psw_client {
+    void *ctx, *sock;
+    char endpoint[256];
+    psw_info_t info;
+    unsigned protocol;
+    uint64_t run_id;
+    uint32_t rank;
+    uint64_t seq;
+    ps_msg_t cur;           /* last received message (event data borrowed from it) */
+    atomic_int push_inflight; /* gradient frames ZeroMQ still holds */
+};
+
+static void push_frame_done(void *data, void *hint)
+{
+    (void)data;
+    psw_client_t *c = hint;
+    atomic_fetch_sub_explicit(&c->push_inflight, 1, memory_order_release);
+}
+
+psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char *err, size_t errlen)
+{
+    psw_client_t *c = calloc(1, sizeof *c);
+    if (!c) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    c->info = *info;
+    c->protocol = info->protocol ? info->protocol : PS_PROTOCOL_VERSION;
+    snprintf(c->endpoint, sizeof c->endpoint, "%s", endpoint);
+    c->ctx = zmq_ctx_new();
+    if (!c->ctx) goto zfail;
+    c->sock = zmq_socket(c->ctx, ZMQ_DEALER);
+    if (!c->sock) goto zfail;
+    int linger = 2000, ivl = 1000, tmo = 10000, zero = 0;
+    zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
+    zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_TIMEOUT, &tmo, sizeof tmo);
+    /* no send/receive queue limit: at most a few messages are ever in flight */
+    zmq_setsockopt(c->sock, ZMQ_SNDHWM, &zero, sizeof zero);
+    zmq_setsockopt(c->sock, ZMQ_RCVHWM, &zero, sizeof zero);
+    if (zmq_connect(c->sock, endpoint) != 0) {
+        snprintf(err, errlen, "cannot connect to '%s': %s", endpoint, zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    return c;
+zfail:
+    snprintf(err, errlen, "zeromq: %s", zmq_strerror(zmq_errno()));
+fail:
+    psw_client_destroy(&c);
+    return NULL;
+}
+
+void psw_client_destroy(psw_client_t **cp)
+{
+    psw_client_t *c = *cp;
+    if (!c) return;
+    ps_msg_deinit(&c->cur);
+    if (c->sock) zmq_close(c->sock);
+    if (c->ctx) zmq_ctx_term(c->ctx);
+    free(c);
+    *cp = NULL;
+}
+
+uint32_t psw_client_rank(const psw_client_t *c) { return c->rank; }
+
+static void header_init(psw_client_t *c, Psd__Header *h, Psd__MsgType type)
+{
+    psd__header__init(h);
+    h->run_id = c->run_id;
+    h->type = type;
+    h->rank = c->rank;
+    h->seq = ++c->seq;
+}
+
+/* Send with the (possibly overridden) protocol number. */
+static int send_msg(psw_client_t *c, Psd__Header *h, const ps_frame_t *frames, int n)
+{
+    if (c->protocol == PS_PROTOCOL_VERSION) return ps_msg_send(c->sock, NULL, 0, h, frames, n);
+    /* test path: pack by hand with the other protocol number */
+    h->protocol = c->protocol;
+    size_t len = psd__header__get_packed_size(h);
+    uint8_t *buf = malloc(len);
+    if (!buf) return -ENOMEM;
+    psd__header__pack(h, buf);
+    int rc = zmq_send(c->sock, buf, len, 0) < 0 ? -zmq_errno() : 0;
+    free(buf);
+    (void)frames;
+    (void)n;
+    return rc;
+}
+
+static int send_hdr(psw_client_t *c, Psd__Header *h) { return send_msg(c, h, NULL, 0); }
+
+/* Wait for one well-formed message from psd, up to timeout_s. */
+static int recv_msg(psw_client_t *c, double timeout_s, char *err, size_t errlen)
+{
+    double deadline = ps_now() + timeout_s;
+    ps_msg_deinit(&c->cur);
+    for (;;) {
+        double left = deadline - ps_now();
+        if (left <= 0) {
+            snprintf(err, errlen, "psd at %s sent nothing for %.0f s", c->endpoint, timeout_s);
+            return -ETIMEDOUT;
+        }
+        zmq_pollitem_t it = {c->sock, 0, ZMQ_POLLIN, 0};
+        int n = zmq_poll(&it, 1, (long)(left * 1000) + 1);
+        if (n < 0) {
+            if (zmq_errno() == EINTR) return -EINTR;
+            snprintf(err, errlen, "zeromq: %s", zmq_strerror(zmq_errno()));
+            return -zmq_errno();
+        }
+        if (n == 0) continue;
+        char why[256];
+        int rc = ps_msg_recv(c->sock, &c->cur, false, ZMQ_DONTWAIT, why, sizeof why);
+        if (rc == -EAGAIN) continue;
+        if (rc == -EPROTO) {
+            PS_WARN("dropped a malformed message from psd: %s", why);
+            continue;
+        }
+        if (rc < 0) {
+            snprintf(err, errlen, "zeromq: %s", zmq_strerror(-rc));
+            return rc;
+        }
+        Psd__Header *h = c->cur.hdr;
+        if (h->protocol != c->protocol) {
+            snprintf(err, errlen, "psd at %s speaks protocol %u, this worker %u", c->endpoint,
+                     h->protocol, c->protocol);
+            return -EPROTO;
+        }
+        if (h->type == PSD__MSG_TYPE__MSG_ERROR) {
+            snprintf(err, errlen, "psd refused: %s",
+                     h->error->message && h->error->message[0] ? h->error->message : "(no reason)");
+            return -EPROTO;
+        }
+        if (c->run_id && h->run_id != c->run_id) {
+            PS_WARN("dropped a message of run %016llx (this run is %016llx)",
+                    (unsigned long long)h->run_id, (unsigned long long)c->run_id);
+            continue;
+        }
+        return 0;
+    }
+}
+
+int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, char *err, size_t errlen)
+{
+    char host[256], hostid[256];
+    ps_hostname(host, sizeof host);
+    ps_host_id(hostid, sizeof hostid);
+    Psd__Header h;
+    Psd__Register r = PSD__REGISTER__INIT;
+    header_init(c, &h, PSD__MSG_TYPE__MSG_REGISTER);
+    r.hostname = host;
+    r.host_id = hostid;
+    r.pid = (uint32_t)getpid();
+    r.device = (char *)(c->info.device ? c->info.device : "cpu");
+    r.device_index = c->info.device_index;
+    r.identity_hint = (char *)(c->info.identity_hint ? c->info.identity_hint : "");
+    r.version = PSD_VERSION;
+    r.threads = c->info.threads;
+    h.body_case = PSD__HEADER__BODY_REG;
+    h.reg = &r;
+    int rc = send_msg(c, &h, NULL, 0);
+    if (rc < 0) {
+        snprintf(err, errlen, "cannot send to psd: %s", zmq_strerror(-rc));
+        return rc;
+    }
+    for (;;) {
+        rc = recv_msg(c, timeout_s, err, errlen);
+        if (rc < 0) return rc;
+        if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_ASSIGN) break;
+        PS_WARN("dropped an unexpected %s before the assignment", ps_msg_type_name((int)c->cur.hdr->type));
+    }
+    Psd__Header *ah = c->cur.hdr;
+    Psd__Assign *a = ah->assign;
+    memset(out, 0, sizeof *out);
+    if (ah->run_id == 0 || a->n_layers < 2 || a->n_layers > PSW_MAX_LAYERS + 1 || !a->hyper ||
+        a->n_files != 4 || a->hyper->batch_size == 0 || a->hyper->val_batch_size == 0 ||
+        !(a->hyper->norm_std > 0) || !(a->start_timeout_s > 0) || !(a->step_timeout_s > 0)) {
+        snprintf(err, errlen, "psd sent an invalid assignment");
+        return -EPROTO;
+    }
+    c->run_id = ah->run_id;
+    c->rank = a->rank;
+    out->rank = a->rank;
+    out->run_id = ah->run_id;
+    out->n_sizes = (int)a->n_layers;
+    for (size_t i = 0; i < a->n_layers; i++) {
+        if (a->layers[i] < 1 || a->layers[i] > (1u << 20)) {
+            snprintf(err, errlen, "psd sent an invalid layer size");
+            return -EPROTO;
+        }
+        out->sizes[i] = (int)a->layers[i];
+    }
+    out->n_files = 4;
+    for (int i = 0; i < 4; i++) {
+        Psd__DataFile *f = a->files[i];
+        snprintf(out->files[i].role, sizeof out->files[i].role, "%s", f->role ? f->role : "");
+        if (!f->path || strlen(f->path) >= PSW_PATH_MAX) {
+            snprintf(err, errlen, "psd sent an invalid data path");
+            return -EPROTO;
+        }
+        snprintf(out->files[i].path, sizeof out->files[i].path, "%s", f->path);
+        out->files[i].size = f->size;
+        out->files[i].hash = f->hash;
+    }
+    out->batch_size = a->hyper->batch_size;
+    out->val_batch_size = a->hyper->val_batch_size;
+    out->norm_mean = a->hyper->norm_mean;
+    out->norm_std = a->hyper->norm_std;
+    out->train_limit = a->hyper->train_limit;
+    out->epochs = a->hyper->epochs;
+    out->seed = a->hyper->seed;
+    out->start_timeout_s = a->start_timeout_s;
+    out->step_timeout_s = a->step_timeout_s;
+    return 0;
+}
+
+int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count)
+{
+    Psd__Header h;
+    Psd__Ready r = PSD__READY__INIT;
+    header_init(c, &h, PSD__MSG_TYPE__MSG_READY);
+    r.train_count = train_count;
+    r.test_count = test_count;
+    h.body_case = PSD__HEADER__BODY_READY;
+    h.ready = &r;
+    return send_hdr(c, &h);
+}
+
+int psw_client_pull(psw_client_t *c, uint64_t min_version)
+{
+    Psd__Header h;
+    Psd__Pull p = PSD__PULL__INIT;
+    header_init(c, &h, PSD__MSG_TYPE__MSG_PULL);
+    p.min_version = min_version;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &p;
+    return send_hdr(c, &h);
+}
+
+int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum,
+                    uint64_t correct, int pull, int n, const float *const *grads,
+                    const size_t *numel, const int *rows, const int *cols)
+{
+    if (n < 0 || n > PSW_MAX_TENSORS) return -EINVAL;
+    Psd__Header h;
+    Psd__Push p = PSD__PUSH__INIT;
+    header_init(c, &h, PSD__MSG_TYPE__MSG_PUSH);
+    p.version = version;
+    p.batch = batch;
+    p.loss_sum = loss_sum;
+    p.correct = correct;
+    p.pull = pull != 0;
+    h.body_case = PSD__HEADER__BODY_PUSH;
+    h.push = &p;
+    ps_frame_t fr[PSW_MAX_TENSORS];
+    for (int i = 0; i < n; i++) {
+        fr[i] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float),
+                             .ffn = push_frame_done, .hint = c, .id = (uint32_t)i,
+                             .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)rows[i],
+                             .cols = (uint32_t)cols[i]};
+    }
+    atomic_fetch_add_explicit(&c->push_inflight, n, memory_order_relaxed);
+    return ps_msg_send(c->sock, NULL, 0, &h, fr, n);
+}
+
+int psw_client_push_done(psw_client_t *c)
+{
+    return atomic_load_explicit(&c->push_inflight, memory_order_acquire) == 0;
+}
+
+int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples)
+{
+    Psd__Header h;
+    Psd__Barrier b = PSD__BARRIER__INIT;
+    header_init(c, &h, PSD__MSG_TYPE__MSG_BARRIER);
+    b.epoch = epoch;
+    b.samples = samples;
+    h.body_case = PSD__HEADER__BODY_BARRIER;
+    h.barrier = &b;
+    return send_hdr(c, &h);
+}
+
+int psw_client_val_result(psw_client_t *c, uint32_t epoch, uint64_t version, double loss_sum,
+                          uint64_t correct, uint64_t count)
+{
+    Psd__Header h;
+    Psd__ValResult v = PSD__VAL_RESULT__INIT;
+    header_init(c, &h, PSD__MSG_TYPE__MSG_VAL_RESULT);
+    v.epoch = epoch;
+    v.version = version;
+    v.loss_sum = loss_sum;
+    v.correct = correct;
+    v.count = count;
+    h.body_case = PSD__HEADER__BODY_VAL_RESULT;
+    h.val_result = &v;
+    return send_hdr(c, &h);
+}
+
+int psw_client_fail(psw_client_t *c, int data_error, const char *message)
+{
+    Psd__Header h;
+    Psd__Error e = PSD__ERROR__INIT;
+    header_init(c, &h, PSD__MSG_TYPE__MSG_ERROR);
+    e.code = data_error ? PSD__ERR_CODE__ERR_DATA : PSD__ERR_CODE__ERR_INTERNAL;
+    e.message = (char *)message;
+    h.body_case = PSD__HEADER__BODY_ERROR;
+    h.error = &e;
+    return send_hdr(c, &h);
+}
+
+/* Tensor frames of a WEIGHTS/VALIDATE message, checked against each other. */
+static int take_tensors(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
+{
+    ev->n_tensors = c->cur.n_frames;
+    for (int i = 0; i < c->cur.n_frames; i++) {
+        size_t n = 0;
+        const float *p = ps_msg_f32(&c->cur, i, &n);
+        if (!p || c->cur.hdr->tensors[i]->id != (uint32_t)i || c->cur.hdr->tensors[i]->offset) {
+            snprintf(err, errlen, "psd sent an invalid weights frame %d", i);
+            return -EPROTO;
+        }
+        ev->tensors[i] = p;
+        ev->tensor_numel[i] = n;
+    }
+    return 0;
+}
+
+int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
+{
+    for (;;) {
+        int rc = recv_msg(c, timeout_s, err, errlen);
+        if (rc < 0) return rc;
+        Psd__Header *h = c->cur.hdr;
+        memset(ev, 0, sizeof *ev);
+        switch (h->type) {
+        case PSD__MSG_TYPE__MSG_EPOCH: {
+            size_t n = 0;
+            const uint32_t *ids = c->cur.n_frames == 1 ? ps_msg_u32(&c->cur, 0, &n) : NULL;
+            if (!ids && c->cur.n_frames != 0) {
+                snprintf(err, errlen, "psd sent an invalid epoch message");
+                return -EPROTO;
+            }
+            ev->kind = PSW_EV_EPOCH;
+            ev->epoch = h->epoch->epoch;
+            ev->version = h->epoch->version;
+            ev->world = h->epoch->world;
+            ev->workers_on_host = h->epoch->workers_on_host;
+            ev->samples = ids;
+            ev->n_samples = ids ? n : 0;
+            return 0;
+        }
+        case PSD__MSG_TYPE__MSG_WEIGHTS:
+            ev->kind = PSW_EV_WEIGHTS;
+            ev->version = h->weights->version;
+            ev->step = h->weights->step;
+            return take_tensors(c, ev, err, errlen);
+        case PSD__MSG_TYPE__MSG_VALIDATE:
+            ev->kind = PSW_EV_VALIDATE;
+            ev->epoch = h->validate->epoch;
+            ev->version = h->validate->version;
+            ev->val_begin = h->validate->begin;
+            ev->val_end = h->validate->end;
+            if (ev->val_end < ev->val_begin) {
+                snprintf(err, errlen, "psd sent an invalid validation range");
+                return -EPROTO;
+            }
+            return take_tensors(c, ev, err, errlen);
+        case PSD__MSG_TYPE__MSG_SHUTDOWN:
+            ev->kind = PSW_EV_SHUTDOWN;
+            ev->exit_code = h->shutdown->exit_code;
+            snprintf(ev->message, sizeof ev->message, "%s",
+                     h->shutdown->reason ? h->shutdown->reason : "");
+            return 0;
+        default:
+            PS_WARN("dropped an unexpected %s from psd", ps_msg_type_name((int)h->type));
+            continue;
+        }
+    }
+}

@@ -1,0 +1,176 @@
+/* psw_model.c - an MLP on a backend: forward, softmax cross-entropy, backward.
+ *
+ * Buffers (all backend memory, sized for max_batch rows):
+ *   act[0]            input x (B, sizes[0])
+ *   act[i+1]          output of layer i (B, sizes[i+1]); for hidden layers
+ *                     ReLU is applied in place, so it holds the post-ReLU
+ *                     activation, which is all relu_bwd needs (y > 0 iff the
+ *                     pre-activation > 0). act[L] holds the logits.
+ *   delta[0], delta[1] gradients w.r.t. layer outputs, (B, max of sizes[1..L]),
+ *                     used alternately while walking backward
+ *   labels            (B) int32
+ *   params, grads     one arena each, layout->n_params floats */
+#include "psw_model.h"
+
+#include <assert.h>
+#include <stdlib.h>
+
+struct psw_model {
+    ps_layout_t layout;
+    psw_backend_t *be; /* borrowed */
+    int max_batch;
+    float *params, *grads;
+    float *act[PS_MAX_LAYERS + 1];
+    float *delta[2];
+    int32_t *labels;
+};
+
+static float *tensor(float *arena, const ps_layout_t *l, int k) { return arena + l->t[k].offset; }
+
+psw_model_t *psw_model_new(psw_backend_t *be, const ps_layout_t *layout, int max_batch)
+{
+    assert(be && layout);
+    assert(layout->n_layers >= 1 && layout->n_layers <= PS_MAX_LAYERS);
+    assert(layout->n_tensors == 2 * layout->n_layers && layout->n_params > 0);
+    assert(max_batch >= 1);
+
+    psw_model_t *m = calloc(1, sizeof(*m));
+    if (!m) return NULL;
+    m->layout = *layout;
+    m->be = be;
+    m->max_batch = max_batch;
+
+    const ps_layout_t *l = &m->layout;
+    const size_t mb = (size_t)max_batch;
+    int max_out = 1;
+    for (int i = 1; i < l->n_sizes; i++)
+        if (l->sizes[i] > max_out) max_out = l->sizes[i];
+
+    m->params = be->alloc(be, l->n_params * sizeof(float));
+    m->grads = be->alloc(be, l->n_params * sizeof(float));
+    if (!m->params || !m->grads) goto fail;
+    for (int i = 0; i < l->n_sizes; i++) {
+        m->act[i] = be->alloc(be, mb * (size_t)l->sizes[i] * sizeof(float));
+        if (!m->act[i]) goto fail;
+    }
+    for (int i = 0; i < 2; i++) {
+        m->delta[i] = be->alloc(be, mb * (size_t)max_out * sizeof(float));
+        if (!m->delta[i]) goto fail;
+    }
+    m->labels = be->alloc(be, mb * sizeof(int32_t));
+    if (!m->labels) goto fail;
+    return m;
+
+fail:
+    psw_model_destroy(&m);
+    return NULL;
+}
+
+void psw_model_destroy(psw_model_t **pm)
+{
+    assert(pm);
+    psw_model_t *m = *pm;
+    if (!m) return;
+    psw_backend_t *be = m->be;
+    /* Nothing may still be reading or writing the buffers. */
+    be->sync(be);
+    if (m->params) be->free(be, m->params);
+    if (m->grads) be->free(be, m->grads);
+    for (int i = 0; i < m->layout.n_sizes; i++)
+        if (m->act[i]) be->free(be, m->act[i]);
+    for (int i = 0; i < 2; i++)
+        if (m->delta[i]) be->free(be, m->delta[i]);
+    if (m->labels) be->free(be, m->labels);
+    free(m);
+    *pm = NULL;
+}
+
+void psw_model_set_params(psw_model_t *m, const float *params_host)
+{
+    assert(m && params_host);
+    m->be->upload(m->be, m->params, params_host, m->layout.n_params * sizeof(float));
+    m->be->sync(m->be);
+}
+
+float *psw_model_params(psw_model_t *m)
+{
+    assert(m);
+    return m->params;
+}
+
+float *psw_model_grads(psw_model_t *m)
+{
+    assert(m);
+    return m->grads;
+}
+
+void psw_model_get_grads(psw_model_t *m, float *grads_host)
+{
+    assert(m && grads_host);
+    m->be->download(m->be, grads_host, m->grads, m->layout.n_params * sizeof(float));
+    m->be->sync(m->be);
+}
+
+/* Upload the batch, run every layer, and apply the loss. Leaves the logits in
+ * act[L] and, when dlogits is not NULL, d(mean loss)/d(logits) in dlogits. */
+static void forward(psw_model_t *m, const float *x_host, const int32_t *labels_host, int B,
+                    float *dlogits, double *loss_sum, int64_t *correct)
+{
+    assert(x_host && labels_host);
+    assert(B >= 1 && B <= m->max_batch);
+    psw_backend_t *be = m->be;
+    const ps_layout_t *l = &m->layout;
+    const int L = l->n_layers;
+
+    be->upload(be, m->act[0], x_host, (size_t)B * (size_t)l->sizes[0] * sizeof(float));
+    be->upload(be, m->labels, labels_host, (size_t)B * sizeof(int32_t));
+    for (int i = 0; i < L; i++) {
+        be->linear_fwd(be, m->act[i + 1], m->act[i], tensor(m->params, l, 2 * i),
+                       tensor(m->params, l, 2 * i + 1), B, l->sizes[i], l->sizes[i + 1]);
+        if (i < L - 1)
+            be->relu_fwd(be, m->act[i + 1], m->act[i + 1], (size_t)B * (size_t)l->sizes[i + 1]);
+    }
+    double ls = 0.0;
+    int64_t c = 0;
+    be->xent(be, dlogits, m->act[L], m->labels, B, l->sizes[L], 1.0f / (float)B, &ls, &c);
+    if (loss_sum) *loss_sum += ls;
+    if (correct) *correct += c;
+}
+
+/* Backward walks layer L-1 down to 0. For layer i, once linear_bwd is
+ * issued, ready() is called for W_i (tensor 2i) and then b_i (tensor 2i+1),
+ * so the order is W_{L-1}, b_{L-1}, ..., W_0, b_0. The first layer's dx is
+ * not needed and not computed. */
+void psw_model_train_step(psw_model_t *m, const float *x_host, const int32_t *labels_host, int B,
+                          double *loss_sum, int64_t *correct, psw_grad_ready_fn ready, void *ud)
+{
+    assert(m);
+    psw_backend_t *be = m->be;
+    const ps_layout_t *l = &m->layout;
+    const int L = l->n_layers;
+
+    int cur = 0; /* delta[cur] holds d(loss)/d(output of layer i) */
+    forward(m, x_host, labels_host, B, m->delta[cur], loss_sum, correct);
+    for (int i = L - 1; i >= 0; i--) {
+        float *dx = i > 0 ? m->delta[1 - cur] : NULL;
+        be->linear_bwd(be, dx, tensor(m->grads, l, 2 * i), tensor(m->grads, l, 2 * i + 1),
+                       m->delta[cur], m->act[i], tensor(m->params, l, 2 * i), B, l->sizes[i],
+                       l->sizes[i + 1]);
+        if (ready) {
+            ready(ud, 2 * i);
+            ready(ud, 2 * i + 1);
+        }
+        if (dx) {
+            /* act[i] is the post-ReLU output of layer i-1. */
+            be->relu_bwd(be, dx, dx, m->act[i], (size_t)B * (size_t)l->sizes[i]);
+            cur = 1 - cur;
+        }
+    }
+}
+
+void psw_model_eval(psw_model_t *m, const float *x_host, const int32_t *labels_host, int B,
+                    double *loss_sum, int64_t *correct)
+{
+    assert(m);
+    forward(m, x_host, labels_host, B, NULL, loss_sum, correct);
+}

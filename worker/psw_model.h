@@ -1,0 +1,46 @@
+/* psw_model.h - an MLP on a backend: parameters, activations, gradients.
+ *
+ * Parameters and gradients each live in one contiguous backend buffer laid
+ * out by ps_layout_t (common/ps_model.h): W0 (sizes[1],sizes[0]), b0,
+ * W1, b1, ... Hidden layers use ReLU; the last layer feeds softmax
+ * cross-entropy. */
+#ifndef PSW_MODEL_H
+#define PSW_MODEL_H
+
+#include <stdint.h>
+
+#include "ps_model.h"
+#include "psw_backend.h"
+
+typedef struct psw_model psw_model_t;
+
+/* Called during backward as soon as the gradient of tensor `tensor` (index in
+ * the layout) is complete, last layer first. The backend may still be working
+ * asynchronously on earlier layers. */
+typedef void (*psw_grad_ready_fn)(void *ud, int tensor);
+
+/* Borrow be; batches up to max_batch. Returns NULL on allocation failure.
+ * Caller owns (psw_model_destroy). */
+psw_model_t *psw_model_new(psw_backend_t *be, const ps_layout_t *layout, int max_batch);
+void psw_model_destroy(psw_model_t **m);
+
+/* Copy n_params host floats into the parameter buffer. */
+void psw_model_set_params(psw_model_t *m, const float *params_host);
+/* Device buffers of the arena (for backends/tests). */
+float *psw_model_params(psw_model_t *m);
+float *psw_model_grads(psw_model_t *m);
+/* Copy the gradient arena to host (n_params floats). */
+void psw_model_get_grads(psw_model_t *m, float *grads_host);
+
+/* Forward + backward on a batch: x_host (B, sizes[0]) floats, labels_host (B)
+ * int32. Gradients are of the mean loss over the batch. Adds the batch's loss
+ * sum and correct count to *loss_sum / *correct. ready (may be NULL) is called
+ * per tensor as its gradient completes. */
+void psw_model_train_step(psw_model_t *m, const float *x_host, const int32_t *labels_host, int B,
+                          double *loss_sum, int64_t *correct, psw_grad_ready_fn ready, void *ud);
+
+/* Forward only: adds loss sum and correct count. */
+void psw_model_eval(psw_model_t *m, const float *x_host, const int32_t *labels_host, int B,
+                    double *loss_sum, int64_t *correct);
+
+#endif

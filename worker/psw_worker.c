@@ -1,0 +1,291 @@
+/* psw_worker.c - the training loop of one worker. */
+#include "psw_worker.h"
+
+#include <errno.h>
+#include <libgen.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ps_log.h"
+#include "ps_model.h"
+#include "ps_util.h"
+#include "psw_backend.h"
+#include "psw_data.h"
+#include "psw_model.h"
+#include "psworker.h"
+
+typedef struct {
+    const psw_worker_opts_t *o;
+    psw_client_t *c;
+    psw_assign_t a;
+    ps_layout_t layout;
+    psw_data_t train, test;
+    psw_backend_t *be;
+    psw_model_t *m;
+    int max_batch;
+    float *x;          /* (max_batch, dim) host batch */
+    int32_t *y;        /* (max_batch) */
+    float *grads_host; /* non-host backends: gradients copied here for the wire */
+    /* epoch state */
+    uint32_t epoch;
+    uint32_t *ids;     /* this epoch's sample ids */
+    size_t n_ids, pos, ids_cap;
+    int in_epoch;
+} wk_t;
+
+static int resolve_path(const wk_t *w, const char *path, char *out, size_t n)
+{
+    if (!w->o->data_dir) return snprintf(out, n, "%s", path) >= (int)n ? -1 : 0;
+    char tmp[PSW_PATH_MAX];
+    snprintf(tmp, sizeof tmp, "%s", path);
+    return snprintf(out, n, "%s/%s", w->o->data_dir, basename(tmp)) >= (int)n ? -1 : 0;
+}
+
+/* Check every data file against psd's size and hash, then load the sets. */
+static int load_data(wk_t *w, char *err, size_t errlen)
+{
+    char paths[4][PSW_PATH_MAX];
+    for (int i = 0; i < 4; i++) {
+        const psw_file_t *f = &w->a.files[i];
+        if (resolve_path(w, f->path, paths[i], sizeof paths[i]) != 0) {
+            snprintf(err, errlen, "data path too long: %s", f->path);
+            return -1;
+        }
+        uint64_t size = 0, hash = 0;
+        int rc = ps_file_hash(paths[i], &size, &hash);
+        if (rc != 0) {
+            snprintf(err, errlen, "data file %s: %s", paths[i], strerror(-rc));
+            return -1;
+        }
+        if (size != f->size || hash != f->hash) {
+            snprintf(err, errlen,
+                     "data file %s differs from psd's (%llu bytes, hash %016llx; psd has %llu bytes, hash %016llx)",
+                     paths[i], (unsigned long long)size, (unsigned long long)hash,
+                     (unsigned long long)f->size, (unsigned long long)f->hash);
+            return -1;
+        }
+    }
+    int classes = w->a.sizes[w->a.n_sizes - 1];
+    if (psw_data_load(&w->train, paths[0], paths[1], (size_t)w->a.train_limit, classes,
+                      w->a.norm_mean, w->a.norm_std, err, errlen) != 0)
+        return -1;
+    if (psw_data_load(&w->test, paths[2], paths[3], 0, classes, w->a.norm_mean, w->a.norm_std, err,
+                      errlen) != 0)
+        return -1;
+    if (w->train.dim != (size_t)w->a.sizes[0] || w->test.dim != (size_t)w->a.sizes[0]) {
+        snprintf(err, errlen, "data has %zu inputs per sample, the model %d", w->train.dim,
+                 w->a.sizes[0]);
+        return -1;
+    }
+    return 0;
+}
+
+static int make_model(wk_t *w, unsigned workers_on_host)
+{
+    int threads = w->o->threads;
+    if (threads <= 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        if (cores < 1) cores = 1;
+        threads = (int)(cores / (workers_on_host ? workers_on_host : 1));
+        if (threads < 1) threads = 1;
+    }
+    w->be = psw_backend_cpu_new(threads);
+    if (!w->be) return -1;
+    w->max_batch = (int)(w->a.batch_size > w->a.val_batch_size ? w->a.batch_size : w->a.val_batch_size);
+    w->m = psw_model_new(w->be, &w->layout, w->max_batch);
+    w->x = malloc((size_t)w->max_batch * (size_t)w->a.sizes[0] * sizeof(float));
+    w->y = malloc((size_t)w->max_batch * sizeof(int32_t));
+    if (!w->m || !w->x || !w->y) return -1;
+    PS_INFO("backend %s, %d BLAS thread%s", w->be->name, threads, threads == 1 ? "" : "s");
+    return 0;
+}
+
+static int set_weights(wk_t *w, const psw_event_t *ev)
+{
+    if (ev->n_tensors != w->layout.n_tensors) return -1;
+    for (int i = 0; i < ev->n_tensors; i++)
+        if (ev->tensor_numel[i] != w->layout.t[i].numel) return -1;
+    float *p = psw_model_params(w->m);
+    for (int i = 0; i < ev->n_tensors; i++)
+        w->be->upload(w->be, p + w->layout.t[i].offset, ev->tensors[i], 4 * w->layout.t[i].numel);
+    return 0;
+}
+
+/* One training step on the next batch of the epoch, then push. */
+static int train_step(wk_t *w, const psw_event_t *ev)
+{
+    /* the previous push's buffers must be released by ZeroMQ before reuse */
+    while (!psw_client_push_done(w->c)) sched_yield();
+    if (set_weights(w, ev) != 0) return -EPROTO;
+    int B = (int)(w->n_ids - w->pos < w->a.batch_size ? w->n_ids - w->pos : w->a.batch_size);
+    psw_data_gather(&w->train, w->ids + w->pos, B, w->x, w->y);
+    double loss = 0;
+    int64_t correct = 0;
+    psw_model_train_step(w->m, w->x, w->y, B, &loss, &correct, NULL, NULL);
+    w->pos += (size_t)B;
+    int last = w->pos >= w->n_ids;
+
+    const float *g[PSW_MAX_TENSORS];
+    size_t numel[PSW_MAX_TENSORS];
+    int rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
+    const float *base = psw_model_grads(w->m);
+    if (strcmp(w->be->name, "cpu") != 0) {
+        psw_model_get_grads(w->m, w->grads_host);
+        base = w->grads_host;
+    }
+    for (int i = 0; i < w->layout.n_tensors; i++) {
+        g[i] = base + w->layout.t[i].offset;
+        numel[i] = w->layout.t[i].numel;
+        rows[i] = w->layout.t[i].rows;
+        cols[i] = i % 2 == 0 ? w->layout.t[i].cols : 0;
+    }
+    int rc = psw_client_push(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct, !last,
+                             w->layout.n_tensors, g, numel, rows, cols);
+    if (rc < 0) return rc;
+    if (last) {
+        w->in_epoch = 0;
+        rc = psw_client_barrier(w->c, w->epoch, w->n_ids);
+    }
+    return rc;
+}
+
+static int validate(wk_t *w, const psw_event_t *ev)
+{
+    if (ev->val_end > w->test.count) return -EPROTO;
+    if (set_weights(w, ev) != 0) return -EPROTO;
+    double loss = 0;
+    int64_t correct = 0;
+    for (uint64_t i = ev->val_begin; i < ev->val_end;) {
+        int B = (int)(ev->val_end - i < w->a.val_batch_size ? ev->val_end - i : w->a.val_batch_size);
+        psw_data_slice(&w->test, (size_t)i, B, w->x, w->y);
+        psw_model_eval(w->m, w->x, w->y, B, &loss, &correct);
+        i += (uint64_t)B;
+    }
+    return psw_client_val_result(w->c, ev->epoch, ev->version, loss, (uint64_t)correct,
+                                 ev->val_end - ev->val_begin);
+}
+
+static int start_epoch(wk_t *w, const psw_event_t *ev)
+{
+    if (!w->m && make_model(w, ev->workers_on_host) != 0) return -ENOMEM;
+    for (size_t i = 0; i < ev->n_samples; i++)
+        if (ev->samples[i] >= w->train.count) return -EPROTO;
+    if (ev->n_samples > w->ids_cap) {
+        uint32_t *p = realloc(w->ids, ev->n_samples * sizeof *p);
+        if (!p) return -ENOMEM;
+        w->ids = p;
+        w->ids_cap = ev->n_samples;
+    }
+    if (ev->n_samples) memcpy(w->ids, ev->samples, ev->n_samples * sizeof *w->ids);
+    w->n_ids = ev->n_samples;
+    w->pos = 0;
+    w->epoch = ev->epoch;
+    PS_DEBUG("epoch %u: %zu samples", ev->epoch, w->n_ids);
+    if (w->n_ids == 0) return psw_client_barrier(w->c, w->epoch, 0);
+    w->in_epoch = 1;
+    return psw_client_pull(w->c, ev->version);
+}
+
+static void wk_deinit(wk_t *w)
+{
+    psw_model_destroy(&w->m);
+    if (w->be) w->be->destroy(w->be);
+    psw_data_deinit(&w->train);
+    psw_data_deinit(&w->test);
+    free(w->x);
+    free(w->y);
+    free(w->ids);
+    free(w->grads_host);
+    psw_client_destroy(&w->c);
+}
+
+int psw_worker_run(const psw_worker_opts_t *o)
+{
+    wk_t w = {.o = o};
+    char err[512];
+    int code = PSW_EXIT_ERROR;
+    psw_info_t info = {.device = o->device ? o->device : "cpu",
+                       .device_index = o->device_index,
+                       .identity_hint = getenv("SLURM_PROCID"),
+                       .threads = (unsigned)(o->threads > 0 ? o->threads : 0),
+                       .protocol = o->protocol};
+    w.c = psw_client_new(o->connect, &info, err, sizeof err);
+    if (!w.c) {
+        PS_ERROR("%s", err);
+        return PSW_EXIT_USAGE;
+    }
+    int rc = psw_client_register(w.c, &w.a, o->register_timeout_s, err, sizeof err);
+    if (rc < 0) {
+        PS_ERROR("%s", err);
+        code = rc == -ETIMEDOUT ? PSW_EXIT_PSD_LOST : PSW_EXIT_USAGE;
+        goto out;
+    }
+    char role[32];
+    snprintf(role, sizeof role, "worker %u", w.a.rank);
+    ps_log_set_role(role);
+    if (w.a.rank != 0 && !o->verbose) ps_log_set_level(PS_LOG_WARN);
+    PS_INFO("registered with psd at %s: rank %u, run %016llx", o->connect, w.a.rank,
+            (unsigned long long)w.a.run_id);
+    if (ps_layout_init(&w.layout, w.a.sizes, w.a.n_sizes) != 0) {
+        PS_ERROR("psd sent an invalid model");
+        code = PSW_EXIT_USAGE;
+        goto out;
+    }
+    if (load_data(&w, err, sizeof err) != 0) {
+        PS_ERROR("%s", err);
+        psw_client_fail(w.c, 1, err);
+        code = PSW_EXIT_USAGE;
+        goto out;
+    }
+    w.grads_host = malloc(w.layout.n_params * sizeof(float));
+    if (!w.grads_host) goto out;
+    PS_INFO("data checked: %zu training, %zu test samples", w.train.count, w.test.count);
+    psw_client_ready(w.c, w.train.count, w.test.count);
+
+    double timeout = w.a.start_timeout_s;
+    for (;;) {
+        psw_event_t ev;
+        rc = psw_client_next(w.c, &ev, timeout, err, sizeof err);
+        if (rc < 0) {
+            PS_ERROR("%s", err);
+            if (rc != -ETIMEDOUT) psw_client_fail(w.c, 0, err);
+            code = rc == -ETIMEDOUT ? PSW_EXIT_PSD_LOST : PSW_EXIT_USAGE;
+            goto out;
+        }
+        timeout = w.a.step_timeout_s;
+        switch (ev.kind) {
+        case PSW_EV_EPOCH: rc = start_epoch(&w, &ev); break;
+        case PSW_EV_WEIGHTS:
+            if (!w.in_epoch) {
+                PS_WARN("dropped weights version %llu outside an epoch", (unsigned long long)ev.version);
+                rc = 0;
+                break;
+            }
+            rc = train_step(&w, &ev);
+            break;
+        case PSW_EV_VALIDATE: rc = validate(&w, &ev); break;
+        case PSW_EV_SHUTDOWN:
+            if (ev.exit_code != 0) PS_ERROR("psd ended the run: %s", ev.message);
+            else PS_INFO("psd ended the run: %s", ev.message[0] ? ev.message : "done");
+            code = ev.exit_code < 0 || ev.exit_code > 125 ? PSW_EXIT_ERROR : ev.exit_code;
+            goto out;
+        }
+        if (rc == -EPROTO) {
+            PS_ERROR("psd sent a message this worker cannot use (wrong model or data sizes)");
+            psw_client_fail(w.c, 0, "invalid message from psd");
+            code = PSW_EXIT_USAGE;
+            goto out;
+        }
+        if (rc < 0) {
+            PS_ERROR("worker failed: %s", strerror(-rc));
+            psw_client_fail(w.c, 0, strerror(-rc));
+            goto out;
+        }
+    }
+out:
+    wk_deinit(&w);
+    return code;
+}

@@ -1,0 +1,27 @@
+/* psw_worker.h - one training worker: register, check data, train, validate. */
+#ifndef PSW_WORKER_H
+#define PSW_WORKER_H
+
+typedef struct {
+    const char *connect;       /* psd endpoint */
+    int threads;               /* 0 = host cores / workers psd has on this host */
+    int verbose;               /* log INFO on every rank */
+    const char *data_dir;      /* if set, data files are looked up here by base name */
+    const char *device;        /* "cpu" */
+    int device_index;          /* -1 for cpu */
+    unsigned protocol;         /* 0 = ours; tests set another to check refusal */
+    double register_timeout_s; /* how long to wait for psd to answer the registration */
+} psw_worker_opts_t;
+
+/* Exit codes of pworker (README). */
+enum {
+    PSW_EXIT_OK = 0,
+    PSW_EXIT_ERROR = 1,     /* runtime failure (device, memory) */
+    PSW_EXIT_USAGE = 2,     /* bad flags, refused by psd, protocol mismatch, data mismatch */
+    PSW_EXIT_PSD_LOST = 4,  /* psd silent past its deadline */
+};
+
+/* Run one worker to the end; returns the process exit code. */
+int psw_worker_run(const psw_worker_opts_t *o);
+
+#endif
