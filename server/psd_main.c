@@ -7,6 +7,7 @@
 
 #include "ps_config.h"
 #include "ps_log.h"
+#include "psw_backend.h"
 #include "ps_wire.h"
 #include "psd_eval.h"
 #include "psd_server.h"
@@ -83,6 +84,7 @@ int main(int argc, char **argv)
     int code = 2;
     if (!over) return 1;
     ps_log_set_role("psd");
+    psw_blas_tune(argv);
 
     int first = 1;
     if (argc > 1 && strcmp(argv[1], "eval") == 0) {

@@ -54,4 +54,9 @@ struct psw_backend {
  * Caller owns the result (be->destroy(be)). */
 psw_backend_t *psw_backend_cpu_new(int threads);
 
+/* If OpenBLAS chose generic kernels on a CPU with AVX2/AVX-512, set
+ * OPENBLAS_CORETYPE and re-exec argv (returns only if nothing to do). Call
+ * first thing in main. */
+void psw_blas_tune(char **argv);
+
 #endif

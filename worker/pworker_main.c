@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "ps_log.h"
+#include "psw_backend.h"
 #include "ps_wire.h"
 #include "psw_worker.h"
 
@@ -55,6 +56,7 @@ int main(int argc, char **argv)
         {NULL, 0, NULL, 0}};
     psw_worker_opts_t o = {.device = "cpu", .device_index = -1, .register_timeout_s = 300};
     ps_log_set_role("pworker");
+    psw_blas_tune(argv);
     long v;
     int c;
     opterr = 0;
