@@ -1,0 +1,48 @@
+#!/bin/sh
+# One command each for the README:
+#   sh deploy/quickstart.sh train   install what is missing, build, train the
+#                                   Fashion-MNIST MLP with psd + 2 pworkers on
+#                                   localhost, then evaluate the saved weights
+#   sh deploy/quickstart.sh test    install what is missing, build, run all tests
+# Extra arguments after `train` go to psd (e.g. --epochs 3).
+set -eu
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+what=${1:-train}
+[ $# -gt 0 ] && shift
+
+sh deploy/setup.sh
+if [ ! -f build/build.ninja ]; then
+    meson setup build -Dwerror=true >/dev/null
+fi
+ninja -C build >/dev/null
+
+case "$what" in
+train)
+    mkdir -p run
+    cd run
+    PORT=${PSD_PORT:-5555}
+    "$ROOT/build/psd" --listen "tcp://127.0.0.1:$PORT" --workers 2 "$@" &
+    PSD=$!
+    "$ROOT/build/pworker" --connect "tcp://127.0.0.1:$PORT" &
+    W0=$!
+    "$ROOT/build/pworker" --connect "tcp://127.0.0.1:$PORT" &
+    W1=$!
+    trap 'kill $PSD $W0 $W1 2>/dev/null || true' INT TERM EXIT
+    rc=0
+    wait $PSD || rc=$?
+    wait $W0 || true
+    wait $W1 || true
+    trap - INT TERM EXIT
+    [ $rc -ne 0 ] && { echo "psd exited $rc" >&2; exit $rc; }
+    echo "metrics: $ROOT/run/psd-metrics.jsonl   weights: $ROOT/run/psd-weights.bin"
+    "$ROOT/build/psd" eval psd-weights.bin
+    ;;
+test)
+    meson test -C build --print-errorlogs --suite unit --suite integration --suite long
+    ;;
+*)
+    echo "usage: sh deploy/quickstart.sh train|test" >&2
+    exit 2
+    ;;
+esac
