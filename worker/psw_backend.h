@@ -58,5 +58,7 @@ psw_backend_t *psw_backend_cpu_new(int threads);
  * OPENBLAS_CORETYPE and re-exec argv (returns only if nothing to do). Call
  * first thing in main. */
 void psw_blas_tune(char **argv);
+/* Name of the OpenBLAS kernels in use ("SkylakeX"). */
+const char *psw_blas_core(void);
 
 #endif

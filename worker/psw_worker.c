@@ -99,7 +99,8 @@ static int make_model(wk_t *w, unsigned workers_on_host)
     w->x = malloc((size_t)w->max_batch * (size_t)w->a.sizes[0] * sizeof(float));
     w->y = malloc((size_t)w->max_batch * sizeof(int32_t));
     if (!w->m || !w->x || !w->y) return -1;
-    PS_INFO("backend %s, %d BLAS thread%s", w->be->name, threads, threads == 1 ? "" : "s");
+    PS_INFO("backend %s (OpenBLAS %s kernels), %d thread%s", w->be->name, psw_blas_core(), threads,
+            threads == 1 ? "" : "s");
     return 0;
 }
 

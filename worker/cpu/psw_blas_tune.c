@@ -44,3 +44,9 @@ void psw_blas_tune(char **argv)
     execv("/proc/self/exe", argv);
     /* exec failed: carry on with the generic kernels */
 }
+
+const char *psw_blas_core(void)
+{
+    const char *c = openblas_get_corename();
+    return c ? c : "unknown";
+}
