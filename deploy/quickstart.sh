@@ -39,7 +39,7 @@ train)
     "$ROOT/build/psd" eval psd-weights.bin
     ;;
 test)
-    meson test -C build --print-errorlogs --suite unit --suite integration --suite long
+    meson test -C build --print-errorlogs --suite unit --suite integration --suite long --suite gpu
     ;;
 *)
     echo "usage: sh deploy/quickstart.sh train|test" >&2

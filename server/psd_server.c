@@ -59,10 +59,15 @@ typedef struct {
     /* current epoch */
     uint64_t begin, end;  /* positions in the epoch's permutation */
     uint64_t samples;     /* samples pushed this epoch */
-    /* the push of the step in progress */
-    bool has_push, push_pull;
-    ps_msg_t push;
+    /* the push of the step in progress: its tensors may come in several
+     * PUSH messages (a GPU worker sends each layer's gradient as soon as its
+     * backward is done); the frames are kept as received until the step */
+    bool has_push, push_pull, push_started;
+    zmq_msg_t grad[PS_MAX_TENSORS];
+    uint64_t grad_mask;   /* tensors received */
     uint32_t push_batch;
+    double push_loss;
+    uint64_t push_correct;
     /* an outstanding PULL */
     bool wants, want_sent;
     uint64_t want_version;
@@ -352,6 +357,14 @@ static void end_validation(srv_t *s)
     s->exit_code = code;
 }
 
+static void release_push(worker_t *w)
+{
+    for (int t = 0; t < PS_MAX_TENSORS; t++)
+        if (w->grad_mask & (1ull << t)) zmq_msg_close(&w->grad[t]);
+    w->grad_mask = 0;
+    w->has_push = w->push_started = w->push_pull = false;
+}
+
 /* Every worker still training has pushed for this version: reduce, apply. */
 static void maybe_step(srv_t *s)
 {
@@ -379,10 +392,7 @@ static void maybe_step(srv_t *s)
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
             if (!w->has_push) continue;
-            for (int t = 0; t < s->layout.n_tensors; t++) {
-                size_t n;
-                g[k][t] = ps_msg_f32(&w->push, t, &n);
-            }
+            for (int t = 0; t < s->layout.n_tensors; t++) g[k][t] = zmq_msg_data(&w->grad[t]);
             wt[k] = (double)w->push_batch / (double)total;
             k++;
         }
@@ -401,9 +411,9 @@ static void maybe_step(srv_t *s)
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
             if (!w->has_push) continue;
-            ps_msg_deinit(&w->push);
-            w->has_push = false;
-            if (w->push_pull && w->state == W_TRAIN) send_weights(s, w);
+            bool pull = w->push_pull;
+            release_push(w);
+            if (pull && w->state == W_TRAIN) send_weights(s, w);
         }
     }
     for (int i = 0; i < s->n; i++)
@@ -527,6 +537,7 @@ static void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
 static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Push *p = m->hdr->push;
+    const ps_layout_t *l = &s->layout;
     if (w->state != W_TRAIN) {
         drop(s, w, "PUSH while %s", wstate_name[w->state]);
         return;
@@ -546,30 +557,51 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
              s->cfg.batch_size, left);
         return;
     }
-    if (!isfinite(p->loss_sum) || p->correct > p->batch) {
+    if (!isfinite(p->loss_sum) || p->loss_sum < 0 || p->correct > p->batch) {
         drop(s, w, "PUSH with invalid statistics");
         return;
     }
-    const ps_layout_t *l = &s->layout;
-    if (m->n_frames != l->n_tensors) {
-        drop(s, w, "PUSH with %d tensors, the model has %d", m->n_frames, l->n_tensors);
+    if (w->push_started && (p->batch != w->push_batch || p->correct != w->push_correct ||
+                            p->loss_sum != w->push_loss)) {
+        drop(s, w, "PUSH part for another batch than the parts before it");
         return;
     }
-    for (int t = 0; t < l->n_tensors; t++) {
+    if (m->n_frames < 1) {
+        drop(s, w, "PUSH without tensors");
+        return;
+    }
+    uint64_t mask = 0;
+    for (int i = 0; i < m->n_frames; i++) {
         size_t n = 0;
-        const Psd__TensorDesc *d = m->hdr->tensors[t];
-        if (!ps_msg_f32(m, t, &n) || d->id != (uint32_t)t || d->offset != 0 || n != l->t[t].numel) {
-            drop(s, w, "PUSH tensor %d does not match the model (%zu floats, want %zu)", t, n,
-                 l->t[t].numel);
+        const Psd__TensorDesc *d = m->hdr->tensors[i];
+        uint32_t t = d->id;
+        if (t >= (uint32_t)l->n_tensors || ((w->grad_mask | mask) & (1ull << t))) {
+            drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
             return;
         }
+        if (!ps_msg_f32(m, i, &n) || d->offset != 0 || n != l->t[t].numel) {
+            drop(s, w, "PUSH tensor %u does not match the model (%zu floats, want %zu)", t, n, l->t[t].numel);
+            return;
+        }
+        mask |= 1ull << t;
     }
-    /* keep the frames: reduced in rank order once everyone has pushed */
-    w->push = *m;
-    memset(m, 0, sizeof *m);
+    /* keep the frames without copying: reduced in rank order once everyone has pushed */
+    for (int i = 0; i < m->n_frames; i++) {
+        uint32_t t = m->hdr->tensors[i]->id;
+        zmq_msg_init(&w->grad[t]);
+        zmq_msg_move(&w->grad[t], &m->frames[i]);
+    }
+    w->grad_mask |= mask;
+    w->push_pull |= p->pull;
+    if (!w->push_started) {
+        w->push_started = true;
+        w->push_batch = p->batch;
+        w->push_loss = p->loss_sum;
+        w->push_correct = p->correct;
+    }
+    uint64_t all = l->n_tensors == 64 ? ~0ull : (1ull << l->n_tensors) - 1;
+    if (w->grad_mask != all) return; /* more parts to come */
     w->has_push = true;
-    w->push_pull = p->pull;
-    w->push_batch = p->batch;
     w->samples += p->batch;
     s->ep_loss += p->loss_sum;
     s->ep_correct += p->correct;
@@ -580,7 +612,7 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
 static void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Barrier *b = m->hdr->barrier;
-    if (w->state != W_TRAIN || b->epoch != s->epoch) {
+    if (w->state != W_TRAIN || b->epoch != s->epoch || (w->push_started && !w->has_push)) {
         drop(s, w, "BARRIER for epoch %u while %s in epoch %u", b->epoch, wstate_name[w->state], s->epoch);
         return;
     }
@@ -939,7 +971,7 @@ out:
         uv_loop_close(&s->loop);
     }
     if (s->w)
-        for (int i = 0; i < s->n; i++) ps_msg_deinit(&s->w[i].push);
+        for (int i = 0; i < s->n; i++) release_push(&s->w[i]);
     if (s->sock) zmq_close(s->sock); /* lingers up to 1 s to deliver SHUTDOWN */
     if (s->zctx) zmq_ctx_term(s->zctx);
     if (s->metrics) fclose(s->metrics);

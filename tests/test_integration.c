@@ -83,14 +83,20 @@ static pid_t start_worker(run_t *r, const char *tag, int i, const char **extra)
     return proc_spawn(argv, log);
 }
 
-/* psd + N workers to the end. */
-static void train(run_t *r, const char *tag, int workers, const char **extra, double timeout)
+/* psd + N workers (each with worker_extra) to the end. */
+static void train_wx(run_t *r, const char *tag, int workers, const char **extra,
+                     const char **worker_extra, double timeout)
 {
     pid_t p = start_psd(r, tag, workers, extra);
     pid_t w[MAXW];
-    for (int i = 0; i < workers; i++) w[i] = start_worker(r, tag, i, NULL);
+    for (int i = 0; i < workers; i++) w[i] = start_worker(r, tag, i, worker_extra);
     r->psd_code = proc_wait(p, timeout);
     for (int i = 0; i < workers; i++) r->worker_code[i] = proc_wait(w[i], 30);
+}
+
+static void train(run_t *r, const char *tag, int workers, const char **extra, double timeout)
+{
+    train_wx(r, tag, workers, extra, NULL, timeout);
 }
 
 static char *metrics_last(const run_t *r)
@@ -325,7 +331,7 @@ Test(short, other_protocol_version_is_refused_and_psd_carries_on)
     const char *xp[] = {"--x-protocol", "99", NULL};
     char wlog[256];
     path(wlog, sizeof wlog, "pv-w9.log");
-    const char *argv[] = {pworker_bin, "--connect", r.endpoint, "--x-protocol", "99", NULL};
+    const char *argv[] = {pworker_bin, "--connect", r.endpoint, "--devices", "cpu", "--x-protocol", "99", NULL};
     (void)xp;
     pid_t bad = proc_spawn(argv, wlog);
     cr_assert_eq(proc_wait(bad, 60), 2, "a worker of another protocol exits 2");
@@ -432,6 +438,86 @@ Test(short, lost_worker_ends_the_run_instead_of_hanging)
     char *log = slurp(r.psd_log);
     cr_assert(strstr(log, "lost: nothing from it"), "the log names the lost worker: %s", log);
     free(log);
+}
+
+Test(short, gradients_pushed_tensor_by_tensor_give_the_same_weights)
+{
+    /* GPU workers push each layer's gradient as soon as its backward is done;
+     * psd must assemble the parts into exactly the same step */
+    run_t a, b;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--seed", "5", NULL};
+    const char *split[] = {"--x-split-push", NULL};
+    train(&a, "whole", 2, args, 300);
+    check_run(&a, 2, 1);
+    train_wx(&b, "split", 2, args, split, 300);
+    check_run(&b, 2, 1);
+    cr_assert(weights_equal(a.weights, b.weights), "same weights whether pushed whole or in parts");
+}
+
+Test(short, one_pworker_command_starts_one_worker_per_device)
+{
+    run_t r;
+    pid_t p = start_psd(&r, "sup", 3, slice);
+    const char *devs[] = {"--devices", "cpu,cpu,cpu", NULL};
+    pid_t sup = start_worker(&r, "sup", 0, devs);
+    cr_assert_eq(proc_wait(p, 300), 0, "psd got its 3 workers from one pworker command");
+    cr_assert_eq(proc_wait(sup, 30), 0);
+    char *log = slurp(r.psd_log);
+    cr_assert(strstr(log, "rank 2"), "%s", log);
+    free(log);
+}
+
+Test(short, pworker_forwards_signals_and_returns_the_failure)
+{
+    run_t r;
+    const char *args[] = {"--start-timeout", "60", NULL};
+    pid_t p = start_psd(&r, "sig", 3, args);
+    const char *devs[] = {"--devices", "cpu,cpu", NULL};
+    pid_t sup = start_worker(&r, "sig", 0, devs);
+    for (int i = 0; i < 300; i++) { /* both registered */
+        char *log = slurp(r.psd_log);
+        int both = log && strstr(log, "(2/3)");
+        free(log);
+        if (both) break;
+        zmq_poll(NULL, 0, 50);
+    }
+    kill(sup, SIGTERM);
+    int code = proc_wait(sup, 30);
+    cr_assert_eq(code, 128 + SIGTERM, "the workers got SIGTERM and pworker reports it (got %d)", code);
+    kill(p, SIGTERM);
+    cr_assert_eq(proc_wait(p, 30), 128 + SIGTERM, "psd stops on SIGTERM");
+}
+
+static void setenv_no_gpu(void) { setenv("CUDA_VISIBLE_DEVICES", "", 1); }
+
+Test(short, devices_auto_without_gpu_trains_on_cpu_with_one_warning)
+{
+    setenv_no_gpu();
+    run_t r;
+    train(&r, "auto", 1, slice, 300);
+    check_run(&r, 1, 1);
+    char log[256];
+    path(log, sizeof log, "auto-w0.log");
+    char *t = slurp(log);
+    int warnings = 0;
+    for (const char *q = t; (q = strstr(q, "WARN")) != NULL; q++) warnings++;
+    cr_assert_eq(warnings, 1, "exactly one warning: %s", t);
+    cr_assert(strstr(t, "no GPU found") && strstr(t, "training on the CPU"), "%s", t);
+    free(t);
+}
+
+Test(short, a_gpu_that_does_not_exist_is_an_error)
+{
+    setenv_no_gpu();
+    char out[256];
+    path(out, sizeof out, "dev.txt");
+    cr_assert_eq(run_cmd("'%s' --connect tcp://127.0.0.1:9 --devices 7 > '%s' 2>&1", pworker_bin, out), 2);
+    char *t = slurp(out);
+    cr_assert(strstr(t, "GPU 7 does not exist"), "%s", t);
+    cr_assert_eq(count_lines(t), 1, "one line: %s", t);
+    free(t);
+    cr_assert_eq(run_cmd("'%s' --connect tcp://127.0.0.1:9 --devices 0,zz > /dev/null 2>&1", pworker_bin), 2);
+    cr_assert_eq(run_cmd("'%s' --connect tcp://127.0.0.1:9 --devices '' > /dev/null 2>&1", pworker_bin), 2);
 }
 
 /* ---- long: all 60000 training samples ------------------------------------ */

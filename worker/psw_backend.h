@@ -17,6 +17,18 @@ typedef struct psw_backend psw_backend_t;
 struct psw_backend {
     const char *name; /* "cpu", "cuda" */
     void *ctx;        /* backend private */
+    int host_visible; /* 1: device buffers are host memory (CPU backend) */
+
+    /* host buffers for the wire: pinned (page-locked) for CUDA, so that
+     * copies are asynchronous; plain aligned memory for the CPU backend */
+    void *(*host_alloc)(psw_backend_t *be, size_t bytes);
+    void (*host_free)(psw_backend_t *be, void *p);
+    /* Start copying bytes device -> host (dst from host_alloc) once all work
+     * queued so far has finished, without holding up later work. Returns a
+     * ticket for wait(); tickets are small integers reused after wait. */
+    int (*download_async)(psw_backend_t *be, void *dst_host, const void *src, size_t bytes);
+    /* Block until the copy with this ticket is complete. */
+    void (*wait)(psw_backend_t *be, int ticket);
 
     /* memory: device buffers, zero-filled on alloc */
     void *(*alloc)(psw_backend_t *be, size_t bytes);

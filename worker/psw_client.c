@@ -253,7 +253,7 @@ int psw_client_pull(psw_client_t *c, uint64_t min_version)
 }
 
 int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum,
-                    uint64_t correct, int pull, int n, const float *const *grads,
+                    uint64_t correct, int pull, int n, const int *ids, const float *const *grads,
                     const size_t *numel, const int *rows, const int *cols)
 {
     if (n < 0 || n > PSW_MAX_TENSORS) return -EINVAL;
@@ -270,7 +270,7 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
     ps_frame_t fr[PSW_MAX_TENSORS];
     for (int i = 0; i < n; i++) {
         fr[i] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float),
-                             .ffn = push_frame_done, .hint = c, .id = (uint32_t)i,
+                             .ffn = push_frame_done, .hint = c, .id = (uint32_t)ids[i],
                              .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)rows[i],
                              .cols = (uint32_t)cols[i]};
     }

@@ -13,6 +13,7 @@
 #include "ps_model.h"
 #include "ps_util.h"
 #include "psw_backend.h"
+#include "cuda/psw_cuda.h"
 #include "psw_data.h"
 #include "psw_model.h"
 #include "psworker.h"
@@ -28,7 +29,9 @@ typedef struct {
     int max_batch;
     float *x;          /* (max_batch, dim) host batch */
     int32_t *y;        /* (max_batch) */
-    float *grads_host; /* non-host backends: gradients copied here for the wire */
+    float *grads_host; /* non-host backends: gradients copied here for the wire (pinned) */
+    int split;         /* push tensor by tensor, as each is ready */
+    int ready_order[PS_MAX_TENSORS], n_ready, ticket[PS_MAX_TENSORS];
     /* epoch state */
     uint32_t epoch;
     uint32_t *ids;     /* this epoch's sample ids */
@@ -83,7 +86,7 @@ static int load_data(wk_t *w, char *err, size_t errlen)
     return 0;
 }
 
-static int make_model(wk_t *w, unsigned workers_on_host)
+static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errlen)
 {
     int threads = w->o->threads;
     if (threads <= 0) {
@@ -92,15 +95,33 @@ static int make_model(wk_t *w, unsigned workers_on_host)
         threads = (int)(cores / (workers_on_host ? workers_on_host : 1));
         if (threads < 1) threads = 1;
     }
-    w->be = psw_backend_cpu_new(threads);
-    if (!w->be) return -1;
+    if (w->o->device && strcmp(w->o->device, "cuda") == 0) {
+        const psw_cuda_plugin_t *p = psw_cuda_load(err, errlen);
+        if (!p) return -1;
+        w->be = p->backend_new(w->o->device_index, err, errlen);
+        if (!w->be) return -1;
+        char name[128] = "?";
+        p->device_name(w->o->device_index, name, sizeof name);
+        PS_INFO("backend cuda: device %d (%s)", w->o->device_index, name);
+    } else {
+        w->be = psw_backend_cpu_new(threads);
+        if (!w->be) {
+            snprintf(err, errlen, "out of memory");
+            return -1;
+        }
+        PS_INFO("backend %s (OpenBLAS %s kernels), %d thread%s", w->be->name, psw_blas_core(), threads,
+                threads == 1 ? "" : "s");
+    }
+    w->split = w->o->split_push || !w->be->host_visible;
     w->max_batch = (int)(w->a.batch_size > w->a.val_batch_size ? w->a.batch_size : w->a.val_batch_size);
     w->m = psw_model_new(w->be, &w->layout, w->max_batch);
     w->x = malloc((size_t)w->max_batch * (size_t)w->a.sizes[0] * sizeof(float));
     w->y = malloc((size_t)w->max_batch * sizeof(int32_t));
-    if (!w->m || !w->x || !w->y) return -1;
-    PS_INFO("backend %s (OpenBLAS %s kernels), %d thread%s", w->be->name, psw_blas_core(), threads,
-            threads == 1 ? "" : "s");
+    if (!w->be->host_visible) w->grads_host = w->be->host_alloc(w->be, w->layout.n_params * sizeof(float));
+    if (!w->m || !w->x || !w->y || (!w->be->host_visible && !w->grads_host)) {
+        snprintf(err, errlen, "out of memory for the model");
+        return -1;
+    }
     return 0;
 }
 
@@ -115,7 +136,21 @@ static int set_weights(wk_t *w, const psw_event_t *ev)
     return 0;
 }
 
-/* One training step on the next batch of the epoch, then push. */
+/* Backward reached tensor t: start copying its gradient to the wire buffer
+ * (device backends) while earlier layers still compute. */
+static void grad_ready(void *ud, int t)
+{
+    wk_t *w = ud;
+    if (!w->be->host_visible) {
+        size_t off = w->layout.t[t].offset;
+        w->ticket[t] = w->be->download_async(w->be, w->grads_host + off, psw_model_grads(w->m) + off,
+                                             4 * w->layout.t[t].numel);
+    }
+    w->ready_order[w->n_ready++] = t;
+}
+
+/* One training step on the next batch of the epoch, then push: in one
+ * message, or tensor by tensor as each gradient reaches host memory. */
 static int train_step(wk_t *w, const psw_event_t *ev)
 {
     /* the previous push's buffers must be released by ZeroMQ before reuse */
@@ -125,26 +160,34 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     psw_data_gather(&w->train, w->ids + w->pos, B, w->x, w->y);
     double loss = 0;
     int64_t correct = 0;
-    psw_model_train_step(w->m, w->x, w->y, B, &loss, &correct, NULL, NULL);
+    w->n_ready = 0;
+    psw_model_train_step(w->m, w->x, w->y, B, &loss, &correct, grad_ready, w);
     w->pos += (size_t)B;
     int last = w->pos >= w->n_ids;
 
+    const float *base = w->be->host_visible ? psw_model_grads(w->m) : w->grads_host;
     const float *g[PSW_MAX_TENSORS];
     size_t numel[PSW_MAX_TENSORS];
-    int rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
-    const float *base = psw_model_grads(w->m);
-    if (strcmp(w->be->name, "cpu") != 0) {
-        psw_model_get_grads(w->m, w->grads_host);
-        base = w->grads_host;
+    int ids[PSW_MAX_TENSORS], rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
+    int n = w->layout.n_tensors, rc = 0;
+    for (int k = 0; k < n; k++) {
+        int t = w->split ? w->ready_order[k] : k;
+        ids[k] = t;
+        g[k] = base + w->layout.t[t].offset;
+        numel[k] = w->layout.t[t].numel;
+        rows[k] = w->layout.t[t].rows;
+        cols[k] = t % 2 == 0 ? w->layout.t[t].cols : 0;
     }
-    for (int i = 0; i < w->layout.n_tensors; i++) {
-        g[i] = base + w->layout.t[i].offset;
-        numel[i] = w->layout.t[i].numel;
-        rows[i] = w->layout.t[i].rows;
-        cols[i] = i % 2 == 0 ? w->layout.t[i].cols : 0;
+    if (!w->split) {
+        rc = psw_client_push(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct, !last, n, ids, g,
+                             numel, rows, cols);
+    } else {
+        for (int k = 0; k < n && rc == 0; k++) {
+            w->be->wait(w->be, w->ticket[ids[k]]);
+            rc = psw_client_push(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct,
+                                 k == n - 1 && !last, 1, &ids[k], &g[k], &numel[k], &rows[k], &cols[k]);
+        }
     }
-    int rc = psw_client_push(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct, !last,
-                             w->layout.n_tensors, g, numel, rows, cols);
     if (rc < 0) return rc;
     if (last) {
         w->in_epoch = 0;
@@ -171,7 +214,14 @@ static int validate(wk_t *w, const psw_event_t *ev)
 
 static int start_epoch(wk_t *w, const psw_event_t *ev)
 {
-    if (!w->m && make_model(w, ev->workers_on_host) != 0) return -ENOMEM;
+    if (!w->m) {
+        char err[512];
+        if (make_model(w, ev->workers_on_host, err, sizeof err) != 0) {
+            PS_ERROR("%s", err);
+            psw_client_fail(w->c, 0, err);
+            return -ENODEV;
+        }
+    }
     for (size_t i = 0; i < ev->n_samples; i++)
         if (ev->samples[i] >= w->train.count) return -EPROTO;
     if (ev->n_samples > w->ids_cap) {
@@ -192,6 +242,8 @@ static int start_epoch(wk_t *w, const psw_event_t *ev)
 
 static void wk_deinit(wk_t *w)
 {
+    if (w->grads_host && w->be) w->be->host_free(w->be, w->grads_host);
+    w->grads_host = NULL;
     psw_model_destroy(&w->m);
     if (w->be) w->be->destroy(w->be);
     psw_data_deinit(&w->train);
@@ -199,7 +251,6 @@ static void wk_deinit(wk_t *w)
     free(w->x);
     free(w->y);
     free(w->ids);
-    free(w->grads_host);
     psw_client_destroy(&w->c);
 }
 
@@ -241,8 +292,6 @@ int psw_worker_run(const psw_worker_opts_t *o)
         code = PSW_EXIT_USAGE;
         goto out;
     }
-    w.grads_host = malloc(w.layout.n_params * sizeof(float));
-    if (!w.grads_host) goto out;
     PS_INFO("data checked: %zu training, %zu test samples", w.train.count, w.test.count);
     psw_client_ready(w.c, w.train.count, w.test.count);
 
@@ -274,6 +323,7 @@ int psw_worker_run(const psw_worker_opts_t *o)
             code = ev.exit_code < 0 || ev.exit_code > 125 ? PSW_EXIT_ERROR : ev.exit_code;
             goto out;
         }
+        if (rc == -ENODEV) goto out; /* no backend: logged and told to psd already */
         if (rc == -EPROTO) {
             PS_ERROR("psd sent a message this worker cannot use (wrong model or data sizes)");
             psw_client_fail(w.c, 0, "invalid message from psd");

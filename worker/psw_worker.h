@@ -7,8 +7,9 @@ typedef struct {
     int threads;               /* 0 = host cores / workers psd has on this host */
     int verbose;               /* log INFO on every rank */
     const char *data_dir;      /* if set, data files are looked up here by base name */
-    const char *device;        /* "cpu" */
-    int device_index;          /* -1 for cpu */
+    const char *device;        /* "cpu" or "cuda" */
+    int device_index;          /* CUDA ordinal, -1 for cpu */
+    int split_push;            /* push each tensor as its own message even on CPU (tests) */
     unsigned protocol;         /* 0 = ours; tests set another to check refusal */
     double register_timeout_s; /* how long to wait for psd to answer the registration */
 } psw_worker_opts_t;

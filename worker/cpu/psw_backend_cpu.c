@@ -51,6 +51,19 @@ static void cpu_download(psw_backend_t *be, void *dst_host, const void *src, siz
 
 static void cpu_sync(psw_backend_t *be) { (void)be; }
 
+/* Host memory is device memory: "downloads" are plain copies, done at once. */
+static int cpu_download_async(psw_backend_t *be, void *dst_host, const void *src, size_t bytes)
+{
+    cpu_download(be, dst_host, src, bytes);
+    return 0;
+}
+
+static void cpu_wait(psw_backend_t *be, int ticket)
+{
+    (void)be;
+    (void)ticket;
+}
+
 /* ---- ops ---- */
 
 /* y (B,out) = x (B,in) @ W^T + b. The bias rows are written first and the
@@ -152,6 +165,11 @@ psw_backend_t *psw_backend_cpu_new(int threads)
     if (threads > 0) openblas_set_num_threads(threads);
     be->name = "cpu";
     be->ctx = NULL;
+    be->host_visible = 1;
+    be->host_alloc = cpu_alloc;
+    be->host_free = cpu_free;
+    be->download_async = cpu_download_async;
+    be->wait = cpu_wait;
     be->alloc = cpu_alloc;
     be->free = cpu_free;
     be->upload = cpu_upload;

@@ -93,13 +93,16 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
 /* Ask for weights of version >= min_version (answered by a WEIGHTS event). */
 int psw_client_pull(psw_client_t *c, uint64_t min_version);
 
-/* Push the mean gradient of a batch computed on `version`. grads[i] has
- * numel[i] floats for tensor i (n tensors, in layout order). The buffers are
- * sent without copying: do not modify them until psw_client_push_done()
- * returns nonzero (in synchronous mode, any reply of psd implies it). pull:
- * ask for the next version in the same message. */
+/* Push the mean gradient of a batch computed on `version`: n tensors, the
+ * i-th being tensor ids[i] of the model with numel[i] floats at grads[i]
+ * (shape rows[i] x cols[i], cols 0 for vectors). A gradient may be pushed in
+ * several parts (each layer as soon as its backward is done), every part
+ * with the same batch statistics; psd steps once it has every tensor. The
+ * buffers are sent without copying: do not modify them until
+ * psw_client_push_done() returns nonzero (in synchronous mode, any reply of
+ * psd implies it). pull: ask for the next version (set on the last part). */
 int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum,
-                    uint64_t correct, int pull, int n, const float *const *grads,
+                    uint64_t correct, int pull, int n, const int *ids, const float *const *grads,
                     const size_t *numel, const int *rows, const int *cols);
 int psw_client_push_done(psw_client_t *c);
 
