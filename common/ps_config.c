@@ -20,14 +20,9 @@
 #include <strings.h>
 #include <yaml.h>
 
-/* Programming errors: always on, independent of NDEBUG. */
-#define PS_CFG_ASSERT(cond)                                                               \
-    do {                                                                                  \
-        if (!(cond)) {                                                                    \
-            fprintf(stderr, "%s:%d: assertion failed: %s\n", __FILE__, __LINE__, #cond); \
-            abort();                                                                      \
-        }                                                                                 \
-    } while (0)
+#include "ps_assert.h"
+
+#define PS_CFG_ASSERT PS_ASSERT
 
 /* Enum fields are read and written as int. */
 _Static_assert(sizeof(ps_opt_kind_t) == sizeof(int), "enum size");
@@ -151,16 +146,7 @@ static const key_spec_t keys[] = {
 
 /* ---------------------------------------------------------------- helpers */
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (!err || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
+#define set_err ps_set_err
 
 static const key_spec_t *find_key(const char *key)
 {

@@ -14,18 +14,13 @@
 #include <string.h>
 #include <zlib.h>
 
+#include "ps_assert.h"
+
 #define IDX_TYPE_U8 0x08
 #define IDX_MAX_BYTES ((size_t)1 << 30) /* 1 GiB of data at most */
 #define IDX_READ_CHUNK ((size_t)1 << 30) /* gzread takes an unsigned, returns an int */
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (!err || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
+#define set_err ps_set_err
 
 /* Read up to n bytes; fewer only at the end of the data. Returns the number
  * read, or -1 on a read or decompression error with a message in err. */

@@ -10,14 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-/* Programming errors: always on, independent of NDEBUG. */
-#define PSD_ASSERT(cond)                                                                \
-    do {                                                                                \
-        if (!(cond)) {                                                                  \
-            fprintf(stderr, "%s:%d: assertion failed: %s\n", __FILE__, __LINE__, #cond); \
-            abort();                                                                    \
-        }                                                                               \
-    } while (0)
+#include "ps_assert.h"
+
+#define PSD_ASSERT PS_ASSERT
 
 void psd_optim_from_config(psd_optim_t *o, const ps_config_t *c)
 {
