@@ -72,7 +72,7 @@ static const char *const log_names[] = {"error", "warn", "info", "debug", NULL};
 
 /* Sections in the order they are written; every key's prefix is one of them. */
 static const char *const sections[] = {"run",      "model",    "data",   "train",
-                                       "optimizer", "schedule", "server", NULL};
+                                       "optimizer", "schedule", "server", "checkpoint", NULL};
 
 /* Compile-time check that field f of ps_config_t has type T; adds 0. */
 #define FIELD_IS(f, T) (0 * sizeof(_Generic(&((ps_config_t *)0)->f, T *: 1)))
@@ -135,10 +135,14 @@ static const key_spec_t keys[] = {
     K_STRING("server.listen", listen, F_NONEMPTY, "tcp://0.0.0.0:5555"),
     K_INT("server.workers", workers, 1, 1024, "2"),
     K_DOUBLE("server.start_timeout", start_timeout, 0.0, INFINITY, F_OPEN_MIN, "300"),
-    K_DOUBLE("server.worker_timeout", worker_timeout, 0.0, INFINITY, F_OPEN_MIN, "60"),
+    K_DOUBLE("server.worker_timeout", worker_timeout, 0.0, INFINITY, F_OPEN_MIN, "5"),
     K_STRING("server.metrics", metrics, 0, "psd-metrics.jsonl"),
     K_STRING("server.save", save, 0, "psd-weights.bin"),
     K_ENUM("server.log_level", log_level, ps_log_level_t, log_names, "info"),
+    K_STRING("checkpoint.dir", ckpt_dir, 0, "psd-checkpoints"),
+    K_INT("checkpoint.every_epochs", ckpt_every_epochs, 0, 1000000, "1"),
+    K_INT64("checkpoint.every_steps", ckpt_every_steps, 0, INT64_MAX, "0"),
+    K_INT("checkpoint.keep", ckpt_keep, 1, 1000, "3"),
 };
 
 #define N_KEYS (sizeof keys / sizeof keys[0])
@@ -987,7 +991,9 @@ static int write_yaml(const ps_config_t *c, FILE *f, bool with_server)
     for (size_t i = 0; i < N_KEYS; i++) {
         const key_spec_t *e = &keys[i];
         const size_t sl = section_len(e->key);
-        if (!with_server && strncmp(e->key, "server.", 7) == 0) continue;
+        /* where and when to save or serve do not change what is trained */
+        if (!with_server && (strncmp(e->key, "server.", 7) == 0 || strncmp(e->key, "checkpoint.", 11) == 0))
+            continue;
         if (!cur || sl != cur_len || strncmp(cur, e->key, sl) != 0) {
             fprintf(f, "%.*s:\n", (int)sl, e->key);
             cur = e->key;

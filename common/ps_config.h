@@ -79,6 +79,12 @@ typedef struct ps_config {
     char metrics[PS_PATH_MAX];    /* server.metrics: JSON lines file, "" = none */
     char save[PS_PATH_MAX];       /* server.save: trained weights file, "" = none */
     ps_log_level_t log_level;     /* server.log_level: error | warn | info | debug */
+
+    /* checkpoint: (not part of the config hash) */
+    char ckpt_dir[PS_PATH_MAX]; /* checkpoint.dir: "" = no checkpoints */
+    int ckpt_every_epochs;      /* checkpoint.every_epochs: 0 = not by epoch */
+    int64_t ckpt_every_steps;   /* checkpoint.every_steps: 0 = not by step */
+    int ckpt_keep;              /* checkpoint.keep: newest files kept */
 } ps_config_t;
 
 /* Fill with the built-in defaults: Fashion-MNIST MLP that reaches >= 89%. */

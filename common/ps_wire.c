@@ -9,7 +9,7 @@ const char *ps_msg_type_name(int type)
 {
     static const char *names[] = {"NONE",     "REGISTER", "ASSIGN",     "READY",    "EPOCH",
                                   "PULL",     "WEIGHTS",  "PUSH",       "BARRIER",  "VALIDATE",
-                                  "VAL_RESULT", "SHUTDOWN", "ERROR"};
+                                  "VAL_RESULT", "SHUTDOWN", "ERROR",    "HEARTBEAT", "LEAVE"};
     if (type < 0 || type >= (int)(sizeof names / sizeof names[0])) return "UNKNOWN";
     return names[type];
 }
@@ -30,6 +30,8 @@ static int body_for_type(int type)
     case PSD__MSG_TYPE__MSG_VAL_RESULT: return PSD__HEADER__BODY_VAL_RESULT;
     case PSD__MSG_TYPE__MSG_SHUTDOWN: return PSD__HEADER__BODY_SHUTDOWN;
     case PSD__MSG_TYPE__MSG_ERROR: return PSD__HEADER__BODY_ERROR;
+    case PSD__MSG_TYPE__MSG_HEARTBEAT: return PSD__HEADER__BODY_HEARTBEAT;
+    case PSD__MSG_TYPE__MSG_LEAVE: return PSD__HEADER__BODY_LEAVE;
     default: return -1;
     }
 }

@@ -30,14 +30,20 @@ static void usage(FILE *f)
             "  --metrics FILE       append one JSON line per epoch (\"\" for none)\n"
             "  --save FILE          write the trained weights here (\"\" for none)\n"
             "  --set KEY=VALUE      set any config key, e.g. --set optimizer.lr=0.05\n"
+            "  --resume DIR         continue the run from the newest valid checkpoint in DIR\n"
+            "                       (a corrupt one is reported and the one before it used)\n"
+            "  --force-resume       resume even if the config differs from the checkpoint's\n"
+            "  --stop-after-epoch E write a checkpoint after epoch E and stop (exit 0)\n"
             "  --print-config       print the effective config as YAML and exit\n"
-            "  --check-config       check the config (and flags) and exit 0, or 2 with the error\n"
+            "  --check-config       check the config (and flags) and exit 0, or 2 with the error;\n"
+            "                       with --resume, also load the checkpoint a resume would use\n"
             "  --log-level LEVEL    error | warn | info | debug (default info)\n"
             "  --help               this text\n"
             "  --version            version, protocol version and git commit\n"
             "\n"
             "exit codes: 0 done, 1 runtime error, 2 bad flags/config/data, 3 start timeout,\n"
-            "4 a worker was lost, 128+N stopped by signal N\n");
+            "4 no worker left to finish the run, 128+N stopped at once by a second signal N\n"
+            "SIGINT/SIGTERM: checkpoint, stop the workers, exit 0; SIGUSR1: checkpoint and go on\n");
 }
 
 typedef struct {
@@ -49,7 +55,7 @@ int main(int argc, char **argv)
     enum {
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
-        OPT_SET, OPT_THREADS
+        OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER
     };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, OPT_CONFIG},
@@ -66,6 +72,9 @@ int main(int argc, char **argv)
         {"worker-timeout", required_argument, NULL, OPT_WORKER_TMO},
         {"set", required_argument, NULL, OPT_SET},
         {"threads", required_argument, NULL, OPT_THREADS},
+        {"resume", required_argument, NULL, OPT_RESUME},
+        {"force-resume", no_argument, NULL, OPT_FORCE_RESUME},
+        {"stop-after-epoch", required_argument, NULL, OPT_STOP_AFTER},
         {"help", no_argument, NULL, OPT_HELP},
         {"version", no_argument, NULL, OPT_VERSION},
         {NULL, 0, NULL, 0}};
@@ -79,6 +88,7 @@ int main(int argc, char **argv)
     };
     const char *config = NULL, *eval_path = NULL;
     int print = 0, check = 0, n_over = 0, threads = 1;
+    psd_run_opts_t run = {0};
     override_t *over = calloc((size_t)argc + 1, sizeof *over);
     char err[1024];
     int code = 2;
@@ -116,6 +126,18 @@ int main(int argc, char **argv)
                 goto out;
             }
             threads = (int)v;
+            break;
+        }
+        case OPT_RESUME: run.resume_dir = optarg; break;
+        case OPT_FORCE_RESUME: run.force_resume = 1; break;
+        case OPT_STOP_AFTER: {
+            char *end;
+            long v = strtol(optarg, &end, 10);
+            if (*end || end == optarg || v < 1 || v > 1000000) {
+                fprintf(stderr, "psd: --stop-after-epoch: expected an epoch number >= 1, got '%s'\n", optarg);
+                goto out;
+            }
+            run.stop_after_epoch = (int)v;
             break;
         }
         case OPT_SET: {
@@ -161,6 +183,10 @@ int main(int argc, char **argv)
         code = ps_config_write_yaml(&cfg, stdout) == 0 ? 0 : 1;
         goto out;
     }
+    if (check && run.resume_dir) { /* say which checkpoint a resume would use */
+        code = psd_resume_check(run.resume_dir, &cfg, run.force_resume);
+        goto out;
+    }
     if (check) {
         printf("psd: config OK\n");
         code = 0;
@@ -170,7 +196,7 @@ int main(int argc, char **argv)
         code = psd_eval_run(&cfg, eval_path, threads);
         goto out;
     }
-    code = psd_server_run(&cfg);
+    code = psd_server_run(&cfg, &run);
 out:
     free(over);
     return code;

@@ -3,9 +3,17 @@
  * One thread. A libuv loop watches the ROUTER socket's ZMQ_FD (edge
  * triggered: every wake-up drains while ZMQ_EVENTS says readable, and every
  * callback that sent something drains again), a 100 ms timer enforces every
- * deadline, and signal handles end the run cleanly. The parameter store
- * (psd_store.c) holds weights and optimizer state; this file decides who
- * does what when. */
+ * deadline and polls the checkpoint writer, and signal handles stop the run
+ * cleanly. The parameter store (psd_store.c) holds weights and optimizer
+ * state; this file decides who does what when.
+ *
+ * Workers come and go: a worker psd waits for that stays silent past
+ * worker_timeout is declared lost, one that leaves (SIGTERM) says so; either
+ * way the samples of the epoch it had not trained are given to the others
+ * (or to the next worker to join), and its part of a validation goes to
+ * another worker, so every sample is trained once per epoch and validated
+ * once. New workers may join at any time: they get samples from the next
+ * epoch, or at once if some are waiting for a worker. */
 #include "psd_server.h"
 
 #include <errno.h>
@@ -18,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #include <uv.h>
@@ -28,6 +37,7 @@
 #include "ps_util.h"
 #include "ps_weights.h"
 #include "ps_wire.h"
+#include "psd_ckpt.h"
 #include "psd_optim.h"
 #include "psd_store.h"
 
@@ -35,47 +45,55 @@
 
 typedef enum {
     W_ASSIGNED = 0, /* registered, checking its data */
-    W_READY,        /* data checked, waiting for the run to start */
-    W_TRAIN,        /* has data left in this epoch */
-    W_BARRIER,      /* its part of the epoch is done */
-    W_VALIDATING,   /* evaluating its part of the test set */
-    W_VALIDATED,    /* partial sums received */
-    W_GONE,         /* failed or refused; never waited for */
+    W_READY,        /* data checked, waiting for an epoch */
+    W_TRAIN,        /* has samples left in this epoch */
+    W_BARRIER,      /* its samples of the epoch are done */
+    W_VALIDATING,   /* evaluating parts of the test set */
+    W_VALIDATED,    /* its parts are done */
+    W_GONE,         /* lost, left or failed; never waited for */
 } wstate_t;
 
-static const char *wstate_name[] = {"assigned", "ready",     "training", "at barrier",
+static const char *wstate_name[] = {"assigned", "ready",      "training", "at barrier",
                                     "validating", "validated", "gone"};
+
+typedef struct {
+    uint64_t begin, end; /* positions in the epoch's permutation */
+} prange_t;
 
 typedef struct {
     uint8_t ident[PS_MAX_IDENTITY];
     size_t ident_len;
-    uint32_t rank;
+    uint32_t rank;        /* = its slot; never reused */
     char hostname[64], host_id[128], device[32];
     uint32_t pid;
     wstate_t state;
     double last_seen;     /* time of its last valid message */
-    uint64_t seq_in;      /* last sequence number accepted */
-    uint64_t seq_out;
-    /* current epoch */
-    uint64_t begin, end;  /* positions in the epoch's permutation */
-    uint64_t samples;     /* samples pushed this epoch */
+    double gone_at;
+    uint64_t seq_in, seq_out;
+    uint64_t lost_replies;
+    /* this epoch: positions assigned (ranges, in order) and trained */
+    prange_t *ranges;
+    int n_ranges, cap_ranges;
+    uint64_t assigned, consumed;
     /* the push of the step in progress: its tensors may come in several
      * PUSH messages (a GPU worker sends each layer's gradient as soon as its
      * backward is done); the frames are kept as received until the step */
     bool has_push, push_pull, push_started;
     zmq_msg_t grad[PS_MAX_TENSORS];
-    uint64_t grad_mask;   /* tensors received */
+    uint64_t grad_mask;
     uint32_t push_batch;
     double push_loss;
     uint64_t push_correct;
-    /* an outstanding PULL */
-    bool wants, want_sent;
-    uint64_t want_version;
-    /* validation */
-    uint64_t val_begin, val_end;
-    double val_loss;
-    uint64_t val_correct, val_count;
+    int val_pending;      /* validation parts given and not answered */
 } worker_t;
+
+typedef struct {
+    uint64_t begin, end;  /* test samples */
+    int worker;           /* slot it is given to, -1 if waiting for one */
+    bool done;
+    double loss;
+    uint64_t correct, count;
+} vpart_t;
 
 typedef enum { PHASE_WAIT = 0, PHASE_TRAIN, PHASE_VALIDATE, PHASE_DONE } phase_t;
 
@@ -87,37 +105,67 @@ typedef struct {
 
 typedef struct {
     ps_config_t cfg;
+    psd_run_opts_t opts;
     ps_layout_t layout;
     psd_store_t store;
-    uint64_t run_id;
+    uint64_t run_id, config_hash;
     void *zctx, *sock;
     uv_loop_t loop;
     uv_poll_t poll;
     uv_timer_t timer;
-    uv_signal_t sigint, sigterm;
-    worker_t *w;          /* MAX_WORKERS */
-    int n;                /* registered */
+    uv_signal_t sigint, sigterm, sigusr1;
+    worker_t *w;          /* MAX_WORKERS slots */
+    int n;                /* slots used */
     phase_t phase;
     int exit_code;
     datafile_t files[4];
     size_t train_count, test_count;
-    uint32_t *perm;
+    uint32_t *perm;       /* this epoch's permutation of the training set */
+    uint8_t *seen;        /* positions of the epoch trained (bitmap) */
+    uint64_t *pool;       /* positions waiting for a worker */
+    size_t n_pool;
+    vpart_t *parts;       /* validation parts of this epoch */
+    int n_parts;
     /* progress */
     uint32_t epoch;       /* 0-based */
     uint64_t step;        /* optimizer steps in the run */
     uint64_t epoch_step;  /* steps in this epoch */
-    double spe;           /* steps per epoch */
-    double lr;            /* of the last step */
+    double spe;           /* steps per epoch (schedule position) */
+    double lr;
+    bool resumed_mid_epoch;
     /* epoch statistics */
     double ep_loss;
     uint64_t ep_correct, ep_samples;
-    double t_start, t_epoch, train_s_total, phase_deadline;
+    double t_start, t_epoch, train_s_total, phase_deadline, orphan_deadline;
     uint64_t samples_total;
     FILE *metrics;
     uint64_t dropped;     /* bad messages, for rate-limited logging */
+    /* checkpoints */
+    psd_ckpt_writer_t *ckpt;
+    bool ckpt_again;      /* another one was asked for while writing */
+    int stopping;         /* signal number that asked to stop, or -1 for --stop-after-epoch */
+    bool stop_when_written;
 } srv_t;
 
-/* ---- helpers ------------------------------------------------------------ */
+static void maybe_step(srv_t *s);
+static void end_validation(srv_t *s);
+static void take_checkpoint(srv_t *s, bool epoch_done);
+
+static int live_workers(const srv_t *s)
+{
+    int n = 0;
+    for (int i = 0; i < s->n; i++) n += s->w[i].state >= W_READY && s->w[i].state <= W_VALIDATED;
+    return n;
+}
+
+/* Slot of a peer: the newest slot with that identity (a worker that rejoins
+ * keeps its identity and gets a new slot). */
+static worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len)
+{
+    for (int i = s->n - 1; i >= 0; i--)
+        if (s->w[i].ident_len == len && memcmp(s->w[i].ident, ident, len) == 0) return &s->w[i];
+    return NULL;
+}
 
 static void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
@@ -135,13 +183,6 @@ static void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
     else
         PS_WARN("dropped a message from an unknown peer: %s%s", msg,
                 s->dropped == 20 ? " (further drops logged every 1000th)" : "");
-}
-
-static worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len)
-{
-    for (int i = 0; i < s->n; i++)
-        if (s->w[i].ident_len == len && memcmp(s->w[i].ident, ident, len) == 0) return &s->w[i];
-    return NULL;
 }
 
 static void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type)
@@ -214,93 +255,6 @@ static void send_weights(srv_t *s, worker_t *w)
     send_to(s, w, &h, fr, weights_frames(s, fr));
 }
 
-/* End the run: tell every live worker, stop the loop. */
-static void finish(srv_t *s, int code, const char *reason)
-{
-    if (s->phase == PHASE_DONE) return;
-    for (int i = 0; i < s->n; i++)
-        if (s->w[i].state != W_GONE) send_shutdown(s, &s->w[i], code, reason);
-    s->phase = PHASE_DONE;
-    s->exit_code = code;
-    uv_stop(&s->loop);
-}
-
-/* ---- epochs, steps, validation ------------------------------------------ */
-
-static void start_epoch(srv_t *s)
-{
-    uint64_t T = s->train_count, N = (uint64_t)s->n;
-    ps_rng_permutation(s->perm, T, s->cfg.seed, 1000 + s->epoch);
-    uint64_t longest = 0;
-    for (int i = 0; i < s->n; i++) {
-        worker_t *w = &s->w[i];
-        w->begin = T * w->rank / N;
-        w->end = T * (w->rank + 1) / N;
-        if (w->end - w->begin > longest) longest = w->end - w->begin;
-    }
-    s->spe = (double)((longest + s->cfg.batch_size - 1) / s->cfg.batch_size);
-    if (s->spe < 1) s->spe = 1;
-    s->epoch_step = 0;
-    s->ep_loss = 0;
-    s->ep_correct = s->ep_samples = 0;
-    s->phase = PHASE_TRAIN;
-    s->t_epoch = ps_now();
-    for (int i = 0; i < s->n; i++) {
-        worker_t *w = &s->w[i];
-        uint32_t on_host = 0;
-        for (int j = 0; j < s->n; j++) on_host += strcmp(s->w[j].host_id, w->host_id) == 0;
-        Psd__Header h;
-        Psd__Epoch ep = PSD__EPOCH__INIT;
-        Psd__Range r = PSD__RANGE__INIT, *rp = &r;
-        hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_EPOCH);
-        ep.epoch = s->epoch;
-        ep.world = (uint32_t)s->n;
-        ep.workers_on_host = on_host;
-        ep.version = s->store.cur->version;
-        r.begin = w->begin;
-        r.end = w->end;
-        ep.ranges = &rp;
-        ep.n_ranges = 1;
-        h.body_case = PSD__HEADER__BODY_EPOCH;
-        h.epoch = &ep;
-        ps_frame_t fr = {.data = s->perm + w->begin, .nbytes = 4 * (w->end - w->begin),
-                         .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)(w->end - w->begin)};
-        w->state = W_TRAIN;
-        w->samples = 0;
-        w->wants = w->want_sent = false;
-        w->last_seen = ps_now();
-        send_to(s, w, &h, &fr, w->end > w->begin ? 1 : 0);
-    }
-}
-
-static void start_validation(srv_t *s)
-{
-    double dt = ps_now() - s->t_epoch;
-    s->train_s_total += dt;
-    s->samples_total += s->ep_samples;
-    s->phase = PHASE_VALIDATE;
-    s->t_epoch = dt; /* keep the epoch's training time for the metrics */
-    uint64_t T = s->test_count, N = (uint64_t)s->n;
-    for (int i = 0; i < s->n; i++) {
-        worker_t *w = &s->w[i];
-        Psd__Header h;
-        Psd__Validate v = PSD__VALIDATE__INIT;
-        ps_frame_t fr[PS_MAX_TENSORS];
-        hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_VALIDATE);
-        w->val_begin = T * w->rank / N;
-        w->val_end = T * (w->rank + 1) / N;
-        v.epoch = s->epoch;
-        v.version = s->store.cur->version;
-        v.begin = w->val_begin;
-        v.end = w->val_end;
-        h.body_case = PSD__HEADER__BODY_VALIDATE;
-        h.validate = &v;
-        w->state = W_VALIDATING;
-        w->last_seen = ps_now();
-        send_to(s, w, &h, fr, weights_frames(s, fr));
-    }
-}
-
 static void save_weights(srv_t *s)
 {
     if (!s->cfg.save[0]) return;
@@ -314,49 +268,6 @@ static void save_weights(srv_t *s)
     PS_INFO("saved weights (version %" PRIu64 ") to %s", s->store.cur->version, s->cfg.save);
 }
 
-static void end_validation(srv_t *s)
-{
-    double loss = 0;
-    uint64_t correct = 0, count = 0;
-    for (int i = 0; i < s->n; i++) { /* rank order: same sums every run */
-        loss += s->w[i].val_loss;
-        correct += s->w[i].val_correct;
-        count += s->w[i].val_count;
-    }
-    double val_loss = count ? loss / (double)count : 0, val_acc = count ? (double)correct / (double)count : 0;
-    double train_loss = s->ep_samples ? s->ep_loss / (double)s->ep_samples : 0;
-    double train_acc = s->ep_samples ? (double)s->ep_correct / (double)s->ep_samples : 0;
-    double ep_sps = s->t_epoch > 0 ? (double)s->ep_samples / s->t_epoch : 0;
-    double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
-    double wall = ps_now() - s->t_start;
-    PS_INFO("epoch %u/%d step %" PRIu64 " train_loss %.4f train_acc %.4f val_loss %.4f val_acc %.4f "
-            "(%" PRIu64 "/%" PRIu64 ") %.0f samples/s lr %.5g",
-            s->epoch + 1, s->cfg.epochs, s->step, train_loss, train_acc, val_loss, val_acc, correct,
-            count, ep_sps, s->lr);
-    if (s->metrics) {
-        fprintf(s->metrics,
-                "{\"schema\":1,\"run_id\":\"%016" PRIx64 "\",\"epoch\":%u,\"step\":%" PRIu64
-                ",\"train_loss\":%.9g,\"train_acc\":%.9g,\"train_samples\":%" PRIu64
-                ",\"val_loss\":%.9g,\"val_acc\":%.9g,\"val_correct\":%" PRIu64 ",\"val_samples\":%" PRIu64
-                ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
-                ",\"workers\":%d,\"lr\":%.9g}\n",
-                s->run_id, s->epoch + 1, s->step, train_loss, train_acc, s->ep_samples, val_loss,
-                val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, s->n, s->lr);
-        fflush(s->metrics);
-    }
-    if (s->epoch + 1 < (uint32_t)s->cfg.epochs) {
-        s->epoch++;
-        start_epoch(s);
-        return;
-    }
-    save_weights(s);
-    PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s",
-            s->cfg.epochs, s->step, val_acc, sps, wall);
-    int code = s->exit_code;
-    finish(s, 0, "training finished");
-    s->exit_code = code;
-}
-
 static void release_push(worker_t *w)
 {
     for (int t = 0; t < PS_MAX_TENSORS; t++)
@@ -365,9 +276,256 @@ static void release_push(worker_t *w)
     w->has_push = w->push_started = w->push_pull = false;
 }
 
+/* End the run: tell every live worker, stop the loop. */
+static void finish(srv_t *s, int code, const char *reason)
+{
+    if (s->phase == PHASE_DONE) return;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].state != W_GONE) send_shutdown(s, &s->w[i], code, reason);
+    s->phase = PHASE_DONE;
+    s->exit_code = code;
+    uv_stop(&s->loop);
+}
+
+/* ---- positions of the epoch --------------------------------------------- */
+
+static int ranges_add(worker_t *w, uint64_t b, uint64_t e)
+{
+    if (w->n_ranges > 0 && w->ranges[w->n_ranges - 1].end == b) {
+        w->ranges[w->n_ranges - 1].end = e;
+    } else {
+        if (w->n_ranges == w->cap_ranges) {
+            int cap = w->cap_ranges ? 2 * w->cap_ranges : 8;
+            prange_t *r = realloc(w->ranges, (size_t)cap * sizeof *r);
+            if (!r) return -ENOMEM;
+            w->ranges = r;
+            w->cap_ranges = cap;
+        }
+        w->ranges[w->n_ranges++] = (prange_t){b, e};
+    }
+    w->assigned += e - b;
+    return 0;
+}
+
+/* Call fn on positions [from, from+count) of w's assignment, in order. */
+static void walk_positions(const worker_t *w, uint64_t from, uint64_t count, void (*fn)(void *, uint64_t),
+                           void *ud)
+{
+    uint64_t skip = from;
+    for (int i = 0; i < w->n_ranges && count > 0; i++) {
+        uint64_t len = w->ranges[i].end - w->ranges[i].begin;
+        if (skip >= len) {
+            skip -= len;
+            continue;
+        }
+        for (uint64_t p = w->ranges[i].begin + skip; p < w->ranges[i].end && count > 0; p++, count--) fn(ud, p);
+        skip = 0;
+    }
+}
+
+static void mark_seen(void *ud, uint64_t p)
+{
+    srv_t *s = ud;
+    s->seen[p / 8] |= (uint8_t)(1u << (p % 8));
+}
+
+typedef struct {
+    uint64_t *out;
+    size_t n;
+} collect_t;
+
+static void collect_pos(void *ud, uint64_t p)
+{
+    collect_t *c = ud;
+    c->out[c->n++] = p;
+}
+
+/* Give positions pos[0..n) (sorted or not) to w: EPOCH message (append:
+ * more for the current epoch) with the ranges and the sample ids. */
+static int give_positions(srv_t *s, worker_t *w, const uint64_t *pos, size_t n, bool append)
+{
+    uint32_t *ids = malloc((n ? n : 1) * sizeof *ids);
+    if (!ids) return -ENOMEM;
+    if (!append) {
+        w->n_ranges = 0;
+        w->assigned = w->consumed = 0;
+    }
+    int first_range = w->n_ranges;
+    for (size_t i = 0; i < n; i++) {
+        if (ranges_add(w, pos[i], pos[i] + 1) != 0) {
+            free(ids);
+            return -ENOMEM;
+        }
+        ids[i] = s->perm[pos[i]];
+    }
+    uint32_t on_host = 0;
+    for (int j = 0; j < s->n; j++)
+        on_host += s->w[j].state != W_GONE && strcmp(s->w[j].host_id, w->host_id) == 0;
+    Psd__Header h;
+    Psd__Epoch ep = PSD__EPOCH__INIT;
+    int nr = w->n_ranges - first_range;
+    Psd__Range *rs = calloc((size_t)(nr > 0 ? nr : 1), sizeof *rs);
+    Psd__Range **rp = calloc((size_t)(nr > 0 ? nr : 1), sizeof *rp);
+    if (!rs || !rp) {
+        free(ids);
+        free(rs);
+        free(rp);
+        return -ENOMEM;
+    }
+    for (int i = 0; i < nr; i++) {
+        psd__range__init(&rs[i]);
+        rs[i].begin = w->ranges[first_range + i].begin;
+        rs[i].end = w->ranges[first_range + i].end;
+        rp[i] = &rs[i];
+    }
+    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_EPOCH);
+    ep.epoch = s->epoch;
+    ep.world = (uint32_t)live_workers(s);
+    ep.workers_on_host = on_host;
+    ep.version = s->store.cur->version;
+    ep.ranges = rp;
+    ep.n_ranges = (size_t)nr;
+    ep.append = append;
+    h.body_case = PSD__HEADER__BODY_EPOCH;
+    h.epoch = &ep;
+    ps_frame_t fr = {.data = ids, .nbytes = 4 * n, .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n};
+    w->state = w->consumed < w->assigned || !append ? W_TRAIN : w->state;
+    w->last_seen = ps_now();
+    send_to(s, w, &h, &fr, n ? 1 : 0);
+    free(ids);
+    free(rs);
+    free(rp);
+    return 0;
+}
+
+/* Split positions among the given workers, contiguously, in slot order. */
+static void spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k, bool append)
+{
+    for (int i = 0; i < k; i++) {
+        size_t b = n * (size_t)i / (size_t)k, e = n * (size_t)(i + 1) / (size_t)k;
+        if (append && e == b) continue;
+        if (give_positions(s, to[i], pos + b, e - b, append) != 0) {
+            PS_ERROR("out of memory assigning samples");
+            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+            return;
+        }
+    }
+}
+
+/* ---- epochs, steps, validation ------------------------------------------ */
+
+static void start_epoch(srv_t *s)
+{
+    uint64_t T = s->train_count;
+    ps_rng_permutation(s->perm, T, s->cfg.seed, 1000 + s->epoch);
+    worker_t *to[MAX_WORKERS];
+    int k = 0;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].state >= W_READY && s->w[i].state <= W_VALIDATED) to[k++] = &s->w[i];
+    /* positions not trained yet: all of them, or what a resumed epoch has left */
+    uint64_t *pos = malloc((T ? T : 1) * sizeof *pos);
+    if (!pos) {
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    size_t n = 0;
+    if (!s->resumed_mid_epoch) memset(s->seen, 0, (T + 7) / 8);
+    for (uint64_t p = 0; p < T; p++)
+        if (!(s->seen[p / 8] & (1u << (p % 8)))) pos[n++] = p;
+    if (!s->resumed_mid_epoch) {
+        s->epoch_step = 0;
+        s->ep_loss = 0;
+        s->ep_correct = s->ep_samples = 0;
+    }
+    s->resumed_mid_epoch = false;
+    uint64_t longest = k ? (T + (uint64_t)k - 1) / (uint64_t)k : T;
+    s->spe = (double)((longest + (uint64_t)s->cfg.batch_size - 1) / (uint64_t)s->cfg.batch_size);
+    if (s->spe < 1) s->spe = 1;
+    s->phase = PHASE_TRAIN;
+    s->t_epoch = ps_now();
+    s->n_pool = 0;
+    for (int i = 0; i < s->n; i++) s->w[i].n_ranges = 0, s->w[i].assigned = s->w[i].consumed = 0;
+    if (k == 0) { /* everyone left: the next worker to come takes them all */
+        memcpy(s->pool, pos, n * sizeof *pos);
+        s->n_pool = n;
+        s->orphan_deadline = ps_now() + s->cfg.start_timeout;
+        PS_WARN("no workers for epoch %u; waiting up to %.0f s for one to join", s->epoch + 1,
+                s->cfg.start_timeout);
+    } else {
+        spread(s, pos, n, to, k, false);
+    }
+    free(pos);
+    if (n == 0) maybe_step(s); /* nothing left to train (resumed at the end of an epoch) */
+}
+
+static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
+{
+    Psd__Header h;
+    Psd__Validate v = PSD__VALIDATE__INIT;
+    ps_frame_t fr[PS_MAX_TENSORS];
+    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_VALIDATE);
+    v.epoch = s->epoch;
+    v.version = s->store.cur->version;
+    v.begin = p->begin;
+    v.end = p->end;
+    h.body_case = PSD__HEADER__BODY_VALIDATE;
+    h.validate = &v;
+    p->worker = (int)(w - s->w);
+    w->val_pending++;
+    w->state = W_VALIDATING;
+    w->last_seen = ps_now();
+    send_to(s, w, &h, fr, weights_frames(s, fr));
+}
+
+/* The live worker with the fewest validation parts pending, or NULL. */
+static worker_t *least_busy(srv_t *s)
+{
+    worker_t *best = NULL;
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (w->state < W_READY || w->state > W_VALIDATED) continue;
+        if (!best || w->val_pending < best->val_pending) best = w;
+    }
+    return best;
+}
+
+static void start_validation(srv_t *s)
+{
+    double dt = ps_now() - s->t_epoch;
+    s->train_s_total += dt;
+    s->samples_total += s->ep_samples;
+    s->phase = PHASE_VALIDATE;
+    s->t_epoch = dt; /* the epoch's training time, for the metrics */
+    worker_t *to[MAX_WORKERS];
+    int k = 0;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].state >= W_READY && s->w[i].state <= W_VALIDATED) to[k++] = &s->w[i];
+    int parts = k > 0 ? k : 1;
+    free(s->parts);
+    s->parts = calloc((size_t)parts, sizeof *s->parts);
+    if (!s->parts) {
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    s->n_parts = parts;
+    uint64_t T = s->test_count;
+    for (int i = 0; i < parts; i++) {
+        s->parts[i] = (vpart_t){.begin = T * (uint64_t)i / (uint64_t)parts,
+                                .end = T * (uint64_t)(i + 1) / (uint64_t)parts, .worker = -1};
+    }
+    for (int i = 0; i < s->n; i++) s->w[i].val_pending = 0;
+    for (int i = 0; i < k; i++) send_validate(s, to[i], &s->parts[i]);
+    if (k == 0) {
+        s->orphan_deadline = ps_now() + s->cfg.start_timeout;
+        PS_WARN("no workers to validate epoch %u; waiting up to %.0f s for one to join", s->epoch + 1,
+                s->cfg.start_timeout);
+    }
+}
+
 /* Every worker still training has pushed for this version: reduce, apply. */
 static void maybe_step(srv_t *s)
 {
+    if (s->phase != PHASE_TRAIN) return;
     int pending = 0;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
@@ -375,8 +533,6 @@ static void maybe_step(srv_t *s)
         pending += w->has_push;
     }
     if (pending > 0) {
-        /* contributors in rank order (ranks are indices) */
-        int k = 0;
         uint64_t total = 0;
         for (int i = 0; i < s->n; i++)
             if (s->w[i].has_push) total += s->w[i].push_batch;
@@ -389,6 +545,7 @@ static void maybe_step(srv_t *s)
             finish(s, PSD_EXIT_ERROR, "psd out of memory");
             return;
         }
+        int k = 0; /* contributors in rank order: the same sums every run */
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
             if (!w->has_push) continue;
@@ -396,7 +553,9 @@ static void maybe_step(srv_t *s)
             wt[k] = (double)w->push_batch / (double)total;
             k++;
         }
-        s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + (double)s->epoch_step / s->spe, s->spe);
+        double frac = (double)s->epoch_step / s->spe;
+        if (frac > 0.999999) frac = 0.999999; /* a redistributed epoch may take a few more steps */
+        s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
         double norm = psd_store_step(&s->store, pending, (const float *const(*)[PS_MAX_TENSORS])g, wt,
                                      s->cfg.clip_norm, s->lr);
         free(g);
@@ -411,108 +570,71 @@ static void maybe_step(srv_t *s)
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
             if (!w->has_push) continue;
+            walk_positions(w, w->consumed, w->push_batch, mark_seen, s);
+            w->consumed += w->push_batch;
+            s->ep_loss += w->push_loss;
+            s->ep_correct += w->push_correct;
+            s->ep_samples += w->push_batch;
             bool pull = w->push_pull;
             release_push(w);
             if (pull && w->state == W_TRAIN) send_weights(s, w);
         }
+        if (s->cfg.ckpt_every_steps > 0 && s->step % (uint64_t)s->cfg.ckpt_every_steps == 0)
+            take_checkpoint(s, false);
     }
     for (int i = 0; i < s->n; i++)
         if (s->w[i].state == W_TRAIN) return;
+    if (s->n_pool > 0) return; /* samples wait for a worker to join */
     start_validation(s);
 }
 
-/* ---- message handlers --------------------------------------------------- */
-
-static void on_register(srv_t *s, ps_msg_t *m)
+/* A worker is gone (lost, left, failed): its samples and validation parts go
+ * to the others, or wait for the next worker to join. */
+static void worker_gone(srv_t *s, worker_t *w)
 {
-    Psd__Register *r = m->hdr->reg;
-    const char *host = r->hostname && r->hostname[0] ? r->hostname : "?";
-    worker_t *w = find_worker(s, m->ident, m->ident_len);
-    if (w) { /* a retry: same socket, answer again */
-        drop(s, w, "repeated REGISTER");
-        return;
-    }
-    if (s->phase != PHASE_WAIT || s->n >= s->cfg.workers) {
-        PS_WARN("refused a worker from %s pid %u: the run already has its %d workers", host, r->pid,
-                s->cfg.workers);
-        send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED,
-                         "this run already has all its workers");
-        return;
-    }
-    w = &s->w[s->n];
-    memset(w, 0, sizeof *w);
-    memcpy(w->ident, m->ident, m->ident_len);
-    w->ident_len = m->ident_len;
-    w->rank = (uint32_t)s->n;
-    snprintf(w->hostname, sizeof w->hostname, "%s", host);
-    snprintf(w->host_id, sizeof w->host_id, "%s", r->host_id && r->host_id[0] ? r->host_id : host);
-    snprintf(w->device, sizeof w->device, "%s", r->device && r->device[0] ? r->device : "cpu");
-    w->pid = r->pid;
-    w->state = W_ASSIGNED;
-    w->last_seen = ps_now();
-    w->seq_in = m->hdr->seq;
-    s->n++;
-    PS_INFO("worker registered: rank %u, %s pid %u, %s%s%s (%d/%d)", w->rank, w->hostname, w->pid,
-            w->device, r->identity_hint && r->identity_hint[0] ? ", task " : "",
-            r->identity_hint ? r->identity_hint : "", s->n, s->cfg.workers);
-
-    Psd__Header h;
-    Psd__Assign a = PSD__ASSIGN__INIT;
-    Psd__Hyper hy = PSD__HYPER__INIT;
-    Psd__DataFile df[4], *dfp[4];
-    uint32_t layers[PS_MAX_LAYERS + 1];
-    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_ASSIGN);
-    a.rank = w->rank;
-    for (int i = 0; i < s->cfg.n_sizes; i++) layers[i] = (uint32_t)s->cfg.sizes[i];
-    a.layers = layers;
-    a.n_layers = (size_t)s->cfg.n_sizes;
-    a.activation = "relu";
-    for (int i = 0; i < 4; i++) {
-        psd__data_file__init(&df[i]);
-        df[i].role = s->files[i].role;
-        df[i].path = s->files[i].path;
-        df[i].size = s->files[i].size;
-        df[i].hash = s->files[i].hash;
-        dfp[i] = &df[i];
-    }
-    a.files = dfp;
-    a.n_files = 4;
-    hy.batch_size = (uint32_t)s->cfg.batch_size;
-    hy.val_batch_size = (uint32_t)s->cfg.val_batch_size;
-    hy.norm_mean = s->cfg.norm_mean;
-    hy.norm_std = s->cfg.norm_std;
-    hy.train_limit = (uint64_t)s->cfg.train_limit;
-    hy.epochs = (uint32_t)s->cfg.epochs;
-    hy.seed = s->cfg.seed;
-    a.hyper = &hy;
-    a.start_timeout_s = s->cfg.start_timeout + 10;
-    a.step_timeout_s = s->cfg.worker_timeout * 2 + 10;
-    h.body_case = PSD__HEADER__BODY_ASSIGN;
-    h.assign = &a;
-    send_to(s, w, &h, NULL, 0);
-}
-
-static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
-{
-    if (w->state != W_ASSIGNED) {
-        drop(s, w, "READY while %s", wstate_name[w->state]);
-        return;
-    }
-    Psd__Ready *r = m->hdr->ready;
-    if (r->train_count != s->train_count || r->test_count != s->test_count) {
-        PS_ERROR("rank %u (%s pid %u) loaded %" PRIu64 "/%" PRIu64 " samples, psd has %zu/%zu; not using it",
-                 w->rank, w->hostname, w->pid, r->train_count, r->test_count, s->train_count, s->test_count);
-        send_shutdown(s, w, 2, "data differs from psd's");
-        w->state = W_GONE;
-        return;
-    }
-    w->state = W_READY;
-    int ready = 0;
-    for (int i = 0; i < s->n; i++) ready += s->w[i].state == W_READY;
-    if (ready == s->cfg.workers) {
-        PS_INFO("all %d workers ready; training %d epochs", s->n, s->cfg.epochs);
-        s->t_start = ps_now();
-        start_epoch(s);
+    wstate_t was = w->state;
+    release_push(w); /* a gradient from a worker declared gone is never applied */
+    w->state = W_GONE;
+    w->gone_at = ps_now();
+    if (s->phase == PHASE_TRAIN && (was == W_TRAIN || was == W_BARRIER) && w->consumed < w->assigned) {
+        size_t n = (size_t)(w->assigned - w->consumed);
+        uint64_t *pos = malloc(n * sizeof *pos);
+        if (!pos) {
+            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+            return;
+        }
+        collect_t c = {pos, 0};
+        walk_positions(w, w->consumed, n, collect_pos, &c);
+        worker_t *to[MAX_WORKERS];
+        int k = 0;
+        for (int i = 0; i < s->n; i++)
+            if (s->w[i].state == W_TRAIN || s->w[i].state == W_BARRIER) to[k++] = &s->w[i];
+        if (k > 0) {
+            PS_INFO("its %zu remaining samples of epoch %u go to %d other worker%s", n, s->epoch + 1, k,
+                    k == 1 ? "" : "s");
+            spread(s, pos, n, to, k, true);
+        } else {
+            memcpy(s->pool + s->n_pool, pos, n * sizeof *pos);
+            s->n_pool += n;
+            s->orphan_deadline = ps_now() + s->cfg.start_timeout;
+            PS_WARN("no worker left in epoch %u: %zu samples wait up to %.0f s for a worker to join",
+                    s->epoch + 1, s->n_pool, s->cfg.start_timeout);
+        }
+        free(pos);
+        w->assigned = w->consumed;
+        maybe_step(s);
+    } else if (s->phase == PHASE_VALIDATE && w->val_pending > 0) {
+        w->val_pending = 0;
+        for (int i = 0; i < s->n_parts; i++) {
+            vpart_t *p = &s->parts[i];
+            if (p->done || p->worker != (int)(w - s->w)) continue;
+            worker_t *to = least_busy(s);
+            p->worker = -1;
+            if (to) send_validate(s, to, p);
+        }
+        if (!least_busy(s)) s->orphan_deadline = ps_now() + s->cfg.start_timeout;
+    } else if (s->phase == PHASE_TRAIN) {
+        maybe_step(s);
     }
 }
 
@@ -523,15 +645,11 @@ static void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
         return;
     }
     uint64_t v = m->hdr->pull->min_version;
-    if (v > s->store.cur->version + 1) {
+    if (v > s->store.cur->version) {
         drop(s, w, "PULL of version %" PRIu64 ", current is %" PRIu64, v, s->store.cur->version);
         return;
     }
-    if (v <= s->store.cur->version) send_weights(s, w);
-    else {
-        w->wants = true;
-        w->want_version = v;
-    }
+    send_weights(s, w);
 }
 
 static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
@@ -551,7 +669,7 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
              s->store.cur->version);
         return;
     }
-    uint64_t left = w->end - w->begin - w->samples;
+    uint64_t left = w->assigned - w->consumed;
     if (p->batch == 0 || p->batch > (uint32_t)s->cfg.batch_size || p->batch > left) {
         drop(s, w, "PUSH of a batch of %u (batch size %d, %" PRIu64 " samples left)", p->batch,
              s->cfg.batch_size, left);
@@ -602,49 +720,296 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
     uint64_t all = l->n_tensors == 64 ? ~0ull : (1ull << l->n_tensors) - 1;
     if (w->grad_mask != all) return; /* more parts to come */
     w->has_push = true;
-    w->samples += p->batch;
-    s->ep_loss += p->loss_sum;
-    s->ep_correct += p->correct;
-    s->ep_samples += p->batch;
     maybe_step(s);
 }
+
+static void end_validation(srv_t *s)
+{
+    double loss = 0;
+    uint64_t correct = 0, count = 0;
+    for (int i = 0; i < s->n_parts; i++) { /* part order: the same sums every run */
+        loss += s->parts[i].loss;
+        correct += s->parts[i].correct;
+        count += s->parts[i].count;
+    }
+    double val_loss = count ? loss / (double)count : 0, val_acc = count ? (double)correct / (double)count : 0;
+    double train_loss = s->ep_samples ? s->ep_loss / (double)s->ep_samples : 0;
+    double train_acc = s->ep_samples ? (double)s->ep_correct / (double)s->ep_samples : 0;
+    double ep_sps = s->t_epoch > 0 ? (double)s->ep_samples / s->t_epoch : 0;
+    double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
+    double wall = ps_now() - s->t_start;
+    int workers = live_workers(s);
+    PS_INFO("epoch %u/%d step %" PRIu64 " train_loss %.4f train_acc %.4f val_loss %.4f val_acc %.4f "
+            "(%" PRIu64 "/%" PRIu64 ") %.0f samples/s lr %.5g",
+            s->epoch + 1, s->cfg.epochs, s->step, train_loss, train_acc, val_loss, val_acc, correct,
+            count, ep_sps, s->lr);
+    if (s->metrics) {
+        fprintf(s->metrics,
+                "{\"schema\":1,\"run_id\":\"%016" PRIx64 "\",\"epoch\":%u,\"step\":%" PRIu64
+                ",\"train_loss\":%.9g,\"train_acc\":%.9g,\"train_samples\":%" PRIu64
+                ",\"val_loss\":%.9g,\"val_acc\":%.9g,\"val_correct\":%" PRIu64 ",\"val_samples\":%" PRIu64
+                ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
+                ",\"workers\":%d,\"lr\":%.9g}\n",
+                s->run_id, s->epoch + 1, s->step, train_loss, train_acc, s->ep_samples, val_loss,
+                val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr);
+        fflush(s->metrics);
+    }
+    bool last = s->epoch + 1 >= (uint32_t)s->cfg.epochs;
+    bool stop = s->opts.stop_after_epoch > 0 && s->epoch + 1 == (uint32_t)s->opts.stop_after_epoch && !last;
+    if (s->cfg.ckpt_dir[0] && (last || stop || (s->cfg.ckpt_every_epochs > 0 &&
+                                                 (s->epoch + 1) % (uint32_t)s->cfg.ckpt_every_epochs == 0)))
+        take_checkpoint(s, true);
+    if (last) {
+        save_weights(s);
+        PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s",
+                s->cfg.epochs, s->step, val_acc, sps, wall);
+        int code = s->exit_code;
+        finish(s, 0, "training finished");
+        s->exit_code = code;
+        return;
+    }
+    if (stop) {
+        PS_INFO("stopping after epoch %u as asked (--stop-after-epoch); resume with --resume %s",
+                s->epoch + 1, s->cfg.ckpt_dir[0] ? s->cfg.ckpt_dir : "DIR");
+        if (s->ckpt) {
+            s->stop_when_written = true;
+            s->phase = PHASE_WAIT; /* nothing more to do but write */
+            s->phase_deadline = INFINITY;
+        } else {
+            finish(s, 0, "psd stopped after the epoch it was asked to");
+        }
+        return;
+    }
+    s->epoch++;
+    start_epoch(s);
+}
+
+/* ---- checkpoints -------------------------------------------------------- */
+
+static void ckpt_hook(void *ud, size_t off, size_t n) { psd_ckpt_before_update(ud, off, n); }
+
+static void take_checkpoint(srv_t *s, bool epoch_done)
+{
+    if (!s->cfg.ckpt_dir[0]) return;
+    if (s->ckpt) {
+        s->ckpt_again = true;
+        return;
+    }
+    psd_ckpt_meta_t m = {
+        .run_id = s->run_id, .config_hash = s->config_hash, .seed = s->cfg.seed,
+        .step = s->store.steps, .version = s->store.cur->version, .epoch = s->epoch,
+        .epoch_done = epoch_done, .epoch_step = s->epoch_step, .steps_per_epoch = s->spe,
+        .ep_loss = s->ep_loss, .ep_correct = s->ep_correct, .ep_samples = s->ep_samples,
+        .train_s_total = s->train_s_total + (s->phase == PHASE_TRAIN ? ps_now() - s->t_epoch : 0),
+        .samples_total = s->samples_total, .lr = s->lr, .train_count = s->train_count,
+        .n_sizes = s->layout.n_sizes, .opt_kind = (uint32_t)s->cfg.opt,
+        .n_slots = (uint32_t)psd_optim_slots(&s->store.opt), .n_params = s->layout.n_params};
+    memcpy(m.sizes, s->layout.sizes, sizeof m.sizes);
+    int rc = psd_ckpt_begin(&s->ckpt, s->cfg.ckpt_dir, s->cfg.ckpt_keep, &m, s->seen, &s->store);
+    if (rc != 0) {
+        PS_ERROR("cannot start a checkpoint in %s: %s", s->cfg.ckpt_dir, strerror(-rc));
+        s->ckpt = NULL;
+        return;
+    }
+    s->store.before_update = ckpt_hook;
+    s->store.before_update_ud = s->ckpt;
+}
+
+/* The writer finished: log, start the next one if asked, stop if asked. */
+static void poll_checkpoint(srv_t *s, bool wait)
+{
+    if (!s->ckpt) return;
+    if (!wait && !psd_ckpt_done(s->ckpt)) return;
+    char path[PS_PATH_MAX];
+    double secs = 0;
+    uint64_t bytes = 0, peak = 0;
+    s->store.before_update = NULL;
+    s->store.before_update_ud = NULL;
+    int rc = psd_ckpt_end(&s->ckpt, path, sizeof path, &secs, &bytes, &peak);
+    if (rc != 0) PS_ERROR("checkpoint failed: %s", strerror(-rc));
+    else
+        PS_INFO("checkpoint %s: %.1f MB in %.2f s, peak extra memory %.1f MB", path, (double)bytes / 1e6, secs,
+                (double)peak / 1e6);
+    if (s->stop_when_written) {
+        finish(s, 0, s->stopping > 0 ? "psd was stopped; checkpoint saved" : "psd stopped as asked; checkpoint saved");
+        return;
+    }
+    if (s->ckpt_again) {
+        s->ckpt_again = false;
+        take_checkpoint(s, false);
+    }
+}
+
+/* ---- message handlers --------------------------------------------------- */
+
+static void send_assign(srv_t *s, worker_t *w)
+{
+    Psd__Header h;
+    Psd__Assign a = PSD__ASSIGN__INIT;
+    Psd__Hyper hy = PSD__HYPER__INIT;
+    Psd__DataFile df[4], *dfp[4];
+    uint32_t layers[PS_MAX_LAYERS + 1];
+    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_ASSIGN);
+    a.rank = w->rank;
+    for (int i = 0; i < s->cfg.n_sizes; i++) layers[i] = (uint32_t)s->cfg.sizes[i];
+    a.layers = layers;
+    a.n_layers = (size_t)s->cfg.n_sizes;
+    a.activation = "relu";
+    for (int i = 0; i < 4; i++) {
+        psd__data_file__init(&df[i]);
+        df[i].role = s->files[i].role;
+        df[i].path = s->files[i].path;
+        df[i].size = s->files[i].size;
+        df[i].hash = s->files[i].hash;
+        dfp[i] = &df[i];
+    }
+    a.files = dfp;
+    a.n_files = 4;
+    hy.batch_size = (uint32_t)s->cfg.batch_size;
+    hy.val_batch_size = (uint32_t)s->cfg.val_batch_size;
+    hy.norm_mean = s->cfg.norm_mean;
+    hy.norm_std = s->cfg.norm_std;
+    hy.train_limit = (uint64_t)s->cfg.train_limit;
+    hy.epochs = (uint32_t)s->cfg.epochs;
+    hy.seed = s->cfg.seed;
+    a.hyper = &hy;
+    /* how long a worker waits for psd before it registers again */
+    a.start_timeout_s = s->cfg.start_timeout + 10;
+    a.step_timeout_s = s->cfg.worker_timeout * 3 + 10;
+    h.body_case = PSD__HEADER__BODY_ASSIGN;
+    h.assign = &a;
+    send_to(s, w, &h, NULL, 0);
+}
+
+static void on_register(srv_t *s, ps_msg_t *m)
+{
+    Psd__Register *r = m->hdr->reg;
+    const char *host = r->hostname && r->hostname[0] ? r->hostname : "?";
+    worker_t *w = find_worker(s, m->ident, m->ident_len);
+    if (w && w->state == W_ASSIGNED) { /* its REGISTER was sent twice: answer again */
+        send_assign(s, w);
+        return;
+    }
+    if (w && w->state != W_GONE) { /* registering again while psd counts it in: it lost us */
+        PS_WARN("rank %u (%s pid %u) registers again; taking it as a new worker", w->rank, w->hostname, w->pid);
+        worker_gone(s, w);
+    }
+    if (s->phase == PHASE_DONE || s->n >= MAX_WORKERS) {
+        PS_WARN("refused a worker from %s pid %u: %s", host, r->pid,
+                s->n >= MAX_WORKERS ? "no free worker slot" : "the run is over");
+        send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED,
+                         s->n >= MAX_WORKERS ? "psd has no free worker slot" : "the run is over");
+        return;
+    }
+    w = &s->w[s->n];
+    memset(w, 0, sizeof *w);
+    memcpy(w->ident, m->ident, m->ident_len);
+    w->ident_len = m->ident_len;
+    w->rank = (uint32_t)s->n;
+    snprintf(w->hostname, sizeof w->hostname, "%s", host);
+    snprintf(w->host_id, sizeof w->host_id, "%s", r->host_id && r->host_id[0] ? r->host_id : host);
+    snprintf(w->device, sizeof w->device, "%s", r->device && r->device[0] ? r->device : "cpu");
+    w->pid = r->pid;
+    w->state = W_ASSIGNED;
+    w->last_seen = ps_now();
+    w->seq_in = m->hdr->seq;
+    s->n++;
+    char dev[48];
+    if (r->device_index >= 0) snprintf(dev, sizeof dev, "%s:%d", w->device, r->device_index);
+    else snprintf(dev, sizeof dev, "%s", w->device);
+    PS_INFO("worker registered: rank %u, %s pid %u, %s%s%s%s (%d ready before it)", w->rank, w->hostname, w->pid, dev,
+            r->identity_hint && r->identity_hint[0] ? ", task " : "", r->identity_hint ? r->identity_hint : "",
+            m->hdr->run_id ? ", rejoining" : "", live_workers(s));
+    send_assign(s, w);
+}
+
+static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    if (w->state != W_ASSIGNED) {
+        drop(s, w, "READY while %s", wstate_name[w->state]);
+        return;
+    }
+    Psd__Ready *r = m->hdr->ready;
+    if (r->train_count != s->train_count || r->test_count != s->test_count) {
+        PS_ERROR("rank %u (%s pid %u) loaded %" PRIu64 "/%" PRIu64 " samples, psd has %zu/%zu; not using it",
+                 w->rank, w->hostname, w->pid, r->train_count, r->test_count, s->train_count, s->test_count);
+        send_shutdown(s, w, 2, "data differs from psd's");
+        w->state = W_GONE;
+        return;
+    }
+    w->state = W_READY;
+    if (s->phase == PHASE_WAIT) {
+        if (live_workers(s) >= s->cfg.workers) {
+            PS_INFO("%d workers ready; training %s%d epochs", live_workers(s), s->epoch ? "from epoch " : "",
+                    s->epoch ? (int)s->epoch + 1 : s->cfg.epochs);
+            s->t_start = ps_now();
+            start_epoch(s);
+        }
+        return;
+    }
+    /* joining a run under way: take samples waiting for a worker at once,
+     * else wait for the next epoch */
+    if (s->phase == PHASE_TRAIN && s->n_pool > 0) {
+        PS_INFO("rank %u takes the %zu samples that were waiting for a worker", w->rank, s->n_pool);
+        size_t n = s->n_pool;
+        s->n_pool = 0;
+        if (give_positions(s, w, s->pool, n, false) != 0) finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    if (s->phase == PHASE_VALIDATE) {
+        for (int i = 0; i < s->n_parts; i++)
+            if (!s->parts[i].done && s->parts[i].worker < 0) send_validate(s, w, &s->parts[i]);
+        if (w->state == W_VALIDATING) return;
+    }
+    PS_INFO("rank %u joins from epoch %u", w->rank, s->epoch + 2);
+}
+
+static void on_push(srv_t *s, worker_t *w, ps_msg_t *m);
 
 static void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Barrier *b = m->hdr->barrier;
-    if (w->state != W_TRAIN || b->epoch != s->epoch || (w->push_started && !w->has_push)) {
-        drop(s, w, "BARRIER for epoch %u while %s in epoch %u", b->epoch, wstate_name[w->state], s->epoch);
+    if (b->epoch != s->epoch || (w->state != W_TRAIN && w->state != W_BARRIER)) {
+        drop(s, w, "BARRIER for epoch %u while %s in epoch %u", b->epoch, wstate_name[w->state], s->epoch + 1);
         return;
     }
-    if (b->samples != w->samples || w->samples != w->end - w->begin) {
-        drop(s, w, "BARRIER after %" PRIu64 " samples, psd counted %" PRIu64 " of %" PRIu64, b->samples,
-             w->samples, w->end - w->begin);
+    if (b->samples < w->assigned) return; /* sent before it got more samples: it will come again */
+    uint64_t done = w->consumed + (w->has_push ? w->push_batch : 0);
+    if (b->samples != w->assigned || done != w->assigned) {
+        drop(s, w, "BARRIER after %" PRIu64 " samples, psd counted %" PRIu64 " of %" PRIu64, b->samples, done,
+             w->assigned);
         return;
     }
-    w->state = W_BARRIER;
-    maybe_step(s);
+    if (w->state == W_TRAIN) {
+        w->state = W_BARRIER;
+        maybe_step(s);
+    }
 }
 
 static void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__ValResult *v = m->hdr->val_result;
-    if (w->state != W_VALIDATING || v->epoch != s->epoch || v->version != s->store.cur->version) {
-        drop(s, w, "VAL_RESULT for epoch %u version %" PRIu64 " while %s", v->epoch, v->version,
-             wstate_name[w->state]);
+    vpart_t *p = NULL;
+    for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++)
+        if (s->parts[i].begin == v->begin && s->parts[i].worker == (int)(w - s->w) && !s->parts[i].done)
+            p = &s->parts[i];
+    if (!p || w->state != W_VALIDATING || v->epoch != s->epoch || v->version != s->store.cur->version) {
+        drop(s, w, "VAL_RESULT for epoch %u version %" PRIu64 " from %" PRIu64 " while %s", v->epoch + 1,
+             v->version, v->begin, wstate_name[w->state]);
         return;
     }
-    if (v->count != w->val_end - w->val_begin || v->correct > v->count || !isfinite(v->loss_sum) ||
-        v->loss_sum < 0) {
+    if (v->count != p->end - p->begin || v->correct > v->count || !isfinite(v->loss_sum) || v->loss_sum < 0) {
         drop(s, w, "VAL_RESULT with invalid sums (count %" PRIu64 ", expected %" PRIu64 ")", v->count,
-             w->val_end - w->val_begin);
+             p->end - p->begin);
         return;
     }
-    w->val_loss = v->loss_sum;
-    w->val_correct = v->correct;
-    w->val_count = v->count;
-    w->state = W_VALIDATED;
-    for (int i = 0; i < s->n; i++)
-        if (s->w[i].state == W_VALIDATING) return;
+    p->loss = v->loss_sum;
+    p->correct = v->correct;
+    p->count = v->count;
+    p->done = true;
+    if (--w->val_pending == 0) w->state = W_VALIDATED;
+    for (int i = 0; i < s->n_parts; i++)
+        if (!s->parts[i].done) return;
     end_validation(s);
 }
 
@@ -653,20 +1018,15 @@ static void on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m)
     Psd__Error *e = m->hdr->error;
     PS_ERROR("rank %u (%s pid %u) failed: %s", w->rank, w->hostname, w->pid,
              e->message ? e->message : "(no message)");
-    wstate_t was = w->state;
-    w->state = W_GONE;
-    if (s->phase == PHASE_WAIT) {
-        /* free its slot: another worker may take it before the start timeout */
-        int i = (int)(w - s->w);
-        memmove(&s->w[i], &s->w[i + 1], (size_t)(s->n - i - 1) * sizeof *w);
-        s->n--;
-        for (int j = 0; j < s->n; j++) s->w[j].rank = (uint32_t)j;
-        (void)was;
-        return;
-    }
-    char reason[160];
-    snprintf(reason, sizeof reason, "rank %u failed", w->rank);
-    finish(s, PSD_EXIT_WORKER_LOST, reason);
+    worker_gone(s, w);
+}
+
+static void on_leave(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    Psd__Leave *l = m->hdr->leave;
+    PS_INFO("rank %u (%s pid %u) left the run: %s", w->rank, w->hostname, w->pid,
+            l->reason && l->reason[0] ? l->reason : "planned departure");
+    worker_gone(s, w);
 }
 
 static void handle(srv_t *s, ps_msg_t *m)
@@ -688,8 +1048,12 @@ static void handle(srv_t *s, ps_msg_t *m)
     }
     if (h->type == PSD__MSG_TYPE__MSG_REGISTER) {
         if (h->run_id != 0 && h->run_id != s->run_id) {
-            drop(s, NULL, "REGISTER for run %016" PRIx64, h->run_id);
-            send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_RUN, "this is another run");
+            char msg[160];
+            snprintf(msg, sizeof msg, "this psd runs run %016" PRIx64 ", the worker belongs to run %016" PRIx64,
+                     s->run_id, h->run_id);
+            PS_WARN("refused a worker from %s pid %u: %s", h->reg->hostname ? h->reg->hostname : "?",
+                    h->reg->pid, msg);
+            send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_RUN, msg);
             return;
         }
         on_register(s, m);
@@ -700,7 +1064,18 @@ static void handle(srv_t *s, ps_msg_t *m)
         drop(s, NULL, "%s from a peer that never registered", ps_msg_type_name((int)h->type));
         return;
     }
-    if (w->state == W_GONE) return;
+    if (w->state == W_GONE) {
+        /* e.g. a worker that was frozen past the deadline wakes up: its
+         * messages are never used; tell it, so that it registers again */
+        if (w->lost_replies++ < 3 && h->type != PSD__MSG_TYPE__MSG_ERROR &&
+            h->type != PSD__MSG_TYPE__MSG_LEAVE) {
+            PS_WARN("rank %u (%s pid %u) was declared gone %.1f s ago; ignoring its %s", w->rank, w->hostname,
+                    w->pid, ps_now() - w->gone_at, ps_msg_type_name((int)h->type));
+            send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_LOST,
+                             "psd declared this worker lost; register again to rejoin");
+        }
+        return;
+    }
     if (h->run_id != s->run_id) {
         drop(s, w, "run id %016" PRIx64 ", this run is %016" PRIx64, h->run_id, s->run_id);
         return;
@@ -722,11 +1097,11 @@ static void handle(srv_t *s, ps_msg_t *m)
     case PSD__MSG_TYPE__MSG_BARRIER: on_barrier(s, w, m); break;
     case PSD__MSG_TYPE__MSG_VAL_RESULT: on_val_result(s, w, m); break;
     case PSD__MSG_TYPE__MSG_ERROR: on_worker_error(s, w, m); break;
+    case PSD__MSG_TYPE__MSG_LEAVE: on_leave(s, w, m); break;
+    case PSD__MSG_TYPE__MSG_HEARTBEAT: break; /* last_seen is all it is for */
     default: drop(s, w, "%s is not a message workers send", ps_msg_type_name((int)h->type));
     }
 }
-
-/* ---- loop --------------------------------------------------------------- */
 
 static void drain(srv_t *s)
 {
@@ -764,16 +1139,17 @@ static void on_timer(uv_timer_t *t)
 {
     srv_t *s = t->data;
     double now = ps_now();
+    poll_checkpoint(s, false);
     if (s->phase == PHASE_WAIT) {
         if (now > s->phase_deadline) {
             int ready = 0;
             for (int i = 0; i < s->n; i++) ready += s->w[i].state == W_READY;
-            PS_ERROR("start timeout: %d of %d workers registered, %d ready after %.0f s", s->n,
-                     s->cfg.workers, ready, s->cfg.start_timeout);
+            PS_ERROR("start timeout: %d of %d workers registered, %d ready after %.0f s", s->n, s->cfg.workers,
+                     ready, s->cfg.start_timeout);
             finish(s, PSD_EXIT_START_TIMEOUT, "not all workers came in time");
         }
     } else if (s->phase == PHASE_TRAIN || s->phase == PHASE_VALIDATE) {
-        for (int i = 0; i < s->n; i++) {
+        for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
             worker_t *w = &s->w[i];
             bool waited_for = (w->state == W_TRAIN && !w->has_push) || w->state == W_VALIDATING;
             if (!waited_for || now - w->last_seen < s->cfg.worker_timeout) continue;
@@ -782,13 +1158,19 @@ static void on_timer(uv_timer_t *t)
             char when[32];
             gmtime_r(&last, &tm);
             strftime(when, sizeof when, "%H:%M:%SZ", &tm);
-            PS_ERROR("rank %u (%s pid %u) lost: nothing from it for %.0f s (last message at %s) while %s",
-                     w->rank, w->hostname, w->pid, now - w->last_seen, when, wstate_name[w->state]);
-            w->state = W_GONE;
-            char reason[128];
-            snprintf(reason, sizeof reason, "rank %u was lost", w->rank);
-            finish(s, PSD_EXIT_WORKER_LOST, reason);
-            break;
+            PS_WARN("rank %u (%s pid %u) lost: nothing from it for %.1f s (last message at %s) while %s; "
+                    "going on without it",
+                    w->rank, w->hostname, w->pid, now - w->last_seen, when, wstate_name[w->state]);
+            worker_gone(s, w);
+        }
+        bool waiting = s->n_pool > 0 && live_workers(s) == 0;
+        for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++)
+            waiting |= !s->parts[i].done && s->parts[i].worker < 0;
+        if (waiting && s->phase != PHASE_DONE && now > s->orphan_deadline) {
+            PS_ERROR("no worker came back within %.0f s to finish epoch %u", s->cfg.start_timeout, s->epoch + 1);
+            take_checkpoint(s, false);
+            poll_checkpoint(s, true);
+            finish(s, PSD_EXIT_WORKER_LOST, "no workers left");
         }
     }
     drain(s);
@@ -797,8 +1179,25 @@ static void on_timer(uv_timer_t *t)
 static void on_signal(uv_signal_t *h, int signum)
 {
     srv_t *s = h->data;
-    PS_WARN("received %s: telling the workers to stop", strsignal(signum));
-    finish(s, 128 + signum, "psd was interrupted");
+    if (signum == SIGUSR1) {
+        PS_INFO("received SIGUSR1: writing a checkpoint");
+        take_checkpoint(s, false);
+        drain(s);
+        return;
+    }
+    if (s->stopping > 0 || !s->cfg.ckpt_dir[0]) {
+        if (s->stopping > 0) PS_WARN("received %s again: exiting now", strsignal(signum));
+        else PS_WARN("received %s: telling the workers to stop", strsignal(signum));
+        finish(s, s->stopping > 0 ? 128 + signum : 0, "psd was stopped");
+        return;
+    }
+    PS_WARN("received %s: writing a checkpoint, then telling the workers to stop (again to exit now)",
+            strsignal(signum));
+    s->stopping = signum;
+    s->stop_when_written = true;
+    if (!s->ckpt) take_checkpoint(s, s->phase == PHASE_VALIDATE && false);
+    if (!s->ckpt) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+    drain(s);
 }
 
 /* ---- set-up ------------------------------------------------------------- */
@@ -875,13 +1274,76 @@ static bool is_loopback(const char *ep)
 
 static void close_cb(uv_handle_t *h) { (void)h; }
 
-int psd_server_run(const ps_config_t *c)
+static void log_line(const char *line) { PS_WARN("%s", line); }
+
+/* --resume DIR: the newest valid checkpoint into the store and the run. */
+static int resume(srv_t *s)
+{
+    psd_ckpt_meta_t m;
+    uint8_t *seen = NULL;
+    float *weights = NULL, *slots[2] = {NULL, NULL};
+    char path[PS_PATH_MAX], err[512];
+    int rc = PSD_EXIT_USAGE;
+    if (psd_ckpt_load_newest(s->opts.resume_dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
+                             sizeof err) != 0) {
+        PS_ERROR("cannot resume: %s", err);
+        return PSD_EXIT_USAGE;
+    }
+    if (m.config_hash != s->config_hash && !s->opts.force_resume) {
+        PS_ERROR("cannot resume from %s: it was written with another config (hash %016" PRIx64
+                 ", this one %016" PRIx64 "); use --force-resume to resume anyway",
+                 path, m.config_hash, s->config_hash);
+        goto out;
+    }
+    if (m.n_params != s->layout.n_params || m.n_sizes != s->layout.n_sizes ||
+        memcmp(m.sizes, s->layout.sizes, sizeof m.sizes) != 0 || m.train_count != s->train_count ||
+        m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt)) {
+        PS_ERROR("cannot resume from %s: its model, optimizer or data do not match this config", path);
+        goto out;
+    }
+    if (m.config_hash != s->config_hash) PS_WARN("resuming with another config, as forced");
+    memcpy(s->store.cur->w, weights, m.n_params * sizeof(float));
+    if (m.n_slots >= 1) memcpy(s->store.s0, slots[0], m.n_params * sizeof(float));
+    if (m.n_slots >= 2) memcpy(s->store.s1, slots[1], m.n_params * sizeof(float));
+    s->store.steps = m.step;
+    s->store.cur->version = m.version;
+    s->run_id = m.run_id;
+    s->step = m.step;
+    s->lr = m.lr;
+    s->train_s_total = m.train_s_total;
+    s->samples_total = m.samples_total;
+    if (m.epoch_done) {
+        s->epoch = m.epoch + 1;
+    } else {
+        s->epoch = m.epoch;
+        s->epoch_step = m.epoch_step;
+        s->spe = m.steps_per_epoch;
+        s->ep_loss = m.ep_loss;
+        s->ep_correct = m.ep_correct;
+        s->ep_samples = m.ep_samples;
+        memcpy(s->seen, seen, (s->train_count + 7) / 8);
+        s->resumed_mid_epoch = true;
+    }
+    PS_INFO("resuming run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s", s->run_id, path, s->step,
+            s->epoch + 1, s->resumed_mid_epoch ? " (part done)" : "");
+    rc = 0;
+out:
+    free(seen);
+    free(weights);
+    free(slots[0]);
+    free(slots[1]);
+    return rc;
+}
+
+int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
 {
     srv_t *s = calloc(1, sizeof *s);
     if (!s) return PSD_EXIT_ERROR;
     int code = PSD_EXIT_ERROR;
     bool loop_ok = false;
     s->cfg = *c;
+    s->opts = *opts;
+    s->config_hash = ps_config_hash(c);
     s->run_id = make_run_id();
     s->w = calloc(MAX_WORKERS, sizeof *s->w);
     if (!s->w) goto out;
@@ -894,11 +1356,27 @@ int psd_server_run(const ps_config_t *c)
         code = PSD_EXIT_USAGE;
         goto out;
     }
-    s->perm = malloc((s->train_count ? s->train_count : 1) * sizeof *s->perm);
+    size_t T = s->train_count ? s->train_count : 1;
+    s->perm = malloc(T * sizeof *s->perm);
+    s->pool = malloc(T * sizeof *s->pool);
+    s->seen = calloc((T + 7) / 8, 1);
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
-    if (!s->perm || psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0) {
+    if (!s->perm || !s->pool || !s->seen || psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0) {
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
+        goto out;
+    }
+    if (opts->resume_dir && (code = resume(s)) != 0) goto out;
+    code = PSD_EXIT_ERROR;
+    if (s->epoch >= (uint32_t)c->epochs) {
+        PS_INFO("the checkpoint is at the end of the run (%d epochs): nothing to train", c->epochs);
+        save_weights(s);
+        code = s->exit_code;
+        goto out;
+    }
+    if (c->ckpt_dir[0] && mkdir(c->ckpt_dir, 0755) != 0 && errno != EEXIST) {
+        PS_ERROR("checkpoint directory %s: %s", c->ckpt_dir, strerror(errno));
+        code = PSD_EXIT_USAGE;
         goto out;
     }
     if (c->metrics[0]) {
@@ -915,13 +1393,15 @@ int psd_server_run(const ps_config_t *c)
         PS_ERROR("zeromq: %s", zmq_strerror(zmq_errno()));
         goto out;
     }
-    int one = 1, linger = 1000, hwm = 1000, ivl = 1000, tmo = 10000;
+    int one = 1, linger = 1000, hwm = 1000, ivl = 1000, tmo = 3000, ttl = 6000;
     zmq_setsockopt(s->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+    zmq_setsockopt(s->sock, ZMQ_ROUTER_HANDOVER, &one, sizeof one); /* a worker reconnecting keeps its id */
     zmq_setsockopt(s->sock, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(s->sock, ZMQ_SNDHWM, &hwm, sizeof hwm);
     zmq_setsockopt(s->sock, ZMQ_RCVHWM, &hwm, sizeof hwm);
     zmq_setsockopt(s->sock, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
     zmq_setsockopt(s->sock, ZMQ_HEARTBEAT_TIMEOUT, &tmo, sizeof tmo);
+    zmq_setsockopt(s->sock, ZMQ_HEARTBEAT_TTL, &ttl, sizeof ttl);
     /* a message larger than the biggest legitimate one disconnects its sender */
     int64_t maxmsg = (int64_t)(4 * s->layout.n_params + (size_t)(4 << 20));
     zmq_setsockopt(s->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
@@ -937,8 +1417,8 @@ int psd_server_run(const ps_config_t *c)
         PS_WARN("listening on %s, beyond loopback, without authentication: anyone who can reach it "
                 "can read or change the model",
                 ep);
-    PS_INFO("psd %s (protocol %u): run %016" PRIx64 ", listening on %s, waiting for %d workers",
-            PSD_VERSION, PS_PROTOCOL_VERSION, s->run_id, ep, c->workers);
+    PS_INFO("psd %s (protocol %u): run %016" PRIx64 ", listening on %s, waiting for %d workers", PSD_VERSION,
+            PS_PROTOCOL_VERSION, s->run_id, ep, c->workers);
     PS_INFO("model %zu parameters, %zu training / %zu test samples, optimizer %s, schedule %s",
             s->layout.n_params, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
 
@@ -951,33 +1431,72 @@ int psd_server_run(const ps_config_t *c)
     uv_timer_init(&s->loop, &s->timer);
     uv_signal_init(&s->loop, &s->sigint);
     uv_signal_init(&s->loop, &s->sigterm);
-    s->poll.data = s->timer.data = s->sigint.data = s->sigterm.data = s;
+    uv_signal_init(&s->loop, &s->sigusr1);
+    s->poll.data = s->timer.data = s->sigint.data = s->sigterm.data = s->sigusr1.data = s;
     uv_poll_start(&s->poll, UV_READABLE, on_poll);
     uv_timer_start(&s->timer, on_timer, 100, 100);
     uv_signal_start(&s->sigint, on_signal, SIGINT);
     uv_signal_start(&s->sigterm, on_signal, SIGTERM);
+    uv_signal_start(&s->sigusr1, on_signal, SIGUSR1);
     s->phase = PHASE_WAIT;
     s->phase_deadline = ps_now() + c->start_timeout;
     drain(s);
     if (s->phase != PHASE_DONE) uv_run(&s->loop, UV_RUN_DEFAULT);
     code = s->exit_code;
 out:
+    if (s->ckpt) { /* a last checkpoint still being written: let it finish */
+        if (s->stopping > 0 && code == 128 + s->stopping) _exit(code); /* second signal: at once */
+        poll_checkpoint(s, true);
+    }
     if (loop_ok) {
         uv_close((uv_handle_t *)&s->poll, close_cb);
         uv_close((uv_handle_t *)&s->timer, close_cb);
         uv_close((uv_handle_t *)&s->sigint, close_cb);
         uv_close((uv_handle_t *)&s->sigterm, close_cb);
+        uv_close((uv_handle_t *)&s->sigusr1, close_cb);
         uv_run(&s->loop, UV_RUN_DEFAULT);
         uv_loop_close(&s->loop);
     }
     if (s->w)
-        for (int i = 0; i < s->n; i++) release_push(&s->w[i]);
+        for (int i = 0; i < s->n; i++) {
+            release_push(&s->w[i]);
+            free(s->w[i].ranges);
+        }
     if (s->sock) zmq_close(s->sock); /* lingers up to 1 s to deliver SHUTDOWN */
     if (s->zctx) zmq_ctx_term(s->zctx);
     if (s->metrics) fclose(s->metrics);
     psd_store_deinit(&s->store);
     free(s->perm);
+    free(s->pool);
+    free(s->seen);
+    free(s->parts);
     free(s->w);
     free(s);
     return code;
+}
+
+int psd_resume_check(const char *dir, const ps_config_t *c, int force)
+{
+    psd_ckpt_meta_t m;
+    uint8_t *seen = NULL;
+    float *weights = NULL, *slots[2] = {NULL, NULL};
+    char path[PS_PATH_MAX], err[512];
+    if (psd_ckpt_load_newest(dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err, sizeof err) != 0) {
+        fprintf(stderr, "psd: cannot resume: %s\n", err);
+        return PSD_EXIT_USAGE;
+    }
+    free(seen);
+    free(weights);
+    free(slots[0]);
+    free(slots[1]);
+    uint64_t h = ps_config_hash(c);
+    if (m.config_hash != h && !force) {
+        fprintf(stderr, "psd: cannot resume from %s: it was written with another config (hash %016" PRIx64
+                        ", this one %016" PRIx64 "); use --force-resume to resume anyway\n",
+                path, m.config_hash, h);
+        return PSD_EXIT_USAGE;
+    }
+    printf("psd: would resume run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s\n", m.run_id, path, m.step,
+           m.epoch + 1, m.epoch_done ? " done" : " in progress");
+    return 0;
 }

@@ -14,8 +14,19 @@ enum {
     PSD_EXIT_WORKER_LOST = 4,   /* a worker went silent past worker_timeout */
 };
 
-/* Run a whole training described by c; returns the exit code. Signals
- * (SIGINT/SIGTERM) end the run with 128 + signal number. */
-int psd_server_run(const ps_config_t *c);
+typedef struct {
+    const char *resume_dir; /* --resume DIR: continue from its newest valid checkpoint */
+    int force_resume;       /* --force-resume: even if the config differs */
+    int stop_after_epoch;   /* --stop-after-epoch E: checkpoint and stop after epoch E (1-based) */
+} psd_run_opts_t;
+
+/* Run a whole training described by c; returns the exit code. SIGINT/SIGTERM
+ * write a checkpoint, tell the workers and exit 0 (a second one exits at
+ * once with 128 + signal); SIGUSR1 writes a checkpoint and goes on. */
+int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts);
+
+/* --check-config --resume DIR: load the checkpoint a resume would use, check
+ * it against the config, print which it is. Exit code (0 or 2). */
+int psd_resume_check(const char *dir, const ps_config_t *c, int force);
 
 #endif

@@ -99,6 +99,7 @@ double psd_store_step(psd_store_t *s, int n, const float *const (*grads)[PS_MAX_
     s->steps++;
     for (int t = 0; t < l->n_tensors; t++) {
         size_t off = l->t[t].offset;
+        if (s->before_update) s->before_update(s->before_update_ud, off, l->t[t].numel);
         psd_optim_apply(&s->opt, s->cur->w + off, next->w + off, s->grad + off, scale,
                         s->s0 ? s->s0 + off : NULL, s->s1 ? s->s1 + off : NULL, l->t[t].numel, lr,
                         s->steps);

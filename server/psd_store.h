@@ -32,6 +32,10 @@ typedef struct {
     float *grad;        /* reduced gradient (n_params) */
     float *s0, *s1;     /* optimizer slots (n_params) or NULL */
     uint64_t steps;     /* optimizer steps applied */
+    /* called before the optimizer updates slot floats [off, off+n) (a
+     * checkpoint being written saves them copy-on-write); may be NULL */
+    void (*before_update)(void *ud, size_t off, size_t n);
+    void *before_update_ud;
 } psd_store_t;
 
 /* Allocate and initialise weights from seed (version 0). 0 or -ENOMEM. */

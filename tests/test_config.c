@@ -85,6 +85,10 @@ static void expect_same(const ps_config_t *a, const ps_config_t *b)
     cr_expect_str_eq(a->metrics, b->metrics);
     cr_expect_str_eq(a->save, b->save);
     cr_expect_eq(a->log_level, b->log_level);
+    cr_expect_str_eq(a->ckpt_dir, b->ckpt_dir);
+    cr_expect_eq(a->ckpt_every_epochs, b->ckpt_every_epochs);
+    cr_expect_eq(a->ckpt_every_steps, b->ckpt_every_steps);
+    cr_expect_eq(a->ckpt_keep, b->ckpt_keep);
 }
 
 /* write(c) -> load over defaults -> same fields and same text. */
@@ -152,7 +156,11 @@ Test(config, defaults_values)
     cr_expect_str_eq(c.listen, "tcp://0.0.0.0:5555");
     cr_expect_eq(c.workers, 2);
     cr_expect_eq(c.start_timeout, 300.0);
-    cr_expect_eq(c.worker_timeout, 60.0);
+    cr_expect_eq(c.worker_timeout, 5.0);
+    cr_expect_str_eq(c.ckpt_dir, "psd-checkpoints");
+    cr_expect_eq(c.ckpt_every_epochs, 1);
+    cr_expect_eq(c.ckpt_every_steps, 0);
+    cr_expect_eq(c.ckpt_keep, 3);
     cr_expect_str_eq(c.metrics, "psd-metrics.jsonl");
     cr_expect_str_eq(c.save, "psd-weights.bin");
     cr_expect_eq(c.log_level, PS_LOG_INFO);

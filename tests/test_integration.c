@@ -32,6 +32,10 @@ static void setup(void)
 static void teardown(void)
 {
     proc_reap_all();
+    if (getenv("PSD_TEST_KEEP")) { /* keep the logs for a look */
+        fprintf(stderr, "kept %s\n", dir);
+        return;
+    }
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);

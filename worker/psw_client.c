@@ -14,6 +14,9 @@
 
 struct psw_client {
     void *ctx, *sock;
+    void *mon;              /* PAIR receiving the DEALER's socket events */
+    int connected;          /* a connection to psd has been up */
+    int32_t prev_rank;      /* rank before psd was lost, -1 */
     char endpoint[256];
     psw_info_t info;
     unsigned protocol;
@@ -40,18 +43,34 @@ psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char 
     }
     c->info = *info;
     c->protocol = info->protocol ? info->protocol : PS_PROTOCOL_VERSION;
+    c->run_id = info->run_id;
+    c->prev_rank = info->run_id ? (int32_t)info->prev_rank : -1;
     snprintf(c->endpoint, sizeof c->endpoint, "%s", endpoint);
     c->ctx = zmq_ctx_new();
     if (!c->ctx) goto zfail;
     c->sock = zmq_socket(c->ctx, ZMQ_DEALER);
     if (!c->sock) goto zfail;
-    int linger = 2000, ivl = 1000, tmo = 10000, zero = 0;
+    int linger = 2000, ivl = 1000, tmo = 3000, ttl = 6000, zero = 0;
     zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
     zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_TIMEOUT, &tmo, sizeof tmo);
+    zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_TTL, &ttl, sizeof ttl);
     /* no send/receive queue limit: at most a few messages are ever in flight */
     zmq_setsockopt(c->sock, ZMQ_SNDHWM, &zero, sizeof zero);
     zmq_setsockopt(c->sock, ZMQ_RCVHWM, &zero, sizeof zero);
+    /* a stable identity: psd recognises a worker whose connection was reset */
+    if (info->identity_len > 0)
+        zmq_setsockopt(c->sock, ZMQ_ROUTING_ID, info->identity, info->identity_len);
+    /* learn at once when the connection to psd drops (psd killed) */
+    char mon_ep[64];
+    snprintf(mon_ep, sizeof mon_ep, "inproc://psw-monitor-%p", (void *)c);
+    if (zmq_socket_monitor(c->sock, mon_ep, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) == 0) {
+        c->mon = zmq_socket(c->ctx, ZMQ_PAIR);
+        if (c->mon && zmq_connect(c->mon, mon_ep) != 0) {
+            zmq_close(c->mon);
+            c->mon = NULL;
+        }
+    }
     if (zmq_connect(c->sock, endpoint) != 0) {
         snprintf(err, errlen, "cannot connect to '%s': %s", endpoint, zmq_strerror(zmq_errno()));
         goto fail;
@@ -69,10 +88,40 @@ void psw_client_destroy(psw_client_t **cp)
     psw_client_t *c = *cp;
     if (!c) return;
     ps_msg_deinit(&c->cur);
+    if (c->sock) zmq_socket_monitor(c->sock, NULL, 0);
+    if (c->mon) {
+        int zero = 0;
+        zmq_setsockopt(c->mon, ZMQ_LINGER, &zero, sizeof zero);
+        zmq_close(c->mon);
+    }
     if (c->sock) zmq_close(c->sock);
     if (c->ctx) zmq_ctx_term(c->ctx);
     free(c);
     *cp = NULL;
+}
+
+uint64_t psw_client_run_id(const psw_client_t *c) { return c->run_id; }
+
+/* Read pending socket events; -ECONNRESET once an established connection
+ * to psd dropped. */
+static int check_monitor(psw_client_t *c)
+{
+    for (;;) {
+        zmq_msg_t ev, addr;
+        zmq_msg_init(&ev);
+        if (zmq_msg_recv(&ev, c->mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&ev);
+            return 0;
+        }
+        uint16_t event = 0;
+        if (zmq_msg_size(&ev) >= 2) memcpy(&event, zmq_msg_data(&ev), 2);
+        zmq_msg_close(&ev);
+        zmq_msg_init(&addr);
+        zmq_msg_recv(&addr, c->mon, 0); /* second frame: the endpoint */
+        zmq_msg_close(&addr);
+        if (event == ZMQ_EVENT_CONNECTED) c->connected = 1;
+        if (event == ZMQ_EVENT_DISCONNECTED && c->connected) return -ECONNRESET;
+    }
 }
 
 uint32_t psw_client_rank(const psw_client_t *c) { return c->rank; }
@@ -116,14 +165,31 @@ static int recv_msg(psw_client_t *c, double timeout_s, char *err, size_t errlen)
             snprintf(err, errlen, "psd at %s sent nothing for %.0f s", c->endpoint, timeout_s);
             return -ETIMEDOUT;
         }
-        zmq_pollitem_t it = {c->sock, 0, ZMQ_POLLIN, 0};
-        int n = zmq_poll(&it, 1, (long)(left * 1000) + 1);
+        zmq_pollitem_t it[2] = {{c->sock, 0, ZMQ_POLLIN, 0}, {c->mon, 0, ZMQ_POLLIN, 0}};
+        int n = zmq_poll(it, c->mon ? 2 : 1, (long)(left * 1000) + 1);
         if (n < 0) {
-            if (zmq_errno() == EINTR) return -EINTR;
+            if (zmq_errno() == EINTR) {
+                snprintf(err, errlen, "interrupted");
+                return -EINTR;
+            }
             snprintf(err, errlen, "zeromq: %s", zmq_strerror(zmq_errno()));
             return -zmq_errno();
         }
-        if (n == 0) continue;
+        /* messages first: psd's last words (SHUTDOWN) arrive before its
+         * connection closes */
+        if (!(it[0].revents & ZMQ_POLLIN)) {
+            if (c->mon && (it[1].revents & ZMQ_POLLIN) && check_monitor(c) == -ECONNRESET) {
+                int events = 0;
+                size_t elen = sizeof events;
+                zmq_getsockopt(c->sock, ZMQ_EVENTS, &events, &elen);
+                if (!(events & ZMQ_POLLIN)) {
+                    snprintf(err, errlen, "lost the connection to psd at %s", c->endpoint);
+                    return -ECONNRESET;
+                }
+            } else {
+                continue;
+            }
+        }
         char why[256];
         int rc = ps_msg_recv(c->sock, &c->cur, false, ZMQ_DONTWAIT, why, sizeof why);
         if (rc == -EAGAIN) continue;
@@ -144,7 +210,8 @@ static int recv_msg(psw_client_t *c, double timeout_s, char *err, size_t errlen)
         if (h->type == PSD__MSG_TYPE__MSG_ERROR) {
             snprintf(err, errlen, "psd refused: %s",
                      h->error->message && h->error->message[0] ? h->error->message : "(no reason)");
-            return -EPROTO;
+            /* declared lost: register again to rejoin */
+            return h->error->code == PSD__ERR_CODE__ERR_LOST ? -ENOLINK : -EPROTO;
         }
         if (c->run_id && h->run_id != c->run_id) {
             PS_WARN("dropped a message of run %016llx (this run is %016llx)",
@@ -171,6 +238,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     r.identity_hint = (char *)(c->info.identity_hint ? c->info.identity_hint : "");
     r.version = PSD_VERSION;
     r.threads = c->info.threads;
+    r.prev_rank = c->prev_rank;
     h.body_case = PSD__HEADER__BODY_REG;
     h.reg = &r;
     int rc = send_msg(c, &h, NULL, 0);
@@ -187,6 +255,11 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     Psd__Header *ah = c->cur.hdr;
     Psd__Assign *a = ah->assign;
     memset(out, 0, sizeof *out);
+    if (c->run_id && ah->run_id != c->run_id) {
+        snprintf(err, errlen, "psd at %s runs run %016llx, this worker belongs to run %016llx", c->endpoint,
+                 (unsigned long long)ah->run_id, (unsigned long long)c->run_id);
+        return -EPROTO;
+    }
     if (ah->run_id == 0 || a->n_layers < 2 || a->n_layers > PSW_MAX_LAYERS + 1 || !a->hyper ||
         a->n_files != 4 || a->hyper->batch_size == 0 || a->hyper->val_batch_size == 0 ||
         !(a->hyper->norm_std > 0) || !(a->start_timeout_s > 0) || !(a->step_timeout_s > 0)) {
@@ -295,19 +368,42 @@ int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples)
     return send_hdr(c, &h);
 }
 
-int psw_client_val_result(psw_client_t *c, uint32_t epoch, uint64_t version, double loss_sum,
-                          uint64_t correct, uint64_t count)
+int psw_client_val_result(psw_client_t *c, uint32_t epoch, uint64_t version, uint64_t begin,
+                          double loss_sum, uint64_t correct, uint64_t count)
 {
     Psd__Header h;
     Psd__ValResult v = PSD__VAL_RESULT__INIT;
     header_init(c, &h, PSD__MSG_TYPE__MSG_VAL_RESULT);
     v.epoch = epoch;
     v.version = version;
+    v.begin = begin;
     v.loss_sum = loss_sum;
     v.correct = correct;
     v.count = count;
     h.body_case = PSD__HEADER__BODY_VAL_RESULT;
     h.val_result = &v;
+    return send_hdr(c, &h);
+}
+
+int psw_client_heartbeat(psw_client_t *c, uint32_t epoch)
+{
+    Psd__Header h;
+    Psd__Heartbeat hb = PSD__HEARTBEAT__INIT;
+    header_init(c, &h, PSD__MSG_TYPE__MSG_HEARTBEAT);
+    hb.epoch = epoch;
+    h.body_case = PSD__HEADER__BODY_HEARTBEAT;
+    h.heartbeat = &hb;
+    return send_hdr(c, &h);
+}
+
+int psw_client_leave(psw_client_t *c, const char *reason)
+{
+    Psd__Header h;
+    Psd__Leave l = PSD__LEAVE__INIT;
+    header_init(c, &h, PSD__MSG_TYPE__MSG_LEAVE);
+    l.reason = (char *)reason;
+    h.body_case = PSD__HEADER__BODY_LEAVE;
+    h.leave = &l;
     return send_hdr(c, &h);
 }
 
@@ -362,6 +458,7 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
             ev->workers_on_host = h->epoch->workers_on_host;
             ev->samples = ids;
             ev->n_samples = ids ? n : 0;
+            ev->append = h->epoch->append;
             return 0;
         }
         case PSD__MSG_TYPE__MSG_WEIGHTS:

@@ -4,6 +4,8 @@
 #include <errno.h>
 #include <libgen.h>
 #include <sched.h>
+#include <signal.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +13,7 @@
 
 #include "ps_log.h"
 #include "ps_model.h"
+#include "ps_rng.h"
 #include "ps_util.h"
 #include "psw_backend.h"
 #include "cuda/psw_cuda.h"
@@ -37,6 +40,7 @@ typedef struct {
     uint32_t *ids;     /* this epoch's sample ids */
     size_t n_ids, pos, ids_cap;
     int in_epoch;
+    int registered;    /* data loaded and checked in an earlier session */
 } wk_t;
 
 static int resolve_path(const wk_t *w, const char *path, char *out, size_t n)
@@ -200,18 +204,24 @@ static int validate(wk_t *w, const psw_event_t *ev)
 {
     if (ev->val_end > w->test.count) return -EPROTO;
     if (set_weights(w, ev) != 0) return -EPROTO;
-    double loss = 0;
+    double loss = 0, last_sent = ps_now();
     int64_t correct = 0;
     for (uint64_t i = ev->val_begin; i < ev->val_end;) {
         int B = (int)(ev->val_end - i < w->a.val_batch_size ? ev->val_end - i : w->a.val_batch_size);
         psw_data_slice(&w->test, (size_t)i, B, w->x, w->y);
         psw_model_eval(w->m, w->x, w->y, B, &loss, &correct);
         i += (uint64_t)B;
+        if (ps_now() - last_sent > 1.0) { /* psd waits with a deadline: say we are alive */
+            psw_client_heartbeat(w->c, ev->epoch);
+            last_sent = ps_now();
+        }
     }
-    return psw_client_val_result(w->c, ev->epoch, ev->version, loss, (uint64_t)correct,
+    return psw_client_val_result(w->c, ev->epoch, ev->version, ev->val_begin, loss, (uint64_t)correct,
                                  ev->val_end - ev->val_begin);
 }
 
+/* EPOCH: this worker's samples for an epoch, or (append) more samples for
+ * the current one, given up by a worker that was lost or left. */
 static int start_epoch(wk_t *w, const psw_event_t *ev)
 {
     if (!w->m) {
@@ -224,18 +234,24 @@ static int start_epoch(wk_t *w, const psw_event_t *ev)
     }
     for (size_t i = 0; i < ev->n_samples; i++)
         if (ev->samples[i] >= w->train.count) return -EPROTO;
-    if (ev->n_samples > w->ids_cap) {
-        uint32_t *p = realloc(w->ids, ev->n_samples * sizeof *p);
+    if (ev->append && ev->epoch != w->epoch) return -EPROTO;
+    size_t keep = ev->append ? w->n_ids : 0;
+    if (keep + ev->n_samples > w->ids_cap) {
+        uint32_t *p = realloc(w->ids, (keep + ev->n_samples) * sizeof *p);
         if (!p) return -ENOMEM;
         w->ids = p;
-        w->ids_cap = ev->n_samples;
+        w->ids_cap = keep + ev->n_samples;
     }
-    if (ev->n_samples) memcpy(w->ids, ev->samples, ev->n_samples * sizeof *w->ids);
-    w->n_ids = ev->n_samples;
-    w->pos = 0;
+    if (ev->n_samples) memcpy(w->ids + keep, ev->samples, ev->n_samples * sizeof *w->ids);
+    w->n_ids = keep + ev->n_samples;
+    if (!ev->append) w->pos = 0;
     w->epoch = ev->epoch;
-    PS_DEBUG("epoch %u: %zu samples", ev->epoch, w->n_ids);
-    if (w->n_ids == 0) return psw_client_barrier(w->c, w->epoch, 0);
+    PS_DEBUG("epoch %u: %zu samples%s", ev->epoch, ev->n_samples, ev->append ? " more" : "");
+    if (w->pos >= w->n_ids) {
+        w->in_epoch = 0;
+        return psw_client_barrier(w->c, w->epoch, w->n_ids);
+    }
+    if (w->in_epoch) return 0; /* already training: the new samples come after */
     w->in_epoch = 1;
     return psw_client_pull(w->c, ev->version);
 }
@@ -254,89 +270,164 @@ static void wk_deinit(wk_t *w)
     psw_client_destroy(&w->c);
 }
 
-int psw_worker_run(const psw_worker_opts_t *o)
+static volatile sig_atomic_t leave_signal;
+static void on_leave_signal(int sig) { leave_signal = sig; }
+
+/* One session with psd: register (again, after psd was lost), check data,
+ * train until psd ends the run. Returns an exit code, or -1 when psd was lost
+ * and the worker should register again. */
+static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
 {
-    wk_t w = {.o = o};
+    const psw_worker_opts_t *o = w->o;
     char err[512];
-    int code = PSW_EXIT_ERROR;
-    psw_info_t info = {.device = o->device ? o->device : "cpu",
-                       .device_index = o->device_index,
-                       .identity_hint = getenv("SLURM_PROCID"),
-                       .threads = (unsigned)(o->threads > 0 ? o->threads : 0),
-                       .protocol = o->protocol};
-    w.c = psw_client_new(o->connect, &info, err, sizeof err);
-    if (!w.c) {
+    w->c = psw_client_new(o->connect, info, err, sizeof err);
+    if (!w->c) {
         PS_ERROR("%s", err);
         return PSW_EXIT_USAGE;
     }
-    int rc = psw_client_register(w.c, &w.a, o->register_timeout_s, err, sizeof err);
+    psw_assign_t a;
+    int rc = psw_client_register(w->c, &a, reg_timeout, err, sizeof err);
+    if (rc == -ETIMEDOUT || rc == -ECONNRESET || rc == -ENOLINK) {
+        if (!w->registered) PS_ERROR("%s", err);
+        return w->registered ? -1 : PSW_EXIT_PSD_LOST;
+    }
     if (rc < 0) {
         PS_ERROR("%s", err);
-        code = rc == -ETIMEDOUT ? PSW_EXIT_PSD_LOST : PSW_EXIT_USAGE;
-        goto out;
+        return PSW_EXIT_USAGE;
     }
     char role[32];
-    snprintf(role, sizeof role, "worker %u", w.a.rank);
+    snprintf(role, sizeof role, "worker %u", a.rank);
     ps_log_set_role(role);
-    if (w.a.rank != 0 && !o->verbose) ps_log_set_level(PS_LOG_WARN);
-    PS_INFO("registered with psd at %s: rank %u, run %016llx", o->connect, w.a.rank,
-            (unsigned long long)w.a.run_id);
-    if (ps_layout_init(&w.layout, w.a.sizes, w.a.n_sizes) != 0) {
-        PS_ERROR("psd sent an invalid model");
-        code = PSW_EXIT_USAGE;
-        goto out;
+    ps_log_set_level(a.rank != 0 && !o->verbose ? PS_LOG_WARN : PS_LOG_INFO);
+    if (!w->registered) {
+        w->a = a;
+        PS_INFO("registered with psd at %s: rank %u, run %016llx", o->connect, a.rank,
+                (unsigned long long)a.run_id);
+        if (ps_layout_init(&w->layout, a.sizes, a.n_sizes) != 0) {
+            PS_ERROR("psd sent an invalid model");
+            return PSW_EXIT_USAGE;
+        }
+        if (load_data(w, err, sizeof err) != 0) {
+            PS_ERROR("%s", err);
+            psw_client_fail(w->c, 1, err);
+            return PSW_EXIT_USAGE;
+        }
+        PS_INFO("data checked: %zu training, %zu test samples", w->train.count, w->test.count);
+        w->registered = 1;
+    } else {
+        /* the same run again (psd restarted, or this worker was declared lost) */
+        if (a.n_sizes != w->a.n_sizes || memcmp(a.sizes, w->a.sizes, sizeof a.sizes) != 0 ||
+            memcmp(a.files, w->a.files, sizeof a.files) != 0 || a.batch_size != w->a.batch_size) {
+            PS_ERROR("psd's model or data changed since this worker joined; not rejoining");
+            return PSW_EXIT_USAGE;
+        }
+        w->a = a;
+        PS_WARN("rejoined run %016llx as rank %u", (unsigned long long)a.run_id, a.rank);
     }
-    if (load_data(&w, err, sizeof err) != 0) {
-        PS_ERROR("%s", err);
-        psw_client_fail(w.c, 1, err);
-        code = PSW_EXIT_USAGE;
-        goto out;
-    }
-    PS_INFO("data checked: %zu training, %zu test samples", w.train.count, w.test.count);
-    psw_client_ready(w.c, w.train.count, w.test.count);
+    w->in_epoch = 0;
+    w->n_ids = w->pos = 0;
+    psw_client_ready(w->c, w->train.count, w->test.count);
 
-    double timeout = w.a.start_timeout_s;
+    double timeout = w->a.start_timeout_s;
     for (;;) {
         psw_event_t ev;
-        rc = psw_client_next(w.c, &ev, timeout, err, sizeof err);
+        if (leave_signal) {
+            PS_WARN("received %s: leaving the run", strsignal(leave_signal));
+            psw_client_leave(w->c, "worker stopped by a signal");
+            return PSW_EXIT_OK;
+        }
+        rc = psw_client_next(w->c, &ev, timeout, err, sizeof err);
+        if (rc == -EINTR) continue;
+        if (rc == -ETIMEDOUT || rc == -ECONNRESET || rc == -ENOLINK) {
+            PS_WARN("%s", err);
+            return -1;
+        }
         if (rc < 0) {
             PS_ERROR("%s", err);
-            if (rc != -ETIMEDOUT) psw_client_fail(w.c, 0, err);
-            code = rc == -ETIMEDOUT ? PSW_EXIT_PSD_LOST : PSW_EXIT_USAGE;
-            goto out;
+            psw_client_fail(w->c, 0, err);
+            return PSW_EXIT_USAGE;
         }
-        timeout = w.a.step_timeout_s;
+        timeout = w->a.step_timeout_s;
         switch (ev.kind) {
-        case PSW_EV_EPOCH: rc = start_epoch(&w, &ev); break;
+        case PSW_EV_EPOCH: rc = start_epoch(w, &ev); break;
         case PSW_EV_WEIGHTS:
-            if (!w.in_epoch) {
+            if (!w->in_epoch) {
                 PS_WARN("dropped weights version %llu outside an epoch", (unsigned long long)ev.version);
                 rc = 0;
                 break;
             }
-            rc = train_step(&w, &ev);
+            rc = train_step(w, &ev);
             break;
-        case PSW_EV_VALIDATE: rc = validate(&w, &ev); break;
+        case PSW_EV_VALIDATE: rc = validate(w, &ev); break;
         case PSW_EV_SHUTDOWN:
             if (ev.exit_code != 0) PS_ERROR("psd ended the run: %s", ev.message);
             else PS_INFO("psd ended the run: %s", ev.message[0] ? ev.message : "done");
-            code = ev.exit_code < 0 || ev.exit_code > 125 ? PSW_EXIT_ERROR : ev.exit_code;
-            goto out;
+            return ev.exit_code < 0 || ev.exit_code > 125 ? PSW_EXIT_ERROR : ev.exit_code;
         }
-        if (rc == -ENODEV) goto out; /* no backend: logged and told to psd already */
+        if (rc == -ENODEV) return PSW_EXIT_ERROR; /* no backend: logged and told to psd already */
         if (rc == -EPROTO) {
             PS_ERROR("psd sent a message this worker cannot use (wrong model or data sizes)");
-            psw_client_fail(w.c, 0, "invalid message from psd");
-            code = PSW_EXIT_USAGE;
-            goto out;
+            psw_client_fail(w->c, 0, "invalid message from psd");
+            return PSW_EXIT_USAGE;
         }
         if (rc < 0) {
             PS_ERROR("worker failed: %s", strerror(-rc));
-            psw_client_fail(w.c, 0, strerror(-rc));
-            goto out;
+            psw_client_fail(w->c, 0, strerror(-rc));
+            return PSW_EXIT_ERROR;
         }
     }
-out:
+}
+
+int psw_worker_run(const psw_worker_opts_t *o)
+{
+    wk_t w = {.o = o};
+    uint8_t identity[16];
+    char hostname[64];
+    ps_hostname(hostname, sizeof hostname);
+    uint64_t x = ps_fnv1a(PS_FNV_INIT, hostname, strlen(hostname)) ^ (uint64_t)getpid() ^
+                 (uint64_t)(ps_now() * 1e9);
+    for (int i = 0; i < 2; i++) {
+        uint64_t r = ps_splitmix64(&x);
+        memcpy(identity + 8 * i, &r, 8);
+    }
+    identity[0] |= 1; /* ZeroMQ reserves routing ids starting with a zero byte */
+    psw_info_t info = {.device = o->device ? o->device : "cpu",
+                       .device_index = o->device_index,
+                       .identity_hint = getenv("SLURM_PROCID"),
+                       .threads = (unsigned)(o->threads > 0 ? o->threads : 0),
+                       .protocol = o->protocol,
+                       .identity = identity,
+                       .identity_len = sizeof identity};
+    struct sigaction sa = {.sa_handler = on_leave_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+
+    int code;
+    double lost_at = 0, backoff = 0.25;
+    for (;;) {
+        code = session(&w, &info, lost_at ? 5.0 : o->register_timeout_s);
+        if (w.c) {
+            info.run_id = psw_client_run_id(w.c);
+            info.prev_rank = w.a.rank;
+        }
+        psw_client_destroy(&w.c);
+        if (code >= 0) break;
+        /* psd lost: register again with back-off until retry_s has passed */
+        if (!lost_at) lost_at = ps_now();
+        if (ps_now() - lost_at > o->retry_s) {
+            PS_ERROR("psd at %s did not come back within %.0f s; giving up", o->connect, o->retry_s);
+            code = PSW_EXIT_PSD_LOST;
+            break;
+        }
+        if (leave_signal) {
+            code = PSW_EXIT_OK;
+            break;
+        }
+        struct timespec ts = {(time_t)backoff, (long)((backoff - (double)(time_t)backoff) * 1e9)};
+        nanosleep(&ts, NULL);
+        backoff = backoff * 2 > 5 ? 5 : backoff * 2;
+        if (ps_now() - lost_at > 1 && backoff >= 5) PS_DEBUG("registering again with psd at %s", o->connect);
+    }
     wk_deinit(&w);
     return code;
 }

@@ -12,6 +12,7 @@ typedef struct {
     int split_push;            /* push each tensor as its own message even on CPU (tests) */
     unsigned protocol;         /* 0 = ours; tests set another to check refusal */
     double register_timeout_s; /* how long to wait for psd to answer the registration */
+    double retry_s;            /* after losing psd: keep registering again for this long */
 } psw_worker_opts_t;
 
 /* Exit codes of pworker (README). */

@@ -40,6 +40,9 @@ static void usage(FILE *f)
             "                      has on this host)\n"
             "  --data-dir DIR      look for the data files in DIR (by base name) instead of psd's paths\n"
             "  --wait SECONDS      how long to wait for psd to answer the registration (default 300)\n"
+            "  --retry-for SECONDS after losing psd (killed, restarted), keep registering again with\n"
+            "                      back-off for this long, then continue with the restarted psd\n"
+            "                      (default 120; 0 = exit 4 at once)\n"
             "  --verbose           log INFO on every rank (default: only rank 0; others warn/error)\n"
             "  --help              this text\n"
             "  --version           version, protocol version and git commit\n"
@@ -223,15 +226,16 @@ static int supervise(psw_worker_opts_t *o, const device_t *dev, int n_dev)
 
 int main(int argc, char **argv)
 {
-    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT };
+    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT, OPT_RETRY };
     static const struct option longopts[] = {
         {"connect", required_argument, NULL, 'c'}, {"threads", required_argument, NULL, 't'},
         {"verbose", no_argument, NULL, 'v'},       {"help", no_argument, NULL, 'h'},
         {"version", no_argument, NULL, OPT_VERSION}, {"data-dir", required_argument, NULL, OPT_DATA_DIR},
         {"wait", required_argument, NULL, OPT_WAIT}, {"devices", required_argument, NULL, OPT_DEVICES},
         {"x-protocol", required_argument, NULL, OPT_XPROTO}, {"x-split-push", no_argument, NULL, OPT_XSPLIT},
+        {"retry-for", required_argument, NULL, OPT_RETRY},
         {NULL, 0, NULL, 0}};
-    psw_worker_opts_t o = {.device = "cpu", .device_index = -1, .register_timeout_s = 300};
+    psw_worker_opts_t o = {.device = "cpu", .device_index = -1, .register_timeout_s = 300, .retry_s = 120};
     const char *devices = "auto";
     ps_log_set_role("pworker");
     psw_blas_tune(argv);
@@ -261,6 +265,10 @@ int main(int argc, char **argv)
             o.protocol = (unsigned)v;
             break;
         case OPT_XSPLIT: o.split_push = 1; break; /* testing only: push tensor by tensor */
+        case OPT_RETRY:
+            if (parse_int("--retry-for", optarg, 0, 86400, &v)) return 2;
+            o.retry_s = (double)v;
+            break;
         default:
             fprintf(stderr, "pworker: unknown or incomplete option '%s' (see --help)\n", argv[optind - 1]);
             return 2;

@@ -29,6 +29,10 @@ typedef struct {
     const char *identity_hint; /* e.g. SLURM_PROCID, may be NULL */
     unsigned threads;          /* user's --threads, 0 = default */
     unsigned protocol;         /* 0 = this library's protocol (tests override) */
+    uint64_t run_id;           /* rejoining run run_id after psd was lost; 0 = new */
+    uint32_t prev_rank;        /* with run_id: the rank held before */
+    const void *identity;      /* ZeroMQ routing id, stable for the process (may be NULL) */
+    size_t identity_len;       /* 1..255 bytes */
 } psw_info_t;
 
 typedef struct {
@@ -68,6 +72,7 @@ typedef struct {
     uint32_t world, workers_on_host;
     const uint32_t *samples;   /* borrowed until the next psw_client_next */
     size_t n_samples;
+    int append;                /* EPOCH: more samples for the current epoch, after the ones given */
     int n_tensors;
     const float *tensors[PSW_MAX_TENSORS]; /* borrowed until the next psw_client_next */
     size_t tensor_numel[PSW_MAX_TENSORS];
@@ -110,8 +115,22 @@ int psw_client_push_done(psw_client_t *c);
 int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples);
 
 /* Validation partial sums for the test range given by VALIDATE. */
-int psw_client_val_result(psw_client_t *c, uint32_t epoch, uint64_t version, double loss_sum,
-                          uint64_t correct, uint64_t count);
+int psw_client_val_result(psw_client_t *c, uint32_t epoch, uint64_t version, uint64_t begin,
+                          double loss_sum, uint64_t correct, uint64_t count);
+
+/* Still alive (send while computing for more than a second). */
+int psw_client_heartbeat(psw_client_t *c, uint32_t epoch);
+
+/* Planned departure (e.g. SIGTERM): psd gives this worker's remaining
+ * samples to the others; not a failure. */
+int psw_client_leave(psw_client_t *c, const char *reason);
+
+uint64_t psw_client_run_id(const psw_client_t *c);
+
+/* Return codes of psw_client_next/register besides 0: -ETIMEDOUT (psd
+ * silent), -ECONNRESET (connection to psd dropped), -ENOLINK (psd declared
+ * this worker lost: register again to rejoin), -EPROTO (refused: other
+ * protocol or run, or invalid message), -EINTR (a signal). */
 
 /* Tell psd this worker fails (data mismatch, device error) before exiting. */
 int psw_client_fail(psw_client_t *c, int data_error, const char *message);

@@ -1,0 +1,746 @@
+/* psd_ckpt.c - crash-consistent background checkpoints (format in psd_ckpt.h).
+ *
+ * Threads: the writer thread streams the file; the main thread (the one that
+ * runs psd_store_step) calls psd_ckpt_before_update. They share the per-chunk
+ * state of the optimizer slots, under wr->mu:
+ *   LIVE    the writer has not reached the chunk; the slot memory still holds
+ *           the snapshot values (the main thread must not change it before
+ *           copying it aside)
+ *   COPIED  the main thread copied the snapshot values to side[s][c]; it may
+ *           change the slot memory; the writer writes (and frees) the copy
+ *   SAVED   the writer has the chunk's snapshot values (in its bounce buffer
+ *           or written); the main thread may change the slot memory
+ * The weights arena needs none of this: a referenced arena is never reused
+ * by psd_store_step (see psd_store.h). */
+#include "psd_ckpt.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "ps_assert.h"
+#include "ps_util.h"
+
+/* Arenas are written as the host's floats; the format is little-endian. */
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "psd_ckpt assumes a little-endian host");
+
+#define CKPT_CHUNK_FLOATS ((size_t)262144) /* 1 MiB copy-on-write unit */
+#define CKPT_CHUNK_BYTES (CKPT_CHUNK_FLOATS * sizeof(float))
+#define CKPT_HDR_LEN 216                   /* "PSDC", format, meta (see meta_pack) */
+#define CKPT_TRAILER_LEN 12                /* u64 length, u32 CRC */
+#define CKPT_MAX_TRAIN ((uint64_t)1 << 32) /* bits in seen */
+#define CKPT_MAX_SIZE (1 << 20)            /* units per layer */
+#define CKPT_IO_BYTES ((size_t)1 << 20)    /* read/write unit */
+
+enum { CHUNK_LIVE = 0, CHUNK_COPIED, CHUNK_SAVED };
+
+struct psd_ckpt_writer {
+    char *dir;
+    int keep;
+    psd_ckpt_meta_t meta;
+    uint8_t *seen;        /* copy, seen_bytes */
+    size_t seen_bytes;
+    psd_arena_t *arena;   /* referenced weights (n_params floats) */
+    float *slot[2];       /* the store's live slots (borrowed) */
+    size_t n_chunks;      /* per slot */
+    float *bounce;        /* writer's copy of a LIVE chunk (CKPT_CHUNK_BYTES) */
+    double t_begin;
+
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t saved_cv;    /* a chunk became SAVED, or the writer stopped */
+    /* under mu: */
+    uint8_t *state[2];          /* n_chunks each */
+    float **side[2];            /* n_chunks each; COPIED chunks' snapshot values */
+    uint64_t extra, peak_extra; /* bytes: side buffers + bounce */
+    /* 1 once no chunk is LIVE (every slot chunk saved, or the writer
+     * stopped): before_update's lock-free fast path */
+    atomic_int settled;
+    atomic_int done;
+
+    /* results, written by the writer thread before done */
+    int rc;
+    double seconds;
+    uint64_t bytes;
+    char path[PATH_MAX];
+};
+
+/* ---- header ----------------------------------------------------------- */
+
+static uint8_t *put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+    return p + 4;
+}
+
+static uint8_t *put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+    return p + 8;
+}
+
+static uint8_t *put_f64(uint8_t *p, double d)
+{
+    uint64_t v;
+    memcpy(&v, &d, sizeof v);
+    return put_u64(p, v);
+}
+
+static const uint8_t *get_u32(const uint8_t *p, uint32_t *v)
+{
+    *v = 0;
+    for (int i = 0; i < 4; i++) *v |= (uint32_t)p[i] << (8 * i);
+    return p + 4;
+}
+
+static const uint8_t *get_u64(const uint8_t *p, uint64_t *v)
+{
+    *v = 0;
+    for (int i = 0; i < 8; i++) *v |= (uint64_t)p[i] << (8 * i);
+    return p + 8;
+}
+
+static const uint8_t *get_f64(const uint8_t *p, double *d)
+{
+    uint64_t v;
+    p = get_u64(p, &v);
+    memcpy(d, &v, sizeof v);
+    return p;
+}
+
+/* The header, CKPT_HDR_LEN bytes. The field order is the file format: change
+ * it only with PSD_CKPT_FORMAT. sizes[] is always written in full (unused
+ * entries zero), so the header has a fixed length. */
+static void meta_pack(uint8_t b[CKPT_HDR_LEN], const psd_ckpt_meta_t *m)
+{
+    uint8_t *p = b;
+    memcpy(p, "PSDC", 4);
+    p += 4;
+    p = put_u32(p, PSD_CKPT_FORMAT);
+    p = put_u64(p, m->run_id);
+    p = put_u64(p, m->config_hash);
+    p = put_u64(p, m->seed);
+    p = put_u64(p, m->step);
+    p = put_u64(p, m->version);
+    p = put_u32(p, m->epoch);
+    p = put_u32(p, m->epoch_done);
+    p = put_u64(p, m->epoch_step);
+    p = put_f64(p, m->steps_per_epoch);
+    p = put_f64(p, m->ep_loss);
+    p = put_u64(p, m->ep_correct);
+    p = put_u64(p, m->ep_samples);
+    p = put_f64(p, m->train_s_total);
+    p = put_u64(p, m->samples_total);
+    p = put_f64(p, m->lr);
+    p = put_u64(p, m->train_count);
+    p = put_u32(p, (uint32_t)m->n_sizes);
+    for (int i = 0; i < PS_MAX_LAYERS + 1; i++)
+        p = put_u32(p, i < m->n_sizes ? (uint32_t)m->sizes[i] : 0);
+    p = put_u32(p, m->opt_kind);
+    p = put_u32(p, m->n_slots);
+    p = put_u64(p, m->n_params);
+    PS_ASSERT(p - b == CKPT_HDR_LEN);
+}
+
+/* Parse and sanity-check a header. NULL, or the reason it is unusable. */
+static const char *meta_unpack(psd_ckpt_meta_t *m, const uint8_t b[CKPT_HDR_LEN])
+{
+    const uint8_t *p = b + 8;
+    uint32_t format, n_sizes, sizes[PS_MAX_LAYERS + 1];
+    if (memcmp(b, "PSDC", 4) != 0) return "bad magic";
+    get_u32(b + 4, &format);
+    if (format != PSD_CKPT_FORMAT) return "unknown format version";
+    memset(m, 0, sizeof *m);
+    p = get_u64(p, &m->run_id);
+    p = get_u64(p, &m->config_hash);
+    p = get_u64(p, &m->seed);
+    p = get_u64(p, &m->step);
+    p = get_u64(p, &m->version);
+    p = get_u32(p, &m->epoch);
+    p = get_u32(p, &m->epoch_done);
+    p = get_u64(p, &m->epoch_step);
+    p = get_f64(p, &m->steps_per_epoch);
+    p = get_f64(p, &m->ep_loss);
+    p = get_u64(p, &m->ep_correct);
+    p = get_u64(p, &m->ep_samples);
+    p = get_f64(p, &m->train_s_total);
+    p = get_u64(p, &m->samples_total);
+    p = get_f64(p, &m->lr);
+    p = get_u64(p, &m->train_count);
+    p = get_u32(p, &n_sizes);
+    for (int i = 0; i < PS_MAX_LAYERS + 1; i++) p = get_u32(p, &sizes[i]);
+    p = get_u32(p, &m->opt_kind);
+    p = get_u32(p, &m->n_slots);
+    p = get_u64(p, &m->n_params);
+    PS_ASSERT(p - b == CKPT_HDR_LEN);
+
+    if (n_sizes < 2 || n_sizes > PS_MAX_LAYERS + 1) return "bad layer count";
+    for (uint32_t i = 0; i < PS_MAX_LAYERS + 1; i++) {
+        if (i < n_sizes && (sizes[i] < 1 || sizes[i] > CKPT_MAX_SIZE)) return "bad layer size";
+        if (i >= n_sizes && sizes[i] != 0) return "bad layer size";
+    }
+    m->n_sizes = (int)n_sizes;
+    for (uint32_t i = 0; i < n_sizes; i++) m->sizes[i] = (int)sizes[i];
+    ps_layout_t l;
+    if (ps_layout_init(&l, m->sizes, m->n_sizes) != 0 || l.n_params != m->n_params)
+        return "parameter count does not match the layer sizes";
+    if (m->n_slots > 2) return "bad optimizer slot count";
+    if (m->train_count > CKPT_MAX_TRAIN) return "bad training set size";
+    return NULL;
+}
+
+/* File length implied by a (checked) header. */
+static uint64_t file_len(const psd_ckpt_meta_t *m)
+{
+    return CKPT_HDR_LEN + (m->train_count + 7) / 8 +
+           (1 + (uint64_t)m->n_slots) * m->n_params * sizeof(float) + CKPT_TRAILER_LEN;
+}
+
+/* ---- names ------------------------------------------------------------ */
+
+/* Parse "<prefix><digits><suffix>" exactly; 1 with *step, else 0. */
+static int parse_name(const char *name, const char *prefix, const char *suffix, uint64_t *step)
+{
+    size_t lp = strlen(prefix), ls = strlen(suffix), ln = strlen(name);
+    if (ln <= lp + ls || strncmp(name, prefix, lp) != 0 || strcmp(name + ln - ls, suffix) != 0)
+        return 0;
+    uint64_t v = 0;
+    size_t nd = ln - lp - ls;
+    if (nd > 19) return 0; /* no overflow */
+    for (size_t i = lp; i < lp + nd; i++) {
+        if (name[i] < '0' || name[i] > '9') return 0;
+        v = v * 10 + (uint64_t)(name[i] - '0');
+    }
+    *step = v;
+    return 1;
+}
+
+typedef struct {
+    uint64_t step;
+    char name[256];
+} ckpt_ent_t;
+
+static int ent_cmp_desc(const void *a, const void *b)
+{
+    const ckpt_ent_t *x = a, *y = b;
+    if (x->step != y->step) return x->step < y->step ? 1 : -1;
+    return strcmp(y->name, x->name);
+}
+
+/* The ckpt-*.psdc names in dir, newest (highest step) first; caller frees
+ * *ents. With tmp_below, also unlinks .ckpt-*.psdc.tmp files of steps below
+ * it (left by a killed writer). 0 or -errno. */
+static int list_ckpts(const char *dir, ckpt_ent_t **ents, size_t *n, const uint64_t *tmp_below)
+{
+    DIR *d = opendir(dir);
+    ckpt_ent_t *v = NULL;
+    size_t len = 0, cap = 0;
+    int rc = 0;
+    if (!d) {
+        rc = -errno;
+        goto out;
+    }
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        uint64_t step;
+        if (tmp_below && parse_name(e->d_name, ".ckpt-", ".psdc.tmp", &step) && step < *tmp_below) {
+            (void)unlinkat(dirfd(d), e->d_name, 0);
+            continue;
+        }
+        if (!parse_name(e->d_name, "ckpt-", ".psdc", &step) || strlen(e->d_name) >= sizeof v->name)
+            continue;
+        if (len == cap) {
+            size_t ncap = cap ? 2 * cap : 16;
+            ckpt_ent_t *nv = realloc(v, ncap * sizeof *nv);
+            if (!nv) {
+                rc = -ENOMEM;
+                goto out;
+            }
+            v = nv;
+            cap = ncap;
+        }
+        v[len].step = step;
+        snprintf(v[len].name, sizeof v[len].name, "%s", e->d_name);
+        len++;
+    }
+    if (len > 1) qsort(v, len, sizeof *v, ent_cmp_desc);
+out:
+    if (d) closedir(d);
+    if (rc != 0) {
+        free(v);
+        v = NULL;
+        len = 0;
+    }
+    *ents = v;
+    *n = len;
+    return rc;
+}
+
+static int fsync_dir(const char *dir)
+{
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    int rc = fsync(fd) != 0 ? -errno : 0;
+    close(fd);
+    return rc;
+}
+
+/* ---- writer thread ---------------------------------------------------- */
+
+typedef struct {
+    int fd;
+    uLong crc;
+    uint64_t len;
+} ckpt_out_t;
+
+static int out_write(ckpt_out_t *o, const void *buf, size_t n)
+{
+    const uint8_t *p = buf;
+    for (size_t left = n; left > 0;) {
+        size_t k = left < CKPT_IO_BYTES ? left : CKPT_IO_BYTES;
+        o->crc = crc32(o->crc, p, (uInt)k);
+        p += k;
+        left -= k;
+    }
+    o->len += n;
+    return ps_write_all(o->fd, buf, n);
+}
+
+/* Mark every chunk settled (none LIVE any more), drop the side copies and
+ * wake waiters. Called when the writer stops, on success or failure. */
+static void settle(psd_ckpt_writer_t *wr)
+{
+    pthread_mutex_lock(&wr->mu);
+    for (uint32_t s = 0; s < wr->meta.n_slots; s++)
+        for (size_t c = 0; c < wr->n_chunks; c++) {
+            if (wr->side[s][c]) {
+                free(wr->side[s][c]);
+                wr->side[s][c] = NULL;
+            }
+            wr->state[s][c] = CHUNK_SAVED;
+        }
+    wr->extra = 0;
+    atomic_store_explicit(&wr->settled, 1, memory_order_release);
+    pthread_cond_broadcast(&wr->saved_cv);
+    pthread_mutex_unlock(&wr->mu);
+}
+
+/* Write slot s: each chunk's snapshot values, from its side copy if the main
+ * thread made one, else from the live memory through the bounce buffer. */
+static int write_slot(psd_ckpt_writer_t *wr, ckpt_out_t *o, uint32_t s)
+{
+    const size_t n = wr->meta.n_params;
+    for (size_t c = 0; c < wr->n_chunks; c++) {
+        size_t off = c * CKPT_CHUNK_FLOATS;
+        size_t cnt = n - off < CKPT_CHUNK_FLOATS ? n - off : CKPT_CHUNK_FLOATS;
+        float *src;
+        pthread_mutex_lock(&wr->mu);
+        if (wr->state[s][c] == CHUNK_COPIED) {
+            src = wr->side[s][c];
+            wr->side[s][c] = NULL;
+        } else {
+            /* LIVE: the main thread waits on mu before changing it */
+            memcpy(wr->bounce, wr->slot[s] + off, cnt * sizeof(float));
+            src = wr->bounce;
+        }
+        wr->state[s][c] = CHUNK_SAVED;
+        if (s + 1 == wr->meta.n_slots && c + 1 == wr->n_chunks)
+            atomic_store_explicit(&wr->settled, 1, memory_order_release);
+        pthread_cond_broadcast(&wr->saved_cv);
+        pthread_mutex_unlock(&wr->mu);
+
+        int rc = out_write(o, src, cnt * sizeof(float));
+        if (src != wr->bounce) {
+            free(src);
+            pthread_mutex_lock(&wr->mu);
+            wr->extra -= CKPT_CHUNK_BYTES;
+            pthread_mutex_unlock(&wr->mu);
+        }
+        if (rc != 0) return rc;
+    }
+    return 0;
+}
+
+/* Keep the newest `keep` checkpoints (and always the one just written). */
+static void prune(psd_ckpt_writer_t *wr, const char *written)
+{
+    ckpt_ent_t *ents;
+    size_t n;
+    if (list_ckpts(wr->dir, &ents, &n, &wr->meta.step) != 0) return;
+    for (size_t i = (size_t)wr->keep; wr->keep > 0 && i < n; i++) {
+        char p[PATH_MAX];
+        snprintf(p, sizeof p, "%s/%s", wr->dir, ents[i].name);
+        if (strcmp(p, written) != 0) (void)unlink(p);
+    }
+    free(ents);
+}
+
+static void *writer_main(void *arg)
+{
+    psd_ckpt_writer_t *wr = arg;
+    ckpt_out_t o = {.fd = -1, .crc = crc32(0, Z_NULL, 0), .len = 0};
+    char tmp[PATH_MAX];
+    uint8_t hdr[CKPT_HDR_LEN], trailer[CKPT_TRAILER_LEN];
+    int rc = 0;
+
+    snprintf(tmp, sizeof tmp, "%s/.ckpt-%012llu.psdc.tmp", wr->dir, (unsigned long long)wr->meta.step);
+    o.fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (o.fd < 0) {
+        rc = -errno;
+        goto out;
+    }
+    meta_pack(hdr, &wr->meta);
+    if ((rc = out_write(&o, hdr, sizeof hdr)) != 0) goto out;
+    if (wr->seen_bytes && (rc = out_write(&o, wr->seen, wr->seen_bytes)) != 0) goto out;
+    for (size_t off = 0; off < wr->meta.n_params; off += CKPT_CHUNK_FLOATS) {
+        size_t cnt = wr->meta.n_params - off;
+        if (cnt > CKPT_CHUNK_FLOATS) cnt = CKPT_CHUNK_FLOATS;
+        if ((rc = out_write(&o, wr->arena->w + off, cnt * sizeof(float))) != 0) goto out;
+    }
+    for (uint32_t s = 0; s < wr->meta.n_slots; s++)
+        if ((rc = write_slot(wr, &o, s)) != 0) goto out;
+    /* the CRC covers the length field too: every byte before the CRC */
+    put_u64(trailer, o.len);
+    o.crc = crc32(o.crc, trailer, 8);
+    put_u32(trailer + 8, (uint32_t)o.crc);
+    if ((rc = ps_write_all(o.fd, trailer, sizeof trailer)) != 0) goto out;
+    o.len += sizeof trailer;
+    if (fsync(o.fd) != 0) {
+        rc = -errno;
+        goto out;
+    }
+    int fd = o.fd;
+    o.fd = -1;
+    if (close(fd) != 0) {
+        rc = -errno;
+        goto out;
+    }
+    if (rename(tmp, wr->path) != 0) {
+        rc = -errno;
+        goto out;
+    }
+    /* the rename is durable only once the directory is */
+    if ((rc = fsync_dir(wr->dir)) != 0) goto out;
+    wr->bytes = o.len;
+    prune(wr, wr->path);
+out:
+    if (o.fd >= 0) close(o.fd);
+    if (rc != 0) (void)unlink(tmp); /* ENOENT once renamed */
+    settle(wr);
+    wr->rc = rc;
+    wr->seconds = ps_now() - wr->t_begin;
+    atomic_store_explicit(&wr->done, 1, memory_order_release);
+    return NULL;
+}
+
+/* ---- main-thread API -------------------------------------------------- */
+
+static void writer_free(psd_ckpt_writer_t *wr)
+{
+    if (!wr) return;
+    for (int s = 0; s < 2; s++) {
+        if (wr->side[s])
+            for (size_t c = 0; c < wr->n_chunks; c++) free(wr->side[s][c]);
+        free(wr->side[s]);
+        free(wr->state[s]);
+    }
+    if (wr->arena) psd_store_frame_free(NULL, wr->arena);
+    free(wr->bounce);
+    free(wr->seen);
+    free(wr->dir);
+    free(wr);
+}
+
+int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd_ckpt_meta_t *meta,
+                   const uint8_t *seen, psd_store_t *store)
+{
+    psd_ckpt_writer_t *wr = NULL;
+    int rc = 0, sync_init = 0;
+    ps_layout_t l;
+    *out = NULL;
+    if (!dir || !meta || !store || meta->n_slots > 2 || meta->train_count > CKPT_MAX_TRAIN ||
+        (meta->train_count && !seen) || ps_layout_init(&l, meta->sizes, meta->n_sizes) != 0 ||
+        l.n_params != meta->n_params || meta->n_params != store->layout.n_params ||
+        (meta->n_slots >= 1 && !store->s0) || (meta->n_slots >= 2 && !store->s1)) {
+        rc = -EINVAL;
+        goto out;
+    }
+    for (int i = 0; i < meta->n_sizes; i++)
+        if (meta->sizes[i] > CKPT_MAX_SIZE) {
+            rc = -EINVAL;
+            goto out;
+        }
+    if (!(wr = calloc(1, sizeof *wr))) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    wr->t_begin = ps_now();
+    wr->keep = keep;
+    wr->meta = *meta;
+    wr->seen_bytes = (size_t)((meta->train_count + 7) / 8);
+    wr->n_chunks = (meta->n_params + CKPT_CHUNK_FLOATS - 1) / CKPT_CHUNK_FLOATS;
+    if ((size_t)snprintf(wr->path, sizeof wr->path, "%s/.ckpt-%012llu.psdc.tmp", dir,
+                         (unsigned long long)meta->step) >= sizeof wr->path) {
+        rc = -ENAMETOOLONG;
+        goto out;
+    }
+    snprintf(wr->path, sizeof wr->path, "%s/ckpt-%012llu.psdc", dir, (unsigned long long)meta->step);
+    if (!(wr->dir = strdup(dir)) || (wr->seen_bytes && !(wr->seen = malloc(wr->seen_bytes)))) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    if (wr->seen_bytes) memcpy(wr->seen, seen, wr->seen_bytes);
+    wr->slot[0] = store->s0;
+    wr->slot[1] = store->s1;
+    for (uint32_t s = 0; s < meta->n_slots; s++) {
+        wr->state[s] = calloc(wr->n_chunks ? wr->n_chunks : 1, 1); /* CHUNK_LIVE */
+        wr->side[s] = calloc(wr->n_chunks ? wr->n_chunks : 1, sizeof(float *));
+        if (!wr->state[s] || !wr->side[s]) {
+            rc = -ENOMEM;
+            goto out;
+        }
+    }
+    if (meta->n_slots > 0) {
+        if (!(wr->bounce = malloc(CKPT_CHUNK_BYTES))) {
+            rc = -ENOMEM;
+            goto out;
+        }
+        wr->extra = wr->peak_extra = CKPT_CHUNK_BYTES;
+    }
+    atomic_init(&wr->settled, meta->n_slots == 0 || wr->n_chunks == 0);
+    atomic_init(&wr->done, 0);
+    if ((rc = -pthread_mutex_init(&wr->mu, NULL)) != 0) goto out;
+    if ((rc = -pthread_cond_init(&wr->saved_cv, NULL)) != 0) {
+        pthread_mutex_destroy(&wr->mu);
+        goto out;
+    }
+    sync_init = 1;
+    wr->arena = psd_store_ref_current(store);
+    if ((rc = -pthread_create(&wr->thread, NULL, writer_main, wr)) != 0) goto out;
+    *out = wr;
+    wr = NULL;
+out:
+    if (wr && sync_init) {
+        pthread_cond_destroy(&wr->saved_cv);
+        pthread_mutex_destroy(&wr->mu);
+    }
+    writer_free(wr);
+    return rc;
+}
+
+void psd_ckpt_hook(void *ud, size_t off, size_t n) { psd_ckpt_before_update(ud, off, n); }
+
+void psd_ckpt_before_update(psd_ckpt_writer_t *wr, size_t off, size_t n)
+{
+    if (!wr || n == 0 || atomic_load_explicit(&wr->settled, memory_order_acquire)) return;
+    if (off >= wr->meta.n_params) return;
+    if (n > wr->meta.n_params - off) n = wr->meta.n_params - off;
+    const size_t c0 = off / CKPT_CHUNK_FLOATS, c1 = (off + n - 1) / CKPT_CHUNK_FLOATS;
+    for (uint32_t s = 0; s < wr->meta.n_slots; s++) {
+        for (size_t c = c0; c <= c1; c++) {
+            pthread_mutex_lock(&wr->mu);
+            int live = wr->state[s][c] == CHUNK_LIVE;
+            pthread_mutex_unlock(&wr->mu);
+            if (!live) continue;
+            /* Copy outside the lock: only this thread changes the slots, and
+             * the writer only reads them. */
+            size_t coff = c * CKPT_CHUNK_FLOATS;
+            size_t cnt = wr->meta.n_params - coff < CKPT_CHUNK_FLOATS ? wr->meta.n_params - coff
+                                                                      : CKPT_CHUNK_FLOATS;
+            float *copy = malloc(CKPT_CHUNK_BYTES);
+            if (copy) memcpy(copy, wr->slot[s] + coff, cnt * sizeof(float));
+            pthread_mutex_lock(&wr->mu);
+            if (wr->state[s][c] == CHUNK_LIVE && copy) {
+                wr->side[s][c] = copy;
+                wr->state[s][c] = CHUNK_COPIED;
+                copy = NULL;
+                wr->extra += CKPT_CHUNK_BYTES;
+                if (wr->extra > wr->peak_extra) wr->peak_extra = wr->extra;
+            }
+            /* no memory for a copy: wait until the writer has the chunk */
+            while (wr->state[s][c] == CHUNK_LIVE) pthread_cond_wait(&wr->saved_cv, &wr->mu);
+            pthread_mutex_unlock(&wr->mu);
+            free(copy); /* the writer saved the chunk meanwhile */
+        }
+    }
+}
+
+int psd_ckpt_done(psd_ckpt_writer_t *wr)
+{
+    return wr && atomic_load_explicit(&wr->done, memory_order_acquire);
+}
+
+int psd_ckpt_end(psd_ckpt_writer_t **pwr, char *path, size_t pathlen, double *seconds, uint64_t *bytes,
+                 uint64_t *peak_extra_bytes)
+{
+    psd_ckpt_writer_t *wr = *pwr;
+    if (!wr) return -EINVAL;
+    pthread_join(wr->thread, NULL);
+    int rc = wr->rc;
+    if (path && pathlen) snprintf(path, pathlen, "%s", rc == 0 ? wr->path : "");
+    if (seconds) *seconds = wr->seconds;
+    if (bytes) *bytes = rc == 0 ? wr->bytes : 0;
+    if (peak_extra_bytes) *peak_extra_bytes = wr->peak_extra;
+    pthread_cond_destroy(&wr->saved_cv);
+    pthread_mutex_destroy(&wr->mu);
+    writer_free(wr);
+    *pwr = NULL;
+    return rc;
+}
+
+/* ---- loading ---------------------------------------------------------- */
+
+typedef struct {
+    int fd;
+    uLong crc;
+} ckpt_in_t;
+
+/* Read exactly n bytes into buf, updating the CRC. 0, or a reason. */
+static const char *in_read(ckpt_in_t *in, void *buf, size_t n, int crc)
+{
+    uint8_t *p = buf;
+    while (n > 0) {
+        size_t k = n < CKPT_IO_BYTES ? n : CKPT_IO_BYTES;
+        ssize_t r = read(in->fd, p, k);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return "read error";
+        if (r == 0) return "unexpected end of file";
+        if (crc) in->crc = crc32(in->crc, p, (uInt)r);
+        p += r;
+        n -= (size_t)r;
+    }
+    return NULL;
+}
+
+typedef struct {
+    psd_ckpt_meta_t meta;
+    uint8_t *seen;
+    float *w, *slots[2];
+} ckpt_data_t;
+
+static void data_free(ckpt_data_t *d)
+{
+    free(d->seen);
+    free(d->w);
+    free(d->slots[0]);
+    free(d->slots[1]);
+    memset(d, 0, sizeof *d);
+}
+
+/* Read and verify one file. NULL with d filled (caller frees), or the reason
+ * it is unusable (d empty). reason_buf holds formatted reasons. */
+static const char *load_one(const char *path, ckpt_data_t *d, char *reason_buf, size_t reason_len)
+{
+    ckpt_in_t in = {.fd = -1, .crc = crc32(0, Z_NULL, 0)};
+    uint8_t hdr[CKPT_HDR_LEN], trailer[CKPT_TRAILER_LEN];
+    const char *why = NULL;
+    struct stat st;
+    memset(d, 0, sizeof *d);
+
+    in.fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (in.fd < 0 || fstat(in.fd, &st) != 0) {
+        snprintf(reason_buf, reason_len, "cannot open: %s", strerror(errno));
+        why = reason_buf;
+        goto out;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        why = "not a regular file";
+        goto out;
+    }
+    if ((uint64_t)st.st_size < CKPT_HDR_LEN + CKPT_TRAILER_LEN) {
+        snprintf(reason_buf, reason_len, "too short (%lld bytes)", (long long)st.st_size);
+        why = reason_buf;
+        goto out;
+    }
+    if ((why = in_read(&in, hdr, sizeof hdr, 1)) != NULL) goto out;
+    if ((why = meta_unpack(&d->meta, hdr)) != NULL) goto out;
+    /* Before allocating anything: the header must describe this file. */
+    uint64_t want = file_len(&d->meta);
+    if ((uint64_t)st.st_size != want) {
+        snprintf(reason_buf, reason_len, "%lld bytes, header says %llu (truncated?)",
+                 (long long)st.st_size, (unsigned long long)want);
+        why = reason_buf;
+        goto out;
+    }
+    size_t seen_bytes = (size_t)((d->meta.train_count + 7) / 8);
+    size_t arena_bytes = (size_t)d->meta.n_params * sizeof(float);
+    d->seen = malloc(seen_bytes ? seen_bytes : 1);
+    d->w = malloc(arena_bytes);
+    for (uint32_t s = 0; s < d->meta.n_slots; s++) d->slots[s] = malloc(arena_bytes);
+    if (!d->seen || !d->w || (d->meta.n_slots >= 1 && !d->slots[0]) ||
+        (d->meta.n_slots >= 2 && !d->slots[1])) {
+        why = "out of memory";
+        goto out;
+    }
+    if ((why = in_read(&in, d->seen, seen_bytes, 1)) != NULL) goto out;
+    if ((why = in_read(&in, d->w, arena_bytes, 1)) != NULL) goto out;
+    for (uint32_t s = 0; s < d->meta.n_slots; s++)
+        if ((why = in_read(&in, d->slots[s], arena_bytes, 1)) != NULL) goto out;
+    if ((why = in_read(&in, trailer, 8, 1)) != NULL) goto out;
+    if ((why = in_read(&in, trailer + 8, 4, 0)) != NULL) goto out;
+    uint64_t len;
+    uint32_t crc;
+    get_u64(trailer, &len);
+    get_u32(trailer + 8, &crc);
+    if (len != want - CKPT_TRAILER_LEN) {
+        why = "bad length field";
+        goto out;
+    }
+    if (crc != (uint32_t)in.crc) {
+        why = "checksum mismatch";
+        goto out;
+    }
+out:
+    if (in.fd >= 0) close(in.fd);
+    if (why) data_free(d);
+    return why;
+}
+
+int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
+                         float *slots[2], char *path, size_t pathlen, psd_ckpt_log_fn log, char *err,
+                         size_t errlen)
+{
+    ckpt_ent_t *ents = NULL;
+    size_t n = 0, rejected = 0;
+    int rc = -1;
+    int lrc = list_ckpts(dir, &ents, &n, NULL);
+    if (lrc != 0) {
+        ps_set_err(err, errlen, "no valid checkpoint in %s (cannot list it: %s)", dir, strerror(-lrc));
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        char p[PATH_MAX], reason[256], line[PATH_MAX + 320];
+        ckpt_data_t d;
+        snprintf(p, sizeof p, "%s/%s", dir, ents[i].name);
+        const char *why = load_one(p, &d, reason, sizeof reason);
+        if (why) {
+            rejected++;
+            if (log) {
+                snprintf(line, sizeof line, "checkpoint %s: %s; trying an older one", p, why);
+                log(line);
+            }
+            continue;
+        }
+        *meta = d.meta;
+        *seen = d.seen;
+        *weights = d.w;
+        slots[0] = d.slots[0];
+        slots[1] = d.slots[1];
+        if (path && pathlen) snprintf(path, pathlen, "%s", p);
+        rc = 0;
+        goto out;
+    }
+    ps_set_err(err, errlen, "no valid checkpoint in %s (%zu rejected)", dir, rejected);
+out:
+    free(ents);
+    return rc;
+}

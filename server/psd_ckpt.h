@@ -1,0 +1,93 @@
+/* psd_ckpt.h - crash-consistent checkpoints of a run, written in the
+ * background without doubling psd's memory.
+ *
+ * File DIR/ckpt-<step, 12 digits>.psdc, format 1, little-endian:
+ *   "PSDC" u32 format  psd_ckpt_meta_t fields (fixed order, see psd_ckpt.c)
+ *   seen bitmap (ceil(train_count/8) bytes)
+ *   weights arena, then each optimizer slot arena (n_params floats each)
+ *   u64 total length  u32 CRC-32 (zlib) of every byte before it
+ * Written to a temp file, fsync'ed, renamed, directory fsync'ed; the newest
+ * `keep` files are kept.
+ *
+ * Background write: psd_ckpt_begin() captures the metadata, takes a reference
+ * on the (immutable) weights arena and starts a thread. The optimizer slots
+ * change in place every step, so they are saved copy-on-write: before the
+ * step updates slot floats [off, off+n), psd calls psd_ckpt_before_update(),
+ * which copies the chunks the writer has not saved yet (1 MiB chunks) to the
+ * side. Extra memory is at most the chunks updated before the writer reached
+ * them (reported as peak_extra_bytes). */
+#ifndef PSD_CKPT_H
+#define PSD_CKPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ps_model.h"
+#include "psd_store.h"
+
+#define PSD_CKPT_FORMAT 1u
+
+typedef struct {
+    uint64_t run_id, config_hash, seed;
+    uint64_t step;          /* optimizer steps applied in the run */
+    uint64_t version;       /* weight version */
+    uint32_t epoch;         /* epoch in progress (0-based) */
+    uint32_t epoch_done;    /* 1: that epoch is complete, validation included */
+    uint64_t epoch_step;    /* steps applied in that epoch */
+    double steps_per_epoch; /* schedule position: p = epoch + epoch_step / steps_per_epoch */
+    double ep_loss;         /* that epoch's training statistics so far */
+    uint64_t ep_correct, ep_samples;
+    double train_s_total;   /* training seconds in the run so far */
+    uint64_t samples_total;
+    double lr;
+    uint64_t train_count;   /* bits in seen */
+    int n_sizes;
+    int sizes[PS_MAX_LAYERS + 1];
+    uint32_t opt_kind;
+    uint32_t n_slots;       /* 0, 1 or 2 optimizer slot arenas */
+    uint64_t n_params;      /* floats per arena (layout n_params) */
+} psd_ckpt_meta_t;
+
+typedef struct psd_ckpt_writer psd_ckpt_writer_t;
+
+/* Start writing a checkpoint of the store's current state to dir. seen is
+ * copied (meta->train_count bits); meta must match the store (n_params, and
+ * n_slots of its s0/s1). The store's current arena stays referenced and its
+ * slots borrowed until psd_ckpt_end. keep: checkpoints to keep, the newest
+ * (<= 0: all). Returns 0, or -errno (nothing started).
+ *
+ * The caller installs the copy-on-write hook for the write's duration:
+ *   store->before_update = psd_ckpt_hook; store->before_update_ud = wr;
+ * and clears both before psd_ckpt_end (or leaves them with ud NULL). */
+int psd_ckpt_begin(psd_ckpt_writer_t **wr, const char *dir, int keep, const psd_ckpt_meta_t *meta,
+                   const uint8_t *seen, psd_store_t *store);
+
+/* Main thread, before the optimizer updates slot floats [off, off+n): copy
+ * the not yet saved chunks aside. Cheap once the slots are written. */
+void psd_ckpt_before_update(psd_ckpt_writer_t *wr, size_t off, size_t n);
+
+/* psd_ckpt_before_update with psd_store_t's before_update signature (ud: the
+ * writer, or NULL). */
+void psd_ckpt_hook(void *ud, size_t off, size_t n);
+
+/* 1 when the writer is finished (then call psd_ckpt_end), else 0. */
+int psd_ckpt_done(psd_ckpt_writer_t *wr);
+
+/* Join the writer, release everything. Returns 0 or -errno of the write;
+ * fills path (may be NULL), seconds, bytes written and the peak extra memory
+ * of the copy-on-write. */
+int psd_ckpt_end(psd_ckpt_writer_t **wr, char *path, size_t pathlen, double *seconds, uint64_t *bytes,
+                 uint64_t *peak_extra_bytes);
+
+/* Load the newest valid checkpoint in dir. Corrupt or truncated files are
+ * skipped, each reported through the log callback (one line each, naming the
+ * file and the reason). On success returns 0 with new buffers (caller frees
+ * with free()): seen (train_count bits), weights and slots (n_params floats
+ * each; slots[i] NULL for i >= n_slots), and the chosen file's path.
+ * Returns -1 with a message if no valid checkpoint is there. */
+typedef void (*psd_ckpt_log_fn)(const char *line);
+int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
+                         float *slots[2], char *path, size_t pathlen, psd_ckpt_log_fn log, char *err,
+                         size_t errlen);
+
+#endif

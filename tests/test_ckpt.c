@@ -1,0 +1,884 @@
+/* test_ckpt.c - psd_ckpt: round trip, copy-on-write snapshot consistency,
+ * pruning, corrupt/truncated/garbage files and SIGKILL at random moments.
+ *
+ * Each test works in its own mkdtemp directory under /tmp, removed at the
+ * end. Values are compared bit for bit (the file stores the floats as is). */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "psd_ckpt.h"
+#include "psd_store.h"
+
+#define CHUNK_BYTES ((uint64_t)1 << 20)
+#define HDR_LEN 216
+/* header offsets (psd_ckpt.c meta_pack) */
+#define OFF_TRAIN_COUNT 120
+#define OFF_N_SIZES 128
+#define OFF_SIZES 132
+#define OFF_N_PARAMS 208
+
+/* ---- helpers ---------------------------------------------------------- */
+
+static char g_dir[64];
+
+static void dir_setup(void)
+{
+    snprintf(g_dir, sizeof g_dir, "/tmp/psd_ckpt_test_XXXXXX");
+    cr_assert_not_null(mkdtemp(g_dir), "mkdtemp: %s", strerror(errno));
+}
+
+static void dir_teardown(void)
+{
+    DIR *d = opendir(g_dir);
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        if (unlinkat(dirfd(d), e->d_name, 0) != 0) unlinkat(dirfd(d), e->d_name, AT_REMOVEDIR);
+    }
+    closedir(d);
+    rmdir(g_dir);
+}
+
+/* Log lines from psd_ckpt_load_newest. */
+static char g_log[32][PATH_MAX + 320];
+static int g_nlog;
+
+static void log_line(const char *line)
+{
+    if (g_nlog < 32) snprintf(g_log[g_nlog], sizeof g_log[0], "%s", line);
+    g_nlog++;
+}
+
+static int log_mentions(const char *what)
+{
+    for (int i = 0; i < g_nlog && i < 32; i++)
+        if (strstr(g_log[i], what)) return 1;
+    return 0;
+}
+
+static void store_make(psd_store_t *s, const int *sizes, int n_sizes)
+{
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, sizes, n_sizes), 0);
+    psd_optim_t o;
+    memset(&o, 0, sizeof o);
+    o.kind = PS_OPT_ADAM;
+    o.beta1 = 0.9f;
+    o.beta2 = 0.999f;
+    o.eps = 1e-8f;
+    cr_assert_eq(psd_store_init(s, &l, &o, 42), 0);
+    cr_assert(s->s0 && s->s1);
+}
+
+/* Exact in float for the ranges used: (k % 4096) * 1024 + (i % 1021) < 2^23. */
+static float pat(uint64_t k, size_t i, int which)
+{
+    float v = (float)(k % 4096) * 1024.0f + (float)(i % 1021);
+    return which == 0 ? v : which == 1 ? v + 0.5f : -v;
+}
+
+static void fill(float *a, size_t n, uint64_t k, int which)
+{
+    for (size_t i = 0; i < n; i++) a[i] = pat(k, i, which);
+}
+
+/* First index where a differs from the pattern, or n. */
+static size_t check_pat(const float *a, size_t n, uint64_t k, int which)
+{
+    for (size_t i = 0; i < n; i++)
+        if (a[i] != pat(k, i, which)) return i;
+    return n;
+}
+
+static void meta_make(psd_ckpt_meta_t *m, const psd_store_t *s, uint64_t step, uint64_t train_count)
+{
+    memset(m, 0, sizeof *m);
+    m->run_id = 0x1122334455667788ULL;
+    m->config_hash = 0xdeadbeefcafef00dULL;
+    m->seed = 1234567;
+    m->step = step;
+    m->version = step + 1000;
+    m->epoch = 3;
+    m->epoch_done = 1;
+    m->epoch_step = 77;
+    m->steps_per_epoch = 117.25;
+    m->ep_loss = 0.123456789;
+    m->ep_correct = 5000;
+    m->ep_samples = 6000;
+    m->train_s_total = 98.765;
+    m->samples_total = 1ULL << 40;
+    m->lr = 3e-4;
+    m->train_count = train_count;
+    m->n_sizes = s->layout.n_sizes;
+    for (int i = 0; i < s->layout.n_sizes; i++) m->sizes[i] = s->layout.sizes[i];
+    m->opt_kind = PS_OPT_ADAM;
+    m->n_slots = 2;
+    m->n_params = s->layout.n_params;
+}
+
+static uint8_t *seen_make(uint64_t train_count, uint64_t k)
+{
+    size_t nb = (size_t)((train_count + 7) / 8);
+    uint8_t *b = malloc(nb ? nb : 1);
+    cr_assert_not_null(b);
+    for (size_t j = 0; j < nb; j++) b[j] = (uint8_t)(k * 31 + j * 7);
+    return b;
+}
+
+/* Write one checkpoint synchronously. Returns psd_ckpt_end's rc. */
+static int ckpt_write(psd_store_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen, int keep,
+                      uint64_t *peak, uint64_t *bytes, char *path, size_t pathlen)
+{
+    psd_ckpt_writer_t *wr;
+    int rc = psd_ckpt_begin(&wr, g_dir, keep, m, seen, s);
+    if (rc != 0) return rc;
+    while (!psd_ckpt_done(wr)) usleep(1000);
+    double secs;
+    uint64_t pk, by;
+    rc = psd_ckpt_end(&wr, path, pathlen, &secs, bytes ? bytes : &by, peak ? peak : &pk);
+    cr_assert_null(wr);
+    cr_assert_geq(secs, 0.0);
+    return rc;
+}
+
+typedef struct {
+    psd_ckpt_meta_t meta;
+    uint8_t *seen;
+    float *w, *slots[2];
+    char path[PATH_MAX];
+    char err[512];
+} loaded_t;
+
+static int load(loaded_t *L)
+{
+    memset(L, 0, sizeof *L);
+    g_nlog = 0;
+    return psd_ckpt_load_newest(g_dir, &L->meta, &L->seen, &L->w, L->slots, L->path, sizeof L->path,
+                                log_line, L->err, sizeof L->err);
+}
+
+static void loaded_free(loaded_t *L)
+{
+    free(L->seen);
+    free(L->w);
+    free(L->slots[0]);
+    free(L->slots[1]);
+    memset(L, 0, sizeof *L);
+}
+
+static void ckpt_name(char *buf, size_t n, uint64_t step)
+{
+    snprintf(buf, n, "%s/ckpt-%012llu.psdc", g_dir, (unsigned long long)step);
+}
+
+static uint8_t *file_read(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "%s: %s", path, strerror(errno));
+    fseek(f, 0, SEEK_END);
+    long sz = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *b = malloc(sz > 0 ? (size_t)sz : 1);
+    cr_assert_not_null(b);
+    cr_assert_eq(fread(b, 1, (size_t)sz, f), (size_t)sz);
+    fclose(f);
+    *len = (size_t)sz;
+    return b;
+}
+
+static void file_write(const char *path, const void *b, size_t len)
+{
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f, "%s: %s", path, strerror(errno));
+    cr_assert_eq(fwrite(b, 1, len, f), len);
+    cr_assert_eq(fclose(f), 0);
+}
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* Make the trailer of a file image consistent (length and CRC), so that only
+ * the sanity checks can reject it. */
+static void fix_trailer(uint8_t *b, size_t len)
+{
+    put64(b + len - 12, len - 12);
+    put32(b + len - 4, (uint32_t)crc32(0, b, (uInt)(len - 4)));
+}
+
+static int count_files(const char *prefix, const char *suffix)
+{
+    DIR *d = opendir(g_dir);
+    cr_assert_not_null(d);
+    struct dirent *e;
+    int n = 0;
+    size_t lp = strlen(prefix), ls = strlen(suffix);
+    while ((e = readdir(d)) != NULL) {
+        size_t ln = strlen(e->d_name);
+        if (ln >= lp + ls && !strncmp(e->d_name, prefix, lp) && !strcmp(e->d_name + ln - ls, suffix))
+            n++;
+    }
+    closedir(d);
+    return n;
+}
+
+static const int small_sizes[] = {300, 700, 10};   /* 217714 floats: one chunk */
+static const int big_sizes[] = {2000, 2000, 10};   /* 4022010 floats: 16 chunks */
+
+/* ---- round trip ------------------------------------------------------- */
+
+Test(ckpt, roundtrip_every_field, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    store_make(&s, small_sizes, 3);
+    size_t n = s.layout.n_params;
+    fill(s.s0, n, 5, 1);
+    fill(s.s1, n, 5, 2);
+    psd_ckpt_meta_t m;
+    meta_make(&m, &s, 5, 1003); /* not a multiple of 8 */
+    uint8_t *seen = seen_make(1003, 5);
+    char path[PATH_MAX], want[PATH_MAX];
+    uint64_t peak, bytes;
+    cr_assert_eq(ckpt_write(&s, &m, seen, 3, &peak, &bytes, path, sizeof path), 0);
+    ckpt_name(want, sizeof want, 5);
+    cr_expect_str_eq(path, want);
+    struct stat st;
+    cr_assert_eq(stat(want, &st), 0);
+    cr_expect_eq((uint64_t)st.st_size, bytes);
+    cr_expect_eq(bytes, HDR_LEN + 126 + 3 * n * 4 + 12);
+    cr_expect_leq(peak, CHUNK_BYTES, "no modification: at most the bounce buffer, got %llu",
+                  (unsigned long long)peak);
+    cr_expect_eq(count_files(".ckpt-", ".tmp"), 0);
+    cr_expect_eq(atomic_load(&s.cur->refs), 1, "arena reference released");
+
+    loaded_t L;
+    cr_assert_eq(load(&L), 0, "%s", L.err);
+    cr_expect_eq(g_nlog, 0);
+    cr_expect_str_eq(L.path, want);
+    cr_expect_eq(L.meta.run_id, m.run_id);
+    cr_expect_eq(L.meta.config_hash, m.config_hash);
+    cr_expect_eq(L.meta.seed, m.seed);
+    cr_expect_eq(L.meta.step, m.step);
+    cr_expect_eq(L.meta.version, m.version);
+    cr_expect_eq(L.meta.epoch, m.epoch);
+    cr_expect_eq(L.meta.epoch_done, m.epoch_done);
+    cr_expect_eq(L.meta.epoch_step, m.epoch_step);
+    cr_expect(L.meta.steps_per_epoch == m.steps_per_epoch);
+    cr_expect(L.meta.ep_loss == m.ep_loss);
+    cr_expect_eq(L.meta.ep_correct, m.ep_correct);
+    cr_expect_eq(L.meta.ep_samples, m.ep_samples);
+    cr_expect(L.meta.train_s_total == m.train_s_total);
+    cr_expect_eq(L.meta.samples_total, m.samples_total);
+    cr_expect(L.meta.lr == m.lr);
+    cr_expect_eq(L.meta.train_count, m.train_count);
+    cr_expect_eq(L.meta.n_sizes, m.n_sizes);
+    cr_expect_arr_eq(L.meta.sizes, m.sizes, sizeof m.sizes);
+    cr_expect_eq(L.meta.opt_kind, m.opt_kind);
+    cr_expect_eq(L.meta.n_slots, m.n_slots);
+    cr_expect_eq(L.meta.n_params, m.n_params);
+    cr_expect_eq(memcmp(&L.meta, &m, sizeof m), 0, "whole struct");
+    cr_expect_eq(memcmp(L.seen, seen, 126), 0, "seen bitmap");
+    cr_expect_eq(memcmp(L.w, s.cur->w, n * 4), 0, "weights");
+    cr_expect_eq(memcmp(L.slots[0], s.s0, n * 4), 0, "slot 0");
+    cr_expect_eq(memcmp(L.slots[1], s.s1, n * 4), 0, "slot 1");
+    loaded_free(&L);
+    free(seen);
+    psd_store_deinit(&s);
+}
+
+Test(ckpt, one_slot_and_no_slots, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    store_make(&s, small_sizes, 3);
+    size_t n = s.layout.n_params;
+    fill(s.s0, n, 9, 1);
+    psd_ckpt_meta_t m;
+    for (uint32_t slots = 0; slots <= 1; slots++) {
+        meta_make(&m, &s, 10 + slots, 0); /* train_count 0: empty bitmap */
+        m.n_slots = slots;
+        uint64_t peak;
+        cr_assert_eq(ckpt_write(&s, &m, NULL, 5, &peak, NULL, NULL, 0), 0);
+        cr_expect_eq(peak, slots ? CHUNK_BYTES : 0);
+        loaded_t L;
+        cr_assert_eq(load(&L), 0, "%s", L.err);
+        cr_expect_eq(L.meta.n_slots, slots);
+        cr_expect_eq(L.meta.train_count, 0);
+        cr_expect_eq(memcmp(L.w, s.cur->w, n * 4), 0);
+        cr_expect_null(L.slots[1]);
+        if (slots)
+            cr_expect_eq(memcmp(L.slots[0], s.s0, n * 4), 0);
+        else
+            cr_expect_null(L.slots[0]);
+        loaded_free(&L);
+    }
+    psd_store_deinit(&s);
+}
+
+Test(ckpt, begin_rejects_mismatched_meta, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    store_make(&s, small_sizes, 3);
+    psd_ckpt_meta_t m;
+    psd_ckpt_writer_t *wr = (psd_ckpt_writer_t *)&m;
+    meta_make(&m, &s, 1, 8);
+    m.n_params++;
+    cr_expect_eq(psd_ckpt_begin(&wr, g_dir, 3, &m, (const uint8_t *)"x", &s), -EINVAL);
+    cr_expect_null(wr);
+    meta_make(&m, &s, 1, 8);
+    m.n_slots = 3;
+    cr_expect_eq(psd_ckpt_begin(&wr, g_dir, 3, &m, (const uint8_t *)"x", &s), -EINVAL);
+    meta_make(&m, &s, 1, 8);
+    cr_expect_eq(psd_ckpt_begin(&wr, g_dir, 3, &m, NULL, &s), -EINVAL, "bitmap missing");
+    cr_expect_eq(atomic_load(&s.cur->refs), 1);
+    /* a directory that does not exist: started, fails in the writer */
+    meta_make(&m, &s, 1, 8);
+    cr_assert_eq(psd_ckpt_begin(&wr, "/nonexistent/psd", 3, &m, (const uint8_t *)"x", &s), 0);
+    char path[64] = "junk";
+    cr_expect_eq(psd_ckpt_end(&wr, path, sizeof path, NULL, NULL, NULL), -ENOENT);
+    cr_expect_str_eq(path, "");
+    cr_expect_eq(atomic_load(&s.cur->refs), 1);
+    psd_store_deinit(&s);
+}
+
+/* ---- copy-on-write ---------------------------------------------------- */
+
+/* The slots change right after begin: the file must hold the values of the
+ * moment of begin. The last slot chunk is touched first: the writer saves it
+ * last (after ~48 MB), so it is certainly copied aside. */
+Test(ckpt, cow_snapshot_is_consistent, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    store_make(&s, big_sizes, 3);
+    size_t n = s.layout.n_params;
+    fill(s.cur->w, n, 1, 0);
+    fill(s.s0, n, 1, 1);
+    fill(s.s1, n, 1, 2);
+    psd_ckpt_meta_t m;
+    meta_make(&m, &s, 1, 100);
+    uint8_t *seen = seen_make(100, 1);
+    psd_ckpt_writer_t *wr;
+    cr_assert_eq(psd_ckpt_begin(&wr, g_dir, 3, &m, seen, &s), 0);
+    /* the copied bitmap is the writer's: changing ours must not matter */
+    memset(seen, 0xff, 13);
+    for (int step = 2; step <= 4; step++) {
+        psd_ckpt_before_update(wr, n - 1, 1);
+        psd_ckpt_before_update(wr, 0, n);
+        fill(s.s0, n, (uint64_t)step, 1);
+        fill(s.s1, n, (uint64_t)step, 2);
+    }
+    uint64_t peak, bytes;
+    double secs;
+    cr_assert_eq(psd_ckpt_end(&wr, NULL, 0, &secs, &bytes, &peak), 0);
+    cr_expect_gt(peak, CHUNK_BYTES, "side copies were made: peak %llu", (unsigned long long)peak);
+    cr_expect_leq(peak, 2 * 16 * CHUNK_BYTES + CHUNK_BYTES);
+    cr_expect_eq(check_pat(s.s0, n, 4, 1), n, "the live slots keep the new values");
+
+    loaded_t L;
+    cr_assert_eq(load(&L), 0, "%s", L.err);
+    cr_expect_eq(check_pat(L.w, n, 1, 0), n);
+    size_t i0 = check_pat(L.slots[0], n, 1, 1), i1 = check_pat(L.slots[1], n, 1, 2);
+    cr_expect_eq(i0, n, "slot 0 differs from the snapshot at %zu", i0);
+    cr_expect_eq(i1, n, "slot 1 differs from the snapshot at %zu", i1);
+    uint8_t *want = seen_make(100, 1);
+    cr_expect_eq(memcmp(L.seen, want, 13), 0);
+    free(want);
+    loaded_free(&L);
+    free(seen);
+    psd_store_deinit(&s);
+}
+
+/* The real path: psd_store_step calls the hook per tensor while the writer
+ * runs; the file holds the state of the moment of begin. */
+Test(ckpt, store_steps_during_write, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    store_make(&s, big_sizes, 3);
+    size_t n = s.layout.n_params;
+    float *g = malloc(n * sizeof(float));
+    cr_assert_not_null(g);
+    for (size_t i = 0; i < n; i++) g[i] = (float)((int)(i % 17) - 8) * 1e-3f;
+    const float *gt[1][PS_MAX_TENSORS];
+    for (int t = 0; t < s.layout.n_tensors; t++) gt[0][t] = g + s.layout.t[t].offset;
+    const float *const(*grads)[PS_MAX_TENSORS] = (const float *const(*)[PS_MAX_TENSORS])gt;
+    const double weight[1] = {1.0};
+    /* two steps so that the slots are not zero */
+    for (int k = 0; k < 2; k++) cr_assert_geq(psd_store_step(&s, 1, grads, weight, 0, 1e-2), 0);
+    float *w0 = malloc(n * 4), *m0 = malloc(n * 4), *v0 = malloc(n * 4);
+    cr_assert(w0 && m0 && v0);
+    memcpy(w0, s.cur->w, n * 4);
+    memcpy(m0, s.s0, n * 4);
+    memcpy(v0, s.s1, n * 4);
+
+    psd_ckpt_meta_t m;
+    meta_make(&m, &s, 2, 0);
+    psd_ckpt_writer_t *wr;
+    cr_assert_eq(psd_ckpt_begin(&wr, g_dir, 3, &m, NULL, &s), 0);
+    s.before_update = psd_ckpt_hook;
+    s.before_update_ud = wr;
+    int steps = 0;
+    while (!psd_ckpt_done(wr) || steps < 3) {
+        cr_assert_geq(psd_store_step(&s, 1, grads, weight, 0, 1e-2), 0);
+        steps++;
+    }
+    s.before_update = NULL;
+    s.before_update_ud = NULL;
+    uint64_t peak;
+    cr_assert_eq(psd_ckpt_end(&wr, NULL, 0, NULL, NULL, &peak), 0);
+    cr_expect_neq(memcmp(s.s0, m0, n * 4), 0, "the steps changed the slots");
+    cr_log_info("%d steps during the write, peak extra %llu bytes", steps, (unsigned long long)peak);
+
+    loaded_t L;
+    cr_assert_eq(load(&L), 0, "%s", L.err);
+    cr_expect_eq(memcmp(L.w, w0, n * 4), 0, "weights of begin");
+    cr_expect_eq(memcmp(L.slots[0], m0, n * 4), 0, "m of begin");
+    cr_expect_eq(memcmp(L.slots[1], v0, n * 4), 0, "v of begin");
+    loaded_free(&L);
+    free(w0);
+    free(m0);
+    free(v0);
+    free(g);
+    psd_store_deinit(&s);
+}
+
+#if !defined(__SANITIZE_ADDRESS__)
+/* No memory for a side copy: before_update waits for the writer instead.
+ * In a child, under an address-space limit (not with ASan, which reserves
+ * terabytes and dies on allocation failure). */
+Test(ckpt, cow_without_memory_waits, .init = dir_setup, .fini = dir_teardown)
+{
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        psd_store_t s;
+        ps_layout_t l;
+        psd_optim_t o = {.kind = PS_OPT_ADAM, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
+        if (ps_layout_init(&l, big_sizes, 3) || psd_store_init(&s, &l, &o, 1)) _exit(10);
+        size_t n = l.n_params;
+        fill(s.s0, n, 1, 1);
+        fill(s.s1, n, 1, 2);
+        psd_ckpt_meta_t m;
+        meta_make(&m, &s, 1, 0);
+        psd_ckpt_writer_t *wr;
+        struct rlimit old, lim;
+        getrlimit(RLIMIT_AS, &old);
+        if (psd_ckpt_begin(&wr, g_dir, 3, &m, NULL, &s)) _exit(12);
+        /* the writer thread and its bounce buffer exist: no room for copies */
+        long pages = 0;
+        FILE *f = fopen("/proc/self/statm", "r");
+        if (!f || fscanf(f, "%ld", &pages) != 1) _exit(11);
+        fclose(f);
+        lim = old;
+        lim.rlim_cur = (rlim_t)pages * (rlim_t)sysconf(_SC_PAGESIZE) + (256u << 10);
+        if (setrlimit(RLIMIT_AS, &lim) != 0) _exit(13);
+        /* use up what the heap still has free, so that no 1 MiB copy fits */
+        void *hold[64];
+        int nhold = 0;
+        while (nhold < 64 && (hold[nhold] = malloc(CHUNK_BYTES)) != NULL) nhold++;
+        int limited = nhold < 64;
+        psd_ckpt_before_update(wr, 0, n); /* waits chunk by chunk */
+        fill(s.s0, n, 2, 1);
+        fill(s.s1, n, 2, 2);
+        while (nhold > 0) free(hold[--nhold]);
+        setrlimit(RLIMIT_AS, &old);
+        uint64_t peak;
+        if (psd_ckpt_end(&wr, NULL, 0, NULL, NULL, &peak)) _exit(14);
+        if (limited && peak != CHUNK_BYTES) _exit(15); /* no side copy was possible */
+        loaded_t L;
+        if (load(&L)) _exit(16);
+        if (check_pat(L.slots[0], n, 1, 1) != n || check_pat(L.slots[1], n, 1, 2) != n) _exit(17);
+        _exit(limited ? 0 : 20);
+    }
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st), "child died of signal %d", WTERMSIG(st));
+    cr_expect(WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 20, "child exit %d", WEXITSTATUS(st));
+    if (WEXITSTATUS(st) == 20) cr_log_warn("address-space limit did not make malloc fail; path not exercised");
+}
+#endif
+
+/* ---- pruning ---------------------------------------------------------- */
+
+Test(ckpt, keep_newest, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    store_make(&s, small_sizes, 3);
+    /* a stale temp file of an old step (a killed writer) and one of a newer step */
+    char p[PATH_MAX];
+    snprintf(p, sizeof p, "%s/.ckpt-%012d.psdc.tmp", g_dir, 2);
+    file_write(p, "partial", 7);
+    snprintf(p, sizeof p, "%s/.ckpt-%012d.psdc.tmp", g_dir, 99);
+    file_write(p, "partial", 7);
+    snprintf(p, sizeof p, "%s/other-file", g_dir);
+    file_write(p, "x", 1);
+    for (uint64_t step = 1; step <= 5; step++) {
+        psd_ckpt_meta_t m;
+        meta_make(&m, &s, step, 0);
+        cr_assert_eq(ckpt_write(&s, &m, NULL, 3, NULL, NULL, NULL, 0), 0);
+    }
+    cr_expect_eq(count_files("ckpt-", ".psdc"), 3);
+    for (uint64_t step = 1; step <= 5; step++) {
+        ckpt_name(p, sizeof p, step);
+        cr_expect_eq(access(p, F_OK) == 0, step >= 3, "step %llu", (unsigned long long)step);
+    }
+    cr_expect_eq(count_files(".ckpt-", ".psdc.tmp"), 1, "only the newer step's temp file is left");
+    snprintf(p, sizeof p, "%s/other-file", g_dir);
+    cr_expect_eq(access(p, F_OK), 0, "unrelated files are left alone");
+    loaded_t L;
+    cr_assert_eq(load(&L), 0, "%s", L.err);
+    cr_expect_eq(L.meta.step, 5);
+    loaded_free(&L);
+    psd_store_deinit(&s);
+}
+
+/* ---- corruption ------------------------------------------------------- */
+
+/* Steps 1 and 2 with distinct contents; returns the image of step 2. */
+static uint8_t *two_ckpts(psd_store_t *s, size_t *len)
+{
+    store_make(s, small_sizes, 3);
+    for (uint64_t step = 1; step <= 2; step++) {
+        fill(s->s0, s->layout.n_params, step, 1);
+        fill(s->s1, s->layout.n_params, step, 2);
+        psd_ckpt_meta_t m;
+        meta_make(&m, s, step, 64);
+        uint8_t *seen = seen_make(64, step);
+        cr_assert_eq(ckpt_write(s, &m, seen, 5, NULL, NULL, NULL, 0), 0);
+        free(seen);
+    }
+    char p[PATH_MAX];
+    ckpt_name(p, sizeof p, 2);
+    return file_read(p, len);
+}
+
+static void expect_fallback_to_1(const char *what)
+{
+    loaded_t L;
+    cr_assert_eq(load(&L), 0, "%s: %s", what, L.err);
+    cr_expect_eq(L.meta.step, 1, "%s", what);
+    cr_expect_eq(check_pat(L.slots[0], L.meta.n_params, 1, 1), L.meta.n_params, "%s", what);
+    cr_expect_eq(g_nlog, 1, "%s: %d log lines", what, g_nlog);
+    cr_expect(log_mentions("ckpt-000000000002.psdc"), "%s: log: %s", what, g_nlog ? g_log[0] : "");
+    cr_expect(log_mentions("trying an older one"), "%s", what);
+    loaded_free(&L);
+}
+
+Test(ckpt, flipped_byte_falls_back, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    size_t len;
+    uint8_t *img = two_ckpts(&s, &len);
+    char p[PATH_MAX];
+    ckpt_name(p, sizeof p, 2);
+    const size_t offs[] = {0, 5, 30, OFF_N_SIZES, HDR_LEN + 3, len / 2, len - 13, len - 12, len - 5,
+                           len - 1};
+    for (size_t k = 0; k < sizeof offs / sizeof offs[0]; k++) {
+        img[offs[k]] ^= 0x10;
+        file_write(p, img, len);
+        char what[64];
+        snprintf(what, sizeof what, "byte %zu flipped", offs[k]);
+        expect_fallback_to_1(what);
+        img[offs[k]] ^= 0x10;
+    }
+    file_write(p, img, len);
+    loaded_t L;
+    cr_assert_eq(load(&L), 0);
+    cr_expect_eq(L.meta.step, 2, "restored file is valid again");
+    loaded_free(&L);
+    free(img);
+    psd_store_deinit(&s);
+}
+
+Test(ckpt, truncated_falls_back, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    size_t len;
+    uint8_t *img = two_ckpts(&s, &len);
+    char p[PATH_MAX];
+    ckpt_name(p, sizeof p, 2);
+    const size_t cuts[] = {0, 1, 100, HDR_LEN, HDR_LEN + 8, len / 2, len - 12, len - 4, len - 1};
+    for (size_t k = 0; k < sizeof cuts / sizeof cuts[0]; k++) {
+        file_write(p, img, cuts[k]);
+        char what[64];
+        snprintf(what, sizeof what, "truncated to %zu", cuts[k]);
+        expect_fallback_to_1(what);
+    }
+    /* appended bytes */
+    uint8_t *longer = calloc(1, len + 1);
+    memcpy(longer, img, len);
+    file_write(p, longer, len + 1);
+    expect_fallback_to_1("one byte appended");
+    free(longer);
+    free(img);
+    psd_store_deinit(&s);
+}
+
+Test(ckpt, all_corrupt_fails, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    size_t len;
+    uint8_t *img = two_ckpts(&s, &len);
+    char p[PATH_MAX];
+    for (uint64_t step = 1; step <= 2; step++) {
+        size_t flen;
+        ckpt_name(p, sizeof p, step);
+        uint8_t *f = file_read(p, &flen);
+        f[flen / 3] ^= 1;
+        file_write(p, f, flen);
+        free(f);
+    }
+    loaded_t L;
+    cr_expect_eq(load(&L), -1);
+    cr_expect(strstr(L.err, "no valid checkpoint in"), "%s", L.err);
+    cr_expect(strstr(L.err, g_dir), "%s", L.err);
+    cr_expect(strstr(L.err, "2 rejected"), "%s", L.err);
+    cr_expect_eq(g_nlog, 2);
+    cr_expect(log_mentions("ckpt-000000000002.psdc") && log_mentions("ckpt-000000000001.psdc"));
+    cr_expect_null(L.w);
+    free(img);
+    psd_store_deinit(&s);
+}
+
+Test(ckpt, empty_or_missing_dir_fails, .init = dir_setup, .fini = dir_teardown)
+{
+    loaded_t L;
+    cr_expect_eq(load(&L), -1);
+    cr_expect(strstr(L.err, "no valid checkpoint in"), "%s", L.err);
+    cr_expect(strstr(L.err, "0 rejected"), "%s", L.err);
+    cr_expect_eq(g_nlog, 0);
+    /* names that are not checkpoints are not even looked at */
+    char p[PATH_MAX];
+    const char *names[] = {"ckpt-.psdc", "ckpt-12a.psdc", "ckpt-000000000001.psdc.bak",
+                           "xckpt-000000000001.psdc", ".ckpt-000000000001.psdc.tmp"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", g_dir, names[i]);
+        file_write(p, "PSDC", 4);
+    }
+    cr_expect_eq(load(&L), -1);
+    cr_expect_eq(g_nlog, 0);
+    memset(&L, 0, sizeof L);
+    cr_expect_eq(psd_ckpt_load_newest("/nonexistent/psd", &L.meta, &L.seen, &L.w, L.slots, NULL, 0,
+                                      NULL, L.err, sizeof L.err),
+                 -1);
+    cr_expect(strstr(L.err, "/nonexistent/psd"), "%s", L.err);
+}
+
+Test(ckpt, garbage_files_are_skipped, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    size_t len;
+    uint8_t *img = two_ckpts(&s, &len);
+    char p2[PATH_MAX], p9[PATH_MAX];
+    ckpt_name(p2, sizeof p2, 2);
+    unlink(p2);
+    ckpt_name(p9, sizeof p9, 9);
+    uint8_t junk[4096];
+    srand(7);
+    for (size_t i = 0; i < sizeof junk; i++) junk[i] = (uint8_t)rand();
+
+    /* raw garbage of various lengths */
+    const size_t lens[] = {0, 3, 100, HDR_LEN + 12, sizeof junk};
+    for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++) {
+        file_write(p9, junk, lens[k]);
+        loaded_t L;
+        cr_assert_eq(load(&L), 0, "%zu garbage bytes: %s", lens[k], L.err);
+        cr_expect_eq(L.meta.step, 1);
+        cr_expect_eq(g_nlog, 1);
+        cr_expect(log_mentions("ckpt-000000000009.psdc"));
+        loaded_free(&L);
+    }
+
+    /* valid magic, format and CRC; insane header fields. Only the sanity
+     * checks stand between these and a huge allocation or a bad layout. */
+    uint8_t hdr[HDR_LEN + 12];
+    memcpy(hdr, img, HDR_LEN);
+    struct {
+        const char *what;
+        size_t off;
+        uint32_t v32;
+        int is64;
+        uint64_t v64;
+    } bad[] = {
+        {"n_sizes huge", OFF_N_SIZES, 1u << 30, 0, 0},
+        {"n_sizes 1", OFF_N_SIZES, 1, 0, 0},
+        {"n_sizes 18", OFF_N_SIZES, 18, 0, 0},
+        {"size 0", OFF_SIZES + 4, 0, 0, 0},
+        {"size 2^20+1", OFF_SIZES, (1u << 20) + 1, 0, 0},
+        {"size beyond n_sizes", OFF_SIZES + 3 * 4, 5, 0, 0},
+        {"n_params wrong", OFF_N_PARAMS, 0, 1, 12345},
+        {"train_count 2^40", OFF_TRAIN_COUNT, 0, 1, 1ULL << 40},
+        {"n_slots 3", OFF_N_PARAMS - 4, 3, 0, 0},
+        {"format 2", 4, 2, 0, 0},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        memcpy(hdr, img, HDR_LEN);
+        if (bad[k].is64)
+            put64(hdr + bad[k].off, bad[k].v64);
+        else
+            put32(hdr + bad[k].off, bad[k].v32);
+        fix_trailer(hdr, sizeof hdr);
+        file_write(p9, hdr, sizeof hdr);
+        loaded_t L;
+        cr_assert_eq(load(&L), 0, "%s: %s", bad[k].what, L.err);
+        cr_expect_eq(L.meta.step, 1, "%s", bad[k].what);
+        cr_expect_eq(g_nlog, 1, "%s", bad[k].what);
+        cr_log_info("%s -> %s", bad[k].what, g_nlog ? g_log[0] : "(no log)");
+        loaded_free(&L);
+    }
+
+    /* a consistent header for the largest layout (17 sizes of 2^20: ~2^44
+     * floats) on a short file: rejected by size before any allocation */
+    memcpy(hdr, img, HDR_LEN);
+    int sizes[PS_MAX_LAYERS + 1];
+    for (int i = 0; i < PS_MAX_LAYERS + 1; i++) sizes[i] = 1 << 20;
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, sizes, PS_MAX_LAYERS + 1), 0);
+    put32(hdr + OFF_N_SIZES, PS_MAX_LAYERS + 1);
+    for (int i = 0; i < PS_MAX_LAYERS + 1; i++) put32(hdr + OFF_SIZES + 4 * i, 1u << 20);
+    put64(hdr + OFF_N_PARAMS, l.n_params);
+    put64(hdr + OFF_TRAIN_COUNT, 1ULL << 32);
+    fix_trailer(hdr, sizeof hdr);
+    file_write(p9, hdr, sizeof hdr);
+    loaded_t L;
+    cr_assert_eq(load(&L), 0, "%s", L.err);
+    cr_expect_eq(L.meta.step, 1);
+    cr_expect(log_mentions("header says"), "%s", g_nlog ? g_log[0] : "");
+    loaded_free(&L);
+
+    /* a directory with a checkpoint's name */
+    unlink(p9);
+    cr_assert_eq(mkdir(p9, 0755), 0);
+    cr_assert_eq(load(&L), 0, "%s", L.err);
+    cr_expect_eq(L.meta.step, 1);
+    cr_expect_eq(g_nlog, 1);
+    loaded_free(&L);
+    rmdir(p9);
+    free(img);
+    psd_store_deinit(&s);
+}
+
+/* ---- SIGKILL at random moments ----------------------------------------- */
+
+static const int kill_sizes[] = {2000, 1000, 10}; /* 2011018 floats per arena */
+#define KILL_KEEP 2
+#define KILL_TRAIN 5000
+
+/* Child: checkpoints steps first, first+1, ... forever; the state of step k
+ * is pattern k (weights, slots, bitmap); each write is followed at once by a
+ * simulated step (hook + slots to pattern k+1), like psd. Writes a byte to
+ * ready_fd after the first checkpoint. Never returns. */
+static void kill_child(uint64_t first, int ready_fd)
+{
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    psd_store_t s;
+    ps_layout_t l;
+    psd_optim_t o = {.kind = PS_OPT_ADAM, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
+    if (ps_layout_init(&l, kill_sizes, 3) || psd_store_init(&s, &l, &o, 1)) _exit(10);
+    size_t n = l.n_params;
+    for (uint64_t k = first; k < first + 100000; k++) {
+        fill(s.cur->w, n, k, 0); /* no checkpoint holds the arena now */
+        fill(s.s0, n, k, 1);
+        fill(s.s1, n, k, 2);
+        psd_ckpt_meta_t m;
+        meta_make(&m, &s, k, KILL_TRAIN);
+        uint8_t *seen = seen_make(KILL_TRAIN, k);
+        psd_ckpt_writer_t *wr;
+        if (psd_ckpt_begin(&wr, g_dir, KILL_KEEP, &m, seen, &s)) _exit(11);
+        free(seen);
+        psd_ckpt_before_update(wr, 0, n);
+        fill(s.s0, n, k + 1, 1);
+        fill(s.s1, n, k + 1, 2);
+        if (psd_ckpt_end(&wr, NULL, 0, NULL, NULL, NULL)) _exit(12);
+        if (ready_fd >= 0) {
+            if (write(ready_fd, "x", 1) != 1) _exit(13);
+            close(ready_fd);
+            ready_fd = -1;
+        }
+    }
+    _exit(0);
+}
+
+Test(ckpt, sigkill_at_random_moments, .init = dir_setup, .fini = dir_teardown, .timeout = 240)
+{
+    unsigned seed = (unsigned)time(NULL);
+    const char *env = getenv("PSD_CKPT_SEED");
+    if (env) seed = (unsigned)strtoul(env, NULL, 10);
+    fprintf(stderr, "sigkill_at_random_moments: seed %u (PSD_CKPT_SEED to repeat)\n", seed);
+    srand(seed);
+
+    uint64_t next = 1, last_loaded = 0;
+    int rounds_with_new = 0;
+    for (int round = 0; round < 20; round++) {
+        int fds[2] = {-1, -1};
+        if (round == 0) cr_assert_eq(pipe(fds), 0);
+        pid_t pid = fork();
+        cr_assert_geq(pid, 0);
+        if (pid == 0) {
+            if (fds[0] >= 0) close(fds[0]);
+            kill_child(next, fds[1]);
+        }
+        if (round == 0) {
+            /* one complete checkpoint before the first kill */
+            close(fds[1]);
+            char c;
+            cr_assert_eq(read(fds[0], &c, 1), 1, "child died before its first checkpoint");
+            close(fds[0]);
+        }
+        useconds_t delay = (useconds_t)(rand() % 300000);
+        usleep(delay);
+        cr_assert_eq(kill(pid, SIGKILL), 0);
+        int st;
+        cr_assert_eq(waitpid(pid, &st, 0), pid);
+        cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "round %d: child exited (%d) first",
+                  round, WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+
+        loaded_t L;
+        int rc = load(&L);
+        cr_assert_eq(rc, 0, "round %d (killed after %u us): %s", round, (unsigned)delay, L.err);
+        /* a renamed file is always complete: nothing is ever rejected */
+        cr_expect_eq(g_nlog, 0, "round %d: %s", round, g_nlog ? g_log[0] : "");
+        uint64_t k = L.meta.step;
+        cr_expect_geq(k, last_loaded, "round %d: went back from %llu to %llu", round,
+                      (unsigned long long)last_loaded, (unsigned long long)k);
+        if (k > last_loaded) rounds_with_new++;
+        size_t n = L.meta.n_params;
+        cr_expect_eq(L.meta.version, k + 1000);
+        cr_expect_eq(L.meta.train_count, KILL_TRAIN);
+        uint8_t *want = seen_make(KILL_TRAIN, k);
+        cr_expect_eq(memcmp(L.seen, want, (KILL_TRAIN + 7) / 8), 0, "round %d: bitmap", round);
+        free(want);
+        size_t iw = check_pat(L.w, n, k, 0), i0 = check_pat(L.slots[0], n, k, 1),
+               i1 = check_pat(L.slots[1], n, k, 2);
+        cr_expect(iw == n && i0 == n && i1 == n,
+                  "round %d: step %llu not its own state (w %zu, s0 %zu, s1 %zu of %zu)", round,
+                  (unsigned long long)k, iw, i0, i1, n);
+        cr_expect_leq(count_files("ckpt-", ".psdc"), KILL_KEEP + 1, "round %d", round);
+        last_loaded = k;
+        next = k + 1;
+        loaded_free(&L);
+    }
+    cr_log_info("20 kills, newest step %llu, %d rounds added checkpoints",
+                (unsigned long long)last_loaded, rounds_with_new);
+    fprintf(stderr, "sigkill_at_random_moments: newest step %llu, %d of 20 rounds added one\n",
+            (unsigned long long)last_loaded, rounds_with_new);
+}
