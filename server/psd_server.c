@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -145,6 +146,11 @@ typedef struct {
     bool ckpt_again;      /* another one was asked for while writing */
     int stopping;         /* signal number that asked to stop, or -1 for --stop-after-epoch */
     bool stop_when_written;
+    char run_dir[PS_PATH_MAX]; /* checkpoint.dir/run-<run id>: this run's checkpoints */
+    /* step intervals, to show what a checkpoint being written costs */
+    double last_step_t;
+    double int_sum[2];    /* [0] no checkpoint being written, [1] while one is */
+    uint64_t int_n[2];
 } srv_t;
 
 static void maybe_step(srv_t *s);
@@ -567,6 +573,13 @@ static void maybe_step(srv_t *s)
         }
         s->step++;
         s->epoch_step++;
+        double now = ps_now();
+        if (s->last_step_t > 0 && s->epoch_step > 1) {
+            int during = s->ckpt != NULL;
+            s->int_sum[during] += now - s->last_step_t;
+            s->int_n[during]++;
+        }
+        s->last_step_t = now;
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
             if (!w->has_push) continue;
@@ -763,6 +776,11 @@ static void end_validation(srv_t *s)
         save_weights(s);
         PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s",
                 s->cfg.epochs, s->step, val_acc, sps, wall);
+        if (s->int_n[1] > 0)
+            PS_INFO("step interval %.2f ms over %" PRIu64 " steps without a checkpoint being written, "
+                    "%.2f ms over %" PRIu64 " steps while one was",
+                    1e3 * s->int_sum[0] / (double)(s->int_n[0] ? s->int_n[0] : 1), s->int_n[0],
+                    1e3 * s->int_sum[1] / (double)s->int_n[1], s->int_n[1]);
         int code = s->exit_code;
         finish(s, 0, "training finished");
         s->exit_code = code;
@@ -770,7 +788,7 @@ static void end_validation(srv_t *s)
     }
     if (stop) {
         PS_INFO("stopping after epoch %u as asked (--stop-after-epoch); resume with --resume %s",
-                s->epoch + 1, s->cfg.ckpt_dir[0] ? s->cfg.ckpt_dir : "DIR");
+                s->epoch + 1, s->cfg.ckpt_dir[0] ? s->run_dir : "DIR");
         if (s->ckpt) {
             s->stop_when_written = true;
             s->phase = PHASE_WAIT; /* nothing more to do but write */
@@ -805,9 +823,9 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
         .n_sizes = s->layout.n_sizes, .opt_kind = (uint32_t)s->cfg.opt,
         .n_slots = (uint32_t)psd_optim_slots(&s->store.opt), .n_params = s->layout.n_params};
     memcpy(m.sizes, s->layout.sizes, sizeof m.sizes);
-    int rc = psd_ckpt_begin(&s->ckpt, s->cfg.ckpt_dir, s->cfg.ckpt_keep, &m, s->seen, &s->store);
+    int rc = psd_ckpt_begin(&s->ckpt, s->run_dir, s->cfg.ckpt_keep, &m, s->seen, &s->store);
     if (rc != 0) {
-        PS_ERROR("cannot start a checkpoint in %s: %s", s->cfg.ckpt_dir, strerror(-rc));
+        PS_ERROR("cannot start a checkpoint in %s: %s", s->run_dir, strerror(-rc));
         s->ckpt = NULL;
         return;
     }
@@ -938,6 +956,7 @@ static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
         return;
     }
     w->state = W_READY;
+    if (s->stop_when_written) return; /* stopping: nothing more to train */
     if (s->phase == PHASE_WAIT) {
         if (live_workers(s) >= s->cfg.workers) {
             PS_INFO("%d workers ready; training %s%d epochs", live_workers(s), s->epoch ? "from epoch " : "",
@@ -1276,15 +1295,58 @@ static void close_cb(uv_handle_t *h) { (void)h; }
 
 static void log_line(const char *line) { PS_WARN("%s", line); }
 
+/* Checkpoints live in DIR/run-<run id>/, so that a new run in the same DIR
+ * never mixes with (or prunes) another run's. --resume takes a run
+ * directory, or DIR itself: then the run whose newest checkpoint is newest. */
+static int resolve_resume_dir(const char *dir, char *out, size_t n)
+{
+    DIR *d = opendir(dir);
+    if (!d) return -errno;
+    struct dirent *e;
+    double best_t = -1;
+    bool has_ckpt = false;
+    char best[PS_PATH_MAX] = "";
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, "ckpt-", 5) == 0) has_ckpt = true;
+        if (strncmp(e->d_name, "run-", 4) != 0) continue;
+        char sub[PS_PATH_MAX];
+        snprintf(sub, sizeof sub, "%s/%s", dir, e->d_name);
+        DIR *sd = opendir(sub);
+        if (!sd) continue;
+        struct dirent *f;
+        while ((f = readdir(sd)) != NULL) {
+            if (strncmp(f->d_name, "ckpt-", 5) != 0) continue;
+            char fp[PS_PATH_MAX + 300];
+            struct stat st;
+            snprintf(fp, sizeof fp, "%s/%s", sub, f->d_name);
+            if (stat(fp, &st) != 0) continue;
+            double t = (double)st.st_mtim.tv_sec + 1e-9 * (double)st.st_mtim.tv_nsec;
+            if (t > best_t) {
+                best_t = t;
+                snprintf(best, sizeof best, "%s", sub);
+            }
+        }
+        closedir(sd);
+    }
+    closedir(d);
+    snprintf(out, n, "%s", has_ckpt || !best[0] ? dir : best);
+    return 0;
+}
+
 /* --resume DIR: the newest valid checkpoint into the store and the run. */
 static int resume(srv_t *s)
 {
     psd_ckpt_meta_t m;
     uint8_t *seen = NULL;
     float *weights = NULL, *slots[2] = {NULL, NULL};
-    char path[PS_PATH_MAX], err[512];
+    char path[PS_PATH_MAX], err[512], dir[PS_PATH_MAX];
     int rc = PSD_EXIT_USAGE;
-    if (psd_ckpt_load_newest(s->opts.resume_dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
+    int r = resolve_resume_dir(s->opts.resume_dir, dir, sizeof dir);
+    if (r != 0) {
+        PS_ERROR("cannot resume from %s: %s", s->opts.resume_dir, strerror(-r));
+        return PSD_EXIT_USAGE;
+    }
+    if (psd_ckpt_load_newest(dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
                              sizeof err) != 0) {
         PS_ERROR("cannot resume: %s", err);
         return PSD_EXIT_USAGE;
@@ -1374,8 +1436,10 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         code = s->exit_code;
         goto out;
     }
-    if (c->ckpt_dir[0] && mkdir(c->ckpt_dir, 0755) != 0 && errno != EEXIST) {
-        PS_ERROR("checkpoint directory %s: %s", c->ckpt_dir, strerror(errno));
+    snprintf(s->run_dir, sizeof s->run_dir, "%s/run-%016" PRIx64, c->ckpt_dir, s->run_id);
+    if (c->ckpt_dir[0] && ((mkdir(c->ckpt_dir, 0755) != 0 && errno != EEXIST) ||
+                           (mkdir(s->run_dir, 0755) != 0 && errno != EEXIST))) {
+        PS_ERROR("checkpoint directory %s: %s", s->run_dir, strerror(errno));
         code = PSD_EXIT_USAGE;
         goto out;
     }
@@ -1480,8 +1544,13 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force)
     psd_ckpt_meta_t m;
     uint8_t *seen = NULL;
     float *weights = NULL, *slots[2] = {NULL, NULL};
-    char path[PS_PATH_MAX], err[512];
-    if (psd_ckpt_load_newest(dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err, sizeof err) != 0) {
+    char path[PS_PATH_MAX], err[512], rdir[PS_PATH_MAX];
+    int r = resolve_resume_dir(dir, rdir, sizeof rdir);
+    if (r != 0) {
+        fprintf(stderr, "psd: cannot resume from %s: %s\n", dir, strerror(-r));
+        return PSD_EXIT_USAGE;
+    }
+    if (psd_ckpt_load_newest(rdir, &m, &seen, &weights, slots, path, sizeof path, log_line, err, sizeof err) != 0) {
         fprintf(stderr, "psd: cannot resume: %s\n", err);
         return PSD_EXIT_USAGE;
     }

@@ -203,6 +203,14 @@ static int train_step(wk_t *w, const psw_event_t *ev)
 static int validate(wk_t *w, const psw_event_t *ev)
 {
     if (ev->val_end > w->test.count) return -EPROTO;
+    if (!w->m) { /* joined while an epoch ended: validating before its first epoch */
+        char err[512];
+        if (make_model(w, 0, err, sizeof err) != 0) {
+            PS_ERROR("%s", err);
+            psw_client_fail(w->c, 0, err);
+            return -ENODEV;
+        }
+    }
     if (set_weights(w, ev) != 0) return -EPROTO;
     double loss = 0, last_sent = ps_now();
     int64_t correct = 0;
