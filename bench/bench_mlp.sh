@@ -15,16 +15,9 @@
 # same kernels (OPENBLAS_CORETYPE), and also as Debian ships it.
 # Not a test: nothing here passes or fails on speed.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$(pwd)
 EPOCHS=${1:-5}
-
-sh deploy/setup.sh --bench
-[ -f build/build.ninja ] || meson setup build >/dev/null
-ninja -C build >/dev/null
-
-WORK=$(mktemp -d /tmp/psd-bench-XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
+. "$(dirname "$0")/lib.sh"
+bench_setup --bench
 cat > "$WORK/bench.yaml" <<YAML
 run: {seed: 42, epochs: $EPOCHS}
 model: {layers: [784, 256, 128, 10]}
@@ -32,10 +25,10 @@ train: {batch_size: 64}
 optimizer: {name: sgd, lr: 0.05, momentum: 0.9, nesterov: false, weight_decay: 0}
 schedule: {name: constant}
 server: {metrics: "$WORK/metrics.jsonl", save: ""}
+checkpoint: {dir: ""}
 YAML
 
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 "$ROOT/build/psd" --config "$WORK/bench.yaml" --listen "tcp://127.0.0.1:$PORT" --workers 2 \
     2> "$WORK/psd.log" &
 PSD=$!

@@ -7,14 +7,8 @@
 # psd's peak resident memory. Not a test.
 #   bash bench/ckpt_bench.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$(pwd)
-sh deploy/setup.sh
-[ -f build/build.ninja ] || meson setup build >/dev/null
-ninja -C build >/dev/null
-WORK=$(mktemp -d /tmp/psd-ckpt-bench-XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+. "$(dirname "$0")/lib.sh"
+bench_setup
 /usr/bin/time -f "psd peak RSS %M KiB" "$ROOT/build/psd" --listen "tcp://127.0.0.1:$PORT" --workers 1 --epochs 1 \
     --set model.layers=784,4096,4096,10 --set optimizer.name=adam --set optimizer.lr=0.001 \
     --set optimizer.weight_decay=0 --set schedule.name=constant --set data.train_limit=12800 \

@@ -5,14 +5,8 @@
 # psd's "lost" line and the delay. Not a test.
 #   bash bench/fault_bench.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$(pwd)
-sh deploy/setup.sh
-[ -f build/build.ninja ] || meson setup build >/dev/null
-ninja -C build >/dev/null
-WORK=$(mktemp -d /tmp/psd-fault-bench-XXXXXX)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$WORK"' EXIT
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+. "$(dirname "$0")/lib.sh"
+bench_setup
 cd "$WORK"
 "$ROOT/build/psd" --listen "tcp://127.0.0.1:$PORT" --workers 3 --epochs 3 --set checkpoint.dir= 2> psd.log &
 PSD=$!

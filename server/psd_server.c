@@ -1509,7 +1509,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     code = s->exit_code;
 out:
     if (s->ckpt) { /* a last checkpoint still being written: let it finish */
-        if (s->stopping > 0 && code == 128 + s->stopping) _exit(code); /* second signal: at once */
+        if (s->stopping > 0 && code >= 128) _exit(code); /* a second signal: exit at once */
         poll_checkpoint(s, true);
     }
     if (loop_ok) {

@@ -16,12 +16,16 @@
 
 #define MAX_PROCS 64
 static pid_t procs[MAX_PROCS];
+static char proc_cwd[512];
+
+void proc_set_cwd(const char *dir) { snprintf(proc_cwd, sizeof proc_cwd, "%s", dir ? dir : ""); }
 
 pid_t proc_spawn(const char *const *argv, const char *log)
 {
     pid_t pid = fork();
     if (pid < 0) return -1;
     if (pid == 0) {
+        if (proc_cwd[0] && chdir(proc_cwd) != 0) _exit(126);
         int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
         if (fd >= 0) {
             dup2(fd, 1);

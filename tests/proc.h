@@ -9,6 +9,8 @@
 /* Start argv (NULL-terminated) with stdout+stderr appended to log. The pid is
  * remembered so that proc_reap_all() can end it. */
 pid_t proc_spawn(const char *const *argv, const char *log);
+/* Directory the started processes run in (their relative files land there). */
+void proc_set_cwd(const char *dir);
 /* Wait up to timeout_s: exit code, 128+signal if killed by one, or -1 on
  * timeout (the process is then killed with SIGKILL and reaped). */
 int proc_wait(pid_t pid, double timeout_s);

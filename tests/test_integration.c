@@ -28,6 +28,7 @@ static void setup(void)
     cr_assert_not_null(pworker_bin, "PWORKER_BIN is set by meson");
     snprintf(dir, sizeof dir, "/tmp/psd-it-XXXXXX");
     cr_assert_not_null(mkdtemp(dir));
+    proc_set_cwd(dir); /* default checkpoint dirs and the like go there */
 }
 
 static void teardown(void)
@@ -858,4 +859,77 @@ Test(long, psd_killed_while_writing_checkpoints_always_resumes)
         loaded++;
     }
     cr_assert_eq(loaded, 20);
+}
+
+Test(short, a_worker_of_another_run_is_refused)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "200", "--set", "data.train_limit=3000", "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "ar", 1, args);
+    const char *wx[] = {"--retry-for", "60", NULL};
+    pid_t w = start_worker(&r, "ar", 0, wx);
+    wait_metrics(&r, 1);
+    kill(p, SIGKILL);
+    proc_wait(p, 10);
+    /* a new run (not a resume) on the same endpoint: the worker belongs to the old one */
+    char log2[256];
+    path(log2, sizeof log2, "ar2-psd.log");
+    const char *argv[] = {psd_bin, "--listen", r.endpoint, "--workers", "1", "--set", "checkpoint.dir=",
+                          "--metrics", "", "--start-timeout", "60", NULL};
+    pid_t p2 = proc_spawn(argv, log2);
+    cr_assert_eq(proc_wait(w, 60), 2, "the old run's worker is refused and exits 2");
+    char wlog[256];
+    path(wlog, sizeof wlog, "ar-w0.log");
+    char *t = slurp(wlog);
+    cr_assert(strstr(t, "belongs to run"), "a clear message: %s", t);
+    free(t);
+    wait_log(log2, "the worker belongs to run", 10);
+    kill(p2, SIGUSR1); /* and SIGUSR1 on an idle psd is harmless */
+    kill(p2, SIGTERM);
+    cr_assert_eq(proc_wait(p2, 30), 0);
+}
+
+Test(short, sigusr1_writes_a_checkpoint_and_training_goes_on)
+{
+    run_t r;
+    char ck[300], dirbuf[256];
+    ckpt_dir_arg(ck, sizeof ck);
+    path(dirbuf, sizeof dirbuf, "ckpt");
+    const char *args[] = {"--epochs", "3", "--set", "data.train_limit=12000", "--set", ck, "--set",
+                          "checkpoint.every_epochs=0", NULL};
+    pid_t p = start_psd(&r, "usr1", 1, args);
+    pid_t w = start_worker(&r, "usr1", 0, NULL);
+    wait_metrics(&r, 1);
+    kill(p, SIGUSR1);
+    wait_log(r.psd_log, "checkpoint ", 30);
+    cr_assert_eq(proc_wait(p, 300), 0, "training went on to the end");
+    cr_assert_eq(proc_wait(w, 30), 0);
+    check_every_epoch(&r, 3, 12000);
+    cr_assert_eq(run_cmd("'%s' --epochs 3 --set data.train_limit=12000 --resume '%s' --check-config > /dev/null",
+                         psd_bin, dirbuf), 0);
+}
+
+Test(short, a_second_sigint_exits_at_once)
+{
+    /* a 20M-parameter Adam model: the first SIGINT's checkpoint takes a
+     * while, the second one must not wait for it */
+    run_t r;
+    char ck[300];
+    ckpt_dir_arg(ck, sizeof ck);
+    const char *args[] = {"--epochs", "5", "--set", "data.train_limit=640", "--set", ck, "--set",
+                          "model.layers=784,4096,4096,10", "--set", "optimizer.name=adam", "--set",
+                          "checkpoint.every_epochs=0", NULL};
+    pid_t p = start_psd(&r, "int2", 1, args);
+    pid_t w = start_worker(&r, "int2", 0, NULL);
+    wait_log(r.psd_log, "1 workers ready", 60);
+    zmq_poll(NULL, 0, 300);
+    kill(p, SIGINT);
+    zmq_poll(NULL, 0, 20);
+    kill(p, SIGINT);
+    int code = proc_wait(p, 30);
+    cr_assert_eq(code, 128 + SIGINT, "the second SIGINT exits at once, during the 240 MB checkpoint (%d)", code);
+    char *log = slurp(r.psd_log);
+    cr_assert(strstr(log, "again: exiting now"), "%s", log);
+    free(log);
+    proc_wait(w, 60);
 }

@@ -1,0 +1,13 @@
+# Shared set-up of the bench scripts (sourced): install what is missing,
+# build, make a work directory removed on exit, pick a free loopback port.
+# Sets ROOT, WORK, PORT.
+bench_setup() { # [--bench]
+    cd "$(dirname "${BASH_SOURCE[1]}")/.."
+    ROOT=$(pwd)
+    sh deploy/setup.sh "$@"
+    [ -f build/build.ninja ] || meson setup build >/dev/null
+    ninja -C build >/dev/null
+    WORK=$(mktemp -d /tmp/psd-bench-XXXXXX)
+    trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$WORK"' EXIT
+    PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+}
