@@ -79,6 +79,9 @@ typedef struct ps_config {
     char metrics[PS_PATH_MAX];    /* server.metrics: JSON lines file, "" = none */
     char save[PS_PATH_MAX];       /* server.save: trained weights file, "" = none */
     ps_log_level_t log_level;     /* server.log_level: error | warn | info | debug */
+    char key_file[PS_PATH_MAX];   /* server.key: psd's CurveZMQ secret key file, "" = no authentication */
+    char allow_dir[PS_PATH_MAX];  /* server.allow: directory of allowed worker public keys (*.pub) */
+    bool insecure;                /* server.insecure: listen beyond loopback without keys */
 
     /* checkpoint: (not part of the config hash) */
     char ckpt_dir[PS_PATH_MAX]; /* checkpoint.dir: "" = no checkpoints */

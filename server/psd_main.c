@@ -11,20 +11,26 @@
 #include "ps_wire.h"
 #include "psd_eval.h"
 #include "psd_server.h"
+#include "ps_auth.h"
 
 static void usage(FILE *f)
 {
     fprintf(f,
             "usage: psd [options]            train (the built-in defaults train the Fashion-MNIST MLP)\n"
             "       psd eval WEIGHTS [--config FILE] [--threads N]\n"
+            "       psd keygen NAME              make a CurveZMQ key pair: NAME.key (0600) and NAME.pub\n"
             "                                evaluate a weights file on the test set in one process\n"
             "\n"
             "  --config FILE        YAML run description (see README); flags override it\n"
-            "  --listen ENDPOINT    where workers connect (default tcp://0.0.0.0:5555; a warning is\n"
-            "                       logged when listening beyond loopback)\n"
+            "  --listen ENDPOINT    where workers connect (default tcp://0.0.0.0:5555; beyond\n"
+            "                       loopback only with --key/--allow or --insecure)\n"
+            "  --key FILE           psd's secret key (psd keygen): workers must use CURVE\n"
+            "  --allow DIR          allowed worker public keys (DIR/*.pub); SIGHUP reloads it\n"
+            "  --insecure           listen beyond loopback without keys (trusted networks only)\n"
             "  --workers N          worker processes to wait for (default 2)\n"
             "  --start-timeout S    exit 3 if not all workers are ready after S seconds (default 300)\n"
-            "  --worker-timeout S   a worker psd waits for that is silent for S seconds is lost (default 60)\n"
+            "  --worker-timeout S   a worker psd waits for that is silent for S seconds is lost;\n"
+            "                       training goes on without it (default 5)\n"
             "  --epochs N           epochs to train\n"
             "  --seed N             seed of the weights and of the data order\n"
             "  --metrics FILE       append one JSON line per epoch (\"\" for none)\n"
@@ -55,7 +61,8 @@ int main(int argc, char **argv)
     enum {
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
-        OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER
+        OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
+        OPT_INSECURE, OPT_XNOZAP
     };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, OPT_CONFIG},
@@ -75,6 +82,10 @@ int main(int argc, char **argv)
         {"resume", required_argument, NULL, OPT_RESUME},
         {"force-resume", no_argument, NULL, OPT_FORCE_RESUME},
         {"stop-after-epoch", required_argument, NULL, OPT_STOP_AFTER},
+        {"key", required_argument, NULL, OPT_KEY},
+        {"allow", required_argument, NULL, OPT_ALLOW},
+        {"insecure", no_argument, NULL, OPT_INSECURE},
+        {"x-no-zap", no_argument, NULL, OPT_XNOZAP},
         {"help", no_argument, NULL, OPT_HELP},
         {"version", no_argument, NULL, OPT_VERSION},
         {NULL, 0, NULL, 0}};
@@ -85,6 +96,8 @@ int main(int argc, char **argv)
         [OPT_LOGLEVEL - OPT_CONFIG] = "server.log_level",
         [OPT_START_TMO - OPT_CONFIG] = "server.start_timeout",
         [OPT_WORKER_TMO - OPT_CONFIG] = "server.worker_timeout",
+        [OPT_KEY - OPT_CONFIG] = "server.key",
+        [OPT_ALLOW - OPT_CONFIG] = "server.allow",
     };
     const char *config = NULL, *eval_path = NULL;
     int print = 0, check = 0, n_over = 0, threads = 1;
@@ -97,6 +110,19 @@ int main(int argc, char **argv)
     psw_blas_tune(argv);
 
     int first = 1;
+    if (argc > 1 && strcmp(argv[1], "keygen") == 0) {
+        if (argc != 3 || argv[2][0] == '-') {
+            fprintf(stderr, "psd keygen: usage: psd keygen NAME (writes NAME.key, mode 0600, and NAME.pub)\n");
+            goto out;
+        }
+        if (ps_auth_keygen(argv[2], err, sizeof err) != 0) {
+            fprintf(stderr, "psd keygen: %s\n", err);
+            goto out;
+        }
+        printf("psd keygen: wrote %s.key (secret, mode 0600) and %s.pub\n", argv[2], argv[2]);
+        code = 0;
+        goto out;
+    }
     if (argc > 1 && strcmp(argv[1], "eval") == 0) {
         if (argc < 3 || argv[2][0] == '-') {
             fprintf(stderr, "psd eval: a weights file is required (psd eval WEIGHTS [--config FILE])\n");
@@ -129,6 +155,8 @@ int main(int argc, char **argv)
             break;
         }
         case OPT_RESUME: run.resume_dir = optarg; break;
+        case OPT_INSECURE: over[n_over++] = (override_t){"server.insecure", "true"}; break;
+        case OPT_XNOZAP: run.no_zap = 1; break; /* tests only */
         case OPT_FORCE_RESUME: run.force_resume = 1; break;
         case OPT_STOP_AFTER: {
             char *end;

@@ -41,8 +41,14 @@
 #include "psd_ckpt.h"
 #include "psd_optim.h"
 #include "psd_store.h"
+#include "psd_zap.h"
+#include "ps_auth.h"
 
 #define MAX_WORKERS 1024
+
+#ifndef ZMQ_ZAP_ENFORCE_DOMAIN
+#define ZMQ_ZAP_ENFORCE_DOMAIN 93 /* a DRAFT option of libzmq 4.3, built into Debian's */
+#endif
 
 typedef enum {
     W_ASSIGNED = 0, /* registered, checking its data */
@@ -114,7 +120,10 @@ typedef struct {
     uv_loop_t loop;
     uv_poll_t poll;
     uv_timer_t timer;
-    uv_signal_t sigint, sigterm, sigusr1;
+    uv_signal_t sigint, sigterm, sigusr1, sighup;
+    psd_zap_t *zap;       /* authentication handler, NULL without keys */
+    void *mon;            /* PAIR with the ROUTER's handshake failures (authentication on) */
+    uint64_t hs_failed;
     worker_t *w;          /* MAX_WORKERS slots */
     int n;                /* slots used */
     phase_t phase;
@@ -1154,10 +1163,41 @@ static void on_poll(uv_poll_t *p, int status, int events)
     drain(p->data);
 }
 
+/* Log handshakes the ROUTER refused (rate-limited). libzmq 4.3 does not
+ * say which peer: the ZAP handler logs address and key of those it sees. */
+static void poll_monitor(srv_t *s)
+{
+    for (;;) {
+        zmq_msg_t ev, ep;
+        zmq_msg_init(&ev);
+        if (zmq_msg_recv(&ev, s->mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&ev);
+            return;
+        }
+        uint16_t event = 0;
+        uint32_t value = 0;
+        if (zmq_msg_size(&ev) >= 6) {
+            memcpy(&event, zmq_msg_data(&ev), 2);
+            memcpy(&value, (char *)zmq_msg_data(&ev) + 2, 4);
+        }
+        zmq_msg_close(&ev);
+        zmq_msg_init(&ep);
+        zmq_msg_recv(&ep, s->mon, 0);
+        zmq_msg_close(&ep);
+        s->hs_failed++;
+        if (s->hs_failed <= 20 || s->hs_failed % 1000 == 0)
+            PS_WARN("refused a connection: %s handshake failed (code 0x%x): a client without encryption, or "
+                    "with the wrong server key%s",
+                    event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ? "CURVE" : "the", value,
+                    s->hs_failed == 20 ? " (further ones logged every 1000th)" : "");
+    }
+}
+
 static void on_timer(uv_timer_t *t)
 {
     srv_t *s = t->data;
     double now = ps_now();
+    if (s->mon) poll_monitor(s);
     poll_checkpoint(s, false);
     if (s->phase == PHASE_WAIT) {
         if (now > s->phase_deadline) {
@@ -1198,6 +1238,12 @@ static void on_timer(uv_timer_t *t)
 static void on_signal(uv_signal_t *h, int signum)
 {
     srv_t *s = h->data;
+    if (signum == SIGHUP) {
+        char err[512];
+        if (!s->zap) PS_WARN("received SIGHUP: no allow-list to reload (no authentication)");
+        else if (psd_zap_reload(s->zap, err, sizeof err) != 0) PS_ERROR("allow-list not reloaded: %s", err);
+        return;
+    }
     if (signum == SIGUSR1) {
         PS_INFO("received SIGUSR1: writing a checkpoint");
         take_checkpoint(s, false);
@@ -1457,6 +1503,65 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         PS_ERROR("zeromq: %s", zmq_strerror(zmq_errno()));
         goto out;
     }
+    /* authentication: CURVE with an allow-list, failing closed */
+    if (c->key_file[0]) {
+        char err[512];
+        ps_keypair_t kp;
+        if (!c->allow_dir[0]) {
+            PS_ERROR("server.key is set but server.allow is not: give the directory of allowed worker keys (--allow DIR)");
+            code = PSD_EXIT_USAGE;
+            goto out;
+        }
+        if (ps_auth_load_secret(c->key_file, &kp, err, sizeof err) != 0) {
+            PS_ERROR("%s", err);
+            code = PSD_EXIT_USAGE;
+            goto out;
+        }
+        if (!opts->no_zap) {
+            s->zap = psd_zap_start(s->zctx, c->allow_dir, err, sizeof err);
+            if (!s->zap) {
+                PS_ERROR("%s", err);
+                memset(&kp, 0, sizeof kp);
+                code = PSD_EXIT_USAGE;
+                goto out;
+            }
+        }
+        int on = 1;
+        zmq_setsockopt(s->sock, ZMQ_CURVE_SERVER, &on, sizeof on);
+        zmq_setsockopt(s->sock, ZMQ_CURVE_SECRETKEY, kp.secret_z85, 40);
+        zmq_setsockopt(s->sock, ZMQ_ZAP_DOMAIN, "psd", 3);
+        /* no handler (or a crashed one) means nobody gets in */
+        int enforce = zmq_setsockopt(s->sock, ZMQ_ZAP_ENFORCE_DOMAIN, &on, sizeof on);
+        memset(&kp, 0, sizeof kp);
+        /* handshakes that fail before the ZAP handler sees them (a client
+         * without encryption, or with the wrong server key) are logged too */
+        if (zmq_socket_monitor(s->sock, "inproc://psd-monitor",
+                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) == 0) {
+            s->mon = zmq_socket(s->zctx, ZMQ_PAIR);
+            if (s->mon && zmq_connect(s->mon, "inproc://psd-monitor") != 0) {
+                zmq_close(s->mon);
+                s->mon = NULL;
+            }
+        }
+        if (enforce != 0) { /* fail closed: without it a missing handler would let everyone in */
+            PS_ERROR("this libzmq cannot enforce authentication (ZMQ_ZAP_ENFORCE_DOMAIN: %s); refusing to run",
+                     zmq_strerror(zmq_errno()));
+            goto out;
+        }
+    } else if (!is_loopback(c->listen)) {
+        if (!c->insecure) {
+            PS_ERROR("refusing to listen on %s without authentication. Make keys: `psd keygen server` and, per "
+                     "worker host, `psd keygen worker1`; put worker1.pub in a directory DIR; run `psd --key "
+                     "server.key --allow DIR` and `pworker --key worker1.key --server-key server.pub`. Or listen "
+                     "on loopback (--listen tcp://127.0.0.1:PORT), or pass --insecure on a network you trust",
+                     c->listen);
+            code = PSD_EXIT_USAGE;
+            goto out;
+        }
+        PS_WARN("*** --insecure: listening on %s WITHOUT AUTHENTICATION: anyone who can reach this port can "
+                "read the model or change it with one push ***",
+                c->listen);
+    }
     int one = 1, linger = 1000, hwm = 1000, ivl = 1000, tmo = 3000, ttl = 6000;
     zmq_setsockopt(s->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
     zmq_setsockopt(s->sock, ZMQ_ROUTER_HANDOVER, &one, sizeof one); /* a worker reconnecting keeps its id */
@@ -1477,10 +1582,6 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     char ep[256] = "";
     size_t eplen = sizeof ep;
     zmq_getsockopt(s->sock, ZMQ_LAST_ENDPOINT, ep, &eplen);
-    if (!is_loopback(c->listen))
-        PS_WARN("listening on %s, beyond loopback, without authentication: anyone who can reach it "
-                "can read or change the model",
-                ep);
     PS_INFO("psd %s (protocol %u): run %016" PRIx64 ", listening on %s, waiting for %d workers", PSD_VERSION,
             PS_PROTOCOL_VERSION, s->run_id, ep, c->workers);
     PS_INFO("model %zu parameters, %zu training / %zu test samples, optimizer %s, schedule %s",
@@ -1496,12 +1597,14 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     uv_signal_init(&s->loop, &s->sigint);
     uv_signal_init(&s->loop, &s->sigterm);
     uv_signal_init(&s->loop, &s->sigusr1);
-    s->poll.data = s->timer.data = s->sigint.data = s->sigterm.data = s->sigusr1.data = s;
+    uv_signal_init(&s->loop, &s->sighup);
+    s->poll.data = s->timer.data = s->sigint.data = s->sigterm.data = s->sigusr1.data = s->sighup.data = s;
     uv_poll_start(&s->poll, UV_READABLE, on_poll);
     uv_timer_start(&s->timer, on_timer, 100, 100);
     uv_signal_start(&s->sigint, on_signal, SIGINT);
     uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     uv_signal_start(&s->sigusr1, on_signal, SIGUSR1);
+    uv_signal_start(&s->sighup, on_signal, SIGHUP);
     s->phase = PHASE_WAIT;
     s->phase_deadline = ps_now() + c->start_timeout;
     drain(s);
@@ -1518,6 +1621,7 @@ out:
         uv_close((uv_handle_t *)&s->sigint, close_cb);
         uv_close((uv_handle_t *)&s->sigterm, close_cb);
         uv_close((uv_handle_t *)&s->sigusr1, close_cb);
+        uv_close((uv_handle_t *)&s->sighup, close_cb);
         uv_run(&s->loop, UV_RUN_DEFAULT);
         uv_loop_close(&s->loop);
     }
@@ -1540,8 +1644,15 @@ out:
             if (ps_msg_recv(s->sock, &m, true, ZMQ_DONTWAIT, why, sizeof why) == 0) ps_msg_deinit(&m);
             quiet_since = ps_now();
         }
+        if (s->mon) zmq_socket_monitor(s->sock, NULL, 0);
         zmq_close(s->sock); /* lingers up to 1 s to deliver SHUTDOWN */
     }
+    if (s->mon) {
+        int zero = 0;
+        zmq_setsockopt(s->mon, ZMQ_LINGER, &zero, sizeof zero);
+        zmq_close(s->mon);
+    }
+    psd_zap_stop(&s->zap);
     if (s->zctx) zmq_ctx_term(s->zctx);
     if (s->metrics) fclose(s->metrics);
     psd_store_deinit(&s->store);

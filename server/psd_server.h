@@ -18,6 +18,7 @@ typedef struct {
     const char *resume_dir; /* --resume DIR: continue from its newest valid checkpoint */
     int force_resume;       /* --force-resume: even if the config differs */
     int stop_after_epoch;   /* --stop-after-epoch E: checkpoint and stop after epoch E (1-based) */
+    int no_zap;             /* tests only: keys but no authentication handler (everyone refused) */
 } psd_run_opts_t;
 
 /* Run a whole training described by c; returns the exit code. SIGINT/SIGTERM

@@ -286,7 +286,7 @@ Test(short, bad_config_and_flags_exit_2_with_one_line)
     cr_assert_eq(run_cmd("'%s' --config /nonexistent.yaml > /dev/null 2>&1", psd_bin), 2);
     cr_assert_eq(run_cmd("'%s' --epochs many > /dev/null 2>&1", psd_bin), 2);
     cr_assert_eq(run_cmd("'%s' --bogus > /dev/null 2>&1", psd_bin), 2);
-    cr_assert_eq(run_cmd("'%s' --listen nonsense://x --start-timeout 5 > '%s' 2>&1", psd_bin, out), 2);
+    cr_assert_eq(run_cmd("'%s' --listen nonsense://x --insecure --start-timeout 5 > '%s' 2>&1", psd_bin, out), 2);
     t = slurp(out);
     cr_assert(strstr(t, "cannot listen"), "%s", t);
     free(t);
@@ -934,4 +934,149 @@ Test(short, a_second_sigint_exits_at_once)
     cr_assert(strstr(log, "again: exiting now"), "%s", log);
     free(log);
     proc_wait(w, 60);
+}
+
+/* ---- authentication (CurveZMQ + allow-list) ------------------------------ */
+
+static void keygen(const char *name)
+{
+    cr_assert_eq(run_cmd("cd '%s' && '%s' keygen %s > /dev/null", dir, psd_bin, name), 0, "keygen %s", name);
+}
+
+/* pworker with keys against psd at r->endpoint; returns its exit code. */
+static int keyed_worker(run_t *r, const char *tag, const char *key, const char *server_pub, double wait_s)
+{
+    char log[256], k[256], sp[256];
+    snprintf(log, sizeof log, "%s/%s.log", dir, tag);
+    snprintf(k, sizeof k, "%s/%s", dir, key ? key : "");
+    snprintf(sp, sizeof sp, "%s/%s", dir, server_pub ? server_pub : "");
+    const char *argv[16] = {pworker_bin, "--connect", r->endpoint, "--devices", "cpu", "--wait", "20"};
+    int n = 7;
+    if (key) {
+        argv[n++] = "--key";
+        argv[n++] = k;
+        argv[n++] = "--server-key";
+        argv[n++] = sp;
+    }
+    argv[n] = NULL;
+    pid_t w = proc_spawn(argv, log);
+    return proc_wait(w, wait_s);
+}
+
+Test(short, keygen_writes_a_private_secret_key)
+{
+    keygen("a");
+    cr_assert_eq(run_cmd("cd '%s' && test \"$(stat -c %%a a.key)\" = 600 && test \"$(stat -c %%a a.pub)\" = 644 && "
+                         "test $(head -c 40 a.pub | wc -c) = 40", dir), 0);
+    cr_assert_eq(run_cmd("cd '%s' && '%s' keygen a > /dev/null 2>&1", dir, psd_bin), 2, "never overwrites a key");
+    keygen("srv");
+    cr_assert_eq(run_cmd("chmod 644 '%s/a.key'", dir), 0);
+    char out[256];
+    path(out, sizeof out, "perm.txt");
+    cr_assert_eq(run_cmd("'%s' --connect tcp://127.0.0.1:9 --devices cpu --key '%s/a.key' --server-key '%s/srv.pub' "
+                         "> '%s' 2>&1", pworker_bin, dir, dir, out), 2);
+    char *t = slurp(out);
+    cr_assert(strstr(t, "readable by others") && strstr(t, "chmod 600"), "clear message: %s", t);
+    free(t);
+    cr_assert_eq(run_cmd("mkdir -p '%s/allow' && chmod 644 '%s/srv.key' && '%s' --key '%s/srv.key' --allow '%s/allow' "
+                         "--listen tcp://127.0.0.1:9 > '%s' 2>&1", dir, dir, psd_bin, dir, dir, out), 2,
+                 "psd refuses a world-readable secret key too");
+}
+
+Test(short, only_allow_listed_keys_get_in)
+{
+    keygen("srv");
+    keygen("good");
+    keygen("bad");
+    keygen("other");
+    cr_assert_eq(run_cmd("mkdir -p '%s/allow' && cp '%s/good.pub' '%s/allow/'", dir, dir, dir), 0);
+    run_t r;
+    char key[300], allow[300];
+    snprintf(key, sizeof key, "%s/srv.key", dir);
+    snprintf(allow, sizeof allow, "%s/allow", dir);
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--key", key, "--allow", allow,
+                          "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "auth", 1, args);
+    cr_assert_eq(keyed_worker(&r, "w-bad", "bad.key", "srv.pub", 60), 2, "unknown key refused");
+    cr_assert_eq(keyed_worker(&r, "w-plain", NULL, NULL, 60), 2, "client without encryption refused");
+    cr_assert_eq(keyed_worker(&r, "w-wrongsrv", "good.key", "other.pub", 60), 2, "wrong server key refused");
+    char wlog[256];
+    path(wlog, sizeof wlog, "w-bad.log");
+    char *t = slurp(wlog);
+    cr_assert(strstr(t, "authentication failed"), "%s", t);
+    free(t);
+    cr_assert_eq(keyed_worker(&r, "w-good", "good.key", "srv.pub", 120), 0, "the allowed worker trains");
+    cr_assert_eq(proc_wait(p, 60), 0);
+    char *log = slurp(r.psd_log);
+    cr_assert(strstr(log, "refused a client from 127.0.0.1: key not in the allow-list"), "address logged: %s", log);
+    cr_assert(strstr(log, "handshake failed"), "plain and wrong-server-key clients logged: %s", log);
+    free(log);
+    char *m = metrics_last(&r);
+    cr_assert_eq(json_num(last_line(m), "val_samples"), 10000);
+    free(m);
+}
+
+Test(short, no_authentication_handler_means_nobody_gets_in)
+{
+    keygen("srv");
+    keygen("good");
+    cr_assert_eq(run_cmd("mkdir -p '%s/allow' && cp '%s/good.pub' '%s/allow/'", dir, dir, dir), 0);
+    run_t r;
+    char key[300], allow[300];
+    snprintf(key, sizeof key, "%s/srv.key", dir);
+    snprintf(allow, sizeof allow, "%s/allow", dir);
+    const char *args[] = {"--key", key, "--allow", allow, "--x-no-zap", "--start-timeout", "30", NULL};
+    pid_t p = start_psd(&r, "nozap", 1, args);
+    int code = keyed_worker(&r, "w-good", "good.key", "srv.pub", 60);
+    cr_assert(code == 2 || code == 4, "even an allowed key gets no answer (exit 2 refused, or 4 nothing for 20 s): %d",
+              code);
+    kill(p, SIGTERM);
+    cr_assert_eq(proc_wait(p, 30), 0);
+    char *log = slurp(r.psd_log);
+    cr_assert_null(strstr(log, "worker registered"), "nobody got in: %s", log);
+    cr_assert(strstr(log, "handshake failed"), "the refusal is logged: %s", log);
+    free(log);
+}
+
+Test(short, sighup_reloads_the_allow_list)
+{
+    keygen("srv");
+    keygen("late");
+    cr_assert_eq(run_cmd("mkdir -p '%s/allow'", dir), 0);
+    run_t r;
+    char key[300], allow[300];
+    snprintf(key, sizeof key, "%s/srv.key", dir);
+    snprintf(allow, sizeof allow, "%s/allow", dir);
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--key", key, "--allow", allow,
+                          "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "hup", 1, args);
+    cr_assert_eq(keyed_worker(&r, "w-early", "late.key", "srv.pub", 60), 2, "not allowed yet");
+    cr_assert_eq(run_cmd("cp '%s/late.pub' '%s/allow/'", dir, dir), 0);
+    kill(p, SIGHUP);
+    wait_log(r.psd_log, "reloaded 1 allowed worker key", 10);
+    cr_assert_eq(keyed_worker(&r, "w-late", "late.key", "srv.pub", 120), 0, "allowed after SIGHUP");
+    cr_assert_eq(proc_wait(p, 60), 0);
+}
+
+Test(short, no_keys_no_listening_beyond_loopback)
+{
+    char out[256];
+    path(out, sizeof out, "ins.txt");
+    int port = free_port();
+    cr_assert_eq(run_cmd("'%s' --listen tcp://0.0.0.0:%d > '%s' 2>&1", psd_bin, port, out), 2);
+    char *t = slurp(out);
+    cr_assert(strstr(t, "psd keygen") && strstr(t, "--insecure"), "says how to make keys: %s", t);
+    free(t);
+    run_t r;
+    char ep[64];
+    snprintf(ep, sizeof ep, "tcp://0.0.0.0:%d", port);
+    char log[256];
+    path(log, sizeof log, "ins-psd.log");
+    const char *argv[] = {psd_bin, "--listen", ep, "--insecure", "--set", "checkpoint.dir=", "--metrics", "",
+                          "--start-timeout", "30", NULL};
+    pid_t p = proc_spawn(argv, log);
+    wait_log(log, "WITHOUT AUTHENTICATION", 20);
+    kill(p, SIGTERM);
+    cr_assert_eq(proc_wait(p, 30), 0);
+    (void)r;
 }

@@ -61,10 +61,22 @@ psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char 
     /* a stable identity: psd recognises a worker whose connection was reset */
     if (info->identity_len > 0)
         zmq_setsockopt(c->sock, ZMQ_ROUTING_ID, info->identity, info->identity_len);
-    /* learn at once when the connection to psd drops (psd killed) */
+    if (info->curve_server) { /* CurveZMQ: encrypted, and psd checks our key */
+        if (zmq_setsockopt(c->sock, ZMQ_CURVE_SERVERKEY, info->curve_server, 40) != 0 ||
+            zmq_setsockopt(c->sock, ZMQ_CURVE_PUBLICKEY, info->curve_public, 40) != 0 ||
+            zmq_setsockopt(c->sock, ZMQ_CURVE_SECRETKEY, info->curve_secret, 40) != 0) {
+            snprintf(err, errlen, "cannot set up CURVE: %s", zmq_strerror(zmq_errno()));
+            goto fail;
+        }
+    }
+    /* learn at once when the connection to psd drops (psd killed), or when
+     * psd refuses us (authentication) */
     char mon_ep[64];
     snprintf(mon_ep, sizeof mon_ep, "inproc://psw-monitor-%p", (void *)c);
-    if (zmq_socket_monitor(c->sock, mon_ep, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) == 0) {
+    if (zmq_socket_monitor(c->sock, mon_ep,
+                           ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) == 0) {
         c->mon = zmq_socket(c->ctx, ZMQ_PAIR);
         if (c->mon && zmq_connect(c->mon, mon_ep) != 0) {
             zmq_close(c->mon);
@@ -119,8 +131,11 @@ static int check_monitor(psw_client_t *c)
         zmq_msg_init(&addr);
         zmq_msg_recv(&addr, c->mon, 0); /* second frame: the endpoint */
         zmq_msg_close(&addr);
-        if (event == ZMQ_EVENT_CONNECTED) c->connected = 1;
+        if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) c->connected = 1;
         if (event == ZMQ_EVENT_DISCONNECTED && c->connected) return -ECONNRESET;
+        if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH || event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
+            (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && c->info.curve_server))
+            return -EACCES;
     }
 }
 
@@ -178,7 +193,13 @@ static int recv_msg(psw_client_t *c, double timeout_s, char *err, size_t errlen)
         /* messages first: psd's last words (SHUTDOWN) arrive before its
          * connection closes */
         if (!(it[0].revents & ZMQ_POLLIN)) {
-            if (c->mon && (it[1].revents & ZMQ_POLLIN) && check_monitor(c) == -ECONNRESET) {
+            int mrc = c->mon && (it[1].revents & ZMQ_POLLIN) ? check_monitor(c) : 0;
+            if (mrc == -EACCES) {
+                snprintf(err, errlen, "psd at %s refused this worker: authentication failed (is this worker's "
+                         "public key in psd's allow-list, and --server-key psd's public key?)", c->endpoint);
+                return -EACCES;
+            }
+            if (mrc == -ECONNRESET) {
                 int events = 0;
                 size_t elen = sizeof events;
                 zmq_getsockopt(c->sock, ZMQ_EVENTS, &events, &elen);

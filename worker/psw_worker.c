@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ps_auth.h"
 #include "ps_log.h"
 #include "ps_model.h"
 #include "ps_rng.h"
@@ -295,6 +296,10 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
     }
     psw_assign_t a;
     int rc = psw_client_register(w->c, &a, reg_timeout, err, sizeof err);
+    if (rc == -EACCES) {
+        PS_ERROR("%s", err);
+        return PSW_EXIT_USAGE;
+    }
     if (rc == -ETIMEDOUT || rc == -ECONNRESET || rc == -ENOLINK) {
         if (!w->registered) PS_ERROR("%s", err);
         return w->registered ? -1 : PSW_EXIT_PSD_LOST;
@@ -346,6 +351,10 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
         }
         rc = psw_client_next(w->c, &ev, timeout, err, sizeof err);
         if (rc == -EINTR) continue;
+        if (rc == -EACCES) {
+            PS_ERROR("%s", err);
+            return PSW_EXIT_USAGE;
+        }
         if (rc == -ETIMEDOUT || rc == -ECONNRESET || rc == -ENOLINK) {
             PS_WARN("%s", err);
             return -1;
@@ -406,6 +415,22 @@ int psw_worker_run(const psw_worker_opts_t *o)
                        .protocol = o->protocol,
                        .identity = identity,
                        .identity_len = sizeof identity};
+    ps_keypair_t kp;
+    char server_pub[PS_Z85_LEN], err[512];
+    if (o->key_file || o->server_key) {
+        if (!o->key_file || !o->server_key) {
+            PS_ERROR("--key and --server-key go together");
+            return PSW_EXIT_USAGE;
+        }
+        if (ps_auth_load_secret(o->key_file, &kp, err, sizeof err) != 0 ||
+            ps_auth_load_public(o->server_key, server_pub, err, sizeof err) != 0) {
+            PS_ERROR("%s", err);
+            return PSW_EXIT_USAGE;
+        }
+        info.curve_public = kp.public_z85;
+        info.curve_secret = kp.secret_z85;
+        info.curve_server = server_pub;
+    }
     struct sigaction sa = {.sa_handler = on_leave_signal};
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
@@ -437,5 +462,6 @@ int psw_worker_run(const psw_worker_opts_t *o)
         if (ps_now() - lost_at > 1 && backoff >= 5) PS_DEBUG("registering again with psd at %s", o->connect);
     }
     wk_deinit(&w);
+    memset(&kp, 0, sizeof kp);
     return code;
 }

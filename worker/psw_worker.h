@@ -13,6 +13,8 @@ typedef struct {
     unsigned protocol;         /* 0 = ours; tests set another to check refusal */
     double register_timeout_s; /* how long to wait for psd to answer the registration */
     double retry_s;            /* after losing psd: keep registering again for this long */
+    const char *key_file;      /* CurveZMQ: this worker's secret key file (psd keygen) */
+    const char *server_key;    /* CurveZMQ: psd's public key file */
 } psw_worker_opts_t;
 
 /* Exit codes of pworker (README). */

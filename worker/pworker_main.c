@@ -43,6 +43,9 @@ static void usage(FILE *f)
             "  --retry-for SECONDS after losing psd (killed, restarted), keep registering again with\n"
             "                      back-off for this long, then continue with the restarted psd\n"
             "                      (default 120; 0 = exit 4 at once)\n"
+            "  --key FILE          this worker's secret key (psd keygen NAME); with --server-key,\n"
+            "                      connect with CurveZMQ (psd must have NAME.pub in its allow-list)\n"
+            "  --server-key FILE   psd's public key (psd keygen's .pub)\n"
             "  --verbose           log INFO on every rank (default: only rank 0; others warn/error)\n"
             "  --help              this text\n"
             "  --version           version, protocol version and git commit\n"
@@ -226,7 +229,7 @@ static int supervise(psw_worker_opts_t *o, const device_t *dev, int n_dev)
 
 int main(int argc, char **argv)
 {
-    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT, OPT_RETRY };
+    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT, OPT_RETRY, OPT_KEY, OPT_SERVER_KEY };
     static const struct option longopts[] = {
         {"connect", required_argument, NULL, 'c'}, {"threads", required_argument, NULL, 't'},
         {"verbose", no_argument, NULL, 'v'},       {"help", no_argument, NULL, 'h'},
@@ -234,6 +237,8 @@ int main(int argc, char **argv)
         {"wait", required_argument, NULL, OPT_WAIT}, {"devices", required_argument, NULL, OPT_DEVICES},
         {"x-protocol", required_argument, NULL, OPT_XPROTO}, {"x-split-push", no_argument, NULL, OPT_XSPLIT},
         {"retry-for", required_argument, NULL, OPT_RETRY},
+        {"key", required_argument, NULL, OPT_KEY},
+        {"server-key", required_argument, NULL, OPT_SERVER_KEY},
         {NULL, 0, NULL, 0}};
     psw_worker_opts_t o = {.device = "cpu", .device_index = -1, .register_timeout_s = 300, .retry_s = 120};
     const char *devices = "auto";
@@ -265,6 +270,8 @@ int main(int argc, char **argv)
             o.protocol = (unsigned)v;
             break;
         case OPT_XSPLIT: o.split_push = 1; break; /* testing only: push tensor by tensor */
+        case OPT_KEY: o.key_file = optarg; break;
+        case OPT_SERVER_KEY: o.server_key = optarg; break;
         case OPT_RETRY:
             if (parse_int("--retry-for", optarg, 0, 86400, &v)) return 2;
             o.retry_s = (double)v;

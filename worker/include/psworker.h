@@ -31,6 +31,9 @@ typedef struct {
     unsigned protocol;         /* 0 = this library's protocol (tests override) */
     uint64_t run_id;           /* rejoining run run_id after psd was lost; 0 = new */
     uint32_t prev_rank;        /* with run_id: the rank held before */
+    const char *curve_public;  /* CurveZMQ: this worker's key pair and psd's public key, Z85 */
+    const char *curve_secret;  /* (40 characters each); all NULL = no encryption */
+    const char *curve_server;
     const void *identity;      /* ZeroMQ routing id, stable for the process (may be NULL) */
     size_t identity_len;       /* 1..255 bytes */
 } psw_info_t;
@@ -128,7 +131,8 @@ int psw_client_leave(psw_client_t *c, const char *reason);
 uint64_t psw_client_run_id(const psw_client_t *c);
 
 /* Return codes of psw_client_next/register besides 0: -ETIMEDOUT (psd
- * silent), -ECONNRESET (connection to psd dropped), -ENOLINK (psd declared
+ * silent), -ECONNRESET (connection to psd dropped), -EACCES (psd refused the
+ * connection: authentication failed), -ENOLINK (psd declared
  * this worker lost: register again to rejoin), -EPROTO (refused: other
  * protocol or run, or invalid message), -EINTR (a signal). */
 
