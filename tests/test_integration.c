@@ -983,17 +983,25 @@ Test(short, keygen_writes_a_private_secret_key)
                  "psd refuses a world-readable secret key too");
 }
 
-Test(short, only_allow_listed_keys_get_in)
+/* srv.key/.pub, and DIR/allow holding allowed.pub (NULL: empty); fills the
+ * --key and --allow arguments. */
+static void auth_setup(const char *allowed, char *key, char *allow, size_t n)
 {
     keygen("srv");
+    cr_assert_eq(run_cmd("mkdir -p '%s/allow'", dir), 0);
+    if (allowed) cr_assert_eq(run_cmd("cp '%s/%s.pub' '%s/allow/'", dir, allowed, dir), 0);
+    snprintf(key, n, "%s/srv.key", dir);
+    snprintf(allow, n, "%s/allow", dir);
+}
+
+Test(short, only_allow_listed_keys_get_in)
+{
     keygen("good");
     keygen("bad");
     keygen("other");
-    cr_assert_eq(run_cmd("mkdir -p '%s/allow' && cp '%s/good.pub' '%s/allow/'", dir, dir, dir), 0);
     run_t r;
     char key[300], allow[300];
-    snprintf(key, sizeof key, "%s/srv.key", dir);
-    snprintf(allow, sizeof allow, "%s/allow", dir);
+    auth_setup("good", key, allow, sizeof key);
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--key", key, "--allow", allow,
                           "--set", "checkpoint.dir=", NULL};
     pid_t p = start_psd(&r, "auth", 1, args);
@@ -1018,13 +1026,10 @@ Test(short, only_allow_listed_keys_get_in)
 
 Test(short, no_authentication_handler_means_nobody_gets_in)
 {
-    keygen("srv");
     keygen("good");
-    cr_assert_eq(run_cmd("mkdir -p '%s/allow' && cp '%s/good.pub' '%s/allow/'", dir, dir, dir), 0);
     run_t r;
     char key[300], allow[300];
-    snprintf(key, sizeof key, "%s/srv.key", dir);
-    snprintf(allow, sizeof allow, "%s/allow", dir);
+    auth_setup("good", key, allow, sizeof key);
     const char *args[] = {"--key", key, "--allow", allow, "--x-no-zap", "--start-timeout", "30", NULL};
     pid_t p = start_psd(&r, "nozap", 1, args);
     int code = keyed_worker(&r, "w-good", "good.key", "srv.pub", 60);
@@ -1040,13 +1045,10 @@ Test(short, no_authentication_handler_means_nobody_gets_in)
 
 Test(short, sighup_reloads_the_allow_list)
 {
-    keygen("srv");
     keygen("late");
-    cr_assert_eq(run_cmd("mkdir -p '%s/allow'", dir), 0);
     run_t r;
     char key[300], allow[300];
-    snprintf(key, sizeof key, "%s/srv.key", dir);
-    snprintf(allow, sizeof allow, "%s/allow", dir);
+    auth_setup(NULL, key, allow, sizeof key);
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--key", key, "--allow", allow,
                           "--set", "checkpoint.dir=", NULL};
     pid_t p = start_psd(&r, "hup", 1, args);
