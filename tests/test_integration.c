@@ -2,7 +2,12 @@
  * "short" cases use a slice of the training data (CI also runs them under
  * ASan/UBSan); "long" cases train on all of it. Every process started is
  * ended by PID (proc_reap_all in the fini). */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <sys/socket.h>
 #include <math.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -1081,4 +1086,114 @@ Test(short, no_keys_no_listening_beyond_loopback)
     kill(p, SIGTERM);
     cr_assert_eq(proc_wait(p, 30), 0);
     (void)r;
+}
+
+/* ---- soak: training while hostile connections pound psd ----------------- */
+
+static long rss_kib(pid_t pid)
+{
+    char f[64], line[256];
+    snprintf(f, sizeof f, "/proc/%d/status", (int)pid);
+    FILE *fp = fopen(f, "r");
+    long kib = -1;
+    while (fp && fgets(line, sizeof line, fp))
+        if (strncmp(line, "VmRSS:", 6) == 0) kib = strtol(line + 6, NULL, 10);
+    if (fp) fclose(fp);
+    return kib;
+}
+
+typedef struct {
+    const char *endpoint;
+    int port;
+    volatile int stop;
+    unsigned seed;
+} soak_t;
+
+/* 20 hostile peers: raw TCP garbage, idle connections, and ZeroMQ peers
+ * sending frames larger than psd's ZMQ_MAXMSGSIZE or malformed headers. */
+static void *soak_main(void *arg)
+{
+    soak_t *k = arg;
+    int raw[14];
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)k->port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    for (int i = 0; i < 14; i++) {
+        raw[i] = socket(AF_INET, SOCK_STREAM, 0);
+        if (raw[i] >= 0 && connect(raw[i], (struct sockaddr *)&a, sizeof a) != 0) {
+            close(raw[i]);
+            raw[i] = -1;
+        }
+    }
+    void *ctx = zmq_ctx_new(), *z[6];
+    int linger = 0;
+    for (int i = 0; i < 6; i++) {
+        z[i] = zmq_socket(ctx, ZMQ_DEALER);
+        zmq_setsockopt(z[i], ZMQ_LINGER, &linger, sizeof linger);
+        zmq_connect(z[i], k->endpoint);
+    }
+    size_t big_n = 64u << 20; /* larger than psd accepts for this model */
+    char *big = calloc(1, big_n), junk[4096];
+    unsigned seed = k->seed;
+    while (!k->stop) {
+        for (int i = 0; i < 8; i++) { /* 8 raw garbage senders; 6 stay idle */
+            if (raw[i] < 0) continue;
+            for (size_t j = 0; j < sizeof junk; j++) junk[j] = (char)rand_r(&seed);
+            if (send(raw[i], junk, 1 + (size_t)rand_r(&seed) % sizeof junk, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 &&
+                errno != EAGAIN) {
+                close(raw[i]); /* psd dropped it: come back */
+                raw[i] = socket(AF_INET, SOCK_STREAM, 0);
+                if (raw[i] >= 0 && connect(raw[i], (struct sockaddr *)&a, sizeof a) != 0) {
+                    close(raw[i]);
+                    raw[i] = -1;
+                }
+            }
+        }
+        for (int i = 0; i < 3; i++) zmq_send(z[i], big, big_n, ZMQ_DONTWAIT); /* oversized */
+        for (int i = 3; i < 6; i++) zmq_send(z[i], junk, 1 + (size_t)rand_r(&seed) % 512, ZMQ_DONTWAIT);
+        zmq_poll(NULL, 0, 20);
+    }
+    for (int i = 0; i < 14; i++)
+        if (raw[i] >= 0) close(raw[i]);
+    for (int i = 0; i < 6; i++) zmq_close(z[i]);
+    zmq_ctx_term(ctx);
+    free(big);
+    return NULL;
+}
+
+Test(short, soak_hostile_connections_while_training)
+{
+    /* PSD_SOAK_EPOCHS / PSD_SOAK_LIMIT make it longer (a 5-minute soak) */
+    unsigned seed = fault_seed();
+    run_t r;
+    const char *ep_env = getenv("PSD_SOAK_EPOCHS"), *lim_env = getenv("PSD_SOAK_LIMIT");
+    int epochs = ep_env ? atoi(ep_env) : 6;
+    long limit = lim_env ? atol(lim_env) : 12000;
+    char ep_s[16], lim_s[48];
+    snprintf(ep_s, sizeof ep_s, "%d", epochs < 6 ? 6 : epochs);
+    epochs = atoi(ep_s);
+    snprintf(lim_s, sizeof lim_s, "data.train_limit=%ld", limit);
+    const char *args[] = {"--epochs", ep_s, "--set", lim_s, "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "soak", 4, args);
+    int port = atoi(strrchr(r.endpoint, ':') + 1);
+    soak_t k = {.endpoint = r.endpoint, .port = port, .seed = seed};
+    pthread_t th;
+    pthread_create(&th, NULL, soak_main, &k);
+    pid_t w[4];
+    for (int i = 0; i < 4; i++) w[i] = start_worker(&r, "soak", i, NULL);
+    wait_metrics(&r, 2); /* warm-up */
+    long rss0 = rss_kib(p);
+    wait_metrics(&r, epochs - 1);
+    long rss1 = rss_kib(p);
+    int code = proc_wait(p, 300);
+    k.stop = 1;
+    pthread_join(th, NULL);
+    cr_assert_eq(code, 0, "psd trained to the end under attack");
+    for (int i = 0; i < 4; i++) cr_assert_eq(proc_wait(w[i], 30), 0);
+    check_every_epoch(&r, epochs, (uint64_t)(limit ? limit : 60000));
+    char *m = metrics_last(&r);
+    fprintf(stderr, "soak: %d epochs, final val_acc %.4f\n", epochs, json_num(last_line(m), "val_acc"));
+    free(m);
+    fprintf(stderr, "soak: psd RSS %ld KiB after warm-up, %ld KiB near the end (%+.1f%%)\n", rss0, rss1,
+            100.0 * (double)(rss1 - rss0) / (double)rss0);
+    cr_assert(rss0 > 0 && rss1 <= rss0 * 105 / 100, "RSS grew by at most 5%%: %ld -> %ld KiB", rss0, rss1);
 }
