@@ -925,10 +925,17 @@ static void write_quoted(FILE *f, const char *s)
         case '\t': fputs("\\t", f); break;
         case '\r': fputs("\\r", f); break;
         default:
-            if (*p < 0x20 || *p == 0x7f)
+            if (*p < 0x20 || *p == 0x7f) {
                 fprintf(f, "\\x%02x", *p);
-            else
+            } else if (p[0] == 0xc2 && p[1] == 0x85) { /* NEL: a line break to YAML */
+                fputs("\\N", f);
+                p++;
+            } else if (p[0] == 0xe2 && p[1] == 0x80 && (p[2] == 0xa8 || p[2] == 0xa9)) { /* LS, PS */
+                fputs(p[2] == 0xa8 ? "\\L" : "\\P", f);
+                p += 2;
+            } else {
                 fputc(*p, f);
+            }
         }
     }
     fputc('"', f);

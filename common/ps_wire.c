@@ -80,6 +80,7 @@ static void drain_more(void *sock)
 int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size_t errlen)
 {
     int rc = 0;
+    bool more = false; /* frames of this message not read yet */
     zmq_msg_t f;
     memset(m, 0, sizeof *m);
     if (errlen) err[0] = '\0';
@@ -94,7 +95,8 @@ int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size
         if (n > PS_MAX_IDENTITY) n = PS_MAX_IDENTITY;
         memcpy(m->ident, zmq_msg_data(&f), n);
         m->ident_len = n;
-        if (!zmq_msg_more(&f)) FAIL("empty message");
+        more = zmq_msg_more(&f);
+        if (!more) FAIL("empty message");
         zmq_msg_close(&f);
         zmq_msg_init(&f);
         if (zmq_msg_recv(&f, sock, 0) < 0) {
@@ -103,6 +105,7 @@ int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size
             return rc;
         }
     }
+    more = zmq_msg_more(&f);
     size_t hlen = zmq_msg_size(&f);
     if (hlen == 0 || hlen > PS_MAX_HEADER) FAIL("header frame of %zu bytes", hlen);
     m->hdr = psd__header__unpack(NULL, hlen, zmq_msg_data(&f));
@@ -114,7 +117,7 @@ int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size
         FAIL("%s message without its body", ps_msg_type_name((int)h->type));
     if (h->n_tensors > PS_MAX_FRAMES) FAIL("%zu tensor descriptors (max %d)", h->n_tensors, PS_MAX_FRAMES);
 
-    bool more = zmq_msg_more(&f);
+    more = zmq_msg_more(&f);
     zmq_msg_close(&f);
     zmq_msg_init(&f);
     while (more) {
@@ -165,14 +168,11 @@ int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size
     return 0;
 
 fail:
-    if (zmq_msg_more(&f)) {
-        zmq_msg_close(&f);
-        drain_more(sock);
-    } else {
-        zmq_msg_close(&f);
-        /* the last frame read may have been a tensor frame with more to come */
-        if (m->n_frames > 0 && zmq_msg_more(&m->frames[m->n_frames - 1])) drain_more(sock);
-    }
+    /* read the rest of the message, so that the next receive starts at a
+     * message boundary (on a ROUTER, a leftover frame would otherwise be
+     * taken for the next message's peer identity) */
+    zmq_msg_close(&f);
+    if (more) drain_more(sock);
     ps_msg_deinit(m);
     return rc;
 fail_nodrain:

@@ -329,3 +329,30 @@ Test(wire, type_names)
     cr_assert_str_eq(ps_msg_type_name(1000), "UNKNOWN");
     cr_assert_str_eq(ps_msg_type_name(-1), "UNKNOWN");
 }
+
+/* Found by fuzz_wire: extra frames after a header without tensor
+ * descriptors must be read away with the rejected message, or the ROUTER
+ * takes the next leftover frame for a peer identity (spoofing). */
+Test(wire, extra_frames_after_a_bare_header_are_drained)
+{
+    uint8_t buf[256], forged[256];
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Pull p = PSD__PULL__INIT;
+    h.type = PSD__MSG_TYPE__MSG_PULL;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &p;
+    size_t n = pack(&h, buf);
+    p.min_version = 666;
+    size_t fn = pack(&h, forged);
+    const void *parts[] = {buf, "victim", forged};
+    size_t lens[] = {n, 6, fn};
+    send_raw(parts, lens, 3);
+    expect_rejected("frames beyond the descriptors");
+    send_valid_pull(11);
+    ps_msg_t m;
+    char err[256];
+    cr_assert_eq(recv_router(&m, err), 0, "%s", err);
+    cr_assert_eq(m.hdr->pull->min_version, 11, "the forged message was not taken for another peer's");
+    cr_assert_neq(m.ident_len, 6);
+    ps_msg_deinit(&m);
+}
