@@ -20,6 +20,7 @@
 #include <zmq.h>
 
 #include "proc.h"
+#include "ps_util.h"
 #include "ps_wire.h"
 
 static char dir[128];
@@ -544,17 +545,24 @@ static unsigned fault_seed(void)
     return seed;
 }
 
-/* Wait until psd's metrics file has at least n lines (or the log has text). */
+/* Wait until psd's metrics file has at least n lines, allowing 60 s for
+ * each new line. */
 static void wait_metrics(const run_t *r, int n)
 {
-    for (int i = 0; i < 1200; i++) {
+    int seen = -1;
+    double since = ps_now();
+    while (ps_now() - since < 60) {
         char *m = slurp(r->metrics);
         int lines = m ? count_lines(m) : 0;
         free(m);
         if (lines >= n) return;
+        if (lines != seen) {
+            seen = lines;
+            since = ps_now();
+        }
         zmq_poll(NULL, 0, 50);
     }
-    cr_assert_fail("psd wrote no %d metrics lines in 60 s", n);
+    cr_assert_fail("psd wrote no new metrics line in 60 s (%d of %d)", seen, n);
 }
 
 static void wait_log(const char *file, const char *text, double timeout_s)

@@ -1,9 +1,9 @@
 /* fuzz_ckpt - the checkpoint loader (server/psd_ckpt.c).
  *
- * A scratch directory is created once (in /dev/shm, else /tmp). Each input is written as
- * DIR/ckpt-000000000001.psdc, and a copy with a consistent trailer (length
- * field and CRC-32 recomputed, so that the fuzzer gets past the checksum)
- * as the older DIR/ckpt-000000000000.psdc. psd_ckpt_load_newest tries the
+ * A scratch directory is created once (in /dev/shm, else /tmp). Each input
+ * is written as DIR/ckpt-000000000001.psdc, and a copy with a consistent
+ * trailer (length field and CRC-32 recomputed, so that the fuzzer gets past
+ * the checksum) as the older DIR/ckpt-000000000000.psdc. psd_ckpt_load_newest tries the
  * input first and falls back to the fixed copy; its log lines are dropped.
  * On success every byte of the loaded buffers is read, then freed. */
 #include <dirent.h>
