@@ -930,6 +930,12 @@ static void write_quoted(FILE *f, const char *s)
             } else if (p[0] == 0xc2 && p[1] == 0x85) { /* NEL: a line break to YAML */
                 fputs("\\N", f);
                 p++;
+            } else if (p[0] == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f) { /* C1 controls: not allowed raw */
+                fprintf(f, "\\x%02x", p[1]);
+                p++;
+            } else if (p[0] == 0xef && p[1] == 0xbf && (p[2] == 0xbe || p[2] == 0xbf)) { /* non-characters */
+                fputs(p[2] == 0xbe ? "\\uFFFE" : "\\uFFFF", f);
+                p += 2;
             } else if (p[0] == 0xe2 && p[1] == 0x80 && (p[2] == 0xa8 || p[2] == 0xa9)) { /* LS, PS */
                 fputs(p[2] == 0xa8 ? "\\L" : "\\P", f);
                 p += 2;

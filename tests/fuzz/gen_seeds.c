@@ -173,6 +173,30 @@ static void wire_seeds(void)
     w_frame(&w, bdata, sizeof bdata);
     put("fuzz_wire", "push-router", w.buf, w.len);
 
+    /* over TCP, frames larger than ZeroMQ's in-message buffer (33 bytes)
+     * come out of the receive buffer at any offset: W0 4x3, b0 4 */
+    {
+        uint32_t big_w[2] = {4, 3}, big_b[1] = {4};
+        float wbig[12], bbig[4] = {1, 2, 3, 4};
+        for (int i = 0; i < 12; i++) wbig[i] = (float)i - 5.5f;
+        t0.shape = big_w;
+        t0.nbytes = sizeof wbig;
+        t1.shape = big_b;
+        t1.nbytes = sizeof bbig;
+        for (int router = 0; router < 2; router++) {
+            w_ctl(&w, 3, router);
+            w.buf[0] |= 16;
+            w_header(&w, &h);
+            w_frame(&w, wbig, sizeof wbig);
+            w_frame(&w, bbig, sizeof bbig);
+            put("fuzz_wire", router ? "push-router-tcp" : "push-tcp", w.buf, w.len);
+        }
+        t0.shape = shape0;
+        t0.nbytes = sizeof wdata;
+        t1.shape = shape1;
+        t1.nbytes = sizeof bdata;
+    }
+
     /* edge: nbytes does not match the frame */
     t1.nbytes = 12;
     w_ctl(&w, 3, 0);
@@ -261,6 +285,18 @@ static void wire_seeds(void)
     w_header(&w, &h);
     w_frame(&w, ids, sizeof ids);
     put("fuzz_wire", "epoch-u32", w.buf, w.len);
+    {
+        uint32_t many[12] = {11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0}, many_shape[1] = {12};
+        t0.shape = many_shape;
+        t0.nbytes = sizeof many;
+        w_ctl(&w, 2, 1);
+        w.buf[0] |= 16;
+        w_header(&w, &h);
+        w_frame(&w, many, sizeof many);
+        put("fuzz_wire", "epoch-u32-router-tcp", w.buf, w.len);
+        t0.shape = ids_shape;
+        t0.nbytes = sizeof ids;
+    }
 
     /* WEIGHTS: a chunk [2, 4) of a 4-element tensor; then outside it */
     psd__header__init(&h);
@@ -332,6 +368,8 @@ static void wire_seeds(void)
     w_frame(&w, ids, 4);
     w_frame(&w, ids, 4);
     put("fuzz_wire", "extra-frames", w.buf, w.len);
+    w.buf[0] |= 8 | 16;
+    put("fuzz_wire", "extra-frames-router-tcp", w.buf, w.len);
 
     /* edge: empty header frame; garbage header; nothing after the control */
     w_ctl(&w, 2, 0);
@@ -344,6 +382,18 @@ static void wire_seeds(void)
     put("fuzz_wire", "garbage-header", w.buf, w.len);
     w_ctl(&w, 8, 1);
     put("fuzz_wire", "eight-empty-frames", w.buf, w.len);
+
+    /* regression (fixed in 493280d): [heartbeat, 0 tensors][identity][forged
+     * LEAVE] on the ROUTER; the leftover frames used to be read as a new
+     * message from identity "victim" */
+    static const uint8_t hb[] = {0x08, 0x01, 0x18, 0x0d, 0xb2, 0x01, 0x00};
+    static const uint8_t forged[] = {0x08, 0x01, 0x10, 0x2a, 0x18, 0x0e, 0xba, 0x01, 0x08,
+                                     0x0a, 0x06, 'f',  'o',  'r',  'g',  'e',  'd'};
+    w_ctl(&w, 3, 1);
+    w_frame(&w, hb, sizeof hb);
+    w_frame(&w, "victim", 6);
+    w_frame(&w, forged, sizeof forged);
+    put("fuzz_wire", "router-spoof", w.buf, w.len);
 }
 
 /* ---- config --------------------------------------------------------------- */
@@ -368,6 +418,8 @@ static void config_seeds(void)
     cfg("onecycle.yaml", "schedule:\n  name: onecycle\n  pct_start: 0.3\n  div_factor: 25\n"
                          "  final_div_factor: 1e4\n  warmup_epochs: 1.5\noptimizer:\n"
                          "  name: sgd\n  momentum: 0.0\n  nesterov: off\n  clip_norm: 5\n");
+    /* regression (fixed in 493280d): NEL written raw read back as a space */
+    cfg("nel-roundtrip.yaml", "data:\n  train_images: \"a\\Nb\"\n");
     cfg("bad-duplicate.yaml", "run:\n  seed: 1\n  seed: 2\n");
     cfg("bad-unknown.yaml", "optimizer:\n  lrr: 0.1\n");
     cfg("bad-anchor.yaml", "run: &a {seed: 1}\ntrain: *a\n");
