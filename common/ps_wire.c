@@ -53,6 +53,17 @@ void ps_msg_deinit(ps_msg_t *m)
     m->n_frames = 0;
 }
 
+/* Receive the next frame of a message whose first frame was read. The rest
+ * of a multipart message is already queued, so a signal (EINTR) is retried:
+ * returning mid-message would leave the next receive starting mid-message. */
+static int recv_next(zmq_msg_t *f, void *sock)
+{
+    for (;;) {
+        if (zmq_msg_recv(f, sock, 0) >= 0) return 0;
+        if (zmq_errno() != EINTR) return -zmq_errno();
+    }
+}
+
 /* Discard the rest of a multipart message. */
 static void drain_more(void *sock)
 {
@@ -61,7 +72,7 @@ static void drain_more(void *sock)
     while (zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &len) == 0 && more) {
         zmq_msg_t f;
         zmq_msg_init(&f);
-        if (zmq_msg_recv(&f, sock, 0) < 0) {
+        if (recv_next(&f, sock) < 0) {
             zmq_msg_close(&f);
             return;
         }
@@ -99,8 +110,7 @@ int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size
         if (!more) FAIL("empty message");
         zmq_msg_close(&f);
         zmq_msg_init(&f);
-        if (zmq_msg_recv(&f, sock, 0) < 0) {
-            rc = -zmq_errno();
+        if ((rc = recv_next(&f, sock)) < 0) {
             zmq_msg_close(&f);
             return rc;
         }
@@ -124,8 +134,7 @@ int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size
         if (m->n_frames >= (int)h->n_tensors) FAIL("more frames than tensor descriptors (%zu)", h->n_tensors);
         zmq_msg_t *t = &m->frames[m->n_frames];
         zmq_msg_init(t);
-        if (zmq_msg_recv(t, sock, 0) < 0) {
-            rc = -zmq_errno();
+        if ((rc = recv_next(t, sock)) < 0) {
             zmq_msg_close(t);
             goto fail_nodrain;
         }

@@ -420,6 +420,10 @@ static void config_seeds(void)
                          "  name: sgd\n  momentum: 0.0\n  nesterov: off\n  clip_norm: 5\n");
     /* regression (fixed in 493280d): NEL written raw read back as a space */
     cfg("nel-roundtrip.yaml", "data:\n  train_images: \"a\\Nb\"\n");
+    /* regression (fixed in 71bb5f5): C1 controls and U+FFFE/U+FFFF written raw,
+     * which YAML's reader refuses */
+    cfg("c1-control-roundtrip.yaml", "data:\n  test_images: \"\\u009e\"\n");
+    cfg("fffe-roundtrip.yaml", "server:\n  save: \"x\\uFFFEy\\uFFFF\\u0080\"\n");
     cfg("bad-duplicate.yaml", "run:\n  seed: 1\n  seed: 2\n");
     cfg("bad-unknown.yaml", "optimizer:\n  lrr: 0.1\n");
     cfg("bad-anchor.yaml", "run: &a {seed: 1}\ntrain: *a\n");
