@@ -211,6 +211,16 @@ const uint32_t *ps_msg_u32(const ps_msg_t *m, int i, size_t *n)
     return frame_as(m, i, PSD__DTYPE__DT_U32, n);
 }
 
+/* zmq_msg_send, retried on EINTR: a signal between the frames of a
+ * multipart message must not leave it half sent. */
+static int send_frame(zmq_msg_t *m, void *sock, int flags)
+{
+    for (;;) {
+        if (zmq_msg_send(m, sock, flags) >= 0) return 0;
+        if (zmq_errno() != EINTR) return -zmq_errno();
+    }
+}
+
 int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header *hdr,
                 const ps_frame_t *frames, int n_frames)
 {
@@ -237,9 +247,17 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
     hdr->n_tensors = (size_t)n_frames;
     hdr->tensors = n_frames ? dptr : NULL;
 
-    if (ident && zmq_send(sock, ident, ident_len, ZMQ_SNDMORE) < 0) {
-        rc = -zmq_errno();
-        goto out;
+    if (ident) {
+        zmq_msg_t im;
+        if (zmq_msg_init_size(&im, ident_len) != 0) {
+            rc = -ENOMEM;
+            goto out;
+        }
+        memcpy(zmq_msg_data(&im), ident, ident_len);
+        if ((rc = send_frame(&im, sock, ZMQ_SNDMORE)) < 0) {
+            zmq_msg_close(&im);
+            goto out;
+        }
     }
     size_t hlen = psd__header__get_packed_size(hdr);
     zmq_msg_t hm;
@@ -248,8 +266,7 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
         goto out;
     }
     psd__header__pack(hdr, zmq_msg_data(&hm));
-    if (zmq_msg_send(&hm, sock, n_frames ? ZMQ_SNDMORE : 0) < 0) {
-        rc = -zmq_errno();
+    if ((rc = send_frame(&hm, sock, n_frames ? ZMQ_SNDMORE : 0)) < 0) {
         zmq_msg_close(&hm);
         goto out;
     }
@@ -271,8 +288,7 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
             if (fr->nbytes) memcpy(zmq_msg_data(&fm), fr->data, fr->nbytes);
             passed = i + 1;
         }
-        if (zmq_msg_send(&fm, sock, flags) < 0) {
-            rc = -zmq_errno();
+        if ((rc = send_frame(&fm, sock, flags)) < 0) {
             zmq_msg_close(&fm);
             goto out;
         }
