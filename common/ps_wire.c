@@ -1,5 +1,7 @@
 #include "ps_wire.h"
 
+#include "ps_util.h"
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -300,4 +302,21 @@ out:
     hdr->n_tensors = 0;
     hdr->tensors = NULL;
     return rc;
+}
+
+void ps_msg_drain(void *sock, double quiet_s, double max_s)
+{
+    double quiet_since = ps_now(), until = quiet_since + max_s;
+    while (ps_now() < until && ps_now() - quiet_since < quiet_s) {
+        zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 10) <= 0) continue;
+        zmq_msg_t f;
+        zmq_msg_init(&f);
+        while (zmq_msg_recv(&f, sock, ZMQ_DONTWAIT) >= 0) {
+            zmq_msg_close(&f);
+            zmq_msg_init(&f);
+        }
+        zmq_msg_close(&f);
+        quiet_since = ps_now();
+    }
 }

@@ -66,6 +66,11 @@ typedef struct {
 int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header *hdr,
                 const ps_frame_t *frames, int n_frames);
 
+/* Read and drop whatever arrives on sock until it has been quiet for
+ * quiet_s (at most max_s): called before closing a socket, because libzmq
+ * 4.3 does not always free unread messages at close. */
+void ps_msg_drain(void *sock, double quiet_s, double max_s);
+
 /* Short name of a message type for logs ("PUSH"). */
 const char *ps_msg_type_name(int type);
 

@@ -1631,19 +1631,7 @@ out:
             free(s->w[i].ranges);
         }
     if (s->sock) {
-        /* read and drop what the workers sent before they saw SHUTDOWN (a
-         * last push, say), until they have been quiet for 100 ms (at most
-         * 1 s): messages left in ZeroMQ's queues at close are not always
-         * freed */
-        double quiet_since = ps_now(), until = ps_now() + 1.0;
-        while (ps_now() < until && ps_now() - quiet_since < 0.1) {
-            zmq_pollitem_t it = {s->sock, 0, ZMQ_POLLIN, 0};
-            if (zmq_poll(&it, 1, 20) <= 0) continue;
-            ps_msg_t m;
-            char why[64];
-            if (ps_msg_recv(s->sock, &m, true, ZMQ_DONTWAIT, why, sizeof why) == 0) ps_msg_deinit(&m);
-            quiet_since = ps_now();
-        }
+        ps_msg_drain(s->sock, 0.1, 1.0); /* what workers sent before they saw SHUTDOWN */
         if (s->mon) zmq_socket_monitor(s->sock, NULL, 0);
         zmq_close(s->sock); /* lingers up to 1 s to deliver SHUTDOWN */
     }

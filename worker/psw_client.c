@@ -101,21 +101,7 @@ void psw_client_destroy(psw_client_t **cp)
     if (!c) return;
     ps_msg_deinit(&c->cur);
     if (c->sock) {
-        /* read what psd already sent (weights in flight when we leave):
-         * libzmq 4.3 does not always free unread messages at close */
-        double quiet_since = ps_now(), until = ps_now() + 0.3;
-        while (ps_now() < until && ps_now() - quiet_since < 0.05) {
-            zmq_pollitem_t it = {c->sock, 0, ZMQ_POLLIN, 0};
-            if (zmq_poll(&it, 1, 10) <= 0) continue;
-            zmq_msg_t f;
-            zmq_msg_init(&f);
-            while (zmq_msg_recv(&f, c->sock, ZMQ_DONTWAIT) >= 0) {
-                zmq_msg_close(&f);
-                zmq_msg_init(&f);
-            }
-            zmq_msg_close(&f);
-            quiet_since = ps_now();
-        }
+        ps_msg_drain(c->sock, 0.05, 0.3); /* weights psd sent before we left */
         zmq_socket_monitor(c->sock, NULL, 0);
     }
     if (c->mon) {
