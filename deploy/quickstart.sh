@@ -4,6 +4,7 @@
 #                                   Fashion-MNIST MLP with psd + 2 pworkers on
 #                                   localhost, then evaluate the saved weights
 #   sh deploy/quickstart.sh test    install what is missing, build, run all tests
+#                                   (deploy tests: root, Docker engine, SLURM)
 # Extra arguments after `train` go to psd (e.g. --epochs 3).
 set -eu
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ ROOT=$(pwd)
 what=${1:-train}
 [ $# -gt 0 ] && shift
 
-sh deploy/setup.sh
+if [ "$what" = test ]; then sh deploy/setup.sh --deploy; else sh deploy/setup.sh; fi
 if [ ! -f build/build.ninja ]; then
     meson setup build -Dwerror=true >/dev/null
 fi
@@ -39,7 +40,8 @@ train)
     "$ROOT/build/psd" eval psd-weights.bin
     ;;
 test)
-    meson test -C build --print-errorlogs --suite unit --suite integration --suite long --suite gpu
+    meson test -C build --print-errorlogs --suite unit --suite integration --suite long --suite gpu \
+        --suite deploy
     ;;
 *)
     echo "usage: sh deploy/quickstart.sh train|test" >&2
