@@ -90,12 +90,24 @@ static void drain_more(void *sock)
         goto fail;                              \
     } while (0)
 
+/* Where a frame came from: the connection's fd (ZMQ_SRCFD) and address, as
+ * libzmq records them on the frames its engine decoded (not on the routing-id
+ * frame a ROUTER makes up). */
+static void note_source(ps_msg_t *m, zmq_msg_t *f)
+{
+    int fd = zmq_msg_get(f, ZMQ_SRCFD);
+    if (fd >= 0) m->srcfd = fd;
+    const char *a = zmq_msg_gets(f, "Peer-Address");
+    if (a && a[0]) snprintf(m->peer, sizeof m->peer, "%s", a);
+}
+
 int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size_t errlen)
 {
     int rc = 0;
     bool more = false; /* frames of this message not read yet */
     zmq_msg_t f;
     memset(m, 0, sizeof *m);
+    m->srcfd = -1;
     if (errlen) err[0] = '\0';
     zmq_msg_init(&f);
     if (zmq_msg_recv(&f, sock, flags) < 0) {
@@ -103,6 +115,7 @@ int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size
         zmq_msg_close(&f);
         return rc;
     }
+    note_source(m, &f);
     if (router) {
         size_t n = zmq_msg_size(&f);
         if (n > PS_MAX_IDENTITY) n = PS_MAX_IDENTITY;
@@ -116,6 +129,7 @@ int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size
             zmq_msg_close(&f);
             return rc;
         }
+        note_source(m, &f);
     }
     more = zmq_msg_more(&f);
     size_t hlen = zmq_msg_size(&f);

@@ -27,6 +27,8 @@ typedef struct {
     zmq_msg_t frames[PS_MAX_FRAMES]; /* tensor frames, owned */
     uint8_t ident[PS_MAX_IDENTITY];  /* ROUTER peer id */
     size_t ident_len;
+    int srcfd;                       /* libzmq's fd of the peer's connection, -1 unknown */
+    char peer[64];                   /* the peer's address (IP), "" unknown */
 } ps_msg_t;
 
 /* Receive one whole multipart message. router: the first frame is the peer
@@ -34,7 +36,7 @@ typedef struct {
  *   0        a well-formed message in *m (release with ps_msg_deinit)
  *   -EAGAIN  nothing to read (ZMQ_DONTWAIT)
  *   -EPROTO  malformed: the whole message was read and dropped; err says why
- *            (m->ident is still filled in when known)
+ *            (m->ident, srcfd and peer are still filled in when known)
  *   other -errno from ZeroMQ (e.g. -ETERM, -EINTR). */
 int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size_t errlen);
 

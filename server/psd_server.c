@@ -27,6 +27,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -150,6 +153,17 @@ typedef struct {
     uint64_t samples_total;
     FILE *metrics;
     uint64_t dropped;     /* bad messages, for rate-limited logging */
+    bool cur_bad;         /* the message being handled was dropped */
+    const char *cur_peer; /* its sender's address, for the log */
+    /* connections that sent bad messages in a row (see bad_peer) */
+    struct {
+        uint8_t ident[PS_MAX_IDENTITY];
+        size_t ident_len;
+        uint32_t bad;
+        double cut_at;    /* when psd cut its connection, 0 = not yet */
+    } bad[32];
+    int n_bad;
+    uint64_t cut;         /* connections psd closed for bad messages */
     /* checkpoints */
     psd_ckpt_writer_t *ckpt;
     bool ckpt_again;      /* another one was asked for while writing */
@@ -186,6 +200,7 @@ static void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute_
 static void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
 {
     s->dropped++;
+    s->cur_bad = true;
     if (s->dropped > 20 && s->dropped % 1000 != 0) return;
     char msg[512];
     va_list ap;
@@ -196,8 +211,8 @@ static void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
         PS_WARN("dropped a message from rank %u (%s pid %u): %s%s", w->rank, w->hostname, w->pid, msg,
                 s->dropped == 20 ? " (further drops logged every 1000th)" : "");
     else
-        PS_WARN("dropped a message from an unknown peer: %s%s", msg,
-                s->dropped == 20 ? " (further drops logged every 1000th)" : "");
+        PS_WARN("dropped a message from an unknown peer%s%s: %s%s", s->cur_peer && s->cur_peer[0] ? " at " : "",
+                s->cur_peer ? s->cur_peer : "", msg, s->dropped == 20 ? " (further drops logged every 1000th)" : "");
 }
 
 static void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type)
@@ -1131,6 +1146,83 @@ static void handle(srv_t *s, ps_msg_t *m)
     }
 }
 
+/* A peer that sends PS_BAD_IN_A_ROW bad messages in a row (malformed, or not
+ * valid in its state) is cut off: libzmq 4.3 has no call to disconnect one
+ * peer of a ROUTER, so psd shuts down the TCP connection the message came
+ * from (ZMQ_SRCFD) after checking that the fd is still that peer's socket;
+ * libzmq sees the connection end and forgets the peer. A registered worker cut
+ * off is lost like any other (training goes on); an unknown peer may connect
+ * again and is cut off again (logged at most every 1000th time). */
+#define PS_BAD_IN_A_ROW 16
+
+static bool same_peer(int fd, const char *addr)
+{
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    if (fd < 0 || getpeername(fd, (struct sockaddr *)&ss, &len) != 0) return false;
+    char ip[INET6_ADDRSTRLEN] = "";
+    if (ss.ss_family == AF_INET)
+        inet_ntop(AF_INET, &((struct sockaddr_in *)&ss)->sin_addr, ip, sizeof ip);
+    else if (ss.ss_family == AF_INET6)
+        inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&ss)->sin6_addr, ip, sizeof ip);
+    else
+        return ss.ss_family == AF_UNIX; /* ipc://: no address to compare */
+    return addr[0] && strcmp(ip, addr) == 0;
+}
+
+static int bad_slot(srv_t *s, const ps_msg_t *m)
+{
+    for (int i = 0; i < s->n_bad; i++)
+        if (s->bad[i].ident_len == m->ident_len && memcmp(s->bad[i].ident, m->ident, m->ident_len) == 0)
+            return i;
+    return -1;
+}
+
+static void bad_peer(srv_t *s, const ps_msg_t *m)
+{
+    if (m->ident_len == 0) return;
+    int i = bad_slot(s, m);
+    if (i < 0) {
+        if (s->n_bad < (int)(sizeof s->bad / sizeof s->bad[0])) i = s->n_bad++;
+        else { /* full: forget the peer with the fewest bad messages */
+            i = 0;
+            for (int j = 1; j < s->n_bad; j++)
+                if (s->bad[j].bad < s->bad[i].bad) i = j;
+        }
+        memcpy(s->bad[i].ident, m->ident, m->ident_len);
+        s->bad[i].ident_len = m->ident_len;
+        s->bad[i].bad = 0;
+        s->bad[i].cut_at = 0;
+    }
+    if (++s->bad[i].bad < PS_BAD_IN_A_ROW) return;
+    uint32_t n = s->bad[i].bad;
+    /* what it sent before its connection was cut is still arriving: libzmq
+     * may already have closed that fd and given its number to a new peer */
+    double t = ps_now();
+    if (s->bad[i].cut_at > 0 && t - s->bad[i].cut_at < 2.0) return;
+    s->bad[i].bad = 0;
+    s->bad[i].cut_at = t;
+    if (!same_peer(m->srcfd, m->peer)) return; /* its connection is already gone */
+    worker_t *w = find_worker(s, m->ident, m->ident_len);
+    s->cut++;
+    if (s->cut <= 20 || s->cut % 1000 == 0) {
+        if (w)
+            PS_WARN("disconnected rank %u (%s pid %u, %s): %u bad messages in a row", w->rank, w->hostname, w->pid,
+                    m->peer[0] ? m->peer : "?", n);
+        else
+            PS_WARN("disconnected a peer at %s: %u bad messages in a row%s", m->peer[0] ? m->peer : "?", n,
+                    s->cut == 20 ? " (further ones logged every 1000th)" : "");
+    }
+    shutdown(m->srcfd, SHUT_RDWR);
+    if (w && w->state != W_GONE) worker_gone(s, w);
+}
+
+static void good_peer(srv_t *s, const ps_msg_t *m)
+{
+    int i = bad_slot(s, m);
+    if (i >= 0) s->bad[i] = s->bad[--s->n_bad];
+}
+
 static void drain(srv_t *s)
 {
     while (s->phase != PHASE_DONE) {
@@ -1142,8 +1234,11 @@ static void drain(srv_t *s)
         char why[256];
         int rc = ps_msg_recv(s->sock, &m, true, ZMQ_DONTWAIT, why, sizeof why);
         if (rc == -EAGAIN || rc == -EINTR) continue;
+        s->cur_peer = m.peer;
         if (rc == -EPROTO) {
             drop(s, find_worker(s, m.ident, m.ident_len), "%s", why);
+            bad_peer(s, &m);
+            s->cur_peer = NULL;
             continue;
         }
         if (rc < 0) {
@@ -1151,7 +1246,11 @@ static void drain(srv_t *s)
             finish(s, PSD_EXIT_ERROR, "psd failed");
             return;
         }
+        s->cur_bad = false;
         handle(s, &m);
+        if (s->cur_bad) bad_peer(s, &m);
+        else if (s->n_bad) good_peer(s, &m);
+        s->cur_peer = NULL;
         ps_msg_deinit(&m);
     }
 }

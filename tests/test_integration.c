@@ -407,6 +407,72 @@ Test(short, malformed_messages_are_dropped)
     free(m);
 }
 
+static void wait_log(const char *file, const char *text, double timeout_s);
+
+/* Wait up to timeout_ms for `event` on a monitor PAIR socket. */
+static bool monitor_saw(void *mon, int event, int timeout_ms)
+{
+    double end = ps_now() + timeout_ms / 1000.0;
+    while (ps_now() < end) {
+        zmq_pollitem_t it = {mon, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 100) <= 0) continue;
+        zmq_msg_t a, b;
+        zmq_msg_init(&a);
+        zmq_msg_init(&b);
+        int got = -1;
+        if (zmq_msg_recv(&a, mon, 0) >= 6) {
+            uint16_t ev;
+            memcpy(&ev, zmq_msg_data(&a), 2);
+            got = ev;
+        }
+        if (zmq_msg_more(&a)) zmq_msg_recv(&b, mon, 0);
+        zmq_msg_close(&a);
+        zmq_msg_close(&b);
+        if (got == event) return true;
+    }
+    return false;
+}
+
+Test(short, a_peer_that_keeps_sending_bad_messages_is_disconnected)
+{
+    run_t r;
+    pid_t p = start_psd(&r, "cut", 2, slice);
+    /* psd waits for its workers while the peer misbehaves (a run on the
+     * slice is over in about a second: the peer would see psd go away) */
+    void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0, ivl = 60000; /* no quick reconnect: the test sees one connection end */
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(s, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl);
+    cr_assert_eq(zmq_socket_monitor(s, "inproc://cut-mon", ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED), 0);
+    void *mon = zmq_socket(ctx, ZMQ_PAIR);
+    zmq_setsockopt(mon, ZMQ_LINGER, &linger, sizeof linger);
+    cr_assert_eq(zmq_connect(mon, "inproc://cut-mon"), 0);
+    wait_log(r.psd_log, "listening on", 60);
+    cr_assert_eq(zmq_connect(s, r.endpoint), 0);
+    cr_assert(monitor_saw(mon, ZMQ_EVENT_CONNECTED, 10000), "connected to psd");
+    /* a few bad messages are only dropped: the connection stays */
+    for (int i = 0; i < 5; i++) zmq_send(s, "garbage", 7, 0);
+    cr_assert_not(monitor_saw(mon, ZMQ_EVENT_DISCONNECTED, 1000), "5 bad messages do not cut a peer off");
+    /* many in a row: psd closes the connection */
+    for (int i = 0; i < 40; i++) zmq_send(s, "garbage", 7, 0);
+    cr_assert(monitor_saw(mon, ZMQ_EVENT_DISCONNECTED, 20000), "psd disconnected the peer");
+    pid_t w0 = start_worker(&r, "cut", 0, NULL), w1 = start_worker(&r, "cut", 1, NULL);
+    cr_assert_eq(proc_wait(p, 300), 0, "psd trained to the end");
+    cr_assert_eq(proc_wait(w0, 30), 0);
+    cr_assert_eq(proc_wait(w1, 30), 0);
+    zmq_socket_monitor(s, NULL, 0);
+    zmq_close(mon);
+    zmq_close(s);
+    zmq_ctx_term(ctx);
+    char *log = slurp(r.psd_log);
+    cr_assert(strstr(log, "disconnected a peer at 127.0.0.1: 16 bad messages in a row"), "logged: %s", log);
+    cr_assert(strstr(log, "dropped a message from an unknown peer at 127.0.0.1"), "address logged");
+    free(log);
+    char *m = metrics_last(&r);
+    cr_assert_eq(json_num(last_line(m), "val_samples"), 10000);
+    free(m);
+}
+
 Test(short, worker_with_other_data_is_refused)
 {
     run_t r;
