@@ -983,8 +983,10 @@ static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
     if (s->stop_when_written) return; /* stopping: nothing more to train */
     if (s->phase == PHASE_WAIT) {
         if (live_workers(s) >= s->cfg.workers) {
-            PS_INFO("%d workers ready; training %s%d epochs", live_workers(s), s->epoch ? "from epoch " : "",
-                    s->epoch ? (int)s->epoch + 1 : s->cfg.epochs);
+            if (s->epoch)
+                PS_INFO("%d workers ready; training epochs %u to %d", live_workers(s), s->epoch + 1, s->cfg.epochs);
+            else
+                PS_INFO("%d workers ready; training %d epochs", live_workers(s), s->cfg.epochs);
             s->t_start = ps_now();
             start_epoch(s);
         }

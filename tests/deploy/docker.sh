@@ -39,7 +39,10 @@ done
 if pgrep -x dockerd >/dev/null 2>&1; then
     skip "a dockerd already runs on this machine; this test starts and removes its own engine"
 fi
-[ -x "$BUILD/psd" ] && [ -x "$BUILD/pworker" ] || { echo "no psd/pworker in $BUILD" >&2; exit 1; }
+if [ ! -x "$BUILD/psd" ] || [ ! -x "$BUILD/pworker" ]; then
+    echo "no psd/pworker in $BUILD" >&2
+    exit 1
+fi
 
 T=$(mktemp -d /tmp/psd-docker.XXXXXX)
 PROJECT=psdtest$$
@@ -158,7 +161,8 @@ HAND_PIDS=()
 
 # -- 4b. docker-compose -------------------------------------------------------
 log "docker-compose up, psd + 2 pworkers"
-export PSD_IMAGE=$IMAGE PSD_WORKERS=2 PSD_PUBLISH=127.0.0.1:$(free_port)
+PUBLISH_PORT=$(free_port)
+export PSD_IMAGE=$IMAGE PSD_WORKERS=2 PSD_PUBLISH=127.0.0.1:$PUBLISH_PORT
 export PSD_ARGS="--epochs $EPOCHS --seed $SEED" PWORKER_ARGS="--threads 1"
 COMPOSE=(docker-compose -p "$PROJECT" -f "$SRC/deploy/compose/docker-compose.yml")
 rc=0
