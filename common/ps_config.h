@@ -82,6 +82,8 @@ typedef struct ps_config {
     char key_file[PS_PATH_MAX];   /* server.key: psd's CurveZMQ secret key file, "" = no authentication */
     char allow_dir[PS_PATH_MAX];  /* server.allow: directory of allowed worker public keys (*.pub) */
     bool insecure;                /* server.insecure: listen beyond loopback without keys */
+    int threads;                  /* server.threads: threads of a step (reduce + optimizer), 0 = all cores */
+    int64_t chunk_bytes;          /* server.chunk_bytes: unit of a step's parallel work (rounded to 64 KiB) */
 
     /* checkpoint: (not part of the config hash) */
     char ckpt_dir[PS_PATH_MAX]; /* checkpoint.dir: "" = no checkpoints */

@@ -47,9 +47,43 @@ static size_t dtype_size(int dt)
     }
 }
 
+void ps_arena_init(ps_arena_t *a, void *buf, size_t cap)
+{
+    memset(a, 0, sizeof *a);
+    a->buf = buf;
+    a->cap = cap;
+}
+
+static void *arena_alloc(void *data, size_t size)
+{
+    ps_arena_t *a = data;
+    size_t at = (a->used + 15) & ~(size_t)15;
+    if (at <= a->cap && size <= a->cap - at) {
+        a->used = at + size;
+        return a->buf + at;
+    }
+    a->fallbacks++;
+    return malloc(size);
+}
+
+static void arena_free(void *data, void *p)
+{
+    ps_arena_t *a = data;
+    if (p && ((uint8_t *)p < a->buf || (uint8_t *)p >= a->buf + a->cap)) free(p);
+}
+
 void ps_msg_deinit(ps_msg_t *m)
 {
-    if (m->hdr) psd__header__free_unpacked(m->hdr, NULL);
+    if (m->hdr) {
+        if (m->arena) {
+            ProtobufCAllocator al = {arena_alloc, arena_free, m->arena};
+            psd__header__free_unpacked(m->hdr, &al);
+        } else {
+            psd__header__free_unpacked(m->hdr, NULL);
+        }
+    }
+    if (m->arena && --m->arena->live == 0) m->arena->used = 0;
+    m->arena = NULL;
     m->hdr = NULL;
     for (int i = 0; i < m->n_frames; i++) zmq_msg_close(&m->frames[i]);
     m->n_frames = 0;
@@ -103,6 +137,12 @@ static void note_source(ps_msg_t *m, zmq_msg_t *f)
 
 int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size_t errlen)
 {
+    return ps_msg_recv_arena(sock, m, router, flags, NULL, err, errlen);
+}
+
+int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_t *arena, char *err,
+                      size_t errlen)
+{
     int rc = 0;
     bool more = false; /* frames of this message not read yet */
     zmq_msg_t f;
@@ -134,7 +174,15 @@ int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size
     more = zmq_msg_more(&f);
     size_t hlen = zmq_msg_size(&f);
     if (hlen == 0 || hlen > PS_MAX_HEADER) FAIL("header frame of %zu bytes", hlen);
-    m->hdr = psd__header__unpack(NULL, hlen, zmq_msg_data(&f));
+    if (arena && arena->live == 0) {
+        ProtobufCAllocator al = {arena_alloc, arena_free, arena};
+        m->arena = arena;
+        arena->live = 1;
+        arena->used = 0;
+        m->hdr = psd__header__unpack(&al, hlen, zmq_msg_data(&f));
+    } else {
+        m->hdr = psd__header__unpack(NULL, hlen, zmq_msg_data(&f));
+    }
     if (!m->hdr) FAIL("header does not decode (%zu bytes)", hlen);
     Psd__Header *h = m->hdr;
     int want = body_for_type((int)h->type);

@@ -21,8 +21,22 @@
 #define PS_MAX_IDENTITY 255      /* ZeroMQ routing ids are at most 255 bytes */
 #define PS_MAX_HEADER (1u << 20) /* header frame bytes */
 
+/* Bump allocator for decoded headers: protobuf-c allocates the unpacked
+ * header's parts from buf, so receiving a message allocates nothing once
+ * training runs (what does not fit falls back to malloc, counted). One
+ * message at a time: the arena is reused when its message is released. */
+typedef struct {
+    uint8_t *buf;
+    size_t cap, used;
+    int live;                        /* messages decoded into it, not released yet */
+    uint64_t fallbacks;              /* allocations that did not fit */
+} ps_arena_t;
+
+void ps_arena_init(ps_arena_t *a, void *buf, size_t cap);
+
 typedef struct {
     Psd__Header *hdr;                /* owned; NULL if not received */
+    ps_arena_t *arena;               /* where hdr lives (NULL: malloc) */
     int n_frames;
     zmq_msg_t frames[PS_MAX_FRAMES]; /* tensor frames, owned */
     uint8_t ident[PS_MAX_IDENTITY];  /* ROUTER peer id */
@@ -39,6 +53,9 @@ typedef struct {
  *            (m->ident, srcfd and peer are still filled in when known)
  *   other -errno from ZeroMQ (e.g. -ETERM, -EINTR). */
 int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size_t errlen);
+/* The same, decoding the header into `arena` (if it holds no live message). */
+int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_t *arena, char *err,
+                      size_t errlen);
 
 /* Free header and frames. Safe to call twice. */
 void ps_msg_deinit(ps_msg_t *m);

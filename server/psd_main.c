@@ -62,7 +62,7 @@ int main(int argc, char **argv)
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
         OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
-        OPT_INSECURE, OPT_XNOZAP
+        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY
     };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, OPT_CONFIG},
@@ -86,6 +86,7 @@ int main(int argc, char **argv)
         {"allow", required_argument, NULL, OPT_ALLOW},
         {"insecure", no_argument, NULL, OPT_INSECURE},
         {"x-no-zap", no_argument, NULL, OPT_XNOZAP},
+        {"x-verify-weights", no_argument, NULL, OPT_XVERIFY},
         {"help", no_argument, NULL, OPT_HELP},
         {"version", no_argument, NULL, OPT_VERSION},
         {NULL, 0, NULL, 0}};
@@ -157,6 +158,7 @@ int main(int argc, char **argv)
         case OPT_RESUME: run.resume_dir = optarg; break;
         case OPT_INSECURE: over[n_over++] = (override_t){"server.insecure", "true"}; break;
         case OPT_XNOZAP: run.no_zap = 1; break; /* tests only */
+        case OPT_XVERIFY: run.verify_weights = 1; break; /* tests only */
         case OPT_FORCE_RESUME: run.force_resume = 1; break;
         case OPT_STOP_AFTER: {
             char *end;

@@ -153,6 +153,10 @@ typedef struct {
     uint64_t samples_total;
     FILE *metrics;
     uint64_t dropped;     /* bad messages, for rate-limited logging */
+    const float *(*step_g)[PS_MAX_TENSORS]; /* a step's gradients, MAX_WORKERS rows */
+    double *step_wt;      /* and their weights */
+    ps_arena_t rx_arena;  /* decoded headers of received messages (one at a time) */
+    uint8_t rx_buf[64 << 10];
     bool cur_bad;         /* the message being handled was dropped */
     const char *cur_peer; /* its sender's address, for the log */
     /* connections that sent bad messages in a row (see bad_peer) */
@@ -280,6 +284,7 @@ static void send_weights(srv_t *s, worker_t *w)
     hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_WEIGHTS);
     wt.version = s->store.cur->version;
     wt.step = s->step;
+    if (s->opts.verify_weights) wt.crc = psd_store_current_crc(&s->store);
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
     send_to(s, w, &h, fr, weights_frames(s, fr));
@@ -498,6 +503,7 @@ static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
     v.version = s->store.cur->version;
     v.begin = p->begin;
     v.end = p->end;
+    if (s->opts.verify_weights) v.crc = psd_store_current_crc(&s->store);
     h.body_case = PSD__HEADER__BODY_VALIDATE;
     h.validate = &v;
     p->worker = (int)(w - s->w);
@@ -566,15 +572,8 @@ static void maybe_step(srv_t *s)
         uint64_t total = 0;
         for (int i = 0; i < s->n; i++)
             if (s->w[i].has_push) total += s->w[i].push_batch;
-        const float *(*g)[PS_MAX_TENSORS] = malloc((size_t)pending * sizeof *g);
-        double *wt = malloc((size_t)pending * sizeof *wt);
-        if (!g || !wt) {
-            free(g);
-            free(wt);
-            PS_ERROR("out of memory in a step");
-            finish(s, PSD_EXIT_ERROR, "psd out of memory");
-            return;
-        }
+        const float *(*g)[PS_MAX_TENSORS] = s->step_g; /* made once: no allocation per step */
+        double *wt = s->step_wt;
         int k = 0; /* contributors in rank order: the same sums every run */
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
@@ -588,8 +587,6 @@ static void maybe_step(srv_t *s)
         s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
         double norm = psd_store_step(&s->store, pending, (const float *const(*)[PS_MAX_TENSORS])g, wt,
                                      s->cfg.clip_norm, s->lr);
-        free(g);
-        free(wt);
         if (norm < 0) {
             PS_ERROR("no free parameter arena (too many pull replies in flight)");
             finish(s, PSD_EXIT_ERROR, "psd out of memory");
@@ -712,7 +709,16 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
              s->cfg.batch_size, left);
         return;
     }
-    if (!isfinite(p->loss_sum) || p->loss_sum < 0 || p->correct > p->batch) {
+    if (!isfinite(p->loss_sum)) {
+        /* not a bad message: the model diverged. Dropping it would only get
+         * the workers declared lost one after the other. */
+        PS_ERROR("training diverged at step %" PRIu64 " (epoch %u): rank %u's batch loss is %s; lower "
+                 "optimizer.lr, add warm-up (schedule.warmup_epochs) or clip (optimizer.clip_norm)",
+                 s->step + 1, s->epoch + 1, w->rank, isnan(p->loss_sum) ? "NaN" : "infinite");
+        finish(s, PSD_EXIT_ERROR, "training diverged (loss not finite)");
+        return;
+    }
+    if (p->loss_sum < 0 || p->correct > p->batch) {
         drop(s, w, "PUSH with invalid statistics");
         return;
     }
@@ -1234,7 +1240,7 @@ static void drain(srv_t *s)
         if (!(events & ZMQ_POLLIN)) return;
         ps_msg_t m;
         char why[256];
-        int rc = ps_msg_recv(s->sock, &m, true, ZMQ_DONTWAIT, why, sizeof why);
+        int rc = ps_msg_recv_arena(s->sock, &m, true, ZMQ_DONTWAIT, &s->rx_arena, why, sizeof why);
         if (rc == -EAGAIN || rc == -EINTR) continue;
         s->cur_peer = m.peer;
         if (rc == -EPROTO) {
@@ -1569,10 +1575,22 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->perm = malloc(T * sizeof *s->perm);
     s->pool = malloc(T * sizeof *s->pool);
     s->seen = calloc((T + 7) / 8, 1);
+    s->step_g = calloc(MAX_WORKERS, sizeof *s->step_g);
+    s->step_wt = calloc(MAX_WORKERS, sizeof *s->step_wt);
+    ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
-    if (!s->perm || !s->pool || !s->seen || psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0) {
+    if (!s->perm || !s->pool || !s->seen || !s->step_g || !s->step_wt || psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0) {
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
+        goto out;
+    }
+    int threads = c->threads;
+    if (threads <= 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = cores < 1 ? 1 : cores > 16 ? 16 : (int)cores;
+    }
+    if (psd_store_set_parallel(&s->store, threads, (size_t)c->chunk_bytes) != 0) {
+        PS_ERROR("out of memory for the step's threads");
         goto out;
     }
     if (opts->resume_dir && (code = resume(s)) != 0) goto out;
@@ -1687,6 +1705,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
             PS_PROTOCOL_VERSION, s->run_id, ep, c->workers);
     PS_INFO("model %zu parameters, %zu training / %zu test samples, optimizer %s, schedule %s",
             s->layout.n_params, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
+    PS_DEBUG("steps: %d chunks on %d threads", s->store.n_chunks, threads);
 
     int fd;
     size_t fdlen = sizeof fd;
@@ -1746,6 +1765,10 @@ out:
     if (s->metrics) fclose(s->metrics);
     psd_store_deinit(&s->store);
     free(s->perm);
+    free(s->step_g);
+    free(s->step_wt);
+    if (s->rx_arena.fallbacks)
+        PS_DEBUG("%" PRIu64 " decoded headers did not fit the receive arena", s->rx_arena.fallbacks);
     free(s->pool);
     free(s->seen);
     free(s->parts);

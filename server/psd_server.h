@@ -19,6 +19,7 @@ typedef struct {
     int force_resume;       /* --force-resume: even if the config differs */
     int stop_after_epoch;   /* --stop-after-epoch E: checkpoint and stop after epoch E (1-based) */
     int no_zap;             /* tests only: keys but no authentication handler (everyone refused) */
+    int verify_weights;     /* tests only: weights messages carry their version's CRC-32 */
 } psd_run_opts_t;
 
 /* Run a whole training described by c; returns the exit code. SIGINT/SIGTERM

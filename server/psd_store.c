@@ -5,6 +5,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <zlib.h>
+
+#include "ps_pool.h"
+
 static float *alloc_floats(size_t n)
 {
     size_t bytes = (n * sizeof(float) + 63) & ~(size_t)63;
@@ -36,13 +40,70 @@ int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt,
     return 0;
 }
 
+int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
+{
+    const ps_layout_t *l = &s->layout;
+    size_t cf = (chunk_bytes / sizeof(float) + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK * PSD_NORM_BLOCK;
+    if (cf == 0) cf = PSD_NORM_BLOCK;
+    int n = 0;
+    size_t nb = 0;
+    for (int t = 0; t < l->n_tensors; t++) {
+        n += (int)((l->t[t].numel + cf - 1) / cf);
+        nb += (l->t[t].numel + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
+    }
+    psd_chunk_t *ch = calloc((size_t)(n ? n : 1), sizeof *ch);
+    double *bq = calloc(nb ? nb : 1, sizeof *bq);
+    struct ps_pool *pool = threads > 1 ? ps_pool_new(threads) : NULL;
+    if (!ch || !bq || (threads > 1 && !pool)) {
+        free(ch);
+        free(bq);
+        ps_pool_free(&pool);
+        return -ENOMEM;
+    }
+    int k = 0;
+    size_t b = 0;
+    for (int t = 0; t < l->n_tensors; t++) {
+        for (size_t o = 0; o < l->t[t].numel; o += cf) {
+            ch[k] = (psd_chunk_t){.t = t, .off = l->t[t].offset + o,
+                                  .n = l->t[t].numel - o < cf ? l->t[t].numel - o : cf, .blk = b + o / PSD_NORM_BLOCK};
+            k++;
+        }
+        b += (l->t[t].numel + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
+    }
+    free(s->chunks);
+    free(s->blk_sq);
+    ps_pool_free(&s->pool);
+    s->chunks = ch;
+    s->n_chunks = n;
+    s->blk_sq = bq;
+    s->n_blk = nb;
+    s->pool = pool;
+    return 0;
+}
+
 void psd_store_deinit(psd_store_t *s)
 {
+    ps_pool_free(&s->pool);
+    free(s->chunks);
+    free(s->blk_sq);
     for (int i = 0; i < s->n_arenas; i++) free(s->arenas[i].w);
     free(s->grad);
     free(s->s0);
     free(s->s1);
     memset(s, 0, sizeof *s);
+}
+
+uint32_t psd_store_current_crc(psd_store_t *s)
+{
+    psd_arena_t *a = s->cur;
+    if (a->crc_of != a->version + 1) {
+        uLong crc = crc32(0L, Z_NULL, 0);
+        for (int t = 0; t < s->layout.n_tensors; t++)
+            crc = crc32_z(crc, (const Bytef *)(a->w + s->layout.t[t].offset), 4 * s->layout.t[t].numel);
+        a->crc = (uint32_t)crc;
+        a->crc_of = a->version + 1;
+    }
+    return a->crc;
 }
 
 psd_arena_t *psd_store_ref_current(psd_store_t *s)
@@ -74,35 +135,79 @@ static psd_arena_t *free_arena(psd_store_t *s)
     return a;
 }
 
+/* One step's work, shared by the pool's threads. */
+typedef struct {
+    psd_store_t *s;
+    psd_arena_t *next;
+    int n;
+    const float *const (*grads)[PS_MAX_TENSORS];
+    const double *weight;
+    float scale;
+    double lr;
+    int apply; /* reduce: also apply the optimizer (no clipping) */
+} step_t;
+
+/* grad = sum_k weight[k] * g_k over chunk c, in the contributors' order,
+ * and the squared norm of each of its norm blocks */
+static void reduce_chunk(step_t *st, const psd_chunk_t *c)
+{
+    psd_store_t *s = st->s;
+    const size_t rel = c->off - s->layout.t[c->t].offset;
+    float *acc = s->grad + c->off;
+    for (int k = 0; k < st->n; k++) {
+        const float *g = st->grads[k][c->t] + rel;
+        const float wk = (float)st->weight[k];
+        if (k == 0)
+            for (size_t i = 0; i < c->n; i++) acc[i] = wk * g[i];
+        else
+            for (size_t i = 0; i < c->n; i++) acc[i] += wk * g[i];
+    }
+    for (size_t o = 0, b = c->blk; o < c->n; o += PSD_NORM_BLOCK, b++)
+        s->blk_sq[b] = psd_sumsq(acc + o, c->n - o < PSD_NORM_BLOCK ? c->n - o : PSD_NORM_BLOCK);
+}
+
+static void apply_chunk(step_t *st, const psd_chunk_t *c)
+{
+    psd_store_t *s = st->s;
+    const size_t off = c->off;
+    psd_optim_apply(&s->opt, s->cur->w + off, st->next->w + off, s->grad + off, st->scale,
+                    s->s0 ? s->s0 + off : NULL, s->s1 ? s->s1 + off : NULL, c->n, st->lr, s->steps);
+}
+
+static void reduce_task(void *arg, int i)
+{
+    step_t *st = arg;
+    reduce_chunk(st, &st->s->chunks[i]);
+    if (st->apply) apply_chunk(st, &st->s->chunks[i]);
+}
+
+static void apply_task(void *arg, int i)
+{
+    step_t *st = arg;
+    apply_chunk(st, &st->s->chunks[i]);
+}
+
 double psd_store_step(psd_store_t *s, int n, const float *const (*grads)[PS_MAX_TENSORS],
                       const double *weight, double clip_norm, double lr)
 {
+    if (!s->chunks && psd_store_set_parallel(s, 1, (size_t)1 << 40) != 0) return -1;
     psd_arena_t *next = free_arena(s);
     if (!next) return -1;
-    const ps_layout_t *l = &s->layout;
-    /* reduce: grad = sum_k weight[k] * g_k, in the contributors' order */
-    double sumsq = 0;
-    for (int t = 0; t < l->n_tensors; t++) {
-        float *acc = s->grad + l->t[t].offset;
-        size_t numel = l->t[t].numel;
-        for (int k = 0; k < n; k++) {
-            const float *g = grads[k][t];
-            const float wk = (float)weight[k];
-            if (k == 0)
-                for (size_t i = 0; i < numel; i++) acc[i] = wk * g[i];
-            else
-                for (size_t i = 0; i < numel; i++) acc[i] += wk * g[i];
-        }
-        sumsq += psd_sumsq(acc, numel);
-    }
-    float scale = psd_clip_scale(sumsq, clip_norm);
     s->steps++;
-    for (int t = 0; t < l->n_tensors; t++) {
-        size_t off = l->t[t].offset;
-        if (s->before_update) s->before_update(s->before_update_ud, off, l->t[t].numel);
-        psd_optim_apply(&s->opt, s->cur->w + off, next->w + off, s->grad + off, scale,
-                        s->s0 ? s->s0 + off : NULL, s->s1 ? s->s1 + off : NULL, l->t[t].numel, lr,
-                        s->steps);
+    /* the optimizer slots are about to change: a checkpoint being written
+     * saves what it has not written yet (from this thread, before the pool
+     * touches them) */
+    if (s->before_update) s->before_update(s->before_update_ud, 0, s->layout.n_params);
+    step_t st = {.s = s, .next = next, .n = n, .grads = grads, .weight = weight, .scale = 1.0f, .lr = lr};
+    /* without clipping every chunk is reduced and applied at once (no
+     * second pass); with it, the global norm is needed first */
+    st.apply = !(clip_norm > 0.0);
+    ps_pool_for(s->pool, s->n_chunks, reduce_task, &st);
+    double sumsq = 0;
+    for (size_t b = 0; b < s->n_blk; b++) sumsq += s->blk_sq[b]; /* block order: any chunking, same bits */
+    if (!st.apply) {
+        st.scale = psd_clip_scale(sumsq, clip_norm);
+        ps_pool_for(s->pool, s->n_chunks, apply_task, &st);
     }
     next->version = s->cur->version + 1;
     atomic_store(&next->refs, 1);

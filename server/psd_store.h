@@ -16,11 +16,23 @@
 #include "psd_optim.h"
 
 #define PSD_MAX_ARENAS 8
+#define PSD_NORM_BLOCK 16384 /* floats: the gradient norm is summed per block, then in block order */
+
+struct ps_pool;
+
+/* A unit of a step's parallel work: floats [off, off+n) of tensor t. */
+typedef struct {
+    int t;
+    size_t off, n;   /* absolute offset in the layout, count */
+    size_t blk;      /* its first norm block */
+} psd_chunk_t;
 
 typedef struct psd_arena {
     atomic_int refs;    /* frames in flight + 1 while current */
     uint64_t version;
     float *w;           /* n_params floats */
+    uint64_t crc_of;    /* version + 1 whose CRC-32 `crc` is (0: none yet) */
+    uint32_t crc;
 } psd_arena_t;
 
 typedef struct {
@@ -36,16 +48,32 @@ typedef struct {
      * checkpoint being written saves them copy-on-write); may be NULL */
     void (*before_update)(void *ud, size_t off, size_t n);
     void *before_update_ud;
+    /* parallel steps (psd_store_set_parallel): chunks of every tensor */
+    struct ps_pool *pool;
+    psd_chunk_t *chunks;
+    int n_chunks;
+    double *blk_sq;     /* squared norm of each norm block */
+    size_t n_blk;
 } psd_store_t;
 
 /* Allocate and initialise weights from seed (version 0). 0 or -ENOMEM. */
 int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt, uint64_t seed);
 void psd_store_deinit(psd_store_t *s);
 
+/* Split steps into chunks of about chunk_bytes (rounded up to whole norm
+ * blocks; a tensor is at least one chunk) run on `threads` threads (including
+ * the caller). The results are bit-identical for any chunk size and thread
+ * count. Without this call: one thread, one chunk per tensor. 0 or -ENOMEM. */
+int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes);
+
 /* Take a reference on the current arena for a frame sent by ZeroMQ;
  * psd_store_frame_free is the matching zmq free callback (any thread). */
 psd_arena_t *psd_store_ref_current(psd_store_t *s);
 void psd_store_frame_free(void *data, void *hint);
+
+/* CRC-32 of the current version's tensors in layout order (computed once
+ * per version): what a worker must receive for that version. */
+uint32_t psd_store_current_crc(psd_store_t *s);
 
 /* One synchronous step. grads[k][t] is tensor t of contributor k (borrowed),
  * weight[k] its share of the batch (sum 1); contributors are reduced in the

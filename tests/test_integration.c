@@ -11,6 +11,7 @@
 #include <math.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <stdio.h>
@@ -20,6 +21,7 @@
 #include <zmq.h>
 
 #include "proc.h"
+#include "psworker.h"
 #include "ps_util.h"
 #include "ps_wire.h"
 
@@ -116,6 +118,14 @@ static char *metrics_last(const run_t *r)
     char *m = slurp(r->metrics);
     cr_assert_not_null(m, "metrics file %s exists", r->metrics);
     return m;
+}
+
+/* The last epoch validated every test sample once. */
+static void assert_validated_all(const run_t *r)
+{
+    char *m = metrics_last(r);
+    cr_assert_eq(json_num(last_line(m), "val_samples"), 10000, "%s", last_line(m));
+    free(m);
 }
 
 static void check_run(const run_t *r, int workers, int epochs)
@@ -230,6 +240,137 @@ Test(short, same_seed_gives_bit_identical_weights)
     train(&c, "c", 2, other, 300);
     check_run(&c, 2, 2);
     cr_assert_not(weights_equal(a.weights, c.weights), "another seed: other weights");
+}
+
+/* psd's step runs on a thread pool in chunks: any chunk size and thread
+ * count gives the same bits (Adam with global-norm clipping, which needs the
+ * whole gradient's norm before any chunk is applied; and SGD, where each
+ * chunk is reduced and applied at once). */
+Test(short, chunked_threaded_steps_give_identical_weights)
+{
+    const char *opt[2][8] = {
+        {"--set", "optimizer.name=adam", "--set", "optimizer.lr=0.001", "--set", "optimizer.clip_norm=0.5", NULL},
+        {"--set", "optimizer.name=sgd", NULL}};
+    const char *par[3][5] = {{"--set", "server.threads=1", "--set", "server.chunk_bytes=1073741824", NULL},
+                             {"--set", "server.threads=3", "--set", "server.chunk_bytes=65536", NULL},
+                             {"--set", "server.threads=2", "--set", "server.chunk_bytes=1048576", NULL}};
+    for (int o = 0; o < 2; o++) {
+        run_t r[3];
+        for (int k = 0; k < 3; k++) {
+            const char *args[24] = {"--epochs", "1", "--set", "data.train_limit=3000", "--seed", "7"};
+            int n = 6;
+            for (int i = 0; opt[o][i]; i++) args[n++] = opt[o][i];
+            for (int i = 0; par[k][i]; i++) args[n++] = par[k][i];
+            args[n] = NULL;
+            char tag[16];
+            snprintf(tag, sizeof tag, "par%d%d", o, k);
+            train(&r[k], tag, 2, args, 300);
+            check_run(&r[k], 2, 1);
+        }
+        cr_assert(weights_equal(r[0].weights, r[1].weights), "64 KiB chunks on 3 threads = one chunk per tensor");
+        cr_assert(weights_equal(r[0].weights, r[2].weights), "1 MiB chunks on 2 threads = one chunk per tensor");
+    }
+}
+
+/* Weights are sent from the version's arena without copying: psd must never
+ * change an arena while ZeroMQ still sends from it. With --x-verify-weights
+ * every WEIGHTS/VALIDATE carries the CRC-32 of its version and workers check
+ * what they receive (a torn read fails them). Here a client asks for the
+ * weights (23 MB, more than a connection's kernel buffers hold) and stops
+ * itself (SIGSTOP) before reading them, so psd's message stays half sent,
+ * still read from its arena; psd declares the client lost and steps on with
+ * two real workers, recycling every arena nobody references; then the client
+ * wakes up and must receive the version psd claimed, intact. */
+static void wait_log(const char *file, const char *text, double timeout_s);
+
+static int stalled_client(const char *endpoint)
+{
+    char err[512];
+    psw_info_t info = {.device = "cpu", .device_index = -1, .identity_hint = "stalled"};
+    psw_client_t *c = psw_client_new(endpoint, &info, err, sizeof err);
+    psw_assign_t a;
+    psw_event_t ev;
+    if (!c || psw_client_register(c, &a, 60, err, sizeof err) != 0) return 10;
+    psw_client_ready(c, 3000, 10000);
+    do {
+        if (psw_client_next(c, &ev, 60, err, sizeof err) != 0) return 11;
+    } while (ev.kind != PSW_EV_EPOCH);
+    psw_client_pull(c, ev.version);
+    /* stop (ZeroMQ's I/O thread too) once the pull is out and psd has begun
+     * to answer, long before 23 MB can have arrived; the test sends SIGCONT
+     * once psd has stepped on */
+    struct timespec ts = {0, 2000000};
+    nanosleep(&ts, NULL);
+    raise(SIGSTOP);
+    int rc = psw_client_next(c, &ev, 60, err, sizeof err);
+    if (rc == -EPROTO && strstr(err, "do not match")) {
+        fprintf(stderr, "%s\n", err);
+        return 3; /* torn */
+    }
+    if (rc != 0 || ev.kind != PSW_EV_WEIGHTS || psw_client_verified(c) != 1) {
+        fprintf(stderr, "stalled client: rc %d (%s), event %d, %llu verified\n", rc, rc ? err : "", (int)ev.kind,
+                (unsigned long long)psw_client_verified(c));
+        return 12;
+    }
+    psw_client_destroy(&c);
+    return 0;
+}
+
+Test(short, workers_receive_exactly_the_version_psd_claims)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=3000", "--x-verify-weights",
+                          "--set", "model.layers=[784,2048,2048,10]", "--worker-timeout", "1",
+                          "--set", "optimizer.lr=0.01", "--set", "server.threads=3",
+                          "--set", "server.chunk_bytes=65536", "--set", "checkpoint.dir=", NULL};
+    const char *wargs[] = {"--threads", "1", "--verbose", NULL};
+    pid_t p = start_psd(&r, "crc", 3, args);
+    pid_t w0 = start_worker(&r, "crc", 0, wargs), w1 = start_worker(&r, "crc", 1, wargs);
+    pid_t c = fork();
+    cr_assert(c >= 0);
+    if (c == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlives the test, even stopped */
+        _exit(stalled_client(r.endpoint));
+    }
+    int st = 0;
+    cr_assert_eq(waitpid(c, &st, WUNTRACED), c);
+    cr_assert(WIFSTOPPED(st), "the client stopped itself before reading its weights");
+    wait_log(r.psd_log, "lost: nothing from it", 60);
+    zmq_poll(NULL, 0, 1500); /* psd steps on with the two workers */
+    kill(c, SIGCONT);
+    cr_assert_eq(waitpid(c, &st, 0), c);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the stalled client received version it was promised, "
+              "intact (exit %d; 3 = torn)", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    cr_assert_eq(proc_wait(p, 300), 0, "psd");
+    cr_assert_eq(proc_wait(w0, 60), 0);
+    cr_assert_eq(proc_wait(w1, 60), 0);
+    for (int i = 0; i < 2; i++) {
+        char wlog[512];
+        snprintf(wlog, sizeof wlog, "%s/crc-w%d.log", dir, i);
+        char *log = slurp(wlog);
+        cr_assert(log && !strstr(log, "do not match"), "worker %d received torn weights: %s", i, log ? log : "");
+        cr_assert(strstr(log, "weights messages matched psd's checksums"), "worker %d checked them", i);
+        free(log);
+    }
+    assert_validated_all(&r);
+}
+
+/* A run whose loss becomes NaN or infinite ends at once with a clear error
+ * (exit 1), instead of dropping the workers' pushes as bad messages. */
+Test(short, a_diverging_run_ends_with_a_clear_error)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "3", "--set", "data.train_limit=3000", "--set", "optimizer.lr=1e6",
+                          "--set", "schedule.name=constant", NULL};
+    pid_t p = start_psd(&r, "nan", 2, args);
+    pid_t w0 = start_worker(&r, "nan", 0, NULL), w1 = start_worker(&r, "nan", 1, NULL);
+    cr_assert_eq(proc_wait(p, 120), 1, "psd exits 1");
+    cr_assert_eq(proc_wait(w0, 30), 1, "workers are told and exit 1");
+    cr_assert_eq(proc_wait(w1, 30), 1);
+    char *log = slurp(r.psd_log);
+    cr_assert(log && strstr(log, "training diverged at step"), "says why: %s", log ? log : "");
+    cr_assert(!strstr(log, "lost: nothing from it"), "no worker declared lost");
+    free(log);
 }
 
 Test(short, eval_of_saved_weights_matches_validation)
@@ -402,12 +543,9 @@ Test(short, malformed_messages_are_dropped)
     char *log = slurp(r.psd_log);
     cr_assert(strstr(log, "dropped a message"), "drops are logged: %s", log);
     free(log);
-    char *m = metrics_last(&r);
-    cr_assert_eq(json_num(last_line(m), "val_samples"), 10000);
-    free(m);
+    assert_validated_all(&r);
 }
 
-static void wait_log(const char *file, const char *text, double timeout_s);
 
 /* Wait up to timeout_ms for `event` on a monitor PAIR socket. */
 static bool monitor_saw(void *mon, int event, int timeout_ms)
@@ -468,9 +606,60 @@ Test(short, a_peer_that_keeps_sending_bad_messages_is_disconnected)
     cr_assert(strstr(log, "disconnected a peer at 127.0.0.1: 16 bad messages in a row"), "logged: %s", log);
     cr_assert(strstr(log, "dropped a message from an unknown peer at 127.0.0.1"), "address logged");
     free(log);
-    char *m = metrics_last(&r);
-    cr_assert_eq(json_num(last_line(m), "val_samples"), 10000);
-    free(m);
+    assert_validated_all(&r);
+}
+
+/* Counts of tests/alloc_count.so's output: exe, protobuf-c, zmq, other. */
+static void read_counts(const char *file, double c[4])
+{
+    char *t = slurp(file);
+    cr_assert(t, "no allocation counts in %s", file);
+    const char *key[4] = {"exe ", "protobuf-c ", "zmq ", "other "};
+    for (int i = 0; i < 4; i++) {
+        const char *p = strstr(t, key[i]);
+        cr_assert(p, "no %s count", key[i]);
+        c[i] = strtod(p + strlen(key[i]), NULL);
+    }
+    free(t);
+}
+
+/* Once training runs, psd's own code and protobuf decoding allocate nothing
+ * per step: two runs that differ only in their number of steps make as
+ * many allocations (libzmq's own, per step, are reported). */
+Test(short, psd_allocates_nothing_per_step)
+{
+    const char *lib = getenv("PSD_ALLOC_COUNT_LIB");
+    if (!lib || !lib[0]) cr_skip_test("no allocation counter in this build (sanitizers own malloc)");
+    const char *limit[2] = {"data.train_limit=1280", "data.train_limit=6400"}; /* 10 and 50 steps */
+    double c[2][4];
+    for (int k = 0; k < 2; k++) {
+        run_t r;
+        char tag[16], out[512];
+        snprintf(tag, sizeof tag, "alloc%d", k);
+        snprintf(out, sizeof out, "%s/%s-counts.txt", dir, tag);
+        const char *extra[] = {"--epochs", "1", "--set", limit[k], "--set", "checkpoint.dir=", NULL};
+        setenv("LD_PRELOAD", lib, 1);
+        setenv("ALLOC_COUNT_OUT", out, 1);
+        pid_t p = start_psd(&r, tag, 2, extra);
+        unsetenv("LD_PRELOAD");
+        unsetenv("ALLOC_COUNT_OUT");
+        pid_t w0 = start_worker(&r, tag, 0, NULL), w1 = start_worker(&r, tag, 1, NULL);
+        cr_assert_eq(proc_wait(p, 300), 0);
+        cr_assert_eq(proc_wait(w0, 30), 0);
+        cr_assert_eq(proc_wait(w1, 30), 0);
+        read_counts(out, c[k]);
+        char *m = metrics_last(&r);
+        cr_assert_eq(json_num(last_line(m), "train_samples"), k ? 6400 : 1280);
+        free(m);
+    }
+    cr_log_info("allocations, 10-step run / 50-step run: psd %.0f / %.0f, protobuf-c %.0f / %.0f, "
+                "libzmq %.0f / %.0f (%.1f per step), other %.0f / %.0f",
+                c[0][0], c[1][0], c[0][1], c[1][1], c[0][2], c[1][2], (c[1][2] - c[0][2]) / 40, c[0][3], c[1][3]);
+    fprintf(stderr, "allocations per step: psd's code %.2f, protobuf-c %.2f, libzmq %.2f, other %.2f\n",
+            (c[1][0] - c[0][0]) / 40, (c[1][1] - c[0][1]) / 40, (c[1][2] - c[0][2]) / 40, (c[1][3] - c[0][3]) / 40);
+    cr_assert(c[0][0] > 0, "the counter sees psd's allocations at start-up");
+    cr_assert_eq(c[1][0], c[0][0], "psd's own code allocated per step (%.0f vs %.0f)", c[1][0], c[0][0]);
+    cr_assert_eq(c[1][1], c[0][1], "protobuf decoding allocated per step (%.0f vs %.0f)", c[1][1], c[0][1]);
 }
 
 Test(short, worker_with_other_data_is_refused)
@@ -1098,9 +1287,7 @@ Test(short, only_allow_listed_keys_get_in)
     cr_assert(strstr(log, "refused a client from 127.0.0.1: key not in the allow-list"), "address logged: %s", log);
     cr_assert(strstr(log, "handshake failed"), "plain and wrong-server-key clients logged: %s", log);
     free(log);
-    char *m = metrics_last(&r);
-    cr_assert_eq(json_num(last_line(m), "val_samples"), 10000);
-    free(m);
+    assert_validated_all(&r);
 }
 
 Test(short, no_authentication_handler_means_nobody_gets_in)

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "ps_log.h"
 #include "ps_util.h"
@@ -24,6 +25,7 @@ struct psw_client {
     uint32_t rank;
     uint64_t seq;
     ps_msg_t cur;           /* last received message (event data borrowed from it) */
+    uint64_t verified;      /* weights messages checked against psd's CRC-32 */
     atomic_int push_inflight; /* gradient frames ZeroMQ still holds */
 };
 
@@ -443,8 +445,11 @@ int psw_client_fail(psw_client_t *c, int data_error, const char *message)
     return send_hdr(c, &h);
 }
 
-/* Tensor frames of a WEIGHTS/VALIDATE message, checked against each other. */
-static int take_tensors(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
+/* Tensor frames of a WEIGHTS/VALIDATE message, checked against each other
+ * and, when psd sends one (psd --x-verify-weights), against the CRC-32 of
+ * the version they claim to be: a frame psd changed while ZeroMQ was still
+ * sending it would show here. */
+static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t crc, char *err, size_t errlen)
 {
     ev->n_tensors = c->cur.n_frames;
     for (int i = 0; i < c->cur.n_frames; i++) {
@@ -457,8 +462,20 @@ static int take_tensors(psw_client_t *c, psw_event_t *ev, char *err, size_t errl
         ev->tensors[i] = p;
         ev->tensor_numel[i] = n;
     }
+    if (crc) {
+        uLong got = crc32(0L, Z_NULL, 0);
+        for (int i = 0; i < ev->n_tensors; i++) got = crc32_z(got, (const Bytef *)ev->tensors[i], 4 * ev->tensor_numel[i]);
+        if ((uint32_t)got != crc) {
+            snprintf(err, errlen, "weights of version %llu do not match psd's checksum (%08x, received %08x): "
+                     "torn or corrupted in transit", (unsigned long long)ev->version, crc, (unsigned)got);
+            return -EPROTO;
+        }
+        c->verified++;
+    }
     return 0;
 }
+
+uint64_t psw_client_verified(const psw_client_t *c) { return c->verified; }
 
 int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
 {
@@ -489,7 +506,7 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
             ev->kind = PSW_EV_WEIGHTS;
             ev->version = h->weights->version;
             ev->step = h->weights->step;
-            return take_tensors(c, ev, err, errlen);
+            return take_tensors(c, ev, h->weights->crc, err, errlen);
         case PSD__MSG_TYPE__MSG_VALIDATE:
             ev->kind = PSW_EV_VALIDATE;
             ev->epoch = h->validate->epoch;
@@ -500,7 +517,7 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
                 snprintf(err, errlen, "psd sent an invalid validation range");
                 return -EPROTO;
             }
-            return take_tensors(c, ev, err, errlen);
+            return take_tensors(c, ev, h->validate->crc, err, errlen);
         case PSD__MSG_TYPE__MSG_SHUTDOWN:
             ev->kind = PSW_EV_SHUTDOWN;
             ev->exit_code = h->shutdown->exit_code;

@@ -442,6 +442,9 @@ int psw_worker_run(const psw_worker_opts_t *o)
         if (w.c) {
             info.run_id = psw_client_run_id(w.c);
             info.prev_rank = w.a.rank;
+            if (psw_client_verified(w.c))
+                PS_INFO("%llu weights messages matched psd's checksums of their versions",
+                        (unsigned long long)psw_client_verified(w.c));
         }
         psw_client_destroy(&w.c);
         if (code >= 0) break;

@@ -8,6 +8,9 @@
  *                             then come out of ZeroMQ's receive buffer at any
  *                             offset (ps_msg_recv's realignment copy), as on
  *                             psd's real sockets; slower
+ *                   bits 5-6  decode the header into a bump arena of 0: none
+ *                             (malloc), 1: 256 bytes, 2: 4 KiB, 3: 64 KiB (as
+ *                             psd does; small ones fall back to malloc midway)
  *   then per frame: u16 LE length (clamped to the bytes left), the bytes.
  *   Frames for which the input has run out are empty.
  * The first frame is the header frame (in ROUTER mode ZeroMQ prepends the
@@ -178,9 +181,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     char err[256];
     int got = 0;
+    static uint8_t arena_buf[64 << 10];
+    static const size_t arena_cap[4] = {0, 256, 4096, sizeof arena_buf};
+    ps_arena_t arena;
+    int ak = (ctl >> 5) & 3;
+    ps_arena_init(&arena, arena_buf, arena_cap[ak]);
     for (;;) {
         ps_msg_t m;
-        int rc = ps_msg_recv(rx, &m, router, ZMQ_DONTWAIT, err, sizeof err);
+        int rc = ps_msg_recv_arena(rx, &m, router, ZMQ_DONTWAIT, ak ? &arena : NULL, err, sizeof err);
+        if (arena.live != (rc == 0 && ak ? 1 : 0)) FUZZ_DIE("arena: %d live messages after rc %d", arena.live, rc);
         if (rc == -EAGAIN) break;
         if (rc == -EINTR) {
             /* a signal (libFuzzer's SIGALRM) during ZeroMQ's command poll:
@@ -199,6 +208,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             exercise(&m);
             ps_msg_deinit(&m);
             ps_msg_deinit(&m); /* documented as safe to call twice */
+            if (arena.live != 0 || arena.used != 0) FUZZ_DIE("arena not released by ps_msg_deinit");
         } else if (rc == -EPROTO) {
             if (!memchr(err, '\0', sizeof err) || err[0] == '\0')
                 FUZZ_DIE("-EPROTO without a message");

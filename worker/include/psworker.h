@@ -129,6 +129,9 @@ int psw_client_heartbeat(psw_client_t *c, uint32_t epoch);
 int psw_client_leave(psw_client_t *c, const char *reason);
 
 uint64_t psw_client_run_id(const psw_client_t *c);
+/* Weights messages whose tensors were checked against psd's CRC-32 (sent
+ * with psd --x-verify-weights; a mismatch is an -EPROTO error). */
+uint64_t psw_client_verified(const psw_client_t *c);
 
 /* Return codes of psw_client_next/register besides 0: -ETIMEDOUT (psd
  * silent), -ECONNRESET (connection to psd dropped), -EACCES (psd refused the

@@ -1,0 +1,241 @@
+/* psbench - communication-only load generator for psd: W simulated workers
+ * (threads, one psd client each) that speak the real protocol but do no
+ * math. Each round a worker pushes a zero gradient of the model's size and
+ * asks for the next weights (push+pull, synchronous: psd steps once every
+ * worker has pushed). Not a test.
+ *
+ *   psd --workers W --set 'model.layers=[784,1338]' ... &     (a 4 MiB tensor)
+ *   build/psbench --connect tcp://127.0.0.1:5555 --workers W [--key K --server-key P]
+ *
+ * Prints, over the training rounds of the run (validation excluded): rounds,
+ * push+pull GB/s per worker and aggregate ((bytes pushed + bytes pulled) /
+ * time), and round-latency percentiles (push sent -> next weights received). */
+#include <errno.h>
+#include <getopt.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <zlib.h>
+
+#include "ps_auth.h"
+#include "ps_model.h"
+#include "ps_rng.h"
+#include "ps_util.h"
+#include "psworker.h"
+
+#define MAX_W 64
+#define MAX_ROUNDS (1 << 20)
+
+typedef struct {
+    const char *ep;
+    int index;
+    psw_info_t info;
+    /* results */
+    int rc;
+    uint64_t rounds, bytes;
+    double t_first, t_last;
+    double *lat;
+    size_t n_lat;
+} bw_t;
+
+static void *bench_worker(void *p)
+{
+    bw_t *b = p;
+    char err[512];
+    uint8_t ident[16];
+    uint64_t x = ps_splitmix64(&(uint64_t){(uint64_t)(ps_now() * 1e9) ^ (uint64_t)b->index * 7919u});
+    memcpy(ident, &x, 8);
+    x = ps_splitmix64(&x);
+    memcpy(ident + 8, &x, 8);
+    ident[0] |= 1;
+    b->info.identity = ident;
+    b->info.identity_len = sizeof ident;
+    psw_client_t *c = psw_client_new(b->ep, &b->info, err, sizeof err);
+    if (!c) {
+        fprintf(stderr, "psbench: %s\n", err);
+        b->rc = 2;
+        return NULL;
+    }
+    psw_assign_t a;
+    if (psw_client_register(c, &a, 60, err, sizeof err) != 0) {
+        fprintf(stderr, "psbench: worker %d: %s\n", b->index, err);
+        b->rc = 2;
+        psw_client_destroy(&c);
+        return NULL;
+    }
+    ps_layout_t l;
+    if (ps_layout_init(&l, a.sizes, a.n_sizes) != 0) {
+        fprintf(stderr, "psbench: invalid model from psd\n");
+        b->rc = 2;
+        psw_client_destroy(&c);
+        return NULL;
+    }
+    float *zero = calloc(l.n_params, sizeof *zero);
+    const float *g[PSW_MAX_TENSORS];
+    size_t numel[PSW_MAX_TENSORS];
+    int ids[PSW_MAX_TENSORS], rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
+    for (int t = 0; t < l.n_tensors; t++) {
+        ids[t] = t;
+        g[t] = zero + l.t[t].offset;
+        numel[t] = l.t[t].numel;
+        rows[t] = l.t[t].rows;
+        cols[t] = t % 2 == 0 ? l.t[t].cols : 0;
+    }
+    /* the sample counts psd checks: from the IDX headers of the files it names */
+    uint64_t count[2] = {0, 0};
+    for (int i = 0; i < a.n_files; i++) {
+        int k = strcmp(a.files[i].role, "train_images") == 0 ? 0 : strcmp(a.files[i].role, "test_images") == 0 ? 1 : -1;
+        if (k < 0) continue;
+        gzFile f = gzopen(a.files[i].path, "rb");
+        unsigned char h[8];
+        if (f && gzread(f, h, 8) == 8)
+            count[k] = (uint64_t)h[4] << 24 | (uint64_t)h[5] << 16 | (uint64_t)h[6] << 8 | h[7];
+        if (f) gzclose(f);
+    }
+    uint64_t limit = a.train_limit && a.train_limit < count[0] ? a.train_limit : count[0];
+    psw_client_ready(c, limit, count[1]);
+    size_t n_ids = 0, pos = 0;
+    uint32_t epoch = 0;
+    int in_epoch = 0;
+    double t_push = 0, timeout = a.start_timeout_s;
+    for (;;) {
+        psw_event_t ev;
+        int rc = psw_client_next(c, &ev, timeout, err, sizeof err);
+        if (rc == -EINTR) continue;
+        if (rc < 0) {
+            fprintf(stderr, "psbench: worker %d: %s\n", b->index, err);
+            b->rc = 1;
+            break;
+        }
+        timeout = a.step_timeout_s;
+        if (ev.kind == PSW_EV_SHUTDOWN) break;
+        if (ev.kind == PSW_EV_EPOCH) {
+            n_ids = ev.append ? n_ids + ev.n_samples : ev.n_samples;
+            if (!ev.append) pos = 0;
+            epoch = ev.epoch;
+            if (pos >= n_ids) {
+                in_epoch = 0;
+                psw_client_barrier(c, epoch, n_ids);
+            } else if (!in_epoch) {
+                in_epoch = 1;
+                psw_client_pull(c, ev.version);
+            }
+        } else if (ev.kind == PSW_EV_VALIDATE) {
+            psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 0, 0, ev.val_end - ev.val_begin);
+        } else if (ev.kind == PSW_EV_WEIGHTS && in_epoch) {
+            double now = ps_now();
+            if (t_push > 0) { /* a round: push -> these weights */
+                if (b->n_lat < MAX_ROUNDS) b->lat[b->n_lat++] = now - t_push;
+                b->rounds++;
+                b->bytes += 2 * 4 * l.n_params;
+                b->t_last = now;
+            } else {
+                b->t_first = now;
+            }
+            while (!psw_client_push_done(c)) sched_yield();
+            size_t B = n_ids - pos < a.batch_size ? n_ids - pos : a.batch_size;
+            pos += B;
+            int last = pos >= n_ids;
+            t_push = last ? 0 : ps_now();
+            if (psw_client_push(c, ev.version, (uint32_t)B, 0, 0, !last, l.n_tensors, ids, g, numel, rows,
+                                cols) != 0) {
+                b->rc = 1;
+                break;
+            }
+            if (last) {
+                in_epoch = 0;
+                psw_client_barrier(c, epoch, n_ids);
+            }
+        }
+    }
+    while (!psw_client_push_done(c)) sched_yield();
+    psw_client_destroy(&c);
+    free(zero);
+    return NULL;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: psbench --connect ENDPOINT [--workers W] [--key FILE --server-key FILE]\n"
+               "  W simulated workers (threads) push zero gradients and pull weights from psd\n"
+               "  until psd ends the run; prints push+pull GB/s and round latencies\n");
+}
+
+int main(int argc, char **argv)
+{
+    const char *ep = NULL, *key = NULL, *server_key = NULL;
+    int W = 1;
+    static const struct option opts[] = {{"connect", required_argument, 0, 'c'},
+                                         {"workers", required_argument, 0, 'w'},
+                                         {"key", required_argument, 0, 'k'},
+                                         {"server-key", required_argument, 0, 's'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    int o;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 'c': ep = optarg; break;
+        case 'w': W = atoi(optarg); break;
+        case 'k': key = optarg; break;
+        case 's': server_key = optarg; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (!ep || W < 1 || W > MAX_W || optind != argc || (!key != !server_key)) {
+        usage(stderr);
+        return 2;
+    }
+    char err[512];
+    ps_keypair_t kp;
+    char spub[PS_Z85_LEN];
+    if (key && (ps_auth_load_secret(key, &kp, err, sizeof err) != 0 ||
+                ps_auth_load_public(server_key, spub, err, sizeof err) != 0)) {
+        fprintf(stderr, "psbench: %s\n", err);
+        return 2;
+    }
+    bw_t *b = calloc((size_t)W, sizeof *b);
+    pthread_t th[MAX_W];
+    for (int i = 0; i < W; i++) {
+        b[i].ep = ep;
+        b[i].index = i;
+        b[i].info = (psw_info_t){.device = "cpu", .device_index = -1, .identity_hint = "psbench"};
+        if (key) {
+            b[i].info.curve_public = kp.public_z85;
+            b[i].info.curve_secret = kp.secret_z85;
+            b[i].info.curve_server = spub;
+        }
+        b[i].lat = malloc(MAX_ROUNDS * sizeof(double));
+        pthread_create(&th[i], NULL, bench_worker, &b[i]);
+    }
+    int rc = 0;
+    double agg = 0;
+    for (int i = 0; i < W; i++) {
+        pthread_join(th[i], NULL);
+        if (b[i].rc) rc = b[i].rc;
+    }
+    for (int i = 0; i < W; i++) {
+        double dt = b[i].t_last - b[i].t_first;
+        double gbs = dt > 0 ? (double)b[i].bytes / dt / 1e9 : 0;
+        agg += gbs;
+        qsort(b[i].lat, b[i].n_lat, sizeof(double), cmp_d);
+        double p50 = b[i].n_lat ? b[i].lat[b[i].n_lat / 2] : 0;
+        double p90 = b[i].n_lat ? b[i].lat[b[i].n_lat * 9 / 10] : 0;
+        double p99 = b[i].n_lat ? b[i].lat[b[i].n_lat * 99 / 100] : 0;
+        printf("worker %d: %llu rounds, push+pull %.3f GB/s, round latency p50 %.3f ms p90 %.3f ms p99 %.3f ms\n", i,
+               (unsigned long long)b[i].rounds, gbs, p50 * 1e3, p90 * 1e3, p99 * 1e3);
+        free(b[i].lat);
+    }
+    printf("aggregate push+pull: %.3f GB/s (%d workers)\n", agg, W);
+    free(b);
+    memset(&kp, 0, sizeof kp);
+    return rc;
+}

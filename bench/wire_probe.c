@@ -1,0 +1,150 @@
+/* wire_probe - what the machine and ZeroMQ allow, as the yardsticks of psd's
+ * communication figures. Not a test.
+ *
+ *   build/wire_probe [MIB] [SECONDS]
+ *
+ * memcpy:  bytes copied per second, MIB-sized buffers (one thread).
+ * zmq tcp / ipc: a raw ZeroMQ round trip as push+pull does it: a DEALER
+ *   sends MIB bytes (zero-copy, zmq_msg_init_data), a ROUTER in another
+ *   process answers with MIB bytes (zero-copy from a prepared buffer);
+ *   GB/s = (bytes sent + bytes received) / round time, like psbench's
+ *   push+pull figure. Prints one line per probe, medians of 5 runs. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "ps_util.h"
+
+static void no_free(void *data, void *hint)
+{
+    (void)data;
+    (void)hint;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double memcpy_gbs(size_t bytes, double seconds)
+{
+    char *a = malloc(bytes), *b = malloc(bytes);
+    memset(a, 1, bytes);
+    memset(b, 2, bytes);
+    uint64_t n = 0;
+    double t0 = ps_now(), t;
+    do {
+        memcpy(n & 1 ? a : b, n & 1 ? b : a, bytes);
+        n++;
+        t = ps_now();
+    } while (t - t0 < seconds);
+    volatile char sink = a[bytes / 2] + b[bytes / 3];
+    (void)sink;
+    free(a);
+    free(b);
+    return (double)n * (double)bytes / (t - t0) / 1e9;
+}
+
+/* child: ROUTER bound to `ep` (tcp://127.0.0.1:* or ipc://), endpoint written to fd */
+static void server(const char *ep, size_t bytes, int fd)
+{
+    void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_ROUTER);
+    if (zmq_bind(s, ep) != 0) _exit(1);
+    char last[256];
+    size_t len = sizeof last;
+    zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, last, &len);
+    if (write(fd, last, strlen(last) + 1) < 0) _exit(1);
+    close(fd);
+    char *reply = malloc(bytes);
+    memset(reply, 3, bytes);
+    for (;;) {
+        zmq_msg_t id, body, r;
+        zmq_msg_init(&id);
+        zmq_msg_init(&body);
+        if (zmq_msg_recv(&id, s, 0) < 0) break;
+        if (zmq_msg_recv(&body, s, 0) < 0) break;
+        int stop = zmq_msg_size(&body) == 0;
+        zmq_msg_close(&body);
+        if (stop) break;
+        zmq_msg_send(&id, s, ZMQ_SNDMORE);
+        zmq_msg_init_data(&r, reply, bytes, no_free, NULL);
+        zmq_msg_send(&r, s, 0);
+    }
+    zmq_close(s);
+    zmq_ctx_term(ctx);
+    free(reply);
+    _exit(0);
+}
+
+static double zmq_gbs(const char *bind_ep, size_t bytes, double seconds)
+{
+    int pfd[2];
+    if (pipe(pfd) != 0) return -1;
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(pfd[0]);
+        server(bind_ep, bytes, pfd[1]);
+    }
+    close(pfd[1]);
+    char ep[256] = "";
+    ssize_t n = read(pfd[0], ep, sizeof ep - 1);
+    close(pfd[0]);
+    if (n <= 0) return -1;
+    void *ctx = zmq_ctx_new(), *c = zmq_socket(ctx, ZMQ_DEALER);
+    zmq_connect(c, ep);
+    char *buf = malloc(bytes);
+    memset(buf, 4, bytes);
+    uint64_t rounds = 0;
+    double t0 = 0, t = 0;
+    for (int i = 0;; i++) {
+        zmq_msg_t m, r;
+        zmq_msg_init_data(&m, buf, bytes, no_free, NULL);
+        zmq_msg_send(&m, c, 0);
+        zmq_msg_init(&r);
+        zmq_msg_recv(&r, c, 0);
+        zmq_msg_close(&r);
+        t = ps_now();
+        if (i == 2) t0 = t; /* the first rounds set up buffers */
+        if (i > 2) rounds++;
+        if (i > 2 && t - t0 > seconds) break;
+    }
+    zmq_send(c, "", 0, 0);
+    int linger = 1000;
+    zmq_setsockopt(c, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_close(c);
+    zmq_ctx_term(ctx);
+    free(buf);
+    waitpid(pid, NULL, 0);
+    return 2.0 * (double)rounds * (double)bytes / (t - t0) / 1e9;
+}
+
+int main(int argc, char **argv)
+{
+    double mib = argc > 1 ? atof(argv[1]) : 4;
+    double seconds = argc > 2 ? atof(argv[2]) : 1;
+    if (mib <= 0 || seconds <= 0) {
+        fprintf(stderr, "usage: wire_probe [MIB] [SECONDS]\n");
+        return 2;
+    }
+    size_t bytes = (size_t)(mib * 1048576);
+    char ipc[128];
+    snprintf(ipc, sizeof ipc, "ipc:///tmp/wire-probe-%d.sock", (int)getpid());
+    double r[3][5];
+    for (int k = 0; k < 5; k++) {
+        r[0][k] = memcpy_gbs(bytes, seconds);
+        r[1][k] = zmq_gbs("tcp://127.0.0.1:*", bytes, seconds);
+        r[2][k] = zmq_gbs(ipc, bytes, seconds);
+    }
+    unlink(ipc + 6);
+    const char *name[3] = {"memcpy", "zmq_tcp_roundtrip", "zmq_ipc_roundtrip"};
+    for (int i = 0; i < 3; i++) {
+        qsort(r[i], 5, sizeof(double), cmp_d);
+        printf("%s %.2f MiB: %.3f GB/s (median of 5; min %.3f max %.3f)\n", name[i], mib, r[i][2], r[i][0], r[i][4]);
+    }
+    return 0;
+}

@@ -1,0 +1,112 @@
+/* ps_pool.c - see ps_pool.h. Workers sleep on a condition variable between
+ * loops; a loop hands out indices with an atomic counter. */
+#include "ps_pool.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+struct ps_pool {
+    int n_threads;            /* including the caller */
+    pthread_t *th;
+    pthread_mutex_t mu;
+    pthread_cond_t start_cv, done_cv;
+    /* under mu */
+    unsigned long gen;        /* loop number */
+    int stop;
+    int busy;                 /* workers inside the current loop */
+    /* the current loop */
+    void (*fn)(void *, int);
+    void *arg;
+    int n;
+    atomic_int next;
+};
+
+static void run_items(ps_pool_t *p)
+{
+    for (;;) {
+        int i = atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed);
+        if (i >= p->n) return;
+        p->fn(p->arg, i);
+    }
+}
+
+static void *worker(void *arg)
+{
+    ps_pool_t *p = arg;
+    unsigned long seen = 0;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->stop && p->gen == seen) pthread_cond_wait(&p->start_cv, &p->mu);
+        if (p->stop) break;
+        seen = p->gen;
+        pthread_mutex_unlock(&p->mu);
+        run_items(p);
+        pthread_mutex_lock(&p->mu);
+        if (--p->busy == 0) pthread_cond_signal(&p->done_cv);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+ps_pool_t *ps_pool_new(int threads)
+{
+    if (threads < 1) threads = 1;
+    ps_pool_t *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->n_threads = 1;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->start_cv, NULL);
+    pthread_cond_init(&p->done_cv, NULL);
+    p->th = calloc((size_t)threads, sizeof *p->th);
+    if (!p->th) {
+        ps_pool_free(&p);
+        return NULL;
+    }
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&p->th[i - 1], NULL, worker, p) != 0) break;
+        p->n_threads++;
+    }
+    return p;
+}
+
+void ps_pool_free(ps_pool_t **pp)
+{
+    ps_pool_t *p = *pp;
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->start_cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->n_threads - 1; i++) pthread_join(p->th[i], NULL);
+    pthread_cond_destroy(&p->start_cv);
+    pthread_cond_destroy(&p->done_cv);
+    pthread_mutex_destroy(&p->mu);
+    free(p->th);
+    free(p);
+    *pp = NULL;
+}
+
+int ps_pool_threads(const ps_pool_t *p) { return p ? p->n_threads : 1; }
+
+void ps_pool_for(ps_pool_t *p, int n, void (*fn)(void *arg, int i), void *arg)
+{
+    if (n <= 0) return;
+    if (!p || p->n_threads == 1 || n == 1) {
+        for (int i = 0; i < n; i++) fn(arg, i);
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->fn = fn;
+    p->arg = arg;
+    p->n = n;
+    atomic_store_explicit(&p->next, 0, memory_order_relaxed);
+    p->busy = p->n_threads - 1;
+    p->gen++;
+    pthread_cond_broadcast(&p->start_cv);
+    pthread_mutex_unlock(&p->mu);
+    run_items(p);
+    pthread_mutex_lock(&p->mu);
+    while (p->busy > 0) pthread_cond_wait(&p->done_cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}
