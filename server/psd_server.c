@@ -149,6 +149,8 @@ typedef struct {
     /* epoch statistics */
     double ep_loss;
     uint64_t ep_correct, ep_samples;
+    double ep_compute_s, ep_wait_s; /* workers' step times this epoch (from their pushes) */
+    uint64_t ep_timed;
     double t_start, t_epoch, train_s_total, phase_deadline, orphan_deadline;
     uint64_t samples_total;
     FILE *metrics;
@@ -472,6 +474,8 @@ static void start_epoch(srv_t *s)
         s->ep_loss = 0;
         s->ep_correct = s->ep_samples = 0;
     }
+    s->ep_compute_s = s->ep_wait_s = 0;
+    s->ep_timed = 0;
     s->resumed_mid_epoch = false;
     uint64_t longest = k ? (T + (uint64_t)k - 1) / (uint64_t)k : T;
     s->spe = (double)((longest + (uint64_t)s->cfg.batch_size - 1) / (uint64_t)s->cfg.batch_size);
@@ -763,6 +767,13 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
     uint64_t all = l->n_tensors == 64 ? ~0ull : (1ull << l->n_tensors) - 1;
     if (w->grad_mask != all) return; /* more parts to come */
     w->has_push = true;
+    /* the worker's step time, from the part that completes the push */
+    if (isfinite(p->compute_s) && isfinite(p->wait_s) && p->compute_s >= 0 && p->wait_s >= 0 &&
+        p->compute_s < 1e6 && p->wait_s < 1e6) {
+        s->ep_compute_s += p->compute_s;
+        s->ep_wait_s += p->wait_s;
+        s->ep_timed++;
+    }
     maybe_step(s);
 }
 
@@ -792,9 +803,11 @@ static void end_validation(srv_t *s)
                 ",\"train_loss\":%.9g,\"train_acc\":%.9g,\"train_samples\":%" PRIu64
                 ",\"val_loss\":%.9g,\"val_acc\":%.9g,\"val_correct\":%" PRIu64 ",\"val_samples\":%" PRIu64
                 ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
-                ",\"workers\":%d,\"lr\":%.9g}\n",
+                ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g}\n",
                 s->run_id, s->epoch + 1, s->step, train_loss, train_acc, s->ep_samples, val_loss,
-                val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr);
+                val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr,
+                s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
+                s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0);
         fflush(s->metrics);
     }
     bool last = s->epoch + 1 >= (uint32_t)s->cfg.epochs;

@@ -143,6 +143,10 @@ static void check_run(const run_t *r, int workers, int epochs)
     cr_assert_eq(json_num(last, "workers"), workers);
     cr_assert_eq(json_num(last, "epoch"), epochs);
     cr_assert_gt(json_num(last, "samples_per_s"), 0);
+    /* the workers' step time and the part of it spent waiting for weights */
+    double step_ms = json_num(last, "worker_step_ms"), frac = json_num(last, "worker_wait_frac");
+    cr_assert(step_ms > 0 && step_ms < 60000, "worker_step_ms %g", step_ms);
+    cr_assert(frac > 0 && frac < 1, "worker_wait_frac %g", frac);
     free(m);
     free(log);
 }

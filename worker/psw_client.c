@@ -26,6 +26,9 @@ struct psw_client {
     uint64_t seq;
     ps_msg_t cur;           /* last received message (event data borrowed from it) */
     uint64_t verified;      /* weights messages checked against psd's CRC-32 */
+    /* step timing, reported with every push: t_req when weights were asked
+     * for, t_weights when they arrived, wait = the latter minus the former */
+    double t_req, t_weights, wait;
     atomic_int push_inflight; /* gradient frames ZeroMQ still holds */
 };
 
@@ -348,6 +351,7 @@ int psw_client_pull(psw_client_t *c, uint64_t min_version)
     p.min_version = min_version;
     h.body_case = PSD__HEADER__BODY_PULL;
     h.pull = &p;
+    c->t_req = ps_now();
     return send_hdr(c, &h);
 }
 
@@ -364,6 +368,10 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
     p.loss_sum = loss_sum;
     p.correct = correct;
     p.pull = pull != 0;
+    double now = ps_now();
+    p.compute_s = c->t_weights > 0 ? now - c->t_weights : 0;
+    p.wait_s = c->wait;
+    if (pull) c->t_req = now;
     h.body_case = PSD__HEADER__BODY_PUSH;
     h.push = &p;
     ps_frame_t fr[PSW_MAX_TENSORS];
@@ -504,6 +512,9 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
         }
         case PSD__MSG_TYPE__MSG_WEIGHTS:
             ev->kind = PSW_EV_WEIGHTS;
+            c->t_weights = ps_now();
+            c->wait = c->t_req > 0 ? c->t_weights - c->t_req : 0;
+            c->t_req = 0;
             ev->version = h->weights->version;
             ev->step = h->weights->step;
             return take_tensors(c, ev, h->weights->crc, err, errlen);
