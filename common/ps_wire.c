@@ -47,9 +47,13 @@ static size_t dtype_size(int dt)
     }
 }
 
+static void *arena_alloc(void *data, size_t size);
+static void arena_free(void *data, void *p);
+
 void ps_arena_init(ps_arena_t *a, void *buf, size_t cap)
 {
     memset(a, 0, sizeof *a);
+    a->al = (ProtobufCAllocator){arena_alloc, arena_free, a};
     a->buf = buf;
     a->cap = cap;
 }
@@ -74,14 +78,7 @@ static void arena_free(void *data, void *p)
 
 void ps_msg_deinit(ps_msg_t *m)
 {
-    if (m->hdr) {
-        if (m->arena) {
-            ProtobufCAllocator al = {arena_alloc, arena_free, m->arena};
-            psd__header__free_unpacked(m->hdr, &al);
-        } else {
-            psd__header__free_unpacked(m->hdr, NULL);
-        }
-    }
+    if (m->hdr) psd__header__free_unpacked(m->hdr, m->arena ? &m->arena->al : NULL);
     if (m->arena && --m->arena->live == 0) m->arena->used = 0;
     m->arena = NULL;
     m->hdr = NULL;
@@ -174,15 +171,12 @@ int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_
     more = zmq_msg_more(&f);
     size_t hlen = zmq_msg_size(&f);
     if (hlen == 0 || hlen > PS_MAX_HEADER) FAIL("header frame of %zu bytes", hlen);
-    if (arena && arena->live == 0) {
-        ProtobufCAllocator al = {arena_alloc, arena_free, arena};
+    if (arena && arena->live == 0) { /* else: malloc, as without an arena */
         m->arena = arena;
         arena->live = 1;
         arena->used = 0;
-        m->hdr = psd__header__unpack(&al, hlen, zmq_msg_data(&f));
-    } else {
-        m->hdr = psd__header__unpack(NULL, hlen, zmq_msg_data(&f));
     }
+    m->hdr = psd__header__unpack(m->arena ? &m->arena->al : NULL, hlen, zmq_msg_data(&f));
     if (!m->hdr) FAIL("header does not decode (%zu bytes)", hlen);
     Psd__Header *h = m->hdr;
     int want = body_for_type((int)h->type);

@@ -26,6 +26,7 @@
  * training runs (what does not fit falls back to malloc, counted). One
  * message at a time: the arena is reused when its message is released. */
 typedef struct {
+    ProtobufCAllocator al;           /* protobuf-c's view of this arena */
     uint8_t *buf;
     size_t cap, used;
     int live;                        /* messages decoded into it, not released yet */
