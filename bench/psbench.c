@@ -72,13 +72,16 @@ static void *bench_worker(void *p)
         psw_client_destroy(&c);
         return NULL;
     }
-    float *zero = calloc(l.n_params, sizeof *zero);
+    /* on psd's host the zero gradient lives in the region psd reads (a
+     * memfd is zero-filled): pushed without a copy, as the wire sends from
+     * the buffer without one */
+    float *zero = calloc(l.n_params, sizeof *zero), *region = psw_client_push_region(c);
     const float *g[PSW_MAX_TENSORS];
     size_t numel[PSW_MAX_TENSORS];
     int ids[PSW_MAX_TENSORS], rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
     for (int t = 0; t < l.n_tensors; t++) {
         ids[t] = t;
-        g[t] = zero + l.t[t].offset;
+        g[t] = (region ? region : zero) + l.t[t].offset;
         numel[t] = l.t[t].numel;
         rows[t] = l.t[t].rows;
         cols[t] = t % 2 == 0 ? l.t[t].cols : 0;
@@ -164,19 +167,21 @@ static int cmp_d(const void *a, const void *b)
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: psbench --connect ENDPOINT [--workers W] [--key FILE --server-key FILE]\n"
+    fprintf(f, "usage: psbench --connect ENDPOINT [--workers W] [--no-shm] [--key FILE --server-key FILE]\n"
                "  W simulated workers (threads) push zero gradients and pull weights from psd\n"
-               "  until psd ends the run; prints push+pull GB/s and round latencies\n");
+               "  until psd ends the run; prints push+pull GB/s and round latencies. On psd's\n"
+               "  host tensors go through shared memory unless --no-shm\n");
 }
 
 int main(int argc, char **argv)
 {
     const char *ep = NULL, *key = NULL, *server_key = NULL;
-    int W = 1;
+    int W = 1, no_shm = 0;
     static const struct option opts[] = {{"connect", required_argument, 0, 'c'},
                                          {"workers", required_argument, 0, 'w'},
                                          {"key", required_argument, 0, 'k'},
                                          {"server-key", required_argument, 0, 's'},
+                                         {"no-shm", no_argument, 0, 'n'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     int o;
@@ -186,6 +191,7 @@ int main(int argc, char **argv)
         case 'w': W = atoi(optarg); break;
         case 'k': key = optarg; break;
         case 's': server_key = optarg; break;
+        case 'n': no_shm = 1; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -207,7 +213,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < W; i++) {
         b[i].ep = ep;
         b[i].index = i;
-        b[i].info = (psw_info_t){.device = "cpu", .device_index = -1, .identity_hint = "psbench"};
+        b[i].info = (psw_info_t){.device = "cpu", .device_index = -1, .identity_hint = "psbench", .no_shm = no_shm};
         if (key) {
             b[i].info.curve_public = kp.public_z85;
             b[i].info.curve_secret = kp.secret_z85;

@@ -2,7 +2,8 @@
 # Communication benchmark, in one go on one machine: the yardsticks
 # (memcpy, raw ZeroMQ zero-copy round trips over tcp and ipc: build/wire_probe)
 # and psd's push+pull with psbench (simulated workers, no math) for 1, 2 and 4
-# workers over tcp loopback and for 1 worker over ipc, on a model with one
+# workers over tcp loopback (--no-shm: the wire), 1 and 2 workers through
+# shared memory (psd's default for workers on its host), on a model with one
 # 4 MiB tensor (MLP 784-1338: 4.0 MiB of weights + 5 KiB of bias). Prints a
 # table with the ratios the fast-path issue sets as targets.
 #
@@ -22,22 +23,26 @@ MEMCPY=$(awk '/^memcpy/ {print $4}' <<<"$PROBE")
 ZTCP=$(awk '/^zmq_tcp/ {print $4}' <<<"$PROBE")
 ZIPC=$(awk '/^zmq_ipc/ {print $4}' <<<"$PROBE")
 
-# one psd + psbench run: $1 workers, $2 endpoint; prints the aggregate GB/s
+# one psd + psbench run: $1 workers, $2 endpoint, $3 psbench flags; prints
+# the aggregate GB/s
 run() {
-    local w=$1 ep=$2 limit=$((ROUNDS * 64 * $1))
+    local w=$1 ep=$2 flags=${3:-} limit=$((ROUNDS * 64 * $1))
     "$ROOT/build/psd" --listen "$ep" --workers "$w" --epochs 1 --set 'model.layers=[784,1338]' \
         --set "data.train_limit=$limit" --set schedule.name=constant --set checkpoint.dir= \
         --metrics "" --save "" 2>"$WORK/psd-$w.log" &
     local psd=$!
-    "$ROOT/build/psbench" --connect "$ep" --workers "$w" >"$WORK/psbench-$w.txt"
+    # shellcheck disable=SC2086
+    "$ROOT/build/psbench" --connect "$ep" --workers "$w" $flags >"$WORK/psbench-$w.txt"
     wait $psd
     sed 's/^/    /' "$WORK/psbench-$w.txt" >&2
     awk '/^aggregate/ {print $3}' "$WORK/psbench-$w.txt"
 }
-P1=$(run 1 "tcp://127.0.0.1:$PORT")
-P2=$(run 2 "tcp://127.0.0.1:$PORT")
-P4=$(run 4 "tcp://127.0.0.1:$PORT")
-PI=$(run 1 "ipc://$WORK/psd.sock")
+P1=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm)
+P2=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm)
+P4=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm)
+PI=$(run 1 "ipc://$WORK/psd.sock" --no-shm)
+PS1=$(run 1 "ipc://$WORK/psd.sock")
+PS2=$(run 2 "ipc://$WORK/psd.sock")
 
 r() { python3 -c "print(f'{$1 / $2:.2f}')"; }
 cat <<EOF
@@ -51,5 +56,7 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 | psd, 1 worker, tcp | $P1 | $(r "$P1" "$ZTCP") x raw tcp | >= 0.85 |
 | psd, 2 workers, tcp (aggregate) | $P2 | $(r "$P2" 3.3) x ps-lite 3.3 | >= 1.1 |
 | psd, 4 workers, tcp (aggregate) | $P4 | $(r "$P4" 3.3) x ps-lite 3.3 | >= 1.1 |
-| psd, 1 worker, ipc | $PI | $(r "$PI" "$MEMCPY") x memcpy | >= 0.5 (shared memory) |
+| psd, 1 worker, ipc (no shared memory) | $PI | $(r "$PI" "$ZIPC") x raw ipc | |
+| psd, 1 worker, shared memory | $PS1 | $(r "$PS1" "$MEMCPY") x memcpy | >= 0.5 |
+| psd, 2 workers, shared memory (aggregate) | $PS2 | $(r "$PS2" "$MEMCPY") x memcpy | |
 EOF

@@ -84,6 +84,7 @@ typedef struct ps_config {
     bool insecure;                /* server.insecure: listen beyond loopback without keys */
     int threads;                  /* server.threads: threads of a step (reduce + optimizer), 0 = all cores */
     int64_t chunk_bytes;          /* server.chunk_bytes: unit of a step's parallel work (rounded to 64 KiB) */
+    bool shared_memory;           /* server.shared_memory: workers on psd's host exchange tensors in shared memory */
 
     /* checkpoint: (not part of the config hash) */
     char ckpt_dir[PS_PATH_MAX]; /* checkpoint.dir: "" = no checkpoints */

@@ -29,6 +29,8 @@
 #include <dirent.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -43,6 +45,7 @@
 #include "ps_wire.h"
 #include "psd_ckpt.h"
 #include "psd_optim.h"
+#include "psd_shm.h"
 #include "psd_store.h"
 #include "psd_zap.h"
 #include "ps_auth.h"
@@ -95,6 +98,13 @@ typedef struct {
     double push_loss;
     uint64_t push_correct;
     int val_pending;      /* validation parts given and not answered */
+    /* same host (psd_shm.h): its gradient region, mapped read-only, and the
+     * parameter slot it reads from, held until it is sent a newer one */
+    uint8_t shm_token[PS_SHM_TOKEN];
+    const float *shm_grad; /* NULL: no region */
+    bool shm;             /* READY confirmed: tensors go through shared memory */
+    uint64_t grad_shm;    /* tensors of the push in progress that are in shm_grad */
+    psd_arena_t *hold;
 } worker_t;
 
 typedef struct {
@@ -170,6 +180,10 @@ typedef struct {
     } bad[32];
     int n_bad;
     uint64_t cut;         /* connections psd closed for bad messages */
+    /* same-host transport: NULL when off or unavailable */
+    psd_shm_t *shm;
+    char shm_name[64];
+    char host_id[128];
     /* checkpoints */
     psd_ckpt_writer_t *ckpt;
     bool ckpt_again;      /* another one was asked for while writing */
@@ -264,10 +278,19 @@ static void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason)
     send_to(s, w, &h, NULL, 0);
 }
 
-/* Weights frames of the current version, sent without copying. */
-static int weights_frames(srv_t *s, ps_frame_t *fr)
+/* Weights frames of the current version, sent without copying; for a
+ * worker on shared memory none: *slot (1-based) names the version's slot,
+ * which the worker holds until it is sent another. */
+static int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot)
 {
     const ps_layout_t *l = &s->layout;
+    *slot = 0;
+    if (w->shm) {
+        if (w->hold) psd_store_frame_free(NULL, w->hold);
+        w->hold = psd_store_ref_current(&s->store);
+        *slot = (uint32_t)psd_store_slot(&s->store, w->hold) + 1;
+        return 0;
+    }
     for (int t = 0; t < l->n_tensors; t++) {
         psd_arena_t *a = psd_store_ref_current(&s->store);
         fr[t] = (ps_frame_t){.data = a->w + l->t[t].offset, .nbytes = 4 * l->t[t].numel,
@@ -289,7 +312,8 @@ static void send_weights(srv_t *s, worker_t *w)
     if (s->opts.verify_weights) wt.crc = psd_store_current_crc(&s->store);
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
-    send_to(s, w, &h, fr, weights_frames(s, fr));
+    int n = weights_frames(s, w, fr, &wt.shm_slot);
+    send_to(s, w, &h, fr, n);
 }
 
 static void save_weights(srv_t *s)
@@ -308,8 +332,8 @@ static void save_weights(srv_t *s)
 static void release_push(worker_t *w)
 {
     for (int t = 0; t < PS_MAX_TENSORS; t++)
-        if (w->grad_mask & (1ull << t)) zmq_msg_close(&w->grad[t]);
-    w->grad_mask = 0;
+        if ((w->grad_mask & ~w->grad_shm) & (1ull << t)) zmq_msg_close(&w->grad[t]);
+    w->grad_mask = w->grad_shm = 0;
     w->has_push = w->push_started = w->push_pull = false;
 }
 
@@ -514,7 +538,8 @@ static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
     w->val_pending++;
     w->state = W_VALIDATING;
     w->last_seen = ps_now();
-    send_to(s, w, &h, fr, weights_frames(s, fr));
+    int n = weights_frames(s, w, fr, &v.shm_slot);
+    send_to(s, w, &h, fr, n);
 }
 
 /* The live worker with the fewest validation parts pending, or NULL. */
@@ -582,7 +607,9 @@ static void maybe_step(srv_t *s)
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
             if (!w->has_push) continue;
-            for (int t = 0; t < s->layout.n_tensors; t++) g[k][t] = zmq_msg_data(&w->grad[t]);
+            for (int t = 0; t < s->layout.n_tensors; t++)
+                g[k][t] = w->grad_shm & (1ull << t) ? w->shm_grad + s->layout.t[t].offset
+                                                    : zmq_msg_data(&w->grad[t]);
             wt[k] = (double)w->push_batch / (double)total;
             k++;
         }
@@ -626,12 +653,23 @@ static void maybe_step(srv_t *s)
     start_validation(s);
 }
 
+/* Forget a worker's shared memory (after release_push). */
+static void shm_forget(srv_t *s, worker_t *w)
+{
+    if (w->hold) psd_store_frame_free(NULL, w->hold);
+    w->hold = NULL;
+    if (w->shm_grad) munmap((void *)w->shm_grad, s->layout.n_params * sizeof(float));
+    w->shm_grad = NULL;
+    w->shm = false;
+}
+
 /* A worker is gone (lost, left, failed): its samples and validation parts go
  * to the others, or wait for the next worker to join. */
 static void worker_gone(srv_t *s, worker_t *w)
 {
     wstate_t was = w->state;
     release_push(w); /* a gradient from a worker declared gone is never applied */
+    shm_forget(s, w);
     w->state = W_GONE;
     w->gone_at = ps_now();
     if (s->phase == PHASE_TRAIN && (was == W_TRAIN || was == W_BARRIER) && w->consumed < w->assigned) {
@@ -731,11 +769,24 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         drop(s, w, "PUSH part for another batch than the parts before it");
         return;
     }
-    if (m->n_frames < 1) {
+    if (m->n_frames < 1 && p->n_shm_tensors < 1) {
         drop(s, w, "PUSH without tensors");
         return;
     }
-    uint64_t mask = 0;
+    if (p->n_shm_tensors > 0 && !w->shm) {
+        drop(s, w, "PUSH of tensors in shared memory psd does not share with it");
+        return;
+    }
+    uint64_t mask = 0, in_shm = 0;
+    for (size_t i = 0; i < p->n_shm_tensors; i++) {
+        uint32_t t = p->shm_tensors[i];
+        if (t >= (uint32_t)l->n_tensors || ((w->grad_mask | in_shm) & (1ull << t))) {
+            drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
+            return;
+        }
+        in_shm |= 1ull << t;
+    }
+    mask = in_shm;
     for (int i = 0; i < m->n_frames; i++) {
         size_t n = 0;
         const Psd__TensorDesc *d = m->hdr->tensors[i];
@@ -757,6 +808,7 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         zmq_msg_move(&w->grad[t], &m->frames[i]);
     }
     w->grad_mask |= mask;
+    w->grad_shm |= in_shm;
     w->push_pull |= p->pull;
     if (!w->push_started) {
         w->push_started = true;
@@ -937,6 +989,11 @@ static void send_assign(srv_t *s, worker_t *w)
     /* how long a worker waits for psd before it registers again */
     a.start_timeout_s = s->cfg.start_timeout + 10;
     a.step_timeout_s = s->cfg.worker_timeout * 3 + 10;
+    if (s->shm && strcmp(w->host_id, s->host_id) == 0) { /* same host: offer shared memory */
+        a.shm_socket = s->shm_name;
+        a.shm_token.data = w->shm_token;
+        a.shm_token.len = sizeof w->shm_token;
+    }
     h.body_case = PSD__HEADER__BODY_ASSIGN;
     h.assign = &a;
     send_to(s, w, &h, NULL, 0);
@@ -972,6 +1029,8 @@ static void on_register(srv_t *s, ps_msg_t *m)
     snprintf(w->device, sizeof w->device, "%s", r->device && r->device[0] ? r->device : "cpu");
     w->pid = r->pid;
     w->state = W_ASSIGNED;
+    if (s->shm && getrandom(w->shm_token, sizeof w->shm_token, 0) != (ssize_t)sizeof w->shm_token)
+        memset(w->shm_token, 0, sizeof w->shm_token); /* an all-zero token is never accepted */
     w->last_seen = ps_now();
     w->seq_in = m->hdr->seq;
     s->n++;
@@ -997,6 +1056,16 @@ static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
         send_shutdown(s, w, 2, "data differs from psd's");
         w->state = W_GONE;
         return;
+    }
+    if (r->shm && !w->shm_grad) {
+        drop(s, w, "READY with shared memory psd did not set up");
+        return;
+    }
+    if (r->shm) {
+        w->shm = true;
+        PS_INFO("rank %u exchanges tensors with psd through shared memory", w->rank);
+    } else if (w->shm_grad) {
+        shm_forget(s, w); /* it gave up on its side */
     }
     w->state = W_READY;
     if (s->stop_when_written) return; /* stopping: nothing more to train */
@@ -1319,6 +1388,7 @@ static void on_timer(uv_timer_t *t)
     double now = ps_now();
     if (s->mon) poll_monitor(s);
     poll_checkpoint(s, false);
+    psd_shm_expire(s->shm, now);
     if (s->phase == PHASE_WAIT) {
         if (now > s->phase_deadline) {
             int ready = 0;
@@ -1458,6 +1528,61 @@ static bool is_loopback(const char *ep)
 }
 
 static void close_cb(uv_handle_t *h) { (void)h; }
+
+/* A worker's shared-memory hello (psd_shm.c): the worker it names must be
+ * one psd offered shared memory to, still checking its data, with the
+ * token of its ASSIGN; its region must be a size-sealed memfd of the
+ * gradient's size. */
+static int shm_hello(void *ud, const ps_shm_hello_t *h, int fd, char *why, size_t n)
+{
+    srv_t *s = ud;
+    worker_t *w = h->rank < (uint32_t)s->n ? &s->w[h->rank] : NULL;
+    uint8_t diff = 0;
+    static const uint8_t zero[PS_SHM_TOKEN];
+    if (w)
+        for (int i = 0; i < PS_SHM_TOKEN; i++) diff |= (uint8_t)(h->token[i] ^ w->shm_token[i]);
+    if (h->run_id != s->run_id || !w || diff || memcmp(w->shm_token, zero, sizeof zero) == 0 ||
+        strcmp(w->host_id, s->host_id) != 0) {
+        snprintf(why, n, "rank %u, run %016" PRIx64 ": no such worker was offered shared memory with that token",
+                 h->rank, h->run_id);
+        return -EACCES;
+    }
+    if (w->state != W_ASSIGNED || w->shm_grad) {
+        snprintf(why, n, "rank %u is %s%s", w->rank, wstate_name[w->state], w->shm_grad ? " and has a region" : "");
+        return -EALREADY;
+    }
+    size_t bytes = s->layout.n_params * sizeof(float);
+    char bad[96];
+    if (h->grad_bytes != bytes || ps_shm_check_sealed(fd, bytes, bad, sizeof bad) != 0) {
+        snprintf(why, n, "rank %u's gradient region: %s", w->rank,
+                 h->grad_bytes != bytes ? "wrong size" : bad);
+        return -EINVAL;
+    }
+    void *p = mmap(NULL, bytes, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        snprintf(why, n, "rank %u's gradient region: mmap: %s", w->rank, strerror(errno));
+        return -errno;
+    }
+    w->shm_grad = p;
+    return 0;
+}
+
+/* Parameters in shared slots and the socket where workers on this host ask
+ * for them. Without either, everyone uses the wire. */
+static void start_shm(srv_t *s)
+{
+    ps_host_id(s->host_id, sizeof s->host_id);
+    int rc = psd_store_share(&s->store);
+    if (rc == 0) {
+        snprintf(s->shm_name, sizeof s->shm_name, "psd-%016" PRIx64 "-%d", s->run_id, (int)getpid());
+        rc = psd_shm_listen(&s->shm, &s->loop, s->shm_name, s->store.shm_ro_fd, PSD_MAX_ARENAS,
+                            s->store.shm_slot_floats * sizeof(float), shm_hello, s);
+    }
+    if (rc != 0)
+        PS_WARN("no shared memory for workers on this host (%s): they use the wire", strerror(-rc));
+    else
+        PS_INFO("shared memory for workers on this host: socket @%s", s->shm_name);
+}
 
 static void log_line(const char *line) { PS_WARN("%s", line); }
 
@@ -1738,6 +1863,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     uv_signal_start(&s->sigusr1, on_signal, SIGUSR1);
     uv_signal_start(&s->sighup, on_signal, SIGHUP);
+    if (c->shared_memory) start_shm(s);
     s->phase = PHASE_WAIT;
     s->phase_deadline = ps_now() + c->start_timeout;
     drain(s);
@@ -1749,6 +1875,7 @@ out:
         poll_checkpoint(s, true);
     }
     if (loop_ok) {
+        psd_shm_close(s->shm);
         uv_close((uv_handle_t *)&s->poll, close_cb);
         uv_close((uv_handle_t *)&s->timer, close_cb);
         uv_close((uv_handle_t *)&s->sigint, close_cb);
@@ -1761,6 +1888,7 @@ out:
     if (s->w)
         for (int i = 0; i < s->n; i++) {
             release_push(&s->w[i]);
+            shm_forget(s, &s->w[i]);
             free(s->w[i].ranges);
         }
     if (s->sock) {

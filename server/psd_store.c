@@ -5,9 +5,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include "ps_pool.h"
+#include "ps_shm.h"
 
 static float *alloc_floats(size_t n)
 {
@@ -86,11 +89,43 @@ void psd_store_deinit(psd_store_t *s)
     ps_pool_free(&s->pool);
     free(s->chunks);
     free(s->blk_sq);
-    for (int i = 0; i < s->n_arenas; i++) free(s->arenas[i].w);
+    if (s->shm_base) { /* the fds are set only with shm_base */
+        munmap(s->shm_base, PSD_MAX_ARENAS * s->shm_slot_floats * sizeof(float));
+        close(s->shm_fd);
+        close(s->shm_ro_fd);
+    } else {
+        for (int i = 0; i < s->n_arenas; i++) free(s->arenas[i].w);
+    }
     free(s->grad);
     free(s->s0);
     free(s->s1);
     memset(s, 0, sizeof *s);
+}
+
+int psd_store_share(psd_store_t *s)
+{
+    if (s->shm_base) return 0;
+    if (s->n_arenas != 1) return -EBUSY;
+    size_t slot = ps_shm_round(s->layout.n_params * sizeof(float)), bytes = slot * PSD_MAX_ARENAS;
+    int fd = ps_shm_memfd("psd-weights", bytes, 0);
+    if (fd < 0) return fd;
+    int ro = ps_shm_reopen_ro(fd);
+    void *base = ro < 0 ? MAP_FAILED : mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) {
+        int e = ro < 0 ? ro : -errno;
+        if (ro >= 0) close(ro);
+        close(fd);
+        return e;
+    }
+    float *w0 = base;
+    memcpy(w0, s->arenas[0].w, s->layout.n_params * sizeof(float));
+    free(s->arenas[0].w);
+    s->arenas[0].w = w0;
+    s->shm_base = base;
+    s->shm_slot_floats = slot / sizeof(float);
+    s->shm_fd = fd;
+    s->shm_ro_fd = ro;
+    return 0;
 }
 
 uint32_t psd_store_current_crc(psd_store_t *s)
@@ -128,7 +163,7 @@ static psd_arena_t *free_arena(psd_store_t *s)
     }
     if (s->n_arenas == PSD_MAX_ARENAS) return NULL;
     psd_arena_t *a = &s->arenas[s->n_arenas];
-    a->w = alloc_floats(s->layout.n_params);
+    a->w = s->shm_base ? s->shm_base + (size_t)s->n_arenas * s->shm_slot_floats : alloc_floats(s->layout.n_params);
     if (!a->w) return NULL;
     atomic_store(&a->refs, 0);
     s->n_arenas++;

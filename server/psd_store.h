@@ -54,6 +54,10 @@ typedef struct {
     int n_chunks;
     double *blk_sq;     /* squared norm of each norm block */
     size_t n_blk;
+    /* shared arenas (psd_store_share): slot i of one memfd is arena i */
+    float *shm_base;
+    size_t shm_slot_floats;
+    int shm_fd, shm_ro_fd; /* the memfd, and a read-only fd of it for workers */
 } psd_store_t;
 
 /* Allocate and initialise weights from seed (version 0). 0 or -ENOMEM. */
@@ -65,6 +69,14 @@ void psd_store_deinit(psd_store_t *s);
  * the caller). The results are bit-identical for any chunk size and thread
  * count. Without this call: one thread, one chunk per tensor. 0 or -ENOMEM. */
 int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes);
+
+/* Move the arenas into one memfd of PSD_MAX_ARENAS page-aligned slots
+ * (memory is taken only as slots are used), so that workers on this host
+ * can map the versions read-only (s->shm_ro_fd). Call before the first
+ * step. 0 or -errno (the arenas stay where they were). */
+int psd_store_share(psd_store_t *s);
+/* Slot of an arena in the shared region. */
+static inline int psd_store_slot(const psd_store_t *s, const psd_arena_t *a) { return (int)(a - s->arenas); }
 
 /* Take a reference on the current arena for a frame sent by ZeroMQ;
  * psd_store_frame_free is the matching zmq free callback (any thread). */

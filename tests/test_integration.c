@@ -5,13 +5,16 @@
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <sys/socket.h>
 #include <math.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <stdio.h>
@@ -21,6 +24,8 @@
 #include <zmq.h>
 
 #include "proc.h"
+#include "ps_model.h"
+#include "ps_shm.h"
 #include "psworker.h"
 #include "ps_util.h"
 #include "ps_wire.h"
@@ -297,7 +302,9 @@ static void wait_log(const char *file, const char *text, double timeout_s);
 static int stalled_client(const char *endpoint)
 {
     char err[512];
-    psw_info_t info = {.device = "cpu", .device_index = -1, .identity_hint = "stalled"};
+    /* over the wire: what it checks is ZeroMQ sending from psd's arena (the
+     * workers, on shared memory, check their reads of psd's slots) */
+    psw_info_t info = {.device = "cpu", .device_index = -1, .identity_hint = "stalled", .no_shm = 1};
     psw_client_t *c = psw_client_new(endpoint, &info, err, sizeof err);
     psw_assign_t a;
     psw_event_t ev;
@@ -658,7 +665,8 @@ Test(short, psd_allocates_nothing_per_step)
         pid_t p = start_psd(&r, tag, 2, extra);
         unsetenv("LD_PRELOAD");
         unsetenv("ALLOC_COUNT_OUT");
-        pid_t w0 = start_worker(&r, tag, 0, NULL), w1 = start_worker(&r, tag, 1, NULL);
+        const char *wire[] = {"--no-shm", NULL}; /* one worker on shared memory, one on the wire */
+        pid_t w0 = start_worker(&r, tag, 0, NULL), w1 = start_worker(&r, tag, 1, wire);
         cr_assert_eq(proc_wait(p, 300), 0);
         cr_assert_eq(proc_wait(w0, 30), 0);
         cr_assert_eq(proc_wait(w1, 30), 0);
@@ -703,14 +711,252 @@ Test(short, gradients_pushed_tensor_by_tensor_give_the_same_weights)
 {
     /* GPU workers push each layer's gradient as soon as its backward is done;
      * psd must assemble the parts into exactly the same step */
-    run_t a, b;
+    run_t a, b, c;
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--seed", "5", NULL};
-    const char *split[] = {"--x-split-push", NULL};
+    const char *split[] = {"--x-split-push", NULL}, *split_wire[] = {"--x-split-push", "--no-shm", NULL};
     train(&a, "whole", 2, args, 300);
     check_run(&a, 2, 1);
     train_wx(&b, "split", 2, args, split, 300);
     check_run(&b, 2, 1);
     cr_assert(weights_equal(a.weights, b.weights), "same weights whether pushed whole or in parts");
+    train_wx(&c, "splitw", 2, args, split_wire, 300);
+    check_run(&c, 2, 1);
+    cr_assert(weights_equal(a.weights, c.weights), "parts over the wire too");
+}
+
+/* ---- same host: shared memory ------------------------------------------- */
+
+static void wait_metrics(const run_t *r, int n);
+
+/* A command's first line of output (or all of it, up to n - 1 bytes). */
+static void run_cmd_out(const char *cmd, char *out, size_t n)
+{
+    FILE *f = popen(cmd, "r");
+    cr_assert_not_null(f);
+    size_t k = fread(out, 1, n - 1, f);
+    out[k] = '\0';
+    pclose(f);
+}
+
+/* A unix socket bound to abstract name `name` exists on this host. */
+static bool unix_socket_listed(const char *name)
+{
+    FILE *f = fopen("/proc/net/unix", "r"); /* size 0 to stat: read it line by line */
+    char line[512], want[128];
+    snprintf(want, sizeof want, " @%s\n", name);
+    bool found = false;
+    while (f && !found && fgets(line, sizeof line, f)) found = strstr(line, want) != NULL;
+    if (f) fclose(f);
+    return found;
+}
+
+static int count_in(const char *text, const char *what)
+{
+    int n = 0;
+    for (const char *p = text; (p = strstr(p, what)); p += strlen(what)) n++;
+    return n;
+}
+
+/* Workers on psd's host exchange tensors through shared memory unless told
+ * not to; the arithmetic is the same, so are the weights, bit for bit, for
+ * every mix of the two (and workers check each shared version they read
+ * against psd's CRC-32). */
+Test(short, shared_memory_and_wire_give_identical_weights)
+{
+    const char *args[] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "11",
+                          "--x-verify-weights", "--set", "optimizer.name=adam", "--set", "optimizer.lr=0.002", NULL};
+    const char *wire[] = {"--no-shm", "--verbose", NULL}, *shm[] = {"--verbose", NULL};
+    run_t a, b, c;
+    train_wx(&a, "shm", 2, args, shm, 300);
+    check_run(&a, 2, 2);
+    train_wx(&b, "wire", 2, args, wire, 300);
+    check_run(&b, 2, 2);
+    pid_t p = start_psd(&c, "mixed", 2, args); /* rank order is registration order: wait for rank 0 */
+    pid_t w0 = start_worker(&c, "mixed", 0, shm);
+    wait_log(c.psd_log, "worker registered: rank 0", 60);
+    pid_t w1 = start_worker(&c, "mixed", 1, wire);
+    c.psd_code = proc_wait(p, 300);
+    c.worker_code[0] = proc_wait(w0, 30);
+    c.worker_code[1] = proc_wait(w1, 30);
+    check_run(&c, 2, 2);
+    char *la = slurp(a.psd_log), *lb = slurp(b.psd_log), *lc = slurp(c.psd_log);
+    cr_assert_eq(count_in(la, "through shared memory"), 2, "both workers on shared memory:\n%s", la);
+    cr_assert_eq(count_in(lb, "through shared memory"), 0, "--no-shm: the wire:\n%s", lb);
+    cr_assert_eq(count_in(lc, "through shared memory"), 1, "one of each:\n%s", lc);
+    cr_assert(weights_equal(a.weights, b.weights), "shared memory = wire, bit for bit");
+    cr_assert(weights_equal(a.weights, c.weights), "a mix of both = wire, bit for bit");
+    for (int i = 0; i < 2; i++) {
+        char wlog[512];
+        snprintf(wlog, sizeof wlog, "%s/shm-w%d.log", dir, i);
+        char *log = slurp(wlog);
+        cr_assert(log && strstr(log, "weights messages matched psd's checksums"), "worker %d checked its reads", i);
+        free(log);
+    }
+    free(la);
+    free(lb);
+    free(lc);
+}
+
+/* A raw worker: REGISTER on a DEALER and return psd's ASSIGN (in m). */
+static int raw_register(void *sock, ps_msg_t *m)
+{
+    char host[256], hid[256];
+    ps_hostname(host, sizeof host);
+    ps_host_id(hid, sizeof hid);
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Register reg = PSD__REGISTER__INIT;
+    h.type = PSD__MSG_TYPE__MSG_REGISTER;
+    h.seq = 1;
+    reg.hostname = host;
+    reg.host_id = hid;
+    reg.pid = (uint32_t)getpid();
+    reg.device = "cpu";
+    reg.device_index = -1;
+    reg.prev_rank = -1;
+    h.body_case = PSD__HEADER__BODY_REG;
+    h.reg = &reg;
+    if (ps_msg_send(sock, NULL, 0, &h, NULL, 0) != 0) return -1;
+    char err[256];
+    zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&it, 1, 30000) != 1) return -1;
+    return ps_msg_recv(sock, m, false, 0, err, sizeof err);
+}
+
+/* One hello on psd's shared-memory socket; returns the reply's status (or
+ * -1000 - errno when there was none) and closes any fd that came back. */
+static int hello(const char *name, uint64_t run_id, uint32_t rank, const uint8_t *token, int fd, uint64_t bytes,
+                 char *msg, size_t n)
+{
+    struct sockaddr_un a;
+    socklen_t alen = ps_shm_addr(&a, name);
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    struct timeval tv = {10, 0};
+    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (connect(s, (struct sockaddr *)&a, alen) != 0) {
+        close(s);
+        return -1000 - errno;
+    }
+    ps_shm_hello_t h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.magic, PS_SHM_MAGIC, sizeof h.magic);
+    h.run_id = run_id;
+    h.rank = rank;
+    memcpy(h.token, token, PS_SHM_TOKEN);
+    h.grad_bytes = bytes;
+    ps_shm_reply_t r;
+    int rfd = -1, rc = ps_shm_send(s, &h, sizeof h, fd);
+    if (rc == 0) rc = ps_shm_recv(s, &r, sizeof r, &rfd, 0);
+    close(s);
+    if (rc != 0) return -1000 + rc;
+    if (rfd >= 0) {
+        /* what psd hands out must be read-only */
+        void *w = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, rfd, 0);
+        cr_assert(w == MAP_FAILED, "psd's parameter region can be mapped writable");
+        close(rfd);
+    }
+    snprintf(msg, n, "%.*s", (int)sizeof r.message, r.message);
+    return r.status == 0 && rfd < 0 ? -2000 : r.status;
+}
+
+/* psd's shared-memory socket is reachable by anyone on the host: it takes a
+ * region only from the worker it offered one to (token from the ASSIGN),
+ * only a memfd of the gradient's size whose size is sealed (a region that
+ * could shrink would crash psd when read), only once; everything else gets
+ * a refusal and a log line, and training carries on. */
+Test(short, shared_memory_requests_are_checked)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--set", "model.layers=[784,32,10]",
+                          NULL};
+    pid_t p = start_psd(&r, "shmreq", 1, args);
+    void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
+    cr_assert_eq(zmq_connect(d, r.endpoint), 0);
+    ps_msg_t m = {0};
+    cr_assert_eq(raw_register(d, &m), 0, "psd answers a raw REGISTER");
+    cr_assert_eq(m.hdr->type, PSD__MSG_TYPE__MSG_ASSIGN);
+    Psd__Assign *as = m.hdr->assign;
+    cr_assert(as->shm_socket && as->shm_socket[0] && as->shm_token.len == PS_SHM_TOKEN,
+              "psd offers shared memory to a worker on its host");
+    char name[128];
+    uint8_t tok[PS_SHM_TOKEN], bad[PS_SHM_TOKEN];
+    snprintf(name, sizeof name, "%s", as->shm_socket);
+    memcpy(tok, as->shm_token.data, PS_SHM_TOKEN);
+    memcpy(bad, tok, PS_SHM_TOKEN);
+    bad[7] ^= 1;
+    ps_layout_t lay;
+    cr_assert_eq(ps_layout_init(&lay, (const int[]){784, 32, 10}, 3), 0);
+    uint64_t run = m.hdr->run_id, bytes = lay.n_params * sizeof(float);
+    uint32_t rank = as->rank;
+    ps_msg_deinit(&m);
+    char msg[128];
+    int sealed = ps_shm_memfd("t", bytes, 1), loose = ps_shm_memfd("t", bytes, 0);
+    int small = ps_shm_memfd("t", bytes - 64, 1);
+    cr_assert(sealed >= 0 && loose >= 0 && small >= 0);
+    cr_assert_neq(hello(name, run, rank, bad, sealed, bytes, msg, sizeof msg), 0, "a wrong token is refused");
+    cr_assert(strstr(msg, "token"), "%s", msg);
+    cr_assert_neq(hello(name, run + 1, rank, tok, sealed, bytes, msg, sizeof msg), 0, "another run is refused");
+    cr_assert_neq(hello(name, run, rank + 1, tok, sealed, bytes, msg, sizeof msg), 0, "another rank is refused");
+    cr_assert_neq(hello(name, run, rank, tok, -1, bytes, msg, sizeof msg), 0, "a hello without a region");
+    cr_assert(strstr(msg, "memfd"), "%s", msg);
+    cr_assert_neq(hello(name, run, rank, tok, loose, bytes, msg, sizeof msg), 0, "an unsealed region is refused");
+    cr_assert(strstr(msg, "sealed"), "%s", msg);
+    cr_assert_neq(hello(name, run, rank, tok, small, bytes - 64, msg, sizeof msg), 0, "a region of another size");
+    int tmp = open(dir, O_TMPFILE | O_RDWR, 0600);
+    cr_assert(tmp >= 0 && ftruncate(tmp, (off_t)bytes) == 0);
+    cr_assert_neq(hello(name, run, rank, tok, tmp, bytes, msg, sizeof msg), 0, "a plain file is refused");
+    cr_assert_eq(hello(name, run, rank, tok, sealed, bytes, msg, sizeof msg), 0, "the right one is taken: %s", msg);
+    cr_assert_neq(hello(name, run, rank, tok, sealed, bytes, msg, sizeof msg), 0, "only once");
+    /* a connection that never says anything is dropped, not waited for */
+    struct sockaddr_un a;
+    socklen_t alen = ps_shm_addr(&a, name);
+    int mute = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    cr_assert_eq(connect(mute, (struct sockaddr *)&a, alen), 0);
+    close(tmp);
+    close(sealed);
+    close(loose);
+    close(small);
+    /* a real worker trains the run to the end */
+    zmq_close(d);
+    zmq_ctx_term(ctx);
+    wait_log(r.psd_log, "sent nothing for", 30);
+    close(mute);
+    pid_t w = start_worker(&r, "shmreq", 0, NULL);
+    cr_assert_eq(proc_wait(p, 300), 0, "psd");
+    cr_assert_eq(proc_wait(w, 30), 0);
+    char *log = slurp(r.psd_log);
+    cr_assert_geq(count_in(log, "refused a shared-memory request"), 8, "%s", log);
+    free(log);
+}
+
+/* Nothing of the shared memory outlives the processes, whatever kills
+ * them: memfds are freed with their last descriptor and mapping, the
+ * socket's name is abstract. */
+Test(short, nothing_is_left_behind_after_kill_9)
+{
+    char before[512], after[512];
+    run_cmd_out("ls -A /dev/shm | sort", before, sizeof before);
+    run_t r;
+    const char *args[] = {"--epochs", "20", "--set", "data.train_limit=6000", NULL};
+    pid_t p = start_psd(&r, "shk", 2, args);
+    pid_t w0 = start_worker(&r, "shk", 0, NULL), w1 = start_worker(&r, "shk", 1, NULL);
+    wait_metrics(&r, 1);
+    char *log = slurp(r.psd_log);
+    cr_assert_eq(count_in(log, "through shared memory"), 2, "%s", log);
+    const char *at = strstr(log, "socket @");
+    cr_assert_not_null(at);
+    char sock[96];
+    snprintf(sock, sizeof sock, "%.*s", (int)strcspn(at + 8, " \n"), at + 8);
+    free(log);
+    cr_assert(unix_socket_listed(sock), "%s is in /proc/net/unix while psd runs", sock);
+    kill(p, SIGKILL);
+    kill(w0, SIGKILL);
+    kill(w1, SIGKILL);
+    cr_assert_eq(proc_wait(p, 10), 128 + SIGKILL);
+    cr_assert_eq(proc_wait(w0, 10), 128 + SIGKILL);
+    cr_assert_eq(proc_wait(w1, 10), 128 + SIGKILL);
+    cr_assert_not(unix_socket_listed(sock), "%s gone with psd", sock);
+    run_cmd_out("ls -A /dev/shm | sort", after, sizeof after);
+    cr_assert_str_eq(after, before, "nothing new in /dev/shm");
 }
 
 Test(short, one_pworker_command_starts_one_worker_per_device)

@@ -6,10 +6,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include "ps_log.h"
+#include "ps_model.h"
+#include "ps_shm.h"
 #include "ps_util.h"
 #include "ps_wire.h"
 
@@ -30,7 +36,98 @@ struct psw_client {
      * for, t_weights when they arrived, wait = the latter minus the former */
     double t_req, t_weights, wait;
     atomic_int push_inflight; /* gradient frames ZeroMQ still holds */
+    /* same host (ps_shm.h): the model's layout, this worker's gradient
+     * region (read by psd) and psd's parameter slots (read-only) */
+    ps_layout_t layout;
+    int shm;                /* both regions mapped: tensors go through them */
+    float *shm_grad;
+    const float *shm_w;
+    size_t shm_w_bytes, slot_floats;
+    uint32_t slots;
 };
+
+static void shm_unmap(psw_client_t *c)
+{
+    if (c->shm_grad) munmap(c->shm_grad, c->layout.n_params * sizeof(float));
+    if (c->shm_w) munmap((void *)c->shm_w, c->shm_w_bytes);
+    c->shm_grad = NULL;
+    c->shm_w = NULL;
+    c->shm = 0;
+}
+
+/* Trade a sealed gradient memfd for psd's parameter slots over psd's unix
+ * socket `name`. 0, or -errno with why (the caller then uses the wire). */
+static int shm_connect(psw_client_t *c, const char *name, const uint8_t *token, char *why, size_t n)
+{
+    size_t gbytes = c->layout.n_params * sizeof(float);
+    int mfd = ps_shm_memfd("psw-grad", gbytes, 1), sock = -1, rfd = -1, rc;
+    if (mfd < 0) {
+        snprintf(why, n, "memfd: %s", strerror(-mfd));
+        return mfd;
+    }
+    void *g = mmap(NULL, gbytes, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+    if (g == MAP_FAILED) {
+        rc = -errno;
+        snprintf(why, n, "mmap: %s", strerror(errno));
+        goto out;
+    }
+    c->shm_grad = g;
+    struct sockaddr_un a;
+    socklen_t alen = ps_shm_addr(&a, name);
+    struct timeval tv = {5, 0};
+    sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (sock < 0 || setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) != 0 ||
+        setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0 ||
+        connect(sock, (struct sockaddr *)&a, alen) != 0) {
+        rc = -errno;
+        snprintf(why, n, "cannot reach psd's socket @%s: %s", name, strerror(errno));
+        goto out;
+    }
+    ps_shm_hello_t h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.magic, PS_SHM_MAGIC, sizeof h.magic);
+    h.run_id = c->run_id;
+    h.rank = c->rank;
+    memcpy(h.token, token, PS_SHM_TOKEN);
+    h.grad_bytes = gbytes;
+    ps_shm_reply_t r;
+    if ((rc = ps_shm_send(sock, &h, sizeof h, mfd)) != 0 || (rc = ps_shm_recv(sock, &r, sizeof r, &rfd, 0)) != 0) {
+        snprintf(why, n, "exchange with psd failed: %s", strerror(-rc));
+        goto out;
+    }
+    r.message[sizeof r.message - 1] = '\0';
+    if (memcmp(r.magic, PS_SHM_MAGIC, sizeof r.magic) != 0 || r.status != 0 || rfd < 0) {
+        rc = r.status ? r.status : -EBADMSG;
+        snprintf(why, n, "psd refused: %s", r.message[0] ? r.message : "(no reason)");
+        goto out;
+    }
+    struct stat st;
+    if (r.slots < 1 || r.slots > 64 || r.slot_bytes % sizeof(float) || r.slot_bytes < gbytes ||
+        r.slot_bytes > ((uint64_t)1 << 40) || fstat(rfd, &st) != 0 ||
+        (uint64_t)st.st_size < r.slots * r.slot_bytes) {
+        rc = -EBADMSG;
+        snprintf(why, n, "psd's parameter region does not fit the model");
+        goto out;
+    }
+    c->shm_w_bytes = r.slots * r.slot_bytes;
+    void *w = mmap(NULL, c->shm_w_bytes, PROT_READ, MAP_SHARED, rfd, 0);
+    if (w == MAP_FAILED) {
+        rc = -errno;
+        snprintf(why, n, "mmap of psd's parameters: %s", strerror(errno));
+        goto out;
+    }
+    c->shm_w = w;
+    c->slots = r.slots;
+    c->slot_floats = r.slot_bytes / sizeof(float);
+    c->shm = 1;
+    rc = 0;
+out:
+    if (rc != 0) shm_unmap(c);
+    if (rfd >= 0) close(rfd);
+    if (sock >= 0) close(sock);
+    close(mfd);
+    return rc;
+}
 
 static void push_frame_done(void *data, void *hint)
 {
@@ -105,6 +202,7 @@ void psw_client_destroy(psw_client_t **cp)
     psw_client_t *c = *cp;
     if (!c) return;
     ps_msg_deinit(&c->cur);
+    shm_unmap(c);
     if (c->sock) {
         ps_msg_drain(c->sock, 0.05, 0.3); /* weights psd sent before we left */
         zmq_socket_monitor(c->sock, NULL, 0);
@@ -328,6 +426,19 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     out->seed = a->hyper->seed;
     out->start_timeout_s = a->start_timeout_s;
     out->step_timeout_s = a->step_timeout_s;
+    shm_unmap(c);
+    if (ps_layout_init(&c->layout, out->sizes, out->n_sizes) != 0) {
+        snprintf(err, errlen, "psd sent an invalid model");
+        return -EPROTO;
+    }
+    if (a->shm_socket && a->shm_socket[0] && a->shm_token.len == PS_SHM_TOKEN && !c->info.no_shm) {
+        char why[256];
+        if (shm_connect(c, a->shm_socket, a->shm_token.data, why, sizeof why) == 0)
+            PS_DEBUG("tensors go through shared memory with psd");
+        else
+            PS_WARN("no shared memory with psd (%s): tensors go over %s", why, c->endpoint);
+    }
+    out->shm = c->shm;
     return 0;
 }
 
@@ -338,6 +449,7 @@ int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count)
     header_init(c, &h, PSD__MSG_TYPE__MSG_READY);
     r.train_count = train_count;
     r.test_count = test_count;
+    r.shm = c->shm != 0;
     h.body_case = PSD__HEADER__BODY_READY;
     h.ready = &r;
     return send_hdr(c, &h);
@@ -374,6 +486,18 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
     if (pull) c->t_req = now;
     h.body_case = PSD__HEADER__BODY_PUSH;
     h.push = &p;
+    if (c->shm) { /* into the region psd reads (no copy if computed there) */
+        uint32_t sid[PSW_MAX_TENSORS];
+        for (int i = 0; i < n; i++) {
+            if (ids[i] < 0 || ids[i] >= c->layout.n_tensors || numel[i] != c->layout.t[ids[i]].numel) return -EINVAL;
+            float *dst = c->shm_grad + c->layout.t[ids[i]].offset;
+            if (grads[i] != dst) memcpy(dst, grads[i], numel[i] * sizeof(float));
+            sid[i] = (uint32_t)ids[i];
+        }
+        p.shm_tensors = sid;
+        p.n_shm_tensors = (size_t)n;
+        return ps_msg_send(c->sock, NULL, 0, &h, NULL, 0);
+    }
     ps_frame_t fr[PSW_MAX_TENSORS];
     for (int i = 0; i < n; i++) {
         fr[i] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float),
@@ -384,6 +508,8 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
     atomic_fetch_add_explicit(&c->push_inflight, n, memory_order_relaxed);
     return ps_msg_send(c->sock, NULL, 0, &h, fr, n);
 }
+
+float *psw_client_push_region(psw_client_t *c) { return c->shm ? c->shm_grad : NULL; }
 
 int psw_client_push_done(psw_client_t *c)
 {
@@ -457,9 +583,21 @@ int psw_client_fail(psw_client_t *c, int data_error, const char *message)
  * and, when psd sends one (psd --x-verify-weights), against the CRC-32 of
  * the version they claim to be: a frame psd changed while ZeroMQ was still
  * sending it would show here. */
-static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t crc, char *err, size_t errlen)
+static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_t crc, char *err, size_t errlen)
 {
-    ev->n_tensors = c->cur.n_frames;
+    if (slot) { /* in psd's shared slot `slot - 1` */
+        if (!c->shm || slot > c->slots || c->cur.n_frames != 0) {
+            snprintf(err, errlen, "psd sent weights in shared slot %u this worker does not have", slot);
+            return -EPROTO;
+        }
+        const float *base = c->shm_w + (size_t)(slot - 1) * c->slot_floats;
+        ev->n_tensors = c->layout.n_tensors;
+        for (int i = 0; i < ev->n_tensors; i++) {
+            ev->tensors[i] = base + c->layout.t[i].offset;
+            ev->tensor_numel[i] = c->layout.t[i].numel;
+        }
+    }
+    if (!slot) ev->n_tensors = c->cur.n_frames;
     for (int i = 0; i < c->cur.n_frames; i++) {
         size_t n = 0;
         const float *p = ps_msg_f32(&c->cur, i, &n);
@@ -517,7 +655,7 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
             c->t_req = 0;
             ev->version = h->weights->version;
             ev->step = h->weights->step;
-            return take_tensors(c, ev, h->weights->crc, err, errlen);
+            return take_tensors(c, ev, h->weights->shm_slot, h->weights->crc, err, errlen);
         case PSD__MSG_TYPE__MSG_VALIDATE:
             ev->kind = PSW_EV_VALIDATE;
             ev->epoch = h->validate->epoch;
@@ -528,7 +666,7 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
                 snprintf(err, errlen, "psd sent an invalid validation range");
                 return -EPROTO;
             }
-            return take_tensors(c, ev, h->validate->crc, err, errlen);
+            return take_tensors(c, ev, h->validate->shm_slot, h->validate->crc, err, errlen);
         case PSD__MSG_TYPE__MSG_SHUTDOWN:
             ev->kind = PSW_EV_SHUTDOWN;
             ev->exit_code = h->shutdown->exit_code;

@@ -414,7 +414,8 @@ int psw_worker_run(const psw_worker_opts_t *o)
                        .threads = (unsigned)(o->threads > 0 ? o->threads : 0),
                        .protocol = o->protocol,
                        .identity = identity,
-                       .identity_len = sizeof identity};
+                       .identity_len = sizeof identity,
+                       .no_shm = o->no_shm};
     ps_keypair_t kp;
     char server_pub[PS_Z85_LEN], err[512];
     if (o->key_file || o->server_key) {

@@ -15,6 +15,7 @@ typedef struct {
     double retry_s;            /* after losing psd: keep registering again for this long */
     const char *key_file;      /* CurveZMQ: this worker's secret key file (psd keygen) */
     const char *server_key;    /* CurveZMQ: psd's public key file */
+    int no_shm;                /* never use shared memory with psd */
 } psw_worker_opts_t;
 
 /* Exit codes of pworker (README). */

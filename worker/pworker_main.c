@@ -46,6 +46,8 @@ static void usage(FILE *f)
             "  --key FILE          this worker's secret key (psd keygen NAME); with --server-key,\n"
             "                      connect with CurveZMQ (psd must have NAME.pub in its allow-list)\n"
             "  --server-key FILE   psd's public key (psd keygen's .pub)\n"
+            "  --no-shm            on psd's host, send tensors over the socket too (default: through\n"
+            "                      shared memory, which psd offers to workers on its host)\n"
             "  --verbose           log INFO on every rank (default: only rank 0; others warn/error)\n"
             "  --help              this text\n"
             "  --version           version, protocol version and git commit\n"
@@ -229,7 +231,7 @@ static int supervise(psw_worker_opts_t *o, const device_t *dev, int n_dev)
 
 int main(int argc, char **argv)
 {
-    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT, OPT_RETRY, OPT_KEY, OPT_SERVER_KEY };
+    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT, OPT_RETRY, OPT_KEY, OPT_SERVER_KEY, OPT_NO_SHM };
     static const struct option longopts[] = {
         {"connect", required_argument, NULL, 'c'}, {"threads", required_argument, NULL, 't'},
         {"verbose", no_argument, NULL, 'v'},       {"help", no_argument, NULL, 'h'},
@@ -239,6 +241,7 @@ int main(int argc, char **argv)
         {"retry-for", required_argument, NULL, OPT_RETRY},
         {"key", required_argument, NULL, OPT_KEY},
         {"server-key", required_argument, NULL, OPT_SERVER_KEY},
+        {"no-shm", no_argument, NULL, OPT_NO_SHM},
         {NULL, 0, NULL, 0}};
     psw_worker_opts_t o = {.device = "cpu", .device_index = -1, .register_timeout_s = 300, .retry_s = 120};
     const char *devices = "auto";
@@ -272,6 +275,7 @@ int main(int argc, char **argv)
         case OPT_XSPLIT: o.split_push = 1; break; /* testing only: push tensor by tensor */
         case OPT_KEY: o.key_file = optarg; break;
         case OPT_SERVER_KEY: o.server_key = optarg; break;
+        case OPT_NO_SHM: o.no_shm = 1; break;
         case OPT_RETRY:
             if (parse_int("--retry-for", optarg, 0, 86400, &v)) return 2;
             o.retry_s = (double)v;

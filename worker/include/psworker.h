@@ -36,6 +36,7 @@ typedef struct {
     const char *curve_server;
     const void *identity;      /* ZeroMQ routing id, stable for the process (may be NULL) */
     size_t identity_len;       /* 1..255 bytes */
+    int no_shm;                /* never use shared memory with psd, even on its host */
 } psw_info_t;
 
 typedef struct {
@@ -58,6 +59,7 @@ typedef struct {
     uint64_t seed;
     double start_timeout_s;    /* how long to wait for the first epoch */
     double step_timeout_s;     /* how long to wait for any later reply */
+    int shm;                   /* tensors go through shared memory with psd (same host) */
 } psw_assign_t;
 
 typedef enum {
@@ -113,6 +115,12 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
                     uint64_t correct, int pull, int n, const int *ids, const float *const *grads,
                     const size_t *numel, const int *rows, const int *cols);
 int psw_client_push_done(psw_client_t *c);
+/* On psd's host (shared memory): the region psd reads gradients from, the
+ * model's n_params floats in layout order; a gradient computed in place
+ * there is pushed without any copy (others are copied in by push). Write it
+ * only while psd does not read it: before a push, and after psd's reply to
+ * it (the next WEIGHTS event). NULL when tensors go over the wire. */
+float *psw_client_push_region(psw_client_t *c);
 
 /* My part of the epoch is done. */
 int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples);
