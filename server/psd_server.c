@@ -725,6 +725,12 @@ static void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
         drop(s, w, "PULL of version %" PRIu64 ", current is %" PRIu64, v, s->store.cur->version);
         return;
     }
+    if (w->has_push) { /* its last push still waits for the step (it was given more samples since):
+                        * answer with the version that step makes; its gradient, in flight or in
+                        * its shared region, must not be overwritten before */
+        w->push_pull = true;
+        return;
+    }
     send_weights(s, w);
 }
 

@@ -19,7 +19,8 @@ struct psw_model {
     ps_layout_t layout;
     psw_backend_t *be; /* borrowed */
     int max_batch;
-    float *params, *grads;
+    float *params, *grads;       /* what the math uses: its own buffers or borrowed ones */
+    float *own_params, *own_grads;
     float *act[PS_MAX_LAYERS + 1];
     float *delta[2];
     int32_t *labels;
@@ -49,6 +50,8 @@ psw_model_t *psw_model_new(psw_backend_t *be, const ps_layout_t *layout, int max
     m->params = be->alloc(be, l->n_params * sizeof(float));
     m->grads = be->alloc(be, l->n_params * sizeof(float));
     if (!m->params || !m->grads) goto fail;
+    m->own_params = m->params;
+    m->own_grads = m->grads;
     for (int i = 0; i < l->n_sizes; i++) {
         m->act[i] = be->alloc(be, mb * (size_t)l->sizes[i] * sizeof(float));
         if (!m->act[i]) goto fail;
@@ -74,8 +77,13 @@ void psw_model_destroy(psw_model_t **pm)
     psw_backend_t *be = m->be;
     /* Nothing may still be reading or writing the buffers. */
     be->sync(be);
-    if (m->params) be->free(be, m->params);
-    if (m->grads) be->free(be, m->grads);
+    if (m->own_params || m->own_grads) {
+        if (m->own_params) be->free(be, m->own_params);
+        if (m->own_grads) be->free(be, m->own_grads);
+    } else { /* psw_model_new failed half way */
+        if (m->params) be->free(be, m->params);
+        if (m->grads) be->free(be, m->grads);
+    }
     for (int i = 0; i < m->layout.n_sizes; i++)
         if (m->act[i]) be->free(be, m->act[i]);
     for (int i = 0; i < 2; i++)
@@ -85,9 +93,17 @@ void psw_model_destroy(psw_model_t **pm)
     *pm = NULL;
 }
 
+void psw_model_borrow(psw_model_t *m, const float *params, float *grads)
+{
+    assert(m && m->be->host_visible);
+    m->params = params ? (float *)params : m->own_params; /* only read: see the header */
+    m->grads = grads ? grads : m->own_grads;
+}
+
 void psw_model_set_params(psw_model_t *m, const float *params_host)
 {
     assert(m && params_host);
+    m->params = m->own_params;
     m->be->upload(m->be, m->params, params_host, m->layout.n_params * sizeof(float));
     m->be->sync(m->be);
 }
