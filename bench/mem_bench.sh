@@ -6,9 +6,16 @@
 # (steady state), the peak (VmHWM) and the target of the fast-path issue:
 # 1.15 x (5 x 4P bytes) + 40 MiB (weights, two Adam moments, the aggregation
 # buffer and one older version still being sent). Not a test.
-#   bash bench/mem_bench.sh [STEPS]          (default 300)
+#
+# psbench runs on psd's host, so by default tensors go through shared memory:
+# psd then maps the workers' gradient regions (2 x 4P, the workers' memory,
+# counted in psd's RSS as shared pages). The script also prints RssAnon and
+# RssShmem, and psd's own memory: RSS less those regions. --no-shm measures
+# the wire instead (pushed gradients are then psd's, held until the step).
+#   bash bench/mem_bench.sh [STEPS] [--no-shm]          (default 300)
 set -euo pipefail
 STEPS=${1:-300}
+FLAGS=${2:-}
 . "$(dirname "$0")/lib.sh"
 bench_setup
 "$ROOT/build/psd" --listen "tcp://127.0.0.1:$PORT" --workers 2 --epochs 1 \
@@ -16,25 +23,33 @@ bench_setup
     --set schedule.name=constant --set "data.train_limit=$((STEPS * 128))" --set checkpoint.dir= \
     --metrics "" --save "" 2>"$WORK/psd.log" &
 PSD=$!
-"$ROOT/build/psbench" --connect "tcp://127.0.0.1:$PORT" --workers 2 >"$WORK/psbench.txt" &
+# shellcheck disable=SC2086
+"$ROOT/build/psbench" --connect "tcp://127.0.0.1:$PORT" --workers 2 $FLAGS >"$WORK/psbench.txt" &
 PB=$!
 : >"$WORK/rss.txt"
 while kill -0 $PSD 2>/dev/null; do
-    awk '/^VmRSS/ {print $2}' /proc/$PSD/status 2>/dev/null >>"$WORK/rss.txt" || true
+    awk '/^VmRSS/ {r=$2} /^RssAnon/ {a=$2} /^RssShmem/ {s=$2} END {if (r) print r, a, s}' \
+        /proc/$PSD/status 2>/dev/null >>"$WORK/rss.txt" || true
     awk '/^VmHWM/ {print $2}' /proc/$PSD/status 2>/dev/null >"$WORK/hwm.txt" || true
     sleep 0.2
 done
 wait $PSD || true
 wait $PB || true
 P=$(grep -o 'model [0-9]* parameters' "$WORK/psd.log" | awk '{print $2}')
-python3 - "$WORK/rss.txt" "$(cat "$WORK/hwm.txt")" "$P" <<'EOF'
+SHM=$(grep -c 'through shared memory' "$WORK/psd.log" || true)
+python3 - "$WORK/rss.txt" "$(cat "$WORK/hwm.txt")" "$P" "$SHM" <<'EOF'
 import statistics, sys
-rss = [int(x) for x in open(sys.argv[1]) if x.strip()]
-hwm = int(sys.argv[2]); P = int(sys.argv[3])
-steady = statistics.median(rss[len(rss) // 2:]) if rss else 0
+rows = [[int(v) for v in x.split()] for x in open(sys.argv[1]) if x.strip()]
+hwm = int(sys.argv[2]); P = int(sys.argv[3]); shm = int(sys.argv[4])
+half = rows[len(rows) // 2:]
+med = lambda k: statistics.median(r[k] for r in half) if half else 0
+steady, anon, shmem = med(0), med(1), med(2)
+regions = shm * 4 * P / 1024  # KiB of worker gradient regions psd maps
+own = steady - regions
 target = 1.15 * 5 * 4 * P / 2**20 + 40
-print(f"P = {P} parameters ({4 * P / 2**20:.1f} MiB per copy)")
-print(f"psd steady RSS {steady / 1024:.1f} MiB ({steady * 1024 / (4 * P):.2f} x 4P), "
-      f"peak {hwm / 1024:.1f} MiB ({hwm * 1024 / (4 * P):.2f} x 4P); target <= {target:.1f} MiB")
+print(f"P = {P} parameters ({4 * P / 2**20:.1f} MiB per copy); {shm} of 2 workers on shared memory")
+print(f"psd steady RSS {steady / 1024:.1f} MiB (anon {anon / 1024:.1f}, shmem {shmem / 1024:.1f}); "
+      f"less the workers' regions: {own / 1024:.1f} MiB ({own * 1024 / (4 * P):.2f} x 4P); "
+      f"peak {hwm / 1024:.1f} MiB ({hwm * 1024 / (4 * P):.2f} x 4P; regions included); target <= {target:.1f} MiB")
 EOF
 tail -n1 "$WORK/psbench.txt"
