@@ -65,6 +65,11 @@ void ps_hostname(char *buf, size_t n)
 
 void ps_host_id(char *buf, size_t n)
 {
+    const char *env = getenv("PSD_HOST_ID"); /* containers of one host (docker-compose) */
+    if (env && env[0]) {
+        snprintf(buf, n, "%s", env);
+        return;
+    }
     FILE *f = fopen("/etc/machine-id", "r");
     if (f) {
         char line[128];

@@ -178,6 +178,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 last() { tail -n1 "$1" | python3 -c "import json,sys; print(json.load(sys.stdin)['$2'])"; }
 grep -q "authentication: CURVE" "$T/compose.log" || fail "psd did not run with CURVE authentication"
 grep -q "worker registered: rank 1" "$T/compose.log" || fail "the second worker did not register"
+[ "$(grep -c "through shared memory" "$T/compose.log")" = 2 ] || fail "the workers did not use shared memory"
 [ "$(last "$T/compose-metrics.jsonl" epoch)" = $EPOCHS ] || fail "compose run did not reach epoch $EPOCHS"
 [ "$(last "$T/compose-metrics.jsonl" val_samples)" = 10000 ] || fail "compose run: val_samples != 10000"
 HAND=$(last "$T/hand/psd-metrics.jsonl" val_correct)
@@ -186,5 +187,5 @@ COMP=$(last "$T/compose-metrics.jsonl" val_correct)
 grep -qx "700 psd /var/lib/psd/keys" "$T/modes.txt" || fail "keys dir mode: $(cat "$T/modes.txt")"
 grep -qx "600 psd /var/lib/psd/keys/psd.key" "$T/modes.txt" || fail "psd.key mode: $(cat "$T/modes.txt")"
 grep -qx "600 psd /var/lib/psd/keys/worker.key" "$T/modes.txt" || fail "worker.key mode: $(cat "$T/modes.txt")"
-log "PASS: compose val_correct $COMP/10000 = by hand $HAND/10000 after $EPOCHS epochs (seed $SEED), CURVE on"
+log "PASS: compose val_correct $COMP/10000 = by hand $HAND/10000 after $EPOCHS epochs (seed $SEED), CURVE on, shared memory"
 grep -E "run finished" "$T/compose.log" | sed 's/^/  /'

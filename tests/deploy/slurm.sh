@@ -12,14 +12,14 @@
 #   bash tests/deploy/slurm.sh
 # Needs root, slurm-wlm (slurmctld, slurmd, sbatch...), munge and a built build/psd and
 # build/pworker; without root or SLURM/munge it prints SKIP and exits 77 (1 when CI=true).
-# Env: PSD_BUILD (default ROOT/build), PSD_TEST_EPOCHS (default 2), PSD_TEST_KEEP=1 keeps
+# Env: PSD_BUILD (default ROOT/build), PSD_TEST_EPOCHS (default 3), PSD_TEST_KEEP=1 keeps
 # the temp dir, PSD_TEST_NODES=0 skips step 4, PSD_TEST_PREEMPT=0 skips step 3.
 # It stops every daemon and process it started (by PID) and leaves nothing behind.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=${PSD_BUILD:-$ROOT/build}
-EPOCHS=${PSD_TEST_EPOCHS:-2}
+EPOCHS=${PSD_TEST_EPOCHS:-3}
 DATA=/usr/share/datasets/fashion-mnist
 CONFIG=$ROOT/deploy/configs/fashion-mnist.yaml
 T0=$(date +%s)
@@ -349,7 +349,9 @@ if [ "${PSD_TEST_PREEMPT:-1}" = 1 ]; then
         [ $i -lt 360 ] || die "preempt: no epoch 1 after 180 s"
         sleep 0.5
     done
-    sleep 2 # into epoch 2: psd checkpoints mid-epoch
+    # into epoch 2 (psd checkpoints mid-epoch), well before the end of the run:
+    # an epoch takes about 2 s here with shared memory
+    sleep 0.7
     sl scancel --signal=USR1 --batch "$J_PRE"
     say "epoch 1 done; sent SIGUSR1 to the batch shell"
     for ((i = 0; ; i++)); do
