@@ -9,7 +9,11 @@
  *
  * Prints, over the training rounds of the run (validation excluded): rounds,
  * push+pull GB/s per worker and aggregate ((bytes pushed + bytes pulled) /
- * time), and round-latency percentiles (push sent -> next weights received). */
+ * time), and round-latency percentiles (push sent -> next weights received).
+ * With --pulls N each worker first pulls N times in a row (psd answers each
+ * at once with the current version: no step), and the pull-only GB/s (bytes
+ * pulled / time) and latencies are printed too. psd trains synchronously
+ * only (no async mode yet), so psbench has no async mode either. */
 #include <errno.h>
 #include <getopt.h>
 #include <pthread.h>
@@ -38,6 +42,11 @@ typedef struct {
     double t_first, t_last;
     double *lat;
     size_t n_lat;
+    int pulls;                 /* pull-only rounds first */
+    uint64_t pull_rounds, pull_bytes;
+    double p_first, p_last;
+    double *plat;
+    size_t n_plat;
 } bw_t;
 
 static void *bench_worker(void *p)
@@ -102,7 +111,8 @@ static void *bench_worker(void *p)
     size_t n_ids = 0, pos = 0;
     uint32_t epoch = 0;
     int in_epoch = 0;
-    double t_push = 0, timeout = a.start_timeout_s;
+    double t_push = 0, t_pull = 0, timeout = a.start_timeout_s;
+    int pulls_left = b->pulls;
     for (;;) {
         psw_event_t ev;
         int rc = psw_client_next(c, &ev, timeout, err, sizeof err);
@@ -127,6 +137,19 @@ static void *bench_worker(void *p)
             }
         } else if (ev.kind == PSW_EV_VALIDATE) {
             psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 0, 0, ev.val_end - ev.val_begin);
+        } else if (ev.kind == PSW_EV_WEIGHTS && in_epoch && pulls_left > 0) {
+            double now = ps_now(); /* a pull-only round: pull -> weights */
+            if (t_pull > 0) {
+                if (b->n_plat < MAX_ROUNDS) b->plat[b->n_plat++] = now - t_pull;
+                b->pull_rounds++;
+                b->pull_bytes += 4 * l.n_params;
+                b->p_last = now;
+            } else {
+                b->p_first = now;
+            }
+            t_pull = ps_now();
+            if (--pulls_left == 0) t_pull = 0;
+            psw_client_pull(c, ev.version);
         } else if (ev.kind == PSW_EV_WEIGHTS && in_epoch) {
             double now = ps_now();
             if (t_push > 0) { /* a round: push -> these weights */
@@ -165,9 +188,22 @@ static int cmp_d(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* One worker's line: rounds, GB/s over [t0, t1], latency percentiles
+ * (sorts lat). Returns the GB/s. */
+static double report(int i, const char *unit, const char *what, uint64_t rounds, uint64_t bytes, double t0, double t1,
+                     double *lat, size_t n)
+{
+    double dt = t1 - t0, gbs = dt > 0 ? (double)bytes / dt / 1e9 : 0;
+    qsort(lat, n, sizeof(double), cmp_d);
+    double p50 = n ? lat[n / 2] : 0, p90 = n ? lat[n * 9 / 10] : 0, p99 = n ? lat[n * 99 / 100] : 0;
+    printf("worker %d: %llu %s, %s %.3f GB/s, latency p50 %.3f ms p90 %.3f ms p99 %.3f ms\n", i,
+           (unsigned long long)rounds, unit, what, gbs, p50 * 1e3, p90 * 1e3, p99 * 1e3);
+    return gbs;
+}
+
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: psbench --connect ENDPOINT [--workers W] [--no-shm] [--key FILE --server-key FILE]\n"
+    fprintf(f, "usage: psbench --connect ENDPOINT [--workers W] [--pulls N] [--no-shm] [--key FILE --server-key FILE]\n"
                "  W simulated workers (threads) push zero gradients and pull weights from psd\n"
                "  until psd ends the run; prints push+pull GB/s and round latencies. On psd's\n"
                "  host tensors go through shared memory unless --no-shm\n");
@@ -176,12 +212,13 @@ static void usage(FILE *f)
 int main(int argc, char **argv)
 {
     const char *ep = NULL, *key = NULL, *server_key = NULL;
-    int W = 1, no_shm = 0;
+    int W = 1, no_shm = 0, pulls = 0;
     static const struct option opts[] = {{"connect", required_argument, 0, 'c'},
                                          {"workers", required_argument, 0, 'w'},
                                          {"key", required_argument, 0, 'k'},
                                          {"server-key", required_argument, 0, 's'},
                                          {"no-shm", no_argument, 0, 'n'},
+                                         {"pulls", required_argument, 0, 'p'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     int o;
@@ -192,11 +229,12 @@ int main(int argc, char **argv)
         case 'k': key = optarg; break;
         case 's': server_key = optarg; break;
         case 'n': no_shm = 1; break;
+        case 'p': pulls = atoi(optarg); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
     }
-    if (!ep || W < 1 || W > MAX_W || optind != argc || (!key != !server_key)) {
+    if (!ep || W < 1 || W > MAX_W || pulls < 0 || pulls > MAX_ROUNDS || optind != argc || (!key != !server_key)) {
         usage(stderr);
         return 2;
     }
@@ -220,27 +258,25 @@ int main(int argc, char **argv)
             b[i].info.curve_server = spub;
         }
         b[i].lat = malloc(MAX_ROUNDS * sizeof(double));
+        b[i].plat = malloc(MAX_ROUNDS * sizeof(double));
+        b[i].pulls = pulls;
         pthread_create(&th[i], NULL, bench_worker, &b[i]);
     }
     int rc = 0;
-    double agg = 0;
     for (int i = 0; i < W; i++) {
         pthread_join(th[i], NULL);
         if (b[i].rc) rc = b[i].rc;
     }
-    for (int i = 0; i < W; i++) {
-        double dt = b[i].t_last - b[i].t_first;
-        double gbs = dt > 0 ? (double)b[i].bytes / dt / 1e9 : 0;
-        agg += gbs;
-        qsort(b[i].lat, b[i].n_lat, sizeof(double), cmp_d);
-        double p50 = b[i].n_lat ? b[i].lat[b[i].n_lat / 2] : 0;
-        double p90 = b[i].n_lat ? b[i].lat[b[i].n_lat * 9 / 10] : 0;
-        double p99 = b[i].n_lat ? b[i].lat[b[i].n_lat * 99 / 100] : 0;
-        printf("worker %d: %llu rounds, push+pull %.3f GB/s, round latency p50 %.3f ms p90 %.3f ms p99 %.3f ms\n", i,
-               (unsigned long long)b[i].rounds, gbs, p50 * 1e3, p90 * 1e3, p99 * 1e3);
-        free(b[i].lat);
-    }
-    printf("aggregate push+pull: %.3f GB/s (%d workers)\n", agg, W);
+    double agg_pp = 0, agg_pull = 0;
+    for (int i = 0; i < W; i++)
+        agg_pp += report(i, "rounds", "push+pull", b[i].rounds, b[i].bytes, b[i].t_first, b[i].t_last, b[i].lat, b[i].n_lat);
+    printf("aggregate push+pull: %.3f GB/s (%d workers)\n", agg_pp, W);
+    for (int i = 0; i < W && pulls > 0; i++)
+        agg_pull += report(i, "pulls", "pull", b[i].pull_rounds, b[i].pull_bytes, b[i].p_first, b[i].p_last, b[i].plat,
+                           b[i].n_plat);
+    if (pulls > 0) printf("aggregate pull: %.3f GB/s (%d workers)\n", agg_pull, W);
+    for (int i = 0; i < W; i++) free(b[i].lat);
+    for (int i = 0; i < W; i++) free(b[i].plat);
     free(b);
     memset(&kp, 0, sizeof kp);
     return rc;

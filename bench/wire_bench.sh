@@ -43,6 +43,9 @@ P4=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm)
 PI=$(run 1 "ipc://$WORK/psd.sock" --no-shm)
 PS1=$(run 1 "ipc://$WORK/psd.sock")
 PS2=$(run 2 "ipc://$WORK/psd.sock")
+# pull only (psd answers at once, no step), 1 worker, tcp
+run 1 "tcp://127.0.0.1:$PORT" "--no-shm --pulls $ROUNDS" >/dev/null
+PLT=$(awk '/^aggregate pull/ {print $3}' "$WORK/psbench-1.txt")
 
 r() { python3 -c "print(f'{$1 / $2:.2f}')"; }
 cat <<EOF
@@ -59,4 +62,5 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 | psd, 1 worker, ipc (no shared memory) | $PI | $(r "$PI" "$ZIPC") x raw ipc | |
 | psd, 1 worker, shared memory | $PS1 | $(r "$PS1" "$MEMCPY") x memcpy | >= 0.5 |
 | psd, 2 workers, shared memory (aggregate) | $PS2 | $(r "$PS2" "$MEMCPY") x memcpy | |
+| psd pull only, 1 worker, tcp (bytes pulled / time) | $PLT | | |
 EOF

@@ -66,6 +66,7 @@ typedef struct {
 } key_spec_t;
 
 static const char *const opt_names[] = {"sgd", "adam", "adamw", NULL};
+static const char *const wire_names[] = {"f32", "bf16", NULL};
 static const char *const sched_names[] = {"constant", "step", "cosine", "onecycle", NULL};
 static const char *const act_names[] = {"relu", NULL};
 static const char *const log_names[] = {"error", "warn", "info", "debug", NULL};
@@ -112,6 +113,8 @@ static const key_spec_t keys[] = {
 
     K_INT("train.batch_size", batch_size, 1, MAX_LAYER_SIZE, "64"),
     K_INT("train.val_batch_size", val_batch_size, 1, MAX_LAYER_SIZE, "500"),
+    K_ENUM("train.wire_gradients", wire_gradients, ps_wire_dtype_t, wire_names, "f32"),
+    K_ENUM("train.wire_weights", wire_weights, ps_wire_dtype_t, wire_names, "f32"),
 
     K_ENUM("optimizer.name", opt, ps_opt_kind_t, opt_names, "sgd"),
     K_DOUBLE("optimizer.lr", lr, 0.0, INFINITY, F_OPEN_MIN, "0.1"),

@@ -25,6 +25,7 @@ typedef enum {
     PS_SCHED_ONECYCLE
 } ps_sched_kind_t;
 typedef enum { PS_ACT_RELU = 0 } ps_act_t;
+typedef enum { PS_WIRE_F32 = 0, PS_WIRE_BF16 } ps_wire_dtype_t; /* tensors on the wire */
 typedef enum { PS_LOG_ERROR = 0, PS_LOG_WARN, PS_LOG_INFO, PS_LOG_DEBUG } ps_log_level_t;
 
 typedef struct ps_config {
@@ -49,6 +50,8 @@ typedef struct ps_config {
     /* train: */
     int batch_size;     /* train.batch_size: per worker, per step */
     int val_batch_size; /* train.val_batch_size */
+    ps_wire_dtype_t wire_gradients; /* train.wire_gradients: f32 | bf16 (workers on the wire) */
+    ps_wire_dtype_t wire_weights;   /* train.wire_weights: f32 | bf16 */
 
     /* optimizer: (server side) */
     ps_opt_kind_t opt;   /* optimizer.name: sgd | adam | adamw */

@@ -43,6 +43,7 @@ static size_t dtype_size(int dt)
     switch (dt) {
     case PSD__DTYPE__DT_F32: return 4;
     case PSD__DTYPE__DT_U32: return 4;
+    case PSD__DTYPE__DT_BF16: return 2;
     default: return 0;
     }
 }
@@ -253,10 +254,15 @@ static const void *frame_as(const ps_msg_t *m, int i, int dtype, size_t *n)
     if (!m->hdr || i < 0 || i >= m->n_frames) return NULL;
     if ((int)m->hdr->tensors[i]->dtype != dtype) return NULL;
     const void *p = zmq_msg_data((zmq_msg_t *)&m->frames[i]);
-    size_t bytes = zmq_msg_size((zmq_msg_t *)&m->frames[i]);
-    if (((uintptr_t)p & 3u) != 0 && bytes) return NULL;
-    *n = bytes / 4;
+    size_t bytes = zmq_msg_size((zmq_msg_t *)&m->frames[i]), es = dtype_size(dtype);
+    if (((uintptr_t)p & (es - 1)) != 0 && bytes) return NULL;
+    *n = bytes / es;
     return p;
+}
+
+const uint16_t *ps_msg_bf16(const ps_msg_t *m, int i, size_t *n)
+{
+    return frame_as(m, i, PSD__DTYPE__DT_BF16, n);
 }
 
 const float *ps_msg_f32(const ps_msg_t *m, int i, size_t *n)
@@ -375,4 +381,14 @@ void ps_msg_drain(void *sock, double quiet_s, double max_s)
         zmq_msg_close(&f);
         quiet_since = ps_now();
     }
+}
+
+void ps_f32_to_bf16_n(uint16_t *dst, const float *src, size_t n)
+{
+    for (size_t i = 0; i < n; i++) dst[i] = ps_f32_to_bf16(src[i]);
+}
+
+void ps_bf16_to_f32_n(float *dst, const uint16_t *src, size_t n)
+{
+    for (size_t i = 0; i < n; i++) dst[i] = ps_bf16_to_f32(src[i]);
 }

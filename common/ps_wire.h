@@ -65,6 +65,26 @@ void ps_msg_deinit(ps_msg_t *m);
  * misaligned. n receives the element count. Borrowed until ps_msg_deinit. */
 const float *ps_msg_f32(const ps_msg_t *m, int i, size_t *n);
 const uint32_t *ps_msg_u32(const ps_msg_t *m, int i, size_t *n);
+const uint16_t *ps_msg_bf16(const ps_msg_t *m, int i, size_t *n);
+
+/* bfloat16 <-> float: the high half of the bits, rounded to nearest even
+ * (NaN stays NaN). */
+static inline uint16_t ps_f32_to_bf16(float f)
+{
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float ps_bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+void ps_f32_to_bf16_n(uint16_t *dst, const float *src, size_t n);
+void ps_bf16_to_f32_n(float *dst, const uint16_t *src, size_t n);
 
 /* One tensor frame to send. If ffn is NULL the bytes are copied at send
  * time; otherwise they are sent in place and ffn(data, hint) is called by

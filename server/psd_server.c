@@ -36,6 +36,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <uv.h>
+#include <zlib.h>
 
 #include "ps_idx.h"
 #include "ps_log.h"
@@ -104,6 +105,7 @@ typedef struct {
     const float *shm_grad; /* NULL: no region */
     bool shm;             /* READY confirmed: tensors go through shared memory */
     uint64_t grad_shm;    /* tensors of the push in progress that are in shm_grad */
+    bool bf16;            /* on the wire with train.wire_gradients: bf16 */
     psd_arena_t *hold;
 } worker_t;
 
@@ -165,7 +167,9 @@ typedef struct {
     uint64_t samples_total;
     FILE *metrics;
     uint64_t dropped;     /* bad messages, for rate-limited logging */
-    const float *(*step_g)[PS_MAX_TENSORS]; /* a step's gradients, MAX_WORKERS rows */
+    const void *(*step_g)[PS_MAX_TENSORS]; /* a step's gradients, MAX_WORKERS rows */
+    uint8_t *step_bf16;   /* and whether each row is bfloat16 */
+    uint64_t ep_bytes_in, ep_bytes_out; /* tensor bytes received / sent on the wire this epoch */
     double *step_wt;      /* and their weights */
     ps_arena_t rx_arena;  /* decoded headers of received messages (one at a time) */
     uint8_t rx_buf[64 << 10];
@@ -278,26 +282,38 @@ static void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason)
     send_to(s, w, &h, NULL, 0);
 }
 
-/* Weights frames of the current version, sent without copying; for a
+/* Weights frames of the current version, sent without copying (as f32, or
+ * from the version's bfloat16 copy with train.wire_weights: bf16); for a
  * worker on shared memory none: *slot (1-based) names the version's slot,
- * which the worker holds until it is sent another. */
-static int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot)
+ * which the worker holds until it is sent another. With --x-verify-weights
+ * *crc is the CRC-32 of what the worker gets, else 0. */
+static int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32_t *crc)
 {
     const ps_layout_t *l = &s->layout;
     *slot = 0;
+    *crc = 0;
     if (w->shm) {
         if (w->hold) psd_store_frame_free(NULL, w->hold);
         w->hold = psd_store_ref_current(&s->store);
         *slot = (uint32_t)psd_store_slot(&s->store, w->hold) + 1;
+        if (s->opts.verify_weights) *crc = psd_store_current_crc(&s->store);
         return 0;
     }
+    const uint16_t *w16 = s->cfg.wire_weights == PS_WIRE_BF16 ? psd_store_current_bf16(&s->store) : NULL;
+    if (s->cfg.wire_weights == PS_WIRE_BF16 && !w16) PS_WARN("out of memory for bfloat16 weights: sending f32");
+    uLong c = crc32(0L, Z_NULL, 0);
     for (int t = 0; t < l->n_tensors; t++) {
         psd_arena_t *a = psd_store_ref_current(&s->store);
-        fr[t] = (ps_frame_t){.data = a->w + l->t[t].offset, .nbytes = 4 * l->t[t].numel,
+        size_t es = w16 ? 2 : 4;
+        fr[t] = (ps_frame_t){.data = w16 ? (const void *)(w16 + l->t[t].offset) : (const void *)(a->w + l->t[t].offset),
+                             .nbytes = es * l->t[t].numel,
                              .ffn = psd_store_frame_free, .hint = a, .id = (uint32_t)t,
-                             .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)l->t[t].rows,
+                             .dtype = w16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32, .rows = (uint32_t)l->t[t].rows,
                              .cols = t % 2 == 0 ? (uint32_t)l->t[t].cols : 0};
+        if (s->opts.verify_weights && w16) c = crc32_z(c, fr[t].data, fr[t].nbytes);
+        s->ep_bytes_out += fr[t].nbytes;
     }
+    if (s->opts.verify_weights) *crc = w16 ? (uint32_t)c : psd_store_current_crc(&s->store);
     return l->n_tensors;
 }
 
@@ -309,10 +325,9 @@ static void send_weights(srv_t *s, worker_t *w)
     hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_WEIGHTS);
     wt.version = s->store.cur->version;
     wt.step = s->step;
-    if (s->opts.verify_weights) wt.crc = psd_store_current_crc(&s->store);
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
-    int n = weights_frames(s, w, fr, &wt.shm_slot);
+    int n = weights_frames(s, w, fr, &wt.shm_slot, &wt.crc);
     send_to(s, w, &h, fr, n);
 }
 
@@ -500,6 +515,7 @@ static void start_epoch(srv_t *s)
     }
     s->ep_compute_s = s->ep_wait_s = 0;
     s->ep_timed = 0;
+    s->ep_bytes_in = s->ep_bytes_out = 0;
     s->resumed_mid_epoch = false;
     uint64_t longest = k ? (T + (uint64_t)k - 1) / (uint64_t)k : T;
     s->spe = (double)((longest + (uint64_t)s->cfg.batch_size - 1) / (uint64_t)s->cfg.batch_size);
@@ -531,14 +547,13 @@ static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
     v.version = s->store.cur->version;
     v.begin = p->begin;
     v.end = p->end;
-    if (s->opts.verify_weights) v.crc = psd_store_current_crc(&s->store);
     h.body_case = PSD__HEADER__BODY_VALIDATE;
     h.validate = &v;
     p->worker = (int)(w - s->w);
     w->val_pending++;
     w->state = W_VALIDATING;
     w->last_seen = ps_now();
-    int n = weights_frames(s, w, fr, &v.shm_slot);
+    int n = weights_frames(s, w, fr, &v.shm_slot, &v.crc);
     send_to(s, w, &h, fr, n);
 }
 
@@ -601,22 +616,23 @@ static void maybe_step(srv_t *s)
         uint64_t total = 0;
         for (int i = 0; i < s->n; i++)
             if (s->w[i].has_push) total += s->w[i].push_batch;
-        const float *(*g)[PS_MAX_TENSORS] = s->step_g; /* made once: no allocation per step */
+        const void *(*g)[PS_MAX_TENSORS] = s->step_g; /* made once: no allocation per step */
         double *wt = s->step_wt;
         int k = 0; /* contributors in rank order: the same sums every run */
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
             if (!w->has_push) continue;
             for (int t = 0; t < s->layout.n_tensors; t++)
-                g[k][t] = w->grad_shm & (1ull << t) ? w->shm_grad + s->layout.t[t].offset
-                                                    : zmq_msg_data(&w->grad[t]);
+                g[k][t] = w->grad_shm & (1ull << t) ? (const void *)(w->shm_grad + s->layout.t[t].offset)
+                                                    : (const void *)zmq_msg_data(&w->grad[t]);
+            s->step_bf16[k] = w->bf16;
             wt[k] = (double)w->push_batch / (double)total;
             k++;
         }
         double frac = (double)s->epoch_step / s->spe;
         if (frac > 0.999999) frac = 0.999999; /* a redistributed epoch may take a few more steps */
         s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
-        double norm = psd_store_step(&s->store, pending, (const float *const(*)[PS_MAX_TENSORS])g, wt,
+        double norm = psd_store_step(&s->store, pending, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
                                      s->cfg.clip_norm, s->lr);
         if (norm < 0) {
             PS_ERROR("no free parameter arena (too many pull replies in flight)");
@@ -801,8 +817,11 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
             drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
             return;
         }
-        if (!ps_msg_f32(m, i, &n) || d->offset != 0 || n != l->t[t].numel) {
-            drop(s, w, "PUSH tensor %u does not match the model (%zu floats, want %zu)", t, n, l->t[t].numel);
+        /* in the worker's wire type: f32, or bf16 with train.wire_gradients: bf16 */
+        bool ok = w->bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
+        if (!ok || d->offset != 0 || n != l->t[t].numel) {
+            drop(s, w, "PUSH tensor %u does not match the model (%zu %s, want %zu %s)", t, n,
+                 d->dtype == PSD__DTYPE__DT_BF16 ? "bf16" : "elements", l->t[t].numel, w->bf16 ? "bf16" : "f32");
             return;
         }
         mask |= 1ull << t;
@@ -810,6 +829,7 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
     /* keep the frames without copying: reduced in rank order once everyone has pushed */
     for (int i = 0; i < m->n_frames; i++) {
         uint32_t t = m->hdr->tensors[i]->id;
+        s->ep_bytes_in += zmq_msg_size(&m->frames[i]);
         zmq_msg_init(&w->grad[t]);
         zmq_msg_move(&w->grad[t], &m->frames[i]);
     }
@@ -861,11 +881,13 @@ static void end_validation(srv_t *s)
                 ",\"train_loss\":%.9g,\"train_acc\":%.9g,\"train_samples\":%" PRIu64
                 ",\"val_loss\":%.9g,\"val_acc\":%.9g,\"val_correct\":%" PRIu64 ",\"val_samples\":%" PRIu64
                 ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
-                ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g}\n",
+                ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g"
+                ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 "}\n",
                 s->run_id, s->epoch + 1, s->step, train_loss, train_acc, s->ep_samples, val_loss,
                 val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr,
                 s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
-                s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0);
+                s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
+                s->ep_bytes_in, s->ep_bytes_out);
         fflush(s->metrics);
     }
     bool last = s->epoch + 1 >= (uint32_t)s->cfg.epochs;
@@ -995,6 +1017,8 @@ static void send_assign(srv_t *s, worker_t *w)
     /* how long a worker waits for psd before it registers again */
     a.start_timeout_s = s->cfg.start_timeout + 10;
     a.step_timeout_s = s->cfg.worker_timeout * 3 + 10;
+    a.grad_dtype = s->cfg.wire_gradients == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
+    a.weight_dtype = s->cfg.wire_weights == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
     if (s->shm && strcmp(w->host_id, s->host_id) == 0) { /* same host: offer shared memory */
         a.shm_socket = s->shm_name;
         a.shm_token.data = w->shm_token;
@@ -1073,6 +1097,7 @@ static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
     } else if (w->shm_grad) {
         shm_forget(s, w); /* it gave up on its side */
     }
+    w->bf16 = !w->shm && s->cfg.wire_gradients == PS_WIRE_BF16;
     w->state = W_READY;
     if (s->stop_when_written) return; /* stopping: nothing more to train */
     if (s->phase == PHASE_WAIT) {
@@ -1720,11 +1745,12 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->pool = malloc(T * sizeof *s->pool);
     s->seen = calloc((T + 7) / 8, 1);
     s->step_g = calloc(MAX_WORKERS, sizeof *s->step_g);
+    s->step_bf16 = calloc(MAX_WORKERS, sizeof *s->step_bf16);
     s->step_wt = calloc(MAX_WORKERS, sizeof *s->step_wt);
     ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
-    if (!s->perm || !s->pool || !s->seen || !s->step_g || !s->step_wt || psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0) {
+    if (!s->perm || !s->pool || !s->seen || !s->step_g || !s->step_bf16 || !s->step_wt || psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0) {
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
         goto out;
     }
@@ -1913,6 +1939,7 @@ out:
     psd_store_deinit(&s->store);
     free(s->perm);
     free(s->step_g);
+    free(s->step_bf16);
     free(s->step_wt);
     if (s->rx_arena.fallbacks)
         PS_DEBUG("%" PRIu64 " decoded headers did not fit the receive arena", s->rx_arena.fallbacks);

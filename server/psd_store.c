@@ -11,6 +11,7 @@
 
 #include "ps_pool.h"
 #include "ps_shm.h"
+#include "ps_wire.h"
 
 static float *alloc_floats(size_t n)
 {
@@ -96,6 +97,7 @@ void psd_store_deinit(psd_store_t *s)
     } else {
         for (int i = 0; i < s->n_arenas; i++) free(s->arenas[i].w);
     }
+    for (int i = 0; i < s->n_arenas; i++) free(s->arenas[i].w16);
     free(s->grad);
     free(s->s0);
     free(s->s1);
@@ -175,7 +177,8 @@ typedef struct {
     psd_store_t *s;
     psd_arena_t *next;
     int n;
-    const float *const (*grads)[PS_MAX_TENSORS];
+    const void *const (*grads)[PS_MAX_TENSORS];
+    const uint8_t *bf16;
     const double *weight;
     float scale;
     double lr;
@@ -190,8 +193,16 @@ static void reduce_chunk(step_t *st, const psd_chunk_t *c)
     const size_t rel = c->off - s->layout.t[c->t].offset;
     float *acc = s->grad + c->off;
     for (int k = 0; k < st->n; k++) {
-        const float *g = st->grads[k][c->t] + rel;
         const float wk = (float)st->weight[k];
+        if (st->bf16 && st->bf16[k]) {
+            const uint16_t *h = (const uint16_t *)st->grads[k][c->t] + rel;
+            if (k == 0)
+                for (size_t i = 0; i < c->n; i++) acc[i] = wk * ps_bf16_to_f32(h[i]);
+            else
+                for (size_t i = 0; i < c->n; i++) acc[i] += wk * ps_bf16_to_f32(h[i]);
+            continue;
+        }
+        const float *g = (const float *)st->grads[k][c->t] + rel;
         if (k == 0)
             for (size_t i = 0; i < c->n; i++) acc[i] = wk * g[i];
         else
@@ -222,8 +233,35 @@ static void apply_task(void *arg, int i)
     apply_chunk(st, &st->s->chunks[i]);
 }
 
-double psd_store_step(psd_store_t *s, int n, const float *const (*grads)[PS_MAX_TENSORS],
-                      const double *weight, double clip_norm, double lr)
+typedef struct {
+    psd_store_t *s;
+    psd_arena_t *a;
+} conv_t;
+
+static void bf16_task(void *arg, int i)
+{
+    conv_t *cv = arg;
+    const psd_chunk_t *c = &cv->s->chunks[i];
+    ps_f32_to_bf16_n(cv->a->w16 + c->off, cv->a->w + c->off, c->n);
+}
+
+const uint16_t *psd_store_current_bf16(psd_store_t *s)
+{
+    psd_arena_t *a = s->cur;
+    if (a->w16_of == a->version + 1) return a->w16;
+    if (!a->w16) {
+        a->w16 = calloc(s->layout.n_params ? s->layout.n_params : 1, sizeof *a->w16); /* padding stays 0 */
+        if (!a->w16) return NULL;
+    }
+    if (!s->chunks && psd_store_set_parallel(s, 1, (size_t)1 << 40) != 0) return NULL;
+    conv_t cv = {s, a};
+    ps_pool_for(s->pool, s->n_chunks, bf16_task, &cv);
+    a->w16_of = a->version + 1;
+    return a->w16;
+}
+
+double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
+                      const uint8_t *bf16, const double *weight, double clip_norm, double lr)
 {
     if (!s->chunks && psd_store_set_parallel(s, 1, (size_t)1 << 40) != 0) return -1;
     psd_arena_t *next = free_arena(s);
@@ -233,7 +271,8 @@ double psd_store_step(psd_store_t *s, int n, const float *const (*grads)[PS_MAX_
      * saves what it has not written yet (from this thread, before the pool
      * touches them) */
     if (s->before_update) s->before_update(s->before_update_ud, 0, s->layout.n_params);
-    step_t st = {.s = s, .next = next, .n = n, .grads = grads, .weight = weight, .scale = 1.0f, .lr = lr};
+    step_t st = {.s = s, .next = next, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f,
+                 .lr = lr};
     /* without clipping every chunk is reduced and applied at once (no
      * second pass); with it, the global norm is needed first */
     st.apply = !(clip_norm > 0.0);

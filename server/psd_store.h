@@ -33,6 +33,8 @@ typedef struct psd_arena {
     float *w;           /* n_params floats */
     uint64_t crc_of;    /* version + 1 whose CRC-32 `crc` is (0: none yet) */
     uint32_t crc;
+    uint16_t *w16;      /* bfloat16 copy for the wire (train.wire_weights: bf16), or NULL */
+    uint64_t w16_of;    /* version + 1 w16 holds (0: none yet) */
 } psd_arena_t;
 
 typedef struct {
@@ -87,12 +89,18 @@ void psd_store_frame_free(void *data, void *hint);
  * per version): what a worker must receive for that version. */
 uint32_t psd_store_current_crc(psd_store_t *s);
 
-/* One synchronous step. grads[k][t] is tensor t of contributor k (borrowed),
- * weight[k] its share of the batch (sum 1); contributors are reduced in the
+/* The current version as bfloat16 (computed once per version, on the step's
+ * threads), laid out like the weights; NULL if out of memory. Frames
+ * pointing into it take a reference on the current arena like f32 ones. */
+const uint16_t *psd_store_current_bf16(psd_store_t *s);
+
+/* One synchronous step. grads[k][t] is tensor t of contributor k (borrowed):
+ * floats, or bfloat16 where bf16 (may be NULL) has bf16[k] set; weight[k]
+ * its share of the batch (sum 1); contributors are reduced in the
  * order given. Clipping by clip_norm (<= 0: off), then the optimizer with lr
  * writes a new version, which becomes current. Returns the gradient's global
  * norm before clipping, or -1 if no arena could be allocated. */
-double psd_store_step(psd_store_t *s, int n, const float *const (*grads)[PS_MAX_TENSORS],
-                      const double *weight, double clip_norm, double lr);
+double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
+                      const uint8_t *bf16, const double *weight, double clip_norm, double lr);
 
 #endif

@@ -5,6 +5,7 @@
  * end. Values are compared bit for bit (the file stores the floats as is). */
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <math.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -22,6 +23,7 @@
 
 #include "psd_ckpt.h"
 #include "psd_store.h"
+#include "ps_wire.h"
 
 #define CHUNK_BYTES ((uint64_t)1 << 20)
 #define HDR_LEN 216
@@ -418,12 +420,12 @@ Test(ckpt, store_steps_during_write, .init = dir_setup, .fini = dir_teardown)
     float *g = malloc(n * sizeof(float));
     cr_assert_not_null(g);
     for (size_t i = 0; i < n; i++) g[i] = (float)((int)(i % 17) - 8) * 1e-3f;
-    const float *gt[1][PS_MAX_TENSORS];
+    const void *gt[1][PS_MAX_TENSORS];
     for (int t = 0; t < s.layout.n_tensors; t++) gt[0][t] = g + s.layout.t[t].offset;
-    const float *const(*grads)[PS_MAX_TENSORS] = (const float *const(*)[PS_MAX_TENSORS])gt;
+    const void *const(*grads)[PS_MAX_TENSORS] = (const void *const(*)[PS_MAX_TENSORS])gt;
     const double weight[1] = {1.0};
     /* two steps so that the slots are not zero */
-    for (int k = 0; k < 2; k++) cr_assert_geq(psd_store_step(&s, 1, grads, weight, 0, 1e-2), 0);
+    for (int k = 0; k < 2; k++) cr_assert_geq(psd_store_step(&s, 1, grads, NULL, weight, 0, 1e-2), 0);
     float *w0 = malloc(n * 4), *m0 = malloc(n * 4), *v0 = malloc(n * 4);
     cr_assert(w0 && m0 && v0);
     memcpy(w0, s.cur->w, n * 4);
@@ -438,7 +440,7 @@ Test(ckpt, store_steps_during_write, .init = dir_setup, .fini = dir_teardown)
     s.before_update_ud = wr;
     int steps = 0;
     while (!psd_ckpt_done(wr) || steps < 3) {
-        cr_assert_geq(psd_store_step(&s, 1, grads, weight, 0, 1e-2), 0);
+        cr_assert_geq(psd_store_step(&s, 1, grads, NULL, weight, 0, 1e-2), 0);
         steps++;
     }
     s.before_update = NULL;
@@ -881,4 +883,50 @@ Test(ckpt, sigkill_at_random_moments, .init = dir_setup, .fini = dir_teardown, .
                 (unsigned long long)last_loaded, rounds_with_new);
     fprintf(stderr, "sigkill_at_random_moments: newest step %llu, %d of 20 rounds added one\n",
             (unsigned long long)last_loaded, rounds_with_new);
+}
+
+/* Gradients that came as bfloat16 (train.wire_gradients: bf16) are reduced
+ * exactly like the floats they stand for; the bfloat16 copy of a version is
+ * the rounding of its weights, redone when the version changes. */
+Test(store, bf16_gradients_reduce_like_their_float_values)
+{
+    static const int sizes[] = {300, 70, 10};
+    psd_store_t a, b;
+    store_make(&a, sizes, 3);
+    store_make(&b, sizes, 3);
+    cr_assert_eq(psd_store_set_parallel(&b, 2, 65536), 0);
+    size_t n = a.layout.n_params;
+    float *g1 = malloc(n * sizeof(float)), *g2 = malloc(n * sizeof(float));
+    uint16_t *h2 = malloc(n * sizeof(uint16_t));
+    cr_assert(g1 && g2 && h2);
+    for (size_t i = 0; i < n; i++) {
+        g1[i] = sinf((float)i) * 1e-2f;
+        h2[i] = ps_f32_to_bf16(cosf((float)i * 0.37f) * 3e-2f);
+        g2[i] = ps_bf16_to_f32(h2[i]);
+    }
+    const void *fa[2][PS_MAX_TENSORS], *fb[2][PS_MAX_TENSORS];
+    for (int t = 0; t < a.layout.n_tensors; t++) {
+        size_t o = a.layout.t[t].offset;
+        fa[0][t] = fb[0][t] = g1 + o;
+        fa[1][t] = g2 + o;
+        fb[1][t] = h2 + o;
+    }
+    const double wt[2] = {0.25, 0.75};
+    const uint8_t kinds[2] = {0, 1};
+    for (int k = 0; k < 3; k++) {
+        cr_assert_geq(psd_store_step(&a, 2, (const void *const(*)[PS_MAX_TENSORS])fa, NULL, wt, 0.5, 1e-2), 0);
+        cr_assert_geq(psd_store_step(&b, 2, (const void *const(*)[PS_MAX_TENSORS])fb, kinds, wt, 0.5, 1e-2), 0);
+    }
+    cr_assert_eq(memcmp(a.cur->w, b.cur->w, n * sizeof(float)), 0, "bf16 rows = their float values");
+    const uint16_t *w16 = psd_store_current_bf16(&b);
+    cr_assert_not_null(w16);
+    for (size_t i = 0; i < n; i++) cr_assert_eq(w16[i], ps_f32_to_bf16(b.cur->w[i]), "element %zu", i);
+    cr_assert_geq(psd_store_step(&b, 2, (const void *const(*)[PS_MAX_TENSORS])fb, kinds, wt, 0.5, 1e-2), 0);
+    w16 = psd_store_current_bf16(&b);
+    for (size_t i = 0; i < n; i++) cr_assert_eq(w16[i], ps_f32_to_bf16(b.cur->w[i]), "new version, element %zu", i);
+    free(g1);
+    free(g2);
+    free(h2);
+    psd_store_deinit(&a);
+    psd_store_deinit(&b);
 }

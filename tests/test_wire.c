@@ -1,5 +1,6 @@
 /* Wire framing: encode/decode round trips and rejection of malformed messages. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <errno.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -355,4 +356,24 @@ Test(wire, extra_frames_after_a_bare_header_are_drained)
     cr_assert_eq(m.hdr->pull->min_version, 11, "the forged message was not taken for another peer's");
     cr_assert_neq(m.ident_len, 6);
     ps_msg_deinit(&m);
+}
+
+Test(wire, bf16_rounds_to_nearest_even)
+{
+    cr_assert_eq(ps_f32_to_bf16(1.0f), 0x3f80);
+    cr_assert_eq(ps_bf16_to_f32(0x3f80), 1.0f);
+    cr_assert_eq(ps_f32_to_bf16(-2.0f), 0xc000);
+    /* 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0) */
+    cr_assert_eq(ps_f32_to_bf16(1.0f + 0x1p-8f), 0x3f80);
+    /* 1 + 3 * 2^-8 is halfway between 1 + 2^-7 (odd) and 1 + 2^-6: up to even */
+    cr_assert_eq(ps_f32_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);
+    cr_assert_eq(ps_f32_to_bf16(1.0f + 0x1p-8f + 0x1p-20f), 0x3f81, "above half: up");
+    cr_assert(isnan(ps_bf16_to_f32(ps_f32_to_bf16(NAN))), "NaN stays NaN");
+    cr_assert(isinf(ps_bf16_to_f32(ps_f32_to_bf16(INFINITY))));
+    cr_assert(isinf(ps_bf16_to_f32(ps_f32_to_bf16(3.4e38f))), "beyond bf16's largest: infinity");
+    float x[5] = {0.1f, -3.5f, 1e-30f, 65504.0f, 0.0f}, y[5];
+    uint16_t h[5];
+    ps_f32_to_bf16_n(h, x, 5);
+    ps_bf16_to_f32_n(y, h, 5);
+    for (int i = 0; i < 5; i++) cr_assert(fabsf(y[i] - x[i]) <= fabsf(x[i]) * 0x1p-8f, "%g -> %g", x[i], y[i]);
 }

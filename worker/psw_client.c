@@ -44,6 +44,11 @@ struct psw_client {
     const float *shm_w;
     size_t shm_w_bytes, slot_floats;
     uint32_t slots;
+    /* reduced precision on the wire (train.wire_*: bf16): conversion buffers
+     * laid out like the model (gconv sent without copying: see push_done) */
+    int grad_bf16, weight_bf16;
+    uint16_t *gconv;
+    float *wconv;
 };
 
 static void shm_unmap(psw_client_t *c)
@@ -203,6 +208,8 @@ void psw_client_destroy(psw_client_t **cp)
     if (!c) return;
     ps_msg_deinit(&c->cur);
     shm_unmap(c);
+    free(c->gconv);
+    free(c->wconv);
     if (c->sock) {
         ps_msg_drain(c->sock, 0.05, 0.3); /* weights psd sent before we left */
         zmq_socket_monitor(c->sock, NULL, 0);
@@ -439,6 +446,17 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
             PS_WARN("no shared memory with psd (%s): tensors go over %s", why, c->endpoint);
     }
     out->shm = c->shm;
+    /* bfloat16 on the wire, when psd asks for it (never through shared memory) */
+    c->grad_bf16 = !c->shm && a->grad_dtype == PSD__DTYPE__DT_BF16;
+    c->weight_bf16 = !c->shm && a->weight_dtype == PSD__DTYPE__DT_BF16;
+    free(c->gconv);
+    free(c->wconv);
+    c->gconv = c->grad_bf16 ? calloc(c->layout.n_params, sizeof *c->gconv) : NULL;
+    c->wconv = c->weight_bf16 ? calloc(c->layout.n_params, sizeof *c->wconv) : NULL;
+    if ((c->grad_bf16 && !c->gconv) || (c->weight_bf16 && !c->wconv)) {
+        snprintf(err, errlen, "out of memory for the bfloat16 buffers");
+        return -ENOMEM;
+    }
     return 0;
 }
 
@@ -500,6 +518,15 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
     }
     ps_frame_t fr[PSW_MAX_TENSORS];
     for (int i = 0; i < n; i++) {
+        if (c->grad_bf16) { /* rounded into the conversion buffer, sent from there */
+            if (ids[i] < 0 || ids[i] >= c->layout.n_tensors || numel[i] != c->layout.t[ids[i]].numel) return -EINVAL;
+            uint16_t *dst = c->gconv + c->layout.t[ids[i]].offset;
+            ps_f32_to_bf16_n(dst, grads[i], numel[i]);
+            fr[i] = (ps_frame_t){.data = dst, .nbytes = numel[i] * sizeof(uint16_t), .ffn = push_frame_done,
+                                 .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_BF16,
+                                 .rows = (uint32_t)rows[i], .cols = (uint32_t)cols[i]};
+            continue;
+        }
         fr[i] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float),
                              .ffn = push_frame_done, .hint = c, .id = (uint32_t)ids[i],
                              .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)rows[i],
@@ -598,19 +625,29 @@ static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_
         }
     }
     if (!slot) ev->n_tensors = c->cur.n_frames;
+    uLong got = crc32(0L, Z_NULL, 0);
     for (int i = 0; i < c->cur.n_frames; i++) {
         size_t n = 0;
-        const float *p = ps_msg_f32(&c->cur, i, &n);
+        const float *p = NULL;
+        const uint16_t *h = c->weight_bf16 ? ps_msg_bf16(&c->cur, i, &n) : NULL;
+        if (h && i < c->layout.n_tensors && n == c->layout.t[i].numel) { /* bfloat16: widened here */
+            float *dst = c->wconv + c->layout.t[i].offset;
+            ps_bf16_to_f32_n(dst, h, n);
+            p = dst;
+        } else if (!c->weight_bf16) {
+            p = ps_msg_f32(&c->cur, i, &n);
+        }
         if (!p || c->cur.hdr->tensors[i]->id != (uint32_t)i || c->cur.hdr->tensors[i]->offset) {
             snprintf(err, errlen, "psd sent an invalid weights frame %d", i);
             return -EPROTO;
         }
+        if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[i]), zmq_msg_size(&c->cur.frames[i]));
         ev->tensors[i] = p;
         ev->tensor_numel[i] = n;
     }
-    if (crc) {
-        uLong got = crc32(0L, Z_NULL, 0);
-        for (int i = 0; i < ev->n_tensors; i++) got = crc32_z(got, (const Bytef *)ev->tensors[i], 4 * ev->tensor_numel[i]);
+    if (crc) { /* over what came: the frames as sent, or the shared slot */
+        for (int i = 0; slot && i < ev->n_tensors; i++)
+            got = crc32_z(got, (const Bytef *)ev->tensors[i], 4 * ev->tensor_numel[i]);
         if ((uint32_t)got != crc) {
             snprintf(err, errlen, "weights of version %llu do not match psd's checksum (%08x, received %08x): "
                      "torn or corrupted in transit", (unsigned long long)ev->version, crc, (unsigned)got);
