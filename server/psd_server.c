@@ -1787,6 +1787,16 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         }
     }
     s->zctx = zmq_ctx_new();
+    /* ZeroMQ's I/O threads receive and send the tensors: with several workers
+     * pushing at once one thread is the bottleneck (2 workers over tcp: 3.0
+     * GB/s with 1, 3.5 with 2 on a 2-core VM) */
+    int io = c->io_threads;
+    if (io <= 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        io = cores < 2 ? 1 : cores / 4 > 4 ? 4 : cores / 4 < 2 ? 2 : (int)(cores / 4);
+    }
+    if (s->zctx && zmq_ctx_set(s->zctx, ZMQ_IO_THREADS, io) != 0)
+        PS_WARN("zeromq: cannot use %d I/O threads: %s", io, zmq_strerror(zmq_errno()));
     s->sock = s->zctx ? zmq_socket(s->zctx, ZMQ_ROUTER) : NULL;
     if (!s->sock) {
         PS_ERROR("zeromq: %s", zmq_strerror(zmq_errno()));
