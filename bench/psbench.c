@@ -54,11 +54,7 @@ static void *bench_worker(void *p)
     bw_t *b = p;
     char err[512];
     uint8_t ident[16];
-    uint64_t x = ps_splitmix64(&(uint64_t){(uint64_t)(ps_now() * 1e9) ^ (uint64_t)b->index * 7919u});
-    memcpy(ident, &x, 8);
-    x = ps_splitmix64(&x);
-    memcpy(ident + 8, &x, 8);
-    ident[0] |= 1;
+    psw_make_identity(ident, (uint64_t)b->index + 1);
     b->info.identity = ident;
     b->info.identity_len = sizeof ident;
     psw_client_t *c = psw_client_new(b->ep, &b->info, err, sizeof err);

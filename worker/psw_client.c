@@ -15,6 +15,7 @@
 
 #include "ps_log.h"
 #include "ps_model.h"
+#include "ps_rng.h"
 #include "ps_shm.h"
 #include "ps_util.h"
 #include "ps_wire.h"
@@ -715,4 +716,17 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
             continue;
         }
     }
+}
+
+void psw_make_identity(uint8_t id[16], uint64_t salt)
+{
+    char hostname[64];
+    ps_hostname(hostname, sizeof hostname);
+    uint64_t x = ps_fnv1a(PS_FNV_INIT, hostname, strlen(hostname)) ^ (uint64_t)getpid() ^
+                 (uint64_t)(ps_now() * 1e9) ^ (salt * 0x9e3779b97f4a7c15ull);
+    for (int i = 0; i < 2; i++) {
+        uint64_t r = ps_splitmix64(&x);
+        memcpy(id + 8 * i, &r, 8);
+    }
+    id[0] |= 1; /* ZeroMQ reserves routing ids starting with a zero byte */
 }

@@ -411,15 +411,7 @@ int psw_worker_run(const psw_worker_opts_t *o)
 {
     wk_t w = {.o = o};
     uint8_t identity[16];
-    char hostname[64];
-    ps_hostname(hostname, sizeof hostname);
-    uint64_t x = ps_fnv1a(PS_FNV_INIT, hostname, strlen(hostname)) ^ (uint64_t)getpid() ^
-                 (uint64_t)(ps_now() * 1e9);
-    for (int i = 0; i < 2; i++) {
-        uint64_t r = ps_splitmix64(&x);
-        memcpy(identity + 8 * i, &r, 8);
-    }
-    identity[0] |= 1; /* ZeroMQ reserves routing ids starting with a zero byte */
+    psw_make_identity(identity, 0);
     psw_info_t info = {.device = o->device ? o->device : "cpu",
                        .device_index = o->device_index,
                        .identity_hint = getenv("SLURM_PROCID"),

@@ -152,4 +152,9 @@ int psw_client_fail(psw_client_t *c, int data_error, const char *message);
 
 uint32_t psw_client_rank(const psw_client_t *c);
 
+/* A 16-byte ZeroMQ routing id for psw_info_t.identity, unique to this host,
+ * process, moment and salt (several clients in one process: other salts).
+ * Keep it for the process: psd recognises a worker reconnecting by it. */
+void psw_make_identity(uint8_t id[16], uint64_t salt);
+
 #endif
