@@ -14,19 +14,24 @@
 
 #include <assert.h>
 #include <stdlib.h>
+#include <string.h>
 
 struct psw_model {
     ps_layout_t layout;
     psw_backend_t *be; /* borrowed */
     int max_batch;
-    float *params, *grads;       /* what the math uses: its own buffers or borrowed ones */
+    float *params, *grads;       /* its own buffers, or borrowed gradients */
     float *own_params, *own_grads;
+    const float *pt[PS_MAX_TENSORS]; /* borrowed parameter tensors (psw_model_borrow), or NULL */
     float *act[PS_MAX_LAYERS + 1];
     float *delta[2];
     int32_t *labels;
 };
 
 static float *tensor(float *arena, const ps_layout_t *l, int k) { return arena + l->t[k].offset; }
+
+/* parameter tensor k: borrowed, or in the model's own buffer (only read) */
+static float *param(psw_model_t *m, int k) { return m->pt[k] ? (float *)m->pt[k] : tensor(m->params, &m->layout, k); }
 
 psw_model_t *psw_model_new(psw_backend_t *be, const ps_layout_t *layout, int max_batch)
 {
@@ -93,17 +98,17 @@ void psw_model_destroy(psw_model_t **pm)
     *pm = NULL;
 }
 
-void psw_model_borrow(psw_model_t *m, const float *params, float *grads)
+void psw_model_borrow(psw_model_t *m, const float *const *tensors, float *grads)
 {
     assert(m && m->be->host_visible);
-    m->params = params ? (float *)params : m->own_params; /* only read: see the header */
+    for (int k = 0; k < m->layout.n_tensors; k++) m->pt[k] = tensors ? tensors[k] : NULL;
     m->grads = grads ? grads : m->own_grads;
 }
 
 void psw_model_set_params(psw_model_t *m, const float *params_host)
 {
     assert(m && params_host);
-    m->params = m->own_params;
+    memset(m->pt, 0, sizeof m->pt);
     m->be->upload(m->be, m->params, params_host, m->layout.n_params * sizeof(float));
     m->be->sync(m->be);
 }
@@ -141,8 +146,8 @@ static void forward(psw_model_t *m, const float *x_host, const int32_t *labels_h
     be->upload(be, m->act[0], x_host, (size_t)B * (size_t)l->sizes[0] * sizeof(float));
     be->upload(be, m->labels, labels_host, (size_t)B * sizeof(int32_t));
     for (int i = 0; i < L; i++) {
-        be->linear_fwd(be, m->act[i + 1], m->act[i], tensor(m->params, l, 2 * i),
-                       tensor(m->params, l, 2 * i + 1), B, l->sizes[i], l->sizes[i + 1]);
+        be->linear_fwd(be, m->act[i + 1], m->act[i], param(m, 2 * i),
+                       param(m, 2 * i + 1), B, l->sizes[i], l->sizes[i + 1]);
         if (i < L - 1)
             be->relu_fwd(be, m->act[i + 1], m->act[i + 1], (size_t)B * (size_t)l->sizes[i + 1]);
     }
@@ -170,7 +175,7 @@ void psw_model_train_step(psw_model_t *m, const float *x_host, const int32_t *la
     for (int i = L - 1; i >= 0; i--) {
         float *dx = i > 0 ? m->delta[1 - cur] : NULL;
         be->linear_bwd(be, dx, tensor(m->grads, l, 2 * i), tensor(m->grads, l, 2 * i + 1),
-                       m->delta[cur], m->act[i], tensor(m->params, l, 2 * i), B, l->sizes[i],
+                       m->delta[cur], m->act[i], param(m, 2 * i), B, l->sizes[i],
                        l->sizes[i + 1]);
         if (ready) {
             ready(ud, 2 * i);

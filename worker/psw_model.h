@@ -26,12 +26,13 @@ void psw_model_destroy(psw_model_t **m);
 
 /* Copy n_params host floats into the parameter buffer. */
 void psw_model_set_params(psw_model_t *m, const float *params_host);
-/* Host-visible backends only: compute from the n_params floats at params
- * (read, never written: e.g. a read-only mapping of psd's version) and
- * write gradients to grads (n_params floats, e.g. the region psd reads
- * them from), instead of the model's own buffers; NULL goes back to its
- * own. The caller keeps both valid while the model computes. */
-void psw_model_borrow(psw_model_t *m, const float *params, float *grads);
+/* Host-visible backends only: compute from the parameter tensors at
+ * tensors[k] (k in layout order; read, never written: the frames of a
+ * WEIGHTS message, a read-only mapping of psd's version) and write
+ * gradients to grads (n_params floats in layout order, e.g. the region psd
+ * reads them from), instead of the model's own buffers; NULL goes back to
+ * its own. The caller keeps them valid while the model computes. */
+void psw_model_borrow(psw_model_t *m, const float *const *tensors, float *grads);
 /* Device buffers of the arena (for backends/tests). */
 float *psw_model_params(psw_model_t *m);
 float *psw_model_grads(psw_model_t *m);

@@ -130,22 +130,18 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
     return 0;
 }
 
-/* The weights of ev for the model: on the CPU, weights laid out as the
- * model's (psd's shared slot) are used where they are, without a copy (they
- * stay valid until the next psw_client_next); else copied in. On the CPU
- * the gradient goes straight to the region psd reads it from, when there
- * is one. */
+/* The weights of ev for the model: on the CPU they are used where they
+ * arrived (frames, psd's shared slot: valid until the next
+ * psw_client_next), without a copy, and the gradient goes straight to the
+ * region psd reads it from when there is one; device backends upload. */
 static int set_weights(wk_t *w, const psw_event_t *ev)
 {
     if (ev->n_tensors != w->layout.n_tensors) return -1;
     for (int i = 0; i < ev->n_tensors; i++)
         if (ev->tensor_numel[i] != w->layout.t[i].numel) return -1;
     if (w->be->host_visible) {
-        const float *base = ev->tensors[0] - w->layout.t[0].offset;
-        int in_place = 1;
-        for (int i = 0; i < ev->n_tensors; i++) in_place &= ev->tensors[i] == base + w->layout.t[i].offset;
-        psw_model_borrow(w->m, in_place ? base : NULL, psw_client_push_region(w->c));
-        if (in_place) return 0;
+        psw_model_borrow(w->m, ev->tensors, psw_client_push_region(w->c));
+        return 0;
     }
     float *p = psw_model_params(w->m);
     for (int i = 0; i < ev->n_tensors; i++)
