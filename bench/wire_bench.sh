@@ -9,6 +9,11 @@
 #
 #   bash bench/wire_bench.sh [ROUNDS]       (training rounds per run, default 800)
 #
+# psd applies plain SGD here (no momentum, no weight decay: it reads the
+# weights and the gradient and writes the new weights, as ps-lite's default
+# handle sums), except in the row marked "default optimizer" (SGD with
+# Nesterov momentum and weight decay: two more passes over 4 MiB).
+#
 # ps-lite's figures are the ones measured side by side on these machines
 # (../shared/FACTS.md): 2.4-2.5 GB/s push+pull, 1 worker; 3.0-3.3 GB/s
 # aggregate, 2 workers. Not a test: nothing here passes or fails on speed.
@@ -23,11 +28,13 @@ MEMCPY=$(awk '/^memcpy/ {print $4}' <<<"$PROBE")
 ZTCP=$(awk '/^zmq_tcp/ {print $4}' <<<"$PROBE")
 ZIPC=$(awk '/^zmq_ipc/ {print $4}' <<<"$PROBE")
 
-# one psd + psbench run: $1 workers, $2 endpoint, $3 psbench flags; prints
-# the aggregate GB/s
+# one psd + psbench run: $1 workers, $2 endpoint, $3 psbench flags, $4 psd
+# optimizer flags (default: plain SGD); prints the aggregate GB/s
+PLAIN="--set optimizer.momentum=0 --set optimizer.weight_decay=0"
 run() {
-    local w=$1 ep=$2 flags=${3:-} limit=$((ROUNDS * 64 * $1))
-    "$ROOT/build/psd" --listen "$ep" --workers "$w" --epochs 1 --set 'model.layers=[784,1338]' \
+    local w=$1 ep=$2 flags=${3:-} opt=${4:-$PLAIN} limit=$((ROUNDS * 64 * $1))
+    # shellcheck disable=SC2086
+    "$ROOT/build/psd" --listen "$ep" --workers "$w" --epochs 1 --set 'model.layers=[784,1338]' $opt \
         --set "data.train_limit=$limit" --set schedule.name=constant --set checkpoint.dir= \
         --metrics "" --save "" 2>"$WORK/psd-$w.log" &
     local psd=$!
@@ -38,6 +45,7 @@ run() {
     awk '/^aggregate/ {print $3}' "$WORK/psbench-$w.txt"
 }
 P1=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm)
+P1D=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm "--set optimizer.momentum=0.9")
 P2=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm)
 P4=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm)
 PI=$(run 1 "ipc://$WORK/psd.sock" --no-shm)
@@ -57,6 +65,7 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 | raw ZeroMQ round trip, tcp | $ZTCP | | |
 | raw ZeroMQ round trip, ipc | $ZIPC | | |
 | psd, 1 worker, tcp | $P1 | $(r "$P1" "$ZTCP") x raw tcp | >= 0.85 |
+| psd, 1 worker, tcp, default optimizer | $P1D | $(r "$P1D" "$ZTCP") x raw tcp | |
 | psd, 2 workers, tcp (aggregate) | $P2 | $(r "$P2" 3.3) x ps-lite 3.3 | >= 1.1 |
 | psd, 4 workers, tcp (aggregate) | $P4 | $(r "$P4" 3.3) x ps-lite 3.3 | >= 1.1 |
 | psd, 1 worker, ipc (no shared memory) | $PI | $(r "$PI" "$ZIPC") x raw ipc | |

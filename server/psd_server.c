@@ -1591,8 +1591,9 @@ static int shm_hello(void *ud, const ps_shm_hello_t *h, int fd, char *why, size_
     }
     void *p = mmap(NULL, bytes, PROT_READ, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
-        snprintf(why, n, "rank %u's gradient region: mmap: %s", w->rank, strerror(errno));
-        return -errno;
+        int e = errno;
+        snprintf(why, n, "rank %u's gradient region: mmap: %s", w->rank, strerror(e));
+        return -e;
     }
     w->shm_grad = p;
     return 0;
