@@ -67,6 +67,7 @@ typedef struct {
 
 static const char *const opt_names[] = {"sgd", "adam", "adamw", NULL};
 static const char *const wire_names[] = {"f32", "bf16", NULL};
+static const char *const log_format_names[] = {"text", "json", NULL};
 static const char *const sched_names[] = {"constant", "step", "cosine", "onecycle", NULL};
 static const char *const act_names[] = {"relu", NULL};
 static const char *const log_names[] = {"error", "warn", "info", "debug", NULL};
@@ -142,6 +143,7 @@ static const key_spec_t keys[] = {
     K_STRING("server.metrics", metrics, 0, "psd-metrics.jsonl"),
     K_STRING("server.save", save, 0, "psd-weights.bin"),
     K_ENUM("server.log_level", log_level, ps_log_level_t, log_names, "info"),
+    K_ENUM("server.log_format", log_format, ps_log_format_t, log_format_names, "text"),
     K_STRING("server.key", key_file, 0, ""),
     K_STRING("server.allow", allow_dir, 0, ""),
     K_BOOL("server.insecure", insecure, "false"),

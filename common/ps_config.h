@@ -27,6 +27,7 @@ typedef enum {
 typedef enum { PS_ACT_RELU = 0 } ps_act_t;
 typedef enum { PS_WIRE_F32 = 0, PS_WIRE_BF16 } ps_wire_dtype_t; /* tensors on the wire */
 typedef enum { PS_LOG_ERROR = 0, PS_LOG_WARN, PS_LOG_INFO, PS_LOG_DEBUG } ps_log_level_t;
+typedef enum { PS_LOG_TEXT = 0, PS_LOG_JSON } ps_log_format_t;
 
 typedef struct ps_config {
     /* run: */
@@ -88,6 +89,7 @@ typedef struct ps_config {
     int threads;                  /* server.threads: threads of a step (reduce + optimizer), 0 = all cores */
     int64_t chunk_bytes;          /* server.chunk_bytes: unit of a step's parallel work (rounded to 64 KiB) */
     bool shared_memory;           /* server.shared_memory: workers on psd's host exchange tensors in shared memory */
+    ps_log_format_t log_format;   /* server.log_format: text | json (one object a line) */
     int io_threads;               /* server.io_threads: ZeroMQ I/O threads, 0 = 2, or cores/4 up to 4 from 12 cores on */
 
     /* checkpoint: (not part of the config hash) */

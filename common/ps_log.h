@@ -2,6 +2,10 @@
  *
  *   2026-11-30T10:40:01.123Z psd INFO  epoch 1/15 ...
  *
+ * or, for log collectors (ps_log_set_json), one JSON object a line:
+ *
+ *   {"ts":"2026-11-30T10:40:01.123Z","role":"psd","level":"info","msg":"epoch 1/15 ..."}
+ *
  * The level is checked before formatting. Workers other than rank 0 set their
  * level to WARN unless --verbose (ps_log_set_level). */
 #ifndef PS_LOG_H
@@ -11,6 +15,12 @@
 
 void ps_log_set_role(const char *role); /* "psd", "worker 3"; copied */
 void ps_log_set_level(ps_log_level_t level);
+void ps_log_set_json(int on);
+/* Write s as the body of a JSON string (quotes, backslashes and control
+ * characters escaped; bytes that are not UTF-8 become U+FFFD) into out (n
+ * bytes, NUL-terminated, truncated at a character boundary). Returns the
+ * length written. */
+size_t ps_json_escape(char *out, size_t n, const char *s);
 ps_log_level_t ps_log_get_level(void);
 void ps_log_write(ps_log_level_t level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

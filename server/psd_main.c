@@ -44,6 +44,7 @@ static void usage(FILE *f)
             "  --check-config       check the config (and flags) and exit 0, or 2 with the error;\n"
             "                       with --resume, also load the checkpoint a resume would use\n"
             "  --log-level LEVEL    error | warn | info | debug (default info)\n"
+            "  --log-format FMT     text (default) or json: one JSON object a line, for log collectors\n"
             "  --help               this text\n"
             "  --version            version, protocol version and git commit\n"
             "\n"
@@ -62,7 +63,7 @@ int main(int argc, char **argv)
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
         OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
-        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY
+        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_LOGFORMAT
     };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, OPT_CONFIG},
@@ -75,6 +76,7 @@ int main(int argc, char **argv)
         {"print-config", no_argument, NULL, OPT_PRINT},
         {"check-config", no_argument, NULL, OPT_CHECK},
         {"log-level", required_argument, NULL, OPT_LOGLEVEL},
+        {"log-format", required_argument, NULL, OPT_LOGFORMAT},
         {"start-timeout", required_argument, NULL, OPT_START_TMO},
         {"worker-timeout", required_argument, NULL, OPT_WORKER_TMO},
         {"set", required_argument, NULL, OPT_SET},
@@ -95,6 +97,7 @@ int main(int argc, char **argv)
         [OPT_EPOCHS - OPT_CONFIG] = "run.epochs",      [OPT_SEED - OPT_CONFIG] = "run.seed",
         [OPT_METRICS - OPT_CONFIG] = "server.metrics", [OPT_SAVE - OPT_CONFIG] = "server.save",
         [OPT_LOGLEVEL - OPT_CONFIG] = "server.log_level",
+        [OPT_LOGFORMAT - OPT_CONFIG] = "server.log_format",
         [OPT_START_TMO - OPT_CONFIG] = "server.start_timeout",
         [OPT_WORKER_TMO - OPT_CONFIG] = "server.worker_timeout",
         [OPT_KEY - OPT_CONFIG] = "server.key",
@@ -209,6 +212,7 @@ int main(int argc, char **argv)
         goto out;
     }
     ps_log_set_level(cfg.log_level);
+    ps_log_set_json(cfg.log_format == PS_LOG_JSON);
     if (print) {
         code = ps_config_write_yaml(&cfg, stdout) == 0 ? 0 : 1;
         goto out;

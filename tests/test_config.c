@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "ps_config.h"
+#include "ps_log.h"
 
 #define FM "/usr/share/datasets/fashion-mnist/"
 
@@ -829,4 +830,26 @@ Test(config, empty_file_is_defaults)
     cr_expect_eq(ps_config_load_file(&c, path, err, sizeof err), 0, "%s", err);
     expect_same(&c, &d);
     unlink(path);
+}
+
+/* JSON log lines: every message becomes a valid JSON string. */
+Test(log, json_escape)
+{
+    char out[64];
+    ps_json_escape(out, sizeof out, "a \"q\" \\ b");
+    cr_assert_str_eq(out, "a \\\"q\\\" \\\\ b");
+    ps_json_escape(out, sizeof out, "tab\there\nnl\x01");
+    cr_assert_str_eq(out, "tab\\u0009here\\u000anl\\u0001");
+    ps_json_escape(out, sizeof out, "caf\xc3\xa9 \xe2\x82\xac");
+    cr_assert_str_eq(out, "caf\xc3\xa9 \xe2\x82\xac", "valid UTF-8 is kept");
+    ps_json_escape(out, sizeof out, "bad \xff\xc3 end \xed\xa0\x80!");
+    cr_assert_str_eq(out, "bad \xef\xbf\xbd\xef\xbf\xbd end \xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd!",
+                     "invalid bytes and surrogates become U+FFFD");
+    char small[6];
+    cr_assert_eq(ps_json_escape(small, sizeof small, "a\"bcd"), 5);
+    cr_assert_str_eq(small, "a\\\"bc", "truncated between characters, NUL-terminated");
+    cr_assert_eq(ps_json_escape(small, sizeof small, "abcd\"e"), 4);
+    cr_assert_str_eq(small, "abcd", "an escape is not cut");
+    cr_assert_eq(ps_json_escape(small, sizeof small, "abc\xe2\x82\xac"), 3);
+    cr_assert_str_eq(small, "abc", "a multi-byte character is not cut");
 }

@@ -839,6 +839,44 @@ Test(short, bf16_on_the_wire_halves_the_bytes)
     free(mc);
 }
 
+/* --log-format json: every line psd and the workers write is one JSON
+ * object with ts, role, level and msg (checked with Python's json module);
+ * the rank-0 rule holds (rank 1 logs no INFO without --verbose). */
+Test(short, json_logs_are_one_object_a_line)
+{
+    if (run_cmd("command -v python3 >/dev/null") != 0) cr_skip_test("no python3 to parse JSON with");
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--log-format", "json", NULL};
+    const char *wargs[] = {"--log-format", "json", NULL};
+    pid_t p = start_psd(&r, "json", 2, args);
+    pid_t w0 = start_worker(&r, "json", 0, wargs);
+    wait_log(r.psd_log, "rank 0", 60);
+    pid_t w1 = start_worker(&r, "json", 1, wargs);
+    cr_assert_eq(proc_wait(p, 300), 0);
+    cr_assert_eq(proc_wait(w0, 30), 0);
+    cr_assert_eq(proc_wait(w1, 30), 0);
+    char script[] = "import json, sys\n"
+                    "for f, want_info in zip(sys.argv[1:], (1, 1, 0)):\n"
+                    "    n = info = 0\n"
+                    "    for line in open(f, encoding='utf-8'):\n"
+                    "        d = json.loads(line)\n"
+                    "        assert set(d) == {'ts', 'role', 'level', 'msg'}, d\n"
+                    "        assert d['level'] in ('error', 'warn', 'info', 'debug'), d\n"
+                    "        n += 1; info += d['level'] == 'info'\n"
+                    "    assert n > 0 and (info > 0) == bool(want_info), (f, n, info)\n";
+    char py[512];
+    path(py, sizeof py, "check.py");
+    FILE *f = fopen(py, "w");
+    cr_assert_not_null(f);
+    fputs(script, f);
+    fclose(f);
+    cr_assert_eq(run_cmd("python3 '%s' '%s' '%s/json-w0.log' '%s/json-w1.log'", py, r.psd_log, dir, dir), 0,
+                 "every log line is a JSON object (see the test's output)");
+    char *log = slurp(r.psd_log);
+    cr_assert(strstr(log, "\"msg\":\"run finished: 1 epochs"), "%s", log);
+    free(log);
+}
+
 /* A raw worker: REGISTER on a DEALER and return psd's ASSIGN (in m). */
 static int raw_register(void *sock, ps_msg_t *m)
 {

@@ -49,6 +49,7 @@ static void usage(FILE *f)
             "  --no-shm            on psd's host, send tensors over the socket too (default: through\n"
             "                      shared memory, which psd offers to workers on its host)\n"
             "  --verbose           log INFO on every rank (default: only rank 0; others warn/error)\n"
+            "  --log-format FMT    text (default) or json: one JSON object a line, for log collectors\n"
             "  --help              this text\n"
             "  --version           version, protocol version and git commit\n"
             "\n"
@@ -231,7 +232,7 @@ static int supervise(psw_worker_opts_t *o, const device_t *dev, int n_dev)
 
 int main(int argc, char **argv)
 {
-    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT, OPT_RETRY, OPT_KEY, OPT_SERVER_KEY, OPT_NO_SHM };
+    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT, OPT_RETRY, OPT_KEY, OPT_SERVER_KEY, OPT_NO_SHM, OPT_LOG_FORMAT };
     static const struct option longopts[] = {
         {"connect", required_argument, NULL, 'c'}, {"threads", required_argument, NULL, 't'},
         {"verbose", no_argument, NULL, 'v'},       {"help", no_argument, NULL, 'h'},
@@ -242,6 +243,7 @@ int main(int argc, char **argv)
         {"key", required_argument, NULL, OPT_KEY},
         {"server-key", required_argument, NULL, OPT_SERVER_KEY},
         {"no-shm", no_argument, NULL, OPT_NO_SHM},
+        {"log-format", required_argument, NULL, OPT_LOG_FORMAT},
         {NULL, 0, NULL, 0}};
     psw_worker_opts_t o = {.device = "cpu", .device_index = -1, .register_timeout_s = 300, .retry_s = 120};
     const char *devices = "auto";
@@ -276,6 +278,13 @@ int main(int argc, char **argv)
         case OPT_KEY: o.key_file = optarg; break;
         case OPT_SERVER_KEY: o.server_key = optarg; break;
         case OPT_NO_SHM: o.no_shm = 1; break;
+        case OPT_LOG_FORMAT:
+            if (strcmp(optarg, "text") != 0 && strcmp(optarg, "json") != 0) {
+                fprintf(stderr, "pworker: --log-format: expected text or json, got '%s'\n", optarg);
+                return 2;
+            }
+            ps_log_set_json(strcmp(optarg, "json") == 0);
+            break;
         case OPT_RETRY:
             if (parse_int("--retry-for", optarg, 0, 86400, &v)) return 2;
             o.retry_s = (double)v;
