@@ -144,6 +144,7 @@ static const key_spec_t keys[] = {
     K_STRING("server.save", save, 0, "psd-weights.bin"),
     K_ENUM("server.log_level", log_level, ps_log_level_t, log_names, "info"),
     K_ENUM("server.log_format", log_format, ps_log_format_t, log_format_names, "text"),
+    K_DOUBLE("server.progress_every", progress_every, 0.0, 86400.0, 0, "10"),
     K_STRING("server.key", key_file, 0, ""),
     K_STRING("server.allow", allow_dir, 0, ""),
     K_BOOL("server.insecure", insecure, "false"),

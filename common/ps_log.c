@@ -3,6 +3,8 @@
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
 #include <string.h>
 #include <time.h>
 
@@ -11,6 +13,31 @@ static char log_role[64] = "psd";
 static int log_json;
 
 void ps_log_set_json(int on) { log_json = on; }
+
+static char status[512];   /* the live line, "" = none */
+
+static void status_draw(const char *prefix)
+{
+    struct winsize ws;
+    int cols = ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 1 ? ws.ws_col : 80;
+    char buf[600];
+    /* prefix (erase the old line), then the line cut so that it never wraps */
+    int n = snprintf(buf, sizeof buf, "%s\r%.*s\x1b[K", prefix, cols - 1, status);
+    if (n > 0) fwrite(buf, 1, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1, stderr);
+    fflush(stderr);
+}
+
+void ps_log_status(const char *line)
+{
+    int had = status[0] != '\0';
+    snprintf(status, sizeof status, "%s", line ? line : "");
+    if (status[0]) {
+        status_draw("");
+    } else if (had) {
+        fputs("\r\x1b[K", stderr);
+        fflush(stderr);
+    }
+}
 
 /* Length of the valid UTF-8 sequence at p (1-4), or 0. */
 static int utf8_len(const unsigned char *p)
@@ -100,6 +127,8 @@ void ps_log_write(ps_log_level_t level, const char *fmt, ...)
     /* one write per line so that lines of several processes do not interleave */
     size_t len = strlen(line);
     line[len++] = '\n';
+    if (status[0]) fputs("\r\x1b[K", stderr); /* the log line takes the status line's place */
     fwrite(line, 1, len, stderr);
+    if (status[0]) status_draw("");
     fflush(stderr);
 }

@@ -21,6 +21,12 @@ void ps_log_set_json(int on);
  * bytes, NUL-terminated, truncated at a character boundary). Returns the
  * length written. */
 size_t ps_json_escape(char *out, size_t n, const char *s);
+
+/* A live status line at the bottom of a terminal (stderr must be one):
+ * drawn with "\r" and erase-to-end-of-line, cut to the terminal's width,
+ * erased before each log line and drawn again after it. NULL or "" removes
+ * it. Never use it when stderr is not a terminal. */
+void ps_log_status(const char *line);
 ps_log_level_t ps_log_get_level(void);
 void ps_log_write(ps_log_level_t level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

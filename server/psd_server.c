@@ -99,6 +99,7 @@ typedef struct {
     double push_loss;
     uint64_t push_correct;
     int val_pending;      /* validation parts given and not answered */
+    double compute_ewma;  /* its compute time per step (from its pushes), for "slowest worker" */
     /* same host (psd_shm.h): its gradient region, mapped read-only, and the
      * parameter slot it reads from, held until it is sent a newer one */
     uint8_t shm_token[PS_SHM_TOKEN];
@@ -170,6 +171,10 @@ typedef struct {
     const void *(*step_g)[PS_MAX_TENSORS]; /* a step's gradients, MAX_WORKERS rows */
     uint8_t *step_bf16;   /* and whether each row is bfloat16 */
     uint64_t ep_bytes_in, ep_bytes_out; /* tensor bytes received / sent on the wire this epoch */
+    /* progress: a live line on a terminal, else a plain line every progress_every s */
+    bool tty;
+    double progress_next;
+    double last_loss;     /* mean training loss of the last step */
     double *step_wt;      /* and their weights */
     ps_arena_t rx_arena;  /* decoded headers of received messages (one at a time) */
     uint8_t rx_buf[64 << 10];
@@ -356,6 +361,7 @@ static void release_push(worker_t *w)
 static void finish(srv_t *s, int code, const char *reason)
 {
     if (s->phase == PHASE_DONE) return;
+    if (s->tty) ps_log_status(NULL);
     for (int i = 0; i < s->n; i++)
         if (s->w[i].state != W_GONE) send_shutdown(s, &s->w[i], code, reason);
     s->phase = PHASE_DONE;
@@ -648,6 +654,9 @@ static void maybe_step(srv_t *s)
             s->int_n[during]++;
         }
         s->last_step_t = now;
+        double step_loss = 0;
+        for (int i = 0; i < s->n; i++) step_loss += s->w[i].has_push ? s->w[i].push_loss : 0;
+        s->last_loss = total ? step_loss / (double)total : 0;
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
             if (!w->has_push) continue;
@@ -851,12 +860,14 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         s->ep_compute_s += p->compute_s;
         s->ep_wait_s += p->wait_s;
         s->ep_timed++;
+        w->compute_ewma = w->compute_ewma > 0 ? 0.9 * w->compute_ewma + 0.1 * p->compute_s : p->compute_s;
     }
     maybe_step(s);
 }
 
 static void end_validation(srv_t *s)
 {
+    if (s->tty) ps_log_status(NULL); /* the epoch's line takes its place */
     double loss = 0;
     uint64_t correct = 0, count = 0;
     for (int i = 0; i < s->n_parts; i++) { /* part order: the same sums every run */
@@ -1413,6 +1424,64 @@ static void poll_monitor(srv_t *s)
     }
 }
 
+static void fmt_duration(char *out, size_t n, double s)
+{
+    long t = s > 0 && s < 1e7 ? (long)(s + 0.5) : 0;
+    if (t >= 3600) snprintf(out, n, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+    else snprintf(out, n, "%ld:%02ld", t / 60, t % 60);
+}
+
+/* "epoch 3/15 step 120/469 (26%) 31400 samples/s ETA 0:12 loss 0.4123
+ * slowest rank 1 (12.3 ms)": where the epoch stands and who holds it up */
+static void progress_text(srv_t *s, char *buf, size_t n, double now)
+{
+    double el = now - s->t_epoch, sps = el > 0 ? (double)s->ep_samples / el : 0;
+    double left = s->spe - (double)s->epoch_step, eta = s->epoch_step ? el / (double)s->epoch_step * left : 0;
+    char when[32], slow[64] = "";
+    fmt_duration(when, sizeof when, eta);
+    const worker_t *sw = NULL;
+    int live = 0;
+    for (int i = 0; i < s->n; i++) {
+        const worker_t *w = &s->w[i];
+        if (w->state != W_TRAIN && w->state != W_BARRIER) continue;
+        live++;
+        if (w->compute_ewma > 0 && (!sw || w->compute_ewma > sw->compute_ewma)) sw = w;
+    }
+    if (sw && live > 1) snprintf(slow, sizeof slow, " slowest rank %u (%.1f ms)", sw->rank, 1e3 * sw->compute_ewma);
+    snprintf(buf, n, "epoch %u/%d step %" PRIu64 "/%.0f (%.0f%%) %.0f samples/s ETA %s loss %.4f%s", s->epoch + 1,
+             s->cfg.epochs, s->epoch_step, s->spe, 100.0 * (double)s->epoch_step / s->spe, sps,
+             s->epoch_step ? when : "?", s->last_loss, slow);
+}
+
+/* On a terminal a live line (refreshed by the 100 ms timer), else a plain
+ * log line every server.progress_every seconds while an epoch trains. */
+static void progress(srv_t *s, double now)
+{
+    char line[256];
+    if (s->tty) {
+        if (s->phase == PHASE_TRAIN) {
+            progress_text(s, line, sizeof line, now);
+            ps_log_status(line);
+        } else if (s->phase == PHASE_VALIDATE) {
+            int done = 0;
+            for (int i = 0; i < s->n_parts; i++) done += s->parts[i].done;
+            snprintf(line, sizeof line, "epoch %u/%d validating: %d/%d parts", s->epoch + 1, s->cfg.epochs, done,
+                     s->n_parts);
+            ps_log_status(line);
+        }
+        return;
+    }
+    if (s->cfg.progress_every <= 0 || s->phase != PHASE_TRAIN) {
+        s->progress_next = 0;
+        return;
+    }
+    if (s->progress_next == 0) s->progress_next = now + s->cfg.progress_every; /* not at the epoch's start */
+    if (now < s->progress_next) return;
+    s->progress_next = now + s->cfg.progress_every;
+    progress_text(s, line, sizeof line, now);
+    PS_INFO("%s", line);
+}
+
 static void on_timer(uv_timer_t *t)
 {
     srv_t *s = t->data;
@@ -1420,6 +1489,7 @@ static void on_timer(uv_timer_t *t)
     if (s->mon) poll_monitor(s);
     poll_checkpoint(s, false);
     psd_shm_expire(s->shm, now);
+    progress(s, now);
     if (s->phase == PHASE_WAIT) {
         if (now > s->phase_deadline) {
             int ready = 0;
@@ -1907,10 +1977,14 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     uv_signal_start(&s->sigusr1, on_signal, SIGUSR1);
     uv_signal_start(&s->sighup, on_signal, SIGHUP);
     if (c->shared_memory) start_shm(s);
+    /* the live progress line: on a terminal, unless the log is for a machine (json) */
+    s->tty = isatty(STDERR_FILENO) && c->log_format == PS_LOG_TEXT && getenv("TERM") &&
+             strcmp(getenv("TERM"), "dumb") != 0;
     s->phase = PHASE_WAIT;
     s->phase_deadline = ps_now() + c->start_timeout;
     drain(s);
     if (s->phase != PHASE_DONE) uv_run(&s->loop, UV_RUN_DEFAULT);
+    if (s->tty) ps_log_status(NULL);
     code = s->exit_code;
 out:
     if (s->ckpt) { /* a last checkpoint still being written: let it finish */

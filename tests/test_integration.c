@@ -877,6 +877,48 @@ Test(short, json_logs_are_one_object_a_line)
     free(log);
 }
 
+/* Progress: on a terminal (a pseudo-terminal from script(1)) psd keeps a
+ * live line (carriage return, erase to end of line) with the step, speed,
+ * ETA, loss and slowest worker, and the log lines stay whole; without one it
+ * writes plain progress lines every server.progress_every seconds and no
+ * control character at all. */
+Test(short, progress_on_a_terminal_and_off_it)
+{
+    if (run_cmd("command -v script >/dev/null") != 0) cr_skip_test("no script(1) for a pseudo-terminal");
+    const char *wx[] = {"--no-shm", NULL}; /* slower: the epoch lasts a few timer ticks */
+    /* on a terminal */
+    run_t r;
+    snprintf(r.endpoint, sizeof r.endpoint, "tcp://127.0.0.1:%d", free_port());
+    char out[512];
+    path(out, sizeof out, "tty.out");
+    pid_t w0 = start_worker(&r, "tty", 0, wx), w1 = start_worker(&r, "tty", 1, wx);
+    int rc = run_cmd("cd '%s' && TERM=xterm timeout 300 script -qfec \"'%s' --listen %s --workers 2 --epochs 1 "
+                     "--set data.train_limit=20000 --set checkpoint.dir= --metrics '' --save ''\" /dev/null > '%s'",
+                     dir, psd_bin, r.endpoint, out);
+    cr_assert_eq(rc, 0, "psd under a pseudo-terminal");
+    cr_assert_eq(proc_wait(w0, 30), 0);
+    cr_assert_eq(proc_wait(w1, 30), 0);
+    char *t = slurp(out);
+    cr_assert_not_null(t);
+    cr_assert(strstr(t, "\r") && strstr(t, "\x1b[K"), "a live line on the terminal:\n%s", t);
+    cr_assert(strstr(t, "\repoch 1/1 step ") && strstr(t, "samples/s ETA "), "%s", t);
+    cr_assert(strstr(t, "psd INFO  epoch 1/1 step "), "the epoch's log line:\n%s", t);
+    cr_assert(strstr(t, "\r\x1b[K20"), "a log line erases the live line first:\n%s", t);
+    free(t);
+    /* not a terminal */
+    run_t q;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=20000", "--set", "server.progress_every=0.2",
+                          NULL};
+    train_wx(&q, "plain", 2, args, wx, 300);
+    check_run(&q, 2, 1);
+    char *log = slurp(q.psd_log);
+    cr_assert_not_null(log);
+    cr_assert(strstr(log, "psd INFO  epoch 1/1 step ") && strstr(log, " samples/s ETA "), "progress lines:\n%s", log);
+    for (const char *c = log; *c; c++)
+        cr_assert((unsigned char)*c >= 0x20 || *c == '\n', "control character %#x in a log file", *c);
+    free(log);
+}
+
 /* A raw worker: REGISTER on a DEALER and return psd's ASSIGN (in m). */
 static int raw_register(void *sock, ps_msg_t *m)
 {
