@@ -919,6 +919,101 @@ Test(short, progress_on_a_terminal_and_off_it)
     free(log);
 }
 
+/* A worker that finished its samples, pushed its last batch (no pull) and
+ * reached the barrier is given more samples when another is lost; it asks
+ * for weights while its last push still waits for the step (a third worker
+ * has not pushed yet). psd must answer with the version that step makes:
+ * the version its push was computed on would make its next push stale. */
+static psw_client_t *lib_worker(const char *ep, char *err, size_t n)
+{
+    psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = 1};
+    psw_client_t *c = psw_client_new(ep, &info, err, n);
+    psw_assign_t a;
+    cr_assert(c && psw_client_register(c, &a, 60, err, n) == 0, "%s", err);
+    cr_assert_eq(psw_client_ready(c, 384, 10000), 0);
+    return c;
+}
+
+static void lib_next(psw_client_t *c, psw_event_t *ev, psw_event_kind_t kind)
+{
+    char err[512];
+    int rc = psw_client_next(c, ev, 30, err, sizeof err);
+    cr_assert_eq(rc, 0, "%s", err);
+    cr_assert_eq(ev->kind, kind, "event %d, want %d", (int)ev->kind, (int)kind);
+}
+
+static void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull, const float *zero,
+                     const ps_layout_t *l)
+{
+    const float *g[PSW_MAX_TENSORS];
+    size_t numel[PSW_MAX_TENSORS];
+    int ids[PSW_MAX_TENSORS], rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
+    for (int t = 0; t < l->n_tensors; t++) {
+        ids[t] = t;
+        g[t] = zero + l->t[t].offset;
+        numel[t] = l->t[t].numel;
+        rows[t] = l->t[t].rows;
+        cols[t] = t % 2 == 0 ? l->t[t].cols : 0;
+    }
+    cr_assert_eq(psw_client_push(c, version, batch, 0.5 * batch, 0, pull, l->n_tensors, ids, g, numel, rows, cols),
+                 0);
+}
+
+Test(short, more_samples_while_the_last_push_waits_are_trained_on_the_next_version)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,16,10]",
+                          "--worker-timeout", "1", "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "defer", 3, args);
+    char err[512];
+    psw_event_t ev;
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, (const int[]){784, 16, 10}, 3), 0);
+    float *zero = calloc(l.n_params, sizeof *zero);
+    psw_client_t *A = lib_worker(r.endpoint, err, sizeof err);
+    psw_client_t *B = lib_worker(r.endpoint, err, sizeof err);
+    psw_client_t *C = lib_worker(r.endpoint, err, sizeof err);
+    psw_client_t *all[3] = {A, B, C};
+    for (int i = 0; i < 3; i++) { /* 128 samples each: two batches of 64 */
+        lib_next(all[i], &ev, PSW_EV_EPOCH);
+        cr_assert_eq(ev.n_samples, 128);
+        psw_client_pull(all[i], ev.version);
+    }
+    for (int i = 0; i < 3; i++) {
+        lib_next(all[i], &ev, PSW_EV_WEIGHTS);
+        cr_assert_eq(ev.version, 0);
+        lib_push(all[i], 0, 64, 1, zero, &l);
+    }
+    for (int i = 0; i < 3; i++) {
+        lib_next(all[i], &ev, PSW_EV_WEIGHTS);
+        cr_assert_eq(ev.version, 1);
+    }
+    lib_push(A, 1, 64, 0, zero, &l); /* A's last batch, then its barrier */
+    psw_client_barrier(A, 0, 128);
+    /* B falls silent; C keeps psd company (heartbeats) without pushing */
+    double deadline = ps_now() + 20;
+    int rc;
+    for (;;) {
+        psw_client_heartbeat(C, 0);
+        rc = psw_client_next(A, &ev, 0.3, err, sizeof err);
+        if (rc == 0 || ps_now() > deadline) break;
+    }
+    cr_assert_eq(rc, 0, "A was given B's samples: %s", err);
+    cr_assert(ev.kind == PSW_EV_EPOCH && ev.append, "more samples for A (event %d)", (int)ev.kind);
+    psw_client_pull(A, ev.version);
+    lib_next(C, &ev, PSW_EV_EPOCH);
+    cr_assert(ev.append);
+    lib_push(C, 1, 64, 1, zero, &l); /* the step A's last push waited for */
+    lib_next(A, &ev, PSW_EV_WEIGHTS);
+    cr_assert_eq(ev.version, 2, "A is answered with the version the step made, not the one its push used");
+    lib_next(C, &ev, PSW_EV_WEIGHTS);
+    cr_assert_eq(ev.version, 2);
+    for (int i = 0; i < 3; i++) psw_client_destroy(&all[i]);
+    free(zero);
+    kill(p, SIGKILL);
+    proc_wait(p, 10);
+}
+
 /* A raw worker: REGISTER on a DEALER and return psd's ASSIGN (in m). */
 static int raw_register(void *sock, ps_msg_t *m)
 {
