@@ -16,13 +16,13 @@ void ps_log_set_json(int on) { log_json = on; }
 
 static char status[512];   /* the live line, "" = none */
 
-static void status_draw(const char *prefix)
+static void status_draw(void)
 {
     struct winsize ws;
     int cols = ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 1 ? ws.ws_col : 80;
     char buf[600];
-    /* prefix (erase the old line), then the line cut so that it never wraps */
-    int n = snprintf(buf, sizeof buf, "%s\r%.*s\x1b[K", prefix, cols - 1, status);
+    /* the line cut so that it never wraps, over whatever was there */
+    int n = snprintf(buf, sizeof buf, "\r%.*s\x1b[K", cols - 1, status);
     if (n > 0) fwrite(buf, 1, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1, stderr);
     fflush(stderr);
 }
@@ -32,7 +32,7 @@ void ps_log_status(const char *line)
     int had = status[0] != '\0';
     snprintf(status, sizeof status, "%s", line ? line : "");
     if (status[0]) {
-        status_draw("");
+        status_draw();
     } else if (had) {
         fputs("\r\x1b[K", stderr);
         fflush(stderr);
@@ -129,6 +129,6 @@ void ps_log_write(ps_log_level_t level, const char *fmt, ...)
     line[len++] = '\n';
     if (status[0]) fputs("\r\x1b[K", stderr); /* the log line takes the status line's place */
     fwrite(line, 1, len, stderr);
-    if (status[0]) status_draw("");
+    if (status[0]) status_draw();
     fflush(stderr);
 }

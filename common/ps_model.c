@@ -5,6 +5,8 @@
 #include <math.h>
 #include <string.h>
 
+#include <zlib.h>
+
 #include "ps_rng.h"
 
 /* Tensors start on 64-byte boundaries so that every backend can use aligned
@@ -77,4 +79,12 @@ void ps_model_init_params(const ps_layout_t *l, float *params, uint64_t seed)
         float *p = params + w->offset;
         for (size_t j = 0; j < w->numel; j++) p[j] = (2.0f * ps_rng_uniform(&r) - 1.0f) * bound;
     }
+}
+
+uint32_t ps_layout_crc32(const ps_layout_t *l, const float *params)
+{
+    uLong crc = crc32(0L, Z_NULL, 0);
+    for (int t = 0; t < l->n_tensors; t++)
+        crc = crc32_z(crc, (const Bytef *)(params + l->t[t].offset), sizeof(float) * l->t[t].numel);
+    return (uint32_t)crc;
 }

@@ -35,4 +35,8 @@ int ps_layout_init(ps_layout_t *l, const int *sizes, int n_sizes);
  * seed only (same seed -> same bits). Padding between tensors is zeroed. */
 void ps_model_init_params(const ps_layout_t *l, float *params, uint64_t seed);
 
+/* CRC-32 (zlib) of the tensors at params, in layout order, padding
+ * excluded: what psd --x-verify-weights promises a worker receives. */
+uint32_t ps_layout_crc32(const ps_layout_t *l, const float *params);
+
 #endif

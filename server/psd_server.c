@@ -106,7 +106,6 @@ typedef struct {
     const float *shm_grad; /* NULL: no region */
     bool shm;             /* READY confirmed: tensors go through shared memory */
     uint64_t grad_shm;    /* tensors of the push in progress that are in shm_grad */
-    bool bf16;            /* on the wire with train.wire_gradients: bf16 */
     psd_arena_t *hold;
 } worker_t;
 
@@ -347,6 +346,12 @@ static void save_weights(srv_t *s)
         return;
     }
     PS_INFO("saved weights (version %" PRIu64 ") to %s", s->store.cur->version, s->cfg.save);
+}
+
+/* Its gradients come as bfloat16: on the wire with train.wire_gradients: bf16. */
+static bool wire_bf16(const srv_t *s, const worker_t *w)
+{
+    return !w->shm && s->cfg.wire_gradients == PS_WIRE_BF16;
 }
 
 static void release_push(worker_t *w)
@@ -631,7 +636,7 @@ static void maybe_step(srv_t *s)
             for (int t = 0; t < s->layout.n_tensors; t++)
                 g[k][t] = w->grad_shm & (1ull << t) ? (const void *)(w->shm_grad + s->layout.t[t].offset)
                                                     : (const void *)zmq_msg_data(&w->grad[t]);
-            s->step_bf16[k] = w->bf16;
+            s->step_bf16[k] = wire_bf16(s, w);
             wt[k] = (double)w->push_batch / (double)total;
             k++;
         }
@@ -655,20 +660,20 @@ static void maybe_step(srv_t *s)
         }
         s->last_step_t = now;
         double step_loss = 0;
-        for (int i = 0; i < s->n; i++) step_loss += s->w[i].has_push ? s->w[i].push_loss : 0;
-        s->last_loss = total ? step_loss / (double)total : 0;
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
             if (!w->has_push) continue;
             walk_positions(w, w->consumed, w->push_batch, mark_seen, s);
             w->consumed += w->push_batch;
             s->ep_loss += w->push_loss;
+            step_loss += w->push_loss;
             s->ep_correct += w->push_correct;
             s->ep_samples += w->push_batch;
             bool pull = w->push_pull;
             release_push(w);
             if (pull && w->state == W_TRAIN) send_weights(s, w);
         }
+        s->last_loss = step_loss / (double)total;
         if (s->cfg.ckpt_every_steps > 0 && s->step % (uint64_t)s->cfg.ckpt_every_steps == 0)
             take_checkpoint(s, false);
     }
@@ -827,10 +832,11 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
             return;
         }
         /* in the worker's wire type: f32, or bf16 with train.wire_gradients: bf16 */
-        bool ok = w->bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
+        bool bf16 = wire_bf16(s, w);
+        bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
         if (!ok || d->offset != 0 || n != l->t[t].numel) {
             drop(s, w, "PUSH tensor %u does not match the model (%zu %s, want %zu %s)", t, n,
-                 d->dtype == PSD__DTYPE__DT_BF16 ? "bf16" : "elements", l->t[t].numel, w->bf16 ? "bf16" : "f32");
+                 d->dtype == PSD__DTYPE__DT_BF16 ? "bf16" : "elements", l->t[t].numel, bf16 ? "bf16" : "f32");
             return;
         }
         mask |= 1ull << t;
@@ -1108,7 +1114,6 @@ static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
     } else if (w->shm_grad) {
         shm_forget(s, w); /* it gave up on its side */
     }
-    w->bf16 = !w->shm && s->cfg.wire_gradients == PS_WIRE_BF16;
     w->state = W_READY;
     if (s->stop_when_written) return; /* stopping: nothing more to train */
     if (s->phase == PHASE_WAIT) {

@@ -7,8 +7,6 @@
 
 #include <sys/mman.h>
 #include <unistd.h>
-#include <zlib.h>
-
 #include "ps_pool.h"
 #include "ps_shm.h"
 #include "ps_wire.h"
@@ -34,6 +32,11 @@ int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt,
     a->w = alloc_floats(l->n_params);
     s->n_arenas = 1;
     if (!s->grad || !a->w || (slots >= 1 && !s->s0) || (slots >= 2 && !s->s1)) {
+        psd_store_deinit(s);
+        return -ENOMEM;
+    }
+    /* one chunk per tensor on this thread until psd_store_set_parallel */
+    if (psd_store_set_parallel(s, 1, (size_t)1 << 40) != 0) {
         psd_store_deinit(s);
         return -ENOMEM;
     }
@@ -134,10 +137,7 @@ uint32_t psd_store_current_crc(psd_store_t *s)
 {
     psd_arena_t *a = s->cur;
     if (a->crc_of != a->version + 1) {
-        uLong crc = crc32(0L, Z_NULL, 0);
-        for (int t = 0; t < s->layout.n_tensors; t++)
-            crc = crc32_z(crc, (const Bytef *)(a->w + s->layout.t[t].offset), 4 * s->layout.t[t].numel);
-        a->crc = (uint32_t)crc;
+        a->crc = ps_layout_crc32(&s->layout, a->w);
         a->crc_of = a->version + 1;
     }
     return a->crc;
@@ -185,8 +185,15 @@ typedef struct {
     int apply; /* reduce: also apply the optimizer (no clipping) */
 } step_t;
 
+/* the squared norm of each norm block of chunk c, whose gradient is g */
+static void block_norms(psd_store_t *s, const psd_chunk_t *c, const float *g)
+{
+    for (size_t o = 0, b = c->blk; o < c->n; o += PSD_NORM_BLOCK, b++)
+        s->blk_sq[b] = psd_sumsq(g + o, c->n - o < PSD_NORM_BLOCK ? c->n - o : PSD_NORM_BLOCK);
+}
+
 /* grad = sum_k weight[k] * g_k over chunk c, in the contributors' order,
- * and the squared norm of each of its norm blocks */
+ * and its block norms */
 static void reduce_chunk(step_t *st, const psd_chunk_t *c)
 {
     psd_store_t *s = st->s;
@@ -208,8 +215,7 @@ static void reduce_chunk(step_t *st, const psd_chunk_t *c)
         else
             for (size_t i = 0; i < c->n; i++) acc[i] += wk * g[i];
     }
-    for (size_t o = 0, b = c->blk; o < c->n; o += PSD_NORM_BLOCK, b++)
-        s->blk_sq[b] = psd_sumsq(acc + o, c->n - o < PSD_NORM_BLOCK ? c->n - o : PSD_NORM_BLOCK);
+    block_norms(s, c, acc);
 }
 
 /* the optimizer over chunk c, from g: the chunk's gradient */
@@ -230,8 +236,7 @@ static void reduce_task(void *arg, int i)
          * is g, bit for bit); applied straight from it, without the pass
          * through the accumulator (a third less memory traffic) */
         const float *g = (const float *)st->grads[0][c->t] + (c->off - st->s->layout.t[c->t].offset);
-        for (size_t o = 0, b = c->blk; o < c->n; o += PSD_NORM_BLOCK, b++)
-            st->s->blk_sq[b] = psd_sumsq(g + o, c->n - o < PSD_NORM_BLOCK ? c->n - o : PSD_NORM_BLOCK);
+        block_norms(st->s, c, g);
         apply_chunk(st, c, g);
         return;
     }
@@ -265,7 +270,6 @@ const uint16_t *psd_store_current_bf16(psd_store_t *s)
         a->w16 = calloc(s->layout.n_params ? s->layout.n_params : 1, sizeof *a->w16); /* padding stays 0 */
         if (!a->w16) return NULL;
     }
-    if (!s->chunks && psd_store_set_parallel(s, 1, (size_t)1 << 40) != 0) return NULL;
     conv_t cv = {s, a};
     ps_pool_for(s->pool, s->n_chunks, bf16_task, &cv);
     a->w16_of = a->version + 1;
@@ -275,7 +279,6 @@ const uint16_t *psd_store_current_bf16(psd_store_t *s)
 double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
                       const uint8_t *bf16, const double *weight, double clip_norm, double lr)
 {
-    if (!s->chunks && psd_store_set_parallel(s, 1, (size_t)1 << 40) != 0) return -1;
     psd_arena_t *next = free_arena(s);
     if (!next) return -1;
     s->steps++;

@@ -69,7 +69,8 @@ void psd_store_deinit(psd_store_t *s);
 /* Split steps into chunks of about chunk_bytes (rounded up to whole norm
  * blocks; a tensor is at least one chunk) run on `threads` threads (including
  * the caller). The results are bit-identical for any chunk size and thread
- * count. Without this call: one thread, one chunk per tensor. 0 or -ENOMEM. */
+ * count. Until this call (psd_store_init sets it up so): one thread, one
+ * chunk per tensor. 0 or -ENOMEM. */
 int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes);
 
 /* Move the arenas into one memfd of PSD_MAX_ARENAS page-aligned slots

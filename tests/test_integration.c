@@ -299,6 +299,19 @@ Test(short, chunked_threaded_steps_give_identical_weights)
  * wakes up and must receive the version psd claimed, intact. */
 static void wait_log(const char *file, const char *text, double timeout_s);
 
+/* Workers <tag>-w0.. ran with --verbose under psd --x-verify-weights: each
+ * says it checked the weights it received against psd's CRC-32. */
+static void assert_workers_verified(const char *tag, int n, const char *what)
+{
+    for (int i = 0; i < n; i++) {
+        char wlog[512];
+        snprintf(wlog, sizeof wlog, "%s/%s-w%d.log", dir, tag, i);
+        char *log = slurp(wlog);
+        cr_assert(log && strstr(log, "weights messages matched psd's checksums"), "worker %d checked %s", i, what);
+        free(log);
+    }
+}
+
 static int stalled_client(const char *endpoint)
 {
     char err[512];
@@ -371,9 +384,9 @@ Test(short, workers_receive_exactly_the_version_psd_claims)
         snprintf(wlog, sizeof wlog, "%s/crc-w%d.log", dir, i);
         char *log = slurp(wlog);
         cr_assert(log && !strstr(log, "do not match"), "worker %d received torn weights: %s", i, log ? log : "");
-        cr_assert(strstr(log, "weights messages matched psd's checksums"), "worker %d checked them", i);
         free(log);
     }
+    assert_workers_verified("crc", 2, "them");
     assert_validated_all(&r);
 }
 
@@ -785,13 +798,7 @@ Test(short, shared_memory_and_wire_give_identical_weights)
     cr_assert_eq(count_in(lc, "through shared memory"), 1, "one of each:\n%s", lc);
     cr_assert(weights_equal(a.weights, b.weights), "shared memory = wire, bit for bit");
     cr_assert(weights_equal(a.weights, c.weights), "a mix of both = wire, bit for bit");
-    for (int i = 0; i < 2; i++) {
-        char wlog[512];
-        snprintf(wlog, sizeof wlog, "%s/shm-w%d.log", dir, i);
-        char *log = slurp(wlog);
-        cr_assert(log && strstr(log, "weights messages matched psd's checksums"), "worker %d checked its reads", i);
-        free(log);
-    }
+    assert_workers_verified("shm", 2, "its reads");
     free(la);
     free(lb);
     free(lc);
@@ -827,13 +834,7 @@ Test(short, bf16_on_the_wire_halves_the_bytes)
     cr_assert(fabs(acc_a - acc_b) < 0.02, "val_acc f32 %.4f, bf16 %.4f", acc_a, acc_b);
     cr_assert_not(weights_equal(a.weights, b.weights), "bf16 was used: other weights");
     cr_assert(weights_equal(a.weights, c.weights), "through shared memory bf16 does not apply: f32 weights");
-    for (int i = 0; i < 2; i++) {
-        char wlog[512];
-        snprintf(wlog, sizeof wlog, "%s/bf16-w%d.log", dir, i);
-        char *log = slurp(wlog);
-        cr_assert(log && strstr(log, "weights messages matched psd's checksums"), "worker %d checked bf16 frames", i);
-        free(log);
-    }
+    assert_workers_verified("bf16", 2, "bf16 frames");
     free(ma);
     free(mb);
     free(mc);

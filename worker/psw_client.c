@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -486,6 +487,13 @@ int psw_client_pull(psw_client_t *c, uint64_t min_version)
     return send_hdr(c, &h);
 }
 
+/* Tensor id of the model with numel elements (pushes into buffers laid out
+ * like the model: the shared region, the bfloat16 buffer). */
+static bool layout_tensor(const psw_client_t *c, int id, size_t numel)
+{
+    return id >= 0 && id < c->layout.n_tensors && numel == c->layout.t[id].numel;
+}
+
 int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum,
                     uint64_t correct, int pull, int n, const int *ids, const float *const *grads,
                     const size_t *numel, const int *rows, const int *cols)
@@ -508,7 +516,7 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
     if (c->shm) { /* into the region psd reads (no copy if computed there) */
         uint32_t sid[PSW_MAX_TENSORS];
         for (int i = 0; i < n; i++) {
-            if (ids[i] < 0 || ids[i] >= c->layout.n_tensors || numel[i] != c->layout.t[ids[i]].numel) return -EINVAL;
+            if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
             float *dst = c->shm_grad + c->layout.t[ids[i]].offset;
             if (grads[i] != dst) memcpy(dst, grads[i], numel[i] * sizeof(float));
             sid[i] = (uint32_t)ids[i];
@@ -520,7 +528,7 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
     ps_frame_t fr[PSW_MAX_TENSORS];
     for (int i = 0; i < n; i++) {
         if (c->grad_bf16) { /* rounded into the conversion buffer, sent from there */
-            if (ids[i] < 0 || ids[i] >= c->layout.n_tensors || numel[i] != c->layout.t[ids[i]].numel) return -EINVAL;
+            if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
             uint16_t *dst = c->gconv + c->layout.t[ids[i]].offset;
             ps_f32_to_bf16_n(dst, grads[i], numel[i]);
             fr[i] = (ps_frame_t){.data = dst, .nbytes = numel[i] * sizeof(uint16_t), .ffn = push_frame_done,
@@ -613,6 +621,7 @@ int psw_client_fail(psw_client_t *c, int data_error, const char *message)
  * sending it would show here. */
 static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_t crc, char *err, size_t errlen)
 {
+    uLong got = crc32(0L, Z_NULL, 0); /* over what came: the frames as sent, or the shared slot */
     if (slot) { /* in psd's shared slot `slot - 1` */
         if (!c->shm || slot > c->slots || c->cur.n_frames != 0) {
             snprintf(err, errlen, "psd sent weights in shared slot %u this worker does not have", slot);
@@ -624,9 +633,10 @@ static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_
             ev->tensors[i] = base + c->layout.t[i].offset;
             ev->tensor_numel[i] = c->layout.t[i].numel;
         }
+        if (crc) got = ps_layout_crc32(&c->layout, base);
+    } else {
+        ev->n_tensors = c->cur.n_frames;
     }
-    if (!slot) ev->n_tensors = c->cur.n_frames;
-    uLong got = crc32(0L, Z_NULL, 0);
     for (int i = 0; i < c->cur.n_frames; i++) {
         size_t n = 0;
         const float *p = NULL;
@@ -646,9 +656,7 @@ static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_
         ev->tensors[i] = p;
         ev->tensor_numel[i] = n;
     }
-    if (crc) { /* over what came: the frames as sent, or the shared slot */
-        for (int i = 0; slot && i < ev->n_tensors; i++)
-            got = crc32_z(got, (const Bytef *)ev->tensors[i], 4 * ev->tensor_numel[i]);
+    if (crc) {
         if ((uint32_t)got != crc) {
             snprintf(err, errlen, "weights of version %llu do not match psd's checksum (%08x, received %08x): "
                      "torn or corrupted in transit", (unsigned long long)ev->version, crc, (unsigned)got);
