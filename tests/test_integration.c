@@ -1455,6 +1455,9 @@ Test(short, killed_psd_resumes_and_the_same_workers_carry_on)
     const char *wx[] = {"--retry-for", "60", NULL};
     pid_t w0 = start_worker(&r, "pk", 0, wx), w1 = start_worker(&r, "pk", 1, wx);
     wait_metrics(&r, 1);
+    /* the epoch's checkpoint is written in the background after its metrics
+     * line: kill only once it is there (else there is nothing to resume) */
+    wait_log(r.psd_log, ".psdc: ", 60);
     zmq_poll(NULL, 0, rand() % 200);
     kill(p, SIGKILL); /* no goodbye: the workers see the connection drop */
     proc_wait(p, 10);
