@@ -3,6 +3,7 @@
 
 #include <assert.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #include <zlib.h>
@@ -87,4 +88,30 @@ uint32_t ps_layout_crc32(const ps_layout_t *l, const float *params)
     for (int t = 0; t < l->n_tensors; t++)
         crc = crc32_z(crc, (const Bytef *)(params + l->t[t].offset), sizeof(float) * l->t[t].numel);
     return (uint32_t)crc;
+}
+
+size_t ps_layout_first_block(const ps_layout_t *l, int t)
+{
+    size_t b = 0;
+    for (int i = 0; i < t && i < l->n_tensors; i++) b += (l->t[i].numel + PS_NORM_BLOCK - 1) / PS_NORM_BLOCK;
+    return b;
+}
+
+size_t ps_layout_blocks(const ps_layout_t *l) { return ps_layout_first_block(l, l->n_tensors); }
+
+void ps_shard_pieces(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_TENSORS])
+{
+    memset(out, 0, PS_MAX_TENSORS * sizeof *out);
+    for (int t = 0; t < l->n_tensors; t++) {
+        size_t lo = SIZE_MAX, hi = 0;
+        for (size_t o = 0; o < l->t[t].numel; o += PS_NORM_BLOCK) {
+            /* owner of the block: where its first float lies */
+            unsigned long long p = (unsigned long long)(l->t[t].offset + o);
+            int owner = n > 1 ? (int)(p * (unsigned long long)n / (unsigned long long)l->n_params) : 0;
+            if (owner != k) continue;
+            if (lo == SIZE_MAX) lo = o;
+            hi = o + PS_NORM_BLOCK < l->t[t].numel ? o + PS_NORM_BLOCK : l->t[t].numel;
+        }
+        out[t] = (ps_piece_t){.t = t, .off = lo == SIZE_MAX ? 0 : lo, .n = lo == SIZE_MAX ? 0 : hi - lo};
+    }
 }

@@ -35,6 +35,28 @@ int ps_layout_init(ps_layout_t *l, const int *sizes, int n_sizes);
  * seed only (same seed -> same bits). Padding between tensors is zeroed. */
 void ps_model_init_params(const ps_layout_t *l, float *params, uint64_t seed);
 
+/* The gradient's norm is summed per block of this many floats (blocks start
+ * at each tensor's first element), then over the blocks in layout order:
+ * the same bits for any chunking and any number of psd shards. */
+#define PS_NORM_BLOCK 16384
+#define PS_MAX_SHARDS 16
+
+/* A piece of a tensor: floats [off, off + n) of tensor t (n may be 0). */
+typedef struct {
+    int t;
+    size_t off, n;
+} ps_piece_t;
+
+/* The part of the parameters psd shard k of n owns (psd --shard k/n): the
+ * norm blocks whose first float lies in [k, k+1) * n_params / n, which is at
+ * most one piece of each tensor: out[t] for every tensor t (n = 0 where the
+ * shard has none of it). Workers and shards compute it alike. */
+void ps_shard_pieces(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_TENSORS]);
+
+/* Blocks of the layout in order, and the first block of tensor t. */
+size_t ps_layout_blocks(const ps_layout_t *l);
+size_t ps_layout_first_block(const ps_layout_t *l, int t);
+
 /* CRC-32 (zlib) of the tensors at params, in layout order, padding
  * excluded: what psd --x-verify-weights promises a worker receives. */
 uint32_t ps_layout_crc32(const ps_layout_t *l, const float *params);

@@ -11,7 +11,9 @@ const char *ps_msg_type_name(int type)
 {
     static const char *names[] = {"NONE",     "REGISTER", "ASSIGN",     "READY",    "EPOCH",
                                   "PULL",     "WEIGHTS",  "PUSH",       "BARRIER",  "VALIDATE",
-                                  "VAL_RESULT", "SHUTDOWN", "ERROR",    "HEARTBEAT", "LEAVE"};
+                                  "VAL_RESULT", "SHUTDOWN", "ERROR",    "HEARTBEAT", "LEAVE",
+                                  "SHARD_HELLO", "SHARD_WORKER", "SHARD_HAVE", "SHARD_STEP", "SHARD_NORM",
+                                  "SHARD_APPLY", "SHARD_FETCH", "SHARD_CKPT"};
     if (type < 0 || type >= (int)(sizeof names / sizeof names[0])) return "UNKNOWN";
     return names[type];
 }
@@ -34,6 +36,14 @@ static int body_for_type(int type)
     case PSD__MSG_TYPE__MSG_ERROR: return PSD__HEADER__BODY_ERROR;
     case PSD__MSG_TYPE__MSG_HEARTBEAT: return PSD__HEADER__BODY_HEARTBEAT;
     case PSD__MSG_TYPE__MSG_LEAVE: return PSD__HEADER__BODY_LEAVE;
+    case PSD__MSG_TYPE__MSG_SHARD_HELLO: return PSD__HEADER__BODY_SHARD_HELLO;
+    case PSD__MSG_TYPE__MSG_SHARD_WORKER: return PSD__HEADER__BODY_SHARD_WORKER;
+    case PSD__MSG_TYPE__MSG_SHARD_HAVE: return PSD__HEADER__BODY_SHARD_HAVE;
+    case PSD__MSG_TYPE__MSG_SHARD_STEP: return PSD__HEADER__BODY_SHARD_STEP;
+    case PSD__MSG_TYPE__MSG_SHARD_NORM: return PSD__HEADER__BODY_SHARD_NORM;
+    case PSD__MSG_TYPE__MSG_SHARD_APPLY: return PSD__HEADER__BODY_SHARD_APPLY;
+    case PSD__MSG_TYPE__MSG_SHARD_FETCH: return PSD__HEADER__BODY_SHARD_FETCH;
+    case PSD__MSG_TYPE__MSG_SHARD_CKPT: return PSD__HEADER__BODY_SHARD_CKPT;
     default: return -1;
     }
 }
@@ -305,6 +315,7 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
         descs[i].shape = shapes[i];
         descs[i].n_shape = fr->cols ? 2 : 1;
         descs[i].nbytes = fr->nbytes;
+        descs[i].offset = fr->offset;
         dptr[i] = &descs[i];
     }
     hdr->protocol = PS_PROTOCOL_VERSION;

@@ -97,6 +97,7 @@ typedef struct {
     uint32_t id;
     Psd__DType dtype;
     uint32_t rows, cols; /* shape; cols 0 for 1-D */
+    uint64_t offset;     /* first element of the frame within the tensor (a piece of it) */
 } ps_frame_t;
 
 /* Send header (+frames). hdr->protocol and the tensors list are filled in

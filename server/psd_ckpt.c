@@ -705,6 +705,26 @@ out:
     return why;
 }
 
+int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, float **weights, float *slots[2],
+                       char *path, size_t pathlen, char *err, size_t errlen)
+{
+    char p[PATH_MAX], reason[256];
+    ckpt_data_t d;
+    snprintf(p, sizeof p, "%s/ckpt-%012llu.psdc", dir, (unsigned long long)step);
+    const char *why = load_one(p, &d, reason, sizeof reason);
+    if (why) {
+        ps_set_err(err, errlen, "checkpoint %s: %s", p, why);
+        return -1;
+    }
+    free(d.seen);
+    *meta = d.meta;
+    *weights = d.w;
+    slots[0] = d.slots[0];
+    slots[1] = d.slots[1];
+    if (path && pathlen) snprintf(path, pathlen, "%s", p);
+    return 0;
+}
+
 int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
                          float *slots[2], char *path, size_t pathlen, psd_ckpt_log_fn log, char *err,
                          size_t errlen)

@@ -90,4 +90,9 @@ int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen,
                          float *slots[2], char *path, size_t pathlen, psd_ckpt_log_fn log, char *err,
                          size_t errlen);
 
+/* Load the checkpoint of exactly `step` in dir (a psd shard resuming where
+ * shard 0 did): 0, or -1 with a message (missing, corrupt). */
+int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, float **weights, float *slots[2],
+                       char *path, size_t pathlen, char *err, size_t errlen);
+
 #endif

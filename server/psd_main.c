@@ -7,6 +7,7 @@
 
 #include "ps_config.h"
 #include "ps_log.h"
+#include "ps_model.h"
 #include "psw_backend.h"
 #include "ps_wire.h"
 #include "psd_eval.h"
@@ -45,6 +46,11 @@ static void usage(FILE *f)
             "                       with --resume, also load the checkpoint a resume would use\n"
             "  --log-level LEVEL    error | warn | info | debug (default info)\n"
             "  --log-format FMT     text (default) or json: one JSON object a line, for log collectors\n"
+            "  --shard I/N          run as psd shard I of N: each holds part of the parameters and\n"
+            "                       its optimizer state; shard 0 runs the run and workers connect\n"
+            "                       to it only (they learn the others from it)\n"
+            "  --leader ENDPOINT    shards 1..N-1: shard 0's endpoint\n"
+            "  --advertise ENDPOINT shards 1..N-1: where workers reach this shard (default --listen)\n"
             "  --help               this text\n"
             "  --version            version, protocol version and git commit\n"
             "\n"
@@ -63,7 +69,7 @@ int main(int argc, char **argv)
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
         OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
-        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_LOGFORMAT
+        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE
     };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, OPT_CONFIG},
@@ -89,6 +95,9 @@ int main(int argc, char **argv)
         {"insecure", no_argument, NULL, OPT_INSECURE},
         {"x-no-zap", no_argument, NULL, OPT_XNOZAP},
         {"x-verify-weights", no_argument, NULL, OPT_XVERIFY},
+        {"shard", required_argument, NULL, OPT_SHARD},
+        {"leader", required_argument, NULL, OPT_LEADER},
+        {"advertise", required_argument, NULL, OPT_ADVERTISE},
         {"help", no_argument, NULL, OPT_HELP},
         {"version", no_argument, NULL, OPT_VERSION},
         {NULL, 0, NULL, 0}};
@@ -163,6 +172,19 @@ int main(int argc, char **argv)
         case OPT_XNOZAP: run.no_zap = 1; break; /* tests only */
         case OPT_XVERIFY: run.verify_weights = 1; break; /* tests only */
         case OPT_FORCE_RESUME: run.force_resume = 1; break;
+        case OPT_SHARD: {
+            int i = -1, n = -1, used = 0;
+            if (sscanf(optarg, "%d/%d%n", &i, &n, &used) != 2 || optarg[used] || n < 1 || n > PS_MAX_SHARDS || i < 0 ||
+                i >= n) {
+                fprintf(stderr, "psd: --shard: expected I/N with 0 <= I < N <= %d, got '%s'\n", PS_MAX_SHARDS, optarg);
+                goto out;
+            }
+            run.shard = i;
+            run.shards = n;
+            break;
+        }
+        case OPT_LEADER: run.leader = optarg; break;
+        case OPT_ADVERTISE: run.advertise = optarg; break;
         case OPT_STOP_AFTER: {
             char *end;
             long v = strtol(optarg, &end, 10);
@@ -196,6 +218,14 @@ int main(int argc, char **argv)
         goto out;
     }
 
+    if (run.shard > 0 && !run.leader) {
+        fprintf(stderr, "psd: --shard %d/%d: give shard 0's endpoint with --leader ENDPOINT\n", run.shard, run.shards);
+        goto out;
+    }
+    if ((run.leader || run.advertise) && run.shard == 0) {
+        fprintf(stderr, "psd: --leader and --advertise are for shards 1..N-1 (--shard I/N)\n");
+        goto out;
+    }
     ps_config_t cfg;
     ps_config_defaults(&cfg);
     if (config && ps_config_load_file(&cfg, config, err, sizeof err) != 0) {
@@ -230,7 +260,7 @@ int main(int argc, char **argv)
         code = psd_eval_run(&cfg, eval_path, threads);
         goto out;
     }
-    code = psd_server_run(&cfg, &run);
+    code = run.shard > 0 ? psd_shard_run(&cfg, &run) : psd_server_run(&cfg, &run);
 out:
     free(over);
     return code;

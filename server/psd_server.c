@@ -107,6 +107,15 @@ typedef struct {
     bool shm;             /* READY confirmed: tensors go through shared memory */
     uint64_t grad_shm;    /* tensors of the push in progress that are in shm_grad */
     psd_arena_t *hold;
+    /* psd shards: the token it presents to shards 1..n-1, which of them
+     * have its whole push for the current version (bit i), and whether its
+     * ASSIGN waits for every shard to join */
+    uint8_t shard_token[PS_SHM_TOKEN];
+    uint32_t shard_have;
+    bool own_push;        /* this shard's part of its push is complete */
+    double own_push_at;
+    bool want_pull;       /* send it the version the step in progress makes */
+    bool assign_wait;
 } worker_t;
 
 typedef struct {
@@ -125,9 +134,30 @@ typedef struct {
     uint64_t size, hash;
 } datafile_t;
 
+/* A psd shard i > 0, as shard 0 sees it. */
+typedef struct {
+    uint8_t ident[PS_MAX_IDENTITY];
+    size_t ident_len;
+    bool joined;
+    char endpoint[256], hostname[64];
+    uint32_t pid;
+    double last_seen;
+    uint64_t seq_out;
+    bool norm_in, fetched;
+} shard_t;
+
 typedef struct {
     ps_config_t cfg;
     psd_run_opts_t opts;
+    /* psd shards (--shard 0/n): this psd coordinates, shards 1..n-1 hold
+     * the other parts of the parameters */
+    int n_shards;         /* 1: one psd */
+    shard_t shards[PS_MAX_SHARDS];
+    bool stepping;        /* with clipping: waiting for the shards' block norms */
+    double stepping_since;
+    bool fetching;        /* end of the run: waiting for the shards' parts */
+    double final_val_acc;
+    double shard_hb;      /* when shard 0 last sent them a heartbeat */
     ps_layout_t layout;
     psd_store_t store;
     uint64_t run_id, config_hash;
@@ -286,6 +316,56 @@ static void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason)
     send_to(s, w, &h, NULL, 0);
 }
 
+/* ---- psd shards (shard 0's side) ---------------------------------------- */
+
+static bool sharded(const srv_t *s) { return s->n_shards > 1; }
+
+static int shards_joined(const srv_t *s)
+{
+    int n = 0;
+    for (int i = 1; i < s->n_shards; i++) n += s->shards[i].joined;
+    return n;
+}
+
+static bool all_shards(const srv_t *s) { return shards_joined(s) == s->n_shards - 1; }
+
+/* Bits of the shards 1..n-1 (bit i: shard i). */
+static uint32_t shard_bits(const srv_t *s) { return ((1u << s->n_shards) - 1u) & ~1u; }
+
+static int send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n)
+{
+    shard_t *sh = &s->shards[i];
+    h->run_id = s->run_id;
+    h->rank = (uint32_t)i;
+    h->seq = ++sh->seq_out;
+    int rc = ps_msg_send(s->sock, sh->ident, sh->ident_len, h, fr, n);
+    if (rc < 0)
+        PS_WARN("cannot send %s to shard %d (%s pid %u): %s", ps_msg_type_name((int)h->type), i, sh->hostname,
+                sh->pid, zmq_strerror(-rc));
+    return rc;
+}
+
+static void shards_send_all(srv_t *s, Psd__Header *h)
+{
+    for (int i = 1; i < s->n_shards; i++)
+        if (s->shards[i].joined) send_shard(s, i, h, NULL, 0);
+}
+
+/* Tell every shard about a worker: its rank and token. */
+static void shards_worker(srv_t *s, const worker_t *w)
+{
+    Psd__Header h;
+    Psd__ShardWorker sw = PSD__SHARD_WORKER__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_SHARD_WORKER;
+    sw.rank = w->rank;
+    sw.token.data = (uint8_t *)w->shard_token;
+    sw.token.len = sizeof w->shard_token;
+    h.body_case = PSD__HEADER__BODY_SHARD_WORKER;
+    h.shard_worker = &sw;
+    shards_send_all(s, &h);
+}
+
 /* Weights frames of the current version, sent without copying (as f32, or
  * from the version's bfloat16 copy with train.wire_weights: bf16); for a
  * worker on shared memory none: *slot (1-based) names the version's slot,
@@ -293,7 +373,6 @@ static void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason)
  * *crc is the CRC-32 of what the worker gets, else 0. */
 static int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32_t *crc)
 {
-    const ps_layout_t *l = &s->layout;
     *slot = 0;
     *crc = 0;
     if (w->shm) {
@@ -305,20 +384,10 @@ static int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot,
     }
     const uint16_t *w16 = s->cfg.wire_weights == PS_WIRE_BF16 ? psd_store_current_bf16(&s->store) : NULL;
     if (s->cfg.wire_weights == PS_WIRE_BF16 && !w16) PS_WARN("out of memory for bfloat16 weights: sending f32");
-    uLong c = crc32(0L, Z_NULL, 0);
-    for (int t = 0; t < l->n_tensors; t++) {
-        psd_arena_t *a = psd_store_ref_current(&s->store);
-        size_t es = w16 ? 2 : 4;
-        fr[t] = (ps_frame_t){.data = w16 ? (const void *)(w16 + l->t[t].offset) : (const void *)(a->w + l->t[t].offset),
-                             .nbytes = es * l->t[t].numel,
-                             .ffn = psd_store_frame_free, .hint = a, .id = (uint32_t)t,
-                             .dtype = w16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32, .rows = (uint32_t)l->t[t].rows,
-                             .cols = t % 2 == 0 ? (uint32_t)l->t[t].cols : 0};
-        if (s->opts.verify_weights && w16) c = crc32_z(c, fr[t].data, fr[t].nbytes);
-        s->ep_bytes_out += fr[t].nbytes;
-    }
-    if (s->opts.verify_weights) *crc = w16 ? (uint32_t)c : psd_store_current_crc(&s->store);
-    return l->n_tensors;
+    int n = psd_store_frames(&s->store, w16, fr, s->opts.verify_weights && (w16 || sharded(s)) ? crc : NULL);
+    for (int i = 0; i < n; i++) s->ep_bytes_out += fr[i].nbytes;
+    if (s->opts.verify_weights && !w16 && !sharded(s)) *crc = psd_store_current_crc(&s->store);
+    return n;
 }
 
 static void send_weights(srv_t *s, worker_t *w)
@@ -359,7 +428,8 @@ static void release_push(worker_t *w)
     for (int t = 0; t < PS_MAX_TENSORS; t++)
         if ((w->grad_mask & ~w->grad_shm) & (1ull << t)) zmq_msg_close(&w->grad[t]);
     w->grad_mask = w->grad_shm = 0;
-    w->has_push = w->push_started = w->push_pull = false;
+    w->has_push = w->push_started = w->push_pull = w->own_push = false;
+    w->shard_have = 0;
 }
 
 /* End the run: tell every live worker, stop the loop. */
@@ -369,6 +439,17 @@ static void finish(srv_t *s, int code, const char *reason)
     if (s->tty) ps_log_status(NULL);
     for (int i = 0; i < s->n; i++)
         if (s->w[i].state != W_GONE) send_shutdown(s, &s->w[i], code, reason);
+    if (sharded(s)) {
+        Psd__Header h;
+        Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
+        psd__header__init(&h);
+        h.type = PSD__MSG_TYPE__MSG_SHUTDOWN;
+        sd.exit_code = code;
+        sd.reason = (char *)reason;
+        h.body_case = PSD__HEADER__BODY_SHUTDOWN;
+        h.shutdown = &sd;
+        shards_send_all(s, &h);
+    }
     s->phase = PHASE_DONE;
     s->exit_code = code;
     uv_stop(&s->loop);
@@ -613,14 +694,79 @@ static void start_validation(srv_t *s)
     }
 }
 
+/* The statistics of the step's contributors, their pushes released; those
+ * that asked get the new version once it is made (step_done). */
+static void account_step(srv_t *s, uint64_t total)
+{
+    double step_loss = 0;
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (!w->has_push) continue;
+        walk_positions(w, w->consumed, w->push_batch, mark_seen, s);
+        w->consumed += w->push_batch;
+        s->ep_loss += w->push_loss;
+        step_loss += w->push_loss;
+        s->ep_correct += w->push_correct;
+        s->ep_samples += w->push_batch;
+        w->want_pull = w->push_pull;
+        release_push(w);
+    }
+    s->last_loss = step_loss / (double)total;
+}
+
+/* The new version is current: count the step, answer the pulls. */
+static void step_done(srv_t *s)
+{
+    s->step++;
+    s->epoch_step++;
+    double now = ps_now();
+    if (s->last_step_t > 0 && s->epoch_step > 1) {
+        int during = s->ckpt != NULL;
+        s->int_sum[during] += now - s->last_step_t;
+        s->int_n[during]++;
+    }
+    s->last_step_t = now;
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (w->want_pull && w->state == W_TRAIN) send_weights(s, w);
+        w->want_pull = false;
+    }
+    if (s->cfg.ckpt_every_steps > 0 && s->step % (uint64_t)s->cfg.ckpt_every_steps == 0) take_checkpoint(s, false);
+}
+
+/* Tell the shards to take the same step: contributors, weights, rate. */
+static void shards_step(srv_t *s, int k, const double *wt)
+{
+    uint32_t ranks[MAX_WORKERS];
+    int j = 0;
+    for (int i = 0; i < s->n && j < k; i++)
+        if (s->w[i].has_push) ranks[j++] = s->w[i].rank;
+    Psd__Header h;
+    Psd__ShardStep st = PSD__SHARD_STEP__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_SHARD_STEP;
+    st.version = s->store.cur->version;
+    st.ranks = ranks;
+    st.n_ranks = (size_t)j;
+    st.weights = (double *)wt;
+    st.n_weights = (size_t)k;
+    st.lr = s->lr;
+    st.clip_norm = s->cfg.clip_norm;
+    st.step = s->store.steps;
+    h.body_case = PSD__HEADER__BODY_SHARD_STEP;
+    h.shard_step = &st;
+    shards_send_all(s, &h);
+}
+
 /* Every worker still training has pushed for this version: reduce, apply. */
 static void maybe_step(srv_t *s)
 {
-    if (s->phase != PHASE_TRAIN) return;
+    if (s->phase != PHASE_TRAIN || s->stepping) return;
     int pending = 0;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
         if (w->state == W_TRAIN && !w->has_push) return; /* still waiting for it */
+        if (w->own_push && !w->has_push) return;        /* or for a shard to have all of its push */
         pending += w->has_push;
     }
     if (pending > 0) {
@@ -635,7 +781,8 @@ static void maybe_step(srv_t *s)
             if (!w->has_push) continue;
             for (int t = 0; t < s->layout.n_tensors; t++)
                 g[k][t] = w->grad_shm & (1ull << t) ? (const void *)(w->shm_grad + s->layout.t[t].offset)
-                                                    : (const void *)zmq_msg_data(&w->grad[t]);
+                          : w->grad_mask & (1ull << t) ? (const void *)zmq_msg_data(&w->grad[t])
+                                                       : NULL;
             s->step_bf16[k] = wire_bf16(s, w);
             wt[k] = (double)w->push_batch / (double)total;
             k++;
@@ -643,6 +790,17 @@ static void maybe_step(srv_t *s)
         double frac = (double)s->epoch_step / s->spe;
         if (frac > 0.999999) frac = 0.999999; /* a redistributed epoch may take a few more steps */
         s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
+        if (sharded(s)) shards_step(s, k, wt);
+        if (sharded(s) && s->cfg.clip_norm > 0) {
+            /* the whole gradient's norm first: this part's blocks now, the
+             * other shards' in their NORM messages (on_shard_norm) */
+            psd_store_reduce(&s->store, pending, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt);
+            account_step(s, total);
+            s->stepping = true;
+            s->stepping_since = ps_now();
+            for (int i = 1; i < s->n_shards; i++) s->shards[i].norm_in = false;
+            return;
+        }
         double norm = psd_store_step(&s->store, pending, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
                                      s->cfg.clip_norm, s->lr);
         if (norm < 0) {
@@ -650,32 +808,8 @@ static void maybe_step(srv_t *s)
             finish(s, PSD_EXIT_ERROR, "psd out of memory");
             return;
         }
-        s->step++;
-        s->epoch_step++;
-        double now = ps_now();
-        if (s->last_step_t > 0 && s->epoch_step > 1) {
-            int during = s->ckpt != NULL;
-            s->int_sum[during] += now - s->last_step_t;
-            s->int_n[during]++;
-        }
-        s->last_step_t = now;
-        double step_loss = 0;
-        for (int i = 0; i < s->n; i++) {
-            worker_t *w = &s->w[i];
-            if (!w->has_push) continue;
-            walk_positions(w, w->consumed, w->push_batch, mark_seen, s);
-            w->consumed += w->push_batch;
-            s->ep_loss += w->push_loss;
-            step_loss += w->push_loss;
-            s->ep_correct += w->push_correct;
-            s->ep_samples += w->push_batch;
-            bool pull = w->push_pull;
-            release_push(w);
-            if (pull && w->state == W_TRAIN) send_weights(s, w);
-        }
-        s->last_loss = step_loss / (double)total;
-        if (s->cfg.ckpt_every_steps > 0 && s->step % (uint64_t)s->cfg.ckpt_every_steps == 0)
-            take_checkpoint(s, false);
+        account_step(s, total);
+        step_done(s);
     }
     for (int i = 0; i < s->n; i++)
         if (s->w[i].state == W_TRAIN) return;
@@ -755,7 +889,8 @@ static void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
         drop(s, w, "PULL of version %" PRIu64 ", current is %" PRIu64, v, s->store.cur->version);
         return;
     }
-    if (w->has_push) { /* its last push still waits for the step (it was given more samples since):
+    if (w->own_push) { /* its last push still waits for the step (it was given more samples since, or
+                        * with shards, this asks for the step's version after a push's last part):
                         * answer with the version that step makes; its gradient, in flight or in
                         * its shared region, must not be overwritten before */
         w->push_pull = true;
@@ -834,9 +969,12 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         /* in the worker's wire type: f32, or bf16 with train.wire_gradients: bf16 */
         bool bf16 = wire_bf16(s, w);
         bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
-        if (!ok || d->offset != 0 || n != l->t[t].numel) {
-            drop(s, w, "PUSH tensor %u does not match the model (%zu %s, want %zu %s)", t, n,
-                 d->dtype == PSD__DTYPE__DT_BF16 ? "bf16" : "elements", l->t[t].numel, bf16 ? "bf16" : "f32");
+        const ps_piece_t *pc = &s->store.own[t];
+        if (!ok || d->offset != pc->off || n != pc->n || pc->n == 0) {
+            drop(s, w, "PUSH tensor %u does not match %s (%zu %s at %" PRIu64 ", want %zu %s at %zu)", t,
+                 sharded(s) ? "this shard's part" : "the model", n,
+                 d->dtype == PSD__DTYPE__DT_BF16 ? "bf16" : "elements", d->offset, pc->n, bf16 ? "bf16" : "f32",
+                 pc->off);
             return;
         }
         mask |= 1ull << t;
@@ -857,9 +995,13 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         w->push_loss = p->loss_sum;
         w->push_correct = p->correct;
     }
-    uint64_t all = l->n_tensors == 64 ? ~0ull : (1ull << l->n_tensors) - 1;
+    uint64_t all = 0;
+    for (int t = 0; t < l->n_tensors; t++)
+        if (s->store.own[t].n) all |= 1ull << t;
     if (w->grad_mask != all) return; /* more parts to come */
-    w->has_push = true;
+    w->own_push = true;
+    w->own_push_at = ps_now();
+    w->has_push = (w->shard_have & shard_bits(s)) == shard_bits(s); /* and every shard has its part */
     /* the worker's step time, from the part that completes the push */
     if (isfinite(p->compute_s) && isfinite(p->wait_s) && p->compute_s >= 0 && p->wait_s >= 0 &&
         p->compute_s < 1e6 && p->wait_s < 1e6) {
@@ -868,7 +1010,25 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         s->ep_timed++;
         w->compute_ewma = w->compute_ewma > 0 ? 0.9 * w->compute_ewma + 0.1 * p->compute_s : p->compute_s;
     }
-    maybe_step(s);
+    if (w->has_push) maybe_step(s);
+}
+
+/* The last epoch is validated (and every part of the weights is here). */
+static void end_run(srv_t *s)
+{
+    double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
+    double wall = ps_now() - s->t_start;
+    save_weights(s);
+    PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s", s->cfg.epochs,
+            s->step, s->final_val_acc, sps, wall);
+    if (s->int_n[1] > 0)
+        PS_INFO("step interval %.2f ms over %" PRIu64 " steps without a checkpoint being written, "
+                "%.2f ms over %" PRIu64 " steps while one was",
+                1e3 * s->int_sum[0] / (double)(s->int_n[0] ? s->int_n[0] : 1), s->int_n[0],
+                1e3 * s->int_sum[1] / (double)s->int_n[1], s->int_n[1]);
+    int code = s->exit_code;
+    finish(s, 0, "training finished");
+    s->exit_code = code;
 }
 
 static void end_validation(srv_t *s)
@@ -912,18 +1072,24 @@ static void end_validation(srv_t *s)
     if (s->cfg.ckpt_dir[0] && (last || stop || (s->cfg.ckpt_every_epochs > 0 &&
                                                  (s->epoch + 1) % (uint32_t)s->cfg.ckpt_every_epochs == 0)))
         take_checkpoint(s, true);
+    s->final_val_acc = val_acc;
+    if (last && sharded(s)) { /* the other parts of the weights first */
+        Psd__Header h;
+        Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
+        psd__header__init(&h);
+        h.type = PSD__MSG_TYPE__MSG_SHARD_FETCH;
+        f.version = s->store.cur->version;
+        h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
+        h.shard_fetch = &f;
+        for (int i = 1; i < s->n_shards; i++) s->shards[i].fetched = false;
+        s->fetching = true;
+        s->phase = PHASE_WAIT; /* nothing to do but wait for them */
+        s->phase_deadline = INFINITY;
+        shards_send_all(s, &h);
+        return;
+    }
     if (last) {
-        save_weights(s);
-        PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s",
-                s->cfg.epochs, s->step, val_acc, sps, wall);
-        if (s->int_n[1] > 0)
-            PS_INFO("step interval %.2f ms over %" PRIu64 " steps without a checkpoint being written, "
-                    "%.2f ms over %" PRIu64 " steps while one was",
-                    1e3 * s->int_sum[0] / (double)(s->int_n[0] ? s->int_n[0] : 1), s->int_n[0],
-                    1e3 * s->int_sum[1] / (double)s->int_n[1], s->int_n[1]);
-        int code = s->exit_code;
-        finish(s, 0, "training finished");
-        s->exit_code = code;
+        end_run(s);
         return;
     }
     if (stop) {
@@ -971,6 +1137,17 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
     }
     s->store.before_update = ckpt_hook;
     s->store.before_update_ud = s->ckpt;
+    if (sharded(s)) { /* every shard writes its part of the same step */
+        Psd__Header h;
+        Psd__ShardCkpt ck = PSD__SHARD_CKPT__INIT;
+        psd__header__init(&h);
+        h.type = PSD__MSG_TYPE__MSG_SHARD_CKPT;
+        ck.step = s->store.steps;
+        ck.version = s->store.cur->version;
+        h.body_case = PSD__HEADER__BODY_SHARD_CKPT;
+        h.shard_ckpt = &ck;
+        shards_send_all(s, &h);
+    }
 }
 
 /* The writer finished: log, start the next one if asked, stop if asked. */
@@ -1036,6 +1213,14 @@ static void send_assign(srv_t *s, worker_t *w)
     a.step_timeout_s = s->cfg.worker_timeout * 3 + 10;
     a.grad_dtype = s->cfg.wire_gradients == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
     a.weight_dtype = s->cfg.wire_weights == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
+    char *eps[PS_MAX_SHARDS];
+    if (sharded(s)) { /* where its other parts are */
+        for (int i = 1; i < s->n_shards; i++) eps[i - 1] = s->shards[i].endpoint;
+        a.shard_endpoints = eps;
+        a.n_shard_endpoints = (size_t)(s->n_shards - 1);
+        a.shard_token.data = w->shard_token;
+        a.shard_token.len = sizeof w->shard_token;
+    }
     if (s->shm && strcmp(w->host_id, s->host_id) == 0) { /* same host: offer shared memory */
         a.shm_socket = s->shm_name;
         a.shm_token.data = w->shm_token;
@@ -1052,7 +1237,7 @@ static void on_register(srv_t *s, ps_msg_t *m)
     const char *host = r->hostname && r->hostname[0] ? r->hostname : "?";
     worker_t *w = find_worker(s, m->ident, m->ident_len);
     if (w && w->state == W_ASSIGNED) { /* its REGISTER was sent twice: answer again */
-        send_assign(s, w);
+        if (!w->assign_wait) send_assign(s, w);
         return;
     }
     if (w && w->state != W_GONE) { /* registering again while psd counts it in: it lost us */
@@ -1078,6 +1263,11 @@ static void on_register(srv_t *s, ps_msg_t *m)
     w->state = W_ASSIGNED;
     if (s->shm && getrandom(w->shm_token, sizeof w->shm_token, 0) != (ssize_t)sizeof w->shm_token)
         memset(w->shm_token, 0, sizeof w->shm_token); /* an all-zero token is never accepted */
+    if (sharded(s) && getrandom(w->shard_token, sizeof w->shard_token, 0) != (ssize_t)sizeof w->shard_token) {
+        PS_ERROR("getrandom: %s", strerror(errno));
+        finish(s, PSD_EXIT_ERROR, "psd failed");
+        return;
+    }
     w->last_seen = ps_now();
     w->seq_in = m->hdr->seq;
     s->n++;
@@ -1087,7 +1277,227 @@ static void on_register(srv_t *s, ps_msg_t *m)
     PS_INFO("worker registered: rank %u, %s pid %u, %s%s%s%s (%d ready before it)", w->rank, w->hostname, w->pid, dev,
             r->identity_hint && r->identity_hint[0] ? ", task " : "", r->identity_hint ? r->identity_hint : "",
             m->hdr->run_id ? ", rejoining" : "", live_workers(s));
+    if (sharded(s) && !all_shards(s)) { /* its ASSIGN names every shard */
+        w->assign_wait = true;
+        PS_INFO("rank %u waits for %d more psd shard%s", w->rank, s->n_shards - 1 - shards_joined(s),
+                s->n_shards - 1 - shards_joined(s) == 1 ? "" : "s");
+        return;
+    }
+    if (sharded(s)) shards_worker(s, w);
     send_assign(s, w);
+}
+
+/* ---- messages of the psd shards ----------------------------------------- */
+
+static int find_shard(const srv_t *s, const uint8_t *ident, size_t len)
+{
+    for (int i = 1; i < s->n_shards; i++)
+        if (s->shards[i].ident_len == len && memcmp(s->shards[i].ident, ident, len) == 0) return i;
+    return -1;
+}
+
+static void refuse_shard(srv_t *s, ps_msg_t *m, const char *why)
+{
+    PS_ERROR("refused a psd shard: %s", why);
+    send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, why);
+}
+
+static void on_shard_hello(srv_t *s, ps_msg_t *m)
+{
+    Psd__ShardHello *h = m->hdr->shard_hello;
+    char why[320];
+    if (!sharded(s)) {
+        refuse_shard(s, m, "this psd was not started as shard 0 of several (--shard 0/N)");
+        return;
+    }
+    int i = (int)h->shard;
+    if (h->shards != (uint32_t)s->n_shards || i < 1 || i >= s->n_shards) {
+        snprintf(why, sizeof why, "it is shard %u/%u, this run has %d shards", h->shard, h->shards, s->n_shards);
+        refuse_shard(s, m, why);
+        return;
+    }
+    if (h->config_hash != s->config_hash || h->n_params != s->layout.n_params) {
+        snprintf(why, sizeof why, "shard %d was started with another config (hash %016" PRIx64 ", shard 0's %016" PRIx64
+                 "): give every shard the same config", i, h->config_hash, s->config_hash);
+        refuse_shard(s, m, why);
+        return;
+    }
+    bool resumed = s->opts.resume_dir != NULL;
+    if ((bool)h->resume != resumed) {
+        snprintf(why, sizeof why, resumed ? "shard 0 resumed run %016" PRIx64 " at step %" PRIu64
+                                            ": start shard %d with --resume DIR too"
+                                          : "shard 0 starts run %016" PRIx64 " (step %" PRIu64 "), but shard %d was "
+                                            "started with --resume: resume shard 0 too, or start the shard without it",
+                 s->run_id, s->store.steps, i);
+        refuse_shard(s, m, why);
+        return;
+    }
+    shard_t *sh = &s->shards[i];
+    if (sh->joined) {
+        snprintf(why, sizeof why, "shard %d has already joined (from %s pid %u)", i, sh->hostname, sh->pid);
+        refuse_shard(s, m, why);
+        return;
+    }
+    if (!h->endpoint || !h->endpoint[0] || strlen(h->endpoint) >= sizeof sh->endpoint) {
+        refuse_shard(s, m, "no endpoint for the workers");
+        return;
+    }
+    memcpy(sh->ident, m->ident, m->ident_len);
+    sh->ident_len = m->ident_len;
+    snprintf(sh->endpoint, sizeof sh->endpoint, "%s", h->endpoint);
+    snprintf(sh->hostname, sizeof sh->hostname, "%s", h->hostname ? h->hostname : "?");
+    sh->pid = h->pid;
+    sh->last_seen = ps_now();
+    sh->joined = true;
+    Psd__Header r;
+    Psd__ShardHello rb = PSD__SHARD_HELLO__INIT;
+    psd__header__init(&r);
+    r.type = PSD__MSG_TYPE__MSG_SHARD_HELLO;
+    rb.shard = (uint32_t)i;
+    rb.shards = (uint32_t)s->n_shards;
+    rb.config_hash = s->config_hash;
+    rb.n_params = s->layout.n_params;
+    rb.resume = resumed;
+    rb.resume_step = s->store.steps;
+    rb.resume_version = s->store.cur->version;
+    r.body_case = PSD__HEADER__BODY_SHARD_HELLO;
+    r.shard_hello = &rb;
+    send_shard(s, i, &r, NULL, 0);
+    PS_INFO("psd shard %d/%d joined from %s pid %u; workers reach it at %s", i, s->n_shards, sh->hostname, sh->pid,
+            sh->endpoint);
+    if (!all_shards(s)) return;
+    for (int j = 0; j < s->n; j++) { /* the workers that waited for it */
+        worker_t *w = &s->w[j];
+        if (w->state == W_GONE) continue;
+        shards_worker(s, w);
+        if (w->assign_wait) {
+            w->assign_wait = false;
+            w->last_seen = ps_now();
+            send_assign(s, w);
+        }
+    }
+}
+
+static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
+{
+    Psd__ShardNorm *n = m->hdr->shard_norm;
+    if (!s->stepping || n->version != s->store.cur->version || s->shards[i].norm_in) {
+        drop(s, NULL, "NORM from shard %d for version %" PRIu64 " (current %" PRIu64 ")", i, n->version,
+             s->store.cur->version);
+        return;
+    }
+    ps_piece_t p[PS_MAX_TENSORS];
+    ps_shard_pieces(&s->layout, i, s->n_shards, p);
+    size_t want = 0;
+    for (int t = 0; t < s->layout.n_tensors; t++) want += (p[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
+    if (n->n_block_sq != want) {
+        drop(s, NULL, "NORM from shard %d with %zu blocks, it has %zu", i, n->n_block_sq, want);
+        return;
+    }
+    size_t j = 0;
+    for (int t = 0; t < s->layout.n_tensors; t++) {
+        size_t b = ps_layout_first_block(&s->layout, t) + p[t].off / PSD_NORM_BLOCK;
+        for (size_t o = 0; o < p[t].n; o += PSD_NORM_BLOCK) s->store.blk_sq[b++] = n->block_sq[j++];
+    }
+    s->shards[i].norm_in = true;
+    for (int k = 1; k < s->n_shards; k++)
+        if (!s->shards[k].norm_in) return;
+    /* every block's norm is in: the same sum, in the same order, as one psd */
+    double sumsq = psd_store_sumsq(&s->store);
+    Psd__Header h;
+    Psd__ShardApply ap = PSD__SHARD_APPLY__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_SHARD_APPLY;
+    ap.version = s->store.cur->version;
+    ap.sumsq = sumsq;
+    h.body_case = PSD__HEADER__BODY_SHARD_APPLY;
+    h.shard_apply = &ap;
+    shards_send_all(s, &h);
+    s->stepping = false;
+    if (psd_store_apply(&s->store, sumsq, s->cfg.clip_norm, s->lr) != 0) {
+        PS_ERROR("no free parameter arena (too many pull replies in flight)");
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    step_done(s);
+    maybe_step(s);
+}
+
+static void end_run(srv_t *s);
+
+/* A shard's part of the final version (SHARD_FETCH), for the weights file. */
+static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
+{
+    const ps_layout_t *l = &s->layout;
+    if (!s->fetching || s->shards[i].fetched || m->hdr->weights->version != s->store.cur->version) {
+        drop(s, NULL, "WEIGHTS from shard %d that psd did not ask for", i);
+        return;
+    }
+    ps_piece_t p[PS_MAX_TENSORS];
+    ps_shard_pieces(l, i, s->n_shards, p);
+    int f = 0;
+    for (int t = 0; t < l->n_tensors; t++) {
+        if (p[t].n == 0) continue;
+        size_t n = 0;
+        const float *src = f < m->n_frames ? ps_msg_f32(m, f, &n) : NULL;
+        if (!src || m->hdr->tensors[f]->id != (uint32_t)t || m->hdr->tensors[f]->offset != p[t].off || n != p[t].n) {
+            drop(s, NULL, "WEIGHTS from shard %d do not match its part", i);
+            return;
+        }
+        memcpy(s->store.cur->w + l->t[t].offset + p[t].off, src, n * sizeof(float));
+        f++;
+    }
+    s->shards[i].fetched = true;
+    for (int k = 1; k < s->n_shards; k++)
+        if (!s->shards[k].fetched) return;
+    s->fetching = false;
+    end_run(s);
+}
+
+static void on_shard_have(srv_t *s, int i, ps_msg_t *m)
+{
+    Psd__ShardHave *hv = m->hdr->shard_have;
+    worker_t *w = hv->rank < (uint32_t)s->n ? &s->w[hv->rank] : NULL;
+    if (!w || (w->state != W_TRAIN && w->state != W_BARRIER) || s->stepping || hv->version != s->store.cur->version) {
+        /* a worker lost meanwhile, or declared gone: nothing to wait for */
+        PS_DEBUG("shard %d has rank %u's push for version %" PRIu64 "; not needed", i, hv->rank, hv->version);
+        return;
+    }
+    w->shard_have |= 1u << i;
+    w->has_push = w->own_push && (w->shard_have & shard_bits(s)) == shard_bits(s);
+    if (w->has_push) maybe_step(s);
+}
+
+static void on_shard(srv_t *s, int i, ps_msg_t *m)
+{
+    Psd__Header *h = m->hdr;
+    if (h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
+        if (i > 0) { /* its HELLO again: the answer was lost? answer again */
+            s->shards[i].joined = false;
+        }
+        on_shard_hello(s, m);
+        return;
+    }
+    if (i < 0) return;
+    shard_t *sh = &s->shards[i];
+    if (h->run_id != s->run_id || h->rank != (uint32_t)i) {
+        drop(s, NULL, "message from shard %d with run %016" PRIx64 " rank %u", i, h->run_id, h->rank);
+        return;
+    }
+    sh->last_seen = ps_now();
+    switch (h->type) {
+    case PSD__MSG_TYPE__MSG_HEARTBEAT: break;
+    case PSD__MSG_TYPE__MSG_SHARD_HAVE: on_shard_have(s, i, m); break;
+    case PSD__MSG_TYPE__MSG_SHARD_NORM: on_shard_norm(s, i, m); break;
+    case PSD__MSG_TYPE__MSG_WEIGHTS: on_shard_weights(s, i, m); break;
+    case PSD__MSG_TYPE__MSG_ERROR:
+        PS_ERROR("psd shard %d (%s pid %u) failed: %s", i, sh->hostname, sh->pid,
+                 h->error->message ? h->error->message : "(no message)");
+        sh->joined = false;
+        finish(s, PSD_EXIT_SHARD_LOST, "a psd shard failed");
+        break;
+    default: drop(s, NULL, "%s is not a message shards send", ps_msg_type_name((int)h->type));
+    }
 }
 
 static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
@@ -1154,7 +1564,7 @@ static void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m)
         return;
     }
     if (b->samples < w->assigned) return; /* sent before it got more samples: it will come again */
-    uint64_t done = w->consumed + (w->has_push ? w->push_batch : 0);
+    uint64_t done = w->consumed + (w->own_push ? w->push_batch : 0);
     if (b->samples != w->assigned || done != w->assigned) {
         drop(s, w, "BARRIER after %" PRIu64 " samples, psd counted %" PRIu64 " of %" PRIu64, b->samples, done,
              w->assigned);
@@ -1224,6 +1634,11 @@ static void handle(srv_t *s, ps_msg_t *m)
         char msg[128];
         snprintf(msg, sizeof msg, "psd speaks protocol %u, this worker %u", PS_PROTOCOL_VERSION, h->protocol);
         send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_PROTOCOL, msg);
+        return;
+    }
+    int si = sharded(s) ? find_shard(s, m->ident, m->ident_len) : -1;
+    if (si > 0 || h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
+        on_shard(s, si, m);
         return;
     }
     if (h->type == PSD__MSG_TYPE__MSG_REGISTER) {
@@ -1495,18 +1910,53 @@ static void on_timer(uv_timer_t *t)
     poll_checkpoint(s, false);
     psd_shm_expire(s->shm, now);
     progress(s, now);
+    if (sharded(s) && s->phase != PHASE_DONE) {
+        if (now - s->shard_hb >= 1.0) { /* they stop when shard 0 falls silent */
+            Psd__Header h;
+            Psd__Heartbeat hb = PSD__HEARTBEAT__INIT;
+            psd__header__init(&h);
+            h.type = PSD__MSG_TYPE__MSG_HEARTBEAT;
+            hb.epoch = s->epoch;
+            h.body_case = PSD__HEADER__BODY_HEARTBEAT;
+            h.heartbeat = &hb;
+            shards_send_all(s, &h);
+            s->shard_hb = now;
+        }
+        for (int i = 1; i < s->n_shards; i++) {
+            shard_t *sh = &s->shards[i];
+            if (s->stepping && !sh->norm_in && now - s->stepping_since >= s->cfg.worker_timeout) {
+                PS_ERROR("psd shard %d (%s pid %u) did not send its part of the gradient's norm in %.1f s; the run "
+                         "stops", i, sh->hostname, sh->pid, now - s->stepping_since);
+                finish(s, PSD_EXIT_SHARD_LOST, "a psd shard stopped answering");
+                return;
+            }
+            if (!sh->joined || now - sh->last_seen < s->cfg.worker_timeout) continue;
+            PS_ERROR("psd shard %d (%s pid %u) lost: nothing from it for %.1f s; its part of the parameters is "
+                     "gone, so the run stops", i, sh->hostname, sh->pid, now - sh->last_seen);
+            sh->joined = false;
+            finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was lost");
+            return;
+        }
+    }
     if (s->phase == PHASE_WAIT) {
         if (now > s->phase_deadline) {
             int ready = 0;
             for (int i = 0; i < s->n; i++) ready += s->w[i].state == W_READY;
-            PS_ERROR("start timeout: %d of %d workers registered, %d ready after %.0f s", s->n, s->cfg.workers,
-                     ready, s->cfg.start_timeout);
+            PS_ERROR("start timeout: %d of %d workers registered, %d ready after %.0f s%s", s->n, s->cfg.workers,
+                     ready, s->cfg.start_timeout, sharded(s) && !all_shards(s) ? " (not every psd shard joined)" : "");
             finish(s, PSD_EXIT_START_TIMEOUT, "not all workers came in time");
         }
     } else if (s->phase == PHASE_TRAIN || s->phase == PHASE_VALIDATE) {
         for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
             worker_t *w = &s->w[i];
             bool waited_for = (w->state == W_TRAIN && !w->has_push) || w->state == W_VALIDATING;
+            if (w->own_push && !w->has_push && now - w->own_push_at >= s->cfg.worker_timeout) {
+                /* a shard never got all of its push: it died between its messages */
+                PS_WARN("rank %u (%s pid %u) lost: psd shards are missing part of its push for %.1f s; going on "
+                        "without it", w->rank, w->hostname, w->pid, now - w->own_push_at);
+                worker_gone(s, w);
+                continue;
+            }
             if (!waited_for || now - w->last_seen < s->cfg.worker_timeout) continue;
             time_t last = time(NULL) - (time_t)(now - w->last_seen);
             struct tm tm;
@@ -1795,6 +2245,93 @@ out:
     return rc;
 }
 
+/* psd's ROUTER socket on `listen`: CURVE with the allow-list (failing
+ * closed) when there is a key, else the loopback rule; socket options; bind.
+ * allow_self: also let in psd's own key (psd shards). 0, or the exit code
+ * (logged). */
+int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no_zap, size_t n_params, bool allow_self,
+                    void **sockp, psd_zap_t **zapp, void **monp)
+{
+    *sockp = zctx ? zmq_socket(zctx, ZMQ_ROUTER) : NULL;
+    if (!*sockp) {
+        PS_ERROR("zeromq: %s", zmq_strerror(zmq_errno()));
+        return PSD_EXIT_ERROR;
+    }
+    /* authentication: CURVE with an allow-list, failing closed */
+    if (c->key_file[0]) {
+        char err[512];
+        ps_keypair_t kp;
+        if (!c->allow_dir[0]) {
+            PS_ERROR("server.key is set but server.allow is not: give the directory of allowed worker keys (--allow DIR)");
+            return PSD_EXIT_USAGE;
+        }
+        if (ps_auth_load_secret(c->key_file, &kp, err, sizeof err) != 0) {
+            PS_ERROR("%s", err);
+            return PSD_EXIT_USAGE;
+        }
+        if (!no_zap) {
+            *zapp = psd_zap_start(zctx, c->allow_dir, err, sizeof err);
+            if (*zapp && allow_self) psd_zap_allow_self(*zapp, kp.public_z85);
+            if (!*zapp) {
+                PS_ERROR("%s", err);
+                memset(&kp, 0, sizeof kp);
+                return PSD_EXIT_USAGE;
+            }
+        }
+        int on = 1;
+        zmq_setsockopt(*sockp, ZMQ_CURVE_SERVER, &on, sizeof on);
+        zmq_setsockopt(*sockp, ZMQ_CURVE_SECRETKEY, kp.secret_z85, 40);
+        zmq_setsockopt(*sockp, ZMQ_ZAP_DOMAIN, "psd", 3);
+        /* no handler (or a crashed one) means nobody gets in */
+        int enforce = zmq_setsockopt(*sockp, ZMQ_ZAP_ENFORCE_DOMAIN, &on, sizeof on);
+        memset(&kp, 0, sizeof kp);
+        /* handshakes that fail before the ZAP handler sees them (a client
+         * without encryption, or with the wrong server key) are logged too */
+        if (zmq_socket_monitor(*sockp, "inproc://psd-monitor",
+                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) == 0) {
+            *monp = zmq_socket(zctx, ZMQ_PAIR);
+            if (*monp && zmq_connect(*monp, "inproc://psd-monitor") != 0) {
+                zmq_close(*monp);
+                *monp = NULL;
+            }
+        }
+        if (enforce != 0) { /* fail closed: without it a missing handler would let everyone in */
+            PS_ERROR("this libzmq cannot enforce authentication (ZMQ_ZAP_ENFORCE_DOMAIN: %s); refusing to run",
+                     zmq_strerror(zmq_errno()));
+            return PSD_EXIT_ERROR;
+        }
+    } else if (!is_loopback(listen)) {
+        if (!c->insecure) {
+            PS_ERROR("refusing to listen on %s without authentication. Make keys: `psd keygen server` and, per "
+                     "worker host, `psd keygen worker1`; put worker1.pub in a directory DIR; run `psd --key "
+                     "server.key --allow DIR` and `pworker --key worker1.key --server-key server.pub`. Or listen "
+                     "on loopback (--listen tcp://127.0.0.1:PORT), or pass --insecure on a network you trust",
+                     listen);
+            return PSD_EXIT_USAGE;
+        }
+        PS_WARN("*** --insecure: listening on %s WITHOUT AUTHENTICATION: anyone who can reach this port can "
+                "read the model or change it with one push ***",
+                listen);
+    }
+    int one = 1, linger = 1000, hwm = 1000, ivl = 1000, tmo = 3000, ttl = 6000;
+    zmq_setsockopt(*sockp, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+    zmq_setsockopt(*sockp, ZMQ_ROUTER_HANDOVER, &one, sizeof one); /* a worker reconnecting keeps its id */
+    zmq_setsockopt(*sockp, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(*sockp, ZMQ_SNDHWM, &hwm, sizeof hwm);
+    zmq_setsockopt(*sockp, ZMQ_RCVHWM, &hwm, sizeof hwm);
+    zmq_setsockopt(*sockp, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
+    zmq_setsockopt(*sockp, ZMQ_HEARTBEAT_TIMEOUT, &tmo, sizeof tmo);
+    zmq_setsockopt(*sockp, ZMQ_HEARTBEAT_TTL, &ttl, sizeof ttl);
+    /* a message larger than the biggest legitimate one disconnects its sender */
+    int64_t maxmsg = (int64_t)(4 * n_params + (size_t)(4 << 20));
+    zmq_setsockopt(*sockp, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    if (zmq_bind(*sockp, listen) != 0) {
+        PS_ERROR("cannot listen on '%s': %s", listen, zmq_strerror(zmq_errno()));
+        return PSD_EXIT_USAGE;
+    }
+    return 0;
+}
+
 int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
 {
     srv_t *s = calloc(1, sizeof *s);
@@ -1839,6 +2376,13 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         PS_ERROR("out of memory for the step's threads");
         goto out;
     }
+    s->n_shards = opts->shards > 1 ? opts->shards : 1;
+    if (sharded(s)) {
+        if (psd_store_own(&s->store, 0, s->n_shards) != 0) {
+            PS_ERROR("out of memory for the step's threads");
+            goto out;
+        }
+    }
     if (opts->resume_dir && (code = resume(s)) != 0) goto out;
     code = PSD_EXIT_ERROR;
     if (s->epoch >= (uint32_t)c->epochs) {
@@ -1873,87 +2417,10 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     }
     if (s->zctx && zmq_ctx_set(s->zctx, ZMQ_IO_THREADS, io) != 0)
         PS_WARN("zeromq: cannot use %d I/O threads: %s", io, zmq_strerror(zmq_errno()));
-    s->sock = s->zctx ? zmq_socket(s->zctx, ZMQ_ROUTER) : NULL;
-    if (!s->sock) {
-        PS_ERROR("zeromq: %s", zmq_strerror(zmq_errno()));
+    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, sharded(s), &s->sock, &s->zap,
+                                &s->mon)) != 0)
         goto out;
-    }
-    /* authentication: CURVE with an allow-list, failing closed */
-    if (c->key_file[0]) {
-        char err[512];
-        ps_keypair_t kp;
-        if (!c->allow_dir[0]) {
-            PS_ERROR("server.key is set but server.allow is not: give the directory of allowed worker keys (--allow DIR)");
-            code = PSD_EXIT_USAGE;
-            goto out;
-        }
-        if (ps_auth_load_secret(c->key_file, &kp, err, sizeof err) != 0) {
-            PS_ERROR("%s", err);
-            code = PSD_EXIT_USAGE;
-            goto out;
-        }
-        if (!opts->no_zap) {
-            s->zap = psd_zap_start(s->zctx, c->allow_dir, err, sizeof err);
-            if (!s->zap) {
-                PS_ERROR("%s", err);
-                memset(&kp, 0, sizeof kp);
-                code = PSD_EXIT_USAGE;
-                goto out;
-            }
-        }
-        int on = 1;
-        zmq_setsockopt(s->sock, ZMQ_CURVE_SERVER, &on, sizeof on);
-        zmq_setsockopt(s->sock, ZMQ_CURVE_SECRETKEY, kp.secret_z85, 40);
-        zmq_setsockopt(s->sock, ZMQ_ZAP_DOMAIN, "psd", 3);
-        /* no handler (or a crashed one) means nobody gets in */
-        int enforce = zmq_setsockopt(s->sock, ZMQ_ZAP_ENFORCE_DOMAIN, &on, sizeof on);
-        memset(&kp, 0, sizeof kp);
-        /* handshakes that fail before the ZAP handler sees them (a client
-         * without encryption, or with the wrong server key) are logged too */
-        if (zmq_socket_monitor(s->sock, "inproc://psd-monitor",
-                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) == 0) {
-            s->mon = zmq_socket(s->zctx, ZMQ_PAIR);
-            if (s->mon && zmq_connect(s->mon, "inproc://psd-monitor") != 0) {
-                zmq_close(s->mon);
-                s->mon = NULL;
-            }
-        }
-        if (enforce != 0) { /* fail closed: without it a missing handler would let everyone in */
-            PS_ERROR("this libzmq cannot enforce authentication (ZMQ_ZAP_ENFORCE_DOMAIN: %s); refusing to run",
-                     zmq_strerror(zmq_errno()));
-            goto out;
-        }
-    } else if (!is_loopback(c->listen)) {
-        if (!c->insecure) {
-            PS_ERROR("refusing to listen on %s without authentication. Make keys: `psd keygen server` and, per "
-                     "worker host, `psd keygen worker1`; put worker1.pub in a directory DIR; run `psd --key "
-                     "server.key --allow DIR` and `pworker --key worker1.key --server-key server.pub`. Or listen "
-                     "on loopback (--listen tcp://127.0.0.1:PORT), or pass --insecure on a network you trust",
-                     c->listen);
-            code = PSD_EXIT_USAGE;
-            goto out;
-        }
-        PS_WARN("*** --insecure: listening on %s WITHOUT AUTHENTICATION: anyone who can reach this port can "
-                "read the model or change it with one push ***",
-                c->listen);
-    }
-    int one = 1, linger = 1000, hwm = 1000, ivl = 1000, tmo = 3000, ttl = 6000;
-    zmq_setsockopt(s->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
-    zmq_setsockopt(s->sock, ZMQ_ROUTER_HANDOVER, &one, sizeof one); /* a worker reconnecting keeps its id */
-    zmq_setsockopt(s->sock, ZMQ_LINGER, &linger, sizeof linger);
-    zmq_setsockopt(s->sock, ZMQ_SNDHWM, &hwm, sizeof hwm);
-    zmq_setsockopt(s->sock, ZMQ_RCVHWM, &hwm, sizeof hwm);
-    zmq_setsockopt(s->sock, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
-    zmq_setsockopt(s->sock, ZMQ_HEARTBEAT_TIMEOUT, &tmo, sizeof tmo);
-    zmq_setsockopt(s->sock, ZMQ_HEARTBEAT_TTL, &ttl, sizeof ttl);
-    /* a message larger than the biggest legitimate one disconnects its sender */
-    int64_t maxmsg = (int64_t)(4 * s->layout.n_params + (size_t)(4 << 20));
-    zmq_setsockopt(s->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
-    if (zmq_bind(s->sock, c->listen) != 0) {
-        PS_ERROR("cannot listen on '%s': %s", c->listen, zmq_strerror(zmq_errno()));
-        code = PSD_EXIT_USAGE;
-        goto out;
-    }
+    code = PSD_EXIT_ERROR;
     char ep[256] = "";
     size_t eplen = sizeof ep;
     zmq_getsockopt(s->sock, ZMQ_LAST_ENDPOINT, ep, &eplen);
@@ -1962,6 +2429,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     PS_INFO("model %zu parameters, %zu training / %zu test samples, optimizer %s, schedule %s",
             s->layout.n_params, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
     PS_DEBUG("steps: %d chunks on %d threads", s->store.n_chunks, threads);
+    if (sharded(s)) PS_INFO("psd shard 0 of %d: waiting for shards 1..%d to join", s->n_shards, s->n_shards - 1);
 
     int fd;
     size_t fdlen = sizeof fd;
@@ -1981,7 +2449,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     uv_signal_start(&s->sigusr1, on_signal, SIGUSR1);
     uv_signal_start(&s->sighup, on_signal, SIGHUP);
-    if (c->shared_memory) start_shm(s);
+    if (c->shared_memory && !sharded(s)) start_shm(s); /* with shards: every tensor on the wire */
     /* the live progress line: on a terminal, unless the log is for a machine (json) */
     s->tty = isatty(STDERR_FILENO) && c->log_format == PS_LOG_TEXT && getenv("TERM") &&
              strcmp(getenv("TERM"), "dumb") != 0;

@@ -3,6 +3,8 @@
 #ifndef PSD_SERVER_H
 #define PSD_SERVER_H
 
+#include <stdbool.h>
+
 #include "ps_config.h"
 
 /* Exit codes of psd (README). */
@@ -12,6 +14,7 @@ enum {
     PSD_EXIT_USAGE = 2,         /* bad flags, config or data */
     PSD_EXIT_START_TIMEOUT = 3, /* not all workers registered in time */
     PSD_EXIT_WORKER_LOST = 4,   /* a worker went silent past worker_timeout */
+    PSD_EXIT_SHARD_LOST = 5,    /* a psd shard went silent, failed or refused the run */
 };
 
 typedef struct {
@@ -20,7 +23,22 @@ typedef struct {
     int stop_after_epoch;   /* --stop-after-epoch E: checkpoint and stop after epoch E (1-based) */
     int no_zap;             /* tests only: keys but no authentication handler (everyone refused) */
     int verify_weights;     /* tests only: weights messages carry their version's CRC-32 */
+    int shard, shards;      /* --shard i/n: this psd holds part i of n (shards 0: one psd) */
+    const char *leader;     /* shard i > 0: shard 0's endpoint */
+    const char *advertise;  /* shard i > 0: the endpoint workers reach it at (default: where it listens) */
 } psd_run_opts_t;
+
+struct psd_zap;
+/* psd's ROUTER socket on `listen`: CURVE with the allow-list (failing
+ * closed) when the config has a key, else the loopback rule; options; bind.
+ * allow_self: also let in psd's own key (shards connect with it). 0, or the
+ * exit code (logged); *sockp, *zapp, *monp are the caller's to close. */
+int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no_zap, size_t n_params, bool allow_self,
+                    void **sockp, struct psd_zap **zapp, void **monp);
+
+/* psd --shard i/n with i > 0 (psd_shard.c): hold part i of the parameters
+ * and their optimizer state for the run shard 0 coordinates. Exit code. */
+int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts);
 
 /* Run a whole training described by c; returns the exit code. SIGINT/SIGTERM
  * write a checkpoint, tell the workers and exit 0 (a second one exits at

@@ -11,12 +11,21 @@
 #include "ps_shm.h"
 #include "ps_wire.h"
 
+#include <zlib.h>
+
+/* Zeroed floats from the kernel: pages a shard never touches (the parts
+ * other shards own) take no memory. */
+static size_t floats_bytes(size_t n) { return ps_shm_round(n > 0 ? n * sizeof(float) : 1); }
+
 static float *alloc_floats(size_t n)
 {
-    size_t bytes = (n * sizeof(float) + 63) & ~(size_t)63;
-    float *p = aligned_alloc(64, bytes ? bytes : 64);
-    if (p) memset(p, 0, bytes);
-    return p;
+    void *p = mmap(NULL, floats_bytes(n), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void free_floats(float *p, size_t n)
+{
+    if (p) munmap(p, floats_bytes(n));
 }
 
 int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt, uint64_t seed)
@@ -24,6 +33,7 @@ int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt,
     memset(s, 0, sizeof *s);
     s->layout = *l;
     s->opt = *opt;
+    for (int t = 0; t < l->n_tensors; t++) s->own[t] = (ps_piece_t){.t = t, .off = 0, .n = l->t[t].numel};
     s->grad = alloc_floats(l->n_params);
     int slots = psd_optim_slots(opt);
     if (slots >= 1) s->s0 = alloc_floats(l->n_params);
@@ -53,11 +63,8 @@ int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
     size_t cf = (chunk_bytes / sizeof(float) + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK * PSD_NORM_BLOCK;
     if (cf == 0) cf = PSD_NORM_BLOCK;
     int n = 0;
-    size_t nb = 0;
-    for (int t = 0; t < l->n_tensors; t++) {
-        n += (int)((l->t[t].numel + cf - 1) / cf);
-        nb += (l->t[t].numel + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
-    }
+    size_t nb = ps_layout_blocks(l);
+    for (int t = 0; t < l->n_tensors; t++) n += (int)((s->own[t].n + cf - 1) / cf);
     psd_chunk_t *ch = calloc((size_t)(n ? n : 1), sizeof *ch);
     double *bq = calloc(nb ? nb : 1, sizeof *bq);
     struct ps_pool *pool = threads > 1 ? ps_pool_new(threads) : NULL;
@@ -68,18 +75,19 @@ int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
         return -ENOMEM;
     }
     int k = 0;
-    size_t b = 0;
     for (int t = 0; t < l->n_tensors; t++) {
-        for (size_t o = 0; o < l->t[t].numel; o += cf) {
-            ch[k] = (psd_chunk_t){.t = t, .off = l->t[t].offset + o,
-                                  .n = l->t[t].numel - o < cf ? l->t[t].numel - o : cf, .blk = b + o / PSD_NORM_BLOCK};
+        size_t b = ps_layout_first_block(l, t), end = s->own[t].off + s->own[t].n;
+        for (size_t o = s->own[t].off; o < end; o += cf) {
+            ch[k] = (psd_chunk_t){.t = t, .off = l->t[t].offset + o, .n = end - o < cf ? end - o : cf,
+                                  .blk = b + o / PSD_NORM_BLOCK, .rel = o - s->own[t].off};
             k++;
         }
-        b += (l->t[t].numel + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
     }
     free(s->chunks);
     free(s->blk_sq);
     ps_pool_free(&s->pool);
+    s->threads = threads;
+    s->chunk_bytes = chunk_bytes;
     s->chunks = ch;
     s->n_chunks = n;
     s->blk_sq = bq;
@@ -98,13 +106,32 @@ void psd_store_deinit(psd_store_t *s)
         close(s->shm_fd);
         close(s->shm_ro_fd);
     } else {
-        for (int i = 0; i < s->n_arenas; i++) free(s->arenas[i].w);
+        for (int i = 0; i < s->n_arenas; i++) free_floats(s->arenas[i].w, s->layout.n_params);
     }
     for (int i = 0; i < s->n_arenas; i++) free(s->arenas[i].w16);
-    free(s->grad);
-    free(s->s0);
-    free(s->s1);
+    free_floats(s->grad, s->layout.n_params);
+    free_floats(s->s0, s->layout.n_params);
+    free_floats(s->s1, s->layout.n_params);
     memset(s, 0, sizeof *s);
+}
+
+int psd_store_own(psd_store_t *s, int k, int n)
+{
+    const ps_layout_t *l = &s->layout;
+        ps_piece_t p[PS_MAX_TENSORS];
+    ps_shard_pieces(l, k, n, p);
+    memcpy(s->own, p, sizeof p);
+    /* give back the pages of arena 0 outside the owned pieces (the
+     * initial weights of other shards' parts) */
+    long pg = sysconf(_SC_PAGESIZE);
+    size_t page = pg > 0 ? (size_t)pg : 4096, from = 0;
+    for (int t = 0; t <= l->n_tensors; t++) {
+        size_t to = t < l->n_tensors ? l->t[t].offset + p[t].off : l->n_params;
+        size_t a = (from * sizeof(float) + page - 1) / page * page, b = to * sizeof(float) / page * page;
+        if (b > a) madvise((char *)s->arenas[0].w + a, b - a, MADV_DONTNEED);
+        if (t < l->n_tensors) from = l->t[t].offset + p[t].off + p[t].n;
+    }
+    return psd_store_set_parallel(s, s->threads > 0 ? s->threads : 1, s->chunk_bytes);
 }
 
 int psd_store_share(psd_store_t *s)
@@ -124,7 +151,7 @@ int psd_store_share(psd_store_t *s)
     }
     float *w0 = base;
     memcpy(w0, s->arenas[0].w, s->layout.n_params * sizeof(float));
-    free(s->arenas[0].w);
+    free_floats(s->arenas[0].w, s->layout.n_params);
     s->arenas[0].w = w0;
     s->shm_base = base;
     s->shm_slot_floats = slot / sizeof(float);
@@ -141,6 +168,27 @@ uint32_t psd_store_current_crc(psd_store_t *s)
         a->crc_of = a->version + 1;
     }
     return a->crc;
+}
+
+int psd_store_frames(psd_store_t *s, const uint16_t *w16, ps_frame_t *fr, uint32_t *crc)
+{
+    const ps_layout_t *l = &s->layout;
+    uLong c = crc32(0L, Z_NULL, 0);
+    int n = 0;
+    for (int t = 0; t < l->n_tensors; t++) {
+        const ps_piece_t *p = &s->own[t];
+        if (p->n == 0) continue;
+        psd_arena_t *a = psd_store_ref_current(s);
+        size_t es = w16 ? 2 : 4, at = l->t[t].offset + p->off;
+        fr[n] = (ps_frame_t){.data = w16 ? (const void *)(w16 + at) : (const void *)(a->w + at), .nbytes = es * p->n,
+                             .ffn = psd_store_frame_free, .hint = a, .id = (uint32_t)t,
+                             .dtype = w16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32, .rows = (uint32_t)l->t[t].rows,
+                             .cols = t % 2 == 0 ? (uint32_t)l->t[t].cols : 0, .offset = p->off};
+        if (crc) c = crc32_z(c, fr[n].data, fr[n].nbytes);
+        n++;
+    }
+    if (crc) *crc = (uint32_t)c;
+    return n;
 }
 
 psd_arena_t *psd_store_ref_current(psd_store_t *s)
@@ -197,7 +245,7 @@ static void block_norms(psd_store_t *s, const psd_chunk_t *c, const float *g)
 static void reduce_chunk(step_t *st, const psd_chunk_t *c)
 {
     psd_store_t *s = st->s;
-    const size_t rel = c->off - s->layout.t[c->t].offset;
+    const size_t rel = c->rel;
     float *acc = s->grad + c->off;
     for (int k = 0; k < st->n; k++) {
         const float wk = (float)st->weight[k];
@@ -235,7 +283,7 @@ static void reduce_task(void *arg, int i)
         /* one f32 contributor of weight 1: its gradient is the sum (1.0f * g
          * is g, bit for bit); applied straight from it, without the pass
          * through the accumulator (a third less memory traffic) */
-        const float *g = (const float *)st->grads[0][c->t] + (c->off - st->s->layout.t[c->t].offset);
+        const float *g = (const float *)st->grads[0][c->t] + c->rel;
         block_norms(st->s, c, g);
         apply_chunk(st, c, g);
         return;
@@ -276,6 +324,41 @@ const uint16_t *psd_store_current_bf16(psd_store_t *s)
     return a->w16;
 }
 
+void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16,
+                      const double *weight)
+{
+    step_t st = {.s = s, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f};
+    ps_pool_for(s->pool, s->n_chunks, reduce_task, &st);
+}
+
+double psd_store_sumsq(const psd_store_t *s)
+{
+    double sumsq = 0;
+    for (size_t b = 0; b < s->n_blk; b++) sumsq += s->blk_sq[b]; /* block order: any chunking, same bits */
+    return sumsq;
+}
+
+/* the new version becomes current */
+static void publish(psd_store_t *s, psd_arena_t *next)
+{
+    next->version = s->cur->version + 1;
+    atomic_store(&next->refs, 1);
+    atomic_fetch_sub_explicit(&s->cur->refs, 1, memory_order_release);
+    s->cur = next;
+}
+
+int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr)
+{
+    psd_arena_t *next = free_arena(s);
+    if (!next) return -1;
+    s->steps++;
+    if (s->before_update) s->before_update(s->before_update_ud, 0, s->layout.n_params);
+    step_t st = {.s = s, .next = next, .scale = clip_norm > 0.0 ? psd_clip_scale(sumsq, clip_norm) : 1.0f, .lr = lr};
+    ps_pool_for(s->pool, s->n_chunks, apply_task, &st);
+    publish(s, next);
+    return 0;
+}
+
 double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
                       const uint8_t *bf16, const double *weight, double clip_norm, double lr)
 {
@@ -292,15 +375,11 @@ double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
      * second pass); with it, the global norm is needed first */
     st.apply = !(clip_norm > 0.0);
     ps_pool_for(s->pool, s->n_chunks, reduce_task, &st);
-    double sumsq = 0;
-    for (size_t b = 0; b < s->n_blk; b++) sumsq += s->blk_sq[b]; /* block order: any chunking, same bits */
+    double sumsq = psd_store_sumsq(s);
     if (!st.apply) {
         st.scale = psd_clip_scale(sumsq, clip_norm);
         ps_pool_for(s->pool, s->n_chunks, apply_task, &st);
     }
-    next->version = s->cur->version + 1;
-    atomic_store(&next->refs, 1);
-    atomic_fetch_sub_explicit(&s->cur->refs, 1, memory_order_release);
-    s->cur = next;
+    publish(s, next);
     return sqrt(sumsq);
 }

@@ -14,9 +14,10 @@
 
 #include "ps_model.h"
 #include "psd_optim.h"
+#include "ps_wire.h"
 
 #define PSD_MAX_ARENAS 8
-#define PSD_NORM_BLOCK 16384 /* floats: the gradient norm is summed per block, then in block order */
+#define PSD_NORM_BLOCK PS_NORM_BLOCK
 
 struct ps_pool;
 
@@ -25,6 +26,7 @@ typedef struct {
     int t;
     size_t off, n;   /* absolute offset in the layout, count */
     size_t blk;      /* its first norm block */
+    size_t rel;      /* its first float in a contributor's piece of tensor t */
 } psd_chunk_t;
 
 typedef struct psd_arena {
@@ -52,6 +54,9 @@ typedef struct {
     void *before_update_ud;
     /* parallel steps (psd_store_set_parallel): chunks of every tensor */
     struct ps_pool *pool;
+    int threads;
+    size_t chunk_bytes;
+    ps_piece_t own[PS_MAX_TENSORS]; /* the part this store steps (psd --shard): whole tensors by default */
     psd_chunk_t *chunks;
     int n_chunks;
     double *blk_sq;     /* squared norm of each norm block */
@@ -72,6 +77,12 @@ void psd_store_deinit(psd_store_t *s);
  * count. Until this call (psd_store_init sets it up so): one thread, one
  * chunk per tensor. 0 or -ENOMEM. */
 int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes);
+
+/* Own only the pieces of shard k of n (ps_shard_pieces): steps reduce and
+ * apply those, contributors' gradients are those pieces (not whole
+ * tensors), and the memory of the rest is given back. Before the first
+ * step. 0 or -ENOMEM. */
+int psd_store_own(psd_store_t *s, int k, int n);
 
 /* Move the arenas into one memfd of PSD_MAX_ARENAS page-aligned slots
  * (memory is taken only as slots are used), so that workers on this host
@@ -95,6 +106,12 @@ uint32_t psd_store_current_crc(psd_store_t *s);
  * pointing into it take a reference on the current arena like f32 ones. */
 const uint16_t *psd_store_current_bf16(psd_store_t *s);
 
+/* Frames of the current version's owned pieces (whole tensors for one
+ * psd), as f32 or from w16 (psd_store_current_bf16) when not NULL, each
+ * holding a reference on the current arena (sent without copying). With
+ * crc: the CRC-32 of the frames' bytes in order. Returns the frame count. */
+int psd_store_frames(psd_store_t *s, const uint16_t *w16, ps_frame_t *fr, uint32_t *crc);
+
 /* One synchronous step. grads[k][t] is tensor t of contributor k (borrowed):
  * floats, or bfloat16 where bf16 (may be NULL) has bf16[k] set; weight[k]
  * its share of the batch (sum 1); contributors are reduced in the
@@ -103,5 +120,14 @@ const uint16_t *psd_store_current_bf16(psd_store_t *s);
  * norm before clipping, or -1 if no arena could be allocated. */
 double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
                       const uint8_t *bf16, const double *weight, double clip_norm, double lr);
+
+/* The same step in two halves, for psd shards with clipping: reduce the
+ * owned part (the squared norm of each owned block in s->blk_sq), then,
+ * once the squared norm of the whole gradient is known (psd_store_sumsq
+ * over every shard's blocks), apply. apply returns 0, or -1 if no arena. */
+void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16,
+                      const double *weight);
+double psd_store_sumsq(const psd_store_t *s);
+int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr);
 
 #endif

@@ -15,6 +15,8 @@ struct psd_zap {
     atomic_int stop;
     pthread_mutex_t mu;
     ps_allow_t allow;
+    uint8_t self[32];     /* psd's own public key: psd shards connect to shard 0 with it */
+    int has_self;
     char dir[4096];
     unsigned long accepted, refused;
 };
@@ -55,7 +57,7 @@ static void serve_one(psd_zap_t *z)
         const uint8_t *key = zmq_msg_data(&f[6]);
         ps_auth_fingerprint(key, fp);
         pthread_mutex_lock(&z->mu);
-        int ok = ps_allow_has(&z->allow, key);
+        int ok = ps_allow_has(&z->allow, key) || (z->has_self && memcmp(key, z->self, 32) == 0);
         pthread_mutex_unlock(&z->mu);
         if (ok) {
             status = "200";
@@ -161,4 +163,15 @@ void psd_zap_stop(psd_zap_t **zp)
     pthread_mutex_destroy(&z->mu);
     free(z);
     *zp = NULL;
+}
+
+int psd_zap_allow_self(psd_zap_t *z, const char *public_z85)
+{
+    uint8_t k[32];
+    if (!z || !zmq_z85_decode(k, public_z85)) return -1;
+    pthread_mutex_lock(&z->mu);
+    memcpy(z->self, k, 32);
+    z->has_self = 1;
+    pthread_mutex_unlock(&z->mu);
+    return 0;
 }

@@ -19,6 +19,10 @@ int psd_zap_reload(psd_zap_t *z, char *err, size_t errlen);
 /* Counts of clients let in and refused so far. */
 void psd_zap_counts(psd_zap_t *z, unsigned long *accepted, unsigned long *refused);
 
+/* Also let in psd's own public key: the psd shards (--shard i/n), which
+ * share its key pair, connect to shard 0 with it. 0 or -1. */
+int psd_zap_allow_self(psd_zap_t *z, const char *public_z85);
+
 void psd_zap_stop(psd_zap_t **z);
 
 #endif

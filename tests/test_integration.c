@@ -840,6 +840,202 @@ Test(short, bf16_on_the_wire_halves_the_bytes)
     free(mc);
 }
 
+/* psd shard i of n (i > 0) of the run r's psd (shard 0), listening on a
+ * free port, logging to TAG-shardI.log. */
+static pid_t start_shard(const run_t *r, const char *tag, int i, int n, const char **extra)
+{
+    char ep[64], sh[16], name[64], log[256];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
+    snprintf(sh, sizeof sh, "%d/%d", i, n);
+    snprintf(name, sizeof name, "%s-shard%d.log", tag, i);
+    path(log, sizeof log, name);
+    const char *argv[48] = {psd_bin, "--listen", ep, "--shard", sh, "--leader", r->endpoint, "--start-timeout", "120",
+                            "--worker-timeout", "60"};
+    int k = 11;
+    for (int j = 0; extra && extra[j]; j++) argv[k++] = extra[j];
+    argv[k] = NULL;
+    return proc_spawn(argv, log);
+}
+
+/* psd as n shards (n > 1: shard 0 with --shard 0/n, and shards 1..n-1) and
+ * two workers, to the end; every shard must exit 0. */
+static void train_sharded(run_t *r, const char *tag, int n, const char **extra, const char **worker_extra)
+{
+    const char *args[48];
+    int k = 0;
+    char sh[16];
+    snprintf(sh, sizeof sh, "0/%d", n);
+    for (int j = 0; extra && extra[j]; j++) args[k++] = extra[j];
+    if (n > 1) {
+        args[k++] = "--shard";
+        args[k++] = sh;
+    }
+    args[k] = NULL;
+    pid_t p = start_psd(r, tag, 2, args), f[PS_MAX_SHARDS];
+    for (int i = 1; i < n; i++) f[i] = start_shard(r, tag, i, n, extra);
+    pid_t w0 = start_worker(r, tag, 0, worker_extra), w1 = start_worker(r, tag, 1, worker_extra);
+    r->psd_code = proc_wait(p, 300);
+    r->worker_code[0] = proc_wait(w0, 30);
+    r->worker_code[1] = proc_wait(w1, 30);
+    for (int i = 1; i < n; i++) cr_assert_eq(proc_wait(f[i], 30), 0, "shard %d/%d exits 0", i, n);
+}
+
+/* Several psd shards (psd --shard i/n): each holds part of the parameters
+ * and of the optimizer state, workers push and pull each part to and from
+ * its shard, and the run gives the same bits as one psd: Adam with
+ * global-norm clipping (the norm is summed over every shard's blocks in
+ * one order before any shard applies), chunked and unchunked steps, with
+ * every weights message checked by the workers against its shard's CRC.
+ * Each shard moves only its part: shard 0's bytes in are fewer. */
+Test(short, one_two_and_three_psd_shards_give_identical_weights)
+{
+    const char *base[] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "5", "--x-verify-weights",
+                          "--set", "optimizer.name=adam", "--set", "optimizer.lr=0.002", "--set",
+                          "optimizer.clip_norm=0.5", "--set", "checkpoint.dir=", NULL};
+    const char *chunked[32];
+    int k = 0;
+    for (; base[k]; k++) chunked[k] = base[k];
+    chunked[k++] = "--set";
+    chunked[k++] = "server.chunk_bytes=65536";
+    chunked[k++] = "--set";
+    chunked[k++] = "server.threads=3";
+    chunked[k] = NULL;
+    const char *wex[] = {"--verbose", "--no-shm", NULL}; /* one psd: the wire too, to count its bytes */
+    run_t a, b, c;
+    train_sharded(&a, "one", 1, base, wex);
+    check_run(&a, 2, 2);
+    train_sharded(&b, "two", 2, chunked, wex);
+    check_run(&b, 2, 2);
+    train_sharded(&c, "three", 3, base, wex);
+    check_run(&c, 2, 2);
+    cr_assert(weights_equal(a.weights, b.weights), "2 shards, chunked steps = 1 psd, bit for bit");
+    cr_assert(weights_equal(a.weights, c.weights), "3 shards = 1 psd, bit for bit");
+    char *lb = slurp(b.psd_log);
+    cr_assert_eq(count_in(lb, "psd shard 1/2 joined"), 1, "%s", lb);
+    free(lb);
+    assert_workers_verified("two", 2, "every shard's part");
+    assert_workers_verified("three", 2, "every shard's part");
+    char *ma = metrics_last(&a), *mb = metrics_last(&b);
+    double in_a = json_num(last_line(ma), "wire_bytes_in"), in_b = json_num(last_line(mb), "wire_bytes_in");
+    cr_assert(in_b > 0.3 * in_a && in_b < 0.7 * in_a, "shard 0 of 2 receives about half the bytes (%g of %g)", in_b,
+              in_a);
+    free(ma);
+    free(mb);
+}
+
+/* Checkpoints with shards: every shard writes its part at the steps shard
+ * 0 writes its own (run-<id>/shard-<i>/), and resumes at the step shard 0
+ * resumed at. Stopped after epoch 1 and resumed, 2 shards end with the
+ * same bits as one psd that never stopped. A shard started without
+ * --resume next to a resumed shard 0 is refused. */
+Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
+{
+    const char *one[] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "3", "--set",
+                         "optimizer.name=adam", "--set", "optimizer.lr=0.002", "--set", "optimizer.clip_norm=0.5",
+                         "--set", "checkpoint.dir=", NULL};
+    const char *wex[] = {"--no-shm", NULL};
+    run_t a, b, c;
+    train_sharded(&a, "whole", 1, one, wex);
+    check_run(&a, 2, 2);
+    char ck[256], arg[300];
+    path(ck, sizeof ck, "ck");
+    snprintf(arg, sizeof arg, "checkpoint.dir=%s", ck);
+    const char *stop[] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "3", "--set",
+                          "optimizer.name=adam", "--set", "optimizer.lr=0.002", "--set", "optimizer.clip_norm=0.5",
+                          "--set", arg, "--stop-after-epoch", "1", NULL};
+    train_sharded(&b, "first", 2, stop, wex);
+    cr_assert_eq(b.psd_code, 0);
+    char sub[400];
+    snprintf(sub, sizeof sub, "ls %s/run-*/shard-1/ckpt-*.psdc >/dev/null 2>&1", ck);
+    cr_assert_eq(run_cmd("%s", sub), 0, "shard 1 wrote its part");
+    /* shard 0 resumed, shard 1 not: refused */
+    const char *res0[] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "3", "--set",
+                          "optimizer.name=adam", "--set", "optimizer.lr=0.002", "--set", "optimizer.clip_norm=0.5",
+                          "--set", arg, "--resume", ck, "--shard", "0/2", "--start-timeout", "5", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "half", 2, res0);
+    pid_t f = start_shard(&r, "half", 1, 2, one);
+    cr_assert_eq(proc_wait(f, 30), 2, "a fresh shard next to a resumed shard 0 is refused");
+    proc_wait(p, 30);
+    char *l = slurp(r.psd_log);
+    cr_assert(strstr(l, "with --resume DIR too"), "%s", l);
+    free(l);
+    const char *res[] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "3", "--set",
+                         "optimizer.name=adam", "--set", "optimizer.lr=0.002", "--set", "optimizer.clip_norm=0.5",
+                         "--set", arg, "--resume", ck, NULL};
+    train_sharded(&c, "second", 2, res, wex);
+    cr_assert_eq(c.psd_code, 0);
+    cr_assert(weights_equal(a.weights, c.weights), "stopped and resumed on 2 shards = one psd, bit for bit");
+}
+
+/* A shard that dies ends the run with exit 5 and a clear error (its part of
+ * the parameters is gone), the workers are told to stop; shard 0 that dies
+ * leaves no shard behind. Nothing hangs. */
+Test(short, a_lost_psd_shard_ends_the_run_and_nothing_hangs)
+{
+    const char *args[] = {"--epochs", "50", "--set", "data.train_limit=3000", "--set", "checkpoint.dir=",
+                          "--worker-timeout", "3", "--shard", "0/2", NULL};
+    const char *fargs[] = {"--set", "data.train_limit=3000", "--set", "checkpoint.dir=", "--worker-timeout", "3",
+                           "--epochs", "50", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "lost", 2, args);
+    pid_t f = start_shard(&r, "lost", 1, 2, fargs);
+    pid_t w0 = start_worker(&r, "lost", 0, NULL), w1 = start_worker(&r, "lost", 1, NULL);
+    wait_log(r.psd_log, "epoch 1/50", 120);
+    kill(f, SIGKILL);
+    cr_assert_eq(proc_wait(f, 10), 128 + SIGKILL);
+    int code = proc_wait(p, 60);
+    char *log = slurp(r.psd_log);
+    cr_assert_eq(code, 5, "psd exits 5 when a shard is lost (got %d):\n%s", code, log);
+    cr_assert(strstr(log, "psd shard 1") && strstr(log, "lost"), "%s", log);
+    free(log);
+    cr_assert_neq(proc_wait(w0, 30), -1, "worker 0 ended");
+    cr_assert_neq(proc_wait(w1, 30), -1, "worker 1 ended");
+
+    run_t q;
+    p = start_psd(&q, "lost0", 2, args);
+    f = start_shard(&q, "lost0", 1, 2, fargs);
+    w0 = start_worker(&q, "lost0", 0, NULL);
+    w1 = start_worker(&q, "lost0", 1, NULL);
+    wait_log(q.psd_log, "epoch 1/50", 120);
+    kill(p, SIGKILL);
+    cr_assert_eq(proc_wait(p, 10), 128 + SIGKILL);
+    cr_assert_eq(proc_wait(f, 60), 5, "the shard stops when shard 0 is gone");
+    proc_wait(w0, 1);
+    proc_wait(w1, 1);
+}
+
+/* Shards that do not fit the run are refused with a clear message, and
+ * bad --shard flags exit 2. */
+Test(short, psd_shards_that_do_not_fit_are_refused)
+{
+    cr_assert_eq(run_cmd("%s --shard 1/2 --check-config >/dev/null 2>&1", psd_bin), 2, "no --leader");
+    cr_assert_eq(run_cmd("%s --shard 2/2 >/dev/null 2>&1", psd_bin), 2, "i >= n");
+    cr_assert_eq(run_cmd("%s --shard 0/x >/dev/null 2>&1", psd_bin), 2, "not a number");
+    cr_assert_eq(run_cmd("%s --shard 0/2 --leader tcp://127.0.0.1:1 >/dev/null 2>&1", psd_bin), 2,
+                 "--leader is for shards 1..n-1");
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=1000", "--set", "checkpoint.dir=", "--shard",
+                          "0/2", "--start-timeout", "8", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "misfit", 1, args);
+    const char *other[] = {"--set", "data.train_limit=1000", "--set", "checkpoint.dir=", "--seed", "99", NULL};
+    pid_t f = start_shard(&r, "misfit", 1, 2, other); /* another seed: another config */
+    cr_assert_eq(proc_wait(f, 30), 2, "a shard with another config is refused and exits 2");
+    const char *three[] = {"--set", "data.train_limit=1000", "--set", "checkpoint.dir=", NULL};
+    char ep[64], log[256];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
+    path(log, sizeof log, "misfit-three.log");
+    const char *argv[] = {psd_bin, "--listen", ep, "--shard", "1/3", "--leader", r.endpoint, three[0], three[1],
+                          three[2], three[3], NULL};
+    cr_assert_eq(proc_wait(proc_spawn(argv, log), 30), 2, "a shard of another count is refused");
+    cr_assert_eq(proc_wait(p, 60), 3, "shard 0 times out without its shards");
+    char *l = slurp(r.psd_log);
+    cr_assert(strstr(l, "refused a psd shard: shard 1 was started with another config"), "%s", l);
+    cr_assert(strstr(l, "it is shard 1/3, this run has 2 shards"), "%s", l);
+    cr_assert(strstr(l, "not every psd shard joined"), "%s", l);
+    free(l);
+}
+
 /* --log-format json: every line psd and the workers write is one JSON
  * object with ts, role, level and msg (checked with Python's json module);
  * the rank-0 rule holds (rank 1 logs no INFO without --verbose). */

@@ -51,6 +51,18 @@ struct psw_client {
     int grad_bf16, weight_bf16;
     uint16_t *gconv;
     float *wconv;
+    /* psd shards (ASSIGN names shards 1..n-1): a DEALER to each, the pieces
+     * every shard holds (ps_shard_pieces), and the weights put together
+     * from their parts: an event is returned once every shard's part of
+     * its version is in wbuf */
+    int n_shards;           /* 1: one psd */
+    void *ssock[PS_MAX_SHARDS]; /* [0] unused: sock */
+    ps_piece_t pieces[PS_MAX_SHARDS][PS_MAX_TENSORS];
+    float *wbuf;
+    uint64_t got[PS_MAX_SHARDS]; /* version + 1 of each shard's part in wbuf (0: none) */
+    int from;               /* shard the message in cur came from */
+    psw_event_t pend;       /* WEIGHTS/VALIDATE from shard 0 waiting for the other parts */
+    int pending;
 };
 
 static void shm_unmap(psw_client_t *c)
@@ -151,6 +163,7 @@ psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char 
         return NULL;
     }
     c->info = *info;
+    c->n_shards = 1;
     c->protocol = info->protocol ? info->protocol : PS_PROTOCOL_VERSION;
     c->run_id = info->run_id;
     c->prev_rank = info->run_id ? (int32_t)info->prev_rank : -1;
@@ -204,11 +217,25 @@ fail:
     return NULL;
 }
 
+static void shards_close(psw_client_t *c)
+{
+    for (int k = 1; k < PS_MAX_SHARDS; k++)
+        if (c->ssock[k]) {
+            ps_msg_drain(c->ssock[k], 0.05, 0.3);
+            zmq_close(c->ssock[k]);
+            c->ssock[k] = NULL;
+        }
+    free(c->wbuf);
+    c->wbuf = NULL;
+    c->n_shards = 1;
+}
+
 void psw_client_destroy(psw_client_t **cp)
 {
     psw_client_t *c = *cp;
     if (!c) return;
     ps_msg_deinit(&c->cur);
+    shards_close(c);
     shm_unmap(c);
     free(c->gconv);
     free(c->wconv);
@@ -295,8 +322,11 @@ static int recv_msg(psw_client_t *c, double timeout_s, char *err, size_t errlen)
             snprintf(err, errlen, "psd at %s sent nothing for %.0f s", c->endpoint, timeout_s);
             return -ETIMEDOUT;
         }
-        zmq_pollitem_t it[2] = {{c->sock, 0, ZMQ_POLLIN, 0}, {c->mon, 0, ZMQ_POLLIN, 0}};
-        int n = zmq_poll(it, c->mon ? 2 : 1, (long)(left * 1000) + 1);
+        /* psd (shard 0), its monitor, the other shards */
+        zmq_pollitem_t it[2 + PS_MAX_SHARDS] = {{c->sock, 0, ZMQ_POLLIN, 0}, {c->mon, 0, ZMQ_POLLIN, 0}};
+        int ni = c->mon ? 2 : 1, s0 = ni - 1;
+        for (int k = 1; k < c->n_shards; k++) it[ni++] = (zmq_pollitem_t){c->ssock[k], 0, ZMQ_POLLIN, 0};
+        int n = zmq_poll(it, ni, (long)(left * 1000) + 1);
         if (n < 0) {
             if (zmq_errno() == EINTR) {
                 snprintf(err, errlen, "interrupted");
@@ -305,6 +335,31 @@ static int recv_msg(psw_client_t *c, double timeout_s, char *err, size_t errlen)
             snprintf(err, errlen, "zeromq: %s", zmq_strerror(zmq_errno()));
             return -zmq_errno();
         }
+        c->from = 0;
+        for (int k = 1; k < c->n_shards && !(it[0].revents & ZMQ_POLLIN); k++)
+            if (it[s0 + k].revents & ZMQ_POLLIN) { /* a shard's message */
+                char why[256];
+                int rc = ps_msg_recv(c->ssock[k], &c->cur, false, ZMQ_DONTWAIT, why, sizeof why);
+                if (rc == -EPROTO) PS_WARN("dropped a malformed message from psd shard %d: %s", k, why);
+                if (rc < 0) break;
+                c->from = k;
+                break;
+            }
+        if (c->from > 0) {
+            Psd__Header *h = c->cur.hdr;
+            if (h->protocol != c->protocol || (c->run_id && h->run_id != c->run_id)) {
+                PS_WARN("dropped a message from psd shard %d of another protocol or run", c->from);
+                ps_msg_deinit(&c->cur);
+                continue;
+            }
+            if (h->type == PSD__MSG_TYPE__MSG_ERROR) {
+                snprintf(err, errlen, "psd shard %d refused: %s", c->from,
+                         h->error->message && h->error->message[0] ? h->error->message : "(no reason)");
+                return -EPROTO;
+            }
+            return 0;
+        }
+        if (!(it[0].revents & ZMQ_POLLIN) && !(c->mon && (it[1].revents & ZMQ_POLLIN))) continue; /* nothing read */
         /* messages first: psd's last words (SHUTDOWN) arrive before its
          * connection closes */
         if (!(it[0].revents & ZMQ_POLLIN)) {
@@ -356,6 +411,95 @@ static int recv_msg(psw_client_t *c, double timeout_s, char *err, size_t errlen)
         }
         return 0;
     }
+}
+
+/* Connect to psd shards 1..n-1 (ASSIGN's endpoints) and register with each
+ * (rank and token; repeated until it answers: shard 0 tells it about us on
+ * its own connection, which may come later than ours). */
+static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, char *err, size_t errlen)
+{
+    shards_close(c);
+    if (a->n_shard_endpoints == 0) return 0;
+    if (a->n_shard_endpoints >= PS_MAX_SHARDS || a->shard_token.len != PS_SHM_TOKEN) {
+        snprintf(err, errlen, "psd sent an invalid list of shards");
+        return -EPROTO;
+    }
+    c->n_shards = (int)a->n_shard_endpoints + 1;
+    c->wbuf = calloc(c->layout.n_params ? c->layout.n_params : 1, sizeof *c->wbuf);
+    if (!c->wbuf) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    memset(c->got, 0, sizeof c->got);
+    c->pending = 0;
+    for (int k = 0; k < c->n_shards; k++) ps_shard_pieces(&c->layout, k, c->n_shards, c->pieces[k]);
+    uint8_t token[PS_SHM_TOKEN];
+    memcpy(token, a->shard_token.data, sizeof token);
+    for (int k = 1; k < c->n_shards; k++) {
+        const char *ep = a->shard_endpoints[k - 1];
+        void *so = zmq_socket(c->ctx, ZMQ_DEALER);
+        if (!so) {
+            snprintf(err, errlen, "zeromq: %s", zmq_strerror(zmq_errno()));
+            return -EIO;
+        }
+        c->ssock[k] = so;
+        int linger = 2000, zero = 0;
+        zmq_setsockopt(so, ZMQ_LINGER, &linger, sizeof linger);
+        zmq_setsockopt(so, ZMQ_SNDHWM, &zero, sizeof zero);
+        zmq_setsockopt(so, ZMQ_RCVHWM, &zero, sizeof zero);
+        if (c->info.curve_server && (zmq_setsockopt(so, ZMQ_CURVE_SERVERKEY, c->info.curve_server, 40) != 0 ||
+                                     zmq_setsockopt(so, ZMQ_CURVE_PUBLICKEY, c->info.curve_public, 40) != 0 ||
+                                     zmq_setsockopt(so, ZMQ_CURVE_SECRETKEY, c->info.curve_secret, 40) != 0)) {
+            snprintf(err, errlen, "cannot set up CURVE: %s", zmq_strerror(zmq_errno()));
+            return -EINVAL;
+        }
+        if (zmq_connect(so, ep) != 0) {
+            snprintf(err, errlen, "cannot connect to psd shard %d at '%s': %s", k, ep, zmq_strerror(zmq_errno()));
+            return -EINVAL;
+        }
+    }
+    double deadline = ps_now() + timeout_s;
+    for (int k = 1; k < c->n_shards; k++) {
+        int answered = 0;
+        double next = 0;
+        while (!answered) {
+            double now = ps_now();
+            if (now > deadline) {
+                snprintf(err, errlen, "psd shard %d at %s did not answer in %.0f s", k, a->shard_endpoints[k - 1],
+                         timeout_s);
+                return -ETIMEDOUT;
+            }
+            if (now >= next) {
+                Psd__Header h;
+                Psd__Register r = PSD__REGISTER__INIT;
+                header_init(c, &h, PSD__MSG_TYPE__MSG_REGISTER);
+                r.pid = (uint32_t)getpid();
+                r.version = PSD_VERSION;
+                r.prev_rank = -1;
+                r.shard_token.data = token;
+                r.shard_token.len = sizeof token;
+                h.body_case = PSD__HEADER__BODY_REG;
+                h.reg = &r;
+                ps_msg_send(c->ssock[k], NULL, 0, &h, NULL, 0);
+                next = now + 0.5;
+            }
+            zmq_pollitem_t it = {c->ssock[k], 0, ZMQ_POLLIN, 0};
+            if (zmq_poll(&it, 1, 100) <= 0) continue;
+            ps_msg_t m;
+            char why[256];
+            if (ps_msg_recv(c->ssock[k], &m, false, ZMQ_DONTWAIT, why, sizeof why) != 0) continue;
+            if (m.hdr->type == PSD__MSG_TYPE__MSG_ASSIGN && m.hdr->run_id == c->run_id && m.hdr->assign->rank == c->rank)
+                answered = 1;
+            else if (m.hdr->type == PSD__MSG_TYPE__MSG_ERROR) {
+                snprintf(err, errlen, "psd shard %d refused: %s", k, m.hdr->error->message ? m.hdr->error->message : "");
+                ps_msg_deinit(&m);
+                return -EPROTO;
+            }
+            ps_msg_deinit(&m);
+        }
+    }
+    PS_DEBUG("registered with %d psd shards", c->n_shards);
+    return 0;
 }
 
 int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, char *err, size_t errlen)
@@ -448,6 +592,8 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
             PS_WARN("no shared memory with psd (%s): tensors go over %s", why, c->endpoint);
     }
     out->shm = c->shm;
+    int src = shards_connect(c, a, timeout_s, err, errlen);
+    if (src != 0) return src;
     /* bfloat16 on the wire, when psd asks for it (never through shared memory) */
     c->grad_bf16 = !c->shm && a->grad_dtype == PSD__DTYPE__DT_BF16;
     c->weight_bf16 = !c->shm && a->weight_dtype == PSD__DTYPE__DT_BF16;
@@ -475,7 +621,8 @@ int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count)
     return send_hdr(c, &h);
 }
 
-int psw_client_pull(psw_client_t *c, uint64_t min_version)
+/* PULL of min_version on sock (psd, or one of its shards). */
+static int pull_on(psw_client_t *c, void *sock, uint64_t min_version)
 {
     Psd__Header h;
     Psd__Pull p = PSD__PULL__INIT;
@@ -483,8 +630,18 @@ int psw_client_pull(psw_client_t *c, uint64_t min_version)
     p.min_version = min_version;
     h.body_case = PSD__HEADER__BODY_PULL;
     h.pull = &p;
+    if (sock == c->sock) return send_hdr(c, &h);
+    return ps_msg_send(sock, NULL, 0, &h, NULL, 0);
+}
+
+int psw_client_pull(psw_client_t *c, uint64_t min_version)
+{
     c->t_req = ps_now();
-    return send_hdr(c, &h);
+    for (int k = 1; k < c->n_shards; k++) { /* and from every other shard */
+        int rc = pull_on(c, c->ssock[k], min_version);
+        if (rc < 0) return rc;
+    }
+    return pull_on(c, c->sock, min_version);
 }
 
 /* Tensor id of the model with numel elements (pushes into buffers laid out
@@ -492,6 +649,50 @@ int psw_client_pull(psw_client_t *c, uint64_t min_version)
 static bool layout_tensor(const psw_client_t *c, int id, size_t numel)
 {
     return id >= 0 && id < c->layout.n_tensors && numel == c->layout.t[id].numel;
+}
+
+/* A push to psd shards: each gets its pieces of the tensors, in one message
+ * (none if it holds none of them; then, when the push asks for the next
+ * version, a PULL for it instead). Sent without copying, like one psd's. */
+static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
+                       const size_t *numel, const int *rows, const int *cols)
+{
+    const void *src[PSW_MAX_TENSORS];
+    for (int i = 0; i < n; i++) {
+        if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
+        src[i] = grads[i];
+        if (c->grad_bf16) {
+            uint16_t *dst = c->gconv + c->layout.t[ids[i]].offset;
+            ps_f32_to_bf16_n(dst, grads[i], numel[i]);
+            src[i] = dst;
+        }
+    }
+    size_t es = c->grad_bf16 ? 2 : 4;
+    int pull = h->push->pull;
+    for (int k = c->n_shards - 1; k >= 0; k--) { /* shard 0 last: its push completes the step's wait */
+        ps_frame_t fr[PSW_MAX_TENSORS];
+        int m = 0;
+        for (int i = 0; i < n; i++) {
+            const ps_piece_t *p = &c->pieces[k][ids[i]];
+            if (p->n == 0) continue;
+            fr[m++] = (ps_frame_t){.data = (const char *)src[i] + p->off * es, .nbytes = p->n * es,
+                                   .ffn = push_frame_done, .hint = c, .id = (uint32_t)ids[i],
+                                   .dtype = c->grad_bf16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32,
+                                   .rows = (uint32_t)rows[i], .cols = (uint32_t)cols[i], .offset = p->off};
+        }
+        void *so = k ? c->ssock[k] : c->sock;
+        int rc;
+        if (m > 0) {
+            atomic_fetch_add_explicit(&c->push_inflight, m, memory_order_relaxed);
+            rc = ps_msg_send(so, NULL, 0, h, fr, m);
+        } else if (pull) { /* its part of the push came before: ask for the next version */
+            rc = pull_on(c, so, k ? h->push->version + 1 : h->push->version);
+        } else {
+            continue;
+        }
+        if (rc < 0) return rc;
+    }
+    return 0;
 }
 
 int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum,
@@ -526,6 +727,7 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
         return ps_msg_send(c->sock, NULL, 0, &h, NULL, 0);
     }
     ps_frame_t fr[PSW_MAX_TENSORS];
+    if (c->n_shards > 1) return push_shards(c, &h, n, ids, grads, numel, rows, cols);
     for (int i = 0; i < n; i++) {
         if (c->grad_bf16) { /* rounded into the conversion buffer, sent from there */
             if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
@@ -669,6 +871,102 @@ static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_
 
 uint64_t psw_client_verified(const psw_client_t *c) { return c->verified; }
 
+/* Shard k's part of a version (the frames in cur) into wbuf, checked
+ * against its pieces and, with crc, against the CRC-32 it sent. */
+static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, char *err, size_t errlen)
+{
+    uLong got = crc32(0L, Z_NULL, 0);
+    int f = 0;
+    for (int t = 0; t < c->layout.n_tensors; t++) {
+        const ps_piece_t *p = &c->pieces[k][t];
+        if (p->n == 0) continue;
+        size_t n = 0;
+        const uint16_t *h16 = c->weight_bf16 && f < c->cur.n_frames ? ps_msg_bf16(&c->cur, f, &n) : NULL;
+        const float *h32 = !c->weight_bf16 && f < c->cur.n_frames ? ps_msg_f32(&c->cur, f, &n) : NULL;
+        if ((!h16 && !h32) || c->cur.hdr->tensors[f]->id != (uint32_t)t || c->cur.hdr->tensors[f]->offset != p->off ||
+            n != p->n) {
+            snprintf(err, errlen, "psd shard %d sent an invalid weights frame %d", k, f);
+            return -EPROTO;
+        }
+        float *dst = c->wbuf + c->layout.t[t].offset + p->off;
+        if (h16) ps_bf16_to_f32_n(dst, h16, n);
+        else memcpy(dst, h32, n * sizeof(float));
+        if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[f]), zmq_msg_size(&c->cur.frames[f]));
+        f++;
+    }
+    if (f != c->cur.n_frames) {
+        snprintf(err, errlen, "psd shard %d sent %d weights frames, it holds %d pieces", k, c->cur.n_frames, f);
+        return -EPROTO;
+    }
+    if (crc && (uint32_t)got != crc) {
+        snprintf(err, errlen, "weights of version %llu from psd shard %d do not match its checksum: torn or corrupted "
+                 "in transit", (unsigned long long)version, k);
+        return -EPROTO;
+    }
+    if (crc) c->verified++;
+    c->got[k] = version + 1;
+    return 0;
+}
+
+/* With shards: the pending event, once every part of its version is here. */
+static int parts_done(psw_client_t *c, psw_event_t *ev)
+{
+    if (!c->pending) return 0;
+    for (int k = 0; k < c->n_shards; k++)
+        if (c->got[k] != c->pend.version + 1) return 0;
+    *ev = c->pend;
+    c->pending = 0;
+    ev->n_tensors = c->layout.n_tensors;
+    for (int t = 0; t < c->layout.n_tensors; t++) {
+        ev->tensors[t] = c->wbuf + c->layout.t[t].offset;
+        ev->tensor_numel[t] = c->layout.t[t].numel;
+    }
+    if (ev->kind == PSW_EV_WEIGHTS) {
+        c->t_weights = ps_now();
+        c->wait = c->t_req > 0 ? c->t_weights - c->t_req : 0;
+        c->t_req = 0;
+    }
+    return 1;
+}
+
+/* With shards: a message of cur, from shard c->from. 1: *ev is an event to
+ * return; 0: wait for more; < 0: error. */
+static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
+{
+    Psd__Header *h = c->cur.hdr;
+    int k = c->from;
+    if (k > 0) {
+        if (h->type != PSD__MSG_TYPE__MSG_WEIGHTS) {
+            PS_WARN("dropped an unexpected %s from psd shard %d", ps_msg_type_name((int)h->type), k);
+            return 0;
+        }
+        int rc = take_part(c, k, h->weights->version, h->weights->crc, err, errlen);
+        return rc < 0 ? rc : parts_done(c, ev);
+    }
+    bool val = h->type == PSD__MSG_TYPE__MSG_VALIDATE;
+    uint64_t v = val ? h->validate->version : h->weights->version;
+    int rc = take_part(c, 0, v, val ? h->validate->crc : h->weights->crc, err, errlen);
+    if (rc < 0) return rc;
+    memset(&c->pend, 0, sizeof c->pend);
+    c->pend.kind = val ? PSW_EV_VALIDATE : PSW_EV_WEIGHTS;
+    c->pend.version = v;
+    if (val) {
+        c->pend.epoch = h->validate->epoch;
+        c->pend.val_begin = h->validate->begin;
+        c->pend.val_end = h->validate->end;
+        if (c->pend.val_end < c->pend.val_begin) {
+            snprintf(err, errlen, "psd sent an invalid validation range");
+            return -EPROTO;
+        }
+        for (int j = 1; j < c->n_shards; j++) /* the other parts of that version */
+            if (c->got[j] != v + 1 && (rc = pull_on(c, c->ssock[j], v)) < 0) return rc;
+    } else {
+        c->pend.step = h->weights->step;
+    }
+    c->pending = 1;
+    return parts_done(c, ev);
+}
+
 int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
 {
     for (;;) {
@@ -676,6 +974,13 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
         if (rc < 0) return rc;
         Psd__Header *h = c->cur.hdr;
         memset(ev, 0, sizeof *ev);
+        if (c->n_shards > 1 && (c->from > 0 || h->type == PSD__MSG_TYPE__MSG_WEIGHTS ||
+                                h->type == PSD__MSG_TYPE__MSG_VALIDATE)) {
+            rc = shard_message(c, ev, err, errlen);
+            if (rc < 0) return rc;
+            if (rc > 0) return 0;
+            continue;
+        }
         switch (h->type) {
         case PSD__MSG_TYPE__MSG_EPOCH: {
             size_t n = 0;

@@ -1,0 +1,768 @@
+/* psd_shard.c - psd --shard i/n with i > 0: one part of the parameters.
+ *
+ * Shard 0 runs the run (registration, data, barriers, validation, who
+ * contributes to each step); a shard i > 0 only holds its pieces of every
+ * tensor (ps_shard_pieces) with their optimizer state, and does what shard
+ * 0 tells it over one DEALER connection:
+ *
+ *   SHARD_HELLO   ->        (retried until answered; the answer has the run id)
+ *   <- SHARD_WORKER         a worker's rank and token: it may now register here
+ *   SHARD_HAVE    ->        a worker's push for the current version is all here
+ *   <- SHARD_STEP           reduce these contributors in this order, and apply
+ *   SHARD_NORM    ->        (clipping) the squared norms of this part's blocks,
+ *   <- SHARD_APPLY          then apply with the whole gradient's norm
+ *   <- SHARD_FETCH          send this part of the current version (weights file)
+ *   <- HEARTBEAT / SHUTDOWN
+ *
+ * Workers talk to it directly (its ROUTER): REGISTER with the token, PUSH
+ * of their pieces, PULL. Nothing here decides anything: a step takes exactly
+ * the contributors shard 0 names, so every shard applies the same step and
+ * the weights are the same bits as with one psd. Shard 0 silent past
+ * worker_timeout (it sends a heartbeat every second): exit 5. */
+#include "psd_server.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "ps_auth.h"
+#include "ps_log.h"
+#include "ps_shm.h"
+#include "ps_util.h"
+#include "ps_wire.h"
+#include "psd_ckpt.h"
+#include "psd_store.h"
+#include "psd_zap.h"
+
+#define SHARD_MAX_WORKERS 1024
+
+typedef struct {
+    bool known;                /* shard 0 told us its token */
+    uint8_t token[PS_SHM_TOKEN];
+    uint8_t ident[PS_MAX_IDENTITY];
+    size_t ident_len;          /* 0: not registered here */
+    uint64_t seq_in, seq_out;
+    zmq_msg_t grad[PS_MAX_TENSORS];
+    uint64_t mask;             /* pieces received for push_version */
+    uint64_t push_version;
+    bool complete;
+    uint64_t want;             /* answer a pull with a version >= want - 1 (0: none) */
+} fw_t;
+
+typedef struct {
+    ps_config_t cfg;
+    psd_run_opts_t opts;
+    ps_layout_t layout;
+    psd_store_t store;
+    uint64_t all;              /* tensors with a piece here */
+    void *zctx, *router, *leader, *mon;
+    psd_zap_t *zap;
+    uint64_t run_id, config_hash, seq_out;
+    bool joined;
+    double leader_seen;
+    fw_t *w;
+    bool awaiting_apply;
+    double lr;
+    ps_arena_t rx_arena;
+    uint8_t rx_buf[64 << 10];
+    const void *(*g)[PS_MAX_TENSORS];
+    uint8_t *bf16;
+    uint64_t dropped;
+    int exit_code;
+    bool done;
+    psd_ckpt_writer_t *ckpt; /* this part's checkpoint being written */
+    char ckpt_dir[PS_PATH_MAX];
+} shard_t;
+
+static volatile sig_atomic_t stop_signal, stop_count;
+static void on_stop(int sig)
+{
+    stop_signal = sig;
+    stop_count++;
+}
+
+static void sdrop(shard_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sdrop(shard_t *s, const char *fmt, ...)
+{
+    if (++s->dropped > 20 && s->dropped % 1000 != 0) return;
+    char msg[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    PS_WARN("shard %d dropped a message: %s", s->opts.shard, msg);
+}
+
+static int to_leader(shard_t *s, Psd__Header *h, const ps_frame_t *fr, int n)
+{
+    h->run_id = s->run_id;
+    h->rank = (uint32_t)s->opts.shard;
+    h->seq = ++s->seq_out;
+    return ps_msg_send(s->leader, NULL, 0, h, fr, n);
+}
+
+static void hello(shard_t *s)
+{
+    char host[64];
+    ps_hostname(host, sizeof host);
+    Psd__Header h;
+    Psd__ShardHello b = PSD__SHARD_HELLO__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_SHARD_HELLO;
+    b.shard = (uint32_t)s->opts.shard;
+    b.shards = (uint32_t)s->opts.shards;
+    b.endpoint = (char *)s->opts.advertise;
+    b.config_hash = s->config_hash;
+    b.n_params = s->layout.n_params;
+    b.hostname = host;
+    b.pid = (uint32_t)getpid();
+    b.version = PSD_VERSION;
+    b.resume = s->opts.resume_dir != NULL;
+    h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
+    h.shard_hello = &b;
+    to_leader(s, &h, NULL, 0);
+}
+
+static void release(fw_t *w)
+{
+    for (int t = 0; t < PS_MAX_TENSORS; t++)
+        if (w->mask & (1ull << t)) zmq_msg_close(&w->grad[t]);
+    w->mask = 0;
+    w->complete = false;
+}
+
+static void send_weights_to(shard_t *s, const uint8_t *ident, size_t len, uint32_t rank, uint64_t *seq)
+{
+    Psd__Header h;
+    Psd__Weights wt = PSD__WEIGHTS__INIT;
+    ps_frame_t fr[PS_MAX_TENSORS];
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_WEIGHTS;
+    h.run_id = s->run_id;
+    h.rank = rank;
+    h.seq = ++*seq;
+    wt.version = s->store.cur->version;
+    wt.step = s->store.steps;
+    h.body_case = PSD__HEADER__BODY_WEIGHTS;
+    h.weights = &wt;
+    bool bf16 = ident && s->cfg.wire_weights == PS_WIRE_BF16; /* to workers as they asked; to shard 0 f32 */
+    const uint16_t *w16 = bf16 ? psd_store_current_bf16(&s->store) : NULL;
+    if (bf16 && !w16) PS_WARN("out of memory for bfloat16 weights: sending f32");
+    int n = psd_store_frames(&s->store, w16, fr, s->opts.verify_weights ? &wt.crc : NULL);
+    int rc = ident ? ps_msg_send(s->router, ident, len, &h, fr, n) : to_leader(s, &h, fr, n);
+    if (rc < 0) PS_WARN("shard %d cannot send weights: %s", s->opts.shard, zmq_strerror(-rc));
+}
+
+/* A new version: answer the pulls waiting for it. */
+static void answer_pulls(shard_t *s)
+{
+    for (int r = 0; r < SHARD_MAX_WORKERS; r++) {
+        fw_t *w = &s->w[r];
+        if (w->want == 0 || w->want - 1 > s->store.cur->version || w->ident_len == 0) continue;
+        w->want = 0;
+        send_weights_to(s, w->ident, w->ident_len, (uint32_t)r, &w->seq_out);
+    }
+}
+
+static void fail(shard_t *s, const char *why)
+{
+    PS_ERROR("shard %d: %s", s->opts.shard, why);
+    Psd__Header h;
+    Psd__Error e = PSD__ERROR__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_ERROR;
+    e.code = PSD__ERR_CODE__ERR_INTERNAL;
+    e.message = (char *)why;
+    h.body_case = PSD__HEADER__BODY_ERROR;
+    h.error = &e;
+    to_leader(s, &h, NULL, 0);
+    s->exit_code = PSD_EXIT_ERROR;
+    s->done = true;
+}
+
+static void applied(shard_t *s)
+{
+    s->awaiting_apply = false;
+    answer_pulls(s);
+}
+
+static void on_step(shard_t *s, ps_msg_t *m)
+{
+    Psd__ShardStep *st = m->hdr->shard_step;
+    if (st->version != s->store.cur->version || st->step != s->store.steps || s->awaiting_apply ||
+        st->n_ranks != st->n_weights || st->n_ranks == 0 || st->n_ranks > SHARD_MAX_WORKERS) {
+        char why[200];
+        snprintf(why, sizeof why, "STEP for version %" PRIu64 " step %" PRIu64 " does not follow this shard's version %"
+                 PRIu64 " step %" PRIu64, st->version, st->step, s->store.cur->version, s->store.steps);
+        fail(s, why);
+        return;
+    }
+    for (size_t k = 0; k < st->n_ranks; k++) {
+        fw_t *w = st->ranks[k] < SHARD_MAX_WORKERS ? &s->w[st->ranks[k]] : NULL;
+        if (!w || !w->complete || w->push_version != st->version) {
+            char why[160];
+            snprintf(why, sizeof why, "STEP names rank %u, whose push for version %" PRIu64 " is not here",
+                     st->ranks[k], st->version);
+            fail(s, why);
+            return;
+        }
+        for (int t = 0; t < s->layout.n_tensors; t++)
+            s->g[k][t] = s->all & (1ull << t) ? zmq_msg_data(&w->grad[t]) : NULL;
+        s->bf16[k] = s->cfg.wire_gradients == PS_WIRE_BF16;
+    }
+    const void *const(*g)[PS_MAX_TENSORS] = (const void *const(*)[PS_MAX_TENSORS])s->g;
+    s->lr = st->lr;
+    if (st->clip_norm > 0) { /* the norm of the whole gradient first */
+        psd_store_reduce(&s->store, (int)st->n_ranks, g, s->bf16, st->weights);
+        Psd__Header h;
+        Psd__ShardNorm nb = PSD__SHARD_NORM__INIT;
+        double sq[PS_MAX_TENSORS * 64], *blk = sq;
+        size_t nblk = 0, cap = sizeof sq / sizeof sq[0];
+        for (int t = 0; t < s->layout.n_tensors; t++) nblk += (s->store.own[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
+        if (nblk > cap && !(blk = malloc(nblk * sizeof *blk))) {
+            fail(s, "out of memory");
+            return;
+        }
+        size_t j = 0;
+        for (int t = 0; t < s->layout.n_tensors; t++) {
+            size_t b = ps_layout_first_block(&s->layout, t) + s->store.own[t].off / PSD_NORM_BLOCK;
+            for (size_t o = 0; o < s->store.own[t].n; o += PSD_NORM_BLOCK) blk[j++] = s->store.blk_sq[b++];
+        }
+        psd__header__init(&h);
+        h.type = PSD__MSG_TYPE__MSG_SHARD_NORM;
+        nb.version = st->version;
+        nb.block_sq = blk;
+        nb.n_block_sq = nblk;
+        h.body_case = PSD__HEADER__BODY_SHARD_NORM;
+        h.shard_norm = &nb;
+        to_leader(s, &h, NULL, 0);
+        if (blk != sq) free(blk);
+        s->awaiting_apply = true;
+    } else if (psd_store_step(&s->store, (int)st->n_ranks, g, s->bf16, st->weights, 0, st->lr) < 0) {
+        fail(s, "no free parameter arena (too many pull replies in flight)");
+        return;
+    }
+    for (int r = 0; r < SHARD_MAX_WORKERS; r++) /* every push of that version is used or stale */
+        if (s->w[r].mask && s->w[r].push_version <= st->version) release(&s->w[r]);
+    if (!s->awaiting_apply) applied(s);
+}
+
+static void on_apply(shard_t *s, ps_msg_t *m)
+{
+    Psd__ShardApply *a = m->hdr->shard_apply;
+    if (!s->awaiting_apply || a->version != s->store.cur->version) {
+        fail(s, "APPLY without the STEP before it");
+        return;
+    }
+    if (psd_store_apply(&s->store, a->sumsq, s->cfg.clip_norm, s->lr) != 0) {
+        fail(s, "no free parameter arena (too many pull replies in flight)");
+        return;
+    }
+    applied(s);
+}
+
+/* ---- checkpoints: this part, at the steps shard 0 writes its own ---------- */
+
+static void ckpt_finish(shard_t *s, bool wait)
+{
+    if (!s->ckpt || (!wait && !psd_ckpt_done(s->ckpt))) return;
+    char path[PS_PATH_MAX];
+    double secs = 0;
+    uint64_t bytes = 0, peak = 0;
+    s->store.before_update = NULL;
+    s->store.before_update_ud = NULL;
+    int rc = psd_ckpt_end(&s->ckpt, path, sizeof path, &secs, &bytes, &peak);
+    if (rc != 0) PS_ERROR("shard %d: checkpoint failed: %s", s->opts.shard, strerror(-rc));
+    else PS_DEBUG("shard %d: checkpoint %s: %.1f MB in %.2f s", s->opts.shard, path, (double)bytes / 1e6, secs);
+}
+
+static int mkdirs(const char *path)
+{
+    char p[PS_PATH_MAX];
+    snprintf(p, sizeof p, "%s", path);
+    for (char *q = p + 1; *q; q++)
+        if (*q == '/') {
+            *q = '\0';
+            if (mkdir(p, 0755) != 0 && errno != EEXIST) return -errno;
+            *q = '/';
+        }
+    return mkdir(p, 0755) != 0 && errno != EEXIST ? -errno : 0;
+}
+
+static void ckpt_meta(shard_t *s, psd_ckpt_meta_t *m)
+{
+    memset(m, 0, sizeof *m);
+    m->run_id = s->run_id;
+    m->config_hash = s->config_hash;
+    m->seed = s->cfg.seed;
+    m->step = s->store.steps;
+    m->version = s->store.cur->version;
+    m->n_sizes = s->layout.n_sizes;
+    memcpy(m->sizes, s->layout.sizes, sizeof m->sizes);
+    m->opt_kind = (uint32_t)s->cfg.opt;
+    m->n_slots = (uint32_t)psd_optim_slots(&s->store.opt);
+    m->n_params = s->layout.n_params;
+    m->lr = s->lr;
+}
+
+static void on_ckpt(shard_t *s, ps_msg_t *m)
+{
+    Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
+    if (!s->cfg.ckpt_dir[0]) return;
+    if (ck->step != s->store.steps || ck->version != s->store.cur->version || s->awaiting_apply) {
+        fail(s, "CKPT for another step than this shard's");
+        return;
+    }
+    ckpt_finish(s, true); /* the one before, if still being written */
+    snprintf(s->ckpt_dir, sizeof s->ckpt_dir, "%s/run-%016" PRIx64 "/shard-%d", s->cfg.ckpt_dir, s->run_id,
+             s->opts.shard);
+    int rc = mkdirs(s->ckpt_dir);
+    psd_ckpt_meta_t meta;
+    ckpt_meta(s, &meta);
+    static const uint8_t none[1];
+    if (rc == 0) rc = psd_ckpt_begin(&s->ckpt, s->ckpt_dir, s->cfg.ckpt_keep, &meta, none, &s->store);
+    if (rc != 0) {
+        PS_ERROR("shard %d: cannot start a checkpoint in %s: %s", s->opts.shard, s->ckpt_dir, strerror(-rc));
+        s->ckpt = NULL;
+        return;
+    }
+    s->store.before_update = psd_ckpt_hook;
+    s->store.before_update_ud = s->ckpt;
+}
+
+/* --resume DIR: this part at the step shard 0 resumed at, from
+ * DIR/run-<run id>/shard-<i>, DIR/shard-<i> (DIR a run's directory) or DIR. */
+static int resume_part(shard_t *s, uint64_t step, uint64_t version)
+{
+    char cand[3][PS_PATH_MAX], path[PS_PATH_MAX], err[600];
+    snprintf(cand[0], sizeof cand[0], "%s/run-%016" PRIx64 "/shard-%d", s->opts.resume_dir, s->run_id, s->opts.shard);
+    snprintf(cand[1], sizeof cand[1], "%s/shard-%d", s->opts.resume_dir, s->opts.shard);
+    snprintf(cand[2], sizeof cand[2], "%s", s->opts.resume_dir);
+    psd_ckpt_meta_t m;
+    float *w = NULL, *sl[2] = {NULL, NULL};
+    int rc = -1;
+    for (int i = 0; i < 3 && rc != 0; i++) {
+        struct stat st;
+        if (stat(cand[i], &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+        rc = psd_ckpt_load_step(cand[i], step, &m, &w, sl, path, sizeof path, err, sizeof err);
+        if (rc != 0) PS_WARN("shard %d: %s", s->opts.shard, err);
+    }
+    if (rc != 0) {
+        PS_ERROR("shard %d: no checkpoint of step %" PRIu64 " (where shard 0 resumed) under %s", s->opts.shard, step,
+                 s->opts.resume_dir);
+        return -1;
+    }
+    rc = -1;
+    if (m.version != version || m.n_params != s->layout.n_params ||
+        m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt) || m.run_id != s->run_id) {
+        PS_ERROR("shard %d: %s does not fit the run shard 0 resumed (version, model, optimizer or run)", s->opts.shard,
+                 path);
+    } else if (m.config_hash != s->config_hash && !s->opts.force_resume) {
+        PS_ERROR("shard %d: %s was written with another config; use --force-resume to resume anyway", s->opts.shard,
+                 path);
+    } else {
+        memcpy(s->store.cur->w, w, m.n_params * sizeof(float));
+        if (m.n_slots >= 1) memcpy(s->store.s0, sl[0], m.n_params * sizeof(float));
+        if (m.n_slots >= 2) memcpy(s->store.s1, sl[1], m.n_params * sizeof(float));
+        s->store.steps = m.step;
+        s->store.cur->version = m.version;
+        PS_INFO("shard %d resumed its part from %s: step %" PRIu64, s->opts.shard, path, m.step);
+        rc = 0;
+    }
+    free(w);
+    free(sl[0]);
+    free(sl[1]);
+    return rc;
+}
+
+static void on_leader(shard_t *s, ps_msg_t *m)
+{
+    Psd__Header *h = m->hdr;
+    if (h->type == PSD__MSG_TYPE__MSG_ERROR) {
+        PS_ERROR("shard 0 refused shard %d: %s", s->opts.shard, h->error->message ? h->error->message : "(no reason)");
+        s->exit_code = PSD_EXIT_USAGE;
+        s->done = true;
+        return;
+    }
+    if (h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
+        if (s->joined) return;
+        s->joined = true;
+        s->run_id = h->run_id;
+        if (h->shard_hello->resume && resume_part(s, h->shard_hello->resume_step, h->shard_hello->resume_version) != 0) {
+            fail(s, "cannot resume its part at shard 0's step");
+            s->exit_code = PSD_EXIT_USAGE;
+            return;
+        }
+        PS_INFO("shard %d/%d joined run %016" PRIx64 "; workers reach it at %s", s->opts.shard, s->opts.shards,
+                s->run_id, s->opts.advertise);
+        return;
+    }
+    if (!s->joined || h->run_id != s->run_id) {
+        sdrop(s, "%s from shard 0 before joining or of another run", ps_msg_type_name((int)h->type));
+        return;
+    }
+    switch (h->type) {
+    case PSD__MSG_TYPE__MSG_HEARTBEAT: break;
+    case PSD__MSG_TYPE__MSG_SHARD_WORKER: {
+        Psd__ShardWorker *sw = h->shard_worker;
+        if (sw->rank >= SHARD_MAX_WORKERS || sw->token.len != PS_SHM_TOKEN) {
+            sdrop(s, "SHARD_WORKER for rank %u", sw->rank);
+            break;
+        }
+        fw_t *w = &s->w[sw->rank];
+        w->known = true;
+        memcpy(w->token, sw->token.data, PS_SHM_TOKEN);
+        break;
+    }
+    case PSD__MSG_TYPE__MSG_SHARD_STEP: on_step(s, m); break;
+    case PSD__MSG_TYPE__MSG_SHARD_APPLY: on_apply(s, m); break;
+    case PSD__MSG_TYPE__MSG_SHARD_FETCH: send_weights_to(s, NULL, 0, 0, &s->seq_out); break;
+    case PSD__MSG_TYPE__MSG_SHARD_CKPT: on_ckpt(s, m); break;
+    case PSD__MSG_TYPE__MSG_SHUTDOWN:
+        PS_INFO("shard %d: shard 0 ends the run: %s", s->opts.shard, h->shutdown->reason ? h->shutdown->reason : "");
+        s->exit_code = 0;
+        s->done = true;
+        break;
+    default: sdrop(s, "%s is not a message shard 0 sends", ps_msg_type_name((int)h->type));
+    }
+}
+
+static fw_t *worker_of(shard_t *s, const ps_msg_t *m)
+{
+    uint32_t r = m->hdr->rank;
+    if (r >= SHARD_MAX_WORKERS) return NULL;
+    fw_t *w = &s->w[r];
+    if (w->ident_len != m->ident_len || memcmp(w->ident, m->ident, m->ident_len) != 0) return NULL;
+    return w;
+}
+
+static void on_register(shard_t *s, ps_msg_t *m)
+{
+    Psd__Header *h = m->hdr;
+    uint32_t r = h->rank;
+    fw_t *w = r < SHARD_MAX_WORKERS ? &s->w[r] : NULL;
+    if (!s->joined || h->run_id != s->run_id || !w || !w->known) {
+        /* shard 0's SHARD_WORKER may still be on its way: the worker asks again */
+        PS_DEBUG("shard %d: REGISTER of rank %u not known yet", s->opts.shard, r);
+        return;
+    }
+    uint8_t diff = 0;
+    if (h->reg->shard_token.len == PS_SHM_TOKEN)
+        for (int i = 0; i < PS_SHM_TOKEN; i++) diff |= (uint8_t)(h->reg->shard_token.data[i] ^ w->token[i]);
+    if (h->reg->shard_token.len != PS_SHM_TOKEN || diff) {
+        sdrop(s, "REGISTER of rank %u with the wrong token", r);
+        return;
+    }
+    if (w->ident_len && (w->ident_len != m->ident_len || memcmp(w->ident, m->ident, m->ident_len) != 0))
+        release(w); /* the same rank from a new connection */
+    memcpy(w->ident, m->ident, m->ident_len);
+    w->ident_len = m->ident_len;
+    w->seq_in = h->seq;
+    w->want = 0;
+    Psd__Header a;
+    Psd__Assign as = PSD__ASSIGN__INIT;
+    psd__header__init(&a);
+    a.type = PSD__MSG_TYPE__MSG_ASSIGN;
+    a.run_id = s->run_id;
+    a.rank = r;
+    a.seq = ++w->seq_out;
+    as.rank = r;
+    a.body_case = PSD__HEADER__BODY_ASSIGN;
+    a.assign = &as;
+    ps_msg_send(s->router, w->ident, w->ident_len, &a, NULL, 0);
+}
+
+static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
+{
+    Psd__Push *p = m->hdr->push;
+    if (p->version != s->store.cur->version || s->awaiting_apply) {
+        sdrop(s, "PUSH of rank %u computed on version %" PRIu64 ", current is %" PRIu64, rank, p->version,
+              s->store.cur->version);
+        return;
+    }
+    if (w->mask && w->push_version != p->version) release(w); /* a push that never completed */
+    if (w->complete) {
+        sdrop(s, "second PUSH of rank %u for version %" PRIu64, rank, p->version);
+        return;
+    }
+    bool bf16 = s->cfg.wire_gradients == PS_WIRE_BF16;
+    uint64_t mask = 0;
+    for (int i = 0; i < m->n_frames; i++) {
+        const Psd__TensorDesc *d = m->hdr->tensors[i];
+        size_t n = 0;
+        uint32_t t = d->id;
+        bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
+        if (t >= (uint32_t)s->layout.n_tensors || !(s->all & (1ull << t)) || ((w->mask | mask) & (1ull << t)) || !ok ||
+            d->offset != s->store.own[t].off || n != s->store.own[t].n) {
+            sdrop(s, "PUSH of rank %u: frame %d is not a piece of this shard", rank, i);
+            return;
+        }
+        mask |= 1ull << t;
+    }
+    for (int i = 0; i < m->n_frames; i++) {
+        uint32_t t = m->hdr->tensors[i]->id;
+        zmq_msg_init(&w->grad[t]);
+        zmq_msg_move(&w->grad[t], &m->frames[i]);
+    }
+    w->mask |= mask;
+    w->push_version = p->version;
+    if (p->pull) w->want = p->version + 2; /* the next version */
+    if (w->mask != s->all) return;
+    w->complete = true;
+    Psd__Header h;
+    Psd__ShardHave hv = PSD__SHARD_HAVE__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_SHARD_HAVE;
+    hv.rank = rank;
+    hv.version = p->version;
+    h.body_case = PSD__HEADER__BODY_SHARD_HAVE;
+    h.shard_have = &hv;
+    to_leader(s, &h, NULL, 0);
+}
+
+static void on_worker(shard_t *s, ps_msg_t *m)
+{
+    Psd__Header *h = m->hdr;
+    if (h->protocol != PS_PROTOCOL_VERSION) {
+        sdrop(s, "protocol %u, this shard speaks %u", h->protocol, PS_PROTOCOL_VERSION);
+        return;
+    }
+    if (h->type == PSD__MSG_TYPE__MSG_REGISTER) {
+        on_register(s, m);
+        return;
+    }
+    fw_t *w = worker_of(s, m);
+    if (!w || h->run_id != s->run_id) {
+        sdrop(s, "%s from a peer that did not register here", ps_msg_type_name((int)h->type));
+        return;
+    }
+    if (h->seq <= w->seq_in) {
+        sdrop(s, "sequence number %" PRIu64 " of rank %u not after %" PRIu64, h->seq, h->rank, w->seq_in);
+        return;
+    }
+    w->seq_in = h->seq;
+    switch (h->type) {
+    case PSD__MSG_TYPE__MSG_PUSH: on_push(s, w, h->rank, m); break;
+    case PSD__MSG_TYPE__MSG_PULL:
+        if (h->pull->min_version > s->store.cur->version + 1) {
+            sdrop(s, "PULL of version %" PRIu64 " from rank %u, current is %" PRIu64, h->pull->min_version, h->rank,
+                  s->store.cur->version);
+            break;
+        }
+        w->want = h->pull->min_version + 1;
+        if (!s->awaiting_apply) answer_pulls(s);
+        break;
+    default: sdrop(s, "%s is not a message workers send to a shard", ps_msg_type_name((int)h->type));
+    }
+}
+
+static void drain_sock(shard_t *s, void *sock, bool router)
+{
+    while (!s->done) {
+        ps_msg_t m;
+        char why[256];
+        int rc = ps_msg_recv_arena(sock, &m, router, ZMQ_DONTWAIT, &s->rx_arena, why, sizeof why);
+        if (rc == -EAGAIN || rc == -EINTR) return;
+        if (rc == -EPROTO) {
+            sdrop(s, "%s", why);
+            continue;
+        }
+        if (rc < 0) {
+            PS_ERROR("shard %d: receive failed: %s", s->opts.shard, zmq_strerror(-rc));
+            s->exit_code = PSD_EXIT_ERROR;
+            s->done = true;
+            return;
+        }
+        if (router) {
+            on_worker(s, &m);
+        } else {
+            s->leader_seen = ps_now();
+            on_leader(s, &m);
+        }
+        ps_msg_deinit(&m);
+    }
+}
+
+int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
+{
+    shard_t *s = calloc(1, sizeof *s);
+    if (!s) return PSD_EXIT_ERROR;
+    int code = PSD_EXIT_ERROR;
+    s->cfg = *c;
+    s->opts = *opts;
+    s->config_hash = ps_config_hash(c);
+    s->w = calloc(SHARD_MAX_WORKERS, sizeof *s->w);
+    s->g = calloc(SHARD_MAX_WORKERS, sizeof *s->g);
+    s->bf16 = calloc(SHARD_MAX_WORKERS, 1);
+    ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
+    if (!s->w || !s->g || !s->bf16) goto out;
+    if (ps_layout_init(&s->layout, c->sizes, c->n_sizes) != 0) {
+        PS_ERROR("invalid model.layers");
+        code = PSD_EXIT_USAGE;
+        goto out;
+    }
+    psd_optim_t opt;
+    psd_optim_from_config(&opt, c);
+    int threads = c->threads;
+    if (threads <= 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = cores < 1 ? 1 : cores > 16 ? 16 : (int)cores;
+    }
+    if (psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0 ||
+        psd_store_set_parallel(&s->store, threads, (size_t)c->chunk_bytes) != 0 ||
+        psd_store_own(&s->store, opts->shard, opts->shards) != 0) {
+        PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
+        goto out;
+    }
+    size_t owned = 0;
+    for (int t = 0; t < s->layout.n_tensors; t++) {
+        owned += s->store.own[t].n;
+        if (s->store.own[t].n) s->all |= 1ull << t;
+    }
+    if (owned == 0) {
+        PS_ERROR("shard %d of %d holds no parameters: the model has fewer blocks of %d floats than shards; use fewer "
+                 "shards", opts->shard, opts->shards, PSD_NORM_BLOCK);
+        code = PSD_EXIT_USAGE;
+        goto out;
+    }
+    s->zctx = zmq_ctx_new();
+    int io = c->io_threads > 0 ? c->io_threads : 2;
+    if (s->zctx) zmq_ctx_set(s->zctx, ZMQ_IO_THREADS, io);
+    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, false, &s->router, &s->zap,
+                                &s->mon)) != 0)
+        goto out;
+    code = PSD_EXIT_ERROR;
+    char ep[256] = "";
+    size_t eplen = sizeof ep;
+    zmq_getsockopt(s->router, ZMQ_LAST_ENDPOINT, ep, &eplen);
+    if (!s->opts.advertise || !s->opts.advertise[0]) s->opts.advertise = c->listen;
+    if (strstr(s->opts.advertise, "://*") || strstr(s->opts.advertise, "://0.0.0.0")) {
+        PS_ERROR("shard %d listens on %s: give the address workers reach it at with --advertise ENDPOINT",
+                 opts->shard, s->opts.advertise);
+        code = PSD_EXIT_USAGE;
+        goto out;
+    }
+    s->leader = zmq_socket(s->zctx, ZMQ_DEALER);
+    if (!s->leader) goto out;
+    int linger = 1000, zero = 0;
+    zmq_setsockopt(s->leader, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(s->leader, ZMQ_SNDHWM, &zero, sizeof zero);
+    zmq_setsockopt(s->leader, ZMQ_RCVHWM, &zero, sizeof zero);
+    if (c->key_file[0]) { /* shard 0 lets its own key in: every shard has the same key pair */
+        ps_keypair_t kp;
+        char err[512];
+        if (ps_auth_load_secret(c->key_file, &kp, err, sizeof err) != 0) {
+            PS_ERROR("%s", err);
+            code = PSD_EXIT_USAGE;
+            goto out;
+        }
+        zmq_setsockopt(s->leader, ZMQ_CURVE_SERVERKEY, kp.public_z85, 40);
+        zmq_setsockopt(s->leader, ZMQ_CURVE_PUBLICKEY, kp.public_z85, 40);
+        zmq_setsockopt(s->leader, ZMQ_CURVE_SECRETKEY, kp.secret_z85, 40);
+        memset(&kp, 0, sizeof kp);
+    }
+    if (zmq_connect(s->leader, opts->leader) != 0) {
+        PS_ERROR("cannot connect to shard 0 at '%s': %s", opts->leader, zmq_strerror(zmq_errno()));
+        code = PSD_EXIT_USAGE;
+        goto out;
+    }
+    size_t bytes = 0;
+    for (int t = 0; t < s->layout.n_tensors; t++) bytes += s->store.own[t].n * sizeof(float);
+    PS_INFO("psd %s shard %d/%d: %zu of %zu parameters (%.1f MB), listening on %s, joining shard 0 at %s",
+            PSD_VERSION, opts->shard, opts->shards, bytes / sizeof(float), s->layout.n_params, (double)bytes / 1e6, ep,
+            opts->leader);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    double start = ps_now(), last_hello = 0, last_hb = 0, stop_at = 0;
+    s->leader_seen = start;
+    while (!s->done) {
+        /* a signal (Ctrl-C, SLURM's preemption) usually reaches every psd:
+         * shard 0 checkpoints and ends the run, this one waits for that;
+         * a second signal, or none of that within worker_timeout, stops it */
+        if (stop_signal && stop_at == 0) {
+            stop_at = ps_now();
+            PS_WARN("shard %d received %s: waiting for shard 0 to end the run (again to stop now)", opts->shard,
+                    strsignal(stop_signal));
+        }
+        if (stop_at > 0 && (stop_count > 1 || !s->joined || ps_now() - stop_at > c->worker_timeout)) {
+            char why[96];
+            snprintf(why, sizeof why, "shard %d was stopped (%s)", opts->shard, strsignal(stop_signal));
+            fail(s, why);
+            s->exit_code = 128 + stop_signal;
+            break;
+        }
+        double now = ps_now();
+        if (!s->joined) {
+            if (now - start > c->start_timeout) {
+                PS_ERROR("shard %d: shard 0 at %s did not answer in %.0f s", opts->shard, opts->leader,
+                         c->start_timeout);
+                s->exit_code = PSD_EXIT_START_TIMEOUT;
+                break;
+            }
+            if (now - last_hello >= 1.0) {
+                hello(s);
+                last_hello = now;
+            }
+        } else {
+            if (now - s->leader_seen > c->worker_timeout) {
+                PS_ERROR("shard %d: nothing from shard 0 for %.1f s: it is gone; stopping", opts->shard,
+                         now - s->leader_seen);
+                s->exit_code = PSD_EXIT_SHARD_LOST;
+                break;
+            }
+            if (now - last_hb >= 1.0) {
+                Psd__Header h;
+                Psd__Heartbeat hb = PSD__HEARTBEAT__INIT;
+                psd__header__init(&h);
+                h.type = PSD__MSG_TYPE__MSG_HEARTBEAT;
+                h.body_case = PSD__HEADER__BODY_HEARTBEAT;
+                h.heartbeat = &hb;
+                to_leader(s, &h, NULL, 0);
+                last_hb = now;
+            }
+        }
+        zmq_pollitem_t it[2] = {{s->leader, 0, ZMQ_POLLIN, 0}, {s->router, 0, ZMQ_POLLIN, 0}};
+        int n = zmq_poll(it, 2, 100);
+        if (n < 0 && zmq_errno() != EINTR) {
+            PS_ERROR("shard %d: zeromq: %s", opts->shard, zmq_strerror(zmq_errno()));
+            break;
+        }
+        if (n > 0 && (it[0].revents & ZMQ_POLLIN)) drain_sock(s, s->leader, false);
+        if (n > 0 && (it[1].revents & ZMQ_POLLIN)) drain_sock(s, s->router, true);
+        ckpt_finish(s, false);
+    }
+    code = s->exit_code;
+out:
+    ckpt_finish(s, true); /* a checkpoint being written is finished first */
+    for (int r = 0; s->w && r < SHARD_MAX_WORKERS; r++) release(&s->w[r]);
+    if (s->router) {
+        ps_msg_drain(s->router, 0.05, 0.5);
+        if (s->mon) zmq_socket_monitor(s->router, NULL, 0);
+        zmq_close(s->router);
+    }
+    if (s->mon) {
+        int z = 0;
+        zmq_setsockopt(s->mon, ZMQ_LINGER, &z, sizeof z);
+        zmq_close(s->mon);
+    }
+    if (s->leader) zmq_close(s->leader);
+    psd_zap_stop(&s->zap);
+    if (s->zctx) zmq_ctx_term(s->zctx);
+    psd_store_deinit(&s->store);
+    free(s->w);
+    free(s->g);
+    free(s->bf16);
+    free(s);
+    return code;
+}
