@@ -2,11 +2,12 @@
 # Every benchmark of the fast path, in one go on this machine, and one table
 # of the ratios the fast-path issue sets as targets:
 #   bench/wire_bench.sh  memcpy and raw ZeroMQ probes; psbench over tcp
-#                        (1, 2, 4 workers), ipc and shared memory (1, 2 workers)
+#                        (1, 2, 4 workers; 1 and 2 psd shards), ipc and shared
+#                        memory (1, 2 workers)
 #   bench/bench_mlp.sh   psd + 2 pworkers against PyTorch DDP (gloo)
 #   bench/wait_bench.sh  the workers' waiting share, shared memory and tcp
 #   bench/mem_bench.sh   psd's memory for Adam with P = 20M, both modes
-# One psd shard only: psd has no shards yet. Not a test.
+# Not a test.
 #   bash bench/all.sh          (about 3 minutes on a 2-core VM)
 set -euo pipefail
 cd "$(dirname "$0")/.."

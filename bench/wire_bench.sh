@@ -2,7 +2,8 @@
 # Communication benchmark, in one go on one machine: the yardsticks
 # (memcpy, raw ZeroMQ zero-copy round trips over tcp and ipc: build/wire_probe)
 # and psd's push+pull with psbench (simulated workers, no math) for 1, 2 and 4
-# workers over tcp loopback (--no-shm: the wire), 1 and 2 workers through
+# workers over tcp loopback (--no-shm: the wire), the same over 2 psd shards
+# (psd --shard 0/2 and 1/2: each moves half of the tensor), 1 and 2 workers through
 # shared memory (psd's default for workers on its host), on a model with one
 # 4 MiB tensor (MLP 784-1338: 4.0 MiB of weights + 5 KiB of bias). Prints a
 # table with the ratios the fast-path issue sets as targets.
@@ -44,10 +45,30 @@ run() {
     sed 's/^/    /' "$WORK/psbench-$w.txt" >&2
     awk '/^aggregate/ {print $3}' "$WORK/psbench-$w.txt"
 }
+# the same over 2 psd shards (tcp): shard 0 on $PORT, shard 1 on $PORT2
+PORT2=$((PORT + 1))
+run2() {
+    local w=$1 limit=$((ROUNDS * 64 * $1))
+    local common=(--workers "$w" --epochs 1 --set 'model.layers=[784,1338]' $PLAIN --set "data.train_limit=$limit"
+                  --set schedule.name=constant --set checkpoint.dir= --metrics "" --save "")
+    "$ROOT/build/psd" --listen "tcp://127.0.0.1:$PORT" "${common[@]}" --shard 0/2 2>"$WORK/psd0-$w.log" &
+    local p0=$!
+    "$ROOT/build/psd" --listen "tcp://127.0.0.1:$PORT2" "${common[@]}" --shard 1/2 \
+        --leader "tcp://127.0.0.1:$PORT" 2>"$WORK/psd1-$w.log" &
+    local p1=$!
+    "$ROOT/build/psbench" --connect "tcp://127.0.0.1:$PORT" --workers "$w" >"$WORK/psbench-$w.txt"
+    wait $p0
+    wait $p1
+    sed 's/^/    /' "$WORK/psbench-$w.txt" >&2
+    awk '/^aggregate/ {print $3}' "$WORK/psbench-$w.txt"
+}
 P1=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm)
 P1D=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm "--set optimizer.momentum=0.9")
 P2=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm)
 P4=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm)
+Q1=$(run2 1)
+Q2=$(run2 2)
+Q4=$(run2 4)
 PI=$(run 1 "ipc://$WORK/psd.sock" --no-shm)
 PS1=$(run 1 "ipc://$WORK/psd.sock")
 PS2=$(run 2 "ipc://$WORK/psd.sock")
@@ -68,6 +89,9 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 | psd, 1 worker, tcp, default optimizer | $P1D | $(r "$P1D" "$ZTCP") x raw tcp | |
 | psd, 2 workers, tcp (aggregate) | $P2 | $(r "$P2" 3.3) x ps-lite 3.3 | >= 1.1 |
 | psd, 4 workers, tcp (aggregate) | $P4 | $(r "$P4" 3.3) x ps-lite 3.3 | >= 1.1 |
+| psd, 2 shards, 1 worker, tcp | $Q1 | $(r "$Q1" "$ZTCP") x raw tcp | |
+| psd, 2 shards, 2 workers, tcp (aggregate) | $Q2 | $(r "$Q2" 3.3) x ps-lite 3.3 | |
+| psd, 2 shards, 4 workers, tcp (aggregate) | $Q4 | $(r "$Q4" 3.3) x ps-lite 3.3 | |
 | psd, 1 worker, ipc (no shared memory) | $PI | $(r "$PI" "$ZIPC") x raw ipc | |
 | psd, 1 worker, shared memory | $PS1 | $(r "$PS1" "$MEMCPY") x memcpy | >= 0.5 |
 | psd, 2 workers, shared memory (aggregate) | $PS2 | $(r "$PS2" "$MEMCPY") x memcpy | |

@@ -1968,6 +1968,32 @@ Test(short, only_allow_listed_keys_get_in)
     assert_validated_all(&r);
 }
 
+/* With keys, psd shards share shard 0's key pair and allow-list: shard 1
+ * joins with it, an allowed worker trains through both, a worker with a
+ * key not in the list gets into neither. */
+Test(short, psd_shards_with_keys)
+{
+    keygen("good");
+    keygen("bad");
+    char key[300], allow[300];
+    auth_setup("good", key, allow, sizeof key);
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--key", key, "--allow", allow,
+                          "--set", "checkpoint.dir=", "--shard", "0/2", NULL};
+    const char *fargs[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--key", key, "--allow", allow, "--set",
+                           "checkpoint.dir=", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "kshard", 1, args);
+    pid_t f = start_shard(&r, "kshard", 1, 2, fargs);
+    cr_assert_eq(keyed_worker(&r, "w-bad", "bad.key", "srv.pub", 60), 2, "unknown key refused");
+    cr_assert_eq(keyed_worker(&r, "w-good", "good.key", "srv.pub", 120), 0, "the allowed worker trains");
+    cr_assert_eq(proc_wait(p, 60), 0);
+    cr_assert_eq(proc_wait(f, 30), 0);
+    char *log = slurp(r.psd_log);
+    cr_assert(strstr(log, "psd shard 1/2 joined"), "%s", log);
+    free(log);
+    assert_validated_all(&r);
+}
+
 Test(short, no_authentication_handler_means_nobody_gets_in)
 {
     keygen("good");
