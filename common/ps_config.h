@@ -89,8 +89,10 @@ typedef struct ps_config {
     int threads;                  /* server.threads: threads of a step (reduce + optimizer), 0 = all cores */
     int64_t chunk_bytes;          /* server.chunk_bytes: unit of a step's parallel work (rounded to 64 KiB) */
     bool shared_memory;           /* server.shared_memory: workers on psd's host exchange tensors in shared memory */
-    ps_log_format_t log_format;
-    double progress_every;        /* server.progress_every: seconds between progress lines when stderr is not a terminal (0 = none) */   /* server.log_format: text | json (one object a line) */
+    ps_log_format_t log_format;   /* server.log_format: text | json (one object a line) */
+    double progress_every;        /* server.progress_every: seconds between progress lines when stderr is not a terminal (0 = none) */
+    char http[64];                /* server.http: HOST:PORT of the HTTP endpoint (/metrics, /status, /healthz, /), "" = off */
+    char http_token_file[PS_PATH_MAX]; /* server.http_token_file: file whose first line is the bearer token HTTP asks for */
     int io_threads;               /* server.io_threads: ZeroMQ I/O threads, 0 = 2, or cores/4 up to 4 from 12 cores on */
 
     /* checkpoint: (not part of the config hash) */

@@ -3,19 +3,20 @@
 # Idempotent: installs only what is missing. Runs as root, or through sudo.
 #   deploy/setup.sh            build + test + train dependencies
 #   deploy/setup.sh --bench    also python3-torch, for bench/
-#   deploy/setup.sh --deploy   also what the deploy tests start: a Docker engine
+#   deploy/setup.sh --deploy   also what the tests start: a Docker engine
 #                              and docker-compose, debootstrap, SLURM and munge
-#                              (each engine only when none is installed)
+#                              (each engine only when none is installed), and
+#                              Prometheus' promtool (checks psd's /metrics)
 set -eu
 
 PKGS="build-essential pkg-config meson ninja-build protobuf-c-compiler
 libzmq3-dev libprotobuf-c-dev libuv1-dev libyaml-dev libcriterion-dev
-libopenblas-dev zlib1g-dev dataset-fashion-mnist"
+libopenblas-dev zlib1g-dev libhttp-parser-dev dataset-fashion-mnist"
 for opt in "$@"; do
     case "$opt" in
     --bench) PKGS="$PKGS python3-torch python3-numpy" ;;
     --deploy)
-        PKGS="$PKGS python3 debootstrap iptables iproute2 procps munge"
+        PKGS="$PKGS python3 debootstrap iptables iproute2 procps munge prometheus"
         command -v dockerd >/dev/null 2>&1 || PKGS="$PKGS docker.io"
         command -v docker-compose >/dev/null 2>&1 || PKGS="$PKGS docker-compose"
         command -v slurmctld >/dev/null 2>&1 || PKGS="$PKGS slurm-wlm"

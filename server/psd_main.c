@@ -51,6 +51,8 @@ static void usage(FILE *f)
             "                       to it only (they learn the others from it)\n"
             "  --leader ENDPOINT    shards 1..N-1: shard 0's endpoint\n"
             "  --advertise ENDPOINT shards 1..N-1: where workers reach this shard (default --listen)\n"
+            "  --http HOST:PORT     HTTP endpoint: /metrics (Prometheus), /status (JSON), /healthz;\n"
+            "                       beyond loopback only with server.http_token_file (or --insecure)\n"
             "  --help               this text\n"
             "  --version            version, protocol version and git commit\n"
             "\n"
@@ -69,7 +71,7 @@ int main(int argc, char **argv)
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
         OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
-        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE
+        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
     };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, OPT_CONFIG},
@@ -98,6 +100,7 @@ int main(int argc, char **argv)
         {"shard", required_argument, NULL, OPT_SHARD},
         {"leader", required_argument, NULL, OPT_LEADER},
         {"advertise", required_argument, NULL, OPT_ADVERTISE},
+        {"http", required_argument, NULL, OPT_HTTP},
         {"help", no_argument, NULL, OPT_HELP},
         {"version", no_argument, NULL, OPT_VERSION},
         {NULL, 0, NULL, 0}};
@@ -111,6 +114,7 @@ int main(int argc, char **argv)
         [OPT_WORKER_TMO - OPT_CONFIG] = "server.worker_timeout",
         [OPT_KEY - OPT_CONFIG] = "server.key",
         [OPT_ALLOW - OPT_CONFIG] = "server.allow",
+        [OPT_HTTP - OPT_CONFIG] = "server.http",
     };
     const char *config = NULL, *eval_path = NULL;
     int print = 0, check = 0, n_over = 0, threads = 1;

@@ -46,12 +46,16 @@
 #include "ps_wire.h"
 #include "psd_ckpt.h"
 #include "psd_optim.h"
+#include "psd_http.h"
 #include "psd_shm.h"
 #include "psd_store.h"
 #include "psd_zap.h"
 #include "ps_auth.h"
 
 #define MAX_WORKERS 1024
+/* histogram buckets (seconds) of the workers' step times in /metrics */
+#define PSD_HIST_N 12
+static const double hist_le[PSD_HIST_N] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5};
 
 #ifndef ZMQ_ZAP_ENFORCE_DOMAIN
 #define ZMQ_ZAP_ENFORCE_DOMAIN 93 /* a DRAFT option of libzmq 4.3, built into Debian's */
@@ -116,6 +120,11 @@ typedef struct {
     double own_push_at;
     bool want_pull;       /* send it the version the step in progress makes */
     bool assign_wait;
+    /* for /metrics: its step times (from its pushes) as histograms, and
+     * the time it waited at barriers */
+    uint64_t h_wait[PSD_HIST_N + 1], h_compute[PSD_HIST_N + 1];
+    double h_wait_sum, h_compute_sum;
+    double barrier_at, barrier_wait_s;
 } worker_t;
 
 typedef struct {
@@ -157,6 +166,15 @@ typedef struct {
     double stepping_since;
     bool fetching;        /* end of the run: waiting for the shards' parts */
     double final_val_acc;
+    /* HTTP endpoint (server.http) and what /metrics and /status report
+     * beyond the state above */
+    psd_http_t *http;
+    char http_token[256];
+    uint64_t bytes_in_done, bytes_out_done; /* of the epochs before this one */
+    double val_acc_last, val_loss_last;
+    uint32_t val_epoch_last;              /* epochs validated (0: none yet) */
+    uint64_t ckpts_written, workers_lost;
+    double ckpt_last_t, t_boot;
     double shard_hb;      /* when shard 0 last sent them a heartbeat */
     ps_layout_t layout;
     psd_store_t store;
@@ -607,6 +625,8 @@ static void start_epoch(srv_t *s)
     }
     s->ep_compute_s = s->ep_wait_s = 0;
     s->ep_timed = 0;
+    s->bytes_in_done += s->ep_bytes_in;
+    s->bytes_out_done += s->ep_bytes_out;
     s->ep_bytes_in = s->ep_bytes_out = 0;
     s->resumed_mid_epoch = false;
     uint64_t longest = k ? (T + (uint64_t)k - 1) / (uint64_t)k : T;
@@ -685,7 +705,12 @@ static void start_validation(srv_t *s)
         s->parts[i] = (vpart_t){.begin = T * (uint64_t)i / (uint64_t)parts,
                                 .end = T * (uint64_t)(i + 1) / (uint64_t)parts, .worker = -1};
     }
-    for (int i = 0; i < s->n; i++) s->w[i].val_pending = 0;
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        w->val_pending = 0;
+        if (w->state == W_BARRIER && w->barrier_at > 0) w->barrier_wait_s += ps_now() - w->barrier_at;
+        w->barrier_at = 0;
+    }
     for (int i = 0; i < k; i++) send_validate(s, to[i], &s->parts[i]);
     if (k == 0) {
         s->orphan_deadline = ps_now() + s->cfg.start_timeout;
@@ -832,6 +857,7 @@ static void shm_forget(srv_t *s, worker_t *w)
 static void worker_gone(srv_t *s, worker_t *w)
 {
     wstate_t was = w->state;
+    if (was != W_GONE) s->workers_lost++;
     release_push(w); /* a gradient from a worker declared gone is never applied */
     shm_forget(s, w);
     w->state = W_GONE;
@@ -1009,6 +1035,13 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         s->ep_wait_s += p->wait_s;
         s->ep_timed++;
         w->compute_ewma = w->compute_ewma > 0 ? 0.9 * w->compute_ewma + 0.1 * p->compute_s : p->compute_s;
+        int bw = 0, bc = 0;
+        while (bw < PSD_HIST_N && p->wait_s > hist_le[bw]) bw++;
+        while (bc < PSD_HIST_N && p->compute_s > hist_le[bc]) bc++;
+        w->h_wait[bw]++;
+        w->h_compute[bc]++;
+        w->h_wait_sum += p->wait_s;
+        w->h_compute_sum += p->compute_s;
     }
     if (w->has_push) maybe_step(s);
 }
@@ -1073,6 +1106,9 @@ static void end_validation(srv_t *s)
                                                  (s->epoch + 1) % (uint32_t)s->cfg.ckpt_every_epochs == 0)))
         take_checkpoint(s, true);
     s->final_val_acc = val_acc;
+    s->val_acc_last = val_acc;
+    s->val_loss_last = val_loss;
+    s->val_epoch_last = s->epoch + 1;
     if (last && sharded(s)) { /* the other parts of the weights first */
         Psd__Header h;
         Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
@@ -1162,9 +1198,12 @@ static void poll_checkpoint(srv_t *s, bool wait)
     s->store.before_update_ud = NULL;
     int rc = psd_ckpt_end(&s->ckpt, path, sizeof path, &secs, &bytes, &peak);
     if (rc != 0) PS_ERROR("checkpoint failed: %s", strerror(-rc));
-    else
+    else {
         PS_INFO("checkpoint %s: %.1f MB in %.2f s, peak extra memory %.1f MB", path, (double)bytes / 1e6, secs,
                 (double)peak / 1e6);
+        s->ckpts_written++;
+        s->ckpt_last_t = ps_now();
+    }
     if (s->stop_when_written) {
         finish(s, 0, s->stopping > 0 ? "psd was stopped; checkpoint saved" : "psd stopped as asked; checkpoint saved");
         return;
@@ -1572,6 +1611,7 @@ static void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m)
     }
     if (w->state == W_TRAIN) {
         w->state = W_BARRIER;
+        w->barrier_at = ps_now();
         maybe_step(s);
     }
 }
@@ -1979,6 +2019,223 @@ static void on_timer(uv_timer_t *t)
         }
     }
     drain(s);
+}
+
+/* ---- HTTP: /metrics, /status, /healthz ---------------------------------- */
+
+static const char *phase_name(phase_t p)
+{
+    static const char *n[] = {"waiting", "training", "validating", "done"};
+    return n[p];
+}
+
+static void metric(FILE *f, const char *name, const char *type, const char *help, double v)
+{
+    fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+    if (isnan(v)) fprintf(f, "%s NaN\n", name); /* the exposition format's spelling */
+    else fprintf(f, "%s %.17g\n", name, v);
+}
+
+static void histogram(FILE *f, const srv_t *s, const char *name, const char *help, bool wait)
+{
+    fprintf(f, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    for (int i = 0; i < s->n; i++) {
+        const worker_t *w = &s->w[i];
+        const uint64_t *h = wait ? w->h_wait : w->h_compute;
+        uint64_t cum = 0;
+        for (int b = 0; b <= PSD_HIST_N; b++) {
+            cum += h[b];
+            if (b < PSD_HIST_N) fprintf(f, "%s_bucket{rank=\"%u\",le=\"%g\"} %" PRIu64 "\n", name, w->rank, hist_le[b], cum);
+            else fprintf(f, "%s_bucket{rank=\"%u\",le=\"+Inf\"} %" PRIu64 "\n", name, w->rank, cum);
+        }
+        fprintf(f, "%s_sum{rank=\"%u\"} %.9g\n%s_count{rank=\"%u\"} %" PRIu64 "\n", name, w->rank,
+                wait ? w->h_wait_sum : w->h_compute_sum, name, w->rank, cum);
+    }
+}
+
+static double epoch_sps(const srv_t *s, double now)
+{
+    if (s->phase != PHASE_TRAIN) return s->t_epoch > 0 && s->phase == PHASE_VALIDATE ? (double)s->ep_samples / s->t_epoch : 0;
+    double el = now - s->t_epoch;
+    return el > 0 ? (double)s->ep_samples / el : 0;
+}
+
+static void render_metrics(srv_t *s, FILE *f)
+{
+    double now = ps_now();
+    int live = live_workers(s);
+    metric(f, "psd_info", "gauge", "psd's run: 1 (labels in /status)", 1);
+    metric(f, "psd_steps_total", "counter", "Optimizer steps applied in the run.", (double)s->step);
+    metric(f, "psd_epoch", "gauge", "Epoch in progress, 1-based.", s->epoch + 1);
+    metric(f, "psd_epochs", "gauge", "Epochs the run trains.", s->cfg.epochs);
+    metric(f, "psd_epoch_progress_ratio", "gauge", "Part of the epoch's steps done.",
+           s->spe > 0 ? (double)s->epoch_step / s->spe : 0);
+    metric(f, "psd_train_loss", "gauge", "Mean training loss of the last step.", s->last_loss);
+    metric(f, "psd_train_samples_total", "counter", "Training samples trained on in the run.",
+           (double)(s->samples_total + (s->phase == PHASE_TRAIN ? s->ep_samples : 0)));
+    metric(f, "psd_samples_per_second", "gauge", "Training samples per second in this epoch.", epoch_sps(s, now));
+    metric(f, "psd_val_accuracy", "gauge", "Validation accuracy of the last validated epoch (NaN before one).",
+           s->val_epoch_last ? s->val_acc_last : NAN);
+    metric(f, "psd_val_loss", "gauge", "Validation loss of the last validated epoch (NaN before one).",
+           s->val_epoch_last ? s->val_loss_last : NAN);
+    metric(f, "psd_wire_received_bytes_total", "counter", "Tensor bytes received on the wire.",
+           (double)(s->bytes_in_done + s->ep_bytes_in));
+    metric(f, "psd_wire_sent_bytes_total", "counter", "Tensor bytes sent on the wire.",
+           (double)(s->bytes_out_done + s->ep_bytes_out));
+    metric(f, "psd_workers_live", "gauge", "Workers taking part in the run.", live);
+    metric(f, "psd_workers_lost_total", "counter", "Workers lost, left or failed in the run.", (double)s->workers_lost);
+    metric(f, "psd_shards", "gauge", "psd shards holding the parameters.", s->n_shards);
+    metric(f, "psd_checkpoints_total", "counter", "Checkpoints written in this process.", (double)s->ckpts_written);
+    metric(f, "psd_checkpoint_age_seconds", "gauge", "Seconds since the last checkpoint was written (NaN: none yet).",
+           s->ckpt_last_t > 0 ? now - s->ckpt_last_t : NAN);
+    fprintf(f, "# HELP psd_worker_up A worker of the run: 1 while it takes part.\n# TYPE psd_worker_up gauge\n");
+    for (int i = 0; i < s->n; i++)
+        fprintf(f, "psd_worker_up{rank=\"%u\",state=\"%s\"} %d\n", s->w[i].rank, wstate_name[s->w[i].state],
+                s->w[i].state >= W_READY && s->w[i].state <= W_VALIDATED);
+    histogram(f, s, "psd_worker_pull_wait_seconds",
+              "Per worker: from asking for weights to receiving them (push, psd's step, the other workers).", true);
+    histogram(f, s, "psd_worker_compute_seconds", "Per worker: from receiving weights to pushing the gradient.", false);
+    fprintf(f, "# HELP psd_worker_barrier_wait_seconds_total Per worker: time spent waiting at epoch barriers.\n"
+               "# TYPE psd_worker_barrier_wait_seconds_total counter\n");
+    for (int i = 0; i < s->n; i++) {
+        const worker_t *w = &s->w[i];
+        double b = w->barrier_wait_s + (w->state == W_BARRIER && w->barrier_at > 0 ? now - w->barrier_at : 0);
+        fprintf(f, "psd_worker_barrier_wait_seconds_total{rank=\"%u\"} %.9g\n", w->rank, b);
+    }
+}
+
+static void json_str(FILE *f, const char *v)
+{
+    char buf[512];
+    ps_json_escape(buf, sizeof buf, v);
+    fprintf(f, "\"%s\"", buf);
+}
+
+static void json_num(FILE *f, double v) /* JSON has no NaN: null */
+{
+    if (isfinite(v)) fprintf(f, "%.9g", v);
+    else fputs("null", f);
+}
+
+static void render_status(srv_t *s, FILE *f)
+{
+    double now = ps_now();
+    fprintf(f, "{\"version\":\"%s\",\"protocol\":%u,\"run_id\":\"%016" PRIx64 "\",\"phase\":\"%s\"", PSD_VERSION,
+            PS_PROTOCOL_VERSION, s->run_id, phase_name(s->phase));
+    fprintf(f, ",\"epoch\":%u,\"epochs\":%d,\"step\":%" PRIu64 ",\"epoch_step\":%" PRIu64 ",\"steps_per_epoch\":",
+            s->epoch + 1, s->cfg.epochs, s->step, s->epoch_step);
+    json_num(f, s->spe);
+    fputs(",\"train_loss\":", f);
+    json_num(f, s->last_loss);
+    fputs(",\"samples_per_s\":", f);
+    json_num(f, epoch_sps(s, now));
+    fprintf(f, ",\"val_epoch\":%u,\"val_acc\":", s->val_epoch_last);
+    json_num(f, s->val_epoch_last ? s->val_acc_last : NAN);
+    fputs(",\"val_loss\":", f);
+    json_num(f, s->val_epoch_last ? s->val_loss_last : NAN);
+    fprintf(f, ",\"lr\":");
+    json_num(f, s->lr);
+    fprintf(f, ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"checkpoints\":%" PRIu64
+               ",\"checkpoint_age_s\":",
+            s->bytes_in_done + s->ep_bytes_in, s->bytes_out_done + s->ep_bytes_out, s->ckpts_written);
+    json_num(f, s->ckpt_last_t > 0 ? now - s->ckpt_last_t : NAN);
+    fprintf(f, ",\"uptime_s\":%.3f,\"workers_live\":%d,\"workers_lost\":%" PRIu64 ",\"workers\":[", now - s->t_boot,
+            live_workers(s), s->workers_lost);
+    for (int i = 0; i < s->n; i++) {
+        const worker_t *w = &s->w[i];
+        fprintf(f, "%s{\"rank\":%u,\"host\":", i ? "," : "", w->rank);
+        json_str(f, w->hostname);
+        fprintf(f, ",\"pid\":%u,\"device\":", w->pid);
+        json_str(f, w->device);
+        fprintf(f, ",\"state\":\"%s\",\"compute_ms\":", wstate_name[w->state]);
+        json_num(f, 1e3 * w->compute_ewma);
+        uint64_t steps = 0;
+        for (int b = 0; b <= PSD_HIST_N; b++) steps += w->h_wait[b];
+        fprintf(f, ",\"steps\":%" PRIu64 ",\"wait_ms_mean\":", steps);
+        json_num(f, steps ? 1e3 * w->h_wait_sum / (double)steps : NAN);
+        fprintf(f, ",\"samples\":%" PRIu64 ",\"assigned\":%" PRIu64 "}", w->consumed, w->assigned);
+    }
+    fprintf(f, "],\"config\":{\"layers\":[");
+    for (int i = 0; i < s->cfg.n_sizes; i++) fprintf(f, "%s%d", i ? "," : "", s->cfg.sizes[i]);
+    fprintf(f, "],\"params\":%zu,\"optimizer\":\"%s\",\"lr\":", s->layout.n_params, ps_opt_name(s->cfg.opt));
+    json_num(f, s->cfg.lr);
+    fprintf(f, ",\"schedule\":\"%s\",\"batch_size\":%d,\"workers\":%d,\"shards\":%d,\"seed\":%" PRIu64
+               ",\"train_samples\":%zu,\"test_samples\":%zu}}\n",
+            ps_sched_name(s->cfg.sched), s->cfg.batch_size, s->cfg.workers, s->n_shards, (uint64_t)s->cfg.seed,
+            s->train_count, s->test_count);
+}
+
+static int http_render(void *ud, const char *path, char **body, size_t *len, const char **ctype)
+{
+    srv_t *s = ud;
+    FILE *f = open_memstream(body, len);
+    if (!f) return 500;
+    int code = 200;
+    if (strcmp(path, "/metrics") == 0) {
+        *ctype = "text/plain; version=0.0.4; charset=utf-8";
+        render_metrics(s, f);
+    } else if (strcmp(path, "/status") == 0) {
+        *ctype = "application/json";
+        render_status(s, f);
+    } else if (strcmp(path, "/healthz") == 0) {
+        fputs(s->phase == PHASE_DONE ? "done\n" : "ok\n", f);
+    } else {
+        code = 404;
+        fputs("not found: /metrics, /status, /healthz\n", f);
+    }
+    if (fclose(f) != 0) {
+        free(*body);
+        *body = NULL;
+        return 500;
+    }
+    return code;
+}
+
+/* server.http: start the endpoint (token from server.http_token_file;
+ * beyond loopback only with a token, or --insecure). 0 or an exit code. */
+static int start_http(srv_t *s)
+{
+    const ps_config_t *c = &s->cfg;
+    char err[512];
+    if (c->http_token_file[0]) {
+        FILE *f = fopen(c->http_token_file, "r");
+        struct stat st;
+        if (!f || fstat(fileno(f), &st) != 0) {
+            PS_ERROR("server.http_token_file %s: %s", c->http_token_file, strerror(errno));
+            if (f) fclose(f);
+            return PSD_EXIT_USAGE;
+        }
+        if (st.st_mode & 077) {
+            PS_ERROR("server.http_token_file %s is readable by others (mode %03o): chmod 600 it", c->http_token_file,
+                     (unsigned)(st.st_mode & 0777));
+            fclose(f);
+            return PSD_EXIT_USAGE;
+        }
+        if (!fgets(s->http_token, sizeof s->http_token, f)) s->http_token[0] = '\0';
+        fclose(f);
+        s->http_token[strcspn(s->http_token, "\r\n")] = '\0';
+        if (strlen(s->http_token) < 16) {
+            PS_ERROR("server.http_token_file %s: the token (its first line) must have at least 16 characters",
+                     c->http_token_file);
+            return PSD_EXIT_USAGE;
+        }
+    }
+    if (!psd_http_is_loopback(c->http) && !s->http_token[0]) {
+        if (!c->insecure) {
+            PS_ERROR("refusing HTTP on %s without a token: set server.http_token_file (requests then need "
+                     "\"Authorization: Bearer <token>\"), use a loopback address, or --insecure",
+                     c->http);
+            return PSD_EXIT_USAGE;
+        }
+        PS_WARN("*** --insecure: HTTP on %s without a token ***", c->http);
+    }
+    if (psd_http_start(&s->http, &s->loop, c->http, s->http_token, http_render, s, err, sizeof err) != 0) {
+        PS_ERROR("%s", err);
+        return PSD_EXIT_USAGE;
+    }
+    PS_INFO("HTTP on %s (port %d): /metrics /status /healthz%s", c->http, psd_http_port(s->http),
+            s->http_token[0] ? "; a bearer token is needed but for /healthz" : "");
+    return 0;
 }
 
 static void on_signal(uv_signal_t *h, int signum)
@@ -2450,6 +2707,9 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     uv_signal_start(&s->sigusr1, on_signal, SIGUSR1);
     uv_signal_start(&s->sighup, on_signal, SIGHUP);
     if (c->shared_memory && !sharded(s)) start_shm(s); /* with shards: every tensor on the wire */
+    s->t_boot = ps_now();
+    if (c->http[0] && (code = start_http(s)) != 0) goto out;
+    code = PSD_EXIT_ERROR;
     /* the live progress line: on a terminal, unless the log is for a machine (json) */
     s->tty = isatty(STDERR_FILENO) && c->log_format == PS_LOG_TEXT && getenv("TERM") &&
              strcmp(getenv("TERM"), "dumb") != 0;
@@ -2465,6 +2725,7 @@ out:
         poll_checkpoint(s, true);
     }
     if (loop_ok) {
+        psd_http_stop(&s->http);
         psd_shm_close(s->shm);
         uv_close((uv_handle_t *)&s->poll, close_cb);
         uv_close((uv_handle_t *)&s->timer, close_cb);

@@ -13,6 +13,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/prctl.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -2165,4 +2166,156 @@ Test(short, soak_hostile_connections_while_training)
      * and reconnecting makes grow; leaks are LeakSanitizer's job there. */
     if (!sanitized())
         cr_assert(rss0 > 0 && rss1 <= rss0 * 105 / 100, "RSS grew by at most 5%%: %ld -> %ld KiB", rss0, rss1);
+}
+
+/* ---- HTTP endpoint -------------------------------------------------------- */
+
+/* Send `req` (raw bytes) to 127.0.0.1:port, read the whole answer into out;
+ * the status code, or -1 (no connection or no answer within 10 s). */
+static int http_raw(int port, const char *req, size_t req_len, char *out, size_t n)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    struct timeval tv = {10, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    if (write(fd, req, req_len) != (ssize_t)req_len) {
+        close(fd);
+        return -1;
+    }
+    size_t got = 0;
+    ssize_t r;
+    while (got + 1 < n && (r = read(fd, out + got, n - 1 - got)) > 0) got += (size_t)r;
+    out[got] = '\0';
+    close(fd);
+    int code = -1;
+    if (sscanf(out, "HTTP/1.1 %d", &code) != 1) return -1;
+    return code;
+}
+
+/* GET path (with a bearer token unless NULL): status code; *body points
+ * into out. */
+static int http_get(int port, const char *pathq, const char *token, char *out, size_t n, const char **body)
+{
+    char req[512];
+    int len = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\n%s%s%sConnection: close\r\n\r\n", pathq,
+                       token ? "Authorization: Bearer " : "", token ? token : "", token ? "\r\n" : "");
+    int code = http_raw(port, req, (size_t)len, out, n);
+    const char *b = strstr(out, "\r\n\r\n");
+    if (body) *body = b ? b + 4 : out + strlen(out);
+    return code;
+}
+
+/* The value of a sample line "name value" in a metrics text, or NAN. */
+static double metric_value(const char *text, const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (strncmp(p, name, n) == 0 && p[n] == ' ') return strtod(p + n + 1, NULL);
+    return NAN;
+}
+
+/* psd --http: /metrics parses with Prometheus' own parser (promtool check
+ * metrics) and its counters move while training runs; /status is JSON with
+ * every worker; /healthz answers; bad requests get 400/404/405/431 and psd
+ * goes on serving and training. */
+Test(short, http_metrics_status_and_healthz)
+{
+    int port = free_port();
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    const char *args[] = {"--epochs", "2", "--http", addr, "--set", "checkpoint.dir=", NULL};
+    const char *wex[] = {"--threads", "1", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "http", 2, args);
+    pid_t w0 = start_worker(&r, "http", 0, wex), w1 = start_worker(&r, "http", 1, wex);
+    static char out[1 << 20];
+    const char *body = NULL;
+    double t0 = ps_now(), steps1 = NAN;
+    while (ps_now() - t0 < 120) { /* until it trains */
+        if (http_get(port, "/metrics", NULL, out, sizeof out, &body) == 200 &&
+            (steps1 = metric_value(body, "psd_steps_total")) > 0)
+            break;
+        usleep(100000);
+    }
+    cr_assert_gt(steps1, 0, "psd_steps_total moves: %s", out);
+    char mfile[256];
+    path(mfile, sizeof mfile, "metrics.txt");
+    FILE *f = fopen(mfile, "w");
+    fputs(body, f);
+    fclose(f);
+    if (run_cmd("command -v promtool >/dev/null") == 0)
+        cr_assert_eq(run_cmd("promtool check metrics < '%s'", mfile), 0, "promtool accepts /metrics:\n%s", body);
+    else
+        cr_log_warn("promtool not installed (deploy/setup.sh --deploy installs it): format not checked");
+    double samples1 = metric_value(body, "psd_train_samples_total");
+    cr_assert(strstr(body, "psd_worker_pull_wait_seconds_bucket{rank=\"1\",le=\"+Inf\"}"), "%s", body);
+    usleep(700000);
+    cr_assert_eq(http_get(port, "/metrics", NULL, out, sizeof out, &body), 200);
+    cr_assert_gt(metric_value(body, "psd_steps_total"), steps1, "steps counted on");
+    cr_assert_gt(metric_value(body, "psd_train_samples_total"), samples1, "samples counted on");
+    cr_assert_eq(metric_value(body, "psd_workers_live"), 2);
+    cr_assert_eq(http_get(port, "/status", NULL, out, sizeof out, &body), 200);
+    cr_assert_eq(json_num(body, "workers_live"), 2, "%s", body);
+    cr_assert(strstr(body, "\"rank\":0") && strstr(body, "\"rank\":1") && strstr(body, "\"phase\":\"training\""), "%s",
+              body);
+    char sfile[256];
+    path(sfile, sizeof sfile, "status.json");
+    f = fopen(sfile, "w");
+    fputs(body, f);
+    fclose(f);
+    cr_assert_eq(run_cmd("python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert len(d[\"workers\"])==2' "
+                         "'%s'", sfile), 0, "/status is JSON: %s", body);
+    cr_assert_eq(http_get(port, "/healthz", NULL, out, sizeof out, &body), 200);
+    cr_assert_str_eq(body, "ok\n");
+    cr_assert_eq(http_get(port, "/nope", NULL, out, sizeof out, NULL), 404);
+    cr_assert_eq(http_raw(port, "GARBAGE\r\n\r\n", 11, out, sizeof out), 400);
+    cr_assert_eq(http_raw(port, "POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 45, out, sizeof out), 405);
+    static char big[40000];
+    memcpy(big, "GET / HTTP/1.1\r\nX: ", 19);
+    memset(big + 19, 'a', sizeof big - 19);
+    cr_assert_eq(http_raw(port, big, sizeof big, out, sizeof out), 431, "a header too long");
+    cr_assert_eq(http_get(port, "/healthz", NULL, out, sizeof out, NULL), 200, "still serving");
+    cr_assert_eq(proc_wait(p, 300), 0, "the run finishes");
+    cr_assert_eq(proc_wait(w0, 30), 0);
+    cr_assert_eq(proc_wait(w1, 30), 0);
+}
+
+/* server.http_token_file: every path but /healthz needs the bearer token;
+ * HTTP beyond loopback without a token is refused (exit 2). */
+Test(short, http_token_and_loopback_rule)
+{
+    char tok[256];
+    path(tok, sizeof tok, "http.token");
+    FILE *f = fopen(tok, "w");
+    fputs("s3cret-token-0123456789\n", f);
+    fclose(f);
+    chmod(tok, 0600);
+    int port = free_port();
+    char addr[64], tf[300];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    snprintf(tf, sizeof tf, "server.http_token_file=%s", tok);
+    const char *args[] = {"--http", addr, "--set", tf, "--start-timeout", "60", "--set", "checkpoint.dir=", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "tok", 2, args);
+    static char out[1 << 16];
+    double t0 = ps_now();
+    while (http_get(port, "/healthz", NULL, out, sizeof out, NULL) != 200 && ps_now() - t0 < 30) usleep(50000);
+    cr_assert_eq(http_get(port, "/healthz", NULL, out, sizeof out, NULL), 200, "/healthz needs no token");
+    cr_assert_eq(http_get(port, "/metrics", NULL, out, sizeof out, NULL), 401, "no token");
+    cr_assert_eq(http_get(port, "/status", "wrong-token-0123456789", out, sizeof out, NULL), 401, "wrong token");
+    cr_assert_eq(http_get(port, "/metrics", "s3cret-token-0123456789", out, sizeof out, NULL), 200, "the token");
+    kill(p, SIGTERM);
+    cr_assert_eq(proc_wait(p, 30), 0);
+    chmod(tok, 0644);
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:%d --http 127.0.0.1:%d --set '%s' --start-timeout 1 "
+                         "--set checkpoint.dir= >/dev/null 2>&1", psd_bin, free_port(), free_port(), tf), 2,
+                 "a token file others can read is refused");
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:%d --http 0.0.0.0:%d --start-timeout 1 --set checkpoint.dir= "
+                         ">/dev/null 2>&1", psd_bin, free_port(), free_port()), 2,
+                 "HTTP beyond loopback without a token is refused");
 }

@@ -14,6 +14,8 @@
 #   PSD_WORKERS   workers psd waits for (2); keep equal to --scale pworker=N
 #   PSD_INSECURE  1: no keys, plain TCP (psd --insecure); only on a trusted network
 #   PSD_KEY_WAIT  seconds a worker waits for psd's keys to appear (300)
+#   PSD_HTTP_PORT psd's HTTP endpoint (/metrics, /status, /healthz) on the
+#                 container's loopback (9100); the healthcheck asks /healthz
 set -eu
 
 PSD_HOME=${PSD_HOME:-/var/lib/psd}
@@ -22,6 +24,7 @@ PSD_PORT=${PSD_PORT:-5555}
 PSD_SERVER=${PSD_SERVER:-psd}
 PSD_WORKERS=${PSD_WORKERS:-2}
 PSD_INSECURE=${PSD_INSECURE:-0}
+PSD_HTTP_PORT=${PSD_HTTP_PORT:-9100}
 KEYS=$PSD_HOME/keys
 
 die() { echo "psd-entrypoint: $*" >&2; exit 2; }
@@ -65,7 +68,7 @@ psd)
     fi
     exec psd --config "$PSD_CONFIG" --listen "tcp://0.0.0.0:$PSD_PORT" --workers "$PSD_WORKERS" \
         --metrics "$PSD_HOME/psd-metrics.jsonl" --save "$PSD_HOME/psd-weights.bin" \
-        --set "checkpoint.dir=$PSD_HOME/checkpoints" "$@"
+        --set "checkpoint.dir=$PSD_HOME/checkpoints" --http "127.0.0.1:$PSD_HTTP_PORT" "$@"
     ;;
 pworker)
     if [ "$PSD_INSECURE" != 1 ]; then
@@ -83,10 +86,10 @@ pworker)
 health)
     case "${1:-}" in
     psd)
-        # psd is up when its port is listening (state 0A) and, with keys, they exist
+        # psd is up when /healthz answers 200 and, with keys, they exist
         [ "$PSD_INSECURE" = 1 ] || [ -f "$KEYS/psd.pub" ] || exit 1
-        port=$(printf '%04X' "$PSD_PORT")
-        cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | awk -v p=":$port" '$2 ~ p"$" && $4 == "0A" {f=1} END {exit !f}'
+        exec bash -c 'exec 3<>"/dev/tcp/127.0.0.1/$1" && printf "GET /healthz HTTP/1.0\r\n\r\n" >&3 &&
+                      head -n 1 <&3 | grep -q "^HTTP/1.1 200 "' health "$PSD_HTTP_PORT"
         ;;
     pworker)
         # the worker (pid 1 after exec) is alive and not a zombie
