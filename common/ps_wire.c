@@ -13,7 +13,7 @@ const char *ps_msg_type_name(int type)
                                   "PULL",     "WEIGHTS",  "PUSH",       "BARRIER",  "VALIDATE",
                                   "VAL_RESULT", "SHUTDOWN", "ERROR",    "HEARTBEAT", "LEAVE",
                                   "SHARD_HELLO", "SHARD_WORKER", "SHARD_HAVE", "SHARD_STEP", "SHARD_NORM",
-                                  "SHARD_APPLY", "SHARD_FETCH", "SHARD_CKPT"};
+                                  "SHARD_APPLY", "SHARD_FETCH", "SHARD_CKPT", "CONTROL", "CONTROL_REPLY"};
     if (type < 0 || type >= (int)(sizeof names / sizeof names[0])) return "UNKNOWN";
     return names[type];
 }
@@ -44,6 +44,8 @@ static int body_for_type(int type)
     case PSD__MSG_TYPE__MSG_SHARD_APPLY: return PSD__HEADER__BODY_SHARD_APPLY;
     case PSD__MSG_TYPE__MSG_SHARD_FETCH: return PSD__HEADER__BODY_SHARD_FETCH;
     case PSD__MSG_TYPE__MSG_SHARD_CKPT: return PSD__HEADER__BODY_SHARD_CKPT;
+    case PSD__MSG_TYPE__MSG_CONTROL: return PSD__HEADER__BODY_CONTROL;
+    case PSD__MSG_TYPE__MSG_CONTROL_REPLY: return PSD__HEADER__BODY_CONTROL_REPLY;
     default: return -1;
     }
 }

@@ -175,6 +175,12 @@ typedef struct {
     uint32_t val_epoch_last;              /* epochs validated (0: none yet) */
     uint64_t ckpts_written, workers_lost;
     double ckpt_last_t, t_boot;
+    /* psctl checkpoint: who waits for the checkpoint being written */
+    struct {
+        uint8_t ident[PS_MAX_IDENTITY];
+        size_t ident_len;
+    } ctl_wait[8];
+    int n_ctl_wait;
     double shard_hb;      /* when shard 0 last sent them a heartbeat */
     ps_layout_t layout;
     psd_store_t store;
@@ -253,6 +259,9 @@ typedef struct {
 } srv_t;
 
 static void maybe_step(srv_t *s);
+static void on_control(srv_t *s, ps_msg_t *m);
+static void request_stop(srv_t *s, int signum, const char *what);
+static void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json);
 static void end_validation(srv_t *s);
 static void take_checkpoint(srv_t *s, bool epoch_done);
 
@@ -1197,6 +1206,14 @@ static void poll_checkpoint(srv_t *s, bool wait)
     s->store.before_update = NULL;
     s->store.before_update_ud = NULL;
     int rc = psd_ckpt_end(&s->ckpt, path, sizeof path, &secs, &bytes, &peak);
+    if (!s->ckpt_again) { /* psctl checkpoint: the one they asked for is written */
+        char msg[PS_PATH_MAX + 64];
+        snprintf(msg, sizeof msg, rc == 0 ? "checkpoint written: %s" : "checkpoint failed: %s",
+                 rc == 0 ? path : strerror(-rc));
+        for (int i = 0; i < s->n_ctl_wait; i++)
+            control_reply(s, s->ctl_wait[i].ident, s->ctl_wait[i].ident_len, rc == 0, msg, NULL);
+        s->n_ctl_wait = 0;
+    }
     if (rc != 0) PS_ERROR("checkpoint failed: %s", strerror(-rc));
     else {
         PS_INFO("checkpoint %s: %.1f MB in %.2f s, peak extra memory %.1f MB", path, (double)bytes / 1e6, secs,
@@ -1674,6 +1691,10 @@ static void handle(srv_t *s, ps_msg_t *m)
         char msg[128];
         snprintf(msg, sizeof msg, "psd speaks protocol %u, this worker %u", PS_PROTOCOL_VERSION, h->protocol);
         send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_PROTOCOL, msg);
+        return;
+    }
+    if (h->type == PSD__MSG_TYPE__MSG_CONTROL) {
+        on_control(s, m);
         return;
     }
     int si = sharded(s) ? find_shard(s, m->ident, m->ident_len) : -1;
@@ -2191,6 +2212,100 @@ static int http_render(void *ud, const char *path, char **body, size_t *len, con
     return code;
 }
 
+/* ---- psctl (MSG_CONTROL) ---------------------------------------------------- */
+
+static void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json)
+{
+    Psd__Header h;
+    Psd__ControlReply r = PSD__CONTROL_REPLY__INIT;
+    hdr_for(s, NULL, &h, PSD__MSG_TYPE__MSG_CONTROL_REPLY);
+    r.ok = ok;
+    r.text = (char *)(text ? text : "");
+    r.json = (char *)(json ? json : "");
+    h.body_case = PSD__HEADER__BODY_CONTROL_REPLY;
+    h.control_reply = &r;
+    ps_msg_send(s->sock, ident, len, &h, NULL, 0);
+}
+
+/* status and workers for people */
+static void render_human(srv_t *s, FILE *f, bool workers_only)
+{
+    double now = ps_now();
+    if (!workers_only) {
+        fprintf(f, "psd %s run %016" PRIx64 ": %s, epoch %u/%d, step %" PRIu64 " (%" PRIu64 "/%.0f in the epoch)\n",
+                PSD_VERSION, s->run_id, phase_name(s->phase), s->epoch + 1, s->cfg.epochs, s->step, s->epoch_step,
+                s->spe);
+        fprintf(f, "train loss %.4f, %.0f samples/s", s->last_loss, epoch_sps(s, now));
+        if (s->val_epoch_last) fprintf(f, ", val_acc %.4f after epoch %u", s->val_acc_last, s->val_epoch_last);
+        fprintf(f, "\nworkers %d live, %" PRIu64 " lost; shards %d; checkpoints %" PRIu64, live_workers(s),
+                s->workers_lost, s->n_shards, s->ckpts_written);
+        if (s->ckpt_last_t > 0) fprintf(f, " (last %.0f s ago)", now - s->ckpt_last_t);
+        fputc('\n', f);
+    }
+    fprintf(f, "%-5s %-20s %-8s %-10s %-11s %10s %10s %12s\n", "rank", "host", "pid", "device", "state", "compute",
+            "wait", "samples");
+    for (int i = 0; i < s->n; i++) {
+        const worker_t *w = &s->w[i];
+        uint64_t steps = 0;
+        for (int b = 0; b <= PSD_HIST_N; b++) steps += w->h_wait[b];
+        fprintf(f, "%-5u %-20.20s %-8u %-10.10s %-11s %8.1fms %8.1fms %5" PRIu64 "/%-6" PRIu64 "\n", w->rank,
+                w->hostname, w->pid, w->device, wstate_name[w->state], 1e3 * w->compute_ewma,
+                steps ? 1e3 * w->h_wait_sum / (double)steps : 0.0, w->consumed, w->assigned);
+    }
+}
+
+static void on_control(srv_t *s, ps_msg_t *m)
+{
+    const char *cmd = m->hdr->control->command ? m->hdr->control->command : "";
+    PS_DEBUG("psctl %s from %s", cmd, m->peer[0] ? m->peer : "?");
+    if (strcmp(cmd, "status") == 0 || strcmp(cmd, "workers") == 0) {
+        char *text = NULL, *json = NULL;
+        size_t tl = 0, jl = 0;
+        FILE *ft = open_memstream(&text, &tl), *fj = open_memstream(&json, &jl);
+        if (ft) render_human(s, ft, cmd[0] == 'w');
+        if (fj) render_status(s, fj);
+        int bad = (ft ? fclose(ft) != 0 : 1) | (fj ? fclose(fj) != 0 : 1);
+        bool ok = !bad;
+        control_reply(s, m->ident, m->ident_len, ok, ok ? text : "out of memory", ok ? json : NULL);
+        free(text);
+        free(json);
+        return;
+    }
+    if (strcmp(cmd, "checkpoint") == 0) {
+        if (!s->cfg.ckpt_dir[0] || s->phase == PHASE_DONE) {
+            control_reply(s, m->ident, m->ident_len, false,
+                          s->phase == PHASE_DONE ? "the run is over" : "checkpoints are off (checkpoint.dir is empty)",
+                          NULL);
+            return;
+        }
+        if (s->n_ctl_wait == (int)(sizeof s->ctl_wait / sizeof s->ctl_wait[0])) {
+            control_reply(s, m->ident, m->ident_len, false, "too many checkpoint requests waiting", NULL);
+            return;
+        }
+        memcpy(s->ctl_wait[s->n_ctl_wait].ident, m->ident, m->ident_len);
+        s->ctl_wait[s->n_ctl_wait++].ident_len = m->ident_len;
+        PS_INFO("psctl asks for a checkpoint");
+        take_checkpoint(s, false); /* answered when written (poll_checkpoint) */
+        if (!s->ckpt) { /* could not start */
+            s->n_ctl_wait--;
+            control_reply(s, m->ident, m->ident_len, false, "the checkpoint could not start (see psd's log)", NULL);
+        }
+        return;
+    }
+    if (strcmp(cmd, "stop") == 0) {
+        control_reply(s, m->ident, m->ident_len, true,
+                      s->cfg.ckpt_dir[0] ? "stopping: a checkpoint, then the workers are told to stop"
+                                         : "stopping: the workers are told to stop (checkpoints are off)",
+                      NULL);
+        request_stop(s, SIGTERM, "psctl stop");
+        return;
+    }
+    char msg[160];
+    snprintf(msg, sizeof msg, "unknown command '%.40s' (status, workers, checkpoint, stop)", cmd);
+    drop(s, NULL, "CONTROL: %s", msg);
+    control_reply(s, m->ident, m->ident_len, false, msg, NULL);
+}
+
 /* server.http: start the endpoint (token from server.http_token_file;
  * beyond loopback only with a token, or --insecure). 0 or an exit code. */
 static int start_http(srv_t *s)
@@ -2238,6 +2353,23 @@ static int start_http(srv_t *s)
     return 0;
 }
 
+/* SIGINT/SIGTERM or psctl stop (signum SIGTERM, what "psctl stop"):
+ * checkpoint, tell the workers, exit 0; a second one exits at once. */
+static void request_stop(srv_t *s, int signum, const char *what)
+{
+    if (s->stopping > 0 || !s->cfg.ckpt_dir[0]) {
+        if (s->stopping > 0) PS_WARN("received %s again: exiting now", what);
+        else PS_WARN("received %s: telling the workers to stop", what);
+        finish(s, s->stopping > 0 ? 128 + signum : 0, "psd was stopped");
+        return;
+    }
+    PS_WARN("received %s: writing a checkpoint, then telling the workers to stop (again to exit now)", what);
+    s->stopping = signum;
+    s->stop_when_written = true;
+    if (!s->ckpt) take_checkpoint(s, false);
+    if (!s->ckpt) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+}
+
 static void on_signal(uv_signal_t *h, int signum)
 {
     srv_t *s = h->data;
@@ -2253,18 +2385,7 @@ static void on_signal(uv_signal_t *h, int signum)
         drain(s);
         return;
     }
-    if (s->stopping > 0 || !s->cfg.ckpt_dir[0]) {
-        if (s->stopping > 0) PS_WARN("received %s again: exiting now", strsignal(signum));
-        else PS_WARN("received %s: telling the workers to stop", strsignal(signum));
-        finish(s, s->stopping > 0 ? 128 + signum : 0, "psd was stopped");
-        return;
-    }
-    PS_WARN("received %s: writing a checkpoint, then telling the workers to stop (again to exit now)",
-            strsignal(signum));
-    s->stopping = signum;
-    s->stop_when_written = true;
-    if (!s->ckpt) take_checkpoint(s, s->phase == PHASE_VALIDATE && false);
-    if (!s->ckpt) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+    request_stop(s, signum, strsignal(signum));
     drain(s);
 }
 

@@ -2319,3 +2319,52 @@ Test(short, http_token_and_loopback_rule)
                          ">/dev/null 2>&1", psd_bin, free_port(), free_port()), 2,
                  "HTTP beyond loopback without a token is refused");
 }
+
+/* psctl: status and workers (text and --json) of a running psd; a
+ * checkpoint asked for during training is written and is the one
+ * `psd --check-config --resume` would resume from; stop ends the run
+ * cleanly; no psd: exit 4. */
+Test(short, psctl_status_checkpoint_and_stop)
+{
+    const char *psctl = getenv("PSCTL_BIN");
+    cr_assert_not_null(psctl, "PSCTL_BIN is set by meson");
+    char ck[256], arg[300], out[8192];
+    path(ck, sizeof ck, "ck");
+    snprintf(arg, sizeof arg, "checkpoint.dir=%s", ck);
+    const char *args[] = {"--epochs", "6", "--set", arg, "--set", "checkpoint.every_epochs=0", NULL};
+    const char *wex[] = {"--threads", "1", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "ctl", 2, args);
+    pid_t w0 = start_worker(&r, "ctl", 0, wex), w1 = start_worker(&r, "ctl", 1, wex);
+    wait_log(r.psd_log, "2 workers ready", 120);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "'%s' status --server %s", psctl, r.endpoint);
+    run_cmd_out(cmd, out, sizeof out);
+    cr_assert(strstr(out, "workers 2 live") && strstr(out, "run "), "%s", out);
+    char js[256];
+    path(js, sizeof js, "workers.json");
+    cr_assert_eq(run_cmd("'%s' workers --json --server %s > '%s'", psctl, r.endpoint, js), 0);
+    cr_assert_eq(run_cmd("python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert [w[\"rank\"] for w in "
+                         "d[\"workers\"]] == [0, 1], d' '%s'", js), 0, "psctl workers --json lists both");
+    snprintf(cmd, sizeof cmd, "'%s' checkpoint --server %s", psctl, r.endpoint);
+    run_cmd_out(cmd, out, sizeof out);
+    const char *w = strstr(out, "checkpoint written: ");
+    cr_assert_not_null(w, "%s", out);
+    char file[512];
+    snprintf(file, sizeof file, "%s", w + strlen("checkpoint written: "));
+    file[strcspn(file, "\n")] = '\0';
+    cr_assert_eq(access(file, R_OK), 0, "%s exists", file);
+    char rdir[512];
+    snprintf(rdir, sizeof rdir, "%s", file);
+    *strrchr(rdir, '/') = '\0';
+    snprintf(cmd, sizeof cmd, "'%s' --check-config --epochs 6 --set '%s' --set checkpoint.every_epochs=0 --resume '%s' 2>&1",
+             psd_bin, arg, rdir);
+    run_cmd_out(cmd, out, sizeof out);
+    cr_assert(strstr(out, "would resume") && strstr(out, file), "--resume takes psctl's checkpoint: %s", out);
+    cr_assert_eq(run_cmd("'%s' stop --server %s >/dev/null", psctl, r.endpoint), 0);
+    cr_assert_eq(proc_wait(p, 60), 0, "psd stops cleanly");
+    cr_assert_eq(proc_wait(w0, 30), 0);
+    cr_assert_eq(proc_wait(w1, 30), 0);
+    cr_assert_eq(run_cmd("'%s' status --server %s --timeout 1 >/dev/null 2>&1", psctl, r.endpoint), 4, "no psd: 4");
+    cr_assert_eq(run_cmd("'%s' frobnicate --server %s >/dev/null 2>&1", psctl, r.endpoint), 2, "bad command: 2");
+}
