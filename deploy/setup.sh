@@ -6,7 +6,8 @@
 #   deploy/setup.sh --deploy   also what the tests start: a Docker engine
 #                              and docker-compose, debootstrap, SLURM and munge
 #                              (each engine only when none is installed), and
-#                              Prometheus' promtool (checks psd's /metrics)
+#                              Prometheus' promtool (checks psd's /metrics) and
+#                              Chromium (loads psd's live page headless)
 set -eu
 
 PKGS="build-essential pkg-config meson ninja-build protobuf-c-compiler
@@ -16,7 +17,7 @@ for opt in "$@"; do
     case "$opt" in
     --bench) PKGS="$PKGS python3-torch python3-numpy" ;;
     --deploy)
-        PKGS="$PKGS python3 debootstrap iptables iproute2 procps munge prometheus"
+        PKGS="$PKGS python3 debootstrap iptables iproute2 procps munge prometheus chromium"
         command -v dockerd >/dev/null 2>&1 || PKGS="$PKGS docker.io"
         command -v docker-compose >/dev/null 2>&1 || PKGS="$PKGS docker-compose"
         command -v slurmctld >/dev/null 2>&1 || PKGS="$PKGS slurm-wlm"

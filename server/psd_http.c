@@ -177,9 +177,18 @@ static int on_complete(http_parser *p)
 static bool token_ok(const psd_http_t *h, const conn_t *c)
 {
     if (!h->token[0]) return true;
-    const char *v = c->auth;
-    if (strncasecmp(v, "Bearer ", 7) != 0) return false;
-    v += 7;
+    const char *v = c->auth, *q = strstr(c->url, "?token=");
+    if (!q) q = strstr(c->url, "&token=");
+    char qt[256];
+    if (strncasecmp(v, "Bearer ", 7) == 0) {
+        v += 7;
+    } else if (q) { /* ?token=...: for the live page in a browser */
+        snprintf(qt, sizeof qt, "%s", q + 7);
+        qt[strcspn(qt, "&#")] = '\0';
+        v = qt;
+    } else {
+        return false;
+    }
     size_t n = strlen(h->token), m = strlen(v);
     unsigned diff = (unsigned)(n ^ m);
     for (size_t i = 0; i < n; i++) diff |= (unsigned)(h->token[i] ^ (i < m ? v[i] : 0));

@@ -55,6 +55,11 @@
 #define MAX_WORKERS 1024
 /* histogram buckets (seconds) of the workers' step times in /metrics */
 #define PSD_HIST_N 12
+/* the live page's curves: at most this many (step, loss) points, thinned
+ * by half (and recorded half as often) whenever full */
+#define PSD_CURVE_MAX 2048
+extern const char *const psd_page_html;
+extern const size_t psd_page_html_len;
 static const double hist_le[PSD_HIST_N] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5};
 
 #ifndef ZMQ_ZAP_ENFORCE_DOMAIN
@@ -181,6 +186,12 @@ typedef struct {
         size_t ident_len;
     } ctl_wait[8];
     int n_ctl_wait;
+    /* curves for the live page (/history) */
+    struct { uint64_t step; float loss; } curve[PSD_CURVE_MAX];
+    int n_curve;
+    uint64_t curve_every;                 /* record every curve_every-th step */
+    struct { uint32_t epoch; uint64_t step; float train_loss, val_loss, val_acc; } *val_curve;
+    int n_val_curve;
     double shard_hb;      /* when shard 0 last sent them a heartbeat */
     ps_layout_t layout;
     psd_store_t store;
@@ -760,6 +771,18 @@ static void step_done(srv_t *s)
         s->int_n[during]++;
     }
     s->last_step_t = now;
+    if (s->curve_every == 0) s->curve_every = 1;
+    if (s->step % s->curve_every == 0) {
+        if (s->n_curve == PSD_CURVE_MAX) { /* keep every other point, record half as often */
+            for (int i = 0; i < PSD_CURVE_MAX / 2; i++) s->curve[i] = s->curve[2 * i + 1];
+            s->n_curve = PSD_CURVE_MAX / 2;
+            s->curve_every *= 2;
+        }
+        if (s->step % s->curve_every == 0) {
+            s->curve[s->n_curve].step = s->step;
+            s->curve[s->n_curve++].loss = (float)s->last_loss;
+        }
+    }
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
         if (w->want_pull && w->state == W_TRAIN) send_weights(s, w);
@@ -1118,6 +1141,13 @@ static void end_validation(srv_t *s)
     s->val_acc_last = val_acc;
     s->val_loss_last = val_loss;
     s->val_epoch_last = s->epoch + 1;
+    if (s->val_curve && s->n_val_curve < s->cfg.epochs) {
+        s->val_curve[s->n_val_curve].epoch = s->epoch + 1;
+        s->val_curve[s->n_val_curve].step = s->step;
+        s->val_curve[s->n_val_curve].train_loss = (float)train_loss;
+        s->val_curve[s->n_val_curve].val_loss = (float)val_loss;
+        s->val_curve[s->n_val_curve++].val_acc = (float)val_acc;
+    }
     if (last && sharded(s)) { /* the other parts of the weights first */
         Psd__Header h;
         Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
@@ -2198,11 +2228,26 @@ static int http_render(void *ud, const char *path, char **body, size_t *len, con
     } else if (strcmp(path, "/status") == 0) {
         *ctype = "application/json";
         render_status(s, f);
+    } else if (strcmp(path, "/history") == 0) {
+        *ctype = "application/json";
+        fputs("{\"loss\":[", f);
+        for (int i = 0; i < s->n_curve; i++)
+            fprintf(f, "%s[%" PRIu64 ",%.6g]", i ? "," : "", s->curve[i].step,
+                    isfinite(s->curve[i].loss) ? (double)s->curve[i].loss : 0.0);
+        fputs("],\"epochs\":[", f);
+        for (int i = 0; i < s->n_val_curve; i++)
+            fprintf(f, "%s{\"epoch\":%u,\"step\":%" PRIu64 ",\"train_loss\":%.6g,\"val_loss\":%.6g,\"val_acc\":%.6g}",
+                    i ? "," : "", s->val_curve[i].epoch, s->val_curve[i].step, (double)s->val_curve[i].train_loss,
+                    (double)s->val_curve[i].val_loss, (double)s->val_curve[i].val_acc);
+        fputs("]}\n", f);
+    } else if (strcmp(path, "/") == 0 || strcmp(path, "/index.html") == 0) {
+        *ctype = "text/html; charset=utf-8";
+        fwrite(psd_page_html, 1, psd_page_html_len, f);
     } else if (strcmp(path, "/healthz") == 0) {
         fputs(s->phase == PHASE_DONE ? "done\n" : "ok\n", f);
     } else {
         code = 404;
-        fputs("not found: /metrics, /status, /healthz\n", f);
+        fputs("not found: /, /metrics, /status, /history, /healthz\n", f);
     }
     if (fclose(f) != 0) {
         free(*body);
@@ -2348,7 +2393,7 @@ static int start_http(srv_t *s)
         PS_ERROR("%s", err);
         return PSD_EXIT_USAGE;
     }
-    PS_INFO("HTTP on %s (port %d): /metrics /status /healthz%s", c->http, psd_http_port(s->http),
+    PS_INFO("HTTP on %s (port %d): / (live page) /metrics /status /history /healthz%s", c->http, psd_http_port(s->http),
             s->http_token[0] ? "; a bearer token is needed but for /healthz" : "");
     return 0;
 }
@@ -2829,6 +2874,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     uv_signal_start(&s->sighup, on_signal, SIGHUP);
     if (c->shared_memory && !sharded(s)) start_shm(s); /* with shards: every tensor on the wire */
     s->t_boot = ps_now();
+    s->val_curve = calloc((size_t)c->epochs, sizeof *s->val_curve);
     if (c->http[0] && (code = start_http(s)) != 0) goto out;
     code = PSD_EXIT_ERROR;
     /* the live progress line: on a terminal, unless the log is for a machine (json) */
@@ -2886,6 +2932,7 @@ out:
     free(s->pool);
     free(s->seen);
     free(s->parts);
+    free(s->val_curve);
     free(s->w);
     free(s);
     return code;

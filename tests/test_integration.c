@@ -2368,3 +2368,57 @@ Test(short, psctl_status_checkpoint_and_stop)
     cr_assert_eq(run_cmd("'%s' status --server %s --timeout 1 >/dev/null 2>&1", psctl, r.endpoint), 4, "no psd: 4");
     cr_assert_eq(run_cmd("'%s' frobnicate --server %s >/dev/null 2>&1", psctl, r.endpoint), 2, "bad command: 2");
 }
+
+/* The live page (/, compiled into psd) in a real headless Chromium while a
+ * run trains: its script fetches /status and /history, the loss chart has
+ * points and the worker table one row per worker. A screenshot is written
+ * to the build directory (psd-live-page.png). */
+Test(short, live_page_in_headless_chromium)
+{
+    if (run_cmd("command -v chromium >/dev/null") != 0) {
+        cr_log_warn("chromium not installed (deploy/setup.sh --deploy installs it): page not checked");
+        cr_skip_test("no chromium");
+    }
+    int port = free_port();
+    char addr[64], url[96];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    snprintf(url, sizeof url, "http://%s/", addr);
+    const char *args[] = {"--epochs", "20", "--http", addr, "--set", "checkpoint.dir=", NULL};
+    const char *wex[] = {"--threads", "1", "--no-shm", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "page", 2, args);
+    pid_t w0 = start_worker(&r, "page", 0, wex), w1 = start_worker(&r, "page", 1, wex);
+    static char out[1 << 20];
+    const char *body;
+    double t0 = ps_now();
+    while (ps_now() - t0 < 120 && !(http_get(port, "/metrics", NULL, out, sizeof out, &body) == 200 &&
+                                    metric_value(body, "psd_steps_total") > 5))
+        usleep(100000);
+    cr_assert_eq(http_get(port, "/", NULL, out, sizeof out, &body), 200);
+    cr_assert(strstr(body, "<canvas id=\"loss\""), "the page: %.300s", body);
+    char prof[256], cmd[2048];
+    path(prof, sizeof prof, "chromium-profile");
+    const char *flags = "--headless --no-sandbox --disable-gpu --no-first-run --disable-background-networking "
+                        "--disable-component-update --disable-sync --virtual-time-budget=6000";
+    snprintf(cmd, sizeof cmd, "chromium %s --user-data-dir='%s' --dump-dom '%s' 2>/dev/null", flags, prof, url);
+    run_cmd_out(cmd, out, sizeof out);
+    const char *lp = strstr(out, "id=\"loss-points\">");
+    cr_assert_not_null(lp, "the DOM has the loss chart: %.500s", out);
+    int points = atoi(lp + strlen("id=\"loss-points\">"));
+    cr_assert_gt(points, 0, "the loss chart has points");
+    cr_assert_eq(count_in(out, "<tr class=\"worker"), 2, "one row per worker: %s", strstr(out, "<table"));
+    char shot[512];
+    snprintf(shot, sizeof shot, "%s", psd_bin);
+    *strrchr(shot, '/') = '\0';
+    strcat(shot, "/psd-live-page.png");
+    unlink(shot);
+    cr_assert_eq(run_cmd("chromium %s --user-data-dir='%s' --window-size=1280,900 --screenshot='%s' '%s' "
+                         ">/dev/null 2>&1", flags, prof, shot, url), 0);
+    struct stat st;
+    cr_assert(stat(shot, &st) == 0 && st.st_size > 1000, "screenshot %s written", shot);
+    fprintf(stderr, "live page screenshot: %s (%d loss points, 2 workers)\n", shot, points);
+    kill(p, SIGTERM);
+    cr_assert_eq(proc_wait(p, 60), 0);
+    cr_assert_eq(proc_wait(w0, 30), 0);
+    cr_assert_eq(proc_wait(w1, 30), 0);
+}
