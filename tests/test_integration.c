@@ -2391,9 +2391,9 @@ Test(short, live_page_in_headless_chromium)
     static char out[1 << 20];
     const char *body;
     double t0 = ps_now();
-    while (ps_now() - t0 < 120 && !(http_get(port, "/metrics", NULL, out, sizeof out, &body) == 200 &&
-                                    metric_value(body, "psd_steps_total") > 5))
-        usleep(100000);
+    while (ps_now() - t0 < 180 && !(http_get(port, "/metrics", NULL, out, sizeof out, &body) == 200 &&
+                                    isfinite(metric_value(body, "psd_val_accuracy")))) /* an epoch validated */
+        usleep(200000);
     cr_assert_eq(http_get(port, "/", NULL, out, sizeof out, &body), 200);
     cr_assert(strstr(body, "<canvas id=\"loss\""), "the page: %.300s", body);
     char prof[256], cmd[2048];
@@ -2406,6 +2406,8 @@ Test(short, live_page_in_headless_chromium)
     cr_assert_not_null(lp, "the DOM has the loss chart: %.500s", out);
     int points = atoi(lp + strlen("id=\"loss-points\">"));
     cr_assert_gt(points, 0, "the loss chart has points");
+    const char *vp = strstr(out, "id=\"val-points\">");
+    cr_assert(vp && atoi(vp + strlen("id=\"val-points\">")) > 0, "the accuracy chart has points");
     cr_assert_eq(count_in(out, "<tr class=\"worker"), 2, "one row per worker: %s", strstr(out, "<table"));
     char shot[512];
     snprintf(shot, sizeof shot, "%s", psd_bin);
@@ -2416,7 +2418,8 @@ Test(short, live_page_in_headless_chromium)
                          ">/dev/null 2>&1", flags, prof, shot, url), 0);
     struct stat st;
     cr_assert(stat(shot, &st) == 0 && st.st_size > 1000, "screenshot %s written", shot);
-    fprintf(stderr, "live page screenshot: %s (%d loss points, 2 workers)\n", shot, points);
+    fprintf(stderr, "live page screenshot: %s (%d loss points, %d validated epochs, 2 workers)\n", shot, points,
+            atoi(vp + strlen("id=\"val-points\">")));
     kill(p, SIGTERM);
     cr_assert_eq(proc_wait(p, 60), 0);
     cr_assert_eq(proc_wait(w0, 30), 0);
