@@ -143,6 +143,8 @@ static void note_source(ps_msg_t *m, zmq_msg_t *f)
     if (fd >= 0) m->srcfd = fd;
     const char *a = zmq_msg_gets(f, "Peer-Address");
     if (a && a[0]) snprintf(m->peer, sizeof m->peer, "%s", a);
+    const char *u = zmq_msg_gets(f, "User-Id");
+    if (u && u[0]) snprintf(m->user, sizeof m->user, "%s", u);
 }
 
 int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size_t errlen)

@@ -44,6 +44,7 @@ typedef struct {
     size_t ident_len;
     int srcfd;                       /* libzmq's fd of the peer's connection, -1 unknown */
     char peer[64];                   /* the peer's address (IP), "" unknown */
+    char user[24];                   /* ZAP user id: the CURVE key's fingerprint, "" without keys */
 } ps_msg_t;
 
 /* Receive one whole multipart message. router: the first frame is the peer

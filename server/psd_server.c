@@ -1396,6 +1396,10 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m)
         refuse_shard(s, m, "this psd was not started as shard 0 of several (--shard 0/N)");
         return;
     }
+    if (s->zap && !psd_zap_is_self(s->zap, m->user)) { /* with keys: only psd's own key is a shard */
+        refuse_shard(s, m, "a psd shard must connect with psd's own key (--key), not a worker's");
+        return;
+    }
     int i = (int)h->shard;
     if (h->shards != (uint32_t)s->n_shards || i < 1 || i >= s->n_shards) {
         snprintf(why, sizeof why, "it is shard %u/%u, this run has %d shards", h->shard, h->shards, s->n_shards);

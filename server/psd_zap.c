@@ -165,6 +165,14 @@ void psd_zap_stop(psd_zap_t **zp)
     *zp = NULL;
 }
 
+bool psd_zap_is_self(psd_zap_t *z, const char *user_id)
+{
+    if (!z || !z->has_self) return false;
+    char fp[17];
+    ps_auth_fingerprint(z->self, fp);
+    return user_id && strcmp(user_id, fp) == 0;
+}
+
 int psd_zap_allow_self(psd_zap_t *z, const char *public_z85)
 {
     uint8_t k[32];

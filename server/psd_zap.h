@@ -5,6 +5,8 @@
 #ifndef PSD_ZAP_H
 #define PSD_ZAP_H
 
+#include <stdbool.h>
+
 #include "ps_auth.h"
 
 typedef struct psd_zap psd_zap_t;
@@ -22,6 +24,9 @@ void psd_zap_counts(psd_zap_t *z, unsigned long *accepted, unsigned long *refuse
 /* Also let in psd's own public key: the psd shards (--shard i/n), which
  * share its key pair, connect to shard 0 with it. 0 or -1. */
 int psd_zap_allow_self(psd_zap_t *z, const char *public_z85);
+
+/* The ZAP user id of a message (its key's fingerprint) is psd's own key. */
+bool psd_zap_is_self(psd_zap_t *z, const char *user_id);
 
 void psd_zap_stop(psd_zap_t **z);
 

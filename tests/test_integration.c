@@ -25,6 +25,7 @@
 #include <zmq.h>
 
 #include "proc.h"
+#include "ps_auth.h"
 #include "ps_model.h"
 #include "ps_shm.h"
 #include "psworker.h"
@@ -1984,6 +1985,39 @@ Test(short, psd_shards_with_keys)
                            "checkpoint.dir=", NULL};
     run_t r;
     pid_t p = start_psd(&r, "kshard", 1, args);
+    { /* an allowed worker's key claiming to be shard 1 is refused */
+        ps_keypair_t kp;
+        char spub[PS_Z85_LEN], err[256], kf[300], sf[300];
+        snprintf(kf, sizeof kf, "%s/good.key", dir);
+        snprintf(sf, sizeof sf, "%s/srv.pub", dir);
+        cr_assert_eq(ps_auth_load_secret(kf, &kp, err, sizeof err), 0, "%s", err);
+        cr_assert_eq(ps_auth_load_public(sf, spub, err, sizeof err), 0, "%s", err);
+        void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
+        int zero = 0, tmo = 20000;
+        zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof zero);
+        zmq_setsockopt(d, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
+        zmq_setsockopt(d, ZMQ_CURVE_SERVERKEY, spub, 40);
+        zmq_setsockopt(d, ZMQ_CURVE_PUBLICKEY, kp.public_z85, 40);
+        zmq_setsockopt(d, ZMQ_CURVE_SECRETKEY, kp.secret_z85, 40);
+        cr_assert_eq(zmq_connect(d, r.endpoint), 0);
+        Psd__Header h;
+        Psd__ShardHello b = PSD__SHARD_HELLO__INIT;
+        psd__header__init(&h);
+        h.type = PSD__MSG_TYPE__MSG_SHARD_HELLO;
+        b.shard = 1;
+        b.shards = 2;
+        b.endpoint = "tcp://127.0.0.1:1";
+        h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
+        h.shard_hello = &b;
+        cr_assert_eq(ps_msg_send(d, NULL, 0, &h, NULL, 0), 0);
+        ps_msg_t m;
+        cr_assert_eq(ps_msg_recv(d, &m, false, 0, err, sizeof err), 0, "an answer");
+        cr_assert_eq(m.hdr->type, PSD__MSG_TYPE__MSG_ERROR);
+        cr_assert(strstr(m.hdr->error->message, "psd's own key"), "%s", m.hdr->error->message);
+        ps_msg_deinit(&m);
+        zmq_close(d);
+        zmq_ctx_term(ctx);
+    }
     pid_t f = start_shard(&r, "kshard", 1, 2, fargs);
     cr_assert_eq(keyed_worker(&r, "w-bad", "bad.key", "srv.pub", 60), 2, "unknown key refused");
     cr_assert_eq(keyed_worker(&r, "w-good", "good.key", "srv.pub", 120), 0, "the allowed worker trains");
