@@ -168,6 +168,7 @@ typedef struct {
     int n_shards;         /* 1: one psd */
     shard_t shards[PS_MAX_SHARDS];
     bool stepping;        /* with clipping: waiting for the shards' block norms */
+    bool ckpt_deferred;   /* a checkpoint asked for while stepping: taken once the step is applied */
     double stepping_since;
     bool fetching;        /* end of the run: waiting for the shards' parts */
     double final_val_acc;
@@ -1190,6 +1191,10 @@ static void ckpt_hook(void *ud, size_t off, size_t n) { psd_ckpt_before_update(u
 static void take_checkpoint(srv_t *s, bool epoch_done)
 {
     if (!s->cfg.ckpt_dir[0]) return;
+    if (s->stepping) { /* between a sharded step's halves: every shard checkpoints the same step after it */
+        s->ckpt_deferred = true;
+        return;
+    }
     if (s->ckpt) {
         s->ckpt_again = true;
         return;
@@ -1236,7 +1241,7 @@ static void poll_checkpoint(srv_t *s, bool wait)
     s->store.before_update = NULL;
     s->store.before_update_ud = NULL;
     int rc = psd_ckpt_end(&s->ckpt, path, sizeof path, &secs, &bytes, &peak);
-    if (!s->ckpt_again) { /* psctl checkpoint: the one they asked for is written */
+    if (!s->ckpt_again && !s->ckpt_deferred) { /* psctl checkpoint: the one they asked for is written */
         char msg[PS_PATH_MAX + 64];
         snprintf(msg, sizeof msg, rc == 0 ? "checkpoint written: %s" : "checkpoint failed: %s",
                  rc == 0 ? path : strerror(-rc));
@@ -1510,6 +1515,11 @@ static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
         return;
     }
     step_done(s);
+    if (s->ckpt_deferred) {
+        s->ckpt_deferred = false;
+        take_checkpoint(s, false);
+        if (!s->ckpt && s->stop_when_written) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+    }
     maybe_step(s);
 }
 
@@ -2335,7 +2345,7 @@ static void on_control(srv_t *s, ps_msg_t *m)
         s->ctl_wait[s->n_ctl_wait++].ident_len = m->ident_len;
         PS_INFO("psctl asks for a checkpoint");
         take_checkpoint(s, false); /* answered when written (poll_checkpoint) */
-        if (!s->ckpt) { /* could not start */
+        if (!s->ckpt && !s->ckpt_deferred) { /* could not start */
             s->n_ctl_wait--;
             control_reply(s, m->ident, m->ident_len, false, "the checkpoint could not start (see psd's log)", NULL);
         }
@@ -2416,7 +2426,7 @@ static void request_stop(srv_t *s, int signum, const char *what)
     s->stopping = signum;
     s->stop_when_written = true;
     if (!s->ckpt) take_checkpoint(s, false);
-    if (!s->ckpt) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+    if (!s->ckpt && !s->ckpt_deferred) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
 }
 
 static void on_signal(uv_signal_t *h, int signum)
