@@ -51,6 +51,7 @@ struct psd_ckpt_writer {
     size_t seen_bytes;
     psd_arena_t *arena;   /* referenced weights (n_params floats) */
     float *slot[2];       /* the store's live slots (borrowed) */
+    psd_store_t *store;   /* whose copy-on-write hook this writer is, until psd_ckpt_end */
     size_t n_chunks;      /* per slot */
     float *bounce;        /* writer's copy of a LIVE chunk (CKPT_CHUNK_BYTES) */
     double t_begin;
@@ -526,6 +527,9 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
     sync_init = 1;
     wr->arena = psd_store_ref_current(store);
     if ((rc = -pthread_create(&wr->thread, NULL, writer_main, wr)) != 0) goto out;
+    wr->store = store; /* the optimizer slots are saved copy-on-write from now on */
+    store->before_update = psd_ckpt_hook;
+    store->before_update_ud = wr;
     *out = wr;
     wr = NULL;
 out:
@@ -584,6 +588,10 @@ int psd_ckpt_end(psd_ckpt_writer_t **pwr, char *path, size_t pathlen, double *se
 {
     psd_ckpt_writer_t *wr = *pwr;
     if (!wr) return -EINVAL;
+    if (wr->store && wr->store->before_update_ud == wr) {
+        wr->store->before_update = NULL;
+        wr->store->before_update_ud = NULL;
+    }
     pthread_join(wr->thread, NULL);
     int rc = wr->rc;
     if (path && pathlen) snprintf(path, pathlen, "%s", rc == 0 ? wr->path : "");

@@ -56,9 +56,9 @@ typedef struct psd_ckpt_writer psd_ckpt_writer_t;
  * slots borrowed until psd_ckpt_end. keep: checkpoints to keep, the newest
  * (<= 0: all). Returns 0, or -errno (nothing started).
  *
- * The caller installs the copy-on-write hook for the write's duration:
- *   store->before_update = psd_ckpt_hook; store->before_update_ud = wr;
- * and clears both before psd_ckpt_end (or leaves them with ud NULL). */
+ * It installs itself as the store's copy-on-write hook
+ * (store->before_update = psd_ckpt_hook, before_update_ud = the writer);
+ * psd_ckpt_end removes it. */
 int psd_ckpt_begin(psd_ckpt_writer_t **wr, const char *dir, int keep, const psd_ckpt_meta_t *meta,
                    const uint8_t *seen, psd_store_t *store);
 

@@ -171,7 +171,6 @@ typedef struct {
     bool ckpt_deferred;   /* a checkpoint asked for while stepping: taken once the step is applied */
     double stepping_since;
     bool fetching;        /* end of the run: waiting for the shards' parts */
-    double final_val_acc;
     /* HTTP endpoint (server.http) and what /metrics and /status report
      * beyond the state above */
     psd_http_t *http;
@@ -388,6 +387,14 @@ static void shards_send_all(srv_t *s, Psd__Header *h)
 {
     for (int i = 1; i < s->n_shards; i++)
         if (s->shards[i].joined) send_shard(s, i, h, NULL, 0);
+}
+
+/* A push counts once this part of it is complete and every other shard
+ * has its part (SHARD_HAVE): sets and returns has_push. */
+static bool push_check(const srv_t *s, worker_t *w)
+{
+    w->has_push = w->own_push && (w->shard_have & shard_bits(s)) == shard_bits(s);
+    return w->has_push;
 }
 
 /* Tell every shard about a worker: its rank and token. */
@@ -1060,7 +1067,7 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
     if (w->grad_mask != all) return; /* more parts to come */
     w->own_push = true;
     w->own_push_at = ps_now();
-    w->has_push = (w->shard_have & shard_bits(s)) == shard_bits(s); /* and every shard has its part */
+    push_check(s, w);
     /* the worker's step time, from the part that completes the push */
     if (isfinite(p->compute_s) && isfinite(p->wait_s) && p->compute_s >= 0 && p->wait_s >= 0 &&
         p->compute_s < 1e6 && p->wait_s < 1e6) {
@@ -1086,7 +1093,7 @@ static void end_run(srv_t *s)
     double wall = ps_now() - s->t_start;
     save_weights(s);
     PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s", s->cfg.epochs,
-            s->step, s->final_val_acc, sps, wall);
+            s->step, s->val_acc_last, sps, wall);
     if (s->int_n[1] > 0)
         PS_INFO("step interval %.2f ms over %" PRIu64 " steps without a checkpoint being written, "
                 "%.2f ms over %" PRIu64 " steps while one was",
@@ -1138,7 +1145,6 @@ static void end_validation(srv_t *s)
     if (s->cfg.ckpt_dir[0] && (last || stop || (s->cfg.ckpt_every_epochs > 0 &&
                                                  (s->epoch + 1) % (uint32_t)s->cfg.ckpt_every_epochs == 0)))
         take_checkpoint(s, true);
-    s->final_val_acc = val_acc;
     s->val_acc_last = val_acc;
     s->val_loss_last = val_loss;
     s->val_epoch_last = s->epoch + 1;
@@ -1186,8 +1192,6 @@ static void end_validation(srv_t *s)
 
 /* ---- checkpoints -------------------------------------------------------- */
 
-static void ckpt_hook(void *ud, size_t off, size_t n) { psd_ckpt_before_update(ud, off, n); }
-
 static void take_checkpoint(srv_t *s, bool epoch_done)
 {
     if (!s->cfg.ckpt_dir[0]) return;
@@ -1215,8 +1219,6 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
         s->ckpt = NULL;
         return;
     }
-    s->store.before_update = ckpt_hook;
-    s->store.before_update_ud = s->ckpt;
     if (sharded(s)) { /* every shard writes its part of the same step */
         Psd__Header h;
         Psd__ShardCkpt ck = PSD__SHARD_CKPT__INIT;
@@ -1238,8 +1240,6 @@ static void poll_checkpoint(srv_t *s, bool wait)
     char path[PS_PATH_MAX];
     double secs = 0;
     uint64_t bytes = 0, peak = 0;
-    s->store.before_update = NULL;
-    s->store.before_update_ud = NULL;
     int rc = psd_ckpt_end(&s->ckpt, path, sizeof path, &secs, &bytes, &peak);
     if (!s->ckpt_again && !s->ckpt_deferred) { /* psctl checkpoint: the one they asked for is written */
         char msg[PS_PATH_MAX + 64];
@@ -1564,8 +1564,7 @@ static void on_shard_have(srv_t *s, int i, ps_msg_t *m)
         return;
     }
     w->shard_have |= 1u << i;
-    w->has_push = w->own_push && (w->shard_have & shard_bits(s)) == shard_bits(s);
-    if (w->has_push) maybe_step(s);
+    if (push_check(s, w)) maybe_step(s);
 }
 
 static void on_shard(srv_t *s, int i, ps_msg_t *m)
@@ -2686,6 +2685,29 @@ out:
  * closed) when there is a key, else the loopback rule; socket options; bind.
  * allow_self: also let in psd's own key (psd shards). 0, or the exit code
  * (logged). */
+int psd_step_threads(const ps_config_t *c)
+{
+    if (c->threads > 0) return c->threads;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    return cores < 1 ? 1 : cores > 16 ? 16 : (int)cores;
+}
+
+void *psd_zmq_context(const ps_config_t *c)
+{
+    void *ctx = zmq_ctx_new();
+    /* ZeroMQ's I/O threads receive and send the tensors: with several workers
+     * pushing at once one thread is the bottleneck (2 workers over tcp: 3.0
+     * GB/s with 1, 3.5 with 2 on a 2-core VM) */
+    int io = c->io_threads;
+    if (io <= 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        io = cores < 2 ? 1 : cores / 4 > 4 ? 4 : cores / 4 < 2 ? 2 : (int)(cores / 4);
+    }
+    if (ctx && zmq_ctx_set(ctx, ZMQ_IO_THREADS, io) != 0)
+        PS_WARN("zeromq: cannot use %d I/O threads: %s", io, zmq_strerror(zmq_errno()));
+    return ctx;
+}
+
 int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no_zap, size_t n_params, bool allow_self,
                     void **sockp, psd_zap_t **zapp, void **monp)
 {
@@ -2804,11 +2826,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
         goto out;
     }
-    int threads = c->threads;
-    if (threads <= 0) {
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        threads = cores < 1 ? 1 : cores > 16 ? 16 : (int)cores;
-    }
+    int threads = psd_step_threads(c);
     if (psd_store_set_parallel(&s->store, threads, (size_t)c->chunk_bytes) != 0) {
         PS_ERROR("out of memory for the step's threads");
         goto out;
@@ -2843,17 +2861,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
             goto out;
         }
     }
-    s->zctx = zmq_ctx_new();
-    /* ZeroMQ's I/O threads receive and send the tensors: with several workers
-     * pushing at once one thread is the bottleneck (2 workers over tcp: 3.0
-     * GB/s with 1, 3.5 with 2 on a 2-core VM) */
-    int io = c->io_threads;
-    if (io <= 0) {
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        io = cores < 2 ? 1 : cores / 4 > 4 ? 4 : cores / 4 < 2 ? 2 : (int)(cores / 4);
-    }
-    if (s->zctx && zmq_ctx_set(s->zctx, ZMQ_IO_THREADS, io) != 0)
-        PS_WARN("zeromq: cannot use %d I/O threads: %s", io, zmq_strerror(zmq_errno()));
+    s->zctx = psd_zmq_context(c);
     if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, sharded(s), &s->sock, &s->zap,
                                 &s->mon)) != 0)
         goto out;

@@ -28,6 +28,12 @@ typedef struct {
     const char *advertise;  /* shard i > 0: the endpoint workers reach it at (default: where it listens) */
 } psd_run_opts_t;
 
+/* Threads of a step: server.threads, or the cores (at most 16). */
+int psd_step_threads(const ps_config_t *c);
+/* A ZeroMQ context with server.io_threads I/O threads (0: 2, or cores/4 up
+ * to 4 from 12 cores on). NULL if it cannot be made. */
+void *psd_zmq_context(const ps_config_t *c);
+
 struct psd_zap;
 /* psd's ROUTER socket on `listen`: CURVE with the allow-list (failing
  * closed) when the config has a key, else the loopback rule; options; bind.

@@ -69,6 +69,7 @@ typedef struct {
     bool joined;
     double leader_seen;
     fw_t *w;
+    int n_w;                   /* 1 + the highest rank shard 0 told about: the loops per step stop there */
     bool awaiting_apply;
     double lr;
     ps_arena_t rx_arena;
@@ -164,7 +165,7 @@ static void send_weights_to(shard_t *s, const uint8_t *ident, size_t len, uint32
 /* A new version: answer the pulls waiting for it. */
 static void answer_pulls(shard_t *s)
 {
-    for (int r = 0; r < SHARD_MAX_WORKERS; r++) {
+    for (int r = 0; r < s->n_w; r++) {
         fw_t *w = &s->w[r];
         if (w->want == 0 || w->want - 1 > s->store.cur->version || w->ident_len == 0) continue;
         w->want = 0;
@@ -250,7 +251,7 @@ static void on_step(shard_t *s, ps_msg_t *m)
         fail(s, "no free parameter arena (too many pull replies in flight)");
         return;
     }
-    for (int r = 0; r < SHARD_MAX_WORKERS; r++) /* every push of that version is used or stale */
+    for (int r = 0; r < s->n_w; r++) /* every push of that version is used or stale */
         if (s->w[r].mask && s->w[r].push_version <= st->version) release(&s->w[r]);
     if (!s->awaiting_apply) applied(s);
 }
@@ -277,8 +278,6 @@ static void ckpt_finish(shard_t *s, bool wait)
     char path[PS_PATH_MAX];
     double secs = 0;
     uint64_t bytes = 0, peak = 0;
-    s->store.before_update = NULL;
-    s->store.before_update_ud = NULL;
     int rc = psd_ckpt_end(&s->ckpt, path, sizeof path, &secs, &bytes, &peak);
     if (rc != 0) PS_ERROR("shard %d: checkpoint failed: %s", s->opts.shard, strerror(-rc));
     else PS_DEBUG("shard %d: checkpoint %s: %.1f MB in %.2f s", s->opts.shard, path, (double)bytes / 1e6, secs);
@@ -332,10 +331,7 @@ static void on_ckpt(shard_t *s, ps_msg_t *m)
     if (rc != 0) {
         PS_ERROR("shard %d: cannot start a checkpoint in %s: %s", s->opts.shard, s->ckpt_dir, strerror(-rc));
         s->ckpt = NULL;
-        return;
     }
-    s->store.before_update = psd_ckpt_hook;
-    s->store.before_update_ud = s->ckpt;
 }
 
 /* --resume DIR: this part at the step shard 0 resumed at, from
@@ -419,6 +415,7 @@ static void on_leader(shard_t *s, ps_msg_t *m)
         }
         fw_t *w = &s->w[sw->rank];
         w->known = true;
+        if ((int)sw->rank >= s->n_w) s->n_w = (int)sw->rank + 1;
         memcpy(w->token, sw->token.data, PS_SHM_TOKEN);
         break;
     }
@@ -611,13 +608,8 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     }
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
-    int threads = c->threads;
-    if (threads <= 0) {
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        threads = cores < 1 ? 1 : cores > 16 ? 16 : (int)cores;
-    }
     if (psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0 ||
-        psd_store_set_parallel(&s->store, threads, (size_t)c->chunk_bytes) != 0 ||
+        psd_store_set_parallel(&s->store, psd_step_threads(c), (size_t)c->chunk_bytes) != 0 ||
         psd_store_own(&s->store, opts->shard, opts->shards) != 0) {
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
         goto out;
@@ -633,9 +625,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         code = PSD_EXIT_USAGE;
         goto out;
     }
-    s->zctx = zmq_ctx_new();
-    int io = c->io_threads > 0 ? c->io_threads : 2;
-    if (s->zctx) zmq_ctx_set(s->zctx, ZMQ_IO_THREADS, io);
+    s->zctx = psd_zmq_context(c);
     if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, false, &s->router, &s->zap,
                                 &s->mon)) != 0)
         goto out;

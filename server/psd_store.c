@@ -347,12 +347,23 @@ static void publish(psd_store_t *s, psd_arena_t *next)
     s->cur = next;
 }
 
-int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr)
+/* The next version's arena, the step counted and the optimizer slots
+ * about to change: a checkpoint being written saves what it has not
+ * written yet (from this thread, before the pool touches them). NULL if no
+ * arena is free. */
+static psd_arena_t *begin_update(psd_store_t *s)
 {
     psd_arena_t *next = free_arena(s);
-    if (!next) return -1;
+    if (!next) return NULL;
     s->steps++;
     if (s->before_update) s->before_update(s->before_update_ud, 0, s->layout.n_params);
+    return next;
+}
+
+int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr)
+{
+    psd_arena_t *next = begin_update(s);
+    if (!next) return -1;
     step_t st = {.s = s, .next = next, .scale = clip_norm > 0.0 ? psd_clip_scale(sumsq, clip_norm) : 1.0f, .lr = lr};
     ps_pool_for(s->pool, s->n_chunks, apply_task, &st);
     publish(s, next);
@@ -362,24 +373,19 @@ int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr)
 double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
                       const uint8_t *bf16, const double *weight, double clip_norm, double lr)
 {
-    psd_arena_t *next = free_arena(s);
+    if (clip_norm > 0.0) { /* the global norm first: reduce, then apply */
+        if (free_arena(s) == NULL) return -1;
+        psd_store_reduce(s, n, grads, bf16, weight);
+        double sumsq = psd_store_sumsq(s);
+        return psd_store_apply(s, sumsq, clip_norm, lr) == 0 ? sqrt(sumsq) : -1;
+    }
+    /* without clipping every chunk is reduced and applied at once (no second pass) */
+    psd_arena_t *next = begin_update(s);
     if (!next) return -1;
-    s->steps++;
-    /* the optimizer slots are about to change: a checkpoint being written
-     * saves what it has not written yet (from this thread, before the pool
-     * touches them) */
-    if (s->before_update) s->before_update(s->before_update_ud, 0, s->layout.n_params);
     step_t st = {.s = s, .next = next, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f,
-                 .lr = lr};
-    /* without clipping every chunk is reduced and applied at once (no
-     * second pass); with it, the global norm is needed first */
-    st.apply = !(clip_norm > 0.0);
+                 .lr = lr, .apply = 1};
     ps_pool_for(s->pool, s->n_chunks, reduce_task, &st);
     double sumsq = psd_store_sumsq(s);
-    if (!st.apply) {
-        st.scale = psd_clip_scale(sumsq, clip_norm);
-        ps_pool_for(s->pool, s->n_chunks, apply_task, &st);
-    }
     publish(s, next);
     return sqrt(sumsq);
 }
