@@ -230,72 +230,83 @@ typedef struct {
     const double *weight;
     float scale;
     double lr;
-    int apply; /* reduce: also apply the optimizer (no clipping) */
 } step_t;
 
-/* the squared norm of each norm block of chunk c, whose gradient is g */
-static void block_norms(psd_store_t *s, const psd_chunk_t *c, const float *g)
+/* acc[0, n) = sum_k weight[k] * g_k over elements [rel, rel + n) of tensor t,
+ * in the contributors' order (the same arithmetic for any split of the range) */
+static void reduce_range(const step_t *st, int t, size_t rel, size_t n, float *acc)
 {
-    for (size_t o = 0, b = c->blk; o < c->n; o += PSD_NORM_BLOCK, b++)
-        s->blk_sq[b] = psd_sumsq(g + o, c->n - o < PSD_NORM_BLOCK ? c->n - o : PSD_NORM_BLOCK);
-}
-
-/* grad = sum_k weight[k] * g_k over chunk c, in the contributors' order,
- * and its block norms */
-static void reduce_chunk(step_t *st, const psd_chunk_t *c)
-{
-    psd_store_t *s = st->s;
-    const size_t rel = c->rel;
-    float *acc = s->grad + c->off;
     for (int k = 0; k < st->n; k++) {
         const float wk = (float)st->weight[k];
         if (st->bf16 && st->bf16[k]) {
-            const uint16_t *h = (const uint16_t *)st->grads[k][c->t] + rel;
+            const uint16_t *h = (const uint16_t *)st->grads[k][t] + rel;
             if (k == 0)
-                for (size_t i = 0; i < c->n; i++) acc[i] = wk * ps_bf16_to_f32(h[i]);
+                for (size_t i = 0; i < n; i++) acc[i] = wk * ps_bf16_to_f32(h[i]);
             else
-                for (size_t i = 0; i < c->n; i++) acc[i] += wk * ps_bf16_to_f32(h[i]);
+                for (size_t i = 0; i < n; i++) acc[i] += wk * ps_bf16_to_f32(h[i]);
             continue;
         }
-        const float *g = (const float *)st->grads[k][c->t] + rel;
+        const float *g = (const float *)st->grads[k][t] + rel;
         if (k == 0)
-            for (size_t i = 0; i < c->n; i++) acc[i] = wk * g[i];
+            for (size_t i = 0; i < n; i++) acc[i] = wk * g[i];
         else
-            for (size_t i = 0; i < c->n; i++) acc[i] += wk * g[i];
+            for (size_t i = 0; i < n; i++) acc[i] += wk * g[i];
     }
-    block_norms(s, c, acc);
 }
 
-/* the optimizer over chunk c, from g: the chunk's gradient */
-static void apply_chunk(step_t *st, const psd_chunk_t *c, const float *g)
+/* grad = the reduced gradient over chunk c, and its block norms (clipping) */
+static void reduce_chunk(step_t *st, const psd_chunk_t *c)
 {
     psd_store_t *s = st->s;
-    const size_t off = c->off;
-    psd_optim_apply(&s->opt, s->cur->w + off, st->next->w + off, g, st->scale,
-                    s->s0 ? s->s0 + off : NULL, s->s1 ? s->s1 + off : NULL, c->n, st->lr, s->steps);
+    float *acc = s->grad + c->off;
+    reduce_range(st, c->t, c->rel, c->n, acc);
+    for (size_t o = 0, b = c->blk; o < c->n; o += PSD_NORM_BLOCK, b++)
+        s->blk_sq[b] = psd_sumsq(acc + o, c->n - o < PSD_NORM_BLOCK ? c->n - o : PSD_NORM_BLOCK);
 }
 
+/* the optimizer over elements [o, o + n) of chunk c, from g: their gradient */
+static void apply_range(const step_t *st, const psd_chunk_t *c, size_t o, size_t n, const float *g)
+{
+    psd_store_t *s = st->s;
+    const size_t off = c->off + o;
+    psd_optim_apply(&s->opt, s->cur->w + off, st->next->w + off, g, st->scale,
+                    s->s0 ? s->s0 + off : NULL, s->s1 ? s->s1 + off : NULL, n, st->lr, s->steps);
+}
+
+/* Without clipping: reduce and apply chunk i in one pass. The sum of a few
+ * thousand elements goes through a scratch buffer that stays in the core's
+ * L1 cache, not through the gradient array (which would be written and read
+ * back from memory); no norm is computed (nothing needs it). */
+#define FUSE_FLOATS 2048
 static void reduce_task(void *arg, int i)
 {
     step_t *st = arg;
     const psd_chunk_t *c = &st->s->chunks[i];
-    if (st->apply && st->n == 1 && st->weight[0] == 1.0 && !(st->bf16 && st->bf16[0])) {
+    if (st->n == 1 && st->weight[0] == 1.0 && !(st->bf16 && st->bf16[0])) {
         /* one f32 contributor of weight 1: its gradient is the sum (1.0f * g
-         * is g, bit for bit); applied straight from it, without the pass
-         * through the accumulator (a third less memory traffic) */
-        const float *g = (const float *)st->grads[0][c->t] + c->rel;
-        block_norms(st->s, c, g);
-        apply_chunk(st, c, g);
+         * is g, bit for bit); applied straight from it */
+        apply_range(st, c, 0, c->n, (const float *)st->grads[0][c->t] + c->rel);
         return;
     }
-    reduce_chunk(st, c);
-    if (st->apply) apply_chunk(st, c, st->s->grad + c->off);
+    _Alignas(64) float acc[FUSE_FLOATS];
+    for (size_t o = 0; o < c->n; o += FUSE_FLOATS) {
+        size_t n = c->n - o < FUSE_FLOATS ? c->n - o : FUSE_FLOATS;
+        reduce_range(st, c->t, c->rel + o, n, acc);
+        apply_range(st, c, o, n, acc);
+    }
+}
+
+static void norm_task(void *arg, int i)
+{
+    step_t *st = arg;
+    reduce_chunk(st, &st->s->chunks[i]);
 }
 
 static void apply_task(void *arg, int i)
 {
     step_t *st = arg;
-    apply_chunk(st, &st->s->chunks[i], st->s->grad + st->s->chunks[i].off);
+    const psd_chunk_t *c = &st->s->chunks[i];
+    apply_range(st, c, 0, c->n, st->s->grad + c->off);
 }
 
 typedef struct {
@@ -328,7 +339,7 @@ void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
                       const double *weight)
 {
     step_t st = {.s = s, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f};
-    ps_pool_for(s->pool, s->n_chunks, reduce_task, &st);
+    ps_pool_for(s->pool, s->n_chunks, norm_task, &st);
 }
 
 double psd_store_sumsq(const psd_store_t *s)
@@ -383,9 +394,8 @@ double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
     psd_arena_t *next = begin_update(s);
     if (!next) return -1;
     step_t st = {.s = s, .next = next, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f,
-                 .lr = lr, .apply = 1};
+                 .lr = lr};
     ps_pool_for(s->pool, s->n_chunks, reduce_task, &st);
-    double sumsq = psd_store_sumsq(s);
     publish(s, next);
-    return sqrt(sumsq);
+    return 0;
 }

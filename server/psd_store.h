@@ -117,7 +117,8 @@ int psd_store_frames(psd_store_t *s, const uint16_t *w16, ps_frame_t *fr, uint32
  * its share of the batch (sum 1); contributors are reduced in the
  * order given. Clipping by clip_norm (<= 0: off), then the optimizer with lr
  * writes a new version, which becomes current. Returns the gradient's global
- * norm before clipping, or -1 if no arena could be allocated. */
+ * norm before clipping (0 without clipping: then no norm is computed), or -1
+ * if no arena could be allocated. */
 double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
                       const uint8_t *bf16, const double *weight, double clip_norm, double lr);
 
