@@ -12,8 +12,13 @@
  * time), and round-latency percentiles (push sent -> next weights received).
  * With --pulls N each worker first pulls N times in a row (psd answers each
  * at once with the current version: no step), and the pull-only GB/s (bytes
- * pulled / time) and latencies are printed too. psd trains synchronously
- * only (no async mode yet), so psbench has no async mode either. */
+ * pulled / time) and latencies are printed too.
+ *
+ * Sync or async is psd's choice (train.sync: bsp | async | ssp): in bsp a
+ * round ends when every worker has pushed and psd has stepped; in async psd
+ * applies each push as it comes and answers at once (ssp: unless the worker
+ * is train.staleness steps ahead of the slowest). psbench prints the mode it
+ * ran against. */
 #include <errno.h>
 #include <getopt.h>
 #include <pthread.h>
@@ -43,6 +48,7 @@ typedef struct {
     double *lat;
     size_t n_lat;
     int pulls;                 /* pull-only rounds first */
+    uint32_t sync;             /* psd's train.sync, from ASSIGN */
     uint64_t pull_rounds, pull_bytes;
     double p_first, p_last;
     double *plat;
@@ -103,6 +109,7 @@ static void *bench_worker(void *p)
         if (f) gzclose(f);
     }
     uint64_t limit = a.train_limit && a.train_limit < count[0] ? a.train_limit : count[0];
+    b->sync = a.sync;
     psw_client_ready(c, limit, count[1]);
     size_t n_ids = 0, pos = 0;
     uint32_t epoch = 0;
@@ -266,7 +273,8 @@ int main(int argc, char **argv)
     double agg_pp = 0, agg_pull = 0;
     for (int i = 0; i < W; i++)
         agg_pp += report(i, "rounds", "push+pull", b[i].rounds, b[i].bytes, b[i].t_first, b[i].t_last, b[i].lat, b[i].n_lat);
-    printf("aggregate push+pull: %.3f GB/s (%d workers)\n", agg_pp, W);
+    static const char *const modes[] = {"bsp", "async", "ssp"};
+    printf("aggregate push+pull: %.3f GB/s (%d workers, %s)\n", agg_pp, W, modes[b[0].sync < 3 ? b[0].sync : 0]);
     for (int i = 0; i < W && pulls > 0; i++)
         agg_pull += report(i, "pulls", "pull", b[i].pull_rounds, b[i].pull_bytes, b[i].p_first, b[i].p_last, b[i].plat,
                            b[i].n_plat);

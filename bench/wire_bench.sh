@@ -13,7 +13,9 @@
 # psd applies plain SGD here (no momentum, no weight decay: it reads the
 # weights and the gradient and writes the new weights, as ps-lite's default
 # handle sums), except in the row marked "default optimizer" (SGD with
-# Nesterov momentum and weight decay: two more passes over 4 MiB).
+# Nesterov momentum and weight decay: two more passes over 4 MiB). Rows marked
+# async run psd with train.sync: async (each push applied as it comes, answered
+# at once: no round waits for the other workers).
 #
 # ps-lite's figures are the ones measured side by side on these machines
 # (../shared/FACTS.md): 2.4-2.5 GB/s push+pull, 1 worker; 3.0-3.3 GB/s
@@ -66,6 +68,8 @@ P1=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm)
 P1D=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm "--set optimizer.momentum=0.9")
 P2=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm)
 P4=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm)
+P2A=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.sync=async")
+P4A=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.sync=async")
 Q1=$(run2 1)
 Q2=$(run2 2)
 Q4=$(run2 4)
@@ -89,6 +93,8 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 | psd, 1 worker, tcp, default optimizer | $P1D | $(r "$P1D" "$ZTCP") x raw tcp | |
 | psd, 2 workers, tcp (aggregate) | $P2 | $(r "$P2" 3.3) x ps-lite 3.3 | >= 1.1 |
 | psd, 4 workers, tcp (aggregate) | $P4 | $(r "$P4" 3.3) x ps-lite 3.3 | >= 1.1 |
+| psd async, 2 workers, tcp (aggregate) | $P2A | $(r "$P2A" 3.3) x ps-lite 3.3 | |
+| psd async, 4 workers, tcp (aggregate) | $P4A | $(r "$P4A" 3.3) x ps-lite 3.3 | |
 | psd, 2 shards, 1 worker, tcp | $Q1 | $(r "$Q1" "$ZTCP") x raw tcp | |
 | psd, 2 shards, 2 workers, tcp (aggregate) | $Q2 | $(r "$Q2" 3.3) x ps-lite 3.3 | |
 | psd, 2 shards, 4 workers, tcp (aggregate) | $Q4 | $(r "$Q4" 3.3) x ps-lite 3.3 | |

@@ -67,6 +67,7 @@ typedef struct {
 
 static const char *const opt_names[] = {"sgd", "adam", "adamw", NULL};
 static const char *const wire_names[] = {"f32", "bf16", NULL};
+static const char *const sync_names[] = {"bsp", "async", "ssp", NULL};
 static const char *const log_format_names[] = {"text", "json", NULL};
 static const char *const sched_names[] = {"constant", "step", "cosine", "onecycle", NULL};
 static const char *const act_names[] = {"relu", NULL};
@@ -116,6 +117,8 @@ static const key_spec_t keys[] = {
     K_INT("train.val_batch_size", val_batch_size, 1, MAX_LAYER_SIZE, "500"),
     K_ENUM("train.wire_gradients", wire_gradients, ps_wire_dtype_t, wire_names, "f32"),
     K_ENUM("train.wire_weights", wire_weights, ps_wire_dtype_t, wire_names, "f32"),
+    K_ENUM("train.sync", sync, ps_sync_t, sync_names, "bsp"),
+    K_INT("train.staleness", staleness, 0, 1000000, "2"),
 
     K_ENUM("optimizer.name", opt, ps_opt_kind_t, opt_names, "sgd"),
     K_DOUBLE("optimizer.lr", lr, 0.0, INFINITY, F_OPEN_MIN, "0.1"),

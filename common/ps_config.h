@@ -26,6 +26,7 @@ typedef enum {
 } ps_sched_kind_t;
 typedef enum { PS_ACT_RELU = 0 } ps_act_t;
 typedef enum { PS_WIRE_F32 = 0, PS_WIRE_BF16 } ps_wire_dtype_t; /* tensors on the wire */
+typedef enum { PS_SYNC_BSP = 0, PS_SYNC_ASYNC, PS_SYNC_SSP } ps_sync_t; /* consistency mode */
 typedef enum { PS_LOG_ERROR = 0, PS_LOG_WARN, PS_LOG_INFO, PS_LOG_DEBUG } ps_log_level_t;
 typedef enum { PS_LOG_TEXT = 0, PS_LOG_JSON } ps_log_format_t;
 
@@ -53,6 +54,8 @@ typedef struct ps_config {
     int val_batch_size; /* train.val_batch_size */
     ps_wire_dtype_t wire_gradients; /* train.wire_gradients: f32 | bf16 (workers on the wire) */
     ps_wire_dtype_t wire_weights;   /* train.wire_weights: f32 | bf16 */
+    ps_sync_t sync;                 /* train.sync: bsp | async | ssp */
+    int staleness;                  /* train.staleness: ssp's bound k (steps ahead of the slowest) */
 
     /* optimizer: (server side) */
     ps_opt_kind_t opt;   /* optimizer.name: sgd | adam | adamw */

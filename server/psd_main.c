@@ -245,6 +245,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: %s%s%s\n", config ? config : "", config ? ": " : "", err);
         goto out;
     }
+    if (run.shards > 1 && cfg.sync != PS_SYNC_BSP) {
+        fprintf(stderr, "psd: train.sync: %s needs one psd; psd shards (--shard) train with bsp only\n",
+                cfg.sync == PS_SYNC_ASYNC ? "async" : "ssp");
+        goto out;
+    }
     ps_log_set_level(cfg.log_level);
     ps_log_set_json(cfg.log_format == PS_LOG_JSON);
     if (print) {

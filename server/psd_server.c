@@ -76,6 +76,7 @@ typedef enum {
     W_GONE,         /* lost, left or failed; never waited for */
 } wstate_t;
 
+static const char *const sync_name[] = {"bsp", "async", "ssp"};
 static const char *wstate_name[] = {"assigned", "ready",      "training", "at barrier",
                                     "validating", "validated", "gone"};
 
@@ -125,6 +126,12 @@ typedef struct {
     double own_push_at;
     bool want_pull;       /* send it the version the step in progress makes */
     bool assign_wait;
+    /* async and ssp (train.sync): the version its push was computed on, its
+     * pushes applied this epoch (ssp's clock), and whether psd holds back its
+     * weights because it is train.staleness steps ahead of the slowest */
+    uint64_t push_version;
+    uint64_t clock;
+    bool ssp_wait;
     /* for /metrics: its step times (from its pushes) as histograms, and
      * the time it waited at barriers */
     uint64_t h_wait[PSD_HIST_N + 1], h_compute[PSD_HIST_N + 1];
@@ -235,6 +242,11 @@ typedef struct {
     const void *(*step_g)[PS_MAX_TENSORS]; /* a step's gradients, MAX_WORKERS rows */
     uint8_t *step_bf16;   /* and whether each row is bfloat16 */
     uint64_t ep_bytes_in, ep_bytes_out; /* tensor bytes received / sent on the wire this epoch */
+    /* async and ssp: staleness of the gradients applied this epoch (versions
+     * between the one a push was computed on and the one it was applied to),
+     * and ssp's largest lead (steps ahead of the slowest) a worker was let
+     * train at; over the run for /metrics */
+    uint64_t ep_stale_sum, ep_stale_n, ep_stale_max, ep_lead_max, stale_max_run;
     /* progress: a live line on a terminal, else a plain line every progress_every s */
     bool tty;
     double progress_next;
@@ -450,6 +462,61 @@ static void send_weights(srv_t *s, worker_t *w)
     send_to(s, w, &h, fr, n);
 }
 
+/* ---- consistency modes (train.sync) ------------------------------------- */
+
+/* ssp: the clock (pushes applied this epoch) of the slowest worker still
+ * training, UINT64_MAX if none is */
+static uint64_t min_clock(const srv_t *s)
+{
+    uint64_t m = UINT64_MAX;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].state == W_TRAIN && s->w[i].clock < m) m = s->w[i].clock;
+    return m;
+}
+
+/* ssp: w may not train its next step before the slowest catches up: it has
+ * already done train.staleness steps more than the slowest */
+static bool ssp_held(const srv_t *s, const worker_t *w)
+{
+    if (s->cfg.sync != PS_SYNC_SSP) return false;
+    uint64_t m = min_clock(s);
+    return m != UINT64_MAX && w->clock > m + (uint64_t)s->cfg.staleness;
+}
+
+/* w asked for weights to train on: send them, or with ssp hold them back
+ * while it is too far ahead (ssp_release answers it later) */
+static void answer_pull(srv_t *s, worker_t *w)
+{
+    if (ssp_held(s, w)) {
+        w->ssp_wait = true;
+        return;
+    }
+    if (s->cfg.sync == PS_SYNC_SSP) {
+        uint64_t m = min_clock(s), lead = m != UINT64_MAX && w->clock > m ? w->clock - m : 0;
+        if (lead > s->ep_lead_max) s->ep_lead_max = lead;
+    }
+    w->ssp_wait = false;
+    send_weights(s, w);
+}
+
+/* ssp: answer the workers held back that the slowest has come close enough
+ * to (it pushed, reached its barrier, or was lost). psd's own waiting is not
+ * the worker's silence: its timeout counts from here. */
+static void ssp_release(srv_t *s)
+{
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (!w->ssp_wait) continue;
+        if (w->state != W_TRAIN) {
+            w->ssp_wait = false;
+            continue;
+        }
+        if (ssp_held(s, w)) continue;
+        w->last_seen = ps_now();
+        answer_pull(s, w);
+    }
+}
+
 static void save_weights(srv_t *s)
 {
     if (!s->cfg.save[0]) return;
@@ -603,6 +670,11 @@ static int give_positions(srv_t *s, worker_t *w, const uint64_t *pos, size_t n, 
     h.body_case = PSD__HEADER__BODY_EPOCH;
     h.epoch = &ep;
     ps_frame_t fr = {.data = ids, .nbytes = 4 * n, .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n};
+    if (!append) w->clock = 0; /* ssp's clocks start again each epoch */
+    else if (w->state != W_TRAIN) { /* (re)joining the epoch: not behind the others, so nobody waits for it */
+        uint64_t m = min_clock(s);
+        if (m != UINT64_MAX && w->clock < m) w->clock = m;
+    }
     w->state = w->consumed < w->assigned || !append ? W_TRAIN : w->state;
     w->last_seen = ps_now();
     send_to(s, w, &h, &fr, n ? 1 : 0);
@@ -659,7 +731,9 @@ static void start_epoch(srv_t *s)
     s->resumed_mid_epoch = false;
     uint64_t longest = k ? (T + (uint64_t)k - 1) / (uint64_t)k : T;
     s->spe = (double)((longest + (uint64_t)s->cfg.batch_size - 1) / (uint64_t)s->cfg.batch_size);
+    if (s->cfg.sync != PS_SYNC_BSP) s->spe *= k ? k : 1; /* a step per push, not per round of pushes */
     if (s->spe < 1) s->spe = 1;
+    s->ep_stale_sum = s->ep_stale_n = s->ep_stale_max = s->ep_lead_max = 0;
     s->phase = PHASE_TRAIN;
     s->t_epoch = ps_now();
     s->n_pool = 0;
@@ -749,12 +823,12 @@ static void start_validation(srv_t *s)
 
 /* The statistics of the step's contributors, their pushes released; those
  * that asked get the new version once it is made (step_done). */
-static void account_step(srv_t *s, uint64_t total)
+static void account_step(srv_t *s, uint64_t total, const worker_t *only)
 {
     double step_loss = 0;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
-        if (!w->has_push) continue;
+        if (!w->has_push || (only && w != only)) continue;
         walk_positions(w, w->consumed, w->push_batch, mark_seen, s);
         w->consumed += w->push_batch;
         s->ep_loss += w->push_loss;
@@ -793,7 +867,7 @@ static void step_done(srv_t *s)
     }
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
-        if (w->want_pull && w->state == W_TRAIN) send_weights(s, w);
+        if (w->want_pull && w->state == W_TRAIN) answer_pull(s, w);
         w->want_pull = false;
     }
     if (s->cfg.ckpt_every_steps > 0 && s->step % (uint64_t)s->cfg.ckpt_every_steps == 0) take_checkpoint(s, false);
@@ -823,58 +897,83 @@ static void shards_step(srv_t *s, int k, const double *wt)
     shards_send_all(s, &h);
 }
 
-/* Every worker still training has pushed for this version: reduce, apply. */
+/* Reduce the pushes held (every one, or only `only`'s: async and ssp apply
+ * each push on its own), apply the optimizer, answer the pulls. Returns
+ * with s->stepping set when shards must send their norms first, or with
+ * the run ended if no arena was free. */
+static void take_step(srv_t *s, worker_t *only)
+{
+    uint64_t total = 0;
+    int k = 0; /* contributors in rank order: the same sums every run */
+    const void *(*g)[PS_MAX_TENSORS] = s->step_g; /* made once: no allocation per step */
+    double *wt = s->step_wt;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].has_push && (!only || &s->w[i] == only)) total += s->w[i].push_batch;
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (!w->has_push || (only && w != only)) continue;
+        for (int t = 0; t < s->layout.n_tensors; t++)
+            g[k][t] = w->grad_shm & (1ull << t) ? (const void *)(w->shm_grad + s->layout.t[t].offset)
+                      : w->grad_mask & (1ull << t) ? (const void *)zmq_msg_data(&w->grad[t])
+                                                   : NULL;
+        s->step_bf16[k] = wire_bf16(s, w);
+        wt[k] = (double)w->push_batch / (double)total;
+        k++;
+    }
+    double frac = (double)s->epoch_step / s->spe;
+    if (frac > 0.999999) frac = 0.999999; /* a redistributed epoch may take a few more steps */
+    s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
+    if (sharded(s)) shards_step(s, k, wt);
+    if (sharded(s) && s->cfg.clip_norm > 0) {
+        /* the whole gradient's norm first: this part's blocks now, the
+         * other shards' in their NORM messages (on_shard_norm) */
+        psd_store_reduce(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt);
+        account_step(s, total, NULL);
+        s->stepping = true;
+        s->stepping_since = ps_now();
+        for (int i = 1; i < s->n_shards; i++) s->shards[i].norm_in = false;
+        return;
+    }
+    uint64_t computed_on = only ? only->push_version : s->store.cur->version;
+    double norm = psd_store_step(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
+                                 s->cfg.clip_norm, s->lr);
+    if (norm < 0) {
+        PS_ERROR("no free parameter arena (too many pull replies in flight)");
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    if (only) { /* versions applied since the one it was computed on */
+        uint64_t stale = s->store.cur->version - 1 - computed_on;
+        s->ep_stale_sum += stale;
+        s->ep_stale_n++;
+        if (stale > s->ep_stale_max) s->ep_stale_max = stale;
+        if (stale > s->stale_max_run) s->stale_max_run = stale;
+        only->clock++;
+    }
+    account_step(s, total, only);
+    step_done(s);
+}
+
+/* bsp: once every worker still training has pushed for this version,
+ * reduce and apply. async and ssp: apply each push as it completes. */
 static void maybe_step(srv_t *s)
 {
     if (s->phase != PHASE_TRAIN || s->stepping) return;
-    int pending = 0;
-    for (int i = 0; i < s->n; i++) {
-        worker_t *w = &s->w[i];
-        if (w->state == W_TRAIN && !w->has_push) return; /* still waiting for it */
-        if (w->own_push && !w->has_push) return;        /* or for a shard to have all of its push */
-        pending += w->has_push;
-    }
-    if (pending > 0) {
-        uint64_t total = 0;
-        for (int i = 0; i < s->n; i++)
-            if (s->w[i].has_push) total += s->w[i].push_batch;
-        const void *(*g)[PS_MAX_TENSORS] = s->step_g; /* made once: no allocation per step */
-        double *wt = s->step_wt;
-        int k = 0; /* contributors in rank order: the same sums every run */
+    if (s->cfg.sync != PS_SYNC_BSP) {
+        for (int i = 0; i < s->n && s->phase == PHASE_TRAIN; i++)
+            if (s->w[i].has_push) take_step(s, &s->w[i]);
+        if (s->phase != PHASE_TRAIN) return;
+        ssp_release(s);
+    } else {
+        int pending = 0;
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
-            if (!w->has_push) continue;
-            for (int t = 0; t < s->layout.n_tensors; t++)
-                g[k][t] = w->grad_shm & (1ull << t) ? (const void *)(w->shm_grad + s->layout.t[t].offset)
-                          : w->grad_mask & (1ull << t) ? (const void *)zmq_msg_data(&w->grad[t])
-                                                       : NULL;
-            s->step_bf16[k] = wire_bf16(s, w);
-            wt[k] = (double)w->push_batch / (double)total;
-            k++;
+            if (w->state == W_TRAIN && !w->has_push) return; /* still waiting for it */
+            if (w->own_push && !w->has_push) return;        /* or for a shard to have all of its push */
+            pending += w->has_push;
         }
-        double frac = (double)s->epoch_step / s->spe;
-        if (frac > 0.999999) frac = 0.999999; /* a redistributed epoch may take a few more steps */
-        s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
-        if (sharded(s)) shards_step(s, k, wt);
-        if (sharded(s) && s->cfg.clip_norm > 0) {
-            /* the whole gradient's norm first: this part's blocks now, the
-             * other shards' in their NORM messages (on_shard_norm) */
-            psd_store_reduce(&s->store, pending, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt);
-            account_step(s, total);
-            s->stepping = true;
-            s->stepping_since = ps_now();
-            for (int i = 1; i < s->n_shards; i++) s->shards[i].norm_in = false;
-            return;
-        }
-        double norm = psd_store_step(&s->store, pending, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
-                                     s->cfg.clip_norm, s->lr);
-        if (norm < 0) {
-            PS_ERROR("no free parameter arena (too many pull replies in flight)");
-            finish(s, PSD_EXIT_ERROR, "psd out of memory");
-            return;
-        }
-        account_step(s, total);
-        step_done(s);
+        if (pending > 0) take_step(s, NULL);
+        if (s->phase != PHASE_TRAIN || s->stepping) return;
     }
     for (int i = 0; i < s->n; i++)
         if (s->w[i].state == W_TRAIN) return;
@@ -962,7 +1061,7 @@ static void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
         w->push_pull = true;
         return;
     }
-    send_weights(s, w);
+    answer_pull(s, w);
 }
 
 static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
@@ -977,7 +1076,7 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         drop(s, w, "second PUSH for version %" PRIu64, p->version);
         return;
     }
-    if (p->version != s->store.cur->version) {
+    if (s->cfg.sync == PS_SYNC_BSP ? p->version != s->store.cur->version : p->version > s->store.cur->version) {
         drop(s, w, "PUSH computed on version %" PRIu64 ", current is %" PRIu64, p->version,
              s->store.cur->version);
         return;
@@ -1002,7 +1101,7 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         return;
     }
     if (w->push_started && (p->batch != w->push_batch || p->correct != w->push_correct ||
-                            p->loss_sum != w->push_loss)) {
+                            p->loss_sum != w->push_loss || p->version != w->push_version)) {
         drop(s, w, "PUSH part for another batch than the parts before it");
         return;
     }
@@ -1057,6 +1156,7 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
     w->push_pull |= p->pull;
     if (!w->push_started) {
         w->push_started = true;
+        w->push_version = p->version;
         w->push_batch = p->batch;
         w->push_loss = p->loss_sum;
         w->push_correct = p->correct;
@@ -1125,6 +1225,16 @@ static void end_validation(srv_t *s)
             "(%" PRIu64 "/%" PRIu64 ") %.0f samples/s lr %.5g",
             s->epoch + 1, s->cfg.epochs, s->step, train_loss, train_acc, val_loss, val_acc, correct,
             count, ep_sps, s->lr);
+    if (s->cfg.sync == PS_SYNC_ASYNC)
+        PS_INFO("epoch %u: async, staleness of the %" PRIu64 " gradients applied: max %" PRIu64 " mean %.2f versions",
+                s->epoch + 1, s->ep_stale_n, s->ep_stale_max,
+                s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0);
+    if (s->cfg.sync == PS_SYNC_SSP)
+        PS_INFO("epoch %u: ssp, staleness of the %" PRIu64 " gradients applied: max %" PRIu64 " mean %.2f versions; "
+                "workers trained at most %" PRIu64 " steps ahead of the slowest (bound %d)",
+                s->epoch + 1, s->ep_stale_n, s->ep_stale_max,
+                s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0, s->ep_lead_max,
+                s->cfg.staleness);
     if (s->metrics) {
         fprintf(s->metrics,
                 "{\"schema\":1,\"run_id\":\"%016" PRIx64 "\",\"epoch\":%u,\"step\":%" PRIu64
@@ -1132,12 +1242,14 @@ static void end_validation(srv_t *s)
                 ",\"val_loss\":%.9g,\"val_acc\":%.9g,\"val_correct\":%" PRIu64 ",\"val_samples\":%" PRIu64
                 ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
                 ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g"
-                ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 "}\n",
+                ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"sync\":\"%s\""
+                ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64 "}\n",
                 s->run_id, s->epoch + 1, s->step, train_loss, train_acc, s->ep_samples, val_loss,
                 val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr,
                 s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
                 s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
-                s->ep_bytes_in, s->ep_bytes_out);
+                s->ep_bytes_in, s->ep_bytes_out, sync_name[s->cfg.sync], s->ep_stale_max,
+                s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0, s->ep_lead_max);
         fflush(s->metrics);
     }
     bool last = s->epoch + 1 >= (uint32_t)s->cfg.epochs;
@@ -1298,6 +1410,8 @@ static void send_assign(srv_t *s, worker_t *w)
     hy.train_limit = (uint64_t)s->cfg.train_limit;
     hy.epochs = (uint32_t)s->cfg.epochs;
     hy.seed = s->cfg.seed;
+    hy.sync = (uint32_t)s->cfg.sync;
+    hy.staleness = (uint32_t)s->cfg.staleness;
     a.hyper = &hy;
     /* how long a worker waits for psd before it registers again */
     a.start_timeout_s = s->cfg.start_timeout + 10;
@@ -2053,7 +2167,7 @@ static void on_timer(uv_timer_t *t)
     } else if (s->phase == PHASE_TRAIN || s->phase == PHASE_VALIDATE) {
         for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
             worker_t *w = &s->w[i];
-            bool waited_for = (w->state == W_TRAIN && !w->has_push) || w->state == W_VALIDATING;
+            bool waited_for = (w->state == W_TRAIN && !w->has_push && !w->ssp_wait) || w->state == W_VALIDATING;
             if (w->own_push && !w->has_push && now - w->own_push_at >= s->cfg.worker_timeout) {
                 /* a shard never got all of its push: it died between its messages */
                 PS_WARN("rank %u (%s pid %u) lost: psd shards are missing part of its push for %.1f s; going on "
@@ -2149,6 +2263,13 @@ static void render_metrics(srv_t *s, FILE *f)
     metric(f, "psd_workers_live", "gauge", "Workers taking part in the run.", live);
     metric(f, "psd_workers_lost_total", "counter", "Workers lost, left or failed in the run.", (double)s->workers_lost);
     metric(f, "psd_shards", "gauge", "psd shards holding the parameters.", s->n_shards);
+    if (s->cfg.sync != PS_SYNC_BSP) {
+        metric(f, "psd_staleness_max", "gauge",
+               "Most versions between a gradient's weights and the version it was applied to, this epoch.",
+               (double)s->ep_stale_max);
+        metric(f, "psd_staleness_mean", "gauge", "Mean staleness of the gradients applied this epoch (versions).",
+               s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0);
+    }
     metric(f, "psd_checkpoints_total", "counter", "Checkpoints written in this process.", (double)s->ckpts_written);
     metric(f, "psd_checkpoint_age_seconds", "gauge", "Seconds since the last checkpoint was written (NaN: none yet).",
            s->ckpt_last_t > 0 ? now - s->ckpt_last_t : NAN);
@@ -2224,9 +2345,9 @@ static void render_status(srv_t *s, FILE *f)
     fprintf(f, "],\"params\":%zu,\"optimizer\":\"%s\",\"lr\":", s->layout.n_params, ps_opt_name(s->cfg.opt));
     json_num(f, s->cfg.lr);
     fprintf(f, ",\"schedule\":\"%s\",\"batch_size\":%d,\"workers\":%d,\"shards\":%d,\"seed\":%" PRIu64
-               ",\"train_samples\":%zu,\"test_samples\":%zu}}\n",
+               ",\"train_samples\":%zu,\"test_samples\":%zu,\"sync\":\"%s\",\"staleness\":%d}}\n",
             ps_sched_name(s->cfg.sched), s->cfg.batch_size, s->cfg.workers, s->n_shards, (uint64_t)s->cfg.seed,
-            s->train_count, s->test_count);
+            s->train_count, s->test_count, sync_name[s->cfg.sync], s->cfg.staleness);
 }
 
 static int http_render(void *ud, const char *path, char **body, size_t *len, const char **ctype)

@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <sys/socket.h>
+#include <inttypes.h>
 #include <math.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -2459,3 +2460,119 @@ Test(short, live_page_in_headless_chromium)
     cr_assert_eq(proc_wait(w0, 30), 0);
     cr_assert_eq(proc_wait(w1, 30), 0);
 }
+
+/* ---- consistency modes (train.sync: bsp | async | ssp) ------------------- */
+
+/* psd + 2 workers, worker 0 slowed down by slow_ms per step; the largest
+ * staleness and ssp lead over the epochs' metrics lines */
+static void run_sync(run_t *r, const char *tag, const char *mode, int slow_ms, uint64_t *stale_max,
+                     uint64_t *lead_max)
+{
+    char sync[32], slow[16];
+    snprintf(sync, sizeof sync, "train.sync=%s", mode);
+    snprintf(slow, sizeof slow, "%d", slow_ms);
+    const char *args[] = {"--epochs", "2", "--set", "data.train_limit=3200", "--set", sync, "--set",
+                          "train.staleness=2", "--set", "optimizer.lr=0.05", NULL};
+    pid_t p = start_psd(r, tag, 2, args);
+    const char *slowed[] = {"--x-slow-ms", slow, NULL};
+    pid_t w0 = start_worker(r, tag, 0, slowed), w1 = start_worker(r, tag, 1, NULL);
+    r->psd_code = proc_wait(p, 300);
+    r->worker_code[0] = proc_wait(w0, 30);
+    r->worker_code[1] = proc_wait(w1, 30);
+    check_run(r, 2, 2);
+    char *m = metrics_last(r), *save = NULL;
+    *stale_max = *lead_max = 0;
+    for (char *line = strtok_r(m, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        char want[32];
+        snprintf(want, sizeof want, "\"sync\":\"%s\"", mode);
+        cr_assert(strstr(line, want), "%s in %s", want, line);
+        double st = json_num(line, "staleness_max"), mean = json_num(line, "staleness_mean");
+        cr_assert(mean > 0 && mean <= st, "staleness mean %g max %g", mean, st);
+        if (st > (double)*stale_max) *stale_max = (uint64_t)st;
+        if (json_num(line, "ssp_lead_max") > (double)*lead_max) *lead_max = (uint64_t)json_num(line, "ssp_lead_max");
+    }
+    free(m);
+}
+
+/* ssp with bound 2: the fast worker is held back at 2 steps ahead of the slow
+ * one, so no gradient psd applies is more than 3 versions stale (2 workers:
+ * while one computes, the other applies at most k + 1 pushes); async lets it
+ * run, and its staleness goes past that (so the first check can fail). */
+Test(short, ssp_holds_a_fast_worker_within_the_staleness_bound)
+{
+    int slow = sanitized() ? 200 : 40;
+    run_t r;
+    uint64_t stale, lead;
+    run_sync(&r, "ssp", "ssp", slow, &stale, &lead);
+    cr_assert_eq(lead, 2, "the fast worker reached the bound and never passed it (lead %" PRIu64 ")", lead);
+    cr_assert(stale >= 1 && stale <= 3, "ssp staleness max %" PRIu64 " (bound k + 1 = 3)", stale);
+    char *log = slurp(r.psd_log);
+    cr_assert(strstr(log, "workers trained at most 2 steps ahead of the slowest (bound 2)"), "%s", log);
+    free(log);
+    run_sync(&r, "async", "async", slow, &stale, &lead);
+    cr_assert_eq(lead, 0, "async has no bound to report");
+    cr_assert_gt(stale, 3, "async lets the fast worker run ahead: staleness max %" PRIu64, stale);
+}
+
+/* ssp: the slowest worker dies; the fast one, held back, is let go once psd
+ * declares it lost, and finishes the epoch (its samples too). */
+Test(short, ssp_does_not_hang_when_the_slowest_worker_dies)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=3200", "--set", "train.sync=ssp",
+                          "--set", "train.staleness=1", "--set", "optimizer.lr=0.05", "--worker-timeout", "2",
+                          NULL};
+    pid_t p = start_psd(&r, "sspkill", 2, args);
+    const char *slowed[] = {"--x-slow-ms", "300", "--retry-for", "0", NULL};
+    pid_t w0 = start_worker(&r, "sspkill", 0, slowed), w1 = start_worker(&r, "sspkill", 1, NULL);
+    wait_log(r.psd_log, "training 1 epoch", 60);
+    zmq_poll(NULL, 0, 1500); /* the fast worker is held back by now */
+    kill(w0, SIGKILL);
+    cr_assert_eq(proc_wait(w0, 10), 128 + SIGKILL);
+    r.psd_code = proc_wait(p, 120);
+    r.worker_code[0] = 0;
+    r.worker_code[1] = proc_wait(w1, 30);
+    check_run(&r, 1, 1);
+    char *m = metrics_last(&r);
+    cr_assert_eq(json_num(last_line(m), "train_samples"), 3200, "every sample trained once: %s", last_line(m));
+    free(m);
+    char *log = slurp(r.psd_log);
+    cr_assert(strstr(log, "lost"), "%s", log);
+    free(log);
+}
+
+/* A mode psd shards do not support is refused at start. */
+Test(short, async_with_psd_shards_is_refused)
+{
+    char out[256];
+    path(out, sizeof out, "syncshard.txt");
+    cr_assert_eq(run_cmd("'%s' --shard 0/2 --set train.sync=async --listen tcp://127.0.0.1:9 > '%s' 2>&1", psd_bin, out),
+                 2);
+    char *t = slurp(out);
+    cr_assert(strstr(t, "train.sync: async needs one psd"), "%s", t);
+    free(t);
+    cr_assert_eq(run_cmd("'%s' --set train.sync=sometimes --print-config > /dev/null 2>&1", psd_bin), 2);
+    cr_assert_eq(run_cmd("'%s' --set train.staleness=-1 --print-config > /dev/null 2>&1", psd_bin), 2);
+}
+
+/* Fashion-MNIST, 2 workers, 5 epochs: async and ssp learn as well as bsp
+ * (lr 0.05: each push is a step of one worker's batch). */
+static void full_sync(const char *mode)
+{
+    run_t r;
+    char sync[32];
+    snprintf(sync, sizeof sync, "train.sync=%s", mode);
+    const char *args[] = {"--epochs", "5", "--set", sync, "--set", "optimizer.lr=0.05", NULL};
+    train(&r, mode, 2, args, 900);
+    check_run(&r, 2, 5);
+    char *m = metrics_last(&r);
+    const char *last = last_line(m);
+    cr_assert_eq(json_num(last, "train_samples"), 60000);
+    cr_assert_geq(json_num(last, "val_acc"), 0.88, "%s: %s", mode, last);
+    fprintf(stderr, "%s: val_acc %.4f, %.0f samples/s\n", mode, json_num(last, "val_acc"),
+            json_num(last, "samples_per_s"));
+    free(m);
+}
+
+Test(long, async_two_workers_reach_088) { full_sync("async"); }
+Test(long, ssp_two_workers_reach_088) { full_sync("ssp"); }

@@ -586,6 +586,12 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     out->train_limit = a->hyper->train_limit;
     out->epochs = a->hyper->epochs;
     out->seed = a->hyper->seed;
+    out->sync = a->hyper->sync;
+    out->staleness = a->hyper->staleness;
+    if (out->sync > 2) {
+        snprintf(err, errlen, "psd sent an unknown consistency mode %u", out->sync);
+        return -EPROTO;
+    }
     out->start_timeout_s = a->start_timeout_s;
     out->step_timeout_s = a->step_timeout_s;
     shm_unmap(c);

@@ -177,6 +177,7 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     psw_model_train_step(w->m, w->x, w->y, B, &loss, &correct, grad_ready, w);
     w->pos += (size_t)B;
     int last = w->pos >= w->n_ids;
+    if (w->o->slow_ms > 0) nanosleep(&(struct timespec){w->o->slow_ms / 1000, (w->o->slow_ms % 1000) * 1000000L}, NULL);
 
     const float *base = w->be->host_visible ? psw_model_grads(w->m) : w->grads_host;
     const float *g[PSW_MAX_TENSORS];

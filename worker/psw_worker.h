@@ -10,6 +10,7 @@ typedef struct {
     const char *device;        /* "cpu" or "cuda" */
     int device_index;          /* CUDA ordinal, -1 for cpu */
     int split_push;            /* push each tensor as its own message even on CPU (tests) */
+    int slow_ms;               /* sleep this long before each push (tests: a slow worker) */
     unsigned protocol;         /* 0 = ours; tests set another to check refusal */
     double register_timeout_s; /* how long to wait for psd to answer the registration */
     double retry_s;            /* after losing psd: keep registering again for this long */

@@ -57,6 +57,8 @@ typedef struct {
     uint64_t train_limit;
     uint32_t epochs;
     uint64_t seed;
+    uint32_t sync;             /* train.sync: 0 bsp, 1 async, 2 ssp */
+    uint32_t staleness;        /* train.staleness (ssp) */
     double start_timeout_s;    /* how long to wait for the first epoch */
     double step_timeout_s;     /* how long to wait for any later reply */
     int shm;                   /* tensors go through shared memory with psd (same host) */
