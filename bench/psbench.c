@@ -48,6 +48,9 @@ typedef struct {
     double *lat;
     size_t n_lat;
     int pulls;                 /* pull-only rounds first */
+    int push_only;             /* async psd: push every batch back to back, no pulls */
+    uint64_t pushes, push_bytes;
+    double q_first, q_last;
     uint32_t sync;             /* psd's train.sync, from ASSIGN */
     uint64_t pull_rounds, pull_bytes;
     double p_first, p_last;
@@ -110,6 +113,14 @@ static void *bench_worker(void *p)
     }
     uint64_t limit = a.train_limit && a.train_limit < count[0] ? a.train_limit : count[0];
     b->sync = a.sync;
+    if (b->push_only && a.sync == 0) {
+        fprintf(stderr, "psbench: --push-only needs psd in async or ssp mode (train.sync); in bsp every push waits "
+                        "for the step\n");
+        b->rc = 2;
+        psw_client_destroy(&c);
+        free(zero);
+        return NULL;
+    }
     psw_client_ready(c, limit, count[1]);
     size_t n_ids = 0, pos = 0;
     uint32_t epoch = 0;
@@ -139,6 +150,7 @@ static void *bench_worker(void *p)
                 psw_client_pull(c, ev.version);
             }
         } else if (ev.kind == PSW_EV_VALIDATE) {
+            if (b->push_only && b->q_first > 0 && b->q_last == 0) b->q_last = ps_now(); /* psd applied them all */
             psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 0, 0, ev.val_end - ev.val_begin);
         } else if (ev.kind == PSW_EV_WEIGHTS && in_epoch && pulls_left > 0) {
             double now = ps_now(); /* a pull-only round: pull -> weights */
@@ -153,6 +165,22 @@ static void *bench_worker(void *p)
             t_pull = ps_now();
             if (--pulls_left == 0) t_pull = 0;
             psw_client_pull(c, ev.version);
+        } else if (ev.kind == PSW_EV_WEIGHTS && in_epoch && b->push_only) {
+            /* every batch of the epoch pushed on these weights without waiting (the
+             * zero gradient never changes: frames in flight may share it); psd
+             * applies each as it comes; the time ends when psd asks to validate */
+            if (b->q_first == 0) b->q_first = ps_now();
+            for (; pos < n_ids; b->pushes++) {
+                size_t B = n_ids - pos < a.batch_size ? n_ids - pos : a.batch_size;
+                pos += B;
+                b->push_bytes += 4 * l.n_params;
+                if (psw_client_push(c, ev.version, (uint32_t)B, 0, 0, 0, l.n_tensors, ids, g, numel, rows, cols) != 0) {
+                    b->rc = 1;
+                    break;
+                }
+            }
+            in_epoch = 0;
+            psw_client_barrier(c, epoch, n_ids);
         } else if (ev.kind == PSW_EV_WEIGHTS && in_epoch) {
             double now = ps_now();
             if (t_push > 0) { /* a round: push -> these weights */
@@ -206,22 +234,26 @@ static double report(int i, const char *unit, const char *what, uint64_t rounds,
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: psbench --connect ENDPOINT [--workers W] [--pulls N] [--no-shm] [--key FILE --server-key FILE]\n"
+    fprintf(f, "usage: psbench --connect ENDPOINT [--workers W] [--pulls N | --push-only] [--no-shm]\n"
+               "               [--key FILE --server-key FILE]\n"
                "  W simulated workers (threads) push zero gradients and pull weights from psd\n"
                "  until psd ends the run; prints push+pull GB/s and round latencies. On psd's\n"
-               "  host tensors go through shared memory unless --no-shm\n");
+               "  host tensors go through shared memory unless --no-shm. --pulls N: N pull-only\n"
+               "  rounds first. --push-only (psd in async mode): push every batch back to back,\n"
+               "  no pulls; GB/s = bytes pushed / time until psd has applied them\n");
 }
 
 int main(int argc, char **argv)
 {
     const char *ep = NULL, *key = NULL, *server_key = NULL;
-    int W = 1, no_shm = 0, pulls = 0;
+    int W = 1, no_shm = 0, pulls = 0, push_only = 0;
     static const struct option opts[] = {{"connect", required_argument, 0, 'c'},
                                          {"workers", required_argument, 0, 'w'},
                                          {"key", required_argument, 0, 'k'},
                                          {"server-key", required_argument, 0, 's'},
                                          {"no-shm", no_argument, 0, 'n'},
                                          {"pulls", required_argument, 0, 'p'},
+                                         {"push-only", no_argument, 0, 'P'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     int o;
@@ -233,11 +265,13 @@ int main(int argc, char **argv)
         case 's': server_key = optarg; break;
         case 'n': no_shm = 1; break;
         case 'p': pulls = atoi(optarg); break;
+        case 'P': push_only = 1; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
     }
-    if (!ep || W < 1 || W > MAX_W || pulls < 0 || pulls > MAX_ROUNDS || optind != argc || (!key != !server_key)) {
+    if (!ep || W < 1 || W > MAX_W || pulls < 0 || pulls > MAX_ROUNDS || optind != argc || (!key != !server_key) ||
+        (push_only && pulls)) {
         usage(stderr);
         return 2;
     }
@@ -263,6 +297,7 @@ int main(int argc, char **argv)
         b[i].lat = malloc(MAX_ROUNDS * sizeof(double));
         b[i].plat = malloc(MAX_ROUNDS * sizeof(double));
         b[i].pulls = pulls;
+        b[i].push_only = push_only;
         pthread_create(&th[i], NULL, bench_worker, &b[i]);
     }
     int rc = 0;
@@ -270,11 +305,20 @@ int main(int argc, char **argv)
         pthread_join(th[i], NULL);
         if (b[i].rc) rc = b[i].rc;
     }
-    double agg_pp = 0, agg_pull = 0;
-    for (int i = 0; i < W; i++)
-        agg_pp += report(i, "rounds", "push+pull", b[i].rounds, b[i].bytes, b[i].t_first, b[i].t_last, b[i].lat, b[i].n_lat);
+    double agg_pp = 0, agg_pull = 0, agg_push = 0;
     static const char *const modes[] = {"bsp", "async", "ssp"};
-    printf("aggregate push+pull: %.3f GB/s (%d workers, %s)\n", agg_pp, W, modes[b[0].sync < 3 ? b[0].sync : 0]);
+    if (push_only) {
+        for (int i = 0; i < W; i++) {
+            double dt = b[i].q_last - b[i].q_first, gbs = dt > 0 ? (double)b[i].push_bytes / dt / 1e9 : 0;
+            printf("worker %d: %llu pushes, push %.3f GB/s\n", i, (unsigned long long)b[i].pushes, gbs);
+            agg_push += gbs;
+        }
+        printf("aggregate push: %.3f GB/s (%d workers, %s)\n", agg_push, W, modes[b[0].sync < 3 ? b[0].sync : 0]);
+    }
+    for (int i = 0; i < W && !push_only; i++)
+        agg_pp += report(i, "rounds", "push+pull", b[i].rounds, b[i].bytes, b[i].t_first, b[i].t_last, b[i].lat, b[i].n_lat);
+    if (!push_only)
+        printf("aggregate push+pull: %.3f GB/s (%d workers, %s)\n", agg_pp, W, modes[b[0].sync < 3 ? b[0].sync : 0]);
     for (int i = 0; i < W && pulls > 0; i++)
         agg_pull += report(i, "pulls", "pull", b[i].pull_rounds, b[i].pull_bytes, b[i].p_first, b[i].p_last, b[i].plat,
                            b[i].n_plat);

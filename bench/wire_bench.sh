@@ -70,6 +70,8 @@ P2=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm)
 P4=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm)
 P2A=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.sync=async")
 P4A=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.sync=async")
+PO1=$(run 1 "tcp://127.0.0.1:$PORT" "--no-shm --push-only" "$PLAIN --set train.sync=async")
+PO2=$(run 2 "tcp://127.0.0.1:$PORT" "--no-shm --push-only" "$PLAIN --set train.sync=async")
 Q1=$(run2 1)
 Q2=$(run2 2)
 Q4=$(run2 4)
@@ -95,6 +97,7 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 | psd, 4 workers, tcp (aggregate) | $P4 | $(r "$P4" 3.3) x ps-lite 3.3 | >= 1.1 |
 | psd async, 2 workers, tcp (aggregate) | $P2A | $(r "$P2A" 3.3) x ps-lite 3.3 | |
 | psd async, 4 workers, tcp (aggregate) | $P4A | $(r "$P4A" 3.3) x ps-lite 3.3 | |
+| psd async, push only, 1 / 2 workers, tcp (bytes pushed / time) | $PO1 / $PO2 | | |
 | psd, 2 shards, 1 worker, tcp | $Q1 | $(r "$Q1" "$ZTCP") x raw tcp | |
 | psd, 2 shards, 2 workers, tcp (aggregate) | $Q2 | $(r "$Q2" 3.3) x ps-lite 3.3 | |
 | psd, 2 shards, 4 workers, tcp (aggregate) | $Q4 | $(r "$Q4" 3.3) x ps-lite 3.3 | |

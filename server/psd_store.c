@@ -349,9 +349,25 @@ double psd_store_sumsq(const psd_store_t *s)
     return sumsq;
 }
 
+/* The arena the next version goes into: the current one itself when
+ * nothing but the store references it (no frame in flight, no worker on
+ * shared memory holding it, no checkpoint writing it; only this thread
+ * adds references, so the count cannot grow meanwhile): updating in place
+ * reads and writes one array instead of reading one and filling another.
+ * Otherwise a free one (out of place, as before). NULL if none. */
+static psd_arena_t *next_arena(psd_store_t *s)
+{
+    if (atomic_load_explicit(&s->cur->refs, memory_order_acquire) == 1) return s->cur;
+    return free_arena(s);
+}
+
 /* the new version becomes current */
 static void publish(psd_store_t *s, psd_arena_t *next)
 {
+    if (next == s->cur) { /* updated in place */
+        next->version++;
+        return;
+    }
     next->version = s->cur->version + 1;
     atomic_store(&next->refs, 1);
     atomic_fetch_sub_explicit(&s->cur->refs, 1, memory_order_release);
@@ -364,7 +380,7 @@ static void publish(psd_store_t *s, psd_arena_t *next)
  * arena is free. */
 static psd_arena_t *begin_update(psd_store_t *s)
 {
-    psd_arena_t *next = free_arena(s);
+    psd_arena_t *next = next_arena(s);
     if (!next) return NULL;
     s->steps++;
     if (s->before_update) s->before_update(s->before_update_ud, 0, s->layout.n_params);
@@ -385,7 +401,7 @@ double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
                       const uint8_t *bf16, const double *weight, double clip_norm, double lr)
 {
     if (clip_norm > 0.0) { /* the global norm first: reduce, then apply */
-        if (free_arena(s) == NULL) return -1;
+        if (next_arena(s) == NULL) return -1;
         psd_store_reduce(s, n, grads, bf16, weight);
         double sumsq = psd_store_sumsq(s);
         return psd_store_apply(s, sumsq, clip_norm, lr) == 0 ? sqrt(sumsq) : -1;

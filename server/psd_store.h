@@ -3,8 +3,11 @@
  *
  * A version is an arena laid out by ps_layout_t. Pull replies send frames
  * that point into the current version's arena (no copies) and hold a
- * reference each; the next version is built out of place in an arena nobody
- * references, so replies in flight are never overwritten. */
+ * reference each; while anything references the current version the next
+ * one is built out of place in an arena nobody references, so replies in
+ * flight are never overwritten. When nothing does (the usual case in
+ * synchronous training over the wire: every reply was sent before the
+ * pushes came back), the step updates the current arena in place. */
 #ifndef PSD_STORE_H
 #define PSD_STORE_H
 

@@ -998,3 +998,44 @@ Test(store, fused_reduce_and_apply_gives_the_same_bits)
     psd_store_deinit(&a);
     psd_store_deinit(&b);
 }
+
+/* With nothing referencing the current version a step updates it in place;
+ * a version a frame still references is never written (the next one goes
+ * into another arena). Same bits either way. */
+Test(store, unreferenced_versions_update_in_place_referenced_ones_never)
+{
+    static const int sizes[] = {300, 70, 10};
+    psd_store_t a, b;
+    store_make(&a, sizes, 3);
+    store_make(&b, sizes, 3);
+    size_t n = a.layout.n_params;
+    float *g = malloc(n * sizeof(float)), *held = malloc(n * sizeof(float));
+    cr_assert(g && held);
+    const void *f[1][PS_MAX_TENSORS];
+    for (int t = 0; t < a.layout.n_tensors; t++) f[0][t] = g + a.layout.t[t].offset;
+    const double one[1] = {1.0};
+    psd_arena_t *ref = NULL;
+    for (int k = 0; k < 4; k++) {
+        for (size_t i = 0; i < n; i++) g[i] = sinf((float)(i * (k + 1))) * 1e-2f;
+        /* a: a reply of the current version still in flight */
+        if (ref) psd_store_frame_free(NULL, ref);
+        ref = psd_store_ref_current(&a);
+        memcpy(held, ref->w, n * sizeof(float));
+        uint64_t v = a.cur->version;
+        psd_arena_t *b_before = b.cur;
+        cr_assert_geq(psd_store_step(&a, 1, (const void *const(*)[PS_MAX_TENSORS])f, NULL, one, 0, 1e-2), 0);
+        cr_assert_geq(psd_store_step(&b, 1, (const void *const(*)[PS_MAX_TENSORS])f, NULL, one, 0, 1e-2), 0);
+        cr_assert_neq(a.cur, ref, "a referenced version is not the next one's arena");
+        cr_assert_eq(memcmp(held, ref->w, n * sizeof(float)), 0, "a referenced version was written");
+        cr_assert_eq(ref->version, v);
+        cr_assert_eq(b.cur, b_before, "nothing referenced it: updated in place");
+        cr_assert_eq(b.cur->version, v + 1);
+        cr_assert_eq(memcmp(a.cur->w, b.cur->w, n * sizeof(float)), 0, "step %d", k);
+    }
+    psd_store_frame_free(NULL, ref);
+    cr_assert_eq(b.n_arenas, 1, "b never needed a second arena");
+    free(g);
+    free(held);
+    psd_store_deinit(&a);
+    psd_store_deinit(&b);
+}
