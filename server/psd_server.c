@@ -245,8 +245,8 @@ typedef struct {
     /* async and ssp: staleness of the gradients applied this epoch (versions
      * between the one a push was computed on and the one it was applied to),
      * and ssp's largest lead (steps ahead of the slowest) a worker was let
-     * train at; over the run for /metrics */
-    uint64_t ep_stale_sum, ep_stale_n, ep_stale_max, ep_lead_max, stale_max_run;
+     * train at */
+    uint64_t ep_stale_sum, ep_stale_n, ep_stale_max, ep_lead_max;
     /* progress: a live line on a terminal, else a plain line every progress_every s */
     bool tty;
     double progress_next;
@@ -947,7 +947,6 @@ static void take_step(srv_t *s, worker_t *only)
         s->ep_stale_sum += stale;
         s->ep_stale_n++;
         if (stale > s->ep_stale_max) s->ep_stale_max = stale;
-        if (stale > s->stale_max_run) s->stale_max_run = stale;
         only->clock++;
     }
     account_step(s, total, only);
