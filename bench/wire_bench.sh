@@ -83,6 +83,16 @@ run 1 "tcp://127.0.0.1:$PORT" "--no-shm --pulls $ROUNDS" >/dev/null
 PLT=$(awk '/^aggregate pull/ {print $3}' "$WORK/psbench-1.txt")
 
 r() { python3 -c "print(f'{$1 / $2:.2f}')"; }
+
+# The 1-worker tcp ratio moves between runs more than anything psd changes:
+# 5 pairs of (raw probe, psd) back to back, and their median ratio.
+PAIRS=""
+for _ in 1 2 3 4 5; do
+    RAW=$("$ROOT/build/wire_probe" 4 0.3 | awk '/^zmq_tcp/ {print $4}')
+    PSD=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm 2>/dev/null)
+    PAIRS="$PAIRS $(r "$PSD" "$RAW")"
+done
+MED=$(python3 -c "import statistics, sys; print(f'{statistics.median(map(float, sys.argv[1:])):.2f}')" $PAIRS)
 cat <<EOF
 
 push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
@@ -105,4 +115,6 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 | psd, 1 worker, shared memory | $PS1 | $(r "$PS1" "$MEMCPY") x memcpy | >= 0.5 |
 | psd, 2 workers, shared memory (aggregate) | $PS2 | $(r "$PS2" "$MEMCPY") x memcpy | |
 | psd pull only, 1 worker, tcp (bytes pulled / time) | $PLT | | |
+
+psd, 1 worker, tcp, 5 paired runs (raw probe, psd) back to back: ratios$PAIRS; median $MED (target >= 0.85)
 EOF
