@@ -2419,6 +2419,12 @@ static void render_human(srv_t *s, FILE *f, bool workers_only)
                 s->workers_lost, s->n_shards, s->ckpts_written);
         if (s->ckpt_last_t > 0) fprintf(f, " (last %.0f s ago)", now - s->ckpt_last_t);
         fputc('\n', f);
+        if (s->cfg.sync != PS_SYNC_BSP) {
+            fprintf(f, "%s", sync_name[s->cfg.sync]);
+            if (s->cfg.sync == PS_SYNC_SSP) fprintf(f, " (staleness bound %d)", s->cfg.staleness);
+            fprintf(f, ": staleness this epoch max %" PRIu64 ", mean %.2f versions\n", s->ep_stale_max,
+                    s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0);
+        }
     }
     fprintf(f, "%-5s %-20s %-8s %-10s %-11s %10s %10s %12s\n", "rank", "host", "pid", "device", "state", "compute",
             "wait", "samples");
