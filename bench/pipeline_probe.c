@@ -22,21 +22,10 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "bench_util.h"
 #include "ps_util.h"
 
 #define N ((size_t)1 << 20) /* floats: 4 MiB */
-
-static void no_free(void *data, void *hint)
-{
-    (void)data;
-    (void)hint;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 /* psd's side: rounds of K parts in, the SGD pass per part, K parts out */
 static void server(const char *ep, int rounds, int k, int apply)
@@ -59,7 +48,7 @@ static void server(const char *ep, int rounds, int k, int apply)
             if (apply)
                 for (size_t i = 0; i < n; i++) dst[p * n + i] = src[p * n + i] - 0.01f * gp[i];
             zmq_msg_send(&id, r, ZMQ_SNDMORE);
-            zmq_msg_init_data(&out, dst + p * n, n * 4, no_free, NULL);
+            zmq_msg_init_data(&out, dst + p * n, n * 4, bench_no_free, NULL);
             zmq_msg_send(&out, r, 0);
             zmq_msg_close(&g);
         }
@@ -91,7 +80,7 @@ static double one_run(int rounds, int k, int apply, int copy)
         if (it == warm) t0 = ps_now();
         for (int p = 0; p < k; p++) {
             zmq_msg_t m;
-            zmq_msg_init_data(&m, g + p * n, n * 4, no_free, NULL);
+            zmq_msg_init_data(&m, g + p * n, n * 4, bench_no_free, NULL);
             zmq_msg_send(&m, d, 0);
         }
         for (int p = 0; p < k; p++) {
@@ -115,7 +104,7 @@ static double median3(int rounds, int k, int apply, int copy)
 {
     double v[3];
     for (int i = 0; i < 3; i++) v[i] = one_run(rounds, k, apply, copy);
-    qsort(v, 3, sizeof v[0], cmp_d);
+    qsort(v, 3, sizeof v[0], bench_cmp_double);
     return v[1];
 }
 

@@ -28,7 +28,9 @@
 
 #include <zlib.h>
 
+#include "bench_util.h"
 #include "ps_auth.h"
+#include "ps_config.h"
 #include "ps_model.h"
 #include "ps_rng.h"
 #include "ps_util.h"
@@ -213,19 +215,13 @@ static void *bench_worker(void *p)
     return NULL;
 }
 
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* One worker's line: rounds, GB/s over [t0, t1], latency percentiles
  * (sorts lat). Returns the GB/s. */
 static double report(int i, const char *unit, const char *what, uint64_t rounds, uint64_t bytes, double t0, double t1,
                      double *lat, size_t n)
 {
     double dt = t1 - t0, gbs = dt > 0 ? (double)bytes / dt / 1e9 : 0;
-    qsort(lat, n, sizeof(double), cmp_d);
+    qsort(lat, n, sizeof(double), bench_cmp_double);
     double p50 = n ? lat[n / 2] : 0, p90 = n ? lat[n * 9 / 10] : 0, p99 = n ? lat[n * 99 / 100] : 0;
     printf("worker %d: %llu %s, %s %.3f GB/s, latency p50 %.3f ms p90 %.3f ms p99 %.3f ms\n", i,
            (unsigned long long)rounds, unit, what, gbs, p50 * 1e3, p90 * 1e3, p99 * 1e3);
@@ -306,19 +302,18 @@ int main(int argc, char **argv)
         if (b[i].rc) rc = b[i].rc;
     }
     double agg_pp = 0, agg_pull = 0, agg_push = 0;
-    static const char *const modes[] = {"bsp", "async", "ssp"};
     if (push_only) {
         for (int i = 0; i < W; i++) {
             double dt = b[i].q_last - b[i].q_first, gbs = dt > 0 ? (double)b[i].push_bytes / dt / 1e9 : 0;
             printf("worker %d: %llu pushes, push %.3f GB/s\n", i, (unsigned long long)b[i].pushes, gbs);
             agg_push += gbs;
         }
-        printf("aggregate push: %.3f GB/s (%d workers, %s)\n", agg_push, W, modes[b[0].sync < 3 ? b[0].sync : 0]);
+        printf("aggregate push: %.3f GB/s (%d workers, %s)\n", agg_push, W, ps_sync_name((ps_sync_t)b[0].sync));
     }
     for (int i = 0; i < W && !push_only; i++)
         agg_pp += report(i, "rounds", "push+pull", b[i].rounds, b[i].bytes, b[i].t_first, b[i].t_last, b[i].lat, b[i].n_lat);
     if (!push_only)
-        printf("aggregate push+pull: %.3f GB/s (%d workers, %s)\n", agg_pp, W, modes[b[0].sync < 3 ? b[0].sync : 0]);
+        printf("aggregate push+pull: %.3f GB/s (%d workers, %s)\n", agg_pp, W, ps_sync_name((ps_sync_t)b[0].sync));
     for (int i = 0; i < W && pulls > 0; i++)
         agg_pull += report(i, "pulls", "pull", b[i].pull_rounds, b[i].pull_bytes, b[i].p_first, b[i].p_last, b[i].plat,
                            b[i].n_plat);

@@ -17,19 +17,8 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "bench_util.h"
 #include "ps_util.h"
-
-static void no_free(void *data, void *hint)
-{
-    (void)data;
-    (void)hint;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 static double memcpy_gbs(size_t bytes, double seconds)
 {
@@ -72,7 +61,7 @@ static void server(const char *ep, size_t bytes, int fd)
         zmq_msg_close(&body);
         if (stop) break;
         zmq_msg_send(&id, s, ZMQ_SNDMORE);
-        zmq_msg_init_data(&r, reply, bytes, no_free, NULL);
+        zmq_msg_init_data(&r, reply, bytes, bench_no_free, NULL);
         zmq_msg_send(&r, s, 0);
     }
     zmq_close(s);
@@ -103,7 +92,7 @@ static double zmq_gbs(const char *bind_ep, size_t bytes, double seconds)
     double t0 = 0, t = 0;
     for (int i = 0;; i++) {
         zmq_msg_t m, r;
-        zmq_msg_init_data(&m, buf, bytes, no_free, NULL);
+        zmq_msg_init_data(&m, buf, bytes, bench_no_free, NULL);
         zmq_msg_send(&m, c, 0);
         zmq_msg_init(&r);
         zmq_msg_recv(&r, c, 0);
@@ -143,7 +132,7 @@ int main(int argc, char **argv)
     unlink(ipc + 6);
     const char *name[3] = {"memcpy", "zmq_tcp_roundtrip", "zmq_ipc_roundtrip"};
     for (int i = 0; i < 3; i++) {
-        qsort(r[i], 5, sizeof(double), cmp_d);
+        qsort(r[i], 5, sizeof(double), bench_cmp_double);
         printf("%s %.2f MiB: %.3f GB/s (median of 5; min %.3f max %.3f)\n", name[i], mib, r[i][2], r[i][0], r[i][4]);
     }
     return 0;

@@ -1066,4 +1066,5 @@ uint64_t ps_config_hash(const ps_config_t *c)
 
 const char *ps_opt_name(ps_opt_kind_t k) { return enum_name(opt_names, (int)k); }
 const char *ps_sched_name(ps_sched_kind_t k) { return enum_name(sched_names, (int)k); }
+const char *ps_sync_name(ps_sync_t k) { return enum_name(sync_names, (int)k); }
 const char *ps_log_level_name(ps_log_level_t l) { return enum_name(log_names, (int)l); }

@@ -136,6 +136,7 @@ uint64_t ps_config_hash(const ps_config_t *c);
 /* Names for enums (for logs and YAML). */
 const char *ps_opt_name(ps_opt_kind_t k);
 const char *ps_sched_name(ps_sched_kind_t k);
+const char *ps_sync_name(ps_sync_t k);
 const char *ps_log_level_name(ps_log_level_t l);
 
 #endif

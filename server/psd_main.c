@@ -247,7 +247,7 @@ int main(int argc, char **argv)
     }
     if (run.shards > 1 && cfg.sync != PS_SYNC_BSP) {
         fprintf(stderr, "psd: train.sync: %s needs one psd; psd shards (--shard) train with bsp only\n",
-                cfg.sync == PS_SYNC_ASYNC ? "async" : "ssp");
+                ps_sync_name(cfg.sync));
         goto out;
     }
     ps_log_set_level(cfg.log_level);

@@ -76,7 +76,6 @@ typedef enum {
     W_GONE,         /* lost, left or failed; never waited for */
 } wstate_t;
 
-static const char *const sync_name[] = {"bsp", "async", "ssp"};
 static const char *wstate_name[] = {"assigned", "ready",      "training", "at barrier",
                                     "validating", "validated", "gone"};
 
@@ -464,6 +463,9 @@ static void send_weights(srv_t *s, worker_t *w)
 
 /* ---- consistency modes (train.sync) ------------------------------------- */
 
+/* async and ssp: mean staleness of the gradients applied this epoch */
+static double stale_mean(const srv_t *s) { return s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0; }
+
 /* ssp: the clock (pushes applied this epoch) of the slowest worker still
  * training, UINT64_MAX if none is */
 static uint64_t min_clock(const srv_t *s)
@@ -474,25 +476,24 @@ static uint64_t min_clock(const srv_t *s)
     return m;
 }
 
-/* ssp: w may not train its next step before the slowest catches up: it has
- * already done train.staleness steps more than the slowest */
-static bool ssp_held(const srv_t *s, const worker_t *w)
+/* ssp: w may not train its next step before the slowest (clock m) catches
+ * up: it has already done train.staleness steps more */
+static bool ssp_held(const srv_t *s, const worker_t *w, uint64_t m)
 {
-    if (s->cfg.sync != PS_SYNC_SSP) return false;
-    uint64_t m = min_clock(s);
-    return m != UINT64_MAX && w->clock > m + (uint64_t)s->cfg.staleness;
+    return s->cfg.sync == PS_SYNC_SSP && m != UINT64_MAX && w->clock > m + (uint64_t)s->cfg.staleness;
 }
 
 /* w asked for weights to train on: send them, or with ssp hold them back
  * while it is too far ahead (ssp_release answers it later) */
 static void answer_pull(srv_t *s, worker_t *w)
 {
-    if (ssp_held(s, w)) {
-        w->ssp_wait = true;
-        return;
-    }
     if (s->cfg.sync == PS_SYNC_SSP) {
-        uint64_t m = min_clock(s), lead = m != UINT64_MAX && w->clock > m ? w->clock - m : 0;
+        uint64_t m = min_clock(s);
+        if (ssp_held(s, w, m)) {
+            w->ssp_wait = true;
+            return;
+        }
+        uint64_t lead = m != UINT64_MAX && w->clock > m ? w->clock - m : 0;
         if (lead > s->ep_lead_max) s->ep_lead_max = lead;
     }
     w->ssp_wait = false;
@@ -504,6 +505,8 @@ static void answer_pull(srv_t *s, worker_t *w)
  * the worker's silence: its timeout counts from here. */
 static void ssp_release(srv_t *s)
 {
+    if (s->cfg.sync != PS_SYNC_SSP) return;
+    uint64_t m = min_clock(s); /* answering a worker moves no clock */
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
         if (!w->ssp_wait) continue;
@@ -511,7 +514,7 @@ static void ssp_release(srv_t *s)
             w->ssp_wait = false;
             continue;
         }
-        if (ssp_held(s, w)) continue;
+        if (ssp_held(s, w, m)) continue;
         w->last_seen = ps_now();
         answer_pull(s, w);
     }
@@ -1224,16 +1227,14 @@ static void end_validation(srv_t *s)
             "(%" PRIu64 "/%" PRIu64 ") %.0f samples/s lr %.5g",
             s->epoch + 1, s->cfg.epochs, s->step, train_loss, train_acc, val_loss, val_acc, correct,
             count, ep_sps, s->lr);
-    if (s->cfg.sync == PS_SYNC_ASYNC)
-        PS_INFO("epoch %u: async, staleness of the %" PRIu64 " gradients applied: max %" PRIu64 " mean %.2f versions",
-                s->epoch + 1, s->ep_stale_n, s->ep_stale_max,
-                s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0);
-    if (s->cfg.sync == PS_SYNC_SSP)
-        PS_INFO("epoch %u: ssp, staleness of the %" PRIu64 " gradients applied: max %" PRIu64 " mean %.2f versions; "
-                "workers trained at most %" PRIu64 " steps ahead of the slowest (bound %d)",
-                s->epoch + 1, s->ep_stale_n, s->ep_stale_max,
-                s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0, s->ep_lead_max,
-                s->cfg.staleness);
+    if (s->cfg.sync != PS_SYNC_BSP) {
+        char lead[128] = "";
+        if (s->cfg.sync == PS_SYNC_SSP)
+            snprintf(lead, sizeof lead, "; workers trained at most %" PRIu64 " steps ahead of the slowest (bound %d)",
+                     s->ep_lead_max, s->cfg.staleness);
+        PS_INFO("epoch %u: %s, staleness of the %" PRIu64 " gradients applied: max %" PRIu64 " mean %.2f versions%s",
+                s->epoch + 1, ps_sync_name(s->cfg.sync), s->ep_stale_n, s->ep_stale_max, stale_mean(s), lead);
+    }
     if (s->metrics) {
         fprintf(s->metrics,
                 "{\"schema\":1,\"run_id\":\"%016" PRIx64 "\",\"epoch\":%u,\"step\":%" PRIu64
@@ -1247,8 +1248,8 @@ static void end_validation(srv_t *s)
                 val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr,
                 s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
                 s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
-                s->ep_bytes_in, s->ep_bytes_out, sync_name[s->cfg.sync], s->ep_stale_max,
-                s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0, s->ep_lead_max);
+                s->ep_bytes_in, s->ep_bytes_out, ps_sync_name(s->cfg.sync), s->ep_stale_max,
+                stale_mean(s), s->ep_lead_max);
         fflush(s->metrics);
     }
     bool last = s->epoch + 1 >= (uint32_t)s->cfg.epochs;
@@ -2267,7 +2268,7 @@ static void render_metrics(srv_t *s, FILE *f)
                "Most versions between a gradient's weights and the version it was applied to, this epoch.",
                (double)s->ep_stale_max);
         metric(f, "psd_staleness_mean", "gauge", "Mean staleness of the gradients applied this epoch (versions).",
-               s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0);
+               stale_mean(s));
     }
     metric(f, "psd_checkpoints_total", "counter", "Checkpoints written in this process.", (double)s->ckpts_written);
     metric(f, "psd_checkpoint_age_seconds", "gauge", "Seconds since the last checkpoint was written (NaN: none yet).",
@@ -2346,7 +2347,7 @@ static void render_status(srv_t *s, FILE *f)
     fprintf(f, ",\"schedule\":\"%s\",\"batch_size\":%d,\"workers\":%d,\"shards\":%d,\"seed\":%" PRIu64
                ",\"train_samples\":%zu,\"test_samples\":%zu,\"sync\":\"%s\",\"staleness\":%d}}\n",
             ps_sched_name(s->cfg.sched), s->cfg.batch_size, s->cfg.workers, s->n_shards, (uint64_t)s->cfg.seed,
-            s->train_count, s->test_count, sync_name[s->cfg.sync], s->cfg.staleness);
+            s->train_count, s->test_count, ps_sync_name(s->cfg.sync), s->cfg.staleness);
 }
 
 static int http_render(void *ud, const char *path, char **body, size_t *len, const char **ctype)
@@ -2420,10 +2421,10 @@ static void render_human(srv_t *s, FILE *f, bool workers_only)
         if (s->ckpt_last_t > 0) fprintf(f, " (last %.0f s ago)", now - s->ckpt_last_t);
         fputc('\n', f);
         if (s->cfg.sync != PS_SYNC_BSP) {
-            fprintf(f, "%s", sync_name[s->cfg.sync]);
+            fprintf(f, "%s", ps_sync_name(s->cfg.sync));
             if (s->cfg.sync == PS_SYNC_SSP) fprintf(f, " (staleness bound %d)", s->cfg.staleness);
             fprintf(f, ": staleness this epoch max %" PRIu64 ", mean %.2f versions\n", s->ep_stale_max,
-                    s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0);
+                    stale_mean(s));
         }
     }
     fprintf(f, "%-5s %-20s %-8s %-10s %-11s %10s %10s %12s\n", "rank", "host", "pid", "device", "state", "compute",

@@ -885,17 +885,33 @@ Test(ckpt, sigkill_at_random_moments, .init = dir_setup, .fini = dir_teardown, .
             (unsigned long long)last_loaded, rounds_with_new);
 }
 
+/* Two equal Adam stores of the small model the store tests below use;
+ * returns its parameter count. */
+static size_t store_pair(psd_store_t *a, psd_store_t *b)
+{
+    static const int sizes[] = {300, 70, 10};
+    store_make(a, sizes, 3);
+    store_make(b, sizes, 3);
+    return a->layout.n_params;
+}
+
+/* The same weights and optimizer state, bit for bit. */
+static void assert_same_state(const psd_store_t *a, const psd_store_t *b)
+{
+    size_t n = a->layout.n_params;
+    cr_assert_eq(memcmp(a->cur->w, b->cur->w, n * sizeof(float)), 0);
+    cr_assert_eq(memcmp(a->s0, b->s0, n * sizeof(float)), 0);
+    cr_assert_eq(memcmp(a->s1, b->s1, n * sizeof(float)), 0);
+}
+
 /* Gradients that came as bfloat16 (train.wire_gradients: bf16) are reduced
  * exactly like the floats they stand for; the bfloat16 copy of a version is
  * the rounding of its weights, redone when the version changes. */
 Test(store, bf16_gradients_reduce_like_their_float_values)
 {
-    static const int sizes[] = {300, 70, 10};
     psd_store_t a, b;
-    store_make(&a, sizes, 3);
-    store_make(&b, sizes, 3);
+    size_t n = store_pair(&a, &b);
     cr_assert_eq(psd_store_set_parallel(&b, 2, 65536), 0);
-    size_t n = a.layout.n_params;
     float *g1 = malloc(n * sizeof(float)), *g2 = malloc(n * sizeof(float));
     uint16_t *h2 = malloc(n * sizeof(uint16_t));
     cr_assert(g1 && g2 && h2);
@@ -936,12 +952,9 @@ Test(store, bf16_gradients_reduce_like_their_float_values)
  * clip norm too large to bite forces. */
 Test(store, one_contributor_fast_path_gives_the_same_bits)
 {
-    static const int sizes[] = {300, 70, 10};
     psd_store_t a, b;
-    store_make(&a, sizes, 3);
-    store_make(&b, sizes, 3);
+    size_t n = store_pair(&a, &b);
     cr_assert_eq(psd_store_set_parallel(&a, 2, 65536), 0);
-    size_t n = a.layout.n_params;
     float *g = malloc(n * sizeof(float));
     cr_assert_not_null(g);
     const void *f[1][PS_MAX_TENSORS];
@@ -953,9 +966,7 @@ Test(store, one_contributor_fast_path_gives_the_same_bits)
         double nb = psd_store_step(&b, 1, (const void *const(*)[PS_MAX_TENSORS])f, NULL, one, 1e30, 1e-2);
         cr_assert(na == 0 && nb > 0, "norms %g %g (only clipping computes one)", na, nb);
     }
-    cr_assert_eq(memcmp(a.cur->w, b.cur->w, n * sizeof(float)), 0);
-    cr_assert_eq(memcmp(a.s0, b.s0, n * sizeof(float)), 0);
-    cr_assert_eq(memcmp(a.s1, b.s1, n * sizeof(float)), 0);
+    assert_same_state(&a, &b);
     free(g);
     psd_store_deinit(&a);
     psd_store_deinit(&b);
@@ -967,12 +978,9 @@ Test(store, one_contributor_fast_path_gives_the_same_bits)
  * multiples of the scratch buffer, and any chunking and thread count. */
 Test(store, fused_reduce_and_apply_gives_the_same_bits)
 {
-    static const int sizes[] = {300, 70, 10};
     psd_store_t a, b;
-    store_make(&a, sizes, 3);
-    store_make(&b, sizes, 3);
+    size_t n = store_pair(&a, &b);
     cr_assert_eq(psd_store_set_parallel(&a, 2, 65536), 0);
-    size_t n = a.layout.n_params;
     float *g = malloc(3 * n * sizeof(float));
     uint16_t *h = malloc(n * sizeof(uint16_t));
     cr_assert(g && h);
@@ -990,9 +998,7 @@ Test(store, fused_reduce_and_apply_gives_the_same_bits)
         cr_assert_eq(psd_store_step(&a, 3, (const void *const(*)[PS_MAX_TENSORS])f, bf16, wt, 0, 1e-2), 0);
         cr_assert_gt(psd_store_step(&b, 3, (const void *const(*)[PS_MAX_TENSORS])f, bf16, wt, 1e30, 1e-2), 0);
     }
-    cr_assert_eq(memcmp(a.cur->w, b.cur->w, n * sizeof(float)), 0);
-    cr_assert_eq(memcmp(a.s0, b.s0, n * sizeof(float)), 0);
-    cr_assert_eq(memcmp(a.s1, b.s1, n * sizeof(float)), 0);
+    assert_same_state(&a, &b);
     free(g);
     free(h);
     psd_store_deinit(&a);
@@ -1004,11 +1010,8 @@ Test(store, fused_reduce_and_apply_gives_the_same_bits)
  * into another arena). Same bits either way. */
 Test(store, unreferenced_versions_update_in_place_referenced_ones_never)
 {
-    static const int sizes[] = {300, 70, 10};
     psd_store_t a, b;
-    store_make(&a, sizes, 3);
-    store_make(&b, sizes, 3);
-    size_t n = a.layout.n_params;
+    size_t n = store_pair(&a, &b);
     float *g = malloc(n * sizeof(float)), *held = malloc(n * sizeof(float));
     cr_assert(g && held);
     const void *f[1][PS_MAX_TENSORS];
