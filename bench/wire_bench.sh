@@ -15,7 +15,9 @@
 # handle sums), except in the row marked "default optimizer" (SGD with
 # Nesterov momentum and weight decay: two more passes over 4 MiB). Rows marked
 # async run psd with train.sync: async (each push applied as it comes, answered
-# at once: no round waits for the other workers).
+# at once: no round waits for the other workers). The streamed rows run psd with
+# train.stream: true (each 1 MiB chunk stepped and sent back as soon as every
+# worker has sent it), against the whole-step rows with the same workers.
 #
 # ps-lite's figures are the ones measured side by side on these machines
 # (../shared/FACTS.md): 2.4-2.5 GB/s push+pull, 1 worker; 3.0-3.3 GB/s
@@ -68,6 +70,9 @@ P1=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm)
 P1D=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm "--set optimizer.momentum=0.9")
 P2=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm)
 P4=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm)
+S1=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.stream=true")
+S2=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.stream=true")
+S4=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.stream=true")
 P2A=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.sync=async")
 P4A=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.sync=async")
 PO1=$(run 1 "tcp://127.0.0.1:$PORT" "--no-shm --push-only" "$PLAIN --set train.sync=async")
@@ -105,6 +110,7 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 | psd, 1 worker, tcp, default optimizer | $P1D | $(r "$P1D" "$ZTCP") x raw tcp | |
 | psd, 2 workers, tcp (aggregate) | $P2 | $(r "$P2" 3.3) x ps-lite 3.3 | >= 1.1 |
 | psd, 4 workers, tcp (aggregate) | $P4 | $(r "$P4" 3.3) x ps-lite 3.3 | >= 1.1 |
+| psd streamed steps (1 MiB chunks), 1 / 2 / 4 workers, tcp | $S1 / $S2 / $S4 | $(r "$S1" "$P1") / $(r "$S2" "$P2") / $(r "$S4" "$P4") x whole steps | |
 | psd async, 2 workers, tcp (aggregate) | $P2A | $(r "$P2A" 3.3) x ps-lite 3.3 | |
 | psd async, 4 workers, tcp (aggregate) | $P4A | $(r "$P4A" 3.3) x ps-lite 3.3 | |
 | psd async, push only, 1 / 2 workers, tcp (bytes pushed / time) | $PO1 / $PO2 | | |

@@ -119,6 +119,7 @@ static const key_spec_t keys[] = {
     K_ENUM("train.wire_weights", wire_weights, ps_wire_dtype_t, wire_names, "f32"),
     K_ENUM("train.sync", sync, ps_sync_t, sync_names, "bsp"),
     K_INT("train.staleness", staleness, 0, 1000000, "2"),
+    K_BOOL("train.stream", stream, "false"),
 
     K_ENUM("optimizer.name", opt, ps_opt_kind_t, opt_names, "sgd"),
     K_DOUBLE("optimizer.lr", lr, 0.0, INFINITY, F_OPEN_MIN, "0.1"),
@@ -921,6 +922,10 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
         fmt_double(c->min_lr, num, sizeof num);
         fmt_double(c->lr, lr, sizeof lr);
         set_err(err, errlen, "schedule.min_lr: %s exceeds optimizer.lr (%s)", num, lr);
+        return -1;
+    }
+    if (c->stream && c->sync != PS_SYNC_BSP) {
+        set_err(err, errlen, "train.stream: true needs train.sync: bsp (async and ssp apply each push whole)");
         return -1;
     }
     return 0;

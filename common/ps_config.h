@@ -56,6 +56,7 @@ typedef struct ps_config {
     ps_wire_dtype_t wire_weights;   /* train.wire_weights: f32 | bf16 */
     ps_sync_t sync;                 /* train.sync: bsp | async | ssp */
     int staleness;                  /* train.staleness: ssp's bound k (steps ahead of the slowest) */
+    bool stream;                    /* train.stream: gradients and weights in chunks, each stepped as it comes */
 
     /* optimizer: (server side) */
     ps_opt_kind_t opt;   /* optimizer.name: sgd | adam | adamw */

@@ -99,6 +99,38 @@ size_t ps_layout_first_block(const ps_layout_t *l, int t)
 
 size_t ps_layout_blocks(const ps_layout_t *l) { return ps_layout_first_block(l, l->n_tensors); }
 
+size_t ps_chunk_floats(size_t chunk_bytes)
+{
+    size_t cf = (chunk_bytes / sizeof(float) + PS_NORM_BLOCK - 1) / PS_NORM_BLOCK * PS_NORM_BLOCK;
+    return cf ? cf : PS_NORM_BLOCK;
+}
+
+int ps_piece_chunks(const ps_piece_t *p, size_t cf, ps_piece_t *out, int k)
+{
+    size_t end = p->off + p->n;
+    for (size_t o = p->off; o < end; o += cf, k++)
+        if (out) out[k] = (ps_piece_t){.t = p->t, .off = o, .n = end - o < cf ? end - o : cf};
+    return k;
+}
+
+int ps_layout_chunks(const ps_layout_t *l, size_t cf, ps_piece_t *out)
+{
+    int k = 0;
+    for (int t = 0; t < l->n_tensors; t++)
+        k = ps_piece_chunks(&(ps_piece_t){.t = t, .off = 0, .n = l->t[t].numel}, cf, out, k);
+    return k;
+}
+
+int ps_chunk_find(const ps_layout_t *l, size_t cf, int t, size_t off, size_t n)
+{
+    if (t < 0 || t >= l->n_tensors || off % cf != 0 || off >= l->t[t].numel) return -1;
+    size_t left = l->t[t].numel - off;
+    if (n != (left < cf ? left : cf)) return -1;
+    int k = 0;
+    for (int i = 0; i < t; i++) k += (int)((l->t[i].numel + cf - 1) / cf);
+    return k + (int)(off / cf);
+}
+
 void ps_shard_pieces(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_TENSORS])
 {
     memset(out, 0, PS_MAX_TENSORS * sizeof *out);

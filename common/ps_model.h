@@ -57,6 +57,21 @@ void ps_shard_pieces(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_T
 size_t ps_layout_blocks(const ps_layout_t *l);
 size_t ps_layout_first_block(const ps_layout_t *l, int t);
 
+/* Chunks (server.chunk_bytes): every tensor in chunks of cf floats (whole
+ * norm blocks; the last chunk of a tensor shorter), numbered in layout
+ * order. psd steps chunk by chunk, and with train.stream the wire carries
+ * them: workers and psd compute the same numbering. */
+size_t ps_chunk_floats(size_t chunk_bytes);
+/* The chunks of tensor piece p (from its first float on), appended to out
+ * from index k (out may be NULL: counted only). Returns the index after
+ * the last. */
+int ps_piece_chunks(const ps_piece_t *p, size_t cf, ps_piece_t *out, int k);
+/* Chunks of the whole layout: the count (out NULL) or out filled. */
+int ps_layout_chunks(const ps_layout_t *l, size_t cf, ps_piece_t *out);
+/* Index of the chunk that is floats [off, off+n) of tensor t, or -1 if that
+ * is no chunk of the layout. */
+int ps_chunk_find(const ps_layout_t *l, size_t cf, int t, size_t off, size_t n);
+
 /* CRC-32 (zlib) of the tensors at params, in layout order, padding
  * excluded: what psd --x-verify-weights promises a worker receives. */
 uint32_t ps_layout_crc32(const ps_layout_t *l, const float *params);

@@ -245,6 +245,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: %s%s%s\n", config ? config : "", config ? ": " : "", err);
         goto out;
     }
+    if (run.shards > 1 && cfg.stream) {
+        fprintf(stderr, "psd: train.stream: true needs one psd; psd shards (--shard) take whole pushes\n");
+        goto out;
+    }
     if (run.shards > 1 && cfg.sync != PS_SYNC_BSP) {
         fprintf(stderr, "psd: train.sync: %s needs one psd; psd shards (--shard) train with bsp only\n",
                 ps_sync_name(cfg.sync));

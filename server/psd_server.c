@@ -131,6 +131,16 @@ typedef struct {
     uint64_t push_version;
     uint64_t clock;
     bool ssp_wait;
+    /* streamed steps (train.stream): the chunks of its push for the step
+     * in progress (gch_in: 0 not here, 1 a frame in gch, 2 in its shared
+     * region, 3 stepped and let go), whether it is one of the step's
+     * contributors, whether it asked for the step's version (each tensor
+     * goes to it once made: st_sent of s->st_tord so far) */
+    zmq_msg_t *gch;
+    uint8_t *gch_in;
+    int n_gch, n_gch_cap;
+    bool st_member, st_req;
+    int st_sent;
     /* for /metrics: its step times (from its pushes) as histograms, and
      * the time it waited at barriers */
     uint64_t h_wait[PSD_HIST_N + 1], h_compute[PSD_HIST_N + 1];
@@ -246,6 +256,25 @@ typedef struct {
      * and ssp's largest lead (steps ahead of the slowest) a worker was let
      * train at */
     uint64_t ep_stale_sum, ep_stale_n, ep_stale_max, ep_lead_max;
+    /* streamed steps (train.stream, bsp, one psd): the store's chunks
+     * travel one by one and each is stepped once every contributor's copy
+     * is here. The step opens (st_open) with its first chunk: its
+     * contributors (st_mem, rank order) are then fixed and its next version
+     * is built in st_next. */
+    bool stream;
+    size_t st_cf;         /* floats per chunk (ps_chunk_floats) */
+    int st_nc;            /* chunks (store.n_chunks) */
+    int *st_have;         /* per chunk: contributors whose copy is here */
+    uint8_t *st_done;     /* per chunk: stepped (reduced, with clipping) */
+    int st_n_done, st_n_made; /* chunks stepped, chunks whose new values are made */
+    int st_tchunks[PS_MAX_TENSORS]; /* chunks of each tensor */
+    int st_tmade[PS_MAX_TENSORS];   /* of which made */
+    int st_tord[PS_MAX_TENSORS], st_n_tord; /* tensors made, in that order (replies go in it) */
+    int *st_ready;        /* chunks to step now (ST_BATCH) */
+    const void **st_src;  /* their gradients: ST_BATCH x MAX_WORKERS */
+    int *st_mem, st_k;    /* contributors (slots) */
+    bool st_open;
+    psd_arena_t *st_next;
     /* progress: a live line on a terminal, else a plain line every progress_every s */
     bool tty;
     double progress_next;
@@ -544,6 +573,14 @@ static void release_push(worker_t *w)
     for (int t = 0; t < PS_MAX_TENSORS; t++)
         if ((w->grad_mask & ~w->grad_shm) & (1ull << t)) zmq_msg_close(&w->grad[t]);
     w->grad_mask = w->grad_shm = 0;
+    if (w->n_gch > 0) {
+        for (int c = 0; c < w->n_gch_cap; c++)
+            if (w->gch_in[c] == 1) zmq_msg_close(&w->gch[c]);
+        memset(w->gch_in, 0, (size_t)w->n_gch_cap);
+    }
+    w->n_gch = 0;
+    w->st_member = w->st_req = false;
+    w->st_sent = 0;
     w->has_push = w->push_started = w->push_pull = w->own_push = false;
     w->shard_have = 0;
 }
@@ -826,19 +863,25 @@ static void start_validation(srv_t *s)
 
 /* The statistics of the step's contributors, their pushes released; those
  * that asked get the new version once it is made (step_done). */
+/* w's batch is trained: its samples seen, its statistics counted */
+static void account_batch(srv_t *s, worker_t *w)
+{
+    walk_positions(w, w->consumed, w->push_batch, mark_seen, s);
+    w->consumed += w->push_batch;
+    s->ep_loss += w->push_loss;
+    s->ep_correct += w->push_correct;
+    s->ep_samples += w->push_batch;
+}
+
 static void account_step(srv_t *s, uint64_t total, const worker_t *only)
 {
     double step_loss = 0;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
         if (!w->has_push || (only && w != only)) continue;
-        walk_positions(w, w->consumed, w->push_batch, mark_seen, s);
-        w->consumed += w->push_batch;
-        s->ep_loss += w->push_loss;
+        account_batch(s, w);
         step_loss += w->push_loss;
-        s->ep_correct += w->push_correct;
-        s->ep_samples += w->push_batch;
-        w->want_pull = w->push_pull;
+        w->want_pull = w->push_pull && !w->st_req; /* a streamed reply has gone out already */
         release_push(w);
     }
     s->last_loss = step_loss / (double)total;
@@ -900,6 +943,14 @@ static void shards_step(srv_t *s, int k, const double *wt)
     shards_send_all(s, &h);
 }
 
+/* The learning rate of the step about to be taken. */
+static void step_lr(srv_t *s)
+{
+    double frac = (double)s->epoch_step / s->spe;
+    if (frac > 0.999999) frac = 0.999999; /* a redistributed epoch may take a few more steps */
+    s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
+}
+
 /* Reduce the pushes held (every one, or only `only`'s: async and ssp apply
  * each push on its own), apply the optimizer, answer the pulls. Returns
  * with s->stepping set when shards must send their norms first, or with
@@ -923,9 +974,7 @@ static void take_step(srv_t *s, worker_t *only)
         wt[k] = (double)w->push_batch / (double)total;
         k++;
     }
-    double frac = (double)s->epoch_step / s->spe;
-    if (frac > 0.999999) frac = 0.999999; /* a redistributed epoch may take a few more steps */
-    s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
+    step_lr(s);
     if (sharded(s)) shards_step(s, k, wt);
     if (sharded(s) && s->cfg.clip_norm > 0) {
         /* the whole gradient's norm first: this part's blocks now, the
@@ -956,6 +1005,259 @@ static void take_step(srv_t *s, worker_t *only)
     step_done(s);
 }
 
+/* ---- streamed steps (train.stream) ---------------------------------------- */
+
+#define ST_BATCH 64 /* chunks stepped in one pool run */
+
+/* The checkpoint asked for while a step was half taken: now. */
+static void deferred_checkpoint(srv_t *s)
+{
+    if (!s->ckpt_deferred) return;
+    s->ckpt_deferred = false;
+    take_checkpoint(s, false);
+    if (!s->ckpt && s->stop_when_written) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+}
+
+/* Index of tensor t's first chunk. */
+static int first_chunk(const srv_t *s, int t)
+{
+    size_t n = s->layout.t[t].numel;
+    return ps_chunk_find(&s->layout, s->st_cf, t, 0, n < s->st_cf ? n : s->st_cf);
+}
+
+/* Contributor j's weight (its share of the step's samples) and wire type. */
+static void stream_weights(srv_t *s)
+{
+    uint64_t total = 0;
+    for (int j = 0; j < s->st_k; j++) total += s->w[s->st_mem[j]].push_batch;
+    for (int j = 0; j < s->st_k; j++) {
+        const worker_t *w = &s->w[s->st_mem[j]];
+        s->step_wt[j] = (double)w->push_batch / (double)total;
+        s->step_bf16[j] = wire_bf16(s, w);
+    }
+}
+
+/* Send w the tensors made since the last it got, whole (so that it uses
+ * them where they arrive), with the CRC-32 of the version in the message
+ * that completes it (--x-verify-weights). */
+static void stream_send(srv_t *s, worker_t *w, psd_arena_t *a, bool complete)
+{
+    if (w->st_sent == s->st_n_tord) return;
+    ps_frame_t fr[PS_MAX_TENSORS];
+    int n = 0;
+    for (; w->st_sent < s->st_n_tord; w->st_sent++, n++) {
+        psd_store_tensor_frame(&s->store, a, s->st_tord[w->st_sent], &fr[n]);
+        s->ep_bytes_out += fr[n].nbytes;
+    }
+    Psd__Header h;
+    Psd__Weights wt = PSD__WEIGHTS__INIT;
+    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_WEIGHTS);
+    wt.version = s->st_open ? s->store.cur->version + 1 : s->store.cur->version;
+    wt.step = s->step + 1;
+    wt.parts = (uint32_t)s->layout.n_tensors;
+    if (complete && s->opts.verify_weights) wt.crc = psd_store_current_crc(&s->store);
+    h.body_case = PSD__HEADER__BODY_WEIGHTS;
+    h.weights = &wt;
+    send_to(s, w, &h, fr, n);
+}
+
+/* Chunk c's new values are made: its tensor is complete with its last. */
+static void stream_made(srv_t *s, int c)
+{
+    int t = s->store.chunks[c].t;
+    s->st_n_made++;
+    if (++s->st_tmade[t] == s->st_tchunks[t]) s->st_tord[s->st_n_tord++] = t;
+}
+
+/* The step's contributors are every worker that began its push; they are
+ * fixed from here, and the next version is built in st_next. */
+static bool stream_open(srv_t *s)
+{
+    psd_arena_t *next = psd_store_stream_begin(&s->store);
+    if (!next) {
+        PS_ERROR("no free parameter arena (too many pull replies in flight)");
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return false;
+    }
+    s->st_next = next;
+    s->st_open = true;
+    s->st_k = 0;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].push_started) {
+            s->st_mem[s->st_k++] = i;
+            s->w[i].st_member = true;
+        }
+    stream_weights(s);
+    step_lr(s);
+    return true;
+}
+
+/* Step every chunk that every contributor has sent; send the new values to
+ * the workers waiting for them; once all are made, the version is current
+ * and the step done. */
+static void stream_progress(srv_t *s)
+{
+    const bool clip = s->cfg.clip_norm > 0;
+    if (!s->st_open) { /* every worker training must have begun its push */
+        int k = 0;
+        for (int i = 0; i < s->n; i++) {
+            if (s->w[i].push_started) k++;
+            else if (s->w[i].state == W_TRAIN) return;
+        }
+        if (k == 0) return;
+        s->st_k = k;
+    }
+    if (s->st_open && s->st_k == 0) { /* every contributor was lost: the rest take no step */
+        for (int c = 0; c < s->st_nc; c++) {
+            if (s->st_done[c] && !clip) continue;
+            psd_store_stream_keep(&s->store, s->st_next, c);
+            s->st_done[c] = 1;
+            stream_made(s, c);
+        }
+        s->st_n_done = s->st_nc;
+    }
+    for (;;) {
+        int m = 0;
+        for (int c = 0; c < s->st_nc && m < ST_BATCH; c++)
+            if (!s->st_done[c] && s->st_have[c] == s->st_k) s->st_ready[m++] = c;
+        if (m == 0) break;
+        if (!s->st_open && !stream_open(s)) return;
+        for (int j = 0; j < m; j++) {
+            int c = s->st_ready[j];
+            for (int k = 0; k < s->st_k; k++) {
+                const worker_t *w = &s->w[s->st_mem[k]];
+                s->st_src[(size_t)j * (size_t)s->st_k + (size_t)k] =
+                    w->gch_in[c] == 2 ? (const void *)(w->shm_grad + s->store.chunks[c].off)
+                                      : (const void *)zmq_msg_data(&w->gch[c]);
+            }
+        }
+        psd_store_stream_chunks(&s->store, s->st_next, s->st_ready, m, s->st_k, s->st_src, s->step_bf16, s->step_wt,
+                                clip, s->lr);
+        for (int j = 0; j < m; j++) {
+            int c = s->st_ready[j];
+            s->st_done[c] = 1;
+            s->st_n_done++;
+            if (!clip) stream_made(s, c);
+            for (int k = 0; k < s->st_k; k++) { /* its frames are no longer needed */
+                worker_t *w = &s->w[s->st_mem[k]];
+                if (w->gch_in[c] == 1) zmq_msg_close(&w->gch[c]);
+                w->gch_in[c] = 3;
+            }
+        }
+    }
+    if (!s->st_open) return;
+    if (clip && s->st_n_made == 0 && s->st_n_done == s->st_nc) { /* the global norm is known: apply */
+        psd_store_stream_apply(&s->store, s->st_next, s->cfg.clip_norm, s->lr);
+        for (int c = 0; c < s->st_nc; c++) stream_made(s, c);
+    }
+    psd_arena_t *a = s->st_next;
+    bool complete = s->st_n_made == s->st_nc;
+    if (complete) {
+        psd_store_stream_end(&s->store, a);
+        s->st_open = false;
+    }
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].st_req && s->w[i].state != W_GONE) stream_send(s, &s->w[i], a, complete);
+    if (!complete) return;
+    uint64_t total = 0;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].has_push) total += s->w[i].push_batch;
+    memset(s->st_have, 0, (size_t)s->st_nc * sizeof *s->st_have);
+    memset(s->st_done, 0, (size_t)s->st_nc);
+    s->st_n_done = s->st_n_made = s->st_n_tord = 0;
+    memset(s->st_tmade, 0, sizeof s->st_tmade);
+    account_step(s, total ? total : 1, NULL);
+    step_done(s);
+    deferred_checkpoint(s);
+}
+
+/* w is gone: its chunks of the step no longer count. If it was a
+ * contributor of the step under way, its gradient is in the chunks stepped
+ * already and cannot be taken out again (the optimizer state has moved):
+ * its batch counts as trained, and the remaining chunks are stepped with
+ * the other contributors' gradients, weighted among themselves. */
+static void stream_forget(srv_t *s, worker_t *w)
+{
+    if (!w->gch) return;
+    for (int c = 0; c < s->st_nc; c++)
+        if ((w->gch_in[c] == 1 || w->gch_in[c] == 2) && !s->st_done[c]) s->st_have[c]--;
+    if (!w->st_member) return;
+    PS_WARN("rank %u was lost in the middle of a streamed step: its gradient is in %d of %d chunks, the others "
+            "are stepped without it; its batch of %u counts as trained", w->rank, s->st_n_done, s->st_nc,
+            w->push_batch);
+    account_batch(s, w);
+    int k = 0;
+    for (int j = 0; j < s->st_k; j++)
+        if (&s->w[s->st_mem[j]] != w) s->st_mem[k++] = s->st_mem[j];
+    s->st_k = k;
+    w->st_member = false;
+    if (k > 0) stream_weights(s);
+}
+
+/* Check a streamed PUSH's frames (chunks) and tensors in shared memory
+ * (every chunk of them), then keep them: 0, or -1 when it was dropped. */
+static int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    Psd__Push *p = m->hdr->push;
+    const ps_layout_t *l = &s->layout;
+    if (!w->gch) {
+        drop(s, w, "streamed PUSH before its assignment");
+        return -1;
+    }
+    if (s->st_open && !w->st_member) {
+        drop(s, w, "PUSH for a step it is not part of");
+        return -1;
+    }
+    uint64_t in_shm = 0;
+    for (size_t i = 0; i < p->n_shm_tensors; i++) {
+        uint32_t t = p->shm_tensors[i];
+        if (t >= (uint32_t)l->n_tensors || (in_shm & (1ull << t)) || w->gch_in[first_chunk(s, (int)t)]) {
+            drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
+            return -1;
+        }
+        in_shm |= 1ull << t;
+    }
+    int cs[PS_MAX_FRAMES];
+    const bool bf16 = wire_bf16(s, w);
+    for (int i = 0; i < m->n_frames; i++) {
+        const Psd__TensorDesc *d = m->hdr->tensors[i];
+        size_t n = 0;
+        bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
+        int c = ok && d->id < (uint32_t)l->n_tensors ? ps_chunk_find(l, s->st_cf, (int)d->id, d->offset, n) : -1;
+        if (c < 0) {
+            drop(s, w, "PUSH frame %d is no chunk of the model (tensor %u, %zu %s at %" PRIu64
+                 "; train.stream: chunks of %zu)", i, d->id, n, bf16 ? "bf16" : "f32", d->offset, s->st_cf);
+            return -1;
+        }
+        bool dup = w->gch_in[c] != 0;
+        for (int j = 0; j < i; j++) dup |= cs[j] == c;
+        if (dup) {
+            drop(s, w, "PUSH of chunk %d of tensor %u: already received", c, d->id);
+            return -1;
+        }
+        cs[i] = c;
+    }
+    for (int t = 0; t < l->n_tensors; t++) {
+        if (!(in_shm & (1ull << t))) continue;
+        for (int c = first_chunk(s, t), e = c + (int)((l->t[t].numel + s->st_cf - 1) / s->st_cf); c < e; c++) {
+            w->gch_in[c] = 2;
+            w->n_gch++;
+            s->st_have[c]++;
+        }
+    }
+    for (int i = 0; i < m->n_frames; i++) {
+        int c = cs[i];
+        s->ep_bytes_in += zmq_msg_size(&m->frames[i]);
+        zmq_msg_init(&w->gch[c]);
+        zmq_msg_move(&w->gch[c], &m->frames[i]);
+        w->gch_in[c] = 1;
+        w->n_gch++;
+        s->st_have[c]++;
+    }
+    if (p->pull && !w->shm && s->cfg.wire_weights == PS_WIRE_F32) w->st_req = true;
+    return 0;
+}
+
 /* bsp: once every worker still training has pushed for this version,
  * reduce and apply. async and ssp: apply each push as it completes. */
 static void maybe_step(srv_t *s)
@@ -966,6 +1268,11 @@ static void maybe_step(srv_t *s)
             if (s->w[i].has_push) take_step(s, &s->w[i]);
         if (s->phase != PHASE_TRAIN) return;
         ssp_release(s);
+    } else if (s->stream) {
+        stream_progress(s);
+        if (s->phase != PHASE_TRAIN || s->st_open) return;
+        for (int i = 0; i < s->n; i++)
+            if (s->w[i].push_started) return; /* the step waits for a worker to begin its push */
     } else {
         int pending = 0;
         for (int i = 0; i < s->n; i++) {
@@ -999,7 +1306,8 @@ static void worker_gone(srv_t *s, worker_t *w)
 {
     wstate_t was = w->state;
     if (was != W_GONE) s->workers_lost++;
-    release_push(w); /* a gradient from a worker declared gone is never applied */
+    if (s->stream) stream_forget(s, w);
+    release_push(w); /* a gradient from a worker declared gone is never applied (streamed: see stream_forget) */
     shm_forget(s, w);
     w->state = W_GONE;
     w->gone_at = ps_now();
@@ -1063,6 +1371,10 @@ static void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
         w->push_pull = true;
         return;
     }
+    if (s->st_open) { /* a streamed step is half taken (maybe in place): the version it makes */
+        w->want_pull = true;
+        return;
+    }
     answer_pull(s, w);
 }
 
@@ -1115,46 +1427,56 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         drop(s, w, "PUSH of tensors in shared memory psd does not share with it");
         return;
     }
-    uint64_t mask = 0, in_shm = 0;
-    for (size_t i = 0; i < p->n_shm_tensors; i++) {
-        uint32_t t = p->shm_tensors[i];
-        if (t >= (uint32_t)l->n_tensors || ((w->grad_mask | in_shm) & (1ull << t))) {
-            drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
-            return;
+    bool complete;
+    if (s->stream) {
+        if (stream_take(s, w, m) != 0) return;
+        complete = w->n_gch == s->st_nc;
+    } else {
+        uint64_t mask = 0, in_shm = 0;
+        for (size_t i = 0; i < p->n_shm_tensors; i++) {
+            uint32_t t = p->shm_tensors[i];
+            if (t >= (uint32_t)l->n_tensors || ((w->grad_mask | in_shm) & (1ull << t))) {
+                drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
+                return;
+            }
+            in_shm |= 1ull << t;
         }
-        in_shm |= 1ull << t;
-    }
-    mask = in_shm;
-    for (int i = 0; i < m->n_frames; i++) {
-        size_t n = 0;
-        const Psd__TensorDesc *d = m->hdr->tensors[i];
-        uint32_t t = d->id;
-        if (t >= (uint32_t)l->n_tensors || ((w->grad_mask | mask) & (1ull << t))) {
-            drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
-            return;
+        mask = in_shm;
+        for (int i = 0; i < m->n_frames; i++) {
+            size_t n = 0;
+            const Psd__TensorDesc *d = m->hdr->tensors[i];
+            uint32_t t = d->id;
+            if (t >= (uint32_t)l->n_tensors || ((w->grad_mask | mask) & (1ull << t))) {
+                drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
+                return;
+            }
+            /* in the worker's wire type: f32, or bf16 with train.wire_gradients: bf16 */
+            bool bf16 = wire_bf16(s, w);
+            bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
+            const ps_piece_t *pc = &s->store.own[t];
+            if (!ok || d->offset != pc->off || n != pc->n || pc->n == 0) {
+                drop(s, w, "PUSH tensor %u does not match %s (%zu %s at %" PRIu64 ", want %zu %s at %zu)", t,
+                     sharded(s) ? "this shard's part" : "the model", n,
+                     d->dtype == PSD__DTYPE__DT_BF16 ? "bf16" : "elements", d->offset, pc->n, bf16 ? "bf16" : "f32",
+                     pc->off);
+                return;
+            }
+            mask |= 1ull << t;
         }
-        /* in the worker's wire type: f32, or bf16 with train.wire_gradients: bf16 */
-        bool bf16 = wire_bf16(s, w);
-        bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
-        const ps_piece_t *pc = &s->store.own[t];
-        if (!ok || d->offset != pc->off || n != pc->n || pc->n == 0) {
-            drop(s, w, "PUSH tensor %u does not match %s (%zu %s at %" PRIu64 ", want %zu %s at %zu)", t,
-                 sharded(s) ? "this shard's part" : "the model", n,
-                 d->dtype == PSD__DTYPE__DT_BF16 ? "bf16" : "elements", d->offset, pc->n, bf16 ? "bf16" : "f32",
-                 pc->off);
-            return;
+        /* keep the frames without copying: reduced in rank order once everyone has pushed */
+        for (int i = 0; i < m->n_frames; i++) {
+            uint32_t t = m->hdr->tensors[i]->id;
+            s->ep_bytes_in += zmq_msg_size(&m->frames[i]);
+            zmq_msg_init(&w->grad[t]);
+            zmq_msg_move(&w->grad[t], &m->frames[i]);
         }
-        mask |= 1ull << t;
+        w->grad_mask |= mask;
+        w->grad_shm |= in_shm;
+        uint64_t all = 0;
+        for (int t = 0; t < l->n_tensors; t++)
+            if (s->store.own[t].n) all |= 1ull << t;
+        complete = w->grad_mask == all;
     }
-    /* keep the frames without copying: reduced in rank order once everyone has pushed */
-    for (int i = 0; i < m->n_frames; i++) {
-        uint32_t t = m->hdr->tensors[i]->id;
-        s->ep_bytes_in += zmq_msg_size(&m->frames[i]);
-        zmq_msg_init(&w->grad[t]);
-        zmq_msg_move(&w->grad[t], &m->frames[i]);
-    }
-    w->grad_mask |= mask;
-    w->grad_shm |= in_shm;
     w->push_pull |= p->pull;
     if (!w->push_started) {
         w->push_started = true;
@@ -1163,10 +1485,10 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         w->push_loss = p->loss_sum;
         w->push_correct = p->correct;
     }
-    uint64_t all = 0;
-    for (int t = 0; t < l->n_tensors; t++)
-        if (s->store.own[t].n) all |= 1ull << t;
-    if (w->grad_mask != all) return; /* more parts to come */
+    if (!complete) { /* more parts to come */
+        if (s->stream) maybe_step(s); /* its chunks may complete some */
+        return;
+    }
     w->own_push = true;
     w->own_push_at = ps_now();
     push_check(s, w);
@@ -1307,7 +1629,8 @@ static void end_validation(srv_t *s)
 static void take_checkpoint(srv_t *s, bool epoch_done)
 {
     if (!s->cfg.ckpt_dir[0]) return;
-    if (s->stepping) { /* between a sharded step's halves: every shard checkpoints the same step after it */
+    if (s->stepping || s->st_open) { /* between a sharded step's halves (every shard checkpoints the same
+                                      * step after it), or in a streamed step: once the step is taken */
         s->ckpt_deferred = true;
         return;
     }
@@ -1418,6 +1741,7 @@ static void send_assign(srv_t *s, worker_t *w)
     a.step_timeout_s = s->cfg.worker_timeout * 3 + 10;
     a.grad_dtype = s->cfg.wire_gradients == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
     a.weight_dtype = s->cfg.wire_weights == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
+    if (s->stream) a.stream_chunk_bytes = (uint64_t)s->store.chunk_bytes;
     char *eps[PS_MAX_SHARDS];
     if (sharded(s)) { /* where its other parts are */
         for (int i = 1; i < s->n_shards; i++) eps[i - 1] = s->shards[i].endpoint;
@@ -1465,6 +1789,19 @@ static void on_register(srv_t *s, ps_msg_t *m)
     snprintf(w->host_id, sizeof w->host_id, "%s", r->host_id && r->host_id[0] ? r->host_id : host);
     snprintf(w->device, sizeof w->device, "%s", r->device && r->device[0] ? r->device : "cpu");
     w->pid = r->pid;
+    if (s->stream) { /* its chunks of a step (made once per worker slot) */
+        w->gch = calloc((size_t)s->st_nc, sizeof *w->gch);
+        w->gch_in = calloc((size_t)s->st_nc, 1);
+        w->n_gch_cap = s->st_nc;
+        if (!w->gch || !w->gch_in) {
+            free(w->gch);
+            free(w->gch_in);
+            memset(w, 0, sizeof *w);
+            PS_WARN("refused a worker from %s pid %u: out of memory", host, r->pid);
+            send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, "psd is out of memory");
+            return;
+        }
+    }
     w->state = W_ASSIGNED;
     if (s->shm && getrandom(w->shm_token, sizeof w->shm_token, 0) != (ssize_t)sizeof w->shm_token)
         memset(w->shm_token, 0, sizeof w->shm_token); /* an all-zero token is never accepted */
@@ -1629,11 +1966,7 @@ static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
         return;
     }
     step_done(s);
-    if (s->ckpt_deferred) {
-        s->ckpt_deferred = false;
-        take_checkpoint(s, false);
-        if (!s->ckpt && s->stop_when_written) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
-    }
+    deferred_checkpoint(s);
     maybe_step(s);
 }
 
@@ -2959,6 +3292,22 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         goto out;
     }
     s->n_shards = opts->shards > 1 ? opts->shards : 1;
+    s->stream = c->stream && s->n_shards == 1; /* psd_main refuses it with shards */
+    if (s->stream) {
+        s->st_cf = ps_chunk_floats((size_t)c->chunk_bytes);
+        s->st_nc = s->store.n_chunks;
+        for (int t = 0; t < s->layout.n_tensors; t++)
+            s->st_tchunks[t] = (int)((s->layout.t[t].numel + s->st_cf - 1) / s->st_cf);
+        s->st_have = calloc((size_t)s->st_nc, sizeof *s->st_have);
+        s->st_done = calloc((size_t)s->st_nc, 1);
+        s->st_ready = calloc(ST_BATCH, sizeof *s->st_ready);
+        s->st_src = calloc((size_t)ST_BATCH * MAX_WORKERS, sizeof *s->st_src);
+        s->st_mem = calloc(MAX_WORKERS, sizeof *s->st_mem);
+        if (!s->st_have || !s->st_done || !s->st_ready || !s->st_src || !s->st_mem) {
+            PS_ERROR("out of memory for streamed steps");
+            goto out;
+        }
+    }
     if (sharded(s)) {
         if (psd_store_own(&s->store, 0, s->n_shards) != 0) {
             PS_ERROR("out of memory for the step's threads");
@@ -3001,6 +3350,9 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     PS_INFO("model %zu parameters, %zu training / %zu test samples, optimizer %s, schedule %s",
             s->layout.n_params, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
     PS_DEBUG("steps: %d chunks on %d threads", s->store.n_chunks, threads);
+    if (s->stream)
+        PS_INFO("streamed steps: %d chunks of up to %zu KiB, each stepped as soon as every worker has sent it",
+                s->st_nc, s->st_cf * sizeof(float) / 1024);
     if (sharded(s)) PS_INFO("psd shard 0 of %d: waiting for shards 1..%d to join", s->n_shards, s->n_shards - 1);
 
     int fd;
@@ -3057,6 +3409,8 @@ out:
             release_push(&s->w[i]);
             shm_forget(s, &s->w[i]);
             free(s->w[i].ranges);
+            free(s->w[i].gch);
+            free(s->w[i].gch_in);
         }
     if (s->sock) {
         ps_msg_drain(s->sock, 0.1, 1.0); /* what workers sent before they saw SHUTDOWN */
@@ -3076,6 +3430,11 @@ out:
     free(s->step_g);
     free(s->step_bf16);
     free(s->step_wt);
+    free(s->st_have);
+    free(s->st_done);
+    free(s->st_ready);
+    free(s->st_src);
+    free(s->st_mem);
     if (s->rx_arena.fallbacks)
         PS_DEBUG("%" PRIu64 " decoded headers did not fit the receive arena", s->rx_arena.fallbacks);
     free(s->pool);

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -60,29 +61,29 @@ int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt,
 int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
 {
     const ps_layout_t *l = &s->layout;
-    size_t cf = (chunk_bytes / sizeof(float) + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK * PSD_NORM_BLOCK;
-    if (cf == 0) cf = PSD_NORM_BLOCK;
+    size_t cf = ps_chunk_floats(chunk_bytes), nb = ps_layout_blocks(l);
     int n = 0;
-    size_t nb = ps_layout_blocks(l);
-    for (int t = 0; t < l->n_tensors; t++) n += (int)((s->own[t].n + cf - 1) / cf);
+    for (int t = 0; t < l->n_tensors; t++) n = ps_piece_chunks(&s->own[t], cf, NULL, n);
     psd_chunk_t *ch = calloc((size_t)(n ? n : 1), sizeof *ch);
     double *bq = calloc(nb ? nb : 1, sizeof *bq);
+    ps_piece_t *pc = calloc((size_t)(n ? n : 1), sizeof *pc);
     struct ps_pool *pool = threads > 1 ? ps_pool_new(threads) : NULL;
-    if (!ch || !bq || (threads > 1 && !pool)) {
+    if (!ch || !bq || !pc || (threads > 1 && !pool)) {
         free(ch);
         free(bq);
+        free(pc);
         ps_pool_free(&pool);
         return -ENOMEM;
     }
     int k = 0;
-    for (int t = 0; t < l->n_tensors; t++) {
-        size_t b = ps_layout_first_block(l, t), end = s->own[t].off + s->own[t].n;
-        for (size_t o = s->own[t].off; o < end; o += cf) {
-            ch[k] = (psd_chunk_t){.t = t, .off = l->t[t].offset + o, .n = end - o < cf ? end - o : cf,
-                                  .blk = b + o / PSD_NORM_BLOCK, .rel = o - s->own[t].off};
-            k++;
-        }
+    for (int t = 0; t < l->n_tensors; t++) k = ps_piece_chunks(&s->own[t], cf, pc, k);
+    for (int i = 0; i < n; i++) {
+        const ps_piece_t *p = &pc[i];
+        ch[i] = (psd_chunk_t){.t = p->t, .off = l->t[p->t].offset + p->off, .n = p->n,
+                              .blk = ps_layout_first_block(l, p->t) + p->off / PSD_NORM_BLOCK,
+                              .rel = p->off - s->own[p->t].off};
     }
+    free(pc);
     free(s->chunks);
     free(s->blk_sq);
     ps_pool_free(&s->pool);
@@ -220,33 +221,48 @@ static psd_arena_t *free_arena(psd_store_t *s)
     return a;
 }
 
-/* One step's work, shared by the pool's threads. */
+/* One step's work, shared by the pool's threads. Contributor k's gradient
+ * of tensor t is grads[k][t]; in a streamed step (train.stream) that of
+ * the j-th chunk of ids is src[j * n + k] instead (the chunk alone). */
 typedef struct {
     psd_store_t *s;
     psd_arena_t *next;
     int n;
     const void *const (*grads)[PS_MAX_TENSORS];
+    const int *ids;
+    const void *const *src;
     const uint8_t *bf16;
     const double *weight;
     float scale;
     double lr;
+    bool clip;
 } step_t;
 
-/* acc[0, n) = sum_k weight[k] * g_k over elements [rel, rel + n) of tensor t,
- * in the contributors' order (the same arithmetic for any split of the range) */
-static void reduce_range(const step_t *st, int t, size_t rel, size_t n, float *acc)
+/* Contributor k's gradient for chunk c from its first element: in the
+ * contributor's wire type (f32, or bf16 where st->bf16[k]). */
+static const void *contrib(const step_t *st, int j, const psd_chunk_t *c, int k)
+{
+    if (st->src) return st->src[(size_t)j * (size_t)st->n + (size_t)k];
+    size_t es = st->bf16 && st->bf16[k] ? 2 : 4;
+    return (const char *)st->grads[k][c->t] + c->rel * es;
+}
+
+/* acc[0, n) = sum_k weight[k] * g_k over elements [o, o + n) of chunk c
+ * (the j-th of the step's work), in the contributors' order (the same
+ * arithmetic for any split of the range) */
+static void reduce_range(const step_t *st, int j, const psd_chunk_t *c, size_t o, size_t n, float *acc)
 {
     for (int k = 0; k < st->n; k++) {
         const float wk = (float)st->weight[k];
         if (st->bf16 && st->bf16[k]) {
-            const uint16_t *h = (const uint16_t *)st->grads[k][t] + rel;
+            const uint16_t *h = (const uint16_t *)contrib(st, j, c, k) + o;
             if (k == 0)
                 for (size_t i = 0; i < n; i++) acc[i] = wk * ps_bf16_to_f32(h[i]);
             else
                 for (size_t i = 0; i < n; i++) acc[i] += wk * ps_bf16_to_f32(h[i]);
             continue;
         }
-        const float *g = (const float *)st->grads[k][t] + rel;
+        const float *g = (const float *)contrib(st, j, c, k) + o;
         if (k == 0)
             for (size_t i = 0; i < n; i++) acc[i] = wk * g[i];
         else
@@ -255,11 +271,11 @@ static void reduce_range(const step_t *st, int t, size_t rel, size_t n, float *a
 }
 
 /* grad = the reduced gradient over chunk c, and its block norms (clipping) */
-static void reduce_chunk(step_t *st, const psd_chunk_t *c)
+static void reduce_chunk(step_t *st, int j, const psd_chunk_t *c)
 {
     psd_store_t *s = st->s;
     float *acc = s->grad + c->off;
-    reduce_range(st, c->t, c->rel, c->n, acc);
+    reduce_range(st, j, c, 0, c->n, acc);
     for (size_t o = 0, b = c->blk; o < c->n; o += PSD_NORM_BLOCK, b++)
         s->blk_sq[b] = psd_sumsq(acc + o, c->n - o < PSD_NORM_BLOCK ? c->n - o : PSD_NORM_BLOCK);
 }
@@ -273,33 +289,38 @@ static void apply_range(const step_t *st, const psd_chunk_t *c, size_t o, size_t
                     s->s0 ? s->s0 + off : NULL, s->s1 ? s->s1 + off : NULL, n, st->lr, s->steps);
 }
 
-/* Without clipping: reduce and apply chunk i in one pass. The sum of a few
- * thousand elements goes through a scratch buffer that stays in the core's
- * L1 cache, not through the gradient array (which would be written and read
- * back from memory); no norm is computed (nothing needs it). */
+/* Without clipping: reduce and apply chunk c (the j-th of the work) in one
+ * pass. The sum of a few thousand elements goes through a scratch buffer
+ * that stays in the core's L1 cache, not through the gradient array (which
+ * would be written and read back from memory); no norm is computed
+ * (nothing needs it). */
 #define FUSE_FLOATS 2048
-static void reduce_task(void *arg, int i)
+static void fused_chunk(const step_t *st, int j, const psd_chunk_t *c)
 {
-    step_t *st = arg;
-    const psd_chunk_t *c = &st->s->chunks[i];
     if (st->n == 1 && st->weight[0] == 1.0 && !(st->bf16 && st->bf16[0])) {
         /* one f32 contributor of weight 1: its gradient is the sum (1.0f * g
          * is g, bit for bit); applied straight from it */
-        apply_range(st, c, 0, c->n, (const float *)st->grads[0][c->t] + c->rel);
+        apply_range(st, c, 0, c->n, contrib(st, j, c, 0));
         return;
     }
     _Alignas(64) float acc[FUSE_FLOATS];
     for (size_t o = 0; o < c->n; o += FUSE_FLOATS) {
         size_t n = c->n - o < FUSE_FLOATS ? c->n - o : FUSE_FLOATS;
-        reduce_range(st, c->t, c->rel + o, n, acc);
+        reduce_range(st, j, c, o, n, acc);
         apply_range(st, c, o, n, acc);
     }
+}
+
+static void reduce_task(void *arg, int i)
+{
+    step_t *st = arg;
+    fused_chunk(st, i, &st->s->chunks[i]);
 }
 
 static void norm_task(void *arg, int i)
 {
     step_t *st = arg;
-    reduce_chunk(st, &st->s->chunks[i]);
+    reduce_chunk(st, i, &st->s->chunks[i]);
 }
 
 static void apply_task(void *arg, int i)
@@ -369,7 +390,7 @@ static void publish(psd_store_t *s, psd_arena_t *next)
         return;
     }
     next->version = s->cur->version + 1;
-    atomic_store(&next->refs, 1);
+    atomic_fetch_add_explicit(&next->refs, 1, memory_order_relaxed); /* streamed replies may hold some already */
     atomic_fetch_sub_explicit(&s->cur->refs, 1, memory_order_release);
     s->cur = next;
 }
@@ -414,4 +435,49 @@ double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
     ps_pool_for(s->pool, s->n_chunks, reduce_task, &st);
     publish(s, next);
     return 0;
+}
+
+/* ---- streamed steps (train.stream) ---------------------------------------- */
+
+psd_arena_t *psd_store_stream_begin(psd_store_t *s) { return begin_update(s); }
+
+static void stream_task(void *arg, int j)
+{
+    step_t *st = arg;
+    const psd_chunk_t *c = &st->s->chunks[st->ids[j]];
+    if (st->clip) reduce_chunk(st, j, c);
+    else fused_chunk(st, j, c);
+}
+
+void psd_store_stream_chunks(psd_store_t *s, psd_arena_t *next, const int *ids, int m, int n,
+                             const void *const *src, const uint8_t *bf16, const double *weight, bool clip, double lr)
+{
+    step_t st = {.s = s, .next = next, .n = n, .ids = ids, .src = src, .bf16 = bf16, .weight = weight,
+                 .scale = 1.0f, .lr = lr, .clip = clip};
+    ps_pool_for(s->pool, m, stream_task, &st);
+}
+
+double psd_store_stream_apply(psd_store_t *s, psd_arena_t *next, double clip_norm, double lr)
+{
+    double sumsq = psd_store_sumsq(s);
+    step_t st = {.s = s, .next = next, .scale = psd_clip_scale(sumsq, clip_norm), .lr = lr};
+    ps_pool_for(s->pool, s->n_chunks, apply_task, &st);
+    return sqrt(sumsq);
+}
+
+void psd_store_stream_keep(psd_store_t *s, psd_arena_t *next, int c)
+{
+    const psd_chunk_t *ch = &s->chunks[c];
+    if (next != s->cur) memcpy(next->w + ch->off, s->cur->w + ch->off, ch->n * sizeof(float));
+}
+
+void psd_store_stream_end(psd_store_t *s, psd_arena_t *next) { publish(s, next); }
+
+void psd_store_tensor_frame(psd_store_t *s, psd_arena_t *a, int t, ps_frame_t *fr)
+{
+    const ps_tensor_info_t *ti = &s->layout.t[t];
+    atomic_fetch_add_explicit(&a->refs, 1, memory_order_relaxed);
+    *fr = (ps_frame_t){.data = a->w + ti->offset, .nbytes = ti->numel * sizeof(float), .ffn = psd_store_frame_free,
+                       .hint = a, .id = (uint32_t)t, .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)ti->rows,
+                       .cols = t % 2 == 0 ? (uint32_t)ti->cols : 0};
 }

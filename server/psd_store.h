@@ -12,6 +12,7 @@
 #define PSD_STORE_H
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -133,5 +134,25 @@ void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
                       const double *weight);
 double psd_store_sumsq(const psd_store_t *s);
 int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr);
+
+/* Streamed steps (train.stream, one psd): the step is taken chunk by chunk
+ * (s->chunks) as the contributors' chunks come in, into the arena
+ * psd_store_stream_begin returns (the step counted and the slots about to
+ * change, as in psd_store_step; NULL if no arena is free), made current by
+ * psd_store_stream_end. stream_chunks steps chunks ids[0, m) on the pool:
+ * src[j * n + k] is contributor k's gradient of chunk ids[j] (f32, or
+ * bfloat16 where bf16[k]), weight[k] its share; the same arithmetic as
+ * psd_store_step, so the same bits. With clip the chunks are only reduced
+ * (with their block norms); stream_apply then applies every chunk with
+ * the global norm (returned). stream_keep: chunk c takes no step (its
+ * contributors were lost), the new version keeps its current values.
+ * tensor_frame: a frame of tensor t of arena a (a reference on a). */
+psd_arena_t *psd_store_stream_begin(psd_store_t *s);
+void psd_store_stream_chunks(psd_store_t *s, psd_arena_t *next, const int *ids, int m, int n,
+                             const void *const *src, const uint8_t *bf16, const double *weight, bool clip, double lr);
+double psd_store_stream_apply(psd_store_t *s, psd_arena_t *next, double clip_norm, double lr);
+void psd_store_stream_keep(psd_store_t *s, psd_arena_t *next, int c);
+void psd_store_stream_end(psd_store_t *s, psd_arena_t *next);
+void psd_store_tensor_frame(psd_store_t *s, psd_arena_t *a, int t, ps_frame_t *fr);
 
 #endif

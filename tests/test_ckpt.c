@@ -976,6 +976,28 @@ Test(store, one_contributor_fast_path_gives_the_same_bits)
  * through a small scratch buffer; with clipping through the gradient array.
  * Same bits either way, for f32 and bf16 contributors, sizes that are not
  * multiples of the scratch buffer, and any chunking and thread count. */
+/* Three contributors laid out like the store's model: f32 gradients in g
+ * (rows 0 and 2 of 3n floats), bfloat16 in h (row 1); three_fill draws
+ * step k's values. */
+static const uint8_t three_bf16[3] = {0, 1, 0};
+static const double three_wt[3] = {0.5, 0.25, 0.25};
+
+static void three_table(const psd_store_t *a, float *g, uint16_t *h, const void *f[3][PS_MAX_TENSORS])
+{
+    size_t n = a->layout.n_params;
+    for (int t = 0; t < a->layout.n_tensors; t++) {
+        f[0][t] = g + a->layout.t[t].offset;
+        f[1][t] = h + a->layout.t[t].offset;
+        f[2][t] = g + 2 * n + a->layout.t[t].offset;
+    }
+}
+
+static void three_fill(float *g, uint16_t *h, size_t n, int k)
+{
+    for (size_t i = 0; i < 3 * n; i++) g[i] = sinf((float)(i * (k + 1)) * 0.37f) * 1e-2f;
+    for (size_t i = 0; i < n; i++) h[i] = ps_f32_to_bf16(cosf((float)(i * (k + 3))) * 1e-2f);
+}
+
 Test(store, fused_reduce_and_apply_gives_the_same_bits)
 {
     psd_store_t a, b;
@@ -985,24 +1007,76 @@ Test(store, fused_reduce_and_apply_gives_the_same_bits)
     uint16_t *h = malloc(n * sizeof(uint16_t));
     cr_assert(g && h);
     const void *f[3][PS_MAX_TENSORS];
-    for (int t = 0; t < a.layout.n_tensors; t++) {
-        f[0][t] = g + a.layout.t[t].offset;
-        f[1][t] = h + a.layout.t[t].offset;
-        f[2][t] = g + 2 * n + a.layout.t[t].offset;
-    }
-    const uint8_t bf16[3] = {0, 1, 0};
-    const double wt[3] = {0.5, 0.25, 0.25};
+    three_table(&a, g, h, f);
     for (int k = 0; k < 3; k++) {
-        for (size_t i = 0; i < 3 * n; i++) g[i] = sinf((float)(i * (k + 1)) * 0.37f) * 1e-2f;
-        for (size_t i = 0; i < n; i++) h[i] = ps_f32_to_bf16(cosf((float)(i * (k + 3))) * 1e-2f);
-        cr_assert_eq(psd_store_step(&a, 3, (const void *const(*)[PS_MAX_TENSORS])f, bf16, wt, 0, 1e-2), 0);
-        cr_assert_gt(psd_store_step(&b, 3, (const void *const(*)[PS_MAX_TENSORS])f, bf16, wt, 1e30, 1e-2), 0);
+        three_fill(g, h, n, k);
+        cr_assert_eq(psd_store_step(&a, 3, (const void *const(*)[PS_MAX_TENSORS])f, three_bf16, three_wt, 0, 1e-2), 0);
+        cr_assert_gt(psd_store_step(&b, 3, (const void *const(*)[PS_MAX_TENSORS])f, three_bf16, three_wt, 1e30, 1e-2),
+                     0);
     }
     assert_same_state(&a, &b);
     free(g);
     free(h);
     psd_store_deinit(&a);
     psd_store_deinit(&b);
+}
+
+/* Streamed steps (train.stream): chunks stepped one batch at a time, in any
+ * order, give the bits of the whole step, with clipping (reduce every
+ * chunk, then apply with the global norm) and without (each chunk at once);
+ * out of place (a reply of the current version in flight) and in place. */
+Test(store, streamed_chunks_in_any_order_give_the_same_bits)
+{
+    for (int clip = 0; clip < 2; clip++) {
+        psd_store_t a, b;
+        size_t n = store_pair(&a, &b);
+        cr_assert_eq(psd_store_set_parallel(&a, 2, 65536), 0);
+        cr_assert_eq(psd_store_set_parallel(&b, 2, 65536), 0);
+        cr_assert_gt(b.n_chunks, 2, "the model spans several chunks");
+        float *g = malloc(3 * n * sizeof(float));
+        uint16_t *h = malloc(n * sizeof(uint16_t));
+        const void **src = malloc((size_t)b.n_chunks * 3 * sizeof *src);
+        int *ids = malloc((size_t)b.n_chunks * sizeof *ids);
+        cr_assert(g && h && src && ids);
+        const void *f[3][PS_MAX_TENSORS];
+        three_table(&a, g, h, f);
+        for (int k = 0; k < 4; k++) {
+            three_fill(g, h, n, k);
+            cr_assert_geq(psd_store_step(&a, 3, (const void *const(*)[PS_MAX_TENSORS])f, three_bf16, three_wt,
+                                         clip ? 0.05 : 0, 1e-2), 0);
+            psd_arena_t *held = k % 2 ? psd_store_ref_current(&b) : NULL; /* odd steps: out of place */
+            psd_arena_t *next = psd_store_stream_begin(&b);
+            cr_assert(next && (next == b.cur) == (held == NULL));
+            /* the chunks in reverse order, two at a time; each contributor's
+             * chunk is its own buffer's piece, as a frame would be */
+            for (int c = b.n_chunks - 1; c >= 0; c -= 2) {
+                int m = c > 0 ? 2 : 1;
+                for (int j = 0; j < m; j++) {
+                    const psd_chunk_t *ch = &b.chunks[c - j];
+                    ids[j] = c - j;
+                    src[j * 3 + 0] = g + ch->off;
+                    src[j * 3 + 1] = h + ch->off;
+                    src[j * 3 + 2] = g + 2 * n + ch->off;
+                }
+                psd_store_stream_chunks(&b, next, ids, m, 3, src, three_bf16, three_wt, clip, 1e-2);
+            }
+            if (clip) psd_store_stream_apply(&b, next, 0.05, 1e-2);
+            psd_store_stream_end(&b, next);
+            if (held) {
+                cr_assert_neq(held, b.cur, "a referenced version is never written");
+                psd_store_frame_free(NULL, held);
+            }
+            cr_assert_eq(b.cur->version, a.cur->version);
+            cr_assert_eq(b.steps, a.steps);
+        }
+        assert_same_state(&a, &b);
+        free(g);
+        free(h);
+        free(src);
+        free(ids);
+        psd_store_deinit(&a);
+        psd_store_deinit(&b);
+    }
 }
 
 /* With nothing referencing the current version a step updates it in place;

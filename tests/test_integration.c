@@ -741,6 +741,12 @@ Test(short, gradients_pushed_tensor_by_tensor_give_the_same_weights)
     train_wx(&c, "splitw", 2, args, split_wire, 300);
     check_run(&c, 2, 1);
     cr_assert(weights_equal(a.weights, c.weights), "parts over the wire too");
+    /* and streamed (train.stream): each tensor's chunks as its backward is done */
+    const char *sargs[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--seed", "5", "--set",
+                           "train.stream=true", "--set", "server.chunk_bytes=65536", NULL};
+    train_wx(&c, "splits", 2, sargs, split_wire, 300);
+    check_run(&c, 2, 1);
+    cr_assert(weights_equal(a.weights, c.weights), "streamed parts");
 }
 
 /* ---- same host: shared memory ------------------------------------------- */
@@ -1137,12 +1143,35 @@ static psw_client_t *lib_worker(const char *ep, char *err, size_t n)
     return c;
 }
 
+/* The library workers' model, 784-hidden-10, and a zero gradient for it. */
+static float *lib_model(ps_layout_t *l, int hidden)
+{
+    cr_assert_eq(ps_layout_init(l, (const int[]){784, hidden, 10}, 3), 0);
+    float *zero = calloc(l->n_params, sizeof *zero);
+    cr_assert(zero);
+    return zero;
+}
+
 static void lib_next(psw_client_t *c, psw_event_t *ev, psw_event_kind_t kind)
 {
     char err[512];
     int rc = psw_client_next(c, ev, 30, err, sizeof err);
     cr_assert_eq(rc, 0, "%s", err);
     cr_assert_eq(ev->kind, kind, "event %d, want %d", (int)ev->kind, (int)kind);
+}
+
+/* n library workers in registration order, each given `samples` of the
+ * epoch and asking for the weights. */
+static void lib_start(const char *ep, psw_client_t **w, int n, size_t samples)
+{
+    char err[512];
+    psw_event_t ev;
+    for (int i = 0; i < n; i++) w[i] = lib_worker(ep, err, sizeof err);
+    for (int i = 0; i < n; i++) {
+        lib_next(w[i], &ev, PSW_EV_EPOCH);
+        cr_assert_eq(ev.n_samples, samples);
+        psw_client_pull(w[i], ev.version);
+    }
 }
 
 static void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull, const float *zero,
@@ -1171,17 +1200,10 @@ Test(short, more_samples_while_the_last_push_waits_are_trained_on_the_next_versi
     char err[512];
     psw_event_t ev;
     ps_layout_t l;
-    cr_assert_eq(ps_layout_init(&l, (const int[]){784, 16, 10}, 3), 0);
-    float *zero = calloc(l.n_params, sizeof *zero);
-    psw_client_t *A = lib_worker(r.endpoint, err, sizeof err);
-    psw_client_t *B = lib_worker(r.endpoint, err, sizeof err);
-    psw_client_t *C = lib_worker(r.endpoint, err, sizeof err);
-    psw_client_t *all[3] = {A, B, C};
-    for (int i = 0; i < 3; i++) { /* 128 samples each: two batches of 64 */
-        lib_next(all[i], &ev, PSW_EV_EPOCH);
-        cr_assert_eq(ev.n_samples, 128);
-        psw_client_pull(all[i], ev.version);
-    }
+    float *zero = lib_model(&l, 16);
+    psw_client_t *all[3];
+    lib_start(r.endpoint, all, 3, 128); /* 128 samples each: two batches of 64 */
+    psw_client_t *A = all[0], *C = all[2];
     for (int i = 0; i < 3; i++) {
         lib_next(all[i], &ev, PSW_EV_WEIGHTS);
         cr_assert_eq(ev.version, 0);
@@ -1215,6 +1237,119 @@ Test(short, more_samples_while_the_last_push_waits_are_trained_on_the_next_versi
     free(zero);
     kill(p, SIGKILL);
     proc_wait(p, 10);
+}
+
+/* train.stream: gradients and weights travel in chunks, each stepped as
+ * soon as every worker has sent it, and the new values go back at once:
+ * the same bits as whole steps (SGD; Adam with global-norm clipping, where
+ * the chunks are reduced as they come and applied once the norm is known),
+ * over the wire and with one worker on shared memory; the streamed weights
+ * are checked by the workers against psd's CRC-32 of the version. */
+Test(short, streamed_steps_give_the_same_weights_as_whole_steps)
+{
+    const char *opt[2][8] = {
+        {"--set", "optimizer.name=sgd", NULL},
+        {"--set", "optimizer.name=adam", "--set", "optimizer.lr=0.001", "--set", "optimizer.clip_norm=0.5", NULL}};
+    const char *wire[] = {"--no-shm", "--verbose", NULL}, *shm[] = {"--verbose", NULL};
+    for (int o = 0; o < 2; o++) {
+        const char *args[24] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "13", "--x-verify-weights",
+                                "--set", "server.chunk_bytes=65536", "--set", "checkpoint.dir="};
+        int n = 11;
+        for (int i = 0; opt[o][i]; i++) args[n++] = opt[o][i];
+        args[n] = NULL;
+        run_t a, b, c;
+        char ta[16], tb[16], tc[16];
+        snprintf(ta, sizeof ta, "whole%d", o);
+        snprintf(tb, sizeof tb, "stream%d", o);
+        snprintf(tc, sizeof tc, "smix%d", o);
+        train_wx(&a, ta, 2, args, wire, 300);
+        check_run(&a, 2, 2);
+        args[n] = "--set";
+        args[n + 1] = "train.stream=true";
+        args[n + 2] = NULL;
+        train_wx(&b, tb, 2, args, wire, 300);
+        check_run(&b, 2, 2);
+        pid_t p = start_psd(&c, tc, 2, args); /* rank 0 on shared memory, rank 1 on the wire */
+        pid_t w0 = start_worker(&c, tc, 0, shm);
+        wait_log(c.psd_log, "worker registered: rank 0", 60);
+        pid_t w1 = start_worker(&c, tc, 1, wire);
+        c.psd_code = proc_wait(p, 300);
+        c.worker_code[0] = proc_wait(w0, 30);
+        c.worker_code[1] = proc_wait(w1, 30);
+        check_run(&c, 2, 2);
+        char *lb = slurp(b.psd_log), *lc = slurp(c.psd_log);
+        cr_assert(strstr(lb, "streamed steps: 37 chunks of up to 64 KiB"), "%s", lb);
+        cr_assert_eq(count_in(lc, "through shared memory"), 1, "one of each:\n%s", lc);
+        free(lb);
+        free(lc);
+        cr_assert(weights_equal(a.weights, b.weights), "streamed = whole steps, bit for bit (%s)", opt[o][1]);
+        cr_assert(weights_equal(a.weights, c.weights), "streamed with a worker on shared memory (%s)", opt[o][1]);
+        assert_workers_verified(tb, 2, "the streamed weights");
+    }
+}
+
+/* train.stream: a worker lost after some of its chunks were stepped. Its
+ * gradient cannot be taken out of them again, so its batch counts as
+ * trained and the rest of the step goes on with the other worker's alone;
+ * its other samples go to that worker; every sample is trained once and
+ * nothing hangs. Two library workers: B sends only its first tensor's
+ * chunks, then falls silent. */
+Test(short, a_worker_lost_in_the_middle_of_a_streamed_step)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]",
+                          "--set", "server.chunk_bytes=65536", "--set", "train.stream=true", "--worker-timeout", "1",
+                          "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "stlost", 2, args);
+    char err[512];
+    psw_event_t ev;
+    ps_layout_t l;
+    float *zero = lib_model(&l, 64);
+    psw_client_t *both[2];
+    lib_start(r.endpoint, both, 2, 192);
+    psw_client_t *A = both[0], *B = both[1];
+    for (int i = 0; i < 2; i++) {
+        lib_next(both[i], &ev, PSW_EV_WEIGHTS);
+        cr_assert_eq(ev.version, 0);
+    }
+    lib_push(A, 0, 64, 1, zero, &l);
+    const float *g0 = zero;
+    size_t n0 = l.t[0].numel;
+    int id0 = 0, rows0 = l.t[0].rows, cols0 = l.t[0].cols;
+    cr_assert_eq(psw_client_push(B, 0, 64, 32.0, 0, 1, 1, &id0, &g0, &n0, &rows0, &cols0), 0); /* W0's 4 chunks */
+    while (!psw_client_push_done(B)) sched_yield();
+    wait_log(r.psd_log, "lost in the middle of a streamed step: its gradient is in 4 of 7 chunks", 30);
+    psw_client_destroy(&B);
+    /* A trains the rest: its own 128 samples and B's 128 */
+    uint64_t left = 128, trained = 64, assigned = 192;
+    for (;;) {
+        int rc = psw_client_next(A, &ev, 30, err, sizeof err);
+        cr_assert_eq(rc, 0, "%s", err);
+        if (ev.kind == PSW_EV_SHUTDOWN) break;
+        if (ev.kind == PSW_EV_EPOCH) {
+            cr_assert(ev.append);
+            left += ev.n_samples;
+            assigned += ev.n_samples;
+        } else if (ev.kind == PSW_EV_WEIGHTS) {
+            cr_assert_gt(left, 0);
+            uint32_t batch = left < 64 ? (uint32_t)left : 64;
+            left -= batch;
+            trained += batch;
+            lib_push(A, ev.version, batch, left > 0, zero, &l);
+            if (left == 0) psw_client_barrier(A, 0, assigned);
+        } else if (ev.kind == PSW_EV_VALIDATE) {
+            psw_client_val_result(A, ev.epoch, ev.version, ev.val_begin, 0.1 * (double)(ev.val_end - ev.val_begin), 0,
+                                  ev.val_end - ev.val_begin);
+        }
+    }
+    cr_assert_eq(trained, 320, "A trained its 192 samples and B's 128 not yet trained");
+    psw_client_destroy(&A);
+    free(zero);
+    r.psd_code = proc_wait(p, 60);
+    cr_assert_eq(r.psd_code, 0, "psd finished the run");
+    char *m = metrics_last(&r);
+    cr_assert_eq(json_num(last_line(m), "train_samples"), 384, "every sample trained once: %s", last_line(m));
+    free(m);
 }
 
 /* A raw worker: REGISTER on a DEALER and return psd's ASSIGN (in m). */
@@ -2557,6 +2692,16 @@ Test(short, async_with_psd_shards_is_refused)
     cr_assert(strstr(t, "train.sync: async needs one psd"), "%s", t);
     free(t);
     cr_assert_eq(run_cmd("'%s' --set train.sync=sometimes --print-config > /dev/null 2>&1", psd_bin), 2);
+    /* streamed steps: bsp and one psd only */
+    cr_assert_eq(run_cmd("'%s' --set train.stream=true --set train.sync=ssp --print-config > '%s' 2>&1", psd_bin, out), 2);
+    t = slurp(out);
+    cr_assert(strstr(t, "train.stream: true needs train.sync: bsp"), "%s", t);
+    free(t);
+    cr_assert_eq(run_cmd("'%s' --shard 0/2 --set train.stream=true --listen tcp://127.0.0.1:9 > '%s' 2>&1", psd_bin, out),
+                 2);
+    t = slurp(out);
+    cr_assert(strstr(t, "train.stream: true needs one psd"), "%s", t);
+    free(t);
     cr_assert_eq(run_cmd("'%s' --set train.staleness=-1 --print-config > /dev/null 2>&1", psd_bin), 2);
 }
 

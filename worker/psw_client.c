@@ -64,6 +64,17 @@ struct psw_client {
     int from;               /* shard the message in cur came from */
     psw_event_t pend;       /* WEIGHTS/VALIDATE from shard 0 waiting for the other parts */
     int pending;
+    /* streamed steps (ASSIGN's stream_chunk_bytes): gradients go out in
+     * chunks of stream_cf floats, one message each; the weights come a few
+     * whole tensors at a time, kept where they arrived: sheld[t] holds
+     * tensor t of version sver - 1 (smask: those in; sdone: all were, and
+     * returned as an event), scrc is the CRC-32 psd sent for it */
+    size_t stream_cf;
+    zmq_msg_t sheld[PS_MAX_TENSORS];
+    uint64_t smask;
+    int sdone;
+    uint64_t sver;
+    uint32_t scrc;
 };
 
 static void shm_unmap(psw_client_t *c)
@@ -231,6 +242,16 @@ static void shards_close(psw_client_t *c)
     c->n_shards = 1;
 }
 
+/* Let go of the streamed tensors held. */
+static void stream_release(psw_client_t *c)
+{
+    for (int t = 0; t < PS_MAX_TENSORS; t++)
+        if (c->smask & (1ull << t)) zmq_msg_close(&c->sheld[t]);
+    c->smask = 0;
+    c->sdone = 0;
+    c->sver = 0;
+}
+
 void psw_client_destroy(psw_client_t **cp)
 {
     psw_client_t *c = *cp;
@@ -238,6 +259,7 @@ void psw_client_destroy(psw_client_t **cp)
     ps_msg_deinit(&c->cur);
     shards_close(c);
     shm_unmap(c);
+    stream_release(c);
     free(c->gconv);
     free(c->wconv);
     if (c->sock) {
@@ -620,6 +642,16 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         snprintf(err, errlen, "out of memory for the bfloat16 buffers");
         return -ENOMEM;
     }
+    stream_release(c);
+    c->stream_cf = 0;
+    if (a->stream_chunk_bytes > 0 && c->n_shards == 1) {
+        if (a->stream_chunk_bytes > (UINT64_C(1) << 30)) {
+            snprintf(err, errlen, "psd sent an invalid chunk size");
+            return -EPROTO;
+        }
+        c->stream_cf = ps_chunk_floats((size_t)a->stream_chunk_bytes);
+    }
+    out->stream = c->stream_cf > 0;
     return 0;
 }
 
@@ -710,6 +742,36 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
     return 0;
 }
 
+/* A streamed push: every chunk in a message of its own (psd steps each
+ * chunk as soon as every worker's copy is in). The PULL flag goes with
+ * every one: psd sends the new values of each chunk as soon as they are
+ * made, while the rest still come in. */
+static int push_stream(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
+                       const size_t *numel, const int *rows, const int *cols)
+{
+    size_t es = c->grad_bf16 ? 2 : 4;
+    for (int i = 0; i < n; i++) {
+        if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
+        const void *src = grads[i];
+        if (c->grad_bf16) {
+            uint16_t *dst = c->gconv + c->layout.t[ids[i]].offset;
+            ps_f32_to_bf16_n(dst, grads[i], numel[i]);
+            src = dst;
+        }
+        for (size_t o = 0; o < numel[i]; o += c->stream_cf) {
+            size_t k = numel[i] - o < c->stream_cf ? numel[i] - o : c->stream_cf;
+            ps_frame_t fr = {.data = (const char *)src + o * es, .nbytes = k * es, .ffn = push_frame_done, .hint = c,
+                             .id = (uint32_t)ids[i], .dtype = c->grad_bf16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32,
+                             .rows = (uint32_t)rows[i], .cols = (uint32_t)cols[i], .offset = o};
+            if (i > 0 || o > 0) h->seq = ++c->seq; /* every message its own number */
+            atomic_fetch_add_explicit(&c->push_inflight, 1, memory_order_relaxed);
+            int rc = ps_msg_send(c->sock, NULL, 0, h, &fr, 1);
+            if (rc < 0) return rc;
+        }
+    }
+    return 0;
+}
+
 int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum,
                     uint64_t correct, int pull, int n, const int *ids, const float *const *grads,
                     const size_t *numel, const int *rows, const int *cols)
@@ -743,6 +805,7 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
     }
     ps_frame_t fr[PSW_MAX_TENSORS];
     if (c->n_shards > 1) return push_shards(c, &h, n, ids, grads, numel, rows, cols);
+    if (c->stream_cf) return push_stream(c, &h, n, ids, grads, numel, rows, cols);
     for (int i = 0; i < n; i++) {
         if (c->grad_bf16) { /* rounded into the conversion buffer, sent from there */
             if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
@@ -923,6 +986,66 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, cha
     return 0;
 }
 
+/* Streamed weights: the whole tensors of a WEIGHTS in parts, kept where
+ * they arrived (valid until the next version's first part comes). 1: the
+ * version is complete (*ev set), 0: more to come, < 0: error. */
+static int stream_part(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
+{
+    const Psd__Weights *wt = c->cur.hdr->weights;
+    const int nt = c->layout.n_tensors;
+    if (!c->stream_cf || c->weight_bf16 || wt->parts != (uint32_t)nt || wt->shm_slot) {
+        snprintf(err, errlen, "psd sent weights in %u parts this worker does not expect", wt->parts);
+        return -EPROTO;
+    }
+    if (c->sver != wt->version + 1) {
+        if (c->smask && !c->sdone) {
+            snprintf(err, errlen, "psd sent parts of version %llu before all of version %llu",
+                     (unsigned long long)wt->version, (unsigned long long)(c->sver - 1));
+            return -EPROTO;
+        }
+        stream_release(c); /* the last version's tensors: the caller is done with them */
+        c->sver = wt->version + 1;
+        c->scrc = 0;
+    }
+    for (int i = 0; i < c->cur.n_frames; i++) {
+        const Psd__TensorDesc *d = c->cur.hdr->tensors[i];
+        size_t n = 0;
+        if (!ps_msg_f32(&c->cur, i, &n) || d->id >= (uint32_t)nt || d->offset || n != c->layout.t[d->id].numel ||
+            (c->smask & (1ull << d->id))) {
+            snprintf(err, errlen, "psd sent an invalid or repeated weights tensor (frame %d)", i);
+            return -EPROTO;
+        }
+        zmq_msg_init(&c->sheld[d->id]);
+        zmq_msg_move(&c->sheld[d->id], &c->cur.frames[i]);
+        c->smask |= 1ull << d->id;
+    }
+    if (wt->crc) c->scrc = wt->crc;
+    if (c->sdone || c->smask != (nt == 64 ? ~0ull : (1ull << nt) - 1)) return 0;
+    c->sdone = 1;
+    ev->kind = PSW_EV_WEIGHTS;
+    ev->version = wt->version;
+    ev->step = wt->step;
+    ev->n_tensors = nt;
+    uLong got = crc32(0L, Z_NULL, 0);
+    for (int t = 0; t < nt; t++) {
+        ev->tensors[t] = zmq_msg_data(&c->sheld[t]);
+        ev->tensor_numel[t] = c->layout.t[t].numel;
+        if (c->scrc) got = crc32_z(got, (const Bytef *)ev->tensors[t], ev->tensor_numel[t] * sizeof(float));
+    }
+    if (c->scrc) {
+        if ((uint32_t)got != c->scrc) {
+            snprintf(err, errlen, "weights of version %llu do not match psd's checksum (%08x, received %08x): "
+                     "torn or corrupted in transit", (unsigned long long)ev->version, c->scrc, (unsigned)got);
+            return -EPROTO;
+        }
+        c->verified++;
+    }
+    c->t_weights = ps_now();
+    c->wait = c->t_req > 0 ? c->t_weights - c->t_req : 0;
+    c->t_req = 0;
+    return 1;
+}
+
 /* With shards: the pending event, once every part of its version is here. */
 static int parts_done(psw_client_t *c, psw_event_t *ev)
 {
@@ -1015,6 +1138,12 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
             return 0;
         }
         case PSD__MSG_TYPE__MSG_WEIGHTS:
+            if (h->weights->parts > 0) {
+                rc = stream_part(c, ev, err, errlen);
+                if (rc < 0) return rc;
+                if (rc > 0) return 0;
+                continue;
+            }
             ev->kind = PSW_EV_WEIGHTS;
             c->t_weights = ps_now();
             c->wait = c->t_req > 0 ? c->t_weights - c->t_req : 0;

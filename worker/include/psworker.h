@@ -62,6 +62,7 @@ typedef struct {
     double start_timeout_s;    /* how long to wait for the first epoch */
     double step_timeout_s;     /* how long to wait for any later reply */
     int shm;                   /* tensors go through shared memory with psd (same host) */
+    int stream;                /* train.stream: pushes and weights go in chunks (psw_client_push splits them) */
 } psw_assign_t;
 
 typedef enum {
