@@ -166,8 +166,16 @@ static void grad_ready(void *ud, int t)
  * message, or tensor by tensor as each gradient reaches host memory. */
 static int train_step(wk_t *w, const psw_event_t *ev)
 {
-    /* the previous push's buffers must be released by ZeroMQ before reuse */
-    while (!psw_client_push_done(w->c)) sched_yield();
+    /* the previous push's buffers must be released by ZeroMQ before reuse
+     * (sent, or dropped with its connection); never waits for ever */
+    double since = ps_now();
+    while (!psw_client_push_done(w->c)) {
+        if (ps_now() - since > w->a.step_timeout_s) {
+            PS_ERROR("the last push was not sent within %.0f s", w->a.step_timeout_s);
+            return -ETIMEDOUT;
+        }
+        sched_yield();
+    }
     if (set_weights(w, ev) != 0) return -EPROTO;
     int B = (int)(w->n_ids - w->pos < w->a.batch_size ? w->n_ids - w->pos : w->a.batch_size);
     psw_data_gather(&w->train, w->ids + w->pos, B, w->x, w->y);
