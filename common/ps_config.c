@@ -65,7 +65,7 @@ typedef struct {
     const char *def;          /* default, as a flag would spell it */
 } key_spec_t;
 
-static const char *const opt_names[] = {"sgd", "adam", "adamw", NULL};
+static const char *const opt_names[] = {"sgd", "adam", "adamw", "adagrad", NULL};
 static const char *const wire_names[] = {"f32", "bf16", NULL};
 static const char *const sync_names[] = {"bsp", "async", "ssp", NULL};
 static const char *const log_format_names[] = {"text", "json", NULL};

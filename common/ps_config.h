@@ -17,7 +17,7 @@
 #define PS_PATH_MAX 1024
 #define PS_ENDPOINT_MAX 256
 
-typedef enum { PS_OPT_SGD = 0, PS_OPT_ADAM, PS_OPT_ADAMW } ps_opt_kind_t;
+typedef enum { PS_OPT_SGD = 0, PS_OPT_ADAM, PS_OPT_ADAMW, PS_OPT_ADAGRAD } ps_opt_kind_t;
 typedef enum {
     PS_SCHED_CONSTANT = 0,
     PS_SCHED_STEP,

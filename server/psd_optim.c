@@ -33,6 +33,7 @@ int psd_optim_slots(const psd_optim_t *o)
     case PS_OPT_SGD: return o->momentum > 0.0f ? 1 : 0;
     case PS_OPT_ADAM:
     case PS_OPT_ADAMW: return 2;
+    case PS_OPT_ADAGRAD: return 1;
     }
     PSD_ASSERT(!"unknown optimizer kind");
     return 0;
@@ -107,6 +108,21 @@ static void adam_apply(const psd_optim_t *o, const float *w_old, float *w_new, c
     }
 }
 
+/* Adagrad (PyTorch's, lr_decay 0, initial accumulator 0): the sum of the
+ * squared gradients scales each element's step. A zero gradient leaves the
+ * element and its sum exactly as they were (the sparse rows rely on it). */
+static void adagrad_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
+                          float gscale, float *sum, size_t n, float lr)
+{
+    const float wd = o->weight_decay, eps = o->eps;
+    for (size_t i = 0; i < n; i++) {
+        float gp = gscale * g[i] + wd * w_old[i];
+        float si = sum[i] + gp * gp;
+        sum[i] = si;
+        w_new[i] = w_old[i] - lr * gp / (sqrtf(si) + eps);
+    }
+}
+
 void psd_optim_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
                      float gscale, float *s0, float *s1, size_t n, double lr, uint64_t t)
 {
@@ -122,6 +138,10 @@ void psd_optim_apply(const psd_optim_t *o, const float *w_old, float *w_new, con
     case PS_OPT_ADAMW:
         PSD_ASSERT(s0 && s1 && t >= 1);
         adam_apply(o, w_old, w_new, g, gscale, s0, s1, n, lr, t);
+        return;
+    case PS_OPT_ADAGRAD:
+        PSD_ASSERT(s0);
+        adagrad_apply(o, w_old, w_new, g, gscale, s0, n, (float)lr);
         return;
     }
     PSD_ASSERT(!"unknown optimizer kind");

@@ -4,7 +4,7 @@
  * the caller reduces gradients into g, computes the global squared norm with
  * psd_sumsq over every chunk, turns it into a scale with psd_clip_scale, then
  * calls psd_optim_apply on each chunk (any split of the arrays gives the same
- * result, element by element). Semantics follow PyTorch's SGD/Adam/AdamW. */
+ * result, element by element). Semantics follow PyTorch's SGD/Adam/AdamW/Adagrad. */
 #ifndef PSD_OPTIM_H
 #define PSD_OPTIM_H
 
@@ -25,14 +25,14 @@ typedef struct {
 void psd_optim_from_config(psd_optim_t *o, const ps_config_t *c);
 
 /* Number of float state slots per parameter: sgd 1 (momentum buffer; 0 if
- * momentum == 0), adam/adamw 2 (m, v). */
+ * momentum == 0), adam/adamw 2 (m, v), adagrad 1 (sum of squares). */
 int psd_optim_slots(const psd_optim_t *o);
 
 /* One update of n parameters.
  *   w_old (n)  weights of the current version (read)
  *   w_new (n)  weights of the next version (written; may equal w_old)
  *   g (n)      averaged gradient (read), multiplied by gscale before use
- *   s0, s1 (n) state slots (momentum buffer / Adam m, v); unused ones may be NULL
+ *   s0, s1 (n) state slots (momentum buffer / Adam m, v / Adagrad sum); unused ones may be NULL
  *   lr         learning rate for this step
  *   t          1-based step count (Adam bias correction)
  * State slots start at zero. */

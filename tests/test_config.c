@@ -376,7 +376,7 @@ Test(config, non_finite_and_overflow_rejected)
 Test(config, bad_enum)
 {
     expect_load_error("optimizer:\n  name: rmsprop\n",
-                      "test.yaml:2: optimizer.name: expected one of sgd, adam, adamw, got 'rmsprop'",
+                      "test.yaml:2: optimizer.name: expected one of sgd, adam, adamw, adagrad, got 'rmsprop'",
                       NULL);
     expect_load_error("schedule: {name: linear}\n",
                       "schedule.name: expected one of constant, step, cosine, onecycle", NULL);
@@ -428,7 +428,7 @@ Test(config, sequence_or_mapping_where_scalar_expected)
     expect_load_error("optimizer:\n  lr: [0.1, 0.2]\n",
                       "test.yaml:2: optimizer.lr: expected a number, got a sequence", NULL);
     expect_load_error("optimizer:\n  name:\n    kind: sgd\n",
-                      "test.yaml:3: optimizer.name: expected one of sgd, adam, adamw, got a mapping",
+                      "test.yaml:3: optimizer.name: expected one of sgd, adam, adamw, adagrad, got a mapping",
                       NULL);
     expect_load_error("data:\n  train_images: [a, b]\n", "data.train_images: expected a string",
                       "sequence");
@@ -570,7 +570,7 @@ Test(config, set_flags)
     cr_expect_eq(ps_config_set(&c, "optimizer.lr", "abc", err, sizeof err), -1);
     cr_expect_str_eq(err, "optimizer.lr: expected a number, got 'abc'");
     cr_expect_eq(ps_config_set(&c, "optimizer.name", "sgdd", err, sizeof err), -1);
-    cr_expect_str_eq(err, "optimizer.name: expected one of sgd, adam, adamw, got 'sgdd'");
+    cr_expect_str_eq(err, "optimizer.name: expected one of sgd, adam, adamw, adagrad, got 'sgdd'");
     cr_expect_eq(ps_config_set(&c, "server.workers", "0", err, sizeof err), -1);
     cr_expect(strstr(err, "server.workers: 0 is out of range") != NULL, "%s", err);
     cr_expect_eq(ps_config_set(&c, "optimizer", "sgd", err, sizeof err), -1);

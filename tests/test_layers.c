@@ -159,6 +159,46 @@ Test(ops, linear_matches_reference)
     check_linear(3, 300, 2, 6);
 }
 
+/* Embedding bags against a double-precision reference (sum and mean, bags
+ * with repeated rows), and the backward pass as the forward's adjoint:
+ * <fwd(E), dy> = <E, bwd(dy)> for any E and dy, since the op is linear. */
+Test(ops, embag_matches_reference_and_its_adjoint)
+{
+    ps_rng_t r;
+    ps_rng_seed(&r, 11, 3);
+    const int R = 37, D = 5, B = 6, F = 3, m = 4;
+    const size_t nb = (size_t)B * F, ne = nb * m;
+    float *E = dev_floats((size_t)R * D), *y = dev_floats(nb * D), *dy = dev_floats(nb * D);
+    float *dE = dev_floats((size_t)R * D);
+    uint32_t *ids = be->alloc(be, ne * sizeof *ids);
+    fill_uniform(E, (size_t)R * D, -1, 1, &r);
+    fill_uniform(dy, nb * D, -1, 1, &r);
+    for (size_t e = 0; e < ne; e++) ids[e] = (uint32_t)ps_rng_below(&r, 8) * 4 + 1; /* rows repeat */
+    for (int mean = 0; mean < 2; mean++) {
+        be->embag_fwd(be, y, E, ids, B, F, m, D, mean);
+        memset(dE, 0, (size_t)R * D * sizeof *dE);
+        be->embag_bwd(be, dE, dy, ids, B, F, m, D, mean);
+        be->sync(be);
+        double lhs = 0, rhs = 0;
+        for (size_t k = 0; k < nb; k++)
+            for (int d = 0; d < D; d++) {
+                double want = 0;
+                for (int j = 0; j < m; j++) want += E[ids[k * m + j] * D + d];
+                if (mean) want /= m;
+                cr_expect(fabs(y[k * D + d] - want) < 1e-6, "bag %zu col %d: %g, want %g", k, d, y[k * D + d], want);
+                lhs += (double)y[k * D + d] * dy[k * D + d];
+            }
+        for (size_t i = 0; i < (size_t)R * D; i++) {
+            rhs += (double)E[i] * dE[i];
+            if ((i / D) % 4 != 1) cr_expect(dE[i] == 0.0f, "row %zu is in no bag", i / D);
+        }
+        cr_expect(fabs(lhs - rhs) < 1e-5 * (fabs(lhs) + 1), "adjoint (mean %d): %.9g against %.9g", mean, lhs, rhs);
+    }
+    float *bufs[] = {E, y, dy, dE};
+    for (size_t i = 0; i < 4; i++) be->free(be, bufs[i]);
+    be->free(be, ids);
+}
+
 Test(ops, relu_fwd_bwd)
 {
     ps_rng_t r;

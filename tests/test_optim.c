@@ -145,6 +145,31 @@ Test(sgd, nesterov)
     check_vec(w, (const double[]){0.7695, -2.461}, 2, "step2");
 }
 
+/* Adagrad (PyTorch): g' = g + wd*w; sum += g'^2; w -= lr * g' / (sqrt(sum) + eps).
+ * lr 0.1, wd 0.1, eps 1e-10, w = (1, -2), g = (0.5, 1):
+ * step 1: g' = (0.6, 0.8), sum = (0.36, 0.64), w = (1 - 0.1*0.6/0.6, -2 - 0.1*0.8/0.8) = (0.9, -2.1)
+ * step 2: g' = (0.59, 0.79), sum = (0.36 + 0.3481, 0.64 + 0.6241) = (0.7081, 1.2641),
+ *         w = (0.9 - 0.059/sqrt(0.7081), -2.1 - 0.079/sqrt(1.2641)).
+ * A zero gradient (no weight decay) leaves w and the sum exactly as they were. */
+Test(adagrad, basic)
+{
+    psd_optim_t o = make_opt(PS_OPT_ADAGRAD, 0, 0, 0.1f, 0, 0, 1e-10f);
+    cr_assert_eq(psd_optim_slots(&o), 1);
+    float w[2] = {1.0f, -2.0f}, sum[2] = {0, 0};
+    const float g[2] = {0.5f, 1.0f};
+    psd_optim_apply(&o, w, w, g, 1.0f, sum, NULL, 2, 0.1, 1);
+    check_vec(w, (const double[]){0.9, -2.1}, 2, "step1");
+    check_vec(sum, (const double[]){0.36, 0.64}, 2, "sum1");
+    psd_optim_apply(&o, w, w, g, 1.0f, sum, NULL, 2, 0.1, 2);
+    check_vec(w, (const double[]){0.9 - 0.059 / sqrt(0.7081), -2.1 - 0.079 / sqrt(1.2641)}, 2, "step2");
+    check_vec(sum, (const double[]){0.7081, 1.2641}, 2, "sum2");
+    psd_optim_t plain = make_opt(PS_OPT_ADAGRAD, 0, 0, 0, 0, 0, 1e-10f);
+    float w2[2] = {w[0], w[1]}, sum2[2] = {sum[0], sum[1]};
+    const float zero[2] = {0, 0};
+    psd_optim_apply(&plain, w2, w2, zero, 1.0f, sum2, NULL, 2, 0.1, 3);
+    cr_assert(memcmp(w2, w, sizeof w) == 0 && memcmp(sum2, sum, sizeof sum) == 0, "a zero gradient changes nothing");
+}
+
 Test(sgd, weight_decay)
 {
     /* wd 0.1, lr 0.1, w = (1, -2), g = (0.5, 1), g' = g + wd*w:
@@ -291,14 +316,15 @@ static void fill(float *x, size_t n, uint64_t seed, float scale)
 
 static const psd_optim_t *all_opts(int *count)
 {
-    static psd_optim_t opts[6];
+    static psd_optim_t opts[7];
     opts[0] = make_opt(PS_OPT_SGD, 0, 0, 0, 0, 0, 0);
     opts[1] = make_opt(PS_OPT_SGD, 0.9f, 0, 1e-4f, 0, 0, 0);
     opts[2] = make_opt(PS_OPT_SGD, 0.9f, 1, 5e-4f, 0, 0, 0);
     opts[3] = make_opt(PS_OPT_SGD, 0, 0, 1e-2f, 0, 0, 0);
     opts[4] = make_opt(PS_OPT_ADAM, 0, 0, 1e-3f, 0.9f, 0.999f, 1e-8f);
     opts[5] = make_opt(PS_OPT_ADAMW, 0, 0, 1e-2f, 0.9f, 0.999f, 1e-8f);
-    *count = 6;
+    opts[6] = make_opt(PS_OPT_ADAGRAD, 0, 0, 1e-3f, 0, 0, 1e-10f);
+    *count = 7;
     return opts;
 }
 

@@ -58,6 +58,20 @@ struct psw_backend {
     void (*xent)(psw_backend_t *be, float *dlogits, const float *logits, const int32_t *labels,
                  int B, int C, float grad_scale, double *loss_sum_host, int64_t *correct_host);
 
+    /* Embedding bags (sparse features): for every bag k = b * F + f (example
+     * b, field f), y (B, F*D) holds at [b][f*D, f*D + D) the sum over j < m of
+     * the rows E[ids[k*m + j]] of E (rows, D), added in the order of j, and
+     * with mean != 0 multiplied by 1/m. ids (B*F*m, device memory) must be
+     * rows of E. */
+    void (*embag_fwd)(psw_backend_t *be, float *y, const float *E, const uint32_t *ids, int B, int F, int m, int D,
+                      int mean);
+    /* dE (rows, D) += for every bag k in order and every j in order, dy's
+     * slice of bag k (times 1/m with mean) added to row ids[k*m + j]: the same
+     * additions in the same order on every backend, so the same bits. The
+     * caller zeroes dE first for a fresh gradient. */
+    void (*embag_bwd)(psw_backend_t *be, float *dE, const float *dy, const uint32_t *ids, int B, int F, int m,
+                      int D, int mean);
+
     /* Release everything; be is freed. */
     void (*destroy)(psw_backend_t *be);
 };

@@ -114,6 +114,41 @@ static void cpu_relu_bwd(psw_backend_t *be, float *dx, const float *dy, const fl
     for (size_t i = 0; i < n; i++) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
 }
 
+static void cpu_embag_fwd(psw_backend_t *be, float *y, const float *E, const uint32_t *ids, int B, int F, int m,
+                          int D, int mean)
+{
+    (void)be;
+    const float inv = mean ? 1.0f / (float)m : 1.0f;
+    for (size_t k = 0; k < (size_t)B * (size_t)F; k++) {
+        float *out = y + k * (size_t)D;
+        const uint32_t *bag = ids + k * (size_t)m;
+        memcpy(out, E + (size_t)bag[0] * (size_t)D, (size_t)D * sizeof *out);
+        for (int j = 1; j < m; j++) {
+            const float *row = E + (size_t)bag[j] * (size_t)D;
+            for (int d = 0; d < D; d++) out[d] += row[d];
+        }
+        if (mean)
+            for (int d = 0; d < D; d++) out[d] *= inv;
+    }
+}
+
+static void cpu_embag_bwd(psw_backend_t *be, float *dE, const float *dy, const uint32_t *ids, int B, int F, int m,
+                          int D, int mean)
+{
+    (void)be;
+    const float inv = 1.0f / (float)m;
+    for (size_t k = 0; k < (size_t)B * (size_t)F; k++) {
+        const float *g = dy + k * (size_t)D;
+        for (int j = 0; j < m; j++) {
+            float *row = dE + (size_t)ids[k * (size_t)m + (size_t)j] * (size_t)D;
+            if (mean)
+                for (int d = 0; d < D; d++) row[d] += g[d] * inv;
+            else
+                for (int d = 0; d < D; d++) row[d] += g[d];
+        }
+    }
+}
+
 /* logits (B,C), labels (B). Per sample, in float:
  *   m = max_j l_j, s = sum_j exp(l_j - m), loss = log(s) - (l_label - m),
  *   dlogits_j = (exp(l_j - m) / s - [j == label]) * grad_scale. */
@@ -180,6 +215,8 @@ psw_backend_t *psw_backend_cpu_new(int threads)
     be->relu_fwd = cpu_relu_fwd;
     be->relu_bwd = cpu_relu_bwd;
     be->xent = cpu_xent;
+    be->embag_fwd = cpu_embag_fwd;
+    be->embag_bwd = cpu_embag_bwd;
     be->destroy = cpu_destroy;
     return be;
 }

@@ -205,6 +205,42 @@ static __global__ void relu_bwd_kernel(float *dx, const float *dy, const float *
         dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
 }
 
+/* Embedding bags, one thread per output element (bag k, column d): the rows
+ * of the bag added in the order of j, as on the CPU. */
+static __global__ void embag_fwd_kernel(float *y, const float *E, const uint32_t *ids, size_t bags, int m, int D,
+                                        int mean)
+{
+    const size_t n = bags * (size_t)D, stride = (size_t)gridDim.x * blockDim.x;
+    const float inv = mean ? 1.0f / (float)m : 1.0f;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const size_t k = i / (size_t)D;
+        const int d = (int)(i % (size_t)D);
+        const uint32_t *bag = ids + k * (size_t)m;
+        float v = E[(size_t)bag[0] * (size_t)D + d];
+        for (int j = 1; j < m; j++) v += E[(size_t)bag[j] * (size_t)D + d];
+        y[i] = mean ? v * inv : v;
+    }
+}
+
+/* dE += dy scattered to the bags' rows: one thread per column d walks every
+ * (bag, j) in order, so each element of dE takes its additions in the CPU's
+ * order (the same bits, no atomics). Parallel over D only: enough for the
+ * batches of a step (B*F*m entries per thread). */
+static __global__ void embag_bwd_kernel(float *dE, const float *dy, const uint32_t *ids, size_t bags, int m, int D,
+                                        int mean)
+{
+    const int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    const float inv = 1.0f / (float)m;
+    for (size_t k = 0; k < bags; k++) {
+        const float g = dy[k * (size_t)D + d];
+        for (int j = 0; j < m; j++) {
+            float *e = dE + (size_t)ids[k * (size_t)m + j] * (size_t)D + d;
+            *e += mean ? g * inv : g;
+        }
+    }
+}
+
 /* Softmax cross-entropy, one warp per row of logits (B,C); labels (B).
  * Per row, as cpu_xent: m = max_j l_j (arg = first maximum),
  * s = sum_j exp(l_j - m), loss = log(s) - (l_label - m),
@@ -456,6 +492,26 @@ static void cuda_relu_bwd(psw_backend_t *be, float *dx, const float *dy, const f
     CUDA_LAUNCH_CHECK();
 }
 
+static void cuda_embag_fwd(psw_backend_t *be, float *y, const float *E, const uint32_t *ids, int B, int F, int m,
+                           int D, int mean)
+{
+    cuda_ctx_t *c = use(be);
+    const size_t bags = (size_t)B * (size_t)F;
+    if (!bags || D < 1 || m < 1) return;
+    embag_fwd_kernel<<<elem_blocks(bags * (size_t)D), ELEM_THREADS, 0, c->compute>>>(y, E, ids, bags, m, D, mean);
+    CUDA_LAUNCH_CHECK();
+}
+
+static void cuda_embag_bwd(psw_backend_t *be, float *dE, const float *dy, const uint32_t *ids, int B, int F, int m,
+                           int D, int mean)
+{
+    cuda_ctx_t *c = use(be);
+    const size_t bags = (size_t)B * (size_t)F;
+    if (!bags || D < 1 || m < 1) return;
+    embag_bwd_kernel<<<(unsigned)((D + 63) / 64), 64, 0, c->compute>>>(dE, dy, ids, bags, m, D, mean);
+    CUDA_LAUNCH_CHECK();
+}
+
 /* Grow the per-sample result buffers to at least B samples. Called only
  * after a sync of the compute stream (the end of the previous xent), so the
  * old buffers are idle. */
@@ -624,6 +680,8 @@ static psw_backend_t *cuda_backend_new(int dev, char *err, size_t errlen)
     be->relu_fwd = cuda_relu_fwd;
     be->relu_bwd = cuda_relu_bwd;
     be->xent = cuda_xent;
+    be->embag_fwd = cuda_embag_fwd;
+    be->embag_bwd = cuda_embag_bwd;
     be->destroy = cuda_destroy;
     return be;
 

@@ -1,0 +1,110 @@
+/* psd_rows.c - row-sparse updates of an embedding table (see psd_rows.h). */
+#include "psd_rows.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+int psd_rows_init(psd_rows_t *r, size_t dim, size_t max_entries, int max_k)
+{
+    memset(r, 0, sizeof *r);
+    if (dim == 0 || max_entries == 0 || max_entries > UINT32_MAX || max_k < 1) return -EINVAL;
+    r->dim = dim;
+    r->max_entries = max_entries;
+    r->max_k = max_k;
+    r->keys = malloc(max_entries * sizeof *r->keys);
+    r->owner = malloc(max_entries * sizeof *r->owner);
+    r->first = malloc(((size_t)max_k + 1) * sizeof *r->first);
+    r->t = malloc(dim * sizeof *r->t);
+    r->ids = malloc(max_entries * sizeof *r->ids);
+    r->sum = malloc(max_entries * dim * sizeof *r->sum);
+    if (!r->keys || !r->owner || !r->first || !r->t || !r->ids || !r->sum) {
+        psd_rows_deinit(r);
+        return -ENOMEM;
+    }
+    return 0;
+}
+
+void psd_rows_deinit(psd_rows_t *r)
+{
+    free(r->keys);
+    free(r->owner);
+    free(r->first);
+    free(r->t);
+    free(r->ids);
+    free(r->sum);
+    memset(r, 0, sizeof *r);
+}
+
+static int by_key(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* acc = w * t (first contributor of the row) or acc += w * t */
+static void fold(float *acc, const float *t, float w, size_t dim, bool first)
+{
+    if (first)
+        for (size_t i = 0; i < dim; i++) acc[i] = w * t[i];
+    else
+        for (size_t i = 0; i < dim; i++) acc[i] += w * t[i];
+}
+
+int psd_rows_merge(psd_rows_t *r, int k, const psd_rowgrad_t *g, const double *w, uint64_t n_rows)
+{
+    r->n_ids = 0;
+    if (k > r->max_k) return -E2BIG;
+    size_t total = 0;
+    for (int c = 0; c < k; c++) {
+        if (g[c].n > r->max_entries - total) return -E2BIG;
+        r->first[c] = total;
+        for (size_t j = 0; j < g[c].n; j++) {
+            if (g[c].ids[j] >= n_rows) return -ERANGE;
+            r->keys[total] = ((uint64_t)g[c].ids[j] << 32) | (uint64_t)total; /* entry order within an id */
+            r->owner[total] = (uint32_t)c;
+            total++;
+        }
+    }
+    r->first[k] = total;
+    qsort(r->keys, total, sizeof *r->keys, by_key);
+    const size_t dim = r->dim;
+    for (size_t i = 0; i < total;) {
+        uint32_t id = (uint32_t)(r->keys[i] >> 32);
+        float *acc = r->sum + r->n_ids * dim;
+        bool first = true;
+        /* entries of this id: by contributor, each one's in the order sent */
+        while (i < total && (uint32_t)(r->keys[i] >> 32) == id) {
+            uint32_t e = (uint32_t)r->keys[i], c = r->owner[e];
+            const float *row = g[c].rows + (e - r->first[c]) * dim;
+            memcpy(r->t, row, dim * sizeof *r->t);
+            i++;
+            while (i < total && (uint32_t)(r->keys[i] >> 32) == id && r->owner[(uint32_t)r->keys[i]] == c) {
+                uint32_t e2 = (uint32_t)r->keys[i];
+                const float *row2 = g[c].rows + (e2 - r->first[c]) * dim;
+                for (size_t d = 0; d < dim; d++) r->t[d] += row2[d];
+                i++;
+            }
+            fold(acc, r->t, (float)w[c], dim, first);
+            first = false;
+        }
+        r->ids[r->n_ids++] = id;
+    }
+    return 0;
+}
+
+void psd_rows_apply(const psd_rows_t *r, const psd_optim_t *o, float *table, float *s0, float *s1, double lr,
+                    uint64_t t)
+{
+    const size_t dim = r->dim;
+    for (size_t i = 0; i < r->n_ids; i++) {
+        size_t at = (size_t)r->ids[i] * dim;
+        psd_optim_apply(o, table + at, table + at, r->sum + i * dim, 1.0f, s0 ? s0 + at : NULL, s1 ? s1 + at : NULL,
+                        dim, lr, t);
+    }
+}
+
+bool psd_rows_sparse(size_t touched, uint64_t n_rows, double threshold)
+{
+    return (double)touched < threshold * (double)n_rows;
+}

@@ -1,0 +1,74 @@
+/* psd_rows.h - row-sparse updates of an embedding table held by psd.
+ *
+ * A worker whose batch touches a few rows of a table (rows x dim floats)
+ * pushes (ids, rows) instead of the whole gradient. psd merges the
+ * contributors' rows: for every row id any of them touched,
+ *
+ *   g[id] = sum over contributors k, in rank order, of w_k * (sum of k's
+ *           rows for id, in the order k sent them)
+ *
+ * which is, element by element, the arithmetic of the dense step on the
+ * gradients those rows stand for (the only difference: a row a contributor
+ * did not touch adds nothing instead of +0.0f, which can only turn a -0.0f
+ * into +0.0f). The optimizer then updates the touched rows only: for SGD
+ * without momentum or weight decay and for Adagrad without weight decay
+ * this is exactly the dense step (a zero gradient changes neither the row
+ * nor its state); with momentum or weight decay, and for Adam ("lazy
+ * Adam"), untouched rows and their state are left as they are, where a
+ * dense step would decay them.
+ *
+ * Everything is allocated by psd_rows_init for a bound on the entries of
+ * one step: nothing is allocated per step. */
+#ifndef PSD_ROWS_H
+#define PSD_ROWS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "psd_optim.h"
+
+/* One contributor's row gradient: n entries, ids[j] the row of rows[j * dim .. ] */
+typedef struct {
+    const uint32_t *ids;
+    const float *rows;
+    size_t n;
+} psd_rowgrad_t;
+
+typedef struct {
+    size_t dim, max_entries;
+    uint64_t *keys;   /* (id << 32) | entry number, sorted */
+    uint32_t *owner;  /* entry number -> contributor */
+    size_t *first;    /* contributor -> its first entry number (max contributors + 1) */
+    int max_k;
+    float *t;         /* dim: one contributor's sum for a row */
+    /* the merged gradient: n_ids rows, ascending ids */
+    uint32_t *ids;
+    float *sum;
+    size_t n_ids;
+} psd_rows_t;
+
+/* Room for max_entries entries in all from up to max_k contributors, rows
+ * of dim floats. 0 or -ENOMEM. */
+int psd_rows_init(psd_rows_t *r, size_t dim, size_t max_entries, int max_k);
+void psd_rows_deinit(psd_rows_t *r);
+
+/* Merge k contributors' row gradients (rank order) with weights w[k] into
+ * r->ids / r->sum. 0; -E2BIG if they hold more entries than r was made for
+ * or k > max_k; -ERANGE if an id is >= n_rows. */
+int psd_rows_merge(psd_rows_t *r, int k, const psd_rowgrad_t *g, const double *w, uint64_t n_rows);
+
+/* The optimizer on the merged rows of table (n_rows x dim) and its state
+ * slots (laid out like the table; NULL where the optimizer has none), step t. */
+void psd_rows_apply(const psd_rows_t *r, const psd_optim_t *o, float *table, float *s0, float *s1, double lr,
+                    uint64_t t);
+
+/* The encoding of a table's gradient for one step: rows when fewer than
+ * threshold x n_rows rows are touched (an entry costs 4 bytes of id more
+ * than the row), whole otherwise. */
+bool psd_rows_sparse(size_t touched, uint64_t n_rows, double threshold);
+
+/* Bytes of a row gradient of n entries on the wire, and of the whole table. */
+static inline uint64_t psd_rows_bytes(size_t n, size_t dim) { return (uint64_t)n * (4 + 4 * (uint64_t)dim); }
+
+#endif

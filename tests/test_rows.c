@@ -1,0 +1,143 @@
+/* Unit tests of psd's row-sparse table updates (server/psd_rows.c): the
+ * sparse step gives the dense step's weights for SGD and Adagrad, merges
+ * duplicates and contributors in a fixed order, leaves untouched rows alone
+ * (lazy Adam), and refuses what does not fit. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ps_rng.h"
+#include "psd_rows.h"
+
+#define ROWS 500
+#define DIM 8
+#define K 3
+#define PER 40 /* entries per contributor, with duplicates */
+
+typedef struct {
+    uint32_t ids[K][PER];
+    float rows[K][PER * DIM];
+} batch_t;
+
+static void make_batch(batch_t *b, uint64_t seed)
+{
+    ps_rng_t r;
+    ps_rng_seed(&r, seed, 1);
+    for (int k = 0; k < K; k++)
+        for (int j = 0; j < PER; j++) {
+            b->ids[k][j] = (uint32_t)ps_rng_below(&r, 60); /* 60 of 500 rows: duplicates within and across */
+            for (int d = 0; d < DIM; d++) b->rows[k][j * DIM + d] = (ps_rng_uniform(&r) - 0.5f) * 0.2f + 0.01f;
+        }
+}
+
+/* The dense step the rows stand for: each contributor's gradient of the
+ * whole table (its rows added up in the order sent), reduced in rank order
+ * as psd's store does (acc = w0 g0, then acc += wk gk), then the optimizer
+ * over the whole table. */
+static void dense_step(const batch_t *b, const double *w, const psd_optim_t *o, float *table, float *s0, double lr,
+                       uint64_t t)
+{
+    static float g[K][ROWS * DIM], acc[ROWS * DIM];
+    memset(g, 0, sizeof g);
+    for (int k = 0; k < K; k++)
+        for (int j = 0; j < PER; j++)
+            for (int d = 0; d < DIM; d++) g[k][b->ids[k][j] * DIM + d] += b->rows[k][j * DIM + d];
+    for (size_t i = 0; i < ROWS * DIM; i++) {
+        acc[i] = (float)w[0] * g[0][i];
+        for (int k = 1; k < K; k++) acc[i] += (float)w[k] * g[k][i];
+    }
+    psd_optim_apply(o, table, table, acc, 1.0f, s0, NULL, ROWS * DIM, lr, t);
+}
+
+static void sparse_step(psd_rows_t *r, const batch_t *b, const double *w, const psd_optim_t *o, float *table,
+                        float *s0, float *s1, double lr, uint64_t t)
+{
+    psd_rowgrad_t g[K];
+    for (int k = 0; k < K; k++) g[k] = (psd_rowgrad_t){b->ids[k], b->rows[k], PER};
+    cr_assert_eq(psd_rows_merge(r, K, g, w, ROWS), 0);
+    for (size_t i = 1; i < r->n_ids; i++) cr_assert_lt(r->ids[i - 1], r->ids[i], "ascending, unique");
+    psd_rows_apply(r, o, table, s0, s1, lr, t);
+}
+
+static void init_table(float *table)
+{
+    for (size_t i = 0; i < ROWS * DIM; i++) table[i] = sinf((float)i) * 0.1f;
+}
+
+Test(rows, sparse_steps_give_the_dense_weights_for_sgd_and_adagrad)
+{
+    const double w[K] = {0.5, 0.3, 0.2};
+    psd_optim_t opts[2] = {{.kind = PS_OPT_SGD}, {.kind = PS_OPT_ADAGRAD, .eps = 1e-10f}};
+    for (int o = 0; o < 2; o++) {
+        static float dense[ROWS * DIM], sparse[ROWS * DIM], ds0[ROWS * DIM], ss0[ROWS * DIM];
+        init_table(dense);
+        memcpy(sparse, dense, sizeof dense);
+        memset(ds0, 0, sizeof ds0);
+        memset(ss0, 0, sizeof ss0);
+        psd_rows_t r;
+        cr_assert_eq(psd_rows_init(&r, DIM, K * PER, K), 0);
+        for (uint64_t t = 1; t <= 5; t++) {
+            batch_t b;
+            make_batch(&b, t);
+            dense_step(&b, w, &opts[o], dense, ds0, 0.1, t);
+            sparse_step(&r, &b, w, &opts[o], sparse, ss0, NULL, 0.1, t);
+            cr_assert_lt(r.n_ids, 61);
+        }
+        cr_assert(memcmp(dense, sparse, sizeof dense) == 0, "%s: sparse = dense, bit for bit",
+                  o ? "adagrad" : "sgd");
+        cr_assert(memcmp(ds0, ss0, sizeof ds0) == 0, "adagrad's sums too");
+        psd_rows_deinit(&r);
+    }
+}
+
+/* Lazy Adam: a touched row takes Adam's step with the merged gradient;
+ * rows nobody touched keep their weights and moments. */
+Test(rows, lazy_adam_leaves_untouched_rows_alone)
+{
+    const double w[K] = {0.25, 0.25, 0.5};
+    psd_optim_t o = {.kind = PS_OPT_ADAM, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
+    static float table[ROWS * DIM], m[ROWS * DIM], v[ROWS * DIM], before[ROWS * DIM];
+    init_table(table);
+    memcpy(before, table, sizeof table);
+    memset(m, 0, sizeof m);
+    memset(v, 0, sizeof v);
+    psd_rows_t r;
+    cr_assert_eq(psd_rows_init(&r, DIM, K * PER, K), 0);
+    batch_t b;
+    make_batch(&b, 9);
+    sparse_step(&r, &b, w, &o, table, m, v, 1e-2, 1);
+    bool touched[ROWS] = {false};
+    for (size_t i = 0; i < r.n_ids; i++) touched[r.ids[i]] = true;
+    for (int id = 0; id < ROWS; id++) {
+        const float *row = table + id * DIM, *row0 = before + id * DIM;
+        if (!touched[id]) {
+            cr_assert(memcmp(row, row0, DIM * sizeof *row) == 0, "row %d untouched", id);
+            for (int d = 0; d < DIM; d++) cr_assert(m[id * DIM + d] == 0 && v[id * DIM + d] == 0);
+            continue;
+        }
+        /* Adam's first step moves every element by about lr against its gradient's sign */
+        for (int d = 0; d < DIM; d++) cr_assert(fabsf(fabsf(row[d] - row0[d]) - 1e-2f) < 1e-4f, "row %d moved", id);
+    }
+    psd_rows_deinit(&r);
+}
+
+Test(rows, what_does_not_fit_is_refused)
+{
+    psd_rows_t r;
+    cr_assert_eq(psd_rows_init(&r, DIM, 10, 2), 0);
+    uint32_t ids[11] = {0};
+    float rows[11 * DIM] = {0};
+    const double w[3] = {1, 0, 0};
+    psd_rowgrad_t g[3] = {{ids, rows, 11}, {ids, rows, 1}, {ids, rows, 1}};
+    cr_assert_eq(psd_rows_merge(&r, 1, g, w, ROWS), -E2BIG, "more entries than it was made for");
+    cr_assert_eq(psd_rows_merge(&r, 3, g + 1, w, ROWS), -E2BIG, "more contributors");
+    ids[0] = ROWS;
+    g[0].n = 1;
+    cr_assert_eq(psd_rows_merge(&r, 1, g, w, ROWS), -ERANGE, "an id past the table");
+    cr_assert_eq(psd_rows_init(&(psd_rows_t){0}, 0, 10, 1), -EINVAL);
+    psd_rows_deinit(&r);
+    cr_assert(psd_rows_sparse(10, 1000, 0.1) && !psd_rows_sparse(100, 1000, 0.1), "sparse below the threshold");
+    cr_assert_eq(psd_rows_bytes(10, 32), 10 * (4 + 128));
+}
