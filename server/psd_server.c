@@ -271,6 +271,8 @@ typedef struct {
     int st_tmade[PS_MAX_TENSORS];   /* of which made */
     int st_tord[PS_MAX_TENSORS], st_n_tord; /* tensors made, in that order (replies go in it) */
     int *st_ready;        /* chunks to step now (ST_BATCH) */
+    int *st_rq, st_rq_head, st_rq_tail; /* chunks every contributor has, in the order they became so */
+    bool st_rescan;       /* the contributors changed: find the ready chunks again */
     const void **st_src;  /* their gradients: ST_BATCH x MAX_WORKERS */
     int *st_mem, st_k;    /* contributors (slots) */
     bool st_open;
@@ -913,7 +915,10 @@ static void step_done(srv_t *s)
     }
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
-        if (w->want_pull && w->state == W_TRAIN) answer_pull(s, w);
+        if (w->want_pull && w->state == W_TRAIN) {
+            w->last_seen = ps_now(); /* psd's own waiting (a deferred pull) is not its silence */
+            answer_pull(s, w);
+        }
         w->want_pull = false;
     }
     if (s->cfg.ckpt_every_steps > 0 && s->step % (uint64_t)s->cfg.ckpt_every_steps == 0) take_checkpoint(s, false);
@@ -1106,6 +1111,13 @@ static void stream_progress(srv_t *s)
         }
         if (k == 0) return;
         s->st_k = k;
+        s->st_rescan = true;
+    }
+    if (s->st_rescan) { /* once per step (and per contributor lost); then stream_take queues them */
+        s->st_rq_head = s->st_rq_tail = 0;
+        for (int c = 0; c < s->st_nc; c++)
+            if (!s->st_done[c] && s->st_have[c] == s->st_k) s->st_rq[s->st_rq_tail++] = c;
+        s->st_rescan = false;
     }
     if (s->st_open && s->st_k == 0) { /* every contributor was lost: the rest take no step */
         for (int c = 0; c < s->st_nc; c++) {
@@ -1118,8 +1130,7 @@ static void stream_progress(srv_t *s)
     }
     for (;;) {
         int m = 0;
-        for (int c = 0; c < s->st_nc && m < ST_BATCH; c++)
-            if (!s->st_done[c] && s->st_have[c] == s->st_k) s->st_ready[m++] = c;
+        while (s->st_rq_head < s->st_rq_tail && m < ST_BATCH) s->st_ready[m++] = s->st_rq[s->st_rq_head++];
         if (m == 0) break;
         if (!s->st_open && !stream_open(s)) return;
         for (int j = 0; j < m; j++) {
@@ -1165,8 +1176,9 @@ static void stream_progress(srv_t *s)
     memset(s->st_have, 0, (size_t)s->st_nc * sizeof *s->st_have);
     memset(s->st_done, 0, (size_t)s->st_nc);
     s->st_n_done = s->st_n_made = s->st_n_tord = 0;
+    s->st_rq_head = s->st_rq_tail = 0;
     memset(s->st_tmade, 0, sizeof s->st_tmade);
-    account_step(s, total ? total : 1, NULL);
+    if (total > 0) account_step(s, total, NULL); /* none: every contributor was lost (counted then) */
     step_done(s);
     deferred_checkpoint(s);
 }
@@ -1190,6 +1202,7 @@ static void stream_forget(srv_t *s, worker_t *w)
     for (int j = 0; j < s->st_k; j++)
         if (&s->w[s->st_mem[j]] != w) s->st_mem[k++] = s->st_mem[j];
     s->st_k = k;
+    s->st_rescan = true;
     w->st_member = false;
     if (k > 0) stream_weights(s);
 }
@@ -1211,7 +1224,10 @@ static int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
     uint64_t in_shm = 0;
     for (size_t i = 0; i < p->n_shm_tensors; i++) {
         uint32_t t = p->shm_tensors[i];
-        if (t >= (uint32_t)l->n_tensors || (in_shm & (1ull << t)) || w->gch_in[first_chunk(s, (int)t)]) {
+        bool bad = t >= (uint32_t)l->n_tensors || (in_shm & (1ull << t)); /* every chunk of it still to come */
+        for (int c = bad ? 0 : first_chunk(s, (int)t), e = bad ? 0 : c + s->st_tchunks[t]; c < e && !bad; c++)
+            bad = w->gch_in[c] != 0;
+        if (bad) {
             drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
             return -1;
         }
@@ -1229,7 +1245,7 @@ static int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
                  "; train.stream: chunks of %zu)", i, d->id, n, bf16 ? "bf16" : "f32", d->offset, s->st_cf);
             return -1;
         }
-        bool dup = w->gch_in[c] != 0;
+        bool dup = w->gch_in[c] != 0 || (in_shm & (1ull << d->id)); /* not twice, nor also in shared memory */
         for (int j = 0; j < i; j++) dup |= cs[j] == c;
         if (dup) {
             drop(s, w, "PUSH of chunk %d of tensor %u: already received", c, d->id);
@@ -1239,10 +1255,10 @@ static int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
     }
     for (int t = 0; t < l->n_tensors; t++) {
         if (!(in_shm & (1ull << t))) continue;
-        for (int c = first_chunk(s, t), e = c + (int)((l->t[t].numel + s->st_cf - 1) / s->st_cf); c < e; c++) {
+        for (int c = first_chunk(s, t), e = c + s->st_tchunks[t]; c < e; c++) {
             w->gch_in[c] = 2;
             w->n_gch++;
-            s->st_have[c]++;
+            if (++s->st_have[c] == s->st_k && s->st_open) s->st_rq[s->st_rq_tail++] = c;
         }
     }
     for (int i = 0; i < m->n_frames; i++) {
@@ -1252,7 +1268,7 @@ static int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
         zmq_msg_move(&w->gch[c], &m->frames[i]);
         w->gch_in[c] = 1;
         w->n_gch++;
-        s->st_have[c]++;
+        if (++s->st_have[c] == s->st_k && s->st_open) s->st_rq[s->st_rq_tail++] = c;
     }
     if (p->pull && !w->shm && s->cfg.wire_weights == PS_WIRE_F32) w->st_req = true;
     return 0;
@@ -2500,7 +2516,8 @@ static void on_timer(uv_timer_t *t)
     } else if (s->phase == PHASE_TRAIN || s->phase == PHASE_VALIDATE) {
         for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
             worker_t *w = &s->w[i];
-            bool waited_for = (w->state == W_TRAIN && !w->has_push && !w->ssp_wait) || w->state == W_VALIDATING;
+            bool waited_for = (w->state == W_TRAIN && !w->has_push && !w->ssp_wait && !(s->st_open && w->want_pull)) ||
+                              w->state == W_VALIDATING;
             if (w->own_push && !w->has_push && now - w->own_push_at >= s->cfg.worker_timeout) {
                 /* a shard never got all of its push: it died between its messages */
                 PS_WARN("rank %u (%s pid %u) lost: psd shards are missing part of its push for %.1f s; going on "
@@ -3301,9 +3318,10 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         s->st_have = calloc((size_t)s->st_nc, sizeof *s->st_have);
         s->st_done = calloc((size_t)s->st_nc, 1);
         s->st_ready = calloc(ST_BATCH, sizeof *s->st_ready);
+        s->st_rq = calloc((size_t)s->st_nc, sizeof *s->st_rq);
         s->st_src = calloc((size_t)ST_BATCH * MAX_WORKERS, sizeof *s->st_src);
         s->st_mem = calloc(MAX_WORKERS, sizeof *s->st_mem);
-        if (!s->st_have || !s->st_done || !s->st_ready || !s->st_src || !s->st_mem) {
+        if (!s->st_have || !s->st_done || !s->st_ready || !s->st_rq || !s->st_src || !s->st_mem) {
             PS_ERROR("out of memory for streamed steps");
             goto out;
         }
@@ -3433,6 +3451,7 @@ out:
     free(s->st_have);
     free(s->st_done);
     free(s->st_ready);
+    free(s->st_rq);
     free(s->st_src);
     free(s->st_mem);
     if (s->rx_arena.fallbacks)

@@ -1382,6 +1382,131 @@ static int raw_register(void *sock, ps_msg_t *m)
     return ps_msg_recv(sock, m, false, 0, err, sizeof err);
 }
 
+/* A raw worker's message: header fields, then send (protocol filled in). */
+static void raw_send(void *d, uint64_t *seq, uint64_t run, uint32_t rank, Psd__Header *h, const ps_frame_t *fr, int n)
+{
+    h->seq = ++*seq;
+    h->run_id = run;
+    h->rank = rank;
+    cr_assert_eq(ps_msg_send(d, NULL, 0, h, fr, n), 0);
+}
+
+static void raw_expect(void *d, ps_msg_t *m, Psd__MsgType type)
+{
+    char err[256];
+    zmq_pollitem_t it = {d, 0, ZMQ_POLLIN, 0};
+    cr_assert_eq(zmq_poll(&it, 1, 30000), 1, "psd answers");
+    ps_msg_deinit(m);
+    cr_assert_eq(ps_msg_recv(d, m, false, 0, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(m->hdr->type, type, "got %s", ps_msg_type_name((int)m->hdr->type));
+}
+
+/* train.stream: PUSH messages whose frames are not chunks of the model, or
+ * repeat a chunk (in one message or a later one), are dropped with a log
+ * line; the push then completes with the right chunks, psd steps, and sends
+ * the new version back in parts, every tensor once. A raw worker (the only
+ * one) over the wire. */
+Test(short, malformed_streamed_pushes_are_dropped)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]",
+                          "--set", "server.chunk_bytes=65536", "--set", "train.stream=true", "--set",
+                          "server.shared_memory=false", "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "stbad", 1, args);
+    void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
+    cr_assert_eq(zmq_connect(d, r.endpoint), 0);
+    ps_msg_t m = {0};
+    cr_assert_eq(raw_register(d, &m), 0);
+    cr_assert_eq(m.hdr->type, PSD__MSG_TYPE__MSG_ASSIGN);
+    cr_assert_eq(m.hdr->assign->stream_chunk_bytes, 65536, "ASSIGN says pushes go in chunks");
+    uint64_t run = m.hdr->run_id, seq = 1;
+    uint32_t rank = m.hdr->assign->rank;
+    ps_layout_t l;
+    float *g = lib_model(&l, 64);
+    for (size_t i = 0; i < l.n_params; i++) g[i] = 1e-3f;
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Ready rd = PSD__READY__INIT;
+    rd.train_count = 384;
+    rd.test_count = 10000;
+    h.type = PSD__MSG_TYPE__MSG_READY;
+    h.body_case = PSD__HEADER__BODY_READY;
+    h.ready = &rd;
+    raw_send(d, &seq, run, rank, &h, NULL, 0);
+    raw_expect(d, &m, PSD__MSG_TYPE__MSG_EPOCH);
+    Psd__Pull pl = PSD__PULL__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_PULL;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &pl;
+    raw_send(d, &seq, run, rank, &h, NULL, 0);
+    raw_expect(d, &m, PSD__MSG_TYPE__MSG_WEIGHTS);
+    cr_assert_eq(m.hdr->weights->version, 0);
+    cr_assert_eq(m.hdr->weights->parts, 0, "weights outside a step come whole");
+    /* chunk k of W0 (784 x 64 = 50176 floats: chunks of 16384), or a piece at any offset (from a
+     * buffer that has the bytes of a piece past the tensor too) */
+    const size_t cf = 16384;
+    float *w0 = calloc(4 * cf, sizeof *w0);
+    cr_assert(w0);
+#define W0_PIECE(off, n) \
+    ((ps_frame_t){.data = w0 + (off), .nbytes = (n) * 4, .id = 0, .dtype = PSD__DTYPE__DT_F32, .rows = 64, \
+                  .cols = 784, .offset = (off)})
+    Psd__Push pu = PSD__PUSH__INIT;
+    pu.version = 0;
+    pu.batch = 64;
+    pu.loss_sum = 32;
+    pu.pull = 1;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_PUSH;
+    h.body_case = PSD__HEADER__BODY_PUSH;
+    h.push = &pu;
+    ps_frame_t bad1 = W0_PIECE(5, cf), dup[2] = {W0_PIECE(0, cf), W0_PIECE(0, cf)}, tail = W0_PIECE(3 * cf, cf);
+    raw_send(d, &seq, run, rank, &h, &bad1, 1);            /* not at a chunk's start */
+    raw_send(d, &seq, run, rank, &h, &tail, 1);            /* past the tensor (its last chunk is shorter) */
+    raw_send(d, &seq, run, rank, &h, dup, 2);              /* one chunk twice in a message */
+    raw_send(d, &seq, run, rank, &h, &dup[0], 1);          /* accepted */
+    raw_send(d, &seq, run, rank, &h, &dup[0], 1);          /* again */
+    wait_log(r.psd_log, "already received", 30);
+    /* the rest, right: W0's chunks 1-3, b0, W1, b1 */
+    for (int k = 1; k < 4; k++) {
+        size_t off = (size_t)k * cf, n = k < 3 ? cf : l.t[0].numel - 3 * cf;
+        ps_frame_t f = W0_PIECE(off, n);
+        raw_send(d, &seq, run, rank, &h, &f, 1);
+    }
+#undef W0_PIECE
+    for (int t = 1; t < l.n_tensors; t++) {
+        ps_frame_t f = {.data = g + l.t[t].offset, .nbytes = l.t[t].numel * 4, .id = (uint32_t)t,
+                        .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)l.t[t].rows,
+                        .cols = t % 2 == 0 ? (uint32_t)l.t[t].cols : 0};
+        raw_send(d, &seq, run, rank, &h, &f, 1);
+    }
+    uint64_t got = 0;
+    while (got != (1ull << l.n_tensors) - 1) { /* version 1 in parts, every tensor once */
+        raw_expect(d, &m, PSD__MSG_TYPE__MSG_WEIGHTS);
+        cr_assert_eq(m.hdr->weights->version, 1);
+        cr_assert_eq(m.hdr->weights->parts, (uint32_t)l.n_tensors);
+        for (int i = 0; i < m.n_frames; i++) {
+            uint32_t t = m.hdr->tensors[i]->id;
+            cr_assert(t < (uint32_t)l.n_tensors && !(got & (1ull << t)), "tensor %u once", t);
+            cr_assert_eq(zmq_msg_size(&m.frames[i]), l.t[t].numel * 4, "tensor %u whole", t);
+            got |= 1ull << t;
+        }
+    }
+    char *log = slurp(r.psd_log);
+    cr_assert_eq(count_in(log, "is no chunk of the model"), 1, "%s", log);
+    cr_assert_eq(count_in(log, "outside shape"), 1, "a chunk past the tensor (the wire's own check):\n%s", log);
+    cr_assert_eq(count_in(log, "already received"), 2, "%s", log);
+    free(log);
+    ps_msg_deinit(&m);
+    free(g);
+    free(w0);
+    zmq_close(d);
+    zmq_ctx_term(ctx);
+    kill(p, SIGKILL);
+    proc_wait(p, 10);
+}
+
 /* One hello on psd's shared-memory socket; returns the reply's status (or
  * -1000 - errno when there was none) and closes any fd that came back. */
 static int hello(const char *name, uint64_t run_id, uint32_t rank, const uint8_t *token, int fd, uint64_t bytes,
