@@ -263,17 +263,18 @@ Test(short, same_seed_gives_bit_identical_weights)
 
 /* psd's step runs on a thread pool in chunks: any chunk size and thread
  * count gives the same bits (Adam with global-norm clipping, which needs the
- * whole gradient's norm before any chunk is applied; and SGD, where each
- * chunk is reduced and applied at once). */
+ * whole gradient's norm before any chunk is applied; SGD, where each chunk is
+ * reduced and applied at once; and Adagrad). */
 Test(short, chunked_threaded_steps_give_identical_weights)
 {
-    const char *opt[2][8] = {
+    const char *opt[3][8] = {
         {"--set", "optimizer.name=adam", "--set", "optimizer.lr=0.001", "--set", "optimizer.clip_norm=0.5", NULL},
-        {"--set", "optimizer.name=sgd", NULL}};
+        {"--set", "optimizer.name=sgd", NULL},
+        {"--set", "optimizer.name=adagrad", "--set", "optimizer.lr=0.01", NULL}};
     const char *par[3][5] = {{"--set", "server.threads=1", "--set", "server.chunk_bytes=1073741824", NULL},
                              {"--set", "server.threads=3", "--set", "server.chunk_bytes=65536", NULL},
                              {"--set", "server.threads=2", "--set", "server.chunk_bytes=1048576", NULL}};
-    for (int o = 0; o < 2; o++) {
+    for (int o = 0; o < 3; o++) {
         run_t r[3];
         for (int k = 0; k < 3; k++) {
             const char *args[24] = {"--epochs", "1", "--set", "data.train_limit=3000", "--seed", "7"};
