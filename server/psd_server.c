@@ -268,6 +268,7 @@ typedef struct {
     uint8_t *st_done;     /* per chunk: stepped (reduced, with clipping) */
     int st_n_done, st_n_made; /* chunks stepped, chunks whose new values are made */
     int st_tchunks[PS_MAX_TENSORS]; /* chunks of each tensor */
+    int st_tfirst[PS_MAX_TENSORS];  /* and the index of its first */
     int st_tmade[PS_MAX_TENSORS];   /* of which made */
     int st_tord[PS_MAX_TENSORS], st_n_tord; /* tensors made, in that order (replies go in it) */
     int *st_ready;        /* chunks to step now (ST_BATCH) */
@@ -1023,12 +1024,6 @@ static void deferred_checkpoint(srv_t *s)
     if (!s->ckpt && s->stop_when_written) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
 }
 
-/* Index of tensor t's first chunk. */
-static int first_chunk(const srv_t *s, int t)
-{
-    size_t n = s->layout.t[t].numel;
-    return ps_chunk_find(&s->layout, s->st_cf, t, 0, n < s->st_cf ? n : s->st_cf);
-}
 
 /* Contributor j's weight (its share of the step's samples) and wire type. */
 static void stream_weights(srv_t *s)
@@ -1225,7 +1220,7 @@ static int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
     for (size_t i = 0; i < p->n_shm_tensors; i++) {
         uint32_t t = p->shm_tensors[i];
         bool bad = t >= (uint32_t)l->n_tensors || (in_shm & (1ull << t)); /* every chunk of it still to come */
-        for (int c = bad ? 0 : first_chunk(s, (int)t), e = bad ? 0 : c + s->st_tchunks[t]; c < e && !bad; c++)
+        for (int c = bad ? 0 : s->st_tfirst[t], e = bad ? 0 : c + s->st_tchunks[t]; c < e && !bad; c++)
             bad = w->gch_in[c] != 0;
         if (bad) {
             drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
@@ -1255,7 +1250,7 @@ static int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
     }
     for (int t = 0; t < l->n_tensors; t++) {
         if (!(in_shm & (1ull << t))) continue;
-        for (int c = first_chunk(s, t), e = c + s->st_tchunks[t]; c < e; c++) {
+        for (int c = s->st_tfirst[t], e = c + s->st_tchunks[t]; c < e; c++) {
             w->gch_in[c] = 2;
             w->n_gch++;
             if (++s->st_have[c] == s->st_k && s->st_open) s->st_rq[s->st_rq_tail++] = c;
@@ -3313,8 +3308,10 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if (s->stream) {
         s->st_cf = ps_chunk_floats((size_t)c->chunk_bytes);
         s->st_nc = s->store.n_chunks;
-        for (int t = 0; t < s->layout.n_tensors; t++)
+        for (int t = 0, k = 0; t < s->layout.n_tensors; k += s->st_tchunks[t], t++) {
+            s->st_tfirst[t] = k;
             s->st_tchunks[t] = (int)((s->layout.t[t].numel + s->st_cf - 1) / s->st_cf);
+        }
         s->st_have = calloc((size_t)s->st_nc, sizeof *s->st_have);
         s->st_done = calloc((size_t)s->st_nc, 1);
         s->st_ready = calloc(ST_BATCH, sizeof *s->st_ready);
