@@ -171,20 +171,26 @@ uint32_t psd_store_current_crc(psd_store_t *s)
     return a->crc;
 }
 
+/* A frame of floats [p->off, p->off + p->n) of tensor p->t of arena a (f32),
+ * or of its bfloat16 copy w16, holding a reference on a. */
+static ps_frame_t piece_frame(const psd_store_t *s, psd_arena_t *a, const uint16_t *w16, const ps_piece_t *p)
+{
+    const ps_tensor_info_t *ti = &s->layout.t[p->t];
+    size_t at = ti->offset + p->off;
+    atomic_fetch_add_explicit(&a->refs, 1, memory_order_relaxed);
+    return (ps_frame_t){.data = w16 ? (const void *)(w16 + at) : (const void *)(a->w + at),
+                        .nbytes = (w16 ? 2 : 4) * p->n, .ffn = psd_store_frame_free, .hint = a, .id = (uint32_t)p->t,
+                        .dtype = w16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32, .rows = (uint32_t)ti->rows,
+                        .cols = p->t % 2 == 0 ? (uint32_t)ti->cols : 0, .offset = p->off};
+}
+
 int psd_store_frames(psd_store_t *s, const uint16_t *w16, ps_frame_t *fr, uint32_t *crc)
 {
-    const ps_layout_t *l = &s->layout;
     uLong c = crc32(0L, Z_NULL, 0);
     int n = 0;
-    for (int t = 0; t < l->n_tensors; t++) {
-        const ps_piece_t *p = &s->own[t];
-        if (p->n == 0) continue;
-        psd_arena_t *a = psd_store_ref_current(s);
-        size_t es = w16 ? 2 : 4, at = l->t[t].offset + p->off;
-        fr[n] = (ps_frame_t){.data = w16 ? (const void *)(w16 + at) : (const void *)(a->w + at), .nbytes = es * p->n,
-                             .ffn = psd_store_frame_free, .hint = a, .id = (uint32_t)t,
-                             .dtype = w16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32, .rows = (uint32_t)l->t[t].rows,
-                             .cols = t % 2 == 0 ? (uint32_t)l->t[t].cols : 0, .offset = p->off};
+    for (int t = 0; t < s->layout.n_tensors; t++) {
+        if (s->own[t].n == 0) continue;
+        fr[n] = piece_frame(s, s->cur, w16, &s->own[t]);
         if (crc) c = crc32_z(c, fr[n].data, fr[n].nbytes);
         n++;
     }
@@ -475,9 +481,5 @@ void psd_store_stream_end(psd_store_t *s, psd_arena_t *next) { publish(s, next);
 
 void psd_store_tensor_frame(psd_store_t *s, psd_arena_t *a, int t, ps_frame_t *fr)
 {
-    const ps_tensor_info_t *ti = &s->layout.t[t];
-    atomic_fetch_add_explicit(&a->refs, 1, memory_order_relaxed);
-    *fr = (ps_frame_t){.data = a->w + ti->offset, .nbytes = ti->numel * sizeof(float), .ffn = psd_store_frame_free,
-                       .hint = a, .id = (uint32_t)t, .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)ti->rows,
-                       .cols = t % 2 == 0 ? (uint32_t)ti->cols : 0};
+    *fr = piece_frame(s, a, NULL, &(ps_piece_t){.t = t, .off = 0, .n = s->layout.t[t].numel});
 }
