@@ -151,7 +151,10 @@ mkdir -p "$T/hand"
     --set checkpoint.dir= >psd.log 2>&1) &
 HAND_PIDS+=($!)
 for i in 0 1; do
-    "$BUILD/pworker" --connect "tcp://127.0.0.1:$PORT" --threads 1 >"$T/hand/w$i.log" 2>&1 &
+    # the kernels OpenBLAS picks itself, as in the image (an OPENBLAS_CORETYPE
+    # set here would give other kernels, and other bits, than the containers')
+    env -u OPENBLAS_CORETYPE "$BUILD/pworker" --connect "tcp://127.0.0.1:$PORT" --threads 1 \
+        >"$T/hand/w$i.log" 2>&1 &
     HAND_PIDS+=($!)
 done
 timeout 600 tail --pid="${HAND_PIDS[0]}" -f /dev/null
@@ -181,6 +184,10 @@ grep -q "worker registered: rank 1" "$T/compose.log" || fail "the second worker 
 [ "$(grep -c "through shared memory" "$T/compose.log")" = 2 ] || fail "the workers did not use shared memory"
 [ "$(last "$T/compose-metrics.jsonl" epoch)" = $EPOCHS ] || fail "compose run did not reach epoch $EPOCHS"
 [ "$(last "$T/compose-metrics.jsonl" val_samples)" = 10000 ] || fail "compose run: val_samples != 10000"
+# equal bits need equal BLAS kernels
+KH=$(grep -ho "OpenBLAS [A-Za-z0-9]* kernels" "$T"/hand/w*.log | sort -u)
+KC=$(grep -o "OpenBLAS [A-Za-z0-9]* kernels" "$T/compose.log" | sort -u)
+[ "$KH" = "$KC" ] || fail "the workers by hand ran $KH, under compose $KC"
 HAND=$(last "$T/hand/psd-metrics.jsonl" val_correct)
 COMP=$(last "$T/compose-metrics.jsonl" val_correct)
 [ "$HAND" = "$COMP" ] || fail "val_correct by hand $HAND, under compose $COMP"
