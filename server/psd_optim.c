@@ -41,7 +41,7 @@ int psd_optim_slots(const psd_optim_t *o)
 
 /* w_new may alias w_old, so no restrict on the weights; gcc versions the
  * loops with a runtime overlap check. */
-static void sgd_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
+PSD_VEC static void sgd_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
                       float gscale, float *buf, size_t n, float lr)
 {
     const float wd = o->weight_decay, mu = o->momentum;
@@ -69,7 +69,7 @@ static void sgd_apply(const psd_optim_t *o, const float *w_old, float *w_new, co
 
 /* Adam (L2 weight decay folded into the gradient) and AdamW (decoupled:
  * w' = w * (1 - lr*wd) before the Adam step). */
-static void adam_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
+PSD_VEC static void adam_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
                        float gscale, float *m, float *v, size_t n, double lr, uint64_t t)
 {
     const int decoupled = o->kind == PS_OPT_ADAMW;
@@ -111,7 +111,7 @@ static void adam_apply(const psd_optim_t *o, const float *w_old, float *w_new, c
 /* Adagrad (PyTorch's, lr_decay 0, initial accumulator 0): the sum of the
  * squared gradients scales each element's step. A zero gradient leaves the
  * element and its sum exactly as they were (the sparse rows rely on it). */
-static void adagrad_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
+PSD_VEC static void adagrad_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
                           float gscale, float *sum, size_t n, float lr)
 {
     const float wd = o->weight_decay, eps = o->eps;

@@ -256,7 +256,7 @@ static const void *contrib(const step_t *st, int j, const psd_chunk_t *c, int k)
 /* acc[0, n) = sum_k weight[k] * g_k over elements [o, o + n) of chunk c
  * (the j-th of the step's work), in the contributors' order (the same
  * arithmetic for any split of the range) */
-static void reduce_range(const step_t *st, int j, const psd_chunk_t *c, size_t o, size_t n, float *acc)
+PSD_VEC static void reduce_range(const step_t *st, int j, const psd_chunk_t *c, size_t o, size_t n, float *acc)
 {
     for (int k = 0; k < st->n; k++) {
         const float wk = (float)st->weight[k];
