@@ -244,6 +244,8 @@ typedef struct {
     uint64_t ep_correct, ep_samples;
     double ep_compute_s, ep_wait_s; /* workers' step times this epoch (from their pushes) */
     uint64_t ep_timed;
+    double ep_step_s;     /* psd's own step time this epoch (reduce + optimizer), and steps */
+    uint64_t ep_step_n;
     double t_start, t_epoch, train_s_total, phase_deadline, orphan_deadline;
     uint64_t samples_total;
     FILE *metrics;
@@ -768,6 +770,8 @@ static void start_epoch(srv_t *s)
     }
     s->ep_compute_s = s->ep_wait_s = 0;
     s->ep_timed = 0;
+    s->ep_step_s = 0;
+    s->ep_step_n = 0;
     s->bytes_in_done += s->ep_bytes_in;
     s->bytes_out_done += s->ep_bytes_out;
     s->ep_bytes_in = s->ep_bytes_out = 0;
@@ -893,6 +897,7 @@ static void account_step(srv_t *s, uint64_t total, const worker_t *only)
 /* The new version is current: count the step, answer the pulls. */
 static void step_done(srv_t *s)
 {
+    s->ep_step_n++;
     s->step++;
     s->epoch_step++;
     double now = ps_now();
@@ -985,7 +990,9 @@ static void take_step(srv_t *s, worker_t *only)
     if (sharded(s) && s->cfg.clip_norm > 0) {
         /* the whole gradient's norm first: this part's blocks now, the
          * other shards' in their NORM messages (on_shard_norm) */
+        double t0 = ps_now();
         psd_store_reduce(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt);
+        s->ep_step_s += ps_now() - t0;
         account_step(s, total, NULL);
         s->stepping = true;
         s->stepping_since = ps_now();
@@ -993,8 +1000,10 @@ static void take_step(srv_t *s, worker_t *only)
         return;
     }
     uint64_t computed_on = only ? only->push_version : s->store.cur->version;
+    double t0 = ps_now();
     double norm = psd_store_step(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
                                  s->cfg.clip_norm, s->lr);
+    s->ep_step_s += ps_now() - t0;
     if (norm < 0) {
         PS_ERROR("no free parameter arena (too many pull replies in flight)");
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
@@ -1137,8 +1146,10 @@ static void stream_progress(srv_t *s)
                                       : (const void *)zmq_msg_data(&w->gch[c]);
             }
         }
+        double t0 = ps_now();
         psd_store_stream_chunks(&s->store, s->st_next, s->st_ready, m, s->st_k, s->st_src, s->step_bf16, s->step_wt,
                                 clip, s->lr);
+        s->ep_step_s += ps_now() - t0;
         for (int j = 0; j < m; j++) {
             int c = s->st_ready[j];
             s->st_done[c] = 1;
@@ -1153,7 +1164,9 @@ static void stream_progress(srv_t *s)
     }
     if (!s->st_open) return;
     if (clip && s->st_n_made == 0 && s->st_n_done == s->st_nc) { /* the global norm is known: apply */
+        double t0 = ps_now();
         psd_store_stream_apply(&s->store, s->st_next, s->cfg.clip_norm, s->lr);
+        s->ep_step_s += ps_now() - t0;
         for (int c = 0; c < s->st_nc; c++) stream_made(s, c);
     }
     psd_arena_t *a = s->st_next;
@@ -1574,14 +1587,14 @@ static void end_validation(srv_t *s)
                 ",\"train_loss\":%.9g,\"train_acc\":%.9g,\"train_samples\":%" PRIu64
                 ",\"val_loss\":%.9g,\"val_acc\":%.9g,\"val_correct\":%" PRIu64 ",\"val_samples\":%" PRIu64
                 ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
-                ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g"
+                ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g,\"psd_step_ms\":%.6g"
                 ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"sync\":\"%s\""
                 ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64 "}\n",
                 s->run_id, s->epoch + 1, s->step, train_loss, train_acc, s->ep_samples, val_loss,
                 val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr,
                 s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
                 s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
-                s->ep_bytes_in, s->ep_bytes_out, ps_sync_name(s->cfg.sync), s->ep_stale_max,
+                s->ep_step_n ? 1e3 * s->ep_step_s / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out, ps_sync_name(s->cfg.sync), s->ep_stale_max,
                 stale_mean(s), s->ep_lead_max);
         fflush(s->metrics);
     }
@@ -1855,7 +1868,9 @@ static void refuse_shard(srv_t *s, ps_msg_t *m, const char *why)
     send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, why);
 }
 
-static void on_shard_hello(srv_t *s, ps_msg_t *m)
+/* again: the shard said HELLO before and was answered (its answer may have
+ * been lost): answer again, without logging a second join */
+static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
 {
     Psd__ShardHello *h = m->hdr->shard_hello;
     char why[320];
@@ -1920,8 +1935,11 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m)
     r.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     r.shard_hello = &rb;
     send_shard(s, i, &r, NULL, 0);
-    PS_INFO("psd shard %d/%d joined from %s pid %u; workers reach it at %s", i, s->n_shards, sh->hostname, sh->pid,
-            sh->endpoint);
+    if (again)
+        PS_DEBUG("psd shard %d/%d said hello again (pid %u): answered again", i, s->n_shards, sh->pid);
+    else
+        PS_INFO("psd shard %d/%d joined from %s pid %u; workers reach it at %s", i, s->n_shards, sh->hostname,
+                sh->pid, sh->endpoint);
     if (!all_shards(s)) return;
     for (int j = 0; j < s->n; j++) { /* the workers that waited for it */
         worker_t *w = &s->w[j];
@@ -1971,7 +1989,10 @@ static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
     h.shard_apply = &ap;
     shards_send_all(s, &h);
     s->stepping = false;
-    if (psd_store_apply(&s->store, sumsq, s->cfg.clip_norm, s->lr) != 0) {
+    double t0 = ps_now();
+    int rc = psd_store_apply(&s->store, sumsq, s->cfg.clip_norm, s->lr);
+    s->ep_step_s += ps_now() - t0;
+    if (rc != 0) {
         PS_ERROR("no free parameter arena (too many pull replies in flight)");
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;
@@ -2029,10 +2050,12 @@ static void on_shard(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__Header *h = m->hdr;
     if (h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
+        bool again = false;
         if (i > 0) { /* its HELLO again: the answer was lost? answer again */
+            again = s->shards[i].joined && m->hdr->shard_hello && s->shards[i].pid == m->hdr->shard_hello->pid;
             s->shards[i].joined = false;
         }
-        on_shard_hello(s, m);
+        on_shard_hello(s, m, again);
         return;
     }
     if (i < 0) return;

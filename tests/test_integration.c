@@ -162,6 +162,9 @@ static void check_run(const run_t *r, int workers, int epochs)
     double step_ms = json_num(last, "worker_step_ms"), frac = json_num(last, "worker_wait_frac");
     cr_assert(step_ms > 0 && step_ms < 60000, "worker_step_ms %g", step_ms);
     cr_assert(frac > 0 && frac < 1, "worker_wait_frac %g", frac);
+    /* psd's own step (reduce + optimizer) is part of the workers' wait */
+    double psd_ms = json_num(last, "psd_step_ms");
+    cr_assert(psd_ms > 0 && psd_ms < step_ms, "psd_step_ms %g, worker_step_ms %g", psd_ms, step_ms);
     free(m);
     free(log);
 }
