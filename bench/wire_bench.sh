@@ -41,7 +41,7 @@ run() {
     # shellcheck disable=SC2086
     "$ROOT/build/psd" --listen "$ep" --workers "$w" --epochs 1 --set 'model.layers=[784,1338]' $opt \
         --set "data.train_limit=$limit" --set schedule.name=constant --set checkpoint.dir= \
-        --metrics "" --save "" 2>"$WORK/psd-$w.log" &
+        --metrics "$WORK/metrics-$w.jsonl" --save "" 2>"$WORK/psd-$w.log" &
     local psd=$!
     # shellcheck disable=SC2086
     "$ROOT/build/psbench" --connect "$ep" --workers "$w" $flags >"$WORK/psbench-$w.txt"
@@ -49,6 +49,9 @@ run() {
     sed 's/^/    /' "$WORK/psbench-$w.txt" >&2
     awk '/^aggregate/ {print $3}' "$WORK/psbench-$w.txt"
 }
+# psd's own step (psd_step_ms) in the last run with $1 workers
+step_ms() { python3 -c "import json, sys; print(f\"{json.loads(open(sys.argv[1]).readlines()[-1])['psd_step_ms']:.2f}\")" \
+    "$WORK/metrics-$1.jsonl"; }
 # the same over 2 psd shards (tcp): shard 0 on $PORT, shard 1 on $PORT2
 PORT2=$((PORT + 1))
 run2() {
@@ -67,9 +70,12 @@ run2() {
     awk '/^aggregate/ {print $3}' "$WORK/psbench-$w.txt"
 }
 P1=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm)
+T1=$(step_ms 1)
 P1D=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm "--set optimizer.momentum=0.9")
 P2=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm)
+T2=$(step_ms 2)
 P4=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm)
+T4=$(step_ms 4)
 S1=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.stream=true")
 S2=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.stream=true")
 S4=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.stream=true")
@@ -122,5 +128,6 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 | psd, 2 workers, shared memory (aggregate) | $PS2 | $(r "$PS2" "$MEMCPY") x memcpy | |
 | psd pull only, 1 worker, tcp (bytes pulled / time) | $PLT | | |
 
+psd's own step (psd_step_ms, plain SGD, tcp): 1 / 2 / 4 workers $T1 / $T2 / $T4 ms
 psd, 1 worker, tcp, 5 paired runs (raw probe, psd) back to back: ratios$PAIRS; median $MED (target >= 0.85)
 EOF
