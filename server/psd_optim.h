@@ -14,8 +14,8 @@
 #include "ps_config.h"
 
 /* The element-wise loops of a step (optimizers, the reduction) are also built
- * for AVX2, and the CPU picks at load time (an ifunc): twice the SSE2
- * baseline's speed on a pass over 4 MiB held in cache. The same bits in both:
+ * for AVX2, and the CPU picks at load time (an ifunc): about 1.6 times the
+ * SSE2 baseline's speed on a pass over 4 MiB held in cache. The same bits in both:
  * ISO C mode contracts no multiply-add into an FMA (and the avx2 target has
  * none), and IEEE add, multiply, divide and square root round alike in any
  * vector width. */

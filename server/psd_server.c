@@ -1594,8 +1594,8 @@ static void end_validation(srv_t *s)
                 val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr,
                 s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
                 s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
-                s->ep_step_n ? 1e3 * s->ep_step_s / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out, ps_sync_name(s->cfg.sync), s->ep_stale_max,
-                stale_mean(s), s->ep_lead_max);
+                s->ep_step_n ? 1e3 * s->ep_step_s / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
+                ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max);
         fflush(s->metrics);
     }
     bool last = s->epoch + 1 >= (uint32_t)s->cfg.epochs;
