@@ -244,7 +244,7 @@ typedef struct {
     uint64_t ep_correct, ep_samples;
     double ep_compute_s, ep_wait_s; /* workers' step times this epoch (from their pushes) */
     uint64_t ep_timed;
-    double ep_step_s;     /* psd's own step time this epoch (reduce + optimizer), and steps */
+    double ep_step_s0;    /* store.step_s when the epoch began, and the epoch's steps: psd's own step */
     uint64_t ep_step_n;
     double t_start, t_epoch, train_s_total, phase_deadline, orphan_deadline;
     uint64_t samples_total;
@@ -770,7 +770,7 @@ static void start_epoch(srv_t *s)
     }
     s->ep_compute_s = s->ep_wait_s = 0;
     s->ep_timed = 0;
-    s->ep_step_s = 0;
+    s->ep_step_s0 = s->store.step_s;
     s->ep_step_n = 0;
     s->bytes_in_done += s->ep_bytes_in;
     s->bytes_out_done += s->ep_bytes_out;
@@ -990,9 +990,7 @@ static void take_step(srv_t *s, worker_t *only)
     if (sharded(s) && s->cfg.clip_norm > 0) {
         /* the whole gradient's norm first: this part's blocks now, the
          * other shards' in their NORM messages (on_shard_norm) */
-        double t0 = ps_now();
         psd_store_reduce(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt);
-        s->ep_step_s += ps_now() - t0;
         account_step(s, total, NULL);
         s->stepping = true;
         s->stepping_since = ps_now();
@@ -1000,10 +998,8 @@ static void take_step(srv_t *s, worker_t *only)
         return;
     }
     uint64_t computed_on = only ? only->push_version : s->store.cur->version;
-    double t0 = ps_now();
     double norm = psd_store_step(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
                                  s->cfg.clip_norm, s->lr);
-    s->ep_step_s += ps_now() - t0;
     if (norm < 0) {
         PS_ERROR("no free parameter arena (too many pull replies in flight)");
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
@@ -1146,10 +1142,8 @@ static void stream_progress(srv_t *s)
                                       : (const void *)zmq_msg_data(&w->gch[c]);
             }
         }
-        double t0 = ps_now();
         psd_store_stream_chunks(&s->store, s->st_next, s->st_ready, m, s->st_k, s->st_src, s->step_bf16, s->step_wt,
                                 clip, s->lr);
-        s->ep_step_s += ps_now() - t0;
         for (int j = 0; j < m; j++) {
             int c = s->st_ready[j];
             s->st_done[c] = 1;
@@ -1164,9 +1158,7 @@ static void stream_progress(srv_t *s)
     }
     if (!s->st_open) return;
     if (clip && s->st_n_made == 0 && s->st_n_done == s->st_nc) { /* the global norm is known: apply */
-        double t0 = ps_now();
         psd_store_stream_apply(&s->store, s->st_next, s->cfg.clip_norm, s->lr);
-        s->ep_step_s += ps_now() - t0;
         for (int c = 0; c < s->st_nc; c++) stream_made(s, c);
     }
     psd_arena_t *a = s->st_next;
@@ -1594,7 +1586,7 @@ static void end_validation(srv_t *s)
                 val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr,
                 s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
                 s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
-                s->ep_step_n ? 1e3 * s->ep_step_s / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
+                s->ep_step_n ? 1e3 * (s->store.step_s - s->ep_step_s0) / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
                 ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max);
         fflush(s->metrics);
     }
@@ -1989,10 +1981,7 @@ static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
     h.shard_apply = &ap;
     shards_send_all(s, &h);
     s->stepping = false;
-    double t0 = ps_now();
-    int rc = psd_store_apply(&s->store, sumsq, s->cfg.clip_norm, s->lr);
-    s->ep_step_s += ps_now() - t0;
-    if (rc != 0) {
+    if (psd_store_apply(&s->store, sumsq, s->cfg.clip_norm, s->lr) != 0) {
         PS_ERROR("no free parameter arena (too many pull replies in flight)");
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;

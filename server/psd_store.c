@@ -10,6 +10,7 @@
 #include <unistd.h>
 #include "ps_pool.h"
 #include "ps_shm.h"
+#include "ps_util.h"
 #include "ps_wire.h"
 
 #include <zlib.h>
@@ -317,6 +318,14 @@ static void fused_chunk(const step_t *st, int j, const psd_chunk_t *c)
     }
 }
 
+/* A pool run of the step's work (reduce, apply), its time counted in step_s. */
+static void step_run(psd_store_t *s, int n, void (*fn)(void *, int), void *arg)
+{
+    double t0 = ps_now();
+    ps_pool_for(s->pool, n, fn, arg);
+    s->step_s += ps_now() - t0;
+}
+
 static void reduce_task(void *arg, int i)
 {
     step_t *st = arg;
@@ -366,7 +375,7 @@ void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
                       const double *weight)
 {
     step_t st = {.s = s, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f};
-    ps_pool_for(s->pool, s->n_chunks, norm_task, &st);
+    step_run(s, s->n_chunks, norm_task, &st);
 }
 
 double psd_store_sumsq(const psd_store_t *s)
@@ -419,7 +428,7 @@ int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr)
     psd_arena_t *next = begin_update(s);
     if (!next) return -1;
     step_t st = {.s = s, .next = next, .scale = clip_norm > 0.0 ? psd_clip_scale(sumsq, clip_norm) : 1.0f, .lr = lr};
-    ps_pool_for(s->pool, s->n_chunks, apply_task, &st);
+    step_run(s, s->n_chunks, apply_task, &st);
     publish(s, next);
     return 0;
 }
@@ -438,7 +447,7 @@ double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
     if (!next) return -1;
     step_t st = {.s = s, .next = next, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f,
                  .lr = lr};
-    ps_pool_for(s->pool, s->n_chunks, reduce_task, &st);
+    step_run(s, s->n_chunks, reduce_task, &st);
     publish(s, next);
     return 0;
 }
@@ -460,14 +469,14 @@ void psd_store_stream_chunks(psd_store_t *s, psd_arena_t *next, const int *ids, 
 {
     step_t st = {.s = s, .next = next, .n = n, .ids = ids, .src = src, .bf16 = bf16, .weight = weight,
                  .scale = 1.0f, .lr = lr, .clip = clip};
-    ps_pool_for(s->pool, m, stream_task, &st);
+    step_run(s, m, stream_task, &st);
 }
 
 double psd_store_stream_apply(psd_store_t *s, psd_arena_t *next, double clip_norm, double lr)
 {
     double sumsq = psd_store_sumsq(s);
     step_t st = {.s = s, .next = next, .scale = psd_clip_scale(sumsq, clip_norm), .lr = lr};
-    ps_pool_for(s->pool, s->n_chunks, apply_task, &st);
+    step_run(s, s->n_chunks, apply_task, &st);
     return sqrt(sumsq);
 }
 

@@ -52,6 +52,7 @@ typedef struct {
     float *grad;        /* reduced gradient (n_params) */
     float *s0, *s1;     /* optimizer slots (n_params) or NULL */
     uint64_t steps;     /* optimizer steps applied */
+    double step_s;      /* seconds spent reducing and applying (the step's pool runs), all steps */
     /* called before the optimizer updates slot floats [off, off+n) (a
      * checkpoint being written saves them copy-on-write); may be NULL */
     void (*before_update)(void *ud, size_t off, size_t n);
