@@ -82,7 +82,7 @@ static void *bench_worker(void *p)
         return NULL;
     }
     ps_layout_t l;
-    if (ps_layout_init(&l, a.sizes, a.n_sizes) != 0) {
+    if (ps_layout_init_table(&l, a.sizes, a.n_sizes, a.ctr.rows, a.ctr.dim) != 0) {
         fprintf(stderr, "psbench: invalid model from psd\n");
         b->rc = 2;
         psw_client_destroy(&c);
@@ -103,7 +103,7 @@ static void *bench_worker(void *p)
         cols[t] = t % 2 == 0 ? l.t[t].cols : 0;
     }
     /* the sample counts psd checks: from the IDX headers of the files it names */
-    uint64_t count[2] = {0, 0};
+    uint64_t count[2] = {a.ctr.train, a.ctr.test}; /* model.kind ctr: no files */
     for (int i = 0; i < a.n_files; i++) {
         int k = strcmp(a.files[i].role, "train_images") == 0 ? 0 : strcmp(a.files[i].role, "test_images") == 0 ? 1 : -1;
         if (k < 0) continue;

@@ -9,6 +9,7 @@
  * YAML is read with libyaml's event parser (not the document loader) so every
  * message can name the line of the offending key or value. */
 #include "ps_config.h"
+#include "ps_ctr.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -28,6 +29,7 @@
 _Static_assert(sizeof(ps_opt_kind_t) == sizeof(int), "enum size");
 _Static_assert(sizeof(ps_sched_kind_t) == sizeof(int), "enum size");
 _Static_assert(sizeof(ps_act_t) == sizeof(int), "enum size");
+_Static_assert(sizeof(ps_model_kind_t) == sizeof(int), "enum size");
 _Static_assert(sizeof(ps_log_level_t) == sizeof(int), "enum size");
 
 #define MAX_LAYER_SIZE (1 << 20)
@@ -71,10 +73,11 @@ static const char *const sync_names[] = {"bsp", "async", "ssp", NULL};
 static const char *const log_format_names[] = {"text", "json", NULL};
 static const char *const sched_names[] = {"constant", "step", "cosine", "onecycle", NULL};
 static const char *const act_names[] = {"relu", NULL};
+static const char *const kind_names[] = {"mlp", "ctr", NULL};
 static const char *const log_names[] = {"error", "warn", "info", "debug", NULL};
 
 /* Sections in the order they are written; every key's prefix is one of them. */
-static const char *const sections[] = {"run",      "model",    "data",   "train",
+static const char *const sections[] = {"run",      "model",    "ctr",    "data",       "train",
                                        "optimizer", "schedule", "server", "checkpoint", NULL};
 
 /* Compile-time check that field f of ps_config_t has type T; adds 0. */
@@ -104,6 +107,20 @@ static const key_spec_t keys[] = {
     {.key = "model.layers", .type = KT_LAYERS, .off = offsetof(ps_config_t, sizes),
      .imin = 1, .imax = MAX_LAYER_SIZE, .def = "784,512,256,10"},
     K_ENUM("model.activation", activation, ps_act_t, act_names, "relu"),
+    K_ENUM("model.kind", kind, ps_model_kind_t, kind_names, "mlp"),
+
+    K_INT("ctr.fields", ctr_fields, 1, PS_CTR_MAX_IDS, "8"),
+    K_INT("ctr.per_field", ctr_per_field, 1, PS_CTR_MAX_IDS, "1"),
+    K_INT64("ctr.vocab", ctr_vocab, 1, INT64_C(1) << 40, "100000"),
+    K_DOUBLE("ctr.zipf", ctr_zipf, 0.0, 10.0, F_OPEN_MIN, "1.1"),
+    K_INT64("ctr.rows", ctr_rows, 1, UINT32_MAX, "65536"),
+    K_INT("ctr.dim", ctr_dim, 1, 4096, "16"),
+    K_BOOL("ctr.mean", ctr_mean, "true"),
+    K_DOUBLE("ctr.weight_std", ctr_weight_std, 0.0, 100.0, 0, "1"),
+    K_DOUBLE("ctr.bias", ctr_bias, -100.0, 100.0, 0, "-1.5"),
+    K_UINT64("ctr.seed", ctr_seed, "1"),
+    K_INT64("ctr.train", ctr_train, 1, UINT32_MAX, "200000"),
+    K_INT64("ctr.test", ctr_test, 1, UINT32_MAX, "20000"),
 
     K_STRING("data.train_images", train_images, F_NONEMPTY, FMNIST "train-images-idx3-ubyte.gz"),
     K_STRING("data.train_labels", train_labels, F_NONEMPTY, FMNIST "train-labels-idx1-ubyte.gz"),
@@ -924,6 +941,36 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
         set_err(err, errlen, "schedule.min_lr: %s exceeds optimizer.lr (%s)", num, lr);
         return -1;
     }
+    if (c->kind == PS_MODEL_CTR) {
+        if (c->sizes[0] != c->ctr_fields * c->ctr_dim || c->sizes[c->n_sizes - 1] != 2) {
+            set_err(err, errlen,
+                    "model.layers: with model.kind: ctr the first size is ctr.fields x ctr.dim = %d and the last 2 "
+                    "(click or not)",
+                    c->ctr_fields * c->ctr_dim);
+            return -1;
+        }
+        if (c->ctr_fields * c->ctr_per_field > PS_CTR_MAX_IDS) {
+            set_err(err, errlen, "ctr.fields x ctr.per_field: %d ids per example, at most %d",
+                    c->ctr_fields * c->ctr_per_field, PS_CTR_MAX_IDS);
+            return -1;
+        }
+        if (c->ctr_rows * c->ctr_dim > INT32_MAX) {
+            set_err(err, errlen, "ctr.rows x ctr.dim: %lld floats in the table, at most %d (dense tables for now)",
+                    (long long)(c->ctr_rows * c->ctr_dim), INT32_MAX);
+            return -1;
+        }
+        ps_ctr_t g;
+        char why[128];
+        ps_ctr_from_config(c, &g);
+        if (ps_ctr_check(&g, why, sizeof why) != 0) {
+            set_err(err, errlen, "ctr: %s", why);
+            return -1;
+        }
+        if (c->ctr_train + c->ctr_test > UINT32_MAX) {
+            set_err(err, errlen, "ctr.train + ctr.test: at most %u examples", UINT32_MAX);
+            return -1;
+        }
+    }
     if (c->stream && c->sync != PS_SYNC_BSP) {
         set_err(err, errlen, "train.stream: true needs train.sync: bsp (async and ssp apply each push whole)");
         return -1;
@@ -1029,6 +1076,9 @@ static int write_yaml(const ps_config_t *c, FILE *f, bool with_server)
         const size_t sl = section_len(e->key);
         /* where and when to save or serve do not change what is trained */
         if (!with_server && (strncmp(e->key, "server.", 7) == 0 || strncmp(e->key, "checkpoint.", 11) == 0))
+            continue;
+        /* nor, for the MLP, the ctr task's keys (the MLP's hash stays what it was before them) */
+        if (!with_server && c->kind == PS_MODEL_MLP && (strcmp(e->key, "model.kind") == 0 || strncmp(e->key, "ctr.", 4) == 0))
             continue;
         if (!cur || sl != cur_len || strncmp(cur, e->key, sl) != 0) {
             fprintf(f, "%.*s:\n", (int)sl, e->key);

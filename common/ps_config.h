@@ -25,6 +25,7 @@ typedef enum {
     PS_SCHED_ONECYCLE
 } ps_sched_kind_t;
 typedef enum { PS_ACT_RELU = 0 } ps_act_t;
+typedef enum { PS_MODEL_MLP = 0, PS_MODEL_CTR } ps_model_kind_t; /* model.kind */
 typedef enum { PS_WIRE_F32 = 0, PS_WIRE_BF16 } ps_wire_dtype_t; /* tensors on the wire */
 typedef enum { PS_SYNC_BSP = 0, PS_SYNC_ASYNC, PS_SYNC_SSP } ps_sync_t; /* consistency mode */
 typedef enum { PS_LOG_ERROR = 0, PS_LOG_WARN, PS_LOG_INFO, PS_LOG_DEBUG } ps_log_level_t;
@@ -39,6 +40,22 @@ typedef struct ps_config {
     int n_sizes;                   /* model.layers: number of entries (>= 2) */
     int sizes[PS_MAX_LAYERS + 1];  /* model.layers: [784, 512, 256, 10] */
     ps_act_t activation;           /* model.activation: relu */
+    ps_model_kind_t kind;          /* model.kind: mlp (images) | ctr (embedding bags, then the MLP) */
+
+    /* ctr: the click-through task (model.kind: ctr; common/ps_ctr.h): examples made from
+     * (seed, index), no files; the MLP's input is fields x dim, its output 2 classes */
+    int ctr_fields;        /* ctr.fields: categorical fields per example */
+    int ctr_per_field;     /* ctr.per_field: values per field and example (a bag) */
+    int64_t ctr_vocab;     /* ctr.vocab: distinct values per field */
+    double ctr_zipf;       /* ctr.zipf: exponent of the values' Zipf distribution */
+    int64_t ctr_rows;      /* ctr.rows: rows of the embedding table (field, value) pairs hash into */
+    int ctr_dim;           /* ctr.dim: floats per embedding row */
+    bool ctr_mean;         /* ctr.mean: a bag is the mean of its rows (false: the sum) */
+    double ctr_weight_std; /* ctr.weight_std: spread of the planted weights */
+    double ctr_bias;       /* ctr.bias: planted bias (sets the click rate) */
+    uint64_t ctr_seed;     /* ctr.seed: the generator's seed (planted weights and examples) */
+    int64_t ctr_train;     /* ctr.train: training examples (indices 0..train-1) */
+    int64_t ctr_test;      /* ctr.test: test examples (indices train..train+test-1) */
 
     /* data: IDX files, gzipped or raw */
     char train_images[PS_PATH_MAX]; /* data.train_images */

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "ps_config.h"
 #include "ps_rng.h"
 
 /* stream ids, so that weights, rows, values and labels never share draws */
@@ -13,6 +14,18 @@
 #define CTR_EXAMPLE 0x4558414d504c4500ULL
 
 static double unit(uint64_t *x) { return (double)(ps_splitmix64(x) >> 11) * (1.0 / 9007199254740992.0); }
+
+void ps_ctr_from_config(const ps_config_t *c, ps_ctr_t *g)
+{
+    *g = (ps_ctr_t){.fields = c->ctr_fields,
+                    .per_field = c->ctr_per_field,
+                    .vocab = (uint64_t)c->ctr_vocab,
+                    .zipf = c->ctr_zipf,
+                    .rows = (uint64_t)c->ctr_rows,
+                    .weight_std = c->ctr_weight_std,
+                    .bias = c->ctr_bias,
+                    .seed = c->ctr_seed};
+}
 
 int ps_ctr_check(const ps_ctr_t *g, char *err, size_t errlen)
 {

@@ -34,6 +34,10 @@ typedef struct {
     uint64_t seed;
 } ps_ctr_t;
 
+struct ps_config;
+/* The generator of a config's ctr.* keys (model.kind: ctr). */
+void ps_ctr_from_config(const struct ps_config *c, ps_ctr_t *g);
+
 /* Checks a generator's parameters: 0, or -1 with a message in err. */
 int ps_ctr_check(const ps_ctr_t *g, char *err, size_t errlen);
 

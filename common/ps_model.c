@@ -4,6 +4,7 @@
 #include <assert.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <zlib.h>
@@ -43,6 +44,7 @@ int ps_layout_init(ps_layout_t *l, const int *sizes, int n_sizes)
     for (int i = 0; i < n_sizes; i++) l->sizes[i] = sizes[i];
     l->n_layers = n_sizes - 1;
     l->n_tensors = 2 * l->n_layers;
+    l->table = -1;
 
     size_t off = 0;
     for (int i = 0; i < l->n_layers; i++) {
@@ -64,6 +66,28 @@ int ps_layout_init(ps_layout_t *l, const int *sizes, int n_sizes)
         off = round_up(off + b->numel, PS_TENSOR_ALIGN);
     }
     return 0;
+}
+
+int ps_layout_init_table(ps_layout_t *l, const int *sizes, int n_sizes, uint64_t table_rows, int table_dim)
+{
+    if (ps_layout_init(l, sizes, n_sizes) != 0) return -1;
+    if (table_rows == 0) return 0;
+    if (table_dim < 1 || table_rows > (uint64_t)INT32_MAX / (uint64_t)table_dim) return -1;
+    ps_tensor_info_t *e = &l->t[l->n_tensors];
+    e->rows = (int)table_rows;
+    e->cols = table_dim;
+    e->numel = table_rows * (size_t)table_dim;
+    e->offset = round_up(l->n_params, PS_TENSOR_ALIGN);
+    snprintf(e->name, sizeof e->name, "E");
+    l->n_params = e->offset + e->numel;
+    l->table = l->n_tensors++;
+    return 0;
+}
+
+int ps_config_layout(const ps_config_t *c, ps_layout_t *l)
+{
+    return c->kind == PS_MODEL_CTR ? ps_layout_init_table(l, c->sizes, c->n_sizes, (uint64_t)c->ctr_rows, c->ctr_dim)
+                                   : ps_layout_init(l, c->sizes, c->n_sizes);
 }
 
 void ps_model_init_params(const ps_layout_t *l, float *params, uint64_t seed)

@@ -8,7 +8,7 @@
 
 #include "ps_config.h"
 
-#define PS_MAX_TENSORS (2 * PS_MAX_LAYERS)
+#define PS_MAX_TENSORS (2 * PS_MAX_LAYERS + 1) /* the MLP's W, b and an embedding table */
 
 typedef struct {
     int rows, cols;   /* W: (out, in); b: (out, 1) */
@@ -21,7 +21,8 @@ typedef struct {
     int n_sizes;
     int sizes[PS_MAX_LAYERS + 1];
     int n_layers;     /* n_sizes - 1 */
-    int n_tensors;    /* 2 * n_layers: W0, b0, W1, b1, ... */
+    int n_tensors;    /* 2 * n_layers: W0, b0, W1, b1, ..., then E if there is a table */
+    int table;        /* index of the embedding table E (rows x dim), -1: none */
     ps_tensor_info_t t[PS_MAX_TENSORS];
     size_t n_params;
 } ps_layout_t;
@@ -31,7 +32,17 @@ typedef struct {
  * when n_sizes is out of range or a size is < 1. */
 int ps_layout_init(ps_layout_t *l, const int *sizes, int n_sizes);
 
-/* He-uniform weights U(-sqrt(6/in), sqrt(6/in)) and zero biases, drawn from
+/* The same, then an embedding table E (table_rows, table_dim) as tensor
+ * 2 * n_layers (table_rows 0: none, as ps_layout_init). The MLP's tensors
+ * keep their indices; E's rows are the row ids of embedding bags. -1 when a
+ * size is out of range or the table has more than INT32_MAX floats. */
+int ps_layout_init_table(ps_layout_t *l, const int *sizes, int n_sizes, uint64_t table_rows, int table_dim);
+
+/* The layout a config trains: its MLP, and with model.kind ctr the
+ * embedding table (ctr.rows x ctr.dim). 0, or -1 as ps_layout_init_table. */
+int ps_config_layout(const ps_config_t *c, ps_layout_t *l);
+
+/* He-uniform weights U(-sqrt(6/in), sqrt(6/in)) (E: in = dim) and zero biases, drawn from
  * seed only (same seed -> same bits). Padding between tensors is zeroed. */
 void ps_model_init_params(const ps_layout_t *l, float *params, uint64_t seed);
 

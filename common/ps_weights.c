@@ -33,12 +33,14 @@ static int write_blob(int fd, void *ud)
     return ps_write_all(fd, b->buf, b->len);
 }
 
-static size_t header_len(int n_sizes) { return 4 + 4 + 4 + 4u * (size_t)n_sizes + 4 + 8 + 8 + 4 + 4; }
+/* format 2 (a model with an embedding table) adds u64 rows, u32 dim, u32 0 */
+static size_t header_len(int n_sizes, int table) { return 4 + 4 + 4 + 4u * (size_t)n_sizes + 4 + 8 + 8 + 4 + 4 + (table ? 16 : 0); }
 
 int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
                     const ps_weights_meta_t *meta, char *err, size_t errlen)
 {
-    size_t len = header_len(l->n_sizes) + 4 * l->n_params + 4;
+    int table = l->table >= 0;
+    size_t len = header_len(l->n_sizes, table) + 4 * l->n_params + 4;
     uint8_t *buf = malloc(len), *p = buf;
     if (!buf) {
         snprintf(err, errlen, "%s: out of memory", path);
@@ -46,7 +48,7 @@ int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
     }
     memcpy(p, "PSDW", 4);
     p += 4;
-    put_u32(&p, PS_WEIGHTS_FORMAT);
+    put_u32(&p, table ? PS_WEIGHTS_FORMAT_TABLE : PS_WEIGHTS_FORMAT);
     put_u32(&p, (uint32_t)l->n_sizes);
     for (int i = 0; i < l->n_sizes; i++) put_u32(&p, (uint32_t)l->sizes[i]);
     put_u32(&p, 0); /* relu */
@@ -54,6 +56,11 @@ int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
     put_u64(&p, meta->step);
     put_u32(&p, meta->epoch);
     put_u32(&p, 0);
+    if (table) {
+        put_u64(&p, (uint64_t)l->t[l->table].rows);
+        put_u32(&p, (uint32_t)l->t[l->table].cols);
+        put_u32(&p, 0);
+    }
     for (int t = 0; t < l->n_tensors; t++) {
         memcpy(p, params + l->t[t].offset, 4 * l->t[t].numel); /* x86-64/arm64: little-endian */
         p += 4 * l->t[t].numel;
@@ -100,13 +107,15 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
         snprintf(err, errlen, "%s: not a psd weights file (bad magic)", path);
         goto out;
     }
-    if (get_u32(buf + 4) != PS_WEIGHTS_FORMAT) {
-        snprintf(err, errlen, "%s: weights format %u, this psd reads %u", path, get_u32(buf + 4),
-                 PS_WEIGHTS_FORMAT);
+    uint32_t format = get_u32(buf + 4);
+    if (format != PS_WEIGHTS_FORMAT && format != PS_WEIGHTS_FORMAT_TABLE) {
+        snprintf(err, errlen, "%s: weights format %u, this psd reads %u and %u", path, format, PS_WEIGHTS_FORMAT,
+                 PS_WEIGHTS_FORMAT_TABLE);
         goto out;
     }
+    int table = format == PS_WEIGHTS_FORMAT_TABLE;
     uint32_t n_sizes = get_u32(buf + 8);
-    if (n_sizes < 2 || n_sizes > PS_MAX_LAYERS + 1 || len < header_len((int)n_sizes) + 4) {
+    if (n_sizes < 2 || n_sizes > PS_MAX_LAYERS + 1 || len < header_len((int)n_sizes, table) + 4) {
         snprintf(err, errlen, "%s: bad layer count %u or truncated header", path, n_sizes);
         goto out;
     }
@@ -124,11 +133,17 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
         }
         sizes[i] = (int)s;
     }
-    if (ps_layout_init(l, sizes, (int)n_sizes) != 0) {
+    const uint8_t *p = buf + 12 + 4 * n_sizes;
+    uint64_t rows = table ? get_u64(p + 28) : 0;
+    uint32_t dim = table ? get_u32(p + 36) : 0;
+    if (table && (rows < 1 || dim < 1 || dim > 4096 || get_u32(p + 40) != 0)) {
+        snprintf(err, errlen, "%s: bad embedding table shape %llu x %u", path, (unsigned long long)rows, dim);
+        goto out;
+    }
+    if (ps_layout_init_table(l, sizes, (int)n_sizes, rows, (int)dim) != 0) {
         snprintf(err, errlen, "%s: bad layer sizes", path);
         goto out;
     }
-    const uint8_t *p = buf + 12 + 4 * n_sizes;
     if (get_u32(p) != 0) {
         snprintf(err, errlen, "%s: unknown activation %u", path, get_u32(p));
         goto out;
@@ -136,7 +151,7 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
     meta->run_id = get_u64(p + 4);
     meta->step = get_u64(p + 12);
     meta->epoch = get_u32(p + 20);
-    p += 28;
+    p += table ? 44 : 28;
     size_t numel = 0;
     for (int t = 0; t < l->n_tensors; t++) numel += l->t[t].numel;
     if ((size_t)(buf + len - 4 - p) != 4 * numel) {

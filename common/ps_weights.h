@@ -3,7 +3,8 @@
  * Little-endian:
  *   "PSDW"  u32 format (1)  u32 n_sizes  u32 sizes[n_sizes]  u32 activation (0 relu)
  *   u64 run_id  u64 step  u32 epoch  u32 reserved (0)
- *   for each tensor W0, b0, W1, b1, ...: its floats, row-major, no padding
+ *   format 2 only: u64 table_rows  u32 table_dim  u32 reserved (0)
+ *   for each tensor W0, b0, W1, b1, ..., E: its floats, row-major, no padding
  *   u32 CRC-32 (zlib) of every byte before it. */
 #ifndef PS_WEIGHTS_H
 #define PS_WEIGHTS_H
@@ -13,7 +14,8 @@
 
 #include "ps_model.h"
 
-#define PS_WEIGHTS_FORMAT 1u
+#define PS_WEIGHTS_FORMAT 1u       /* an MLP */
+#define PS_WEIGHTS_FORMAT_TABLE 2u /* an MLP and an embedding table (model.kind ctr) */
 
 typedef struct {
     uint64_t run_id;

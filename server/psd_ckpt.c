@@ -35,7 +35,8 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "psd_ckpt assumes a li
 
 #define CKPT_CHUNK_FLOATS ((size_t)262144) /* 1 MiB copy-on-write unit */
 #define CKPT_CHUNK_BYTES (CKPT_CHUNK_FLOATS * sizeof(float))
-#define CKPT_HDR_LEN 216                   /* "PSDC", format, meta (see meta_pack) */
+#define CKPT_HDR_LEN 232                   /* "PSDC", format, meta (see meta_pack) */
+#define CKPT_HDR_LEN_V1 216                /* format 1: no table shape */
 #define CKPT_TRAILER_LEN 12                /* u64 length, u32 CRC */
 #define CKPT_MAX_TRAIN ((uint64_t)1 << 32) /* bits in seen */
 #define CKPT_MAX_SIZE (1 << 20)            /* units per layer */
@@ -149,17 +150,30 @@ static void meta_pack(uint8_t b[CKPT_HDR_LEN], const psd_ckpt_meta_t *m)
     p = put_u32(p, m->opt_kind);
     p = put_u32(p, m->n_slots);
     p = put_u64(p, m->n_params);
+    p = put_u64(p, m->table_rows);
+    p = put_u32(p, m->table_dim);
+    p = put_u32(p, 0);
     PS_ASSERT(p - b == CKPT_HDR_LEN);
 }
 
-/* Parse and sanity-check a header. NULL, or the reason it is unusable. */
+/* Length of the header of a file whose first 8 bytes are b, 0 if unknown. */
+static size_t hdr_len(const uint8_t b[8])
+{
+    uint32_t format;
+    get_u32(b + 4, &format);
+    if (memcmp(b, "PSDC", 4) != 0) return 0;
+    return format == PSD_CKPT_FORMAT ? CKPT_HDR_LEN : format == 1 ? CKPT_HDR_LEN_V1 : 0;
+}
+
+/* Parse and sanity-check a header (hdr_len(b) bytes). NULL, or the reason it
+ * is unusable. */
 static const char *meta_unpack(psd_ckpt_meta_t *m, const uint8_t b[CKPT_HDR_LEN])
 {
     const uint8_t *p = b + 8;
-    uint32_t format, n_sizes, sizes[PS_MAX_LAYERS + 1];
+    uint32_t format, n_sizes, sizes[PS_MAX_LAYERS + 1], reserved = 0;
     if (memcmp(b, "PSDC", 4) != 0) return "bad magic";
     get_u32(b + 4, &format);
-    if (format != PSD_CKPT_FORMAT) return "unknown format version";
+    if (!hdr_len(b)) return "unknown format version";
     memset(m, 0, sizeof *m);
     p = get_u64(p, &m->run_id);
     p = get_u64(p, &m->config_hash);
@@ -182,7 +196,13 @@ static const char *meta_unpack(psd_ckpt_meta_t *m, const uint8_t b[CKPT_HDR_LEN]
     p = get_u32(p, &m->opt_kind);
     p = get_u32(p, &m->n_slots);
     p = get_u64(p, &m->n_params);
-    PS_ASSERT(p - b == CKPT_HDR_LEN);
+    if (format >= 2) {
+        p = get_u64(p, &m->table_rows);
+        p = get_u32(p, &m->table_dim);
+        p = get_u32(p, &reserved);
+    }
+    PS_ASSERT((size_t)(p - b) == hdr_len(b));
+    if (reserved != 0) return "bad reserved field";
 
     if (n_sizes < 2 || n_sizes > PS_MAX_LAYERS + 1) return "bad layer count";
     for (uint32_t i = 0; i < PS_MAX_LAYERS + 1; i++) {
@@ -192,17 +212,19 @@ static const char *meta_unpack(psd_ckpt_meta_t *m, const uint8_t b[CKPT_HDR_LEN]
     m->n_sizes = (int)n_sizes;
     for (uint32_t i = 0; i < n_sizes; i++) m->sizes[i] = (int)sizes[i];
     ps_layout_t l;
-    if (ps_layout_init(&l, m->sizes, m->n_sizes) != 0 || l.n_params != m->n_params)
+    if (m->table_rows > UINT32_MAX || m->table_dim > 4096 || (m->table_rows && !m->table_dim) ||
+        ps_layout_init_table(&l, m->sizes, m->n_sizes, m->table_rows, (int)m->table_dim) != 0 ||
+        l.n_params != m->n_params)
         return "parameter count does not match the layer sizes";
     if (m->n_slots > 2) return "bad optimizer slot count";
     if (m->train_count > CKPT_MAX_TRAIN) return "bad training set size";
     return NULL;
 }
 
-/* File length implied by a (checked) header. */
-static uint64_t file_len(const psd_ckpt_meta_t *m)
+/* File length implied by a (checked) header of hlen bytes. */
+static uint64_t file_len(const psd_ckpt_meta_t *m, size_t hlen)
 {
-    return CKPT_HDR_LEN + (m->train_count + 7) / 8 +
+    return hlen + (m->train_count + 7) / 8 +
            (1 + (uint64_t)m->n_slots) * m->n_params * sizeof(float) + CKPT_TRAILER_LEN;
 }
 
@@ -469,7 +491,8 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
     ps_layout_t l;
     *out = NULL;
     if (!dir || !meta || !store || meta->n_slots > 2 || meta->train_count > CKPT_MAX_TRAIN ||
-        (meta->train_count && !seen) || ps_layout_init(&l, meta->sizes, meta->n_sizes) != 0 ||
+        (meta->train_count && !seen) || meta->table_rows > UINT32_MAX || meta->table_dim > 4096 ||
+        ps_layout_init_table(&l, meta->sizes, meta->n_sizes, meta->table_rows, (int)meta->table_dim) != 0 ||
         l.n_params != meta->n_params || meta->n_params != store->layout.n_params ||
         (meta->n_slots >= 1 && !store->s0) || (meta->n_slots >= 2 && !store->s1)) {
         rc = -EINVAL;
@@ -664,15 +687,17 @@ static const char *load_one(const char *path, ckpt_data_t *d, char *reason_buf, 
         why = "not a regular file";
         goto out;
     }
-    if ((uint64_t)st.st_size < CKPT_HDR_LEN + CKPT_TRAILER_LEN) {
+    if ((uint64_t)st.st_size < CKPT_HDR_LEN_V1 + CKPT_TRAILER_LEN) {
         snprintf(reason_buf, reason_len, "too short (%lld bytes)", (long long)st.st_size);
         why = reason_buf;
         goto out;
     }
-    if ((why = in_read(&in, hdr, sizeof hdr, 1)) != NULL) goto out;
+    if ((why = in_read(&in, hdr, 8, 1)) != NULL) goto out;
+    size_t hlen = hdr_len(hdr);
+    if (hlen && (why = in_read(&in, hdr + 8, hlen - 8, 1)) != NULL) goto out;
     if ((why = meta_unpack(&d->meta, hdr)) != NULL) goto out;
     /* Before allocating anything: the header must describe this file. */
-    uint64_t want = file_len(&d->meta);
+    uint64_t want = file_len(&d->meta, hlen);
     if ((uint64_t)st.st_size != want) {
         snprintf(reason_buf, reason_len, "%lld bytes, header says %llu (truncated?)",
                  (long long)st.st_size, (unsigned long long)want);

@@ -25,7 +25,7 @@
 #include "ps_model.h"
 #include "psd_store.h"
 
-#define PSD_CKPT_FORMAT 1u
+#define PSD_CKPT_FORMAT 2u /* 2 adds the embedding table's shape; 1 is still read */
 
 typedef struct {
     uint64_t run_id, config_hash, seed;
@@ -46,6 +46,8 @@ typedef struct {
     uint32_t opt_kind;
     uint32_t n_slots;       /* 0, 1 or 2 optimizer slot arenas */
     uint64_t n_params;      /* floats per arena (layout n_params) */
+    uint64_t table_rows;    /* embedding table E (model.kind: ctr), 0: none */
+    uint32_t table_dim;
 } psd_ckpt_meta_t;
 
 typedef struct psd_ckpt_writer psd_ckpt_writer_t;

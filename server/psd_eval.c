@@ -3,11 +3,46 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "ps_ctr.h"
 #include "ps_log.h"
 #include "ps_weights.h"
 #include "psw_backend.h"
 #include "psw_data.h"
 #include "psw_model.h"
+
+/* The test set the weights are evaluated on: the config's image files, or
+ * (a model with an embedding table) its ctr task's test examples. 0, or -1
+ * with a message. */
+static int open_test(const ps_config_t *c, const ps_layout_t *l, psw_data_t *test, ps_ctr_t *gen, char *err,
+                     size_t errlen)
+{
+    if (l->table >= 0) {
+        if (c->kind != PS_MODEL_CTR || (int64_t)l->t[l->table].rows != c->ctr_rows ||
+            l->t[l->table].cols != c->ctr_dim || l->sizes[0] != c->ctr_fields * c->ctr_dim) {
+            snprintf(err, errlen,
+                     "the weights have an embedding table (%d x %d); the config must be the ctr task they were "
+                     "trained on (model.kind ctr, ctr.rows %d, ctr.dim %d)",
+                     l->t[l->table].rows, l->t[l->table].cols, l->t[l->table].rows, l->t[l->table].cols);
+            return -1;
+        }
+        ps_ctr_from_config(c, gen);
+        test->count = (size_t)c->ctr_test;
+        return 0;
+    }
+    if (c->kind == PS_MODEL_CTR) {
+        snprintf(err, errlen, "the config is a ctr task, the weights have no embedding table");
+        return -1;
+    }
+    int classes = l->sizes[l->n_sizes - 1];
+    if (psw_data_load(test, c->test_images, c->test_labels, 0, classes, c->norm_mean, c->norm_std, err, errlen) != 0)
+        return -1;
+    if (test->dim != (size_t)l->sizes[0]) {
+        snprintf(err, errlen, "%s has %zu inputs per sample, the weights expect %d", c->test_images, test->dim,
+                 l->sizes[0]);
+        return -1;
+    }
+    return 0;
+}
 
 int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
 {
@@ -15,35 +50,32 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
     ps_layout_t l;
     float *params = NULL;
     ps_weights_meta_t meta;
-    psw_data_t test;
+    psw_data_t test = {0};
+    ps_ctr_t gen = {0};
     psw_backend_t *be = NULL;
     psw_model_t *m = NULL;
     float *x = NULL;
     int32_t *y = NULL;
+    uint32_t *ids = NULL;
     int code = 2;
     if (ps_weights_load(weights_path, &l, &params, &meta, err, sizeof err) != 0) {
         fprintf(stderr, "psd eval: %s\n", err);
         return 2;
     }
-    int classes = l.sizes[l.n_sizes - 1];
-    if (psw_data_load(&test, c->test_images, c->test_labels, 0, classes, c->norm_mean, c->norm_std, err,
-                      sizeof err) != 0) {
+    if (open_test(c, &l, &test, &gen, err, sizeof err) != 0) {
         fprintf(stderr, "psd eval: %s\n", err);
-        free(params);
-        return 2;
-    }
-    if (test.dim != (size_t)l.sizes[0]) {
-        fprintf(stderr, "psd eval: %s has %zu inputs per sample, the weights expect %d\n", c->test_images,
-                test.dim, l.sizes[0]);
         goto out;
     }
     code = 1;
-    int B = c->val_batch_size;
+    int B = c->val_batch_size, ctr = l.table >= 0;
+    size_t per = ctr ? (size_t)gen.fields * (size_t)gen.per_field : 0;
+    psw_bags_t bags = {.fields = gen.fields, .per_field = gen.per_field, .mean = c->ctr_mean};
     be = psw_backend_cpu_new(threads);
-    m = be ? psw_model_new(be, &l, B) : NULL;
-    x = malloc((size_t)B * test.dim * sizeof *x);
+    m = !be ? NULL : ctr ? psw_model_new_bags(be, &l, B, &bags) : psw_model_new(be, &l, B);
+    x = ctr ? NULL : malloc((size_t)B * test.dim * sizeof *x);
+    ids = ctr ? malloc((size_t)B * per * sizeof *ids) : NULL;
     y = malloc((size_t)B * sizeof *y);
-    if (!m || !x || !y) {
+    if (!m || !(ctr ? (void *)ids : (void *)x) || !y) {
         fprintf(stderr, "psd eval: out of memory\n");
         goto out;
     }
@@ -52,8 +84,17 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
     int64_t correct = 0;
     for (size_t i = 0; i < test.count;) {
         int n = (int)(test.count - i < (size_t)B ? test.count - i : (size_t)B);
-        psw_data_slice(&test, i, n, x, y);
-        psw_model_eval(m, x, y, n, &loss, &correct);
+        if (ctr) { /* test examples follow the training ones */
+            for (int b = 0; b < n; b++) {
+                uint8_t label;
+                ps_ctr_example(&gen, (uint64_t)c->ctr_train + i + (uint64_t)b, ids + (size_t)b * per, NULL, &label);
+                y[b] = label;
+            }
+            psw_model_eval_bags(m, ids, y, n, &loss, &correct);
+        } else {
+            psw_data_slice(&test, i, n, x, y);
+            psw_model_eval(m, x, y, n, &loss, &correct);
+        }
         i += (size_t)n;
     }
     printf("eval %s: %zu samples, loss %.9g, accuracy %.4f (%lld correct), run %016llx, step %llu, epoch %u\n",
@@ -68,5 +109,6 @@ out:
     free(params);
     free(x);
     free(y);
+    free(ids);
     return code;
 }

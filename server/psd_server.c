@@ -38,6 +38,7 @@
 #include <uv.h>
 #include <zlib.h>
 
+#include "ps_ctr.h"
 #include "ps_idx.h"
 #include "ps_log.h"
 #include "ps_rng.h"
@@ -226,6 +227,8 @@ typedef struct {
     int exit_code;
     datafile_t files[4];
     size_t train_count, test_count;
+    double ctr_opt_loss;  /* model.kind ctr: the planted model's log-loss on the test examples */
+    double ctr_const_loss; /* and the best constant's (the test click rate) */
     uint32_t *perm;       /* this epoch's permutation of the training set */
     uint8_t *seen;        /* positions of the epoch trained (bitmap) */
     uint64_t *pool;       /* positions waiting for a worker */
@@ -1565,6 +1568,9 @@ static void end_validation(srv_t *s)
             "(%" PRIu64 "/%" PRIu64 ") %.0f samples/s lr %.5g",
             s->epoch + 1, s->cfg.epochs, s->step, train_loss, train_acc, val_loss, val_acc, correct,
             count, ep_sps, s->lr);
+    if (s->cfg.kind == PS_MODEL_CTR)
+        PS_INFO("epoch %u: val log-loss %.4f, %.4f above the planted model's %.4f", s->epoch + 1, val_loss,
+                val_loss - s->ctr_opt_loss, s->ctr_opt_loss);
     if (s->cfg.sync != PS_SYNC_BSP) {
         char lead[128] = "";
         if (s->cfg.sync == PS_SYNC_SSP)
@@ -1581,13 +1587,16 @@ static void end_validation(srv_t *s)
                 ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
                 ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g,\"psd_step_ms\":%.6g"
                 ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"sync\":\"%s\""
-                ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64 "}\n",
+                ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64,
                 s->run_id, s->epoch + 1, s->step, train_loss, train_acc, s->ep_samples, val_loss,
                 val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr,
                 s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
                 s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
                 s->ep_step_n ? 1e3 * (s->store.step_s - s->ep_step_s0) / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
                 ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max);
+        if (s->cfg.kind == PS_MODEL_CTR)
+            fprintf(s->metrics, ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g", s->ctr_opt_loss, s->ctr_const_loss);
+        fputs("}\n", s->metrics);
         fflush(s->metrics);
     }
     bool last = s->epoch + 1 >= (uint32_t)s->cfg.epochs;
@@ -1664,6 +1673,10 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
         .n_sizes = s->layout.n_sizes, .opt_kind = (uint32_t)s->cfg.opt,
         .n_slots = (uint32_t)psd_optim_slots(&s->store.opt), .n_params = s->layout.n_params};
     memcpy(m.sizes, s->layout.sizes, sizeof m.sizes);
+    if (s->layout.table >= 0) {
+        m.table_rows = (uint64_t)s->layout.t[s->layout.table].rows;
+        m.table_dim = (uint32_t)s->layout.t[s->layout.table].cols;
+    }
     int rc = psd_ckpt_begin(&s->ckpt, s->run_dir, s->cfg.ckpt_keep, &m, s->seen, &s->store);
     if (rc != 0) {
         PS_ERROR("cannot start a checkpoint in %s: %s", s->run_dir, strerror(-rc));
@@ -1742,6 +1755,23 @@ static void send_assign(srv_t *s, worker_t *w)
     }
     a.files = dfp;
     a.n_files = 4;
+    Psd__CtrTask ct = PSD__CTR_TASK__INIT;
+    if (s->cfg.kind == PS_MODEL_CTR) { /* no files: the generator */
+        a.n_files = 0;
+        ct.fields = (uint32_t)s->cfg.ctr_fields;
+        ct.per_field = (uint32_t)s->cfg.ctr_per_field;
+        ct.vocab = (uint64_t)s->cfg.ctr_vocab;
+        ct.zipf = s->cfg.ctr_zipf;
+        ct.rows = (uint64_t)s->cfg.ctr_rows;
+        ct.dim = (uint32_t)s->cfg.ctr_dim;
+        ct.mean = s->cfg.ctr_mean;
+        ct.weight_std = s->cfg.ctr_weight_std;
+        ct.bias = s->cfg.ctr_bias;
+        ct.seed = s->cfg.ctr_seed;
+        ct.train = (uint64_t)s->cfg.ctr_train;
+        ct.test = (uint64_t)s->cfg.ctr_test;
+        a.ctr = &ct;
+    }
     hy.batch_size = (uint32_t)s->cfg.batch_size;
     hy.val_batch_size = (uint32_t)s->cfg.val_batch_size;
     hy.norm_mean = s->cfg.norm_mean;
@@ -2933,8 +2963,39 @@ static void on_signal(uv_signal_t *h, int signum)
 
 /* ---- set-up ------------------------------------------------------------- */
 
+/* model.kind ctr: examples from the generator, no files. Logs the best
+ * log-loss reachable on the test examples (the planted model's) and a
+ * constant's (the test click rate's), the yardsticks of the validation loss. */
+static int ctr_setup(srv_t *s)
+{
+    ps_ctr_t g;
+    ps_ctr_from_config(&s->cfg, &g);
+    s->train_count = (size_t)s->cfg.ctr_train;
+    if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < s->train_count)
+        s->train_count = (size_t)s->cfg.train_limit;
+    s->test_count = (size_t)s->cfg.ctr_test;
+    uint32_t rows[PS_CTR_MAX_IDS];
+    double opt = 0;
+    uint64_t clicks = 0;
+    for (size_t i = 0; i < s->test_count; i++) {
+        uint8_t y;
+        double p = ps_ctr_example(&g, (uint64_t)s->cfg.ctr_train + i, rows, NULL, &y);
+        opt += ps_logloss(p, y);
+        clicks += y;
+    }
+    double r = (double)clicks / (double)s->test_count;
+    s->ctr_opt_loss = opt / (double)s->test_count;
+    s->ctr_const_loss = ps_logloss(r, 1) * r + ps_logloss(r, 0) * (1 - r);
+    PS_INFO("ctr task: %d fields x %d values from %lld (zipf %.2f), table %lld x %d; on the %zu test examples "
+            "the planted model's log-loss is %.4f, a constant's %.4f (click rate %.4f)",
+            g.fields, g.per_field, (long long)s->cfg.ctr_vocab, g.zipf, (long long)s->cfg.ctr_rows,
+            s->cfg.ctr_dim, s->test_count, s->ctr_opt_loss, s->ctr_const_loss, r);
+    return 0;
+}
+
 static int check_data(srv_t *s)
 {
+    if (s->cfg.kind == PS_MODEL_CTR) return ctr_setup(s);
     const char *roles[4] = {"train_images", "train_labels", "test_images", "test_labels"};
     const char *paths[4] = {s->cfg.train_images, s->cfg.train_labels, s->cfg.test_images, s->cfg.test_labels};
     char err[512];
@@ -3287,7 +3348,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->run_id = make_run_id();
     s->w = calloc(MAX_WORKERS, sizeof *s->w);
     if (!s->w) goto out;
-    if (ps_layout_init(&s->layout, c->sizes, c->n_sizes) != 0) {
+    if (ps_config_layout(c, &s->layout) != 0) {
         PS_ERROR("invalid model.layers");
         code = PSD_EXIT_USAGE;
         goto out;

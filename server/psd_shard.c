@@ -306,6 +306,10 @@ static void ckpt_meta(shard_t *s, psd_ckpt_meta_t *m)
     m->version = s->store.cur->version;
     m->n_sizes = s->layout.n_sizes;
     memcpy(m->sizes, s->layout.sizes, sizeof m->sizes);
+    if (s->layout.table >= 0) {
+        m->table_rows = (uint64_t)s->layout.t[s->layout.table].rows;
+        m->table_dim = (uint32_t)s->layout.t[s->layout.table].cols;
+    }
     m->opt_kind = (uint32_t)s->cfg.opt;
     m->n_slots = (uint32_t)psd_optim_slots(&s->store.opt);
     m->n_params = s->layout.n_params;
@@ -601,7 +605,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->bf16 = calloc(SHARD_MAX_WORKERS, 1);
     ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
     if (!s->w || !s->g || !s->bf16) goto out;
-    if (ps_layout_init(&s->layout, c->sizes, c->n_sizes) != 0) {
+    if (ps_config_layout(c, &s->layout) != 0) {
         PS_ERROR("invalid model.layers");
         code = PSD_EXIT_USAGE;
         goto out;

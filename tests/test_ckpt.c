@@ -26,12 +26,15 @@
 #include "ps_wire.h"
 
 #define CHUNK_BYTES ((uint64_t)1 << 20)
-#define HDR_LEN 216
+#define HDR_LEN 232
+#define HDR_LEN_V1 216 /* format 1: no table shape */
 /* header offsets (psd_ckpt.c meta_pack) */
 #define OFF_TRAIN_COUNT 120
 #define OFF_N_SIZES 128
 #define OFF_SIZES 132
 #define OFF_N_PARAMS 208
+#define OFF_TABLE_ROWS 216
+#define OFF_TABLE_DIM 224
 
 /* ---- helpers ---------------------------------------------------------- */
 
@@ -305,6 +308,72 @@ Test(ckpt, roundtrip_every_field, .init = dir_setup, .fini = dir_teardown)
     cr_expect_eq(memcmp(L.slots[0], s.s0, n * 4), 0, "slot 0");
     cr_expect_eq(memcmp(L.slots[1], s.s1, n * 4), 0, "slot 1");
     loaded_free(&L);
+    free(seen);
+    psd_store_deinit(&s);
+}
+
+/* A model with an embedding table (format 2 carries its shape), and a
+ * format 1 file (no table) written by an older psd still loads. */
+Test(ckpt, table_shape_and_format_1, .init = dir_setup, .fini = dir_teardown)
+{
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, (const int[]){32, 16, 2}, 3, 5000, 8), 0);
+    psd_optim_t o;
+    memset(&o, 0, sizeof o);
+    o.kind = PS_OPT_ADAGRAD;
+    o.eps = 1e-8f;
+    psd_store_t s;
+    cr_assert_eq(psd_store_init(&s, &l, &o, 42), 0);
+    size_t n = l.n_params;
+    fill(s.s0, n, 4, 1);
+    psd_ckpt_meta_t m;
+    meta_make(&m, &s, 4, 100);
+    m.opt_kind = PS_OPT_ADAGRAD;
+    m.n_slots = 1;
+    m.table_rows = 5000;
+    m.table_dim = 8;
+    uint8_t *seen = seen_make(100, 4);
+    char path[PATH_MAX];
+    cr_assert_eq(ckpt_write(&s, &m, seen, 3, NULL, NULL, path, sizeof path), 0);
+    loaded_t L;
+    cr_assert_eq(load(&L), 0, "%s", L.err);
+    cr_expect_eq(L.meta.table_rows, 5000);
+    cr_expect_eq(L.meta.table_dim, 8);
+    cr_expect_eq(memcmp(&L.meta, &m, sizeof m), 0, "whole struct");
+    cr_expect_eq(memcmp(L.w, s.cur->w, n * 4), 0, "weights with the table");
+    loaded_free(&L);
+    /* without its table shape the parameter count does not add up */
+    m.table_rows = 0;
+    m.table_dim = 0;
+    psd_ckpt_writer_t *wr;
+    cr_expect_eq(psd_ckpt_begin(&wr, g_dir, 3, &m, seen, &s), -EINVAL);
+    free(seen);
+    psd_store_deinit(&s);
+
+    /* format 1: a format 2 file of an MLP, its table fields cut out */
+    store_make(&s, small_sizes, 3);
+    meta_make(&m, &s, 6, 1003);
+    seen = seen_make(1003, 6);
+    cr_assert_eq(ckpt_write(&s, &m, seen, 3, NULL, NULL, path, sizeof path), 0);
+    size_t len;
+    uint8_t *img = file_read(path, &len), *v1 = malloc(len - 16);
+    cr_assert_not_null(v1);
+    memcpy(v1, img, HDR_LEN_V1);
+    memcpy(v1 + HDR_LEN_V1, img + HDR_LEN, len - HDR_LEN);
+    put32(v1 + 4, 1);
+    fix_trailer(v1, len - 16);
+    unlink(path);
+    char p7[PATH_MAX];
+    ckpt_name(p7, sizeof p7, 7);
+    file_write(p7, v1, len - 16);
+    cr_assert_eq(load(&L), 0, "%s", L.err);
+    cr_expect_str_eq(L.path, p7);
+    cr_expect_eq(memcmp(&L.meta, &m, sizeof m), 0, "format 1 header");
+    cr_expect_eq(memcmp(L.w, s.cur->w, s.layout.n_params * 4), 0, "format 1 weights");
+    cr_expect_eq(memcmp(L.slots[1], s.s1, s.layout.n_params * 4), 0, "format 1 slot 1");
+    loaded_free(&L);
+    free(img);
+    free(v1);
     free(seen);
     psd_store_deinit(&s);
 }
@@ -730,7 +799,11 @@ Test(ckpt, garbage_files_are_skipped, .init = dir_setup, .fini = dir_teardown)
         {"n_params wrong", OFF_N_PARAMS, 0, 1, 12345},
         {"train_count 2^40", OFF_TRAIN_COUNT, 0, 1, 1ULL << 40},
         {"n_slots 3", OFF_N_PARAMS - 4, 3, 0, 0},
-        {"format 2", 4, 2, 0, 0},
+        {"format 3", 4, 3, 0, 0},
+        {"table rows without a dim", OFF_TABLE_ROWS, 0, 1, 10},
+        {"table dim without rows", OFF_TABLE_DIM, 4, 0, 0},
+        {"table dim 5000", OFF_TABLE_DIM, 5000, 0, 0},
+        {"reserved field set", OFF_TABLE_DIM + 4, 1, 0, 0},
     };
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
         memcpy(hdr, img, HDR_LEN);

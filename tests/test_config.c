@@ -11,6 +11,7 @@
 
 #include "ps_config.h"
 #include "ps_log.h"
+#include "ps_model.h"
 
 #define FM "/usr/share/datasets/fashion-mnist/"
 
@@ -494,6 +495,50 @@ Test(config, layer_sizes_rejected)
     expect_load_error(over, "test.yaml:2: model.layers: too many layer sizes", "at most 17");
 }
 
+/* yaml loads, and ps_config_validate refuses it with a message holding part */
+static void expect_invalid_yaml(const char *yaml, const char *part)
+{
+    ps_config_t c;
+    cr_assert_eq(load(&c, yaml), 0, "%s", err);
+    cr_expect_eq(ps_config_validate(&c, err, sizeof err), -1, "accepted:\n%s", yaml);
+    cr_expect(strstr(err, part) != NULL, "message '%s' lacks '%s'", err, part);
+}
+
+Test(config, ctr_task)
+{
+    ps_config_t c;
+    cr_expect_eq(load(&c, "model:\n  kind: ctr\n  layers: [32, 16, 2]\nctr:\n  fields: 4\n  dim: 8\n"
+                          "  rows: 1000\n  per_field: 3\n"),
+                 0, "%s", err);
+    cr_expect_eq(ps_config_validate(&c, err, sizeof err), 0, "%s", err);
+    cr_expect_eq(c.kind, PS_MODEL_CTR);
+    cr_expect_eq(c.ctr_fields, 4);
+    cr_expect_eq(c.ctr_per_field, 3);
+    cr_expect_eq(c.ctr_rows, 1000);
+    ps_layout_t l;
+    cr_assert_eq(ps_config_layout(&c, &l), 0);
+    cr_expect_eq(l.table, 4);
+    cr_expect_eq(l.t[4].rows, 1000);
+    cr_expect_eq(l.t[4].cols, 8);
+    cr_expect_eq(l.n_params, l.t[4].offset + 8000);
+    expect_invalid_yaml("model:\n  kind: ctr\n  layers: [30, 16, 2]\nctr:\n  fields: 4\n  dim: 8\n",
+                      "model.layers: with model.kind: ctr the first size is ctr.fields x ctr.dim = 32");
+    expect_invalid_yaml("model:\n  kind: ctr\n  layers: [32, 16, 3]\nctr:\n  fields: 4\n  dim: 8\n",
+                      "and the last 2");
+    expect_invalid_yaml("model:\n  kind: ctr\n  layers: [32, 2]\nctr:\n  fields: 4\n  dim: 8\n  per_field: 100\n",
+                      "ctr.fields x ctr.per_field: 400 ids per example, at most 256");
+    expect_invalid_yaml("model:\n  kind: ctr\n  layers: [32, 2]\nctr:\n  fields: 4\n  dim: 8\n  rows: 300000000\n",
+                        "ctr.rows x ctr.dim");
+    expect_invalid_yaml("model:\n  kind: ctr\n  layers: [32, 2]\nctr:\n  fields: 4\n  dim: 8\n  train: 4000000000\n"
+                        "  test: 400000000\n",
+                        "ctr.train + ctr.test");
+    expect_load_error("model:\n  kind: tree\n", "model.kind", "mlp");
+    /* the MLP ignores the ctr section, and its layout has no table */
+    cr_expect_eq(load(&c, "ctr:\n  fields: 4\n"), 0, "%s", err);
+    cr_assert_eq(ps_config_layout(&c, &l), 0);
+    cr_expect_eq(l.table, -1);
+}
+
 Test(config, error_leaves_config_unchanged)
 {
     ps_config_t c, before;
@@ -753,6 +798,14 @@ Test(config, hash_ignores_server_section)
     cr_expect_neq(ps_config_hash(&b), h);
     b = a, b.sched = PS_SCHED_STEP;
     cr_expect_neq(ps_config_hash(&b), h);
+    /* the ctr task's keys count for a ctr model only */
+    b = a, b.ctr_rows = 99;
+    cr_expect_eq(ps_config_hash(&b), h, "ctr keys do not change an MLP's hash");
+    b = a, b.kind = PS_MODEL_CTR;
+    const uint64_t hc = ps_config_hash(&b);
+    cr_expect_neq(hc, h);
+    b.ctr_rows = 99;
+    cr_expect_neq(ps_config_hash(&b), hc);
 
     /* Loading the written YAML keeps the hash. */
     char *text = write_to_string(&a);

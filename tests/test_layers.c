@@ -458,6 +458,66 @@ Test(model, gradients_match_finite_differences)
     fixture_deinit(&f);
 }
 
+/* The model with embedding bags: the gradients of E (through the bags, with
+ * a row twice in one bag and rows no bag uses), W and b against central
+ * differences. No hidden layer, so no ReLU kink to step over. */
+Test(model, bag_gradients_match_finite_differences)
+{
+    enum { B = 5, F = 3, M = 2, D = 4, ROWS = 10, C = 3 };
+    const int sizes[] = {F * D, C};
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, sizes, 2, ROWS, D), 0);
+    cr_assert_eq(l.table, 2);
+    cr_assert_eq(l.n_tensors, 3);
+    cr_assert_str_eq(l.t[2].name, "E");
+    psw_model_t *m = psw_model_new_bags(be, &l, B, &(psw_bags_t){.fields = F, .per_field = M, .mean = 1});
+    cr_assert_not_null(m);
+    float *params = calloc(l.n_params, sizeof(float)), *g = calloc(l.n_params, sizeof(float));
+    cr_assert(params && g);
+    ps_model_init_params(&l, params, 3);
+    ps_rng_t r;
+    ps_rng_seed(&r, 17, 0);
+    fill_uniform(params + l.t[1].offset, l.t[1].numel, -0.3f, 0.3f, &r);
+    psw_model_set_params(m, params);
+    uint32_t ids[B * F * M];
+    int32_t y[B];
+    for (int i = 0; i < B * F * M; i++) ids[i] = (uint32_t)ps_rng_below(&r, ROWS - 2); /* rows 8, 9 unused */
+    ids[1] = ids[0]; /* one row twice in a bag */
+    for (int i = 0; i < B; i++) y[i] = (int32_t)ps_rng_below(&r, C);
+
+    double loss = 0, loss_eval = 0;
+    psw_model_train_bags(m, ids, y, B, &loss, NULL, NULL, NULL);
+    psw_model_get_grads(m, g);
+    psw_model_eval_bags(m, ids, y, B, &loss_eval, NULL);
+    cr_expect_eq(loss_eval, loss, "eval and train disagree on the loss");
+    const float eps = 1e-3f;
+    double worst = 0;
+    for (int k = 0; k < l.n_tensors; k++) {
+        const ps_tensor_info_t *t = &l.t[k];
+        for (size_t j = 0; j < t->numel; j++) {
+            float *p = &params[t->offset + j];
+            const float p0 = *p, pp = p0 + eps, pm = p0 - eps;
+            double lp = 0, lm = 0;
+            *p = pp;
+            psw_model_set_params(m, params);
+            psw_model_eval_bags(m, ids, y, B, &lp, NULL);
+            *p = pm;
+            psw_model_set_params(m, params);
+            psw_model_eval_bags(m, ids, y, B, &lm, NULL);
+            *p = p0;
+            const double num = (lp - lm) / B / ((double)pp - (double)pm), ana = g[t->offset + j];
+            const double err = fabs(num - ana) / fmax(fmax(fabs(num), fabs(ana)), 1e-2);
+            worst = fmax(worst, err);
+            cr_expect(err < 1e-2, "%s[%zu]: analytic %.7g numeric %.7g", t->name, j, ana, num);
+        }
+    }
+    for (size_t j = (ROWS - 2) * D; j < ROWS * D; j++) cr_expect_eq(g[l.t[2].offset + j], 0.0f, "unused row");
+    cr_log_info("bag gradcheck: worst relative error %.3g\n", worst);
+    psw_model_destroy(&m);
+    free(params);
+    free(g);
+}
+
 /* ---- (c) ready callback ---- */
 
 typedef struct {
@@ -518,6 +578,48 @@ Test(model, ready_called_once_per_tensor_last_layer_first)
     free(g);
     free(log.snap);
     fixture_deinit(&f);
+}
+
+Test(model, bags_report_the_table_last)
+{
+    enum { B = 4, F = 2, M = 3, D = 5, ROWS = 7 };
+    const int sizes[] = {F * D, 6, 2};
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, sizes, 3, ROWS, D), 0);
+    psw_model_t *m = psw_model_new_bags(be, &l, B, &(psw_bags_t){.fields = F, .per_field = M, .mean = 0});
+    cr_assert_not_null(m);
+    float *params = calloc(l.n_params, sizeof(float));
+    cr_assert_not_null(params);
+    ps_model_init_params(&l, params, 5);
+    psw_model_set_params(m, params);
+    uint32_t ids[B * F * M];
+    int32_t y[B] = {0, 1, 1, 0};
+    for (int i = 0; i < B * F * M; i++) ids[i] = (uint32_t)(i * 5 % ROWS);
+    float *grads = psw_model_grads(m);
+    for (size_t i = 0; i < l.n_params; i++) grads[i] = NAN;
+    ready_log_t log = {.l = &l, .m = m};
+    log.snap = calloc(l.n_params, sizeof(float));
+    cr_assert_not_null(log.snap);
+    for (int rep = 0; rep < 2; rep++) { /* the second step must not add to the first's dE */
+        log.n = 0;
+        psw_model_train_bags(m, ids, y, B, NULL, NULL, on_ready, &log);
+        cr_assert_eq(log.n, 5);
+        const int want[5] = {2, 3, 0, 1, 4};
+        for (int i = 0; i < 5; i++) cr_expect_eq(log.order[i], want[i], "call %d", i);
+        for (size_t j = 0; j < l.t[4].numel; j++)
+            cr_assert(isfinite(log.snap[l.t[4].offset + j]), "E[%zu] not written when ready", j);
+    }
+    float *g1 = malloc(l.n_params * sizeof(float)), *g2 = malloc(l.n_params * sizeof(float));
+    cr_assert(g1 && g2);
+    psw_model_get_grads(m, g1);
+    psw_model_train_bags(m, ids, y, B, NULL, NULL, NULL, NULL);
+    psw_model_get_grads(m, g2);
+    cr_expect_arr_eq(g1, g2, l.n_params * sizeof(float), "the same batch twice, another gradient");
+    free(g1);
+    free(g2);
+    free(log.snap);
+    free(params);
+    psw_model_destroy(&m);
 }
 
 /* ---- (d) training ---- */
@@ -617,7 +719,17 @@ Test(layout, rejects_bad_sizes)
     cr_expect_eq(ps_layout_init(&l, sizes, PS_MAX_LAYERS + 2), -1);
     cr_expect_eq(ps_layout_init(&l, sizes, PS_MAX_LAYERS + 1), 0);
     cr_expect_eq(l.n_layers, PS_MAX_LAYERS);
-    cr_expect_str_eq(l.t[PS_MAX_TENSORS - 1].name, "b15");
+    cr_expect_str_eq(l.t[2 * PS_MAX_LAYERS - 1].name, "b15");
+    /* the largest MLP and a table fill every tensor slot */
+    cr_expect_eq(ps_layout_init_table(&l, sizes, PS_MAX_LAYERS + 1, 10, 3), 0);
+    cr_expect_eq(l.n_tensors, PS_MAX_TENSORS);
+    cr_expect_str_eq(l.t[PS_MAX_TENSORS - 1].name, "E");
+    cr_expect_eq(l.n_params, l.t[PS_MAX_TENSORS - 1].offset + 30);
+    cr_expect_eq(ps_layout_init_table(&l, sizes, 3, 10, 0), -1, "a table of width 0");
+    cr_expect_eq(ps_layout_init_table(&l, sizes, 3, (uint64_t)1 << 31, 1), -1, "more than INT32_MAX floats");
+    cr_expect_eq(ps_layout_init_table(&l, sizes, 3, (uint64_t)1 << 28, 8), -1, "more than INT32_MAX floats");
+    cr_expect_eq(ps_layout_init_table(&l, sizes, 3, 0, 0), 0, "no table");
+    cr_expect_eq(l.table, -1);
     sizes[2] = 0;
     cr_expect_eq(ps_layout_init(&l, sizes, 4), -1);
     sizes[2] = -5;

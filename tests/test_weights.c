@@ -25,10 +25,12 @@ static void teardown(void)
 
 TestSuite(weights, .init = setup, .fini = teardown);
 
+static int with_table; /* the tests run again on a model with an embedding table (format 2) */
+
 static float *make(ps_layout_t *l)
 {
-    int sizes[] = {5, 4, 3};
-    cr_assert_eq(ps_layout_init(l, sizes, 3), 0);
+    int sizes[] = {6, 4, 3};
+    cr_assert_eq(ps_layout_init_table(l, sizes, 3, with_table ? 9 : 0, 3), 0);
     float *p = calloc(l->n_params, sizeof *p);
     ps_model_init_params(l, p, 99);
     for (int t = 1; t < l->n_tensors; t += 2)
@@ -43,7 +45,7 @@ static void save(const ps_layout_t *l, const float *p)
     cr_assert_eq(ps_weights_save(path, l, p, &meta, err, sizeof err), 0, "%s", err);
 }
 
-Test(weights, round_trip)
+static void round_trip(void)
 {
     ps_layout_t l, l2;
     float *p = make(&l), *q = NULL;
@@ -53,6 +55,8 @@ Test(weights, round_trip)
     cr_assert_eq(ps_weights_load(path, &l2, &q, &meta, err, sizeof err), 0, "%s", err);
     cr_assert_eq(l2.n_params, l.n_params);
     cr_assert_eq(l2.n_sizes, 3);
+    cr_assert_eq(l2.n_tensors, l.n_tensors);
+    cr_assert_eq(l2.table, l.table);
     cr_assert_eq(meta.run_id, 0xabcdef);
     cr_assert_eq(meta.step, 1234);
     cr_assert_eq(meta.epoch, 7);
@@ -82,7 +86,20 @@ static long file_size(void)
     return n;
 }
 
-Test(weights, damaged_files_are_rejected)
+Test(weights, round_trip) { round_trip(); }
+
+Test(weights, round_trip_with_a_table)
+{
+    with_table = 1;
+    round_trip();
+    FILE *f = fopen(path, "rb");
+    unsigned char h[8];
+    cr_assert_eq(fread(h, 1, 8, f), 8);
+    fclose(f);
+    cr_expect_eq(h[4], PS_WEIGHTS_FORMAT_TABLE, "a model with a table is format 2");
+}
+
+static void damaged(void)
 {
     ps_layout_t l;
     float *p = make(&l);
@@ -113,4 +130,12 @@ Test(weights, damaged_files_are_rejected)
     unlink(path);
     expect_load_fails("missing");
     free(p);
+}
+
+Test(weights, damaged_files_are_rejected) { damaged(); }
+
+Test(weights, damaged_files_with_a_table_are_rejected)
+{
+    with_table = 1;
+    damaged();
 }

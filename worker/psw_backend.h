@@ -36,6 +36,8 @@ struct psw_backend {
     void (*upload)(psw_backend_t *be, void *dst, const void *src_host, size_t bytes);
     void (*download)(psw_backend_t *be, void *dst_host, const void *src, size_t bytes);
     void (*sync)(psw_backend_t *be);
+    /* bytes at p (a device buffer) = 0, in order with the ops queued */
+    void (*zero)(psw_backend_t *be, void *p, size_t bytes);
 
     /* y (B,out) = x (B,in) @ W^T + b, with W (out,in), b (out) */
     void (*linear_fwd)(psw_backend_t *be, float *y, const float *x, const float *W,

@@ -15,6 +15,7 @@
 #include <zlib.h>
 
 #include "ps_log.h"
+#include "ps_ctr.h"
 #include "ps_model.h"
 #include "ps_rng.h"
 #include "ps_shm.h"
@@ -572,7 +573,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         return -EPROTO;
     }
     if (ah->run_id == 0 || a->n_layers < 2 || a->n_layers > PSW_MAX_LAYERS + 1 || !a->hyper ||
-        a->n_files != 4 || a->hyper->batch_size == 0 || a->hyper->val_batch_size == 0 ||
+        a->n_files != (a->ctr ? 0u : 4u) || a->hyper->batch_size == 0 || a->hyper->val_batch_size == 0 ||
         !(a->hyper->norm_std > 0) || !(a->start_timeout_s > 0) || !(a->step_timeout_s > 0)) {
         snprintf(err, errlen, "psd sent an invalid assignment");
         return -EPROTO;
@@ -589,8 +590,8 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         }
         out->sizes[i] = (int)a->layers[i];
     }
-    out->n_files = 4;
-    for (int i = 0; i < 4; i++) {
+    out->n_files = (int)a->n_files;
+    for (int i = 0; i < out->n_files; i++) {
         Psd__DataFile *f = a->files[i];
         snprintf(out->files[i].role, sizeof out->files[i].role, "%s", f->role ? f->role : "");
         if (!f->path || strlen(f->path) >= PSW_PATH_MAX) {
@@ -616,8 +617,32 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     }
     out->start_timeout_s = a->start_timeout_s;
     out->step_timeout_s = a->step_timeout_s;
+    if (a->ctr) { /* model.kind ctr: checked as psd checks its config */
+        Psd__CtrTask *t = a->ctr;
+        out->ctr.fields = (int)t->fields;
+        out->ctr.per_field = (int)t->per_field;
+        out->ctr.dim = (int)t->dim;
+        out->ctr.mean = t->mean;
+        out->ctr.vocab = t->vocab;
+        out->ctr.rows = t->rows;
+        out->ctr.seed = t->seed;
+        out->ctr.train = t->train;
+        out->ctr.test = t->test;
+        out->ctr.zipf = t->zipf;
+        out->ctr.weight_std = t->weight_std;
+        out->ctr.bias = t->bias;
+        ps_ctr_t g = {.fields = (int)t->fields, .per_field = (int)t->per_field, .vocab = t->vocab, .zipf = t->zipf,
+                      .rows = t->rows, .weight_std = t->weight_std, .bias = t->bias, .seed = t->seed};
+        char why[128];
+        if (t->fields > PS_CTR_MAX_IDS || t->per_field > PS_CTR_MAX_IDS || ps_ctr_check(&g, why, sizeof why) != 0 ||
+            t->dim < 1 || t->dim > 4096 || t->fields * t->dim != a->layers[0] || a->layers[a->n_layers - 1] != 2 ||
+            t->train < 1 || t->test < 1 || t->train + t->test > UINT32_MAX) {
+            snprintf(err, errlen, "psd sent an invalid ctr task");
+            return -EPROTO;
+        }
+    }
     shm_unmap(c);
-    if (ps_layout_init(&c->layout, out->sizes, out->n_sizes) != 0) {
+    if (ps_layout_init_table(&c->layout, out->sizes, out->n_sizes, out->ctr.rows, out->ctr.dim) != 0) {
         snprintf(err, errlen, "psd sent an invalid model");
         return -EPROTO;
     }

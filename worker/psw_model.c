@@ -9,6 +9,9 @@
  *   delta[0], delta[1] gradients w.r.t. layer outputs, (B, max of sizes[1..L]),
  *                     used alternately while walking backward
  *   labels            (B) int32
+ *   ids               with bags: (B, fields, per_field) uint32 rows of E;
+ *                     act[0] is then the bags' output, and delta[] also
+ *                     holds the gradient w.r.t. it (B, sizes[0])
  *   params, grads     one arena each, layout->n_params floats */
 #include "psw_model.h"
 
@@ -26,6 +29,8 @@ struct psw_model {
     float *act[PS_MAX_LAYERS + 1];
     float *delta[2];
     int32_t *labels;
+    psw_bags_t bags;   /* fields 0: no bags */
+    uint32_t *ids;
 };
 
 static float *tensor(float *arena, const ps_layout_t *l, int k) { return arena + l->t[k].offset; }
@@ -35,10 +40,18 @@ static float *param(psw_model_t *m, int k) { return m->pt[k] ? (float *)m->pt[k]
 
 psw_model_t *psw_model_new(psw_backend_t *be, const ps_layout_t *layout, int max_batch)
 {
+    return psw_model_new_bags(be, layout, max_batch, NULL);
+}
+
+psw_model_t *psw_model_new_bags(psw_backend_t *be, const ps_layout_t *layout, int max_batch, const psw_bags_t *bags)
+{
     assert(be && layout);
     assert(layout->n_layers >= 1 && layout->n_layers <= PS_MAX_LAYERS);
-    assert(layout->n_tensors == 2 * layout->n_layers && layout->n_params > 0);
+    assert(layout->n_tensors == 2 * layout->n_layers + (layout->table >= 0) && layout->n_params > 0);
     assert(max_batch >= 1);
+    assert(!bags == (layout->table < 0));
+    assert(!bags || (bags->fields >= 1 && bags->per_field >= 1 &&
+                     bags->fields * layout->t[layout->table].cols == layout->sizes[0]));
 
     psw_model_t *m = calloc(1, sizeof(*m));
     if (!m) return NULL;
@@ -48,7 +61,7 @@ psw_model_t *psw_model_new(psw_backend_t *be, const ps_layout_t *layout, int max
 
     const ps_layout_t *l = &m->layout;
     const size_t mb = (size_t)max_batch;
-    int max_out = 1;
+    int max_out = bags ? l->sizes[0] : 1;
     for (int i = 1; i < l->n_sizes; i++)
         if (l->sizes[i] > max_out) max_out = l->sizes[i];
 
@@ -67,6 +80,11 @@ psw_model_t *psw_model_new(psw_backend_t *be, const ps_layout_t *layout, int max
     }
     m->labels = be->alloc(be, mb * sizeof(int32_t));
     if (!m->labels) goto fail;
+    if (bags) {
+        m->bags = *bags;
+        m->ids = be->alloc(be, mb * (size_t)bags->fields * (size_t)bags->per_field * sizeof(uint32_t));
+        if (!m->ids) goto fail;
+    }
     return m;
 
 fail:
@@ -94,6 +112,7 @@ void psw_model_destroy(psw_model_t **pm)
     for (int i = 0; i < 2; i++)
         if (m->delta[i]) be->free(be, m->delta[i]);
     if (m->labels) be->free(be, m->labels);
+    if (m->ids) be->free(be, m->ids);
     free(m);
     *pm = NULL;
 }
@@ -132,18 +151,26 @@ void psw_model_get_grads(psw_model_t *m, float *grads_host)
     m->be->sync(m->be);
 }
 
-/* Upload the batch, run every layer, and apply the loss. Leaves the logits in
- * act[L] and, when dlogits is not NULL, d(mean loss)/d(logits) in dlogits. */
-static void forward(psw_model_t *m, const float *x_host, const int32_t *labels_host, int B,
-                    float *dlogits, double *loss_sum, int64_t *correct)
+/* Upload the batch (x_host, or ids_host with bags), run every layer, and
+ * apply the loss. Leaves the logits in act[L] and, when dlogits is not
+ * NULL, d(mean loss)/d(logits) in dlogits. */
+static void forward(psw_model_t *m, const float *x_host, const uint32_t *ids_host, const int32_t *labels_host,
+                    int B, float *dlogits, double *loss_sum, int64_t *correct)
 {
-    assert(x_host && labels_host);
+    assert(labels_host && (m->bags.fields ? ids_host != NULL : x_host != NULL));
     assert(B >= 1 && B <= m->max_batch);
     psw_backend_t *be = m->be;
     const ps_layout_t *l = &m->layout;
     const int L = l->n_layers;
 
-    be->upload(be, m->act[0], x_host, (size_t)B * (size_t)l->sizes[0] * sizeof(float));
+    if (m->bags.fields) {
+        const psw_bags_t *g = &m->bags;
+        be->upload(be, m->ids, ids_host, (size_t)B * (size_t)g->fields * (size_t)g->per_field * sizeof(uint32_t));
+        be->embag_fwd(be, m->act[0], param(m, l->table), m->ids, B, g->fields, g->per_field, l->t[l->table].cols,
+                      g->mean);
+    } else {
+        be->upload(be, m->act[0], x_host, (size_t)B * (size_t)l->sizes[0] * sizeof(float));
+    }
     be->upload(be, m->labels, labels_host, (size_t)B * sizeof(int32_t));
     for (int i = 0; i < L; i++) {
         be->linear_fwd(be, m->act[i + 1], m->act[i], param(m, 2 * i),
@@ -160,10 +187,10 @@ static void forward(psw_model_t *m, const float *x_host, const int32_t *labels_h
 
 /* Backward walks layer L-1 down to 0. For layer i, once linear_bwd is
  * issued, ready() is called for W_i (tensor 2i) and then b_i (tensor 2i+1),
- * so the order is W_{L-1}, b_{L-1}, ..., W_0, b_0. The first layer's dx is
- * not needed and not computed. */
-void psw_model_train_step(psw_model_t *m, const float *x_host, const int32_t *labels_host, int B,
-                          double *loss_sum, int64_t *correct, psw_grad_ready_fn ready, void *ud)
+ * so the order is W_{L-1}, b_{L-1}, ..., W_0, b_0, then E with bags. The
+ * first layer's dx is computed only for the bags. */
+static void train(psw_model_t *m, const float *x_host, const uint32_t *ids_host, const int32_t *labels_host, int B,
+                  double *loss_sum, int64_t *correct, psw_grad_ready_fn ready, void *ud)
 {
     assert(m);
     psw_backend_t *be = m->be;
@@ -171,9 +198,9 @@ void psw_model_train_step(psw_model_t *m, const float *x_host, const int32_t *la
     const int L = l->n_layers;
 
     int cur = 0; /* delta[cur] holds d(loss)/d(output of layer i) */
-    forward(m, x_host, labels_host, B, m->delta[cur], loss_sum, correct);
+    forward(m, x_host, ids_host, labels_host, B, m->delta[cur], loss_sum, correct);
     for (int i = L - 1; i >= 0; i--) {
-        float *dx = i > 0 ? m->delta[1 - cur] : NULL;
+        float *dx = i > 0 || m->bags.fields ? m->delta[1 - cur] : NULL;
         be->linear_bwd(be, dx, tensor(m->grads, l, 2 * i), tensor(m->grads, l, 2 * i + 1),
                        m->delta[cur], m->act[i], param(m, 2 * i), B, l->sizes[i],
                        l->sizes[i + 1]);
@@ -181,17 +208,43 @@ void psw_model_train_step(psw_model_t *m, const float *x_host, const int32_t *la
             ready(ud, 2 * i);
             ready(ud, 2 * i + 1);
         }
-        if (dx) {
+        if (dx && i > 0) {
             /* act[i] is the post-ReLU output of layer i-1. */
             be->relu_bwd(be, dx, dx, m->act[i], (size_t)B * (size_t)l->sizes[i]);
             cur = 1 - cur;
         }
     }
+    if (m->bags.fields) { /* delta[1 - cur]: d(loss)/d(bags' output) */
+        const psw_bags_t *g = &m->bags;
+        float *dE = tensor(m->grads, l, l->table);
+        be->zero(be, dE, l->t[l->table].numel * sizeof(float));
+        be->embag_bwd(be, dE, m->delta[1 - cur], m->ids, B, g->fields, g->per_field, l->t[l->table].cols, g->mean);
+        if (ready) ready(ud, l->table);
+    }
+}
+
+void psw_model_train_step(psw_model_t *m, const float *x_host, const int32_t *labels_host, int B,
+                          double *loss_sum, int64_t *correct, psw_grad_ready_fn ready, void *ud)
+{
+    train(m, x_host, NULL, labels_host, B, loss_sum, correct, ready, ud);
+}
+
+void psw_model_train_bags(psw_model_t *m, const uint32_t *ids_host, const int32_t *labels_host, int B,
+                          double *loss_sum, int64_t *correct, psw_grad_ready_fn ready, void *ud)
+{
+    train(m, NULL, ids_host, labels_host, B, loss_sum, correct, ready, ud);
 }
 
 void psw_model_eval(psw_model_t *m, const float *x_host, const int32_t *labels_host, int B,
                     double *loss_sum, int64_t *correct)
 {
     assert(m);
-    forward(m, x_host, labels_host, B, NULL, loss_sum, correct);
+    forward(m, x_host, NULL, labels_host, B, NULL, loss_sum, correct);
+}
+
+void psw_model_eval_bags(psw_model_t *m, const uint32_t *ids_host, const int32_t *labels_host, int B,
+                         double *loss_sum, int64_t *correct)
+{
+    assert(m);
+    forward(m, NULL, ids_host, labels_host, B, NULL, loss_sum, correct);
 }

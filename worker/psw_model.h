@@ -22,6 +22,14 @@ typedef void (*psw_grad_ready_fn)(void *ud, int tensor);
 /* Borrow be; batches up to max_batch. Returns NULL on allocation failure.
  * Caller owns (psw_model_destroy). */
 psw_model_t *psw_model_new(psw_backend_t *be, const ps_layout_t *layout, int max_batch);
+
+/* Embedding bags before the MLP (a layout with a table E (rows, D)): an
+ * example is `fields` bags of `per_field` row ids of E, and the MLP's input
+ * (sizes[0] = fields x D) is the bags' sums (or means). */
+typedef struct {
+    int fields, per_field, mean;
+} psw_bags_t;
+psw_model_t *psw_model_new_bags(psw_backend_t *be, const ps_layout_t *layout, int max_batch, const psw_bags_t *bags);
 void psw_model_destroy(psw_model_t **m);
 
 /* Copy n_params host floats into the parameter buffer. */
@@ -49,5 +57,13 @@ void psw_model_train_step(psw_model_t *m, const float *x_host, const int32_t *la
 /* Forward only: adds loss sum and correct count. */
 void psw_model_eval(psw_model_t *m, const float *x_host, const int32_t *labels_host, int B,
                     double *loss_sum, int64_t *correct);
+
+/* The same for a model with bags: ids_host (B, fields, per_field) rows of E
+ * instead of x. The gradient of E (dense: every row, zero where no bag of
+ * the batch has it) is ready last, after b0. */
+void psw_model_train_bags(psw_model_t *m, const uint32_t *ids_host, const int32_t *labels_host, int B,
+                          double *loss_sum, int64_t *correct, psw_grad_ready_fn ready, void *ud);
+void psw_model_eval_bags(psw_model_t *m, const uint32_t *ids_host, const int32_t *labels_host, int B,
+                         double *loss_sum, int64_t *correct);
 
 #endif

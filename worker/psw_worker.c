@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "ps_auth.h"
+#include "ps_ctr.h"
 #include "ps_log.h"
 #include "ps_model.h"
 #include "ps_rng.h"
@@ -33,6 +34,9 @@ typedef struct {
     int max_batch;
     float *x;          /* (max_batch, dim) host batch */
     int32_t *y;        /* (max_batch) */
+    int ctr;           /* model.kind ctr: examples from the generator, the model's input is bags of rows */
+    ps_ctr_t gen;
+    uint32_t *bag_ids; /* (max_batch, fields, per_field) rows of E */
     float *grads_host; /* non-host backends: gradients copied here for the wire (pinned) */
     int split;         /* push tensor by tensor, as each is ready */
     int ready_order[PS_MAX_TENSORS], n_ready, ticket[PS_MAX_TENSORS];
@@ -119,7 +123,17 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
     }
     w->split = w->o->split_push || !w->be->host_visible;
     w->max_batch = (int)(w->a.batch_size > w->a.val_batch_size ? w->a.batch_size : w->a.val_batch_size);
-    w->m = psw_model_new(w->be, &w->layout, w->max_batch);
+    if (w->ctr) {
+        psw_bags_t bags = {.fields = w->a.ctr.fields, .per_field = w->a.ctr.per_field, .mean = w->a.ctr.mean};
+        w->m = psw_model_new_bags(w->be, &w->layout, w->max_batch, &bags);
+        w->bag_ids = malloc((size_t)w->max_batch * (size_t)(bags.fields * bags.per_field) * sizeof *w->bag_ids);
+        if (!w->bag_ids) {
+            snprintf(err, errlen, "out of memory for the model");
+            return -1;
+        }
+    } else {
+        w->m = psw_model_new(w->be, &w->layout, w->max_batch);
+    }
     w->x = malloc((size_t)w->max_batch * (size_t)w->a.sizes[0] * sizeof(float));
     w->y = malloc((size_t)w->max_batch * sizeof(int32_t));
     if (!w->be->host_visible) w->grads_host = w->be->host_alloc(w->be, w->layout.n_params * sizeof(float));
@@ -147,6 +161,18 @@ static int set_weights(wk_t *w, const psw_event_t *ev)
     for (int i = 0; i < ev->n_tensors; i++)
         w->be->upload(w->be, p + w->layout.t[i].offset, ev->tensors[i], 4 * w->layout.t[i].numel);
     return 0;
+}
+
+/* model.kind ctr: examples first + idx[b] (idx NULL: first + b) for b < B,
+ * as bags of rows (w->bag_ids) and labels (w->y). */
+static void ctr_batch(wk_t *w, const uint32_t *idx, uint64_t first, int B)
+{
+    size_t n = (size_t)w->gen.fields * (size_t)w->gen.per_field;
+    for (int b = 0; b < B; b++) {
+        uint8_t label;
+        ps_ctr_example(&w->gen, first + (idx ? idx[b] : (uint64_t)b), w->bag_ids + (size_t)b * n, NULL, &label);
+        w->y[b] = label;
+    }
 }
 
 /* Backward reached tensor t: start copying its gradient to the wire buffer
@@ -178,11 +204,16 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     }
     if (set_weights(w, ev) != 0) return -EPROTO;
     int B = (int)(w->n_ids - w->pos < w->a.batch_size ? w->n_ids - w->pos : w->a.batch_size);
-    psw_data_gather(&w->train, w->ids + w->pos, B, w->x, w->y);
     double loss = 0;
     int64_t correct = 0;
     w->n_ready = 0;
-    psw_model_train_step(w->m, w->x, w->y, B, &loss, &correct, grad_ready, w);
+    if (w->ctr) {
+        ctr_batch(w, w->ids + w->pos, 0, B);
+        psw_model_train_bags(w->m, w->bag_ids, w->y, B, &loss, &correct, grad_ready, w);
+    } else {
+        psw_data_gather(&w->train, w->ids + w->pos, B, w->x, w->y);
+        psw_model_train_step(w->m, w->x, w->y, B, &loss, &correct, grad_ready, w);
+    }
     w->pos += (size_t)B;
     int last = w->pos >= w->n_ids;
     if (w->o->slow_ms > 0) nanosleep(&(struct timespec){w->o->slow_ms / 1000, (w->o->slow_ms % 1000) * 1000000L}, NULL);
@@ -234,8 +265,13 @@ static int validate(wk_t *w, const psw_event_t *ev)
     int64_t correct = 0;
     for (uint64_t i = ev->val_begin; i < ev->val_end;) {
         int B = (int)(ev->val_end - i < w->a.val_batch_size ? ev->val_end - i : w->a.val_batch_size);
-        psw_data_slice(&w->test, (size_t)i, B, w->x, w->y);
-        psw_model_eval(w->m, w->x, w->y, B, &loss, &correct);
+        if (w->ctr) { /* test examples come after the training ones */
+            ctr_batch(w, NULL, w->a.ctr.train + i, B);
+            psw_model_eval_bags(w->m, w->bag_ids, w->y, B, &loss, &correct);
+        } else {
+            psw_data_slice(&w->test, (size_t)i, B, w->x, w->y);
+            psw_model_eval(w->m, w->x, w->y, B, &loss, &correct);
+        }
         i += (uint64_t)B;
         if (ps_now() - last_sent > 1.0) { /* psd waits with a deadline: say we are alive */
             psw_client_heartbeat(w->c, ev->epoch);
@@ -292,6 +328,7 @@ static void wk_deinit(wk_t *w)
     psw_data_deinit(&w->test);
     free(w->x);
     free(w->y);
+    free(w->bag_ids);
     free(w->ids);
     psw_client_destroy(&w->c);
 }
@@ -333,11 +370,18 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
         w->a = a;
         PS_INFO("registered with psd at %s: rank %u, run %016llx", o->connect, a.rank,
                 (unsigned long long)a.run_id);
-        if (ps_layout_init(&w->layout, a.sizes, a.n_sizes) != 0) {
+        if (ps_layout_init_table(&w->layout, a.sizes, a.n_sizes, a.ctr.rows, a.ctr.dim) != 0) {
             PS_ERROR("psd sent an invalid model");
             return PSW_EXIT_USAGE;
         }
-        if (load_data(w, err, sizeof err) != 0) {
+        w->ctr = a.ctr.fields > 0;
+        if (w->ctr) { /* no files: examples are made from their index */
+            w->gen = (ps_ctr_t){.fields = a.ctr.fields, .per_field = a.ctr.per_field, .vocab = a.ctr.vocab,
+                                .zipf = a.ctr.zipf, .rows = a.ctr.rows, .weight_std = a.ctr.weight_std,
+                                .bias = a.ctr.bias, .seed = a.ctr.seed};
+            w->train.count = a.train_limit && a.train_limit < a.ctr.train ? a.train_limit : a.ctr.train;
+            w->test.count = a.ctr.test;
+        } else if (load_data(w, err, sizeof err) != 0) {
             PS_ERROR("%s", err);
             psw_client_fail(w->c, 1, err);
             return PSW_EXIT_USAGE;
@@ -347,7 +391,8 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
     } else {
         /* the same run again (psd restarted, or this worker was declared lost) */
         if (a.n_sizes != w->a.n_sizes || memcmp(a.sizes, w->a.sizes, sizeof a.sizes) != 0 ||
-            memcmp(a.files, w->a.files, sizeof a.files) != 0 || a.batch_size != w->a.batch_size) {
+            memcmp(a.files, w->a.files, sizeof a.files) != 0 || a.batch_size != w->a.batch_size ||
+            memcmp(&a.ctr, &w->a.ctr, sizeof a.ctr) != 0) {
             PS_ERROR("psd's model or data changed since this worker joined; not rejoining");
             return PSW_EXIT_USAGE;
         }

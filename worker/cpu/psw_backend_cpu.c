@@ -51,6 +51,12 @@ static void cpu_download(psw_backend_t *be, void *dst_host, const void *src, siz
 
 static void cpu_sync(psw_backend_t *be) { (void)be; }
 
+static void cpu_zero(psw_backend_t *be, void *p, size_t bytes)
+{
+    (void)be;
+    memset(p, 0, bytes);
+}
+
 /* Host memory is device memory: "downloads" are plain copies, done at once. */
 static int cpu_download_async(psw_backend_t *be, void *dst_host, const void *src, size_t bytes)
 {
@@ -210,6 +216,7 @@ psw_backend_t *psw_backend_cpu_new(int threads)
     be->upload = cpu_upload;
     be->download = cpu_download;
     be->sync = cpu_sync;
+    be->zero = cpu_zero;
     be->linear_fwd = cpu_linear_fwd;
     be->linear_bwd = cpu_linear_bwd;
     be->relu_fwd = cpu_relu_fwd;

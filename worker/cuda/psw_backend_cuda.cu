@@ -492,6 +492,12 @@ static void cuda_relu_bwd(psw_backend_t *be, float *dx, const float *dy, const f
     CUDA_LAUNCH_CHECK();
 }
 
+static void cuda_zero(psw_backend_t *be, void *p, size_t bytes)
+{
+    cuda_ctx_t *c = use(be);
+    if (bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, c->compute));
+}
+
 static void cuda_embag_fwd(psw_backend_t *be, float *y, const float *E, const uint32_t *ids, int B, int F, int m,
                            int D, int mean)
 {
@@ -680,6 +686,7 @@ static psw_backend_t *cuda_backend_new(int dev, char *err, size_t errlen)
     be->relu_fwd = cuda_relu_fwd;
     be->relu_bwd = cuda_relu_bwd;
     be->xent = cuda_xent;
+    be->zero = cuda_zero;
     be->embag_fwd = cuda_embag_fwd;
     be->embag_bwd = cuda_embag_bwd;
     be->destroy = cuda_destroy;

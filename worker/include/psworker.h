@@ -18,7 +18,7 @@
 #include <stdint.h>
 
 #define PSW_MAX_LAYERS 16
-#define PSW_MAX_TENSORS (2 * PSW_MAX_LAYERS)
+#define PSW_MAX_TENSORS (2 * PSW_MAX_LAYERS + 1) /* W, b of each layer, and an embedding table */
 #define PSW_PATH_MAX 1024
 
 typedef struct psw_client psw_client_t;
@@ -63,6 +63,14 @@ typedef struct {
     double step_timeout_s;     /* how long to wait for any later reply */
     int shm;                   /* tensors go through shared memory with psd (same host) */
     int stream;                /* train.stream: pushes and weights go in chunks (psw_client_push splits them) */
+    /* model.kind: ctr when ctr.fields > 0 (n_files 0): examples come from the generator of
+     * common/ps_ctr.h, training ones are indices [0, train), test ones [train, train + test);
+     * the model has an embedding table E (rows x dim) after the MLP's tensors */
+    struct {
+        int fields, per_field, dim, mean;
+        uint64_t vocab, rows, seed, train, test;
+        double zipf, weight_std, bias;
+    } ctr;
 } psw_assign_t;
 
 typedef enum {
