@@ -56,7 +56,9 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
     psw_model_t *m = NULL;
     float *x = NULL;
     int32_t *y = NULL;
-    uint32_t *ids = NULL;
+    uint32_t *ids = NULL, *order = NULL;
+    float *scores = NULL;
+    uint8_t *labels = NULL;
     int code = 2;
     if (ps_weights_load(weights_path, &l, &params, &meta, err, sizeof err) != 0) {
         fprintf(stderr, "psd eval: %s\n", err);
@@ -75,7 +77,12 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
     x = ctr ? NULL : malloc((size_t)B * test.dim * sizeof *x);
     ids = ctr ? malloc((size_t)B * per * sizeof *ids) : NULL;
     y = malloc((size_t)B * sizeof *y);
-    if (!m || !(ctr ? (void *)ids : (void *)x) || !y) {
+    if (ctr) { /* the AUC needs every example's score */
+        scores = malloc(test.count * sizeof *scores);
+        labels = malloc(test.count);
+        order = malloc(test.count * sizeof *order);
+    }
+    if (!m || !(ctr ? (void *)ids : (void *)x) || !y || (ctr && (!scores || !labels || !order))) {
         fprintf(stderr, "psd eval: out of memory\n");
         goto out;
     }
@@ -89,8 +96,10 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
                 uint8_t label;
                 ps_ctr_example(&gen, (uint64_t)c->ctr_train + i + (uint64_t)b, ids + (size_t)b * per, NULL, &label);
                 y[b] = label;
+                labels[i + (size_t)b] = label;
             }
             psw_model_eval_bags(m, ids, y, n, &loss, &correct);
+            psw_model_prob1(m, scores + i, n);
         } else {
             psw_data_slice(&test, i, n, x, y);
             psw_model_eval(m, x, y, n, &loss, &correct);
@@ -101,6 +110,7 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
            weights_path, test.count, test.count ? loss / (double)test.count : 0,
            test.count ? (double)correct / (double)test.count : 0, (long long)correct,
            (unsigned long long)meta.run_id, (unsigned long long)meta.step, meta.epoch + 1);
+    if (ctr) printf("eval %s: AUC %.9g\n", weights_path, ps_auc(scores, labels, test.count, order));
     code = 0;
 out:
     psw_model_destroy(&m);
@@ -110,5 +120,8 @@ out:
     free(x);
     free(y);
     free(ids);
+    free(scores);
+    free(labels);
+    free(order);
     return code;
 }

@@ -229,6 +229,10 @@ typedef struct {
     size_t train_count, test_count;
     double ctr_opt_loss;  /* model.kind ctr: the planted model's log-loss on the test examples */
     double ctr_const_loss; /* and the best constant's (the test click rate) */
+    double ctr_opt_auc;   /* the planted probabilities' AUC on the test examples */
+    float *val_scores;    /* ctr: the workers' click probabilities of the test examples (VAL_RESULT) */
+    uint8_t *test_labels; /* ctr: the test examples' clicks */
+    uint32_t *auc_order;  /* ps_auc's scratch */
     uint32_t *perm;       /* this epoch's permutation of the training set */
     uint8_t *seen;        /* positions of the epoch trained (bitmap) */
     uint64_t *pool;       /* positions waiting for a worker */
@@ -1568,9 +1572,10 @@ static void end_validation(srv_t *s)
             "(%" PRIu64 "/%" PRIu64 ") %.0f samples/s lr %.5g",
             s->epoch + 1, s->cfg.epochs, s->step, train_loss, train_acc, val_loss, val_acc, correct,
             count, ep_sps, s->lr);
+    double auc = s->cfg.kind == PS_MODEL_CTR ? ps_auc(s->val_scores, s->test_labels, s->test_count, s->auc_order) : 0;
     if (s->cfg.kind == PS_MODEL_CTR)
-        PS_INFO("epoch %u: val log-loss %.4f, %.4f above the planted model's %.4f", s->epoch + 1, val_loss,
-                val_loss - s->ctr_opt_loss, s->ctr_opt_loss);
+        PS_INFO("epoch %u: val log-loss %.4f, %.4f above the planted model's %.4f; AUC %.4f (planted %.4f)",
+                s->epoch + 1, val_loss, val_loss - s->ctr_opt_loss, s->ctr_opt_loss, auc, s->ctr_opt_auc);
     if (s->cfg.sync != PS_SYNC_BSP) {
         char lead[128] = "";
         if (s->cfg.sync == PS_SYNC_SSP)
@@ -1595,7 +1600,8 @@ static void end_validation(srv_t *s)
                 s->ep_step_n ? 1e3 * (s->store.step_s - s->ep_step_s0) / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
                 ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max);
         if (s->cfg.kind == PS_MODEL_CTR)
-            fprintf(s->metrics, ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g", s->ctr_opt_loss, s->ctr_const_loss);
+            fprintf(s->metrics, ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g,\"val_auc\":%.9g,\"optimum_auc\":%.9g",
+                    s->ctr_opt_loss, s->ctr_const_loss, auc, s->ctr_opt_auc);
         fputs("}\n", s->metrics);
         fflush(s->metrics);
     }
@@ -2192,6 +2198,17 @@ static void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m)
         drop(s, w, "VAL_RESULT with invalid sums (count %" PRIu64 ", expected %" PRIu64 ")", v->count,
              p->end - p->begin);
         return;
+    }
+    if (s->cfg.kind == PS_MODEL_CTR) { /* the click probabilities of the range, for the AUC */
+        size_t n = 0;
+        const float *sc = m->n_frames == 1 ? ps_msg_f32(m, 0, &n) : NULL;
+        bool ok = sc && n == v->count;
+        for (size_t i = 0; ok && i < n; i++) ok = sc[i] >= 0 && sc[i] <= 1; /* NaN fails too */
+        if (!ok) {
+            drop(s, w, "VAL_RESULT without the range's %" PRIu64 " scores in [0, 1]", v->count);
+            return;
+        }
+        memcpy(s->val_scores + p->begin, sc, n * sizeof *sc);
     }
     p->loss = v->loss_sum;
     p->correct = v->correct;
@@ -2977,19 +2994,27 @@ static int ctr_setup(srv_t *s)
     uint32_t rows[PS_CTR_MAX_IDS];
     double opt = 0;
     uint64_t clicks = 0;
-    for (size_t i = 0; i < s->test_count; i++) {
-        uint8_t y;
-        double p = ps_ctr_example(&g, (uint64_t)s->cfg.ctr_train + i, rows, NULL, &y);
-        opt += ps_logloss(p, y);
-        clicks += y;
+    s->val_scores = malloc(s->test_count * sizeof *s->val_scores);
+    s->test_labels = malloc(s->test_count);
+    s->auc_order = malloc(s->test_count * sizeof *s->auc_order);
+    if (!s->val_scores || !s->test_labels || !s->auc_order) {
+        PS_ERROR("out of memory for %zu test examples", s->test_count);
+        return -1;
     }
+    for (size_t i = 0; i < s->test_count; i++) {
+        double p = ps_ctr_example(&g, (uint64_t)s->cfg.ctr_train + i, rows, NULL, &s->test_labels[i]);
+        opt += ps_logloss(p, s->test_labels[i]);
+        clicks += s->test_labels[i];
+        s->val_scores[i] = (float)p;
+    }
+    s->ctr_opt_auc = ps_auc(s->val_scores, s->test_labels, s->test_count, s->auc_order);
     double r = (double)clicks / (double)s->test_count;
     s->ctr_opt_loss = opt / (double)s->test_count;
     s->ctr_const_loss = ps_logloss(r, 1) * r + ps_logloss(r, 0) * (1 - r);
     PS_INFO("ctr task: %d fields x %d values from %lld (zipf %.2f), table %lld x %d; on the %zu test examples "
-            "the planted model's log-loss is %.4f, a constant's %.4f (click rate %.4f)",
+            "the planted model's log-loss is %.4f (AUC %.4f), a constant's %.4f (click rate %.4f)",
             g.fields, g.per_field, (long long)s->cfg.ctr_vocab, g.zipf, (long long)s->cfg.ctr_rows,
-            s->cfg.ctr_dim, s->test_count, s->ctr_opt_loss, s->ctr_const_loss, r);
+            s->cfg.ctr_dim, s->test_count, s->ctr_opt_loss, s->ctr_opt_auc, s->ctr_const_loss, r);
     return 0;
 }
 
@@ -3515,6 +3540,9 @@ out:
     if (s->metrics) fclose(s->metrics);
     psd_store_deinit(&s->store);
     free(s->perm);
+    free(s->val_scores);
+    free(s->test_labels);
+    free(s->auc_order);
     free(s->step_g);
     free(s->step_bf16);
     free(s->step_wt);

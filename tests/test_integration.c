@@ -27,6 +27,7 @@
 
 #include "proc.h"
 #include "ps_auth.h"
+#include "ps_ctr.h"
 #include "ps_model.h"
 #include "ps_shm.h"
 #include "psworker.h"
@@ -965,14 +966,18 @@ Test(short, ctr_task_trains_toward_the_planted_optimum)
     cr_assert_eq(a.worker_code[1], 0);
     char *m = metrics_last(&a);
     cr_assert_eq(count_lines(m), 3, "%s", m);
-    double first = 0, opt = 0, cst = 0, loss = 0;
+    double first = 0, opt = 0, cst = 0, loss = 0, auc = 0, opt_auc = 0;
     for (const char *line = m; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
         loss = json_num(line, "val_loss");
         if (line == m) first = loss;
         opt = json_num(line, "optimum_loss");
         cst = json_num(line, "constant_loss");
+        auc = json_num(line, "val_auc");
+        opt_auc = json_num(line, "optimum_auc");
         cr_assert_eq(json_num(line, "val_samples"), 10000, "every test example once: %s", line);
     }
+    cr_assert(opt_auc > 0.8 && opt_auc < 1, "planted AUC %g", opt_auc);
+    cr_assert(auc > 0.5 + 0.8 * (opt_auc - 0.5) && auc <= opt_auc + 0.01, "val AUC %g, planted %g", auc, opt_auc);
     cr_assert_lt(loss, first, "validation loss after 3 epochs below the first's: %s", m);
     cr_assert(opt > 0.2 && cst > opt + 0.1, "optimum %g, constant %g", opt, cst);
     cr_assert_lt(loss - opt, 0.3 * (cst - opt), "val_loss %g: less than 30%% of the gap (optimum %g, constant %g) left",
@@ -990,6 +995,10 @@ Test(short, ctr_task_trains_toward_the_planted_optimum)
     const char *p = strstr(txt, "loss ");
     cr_assert_not_null(p, "%s", txt);
     cr_assert_leq(fabs(strtod(p + 5, NULL) - loss) / loss, 1e-6, "psd eval %s vs val_loss %.9g", txt, loss);
+    /* the AUC over the scores of both workers' parts = one process's over all examples */
+    p = strstr(txt, "AUC ");
+    cr_assert_not_null(p, "%s", txt);
+    cr_assert_leq(fabs(strtod(p + 4, NULL) - auc), 1e-6, "psd eval %s vs val_auc %.9g", txt, auc);
     free(txt);
     snprintf(cmd, sizeof cmd, "'%s' eval '%s' > '%s' 2>&1", psd_bin, a.weights, out);
     cr_assert_eq(system(cmd), 2 << 8, "eval of ctr weights with the image config exits 2");
@@ -1263,6 +1272,72 @@ static void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull
                  0);
 }
 
+/* ctr validation results must carry the range's click probabilities (psd
+ * reduces them to the AUC): without them, or with one that is no
+ * probability, the result is logged and dropped, and the run goes on. A
+ * library worker that answers with the planted probabilities gets psd's
+ * planted AUC back as val_auc: the scores land where their examples are. */
+Test(short, ctr_results_without_scores_are_dropped)
+{
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    run_t r;
+    const char *args[] = {"--config", cfg, "--epochs", "1", "--set", "ctr.train=256", "--set", "ctr.test=100",
+                          "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "ctrbad", 1, args);
+    char err[512];
+    psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = 1};
+    psw_client_t *c = psw_client_new(r.endpoint, &info, err, sizeof err);
+    psw_assign_t a;
+    cr_assert(c && psw_client_register(c, &a, 60, err, sizeof err) == 0, "%s", err);
+    cr_assert_eq(a.ctr.fields, 8);
+    cr_assert_eq(a.n_files, 0);
+    cr_assert_eq(psw_client_ready(c, 256, 100), 0);
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, a.sizes, a.n_sizes, a.ctr.rows, a.ctr.dim), 0);
+    cr_assert_eq(l.n_tensors, 5);
+    float *zero = calloc(l.n_params, sizeof *zero);
+    cr_assert(zero);
+    psw_event_t ev;
+    lib_next(c, &ev, PSW_EV_EPOCH);
+    cr_assert_eq(ev.n_samples, 256);
+    psw_client_pull(c, ev.version);
+    lib_next(c, &ev, PSW_EV_WEIGHTS);
+    lib_push(c, ev.version, 256, 0, zero, &l);
+    psw_client_barrier(c, 0, 256);
+    lib_next(c, &ev, PSW_EV_VALIDATE);
+    cr_assert_eq(ev.val_end - ev.val_begin, 100);
+    ps_ctr_t g = {.fields = a.ctr.fields, .per_field = a.ctr.per_field, .vocab = a.ctr.vocab, .zipf = a.ctr.zipf,
+                  .rows = a.ctr.rows, .weight_std = a.ctr.weight_std, .bias = a.ctr.bias, .seed = a.ctr.seed};
+    float sc[100];
+    uint32_t rows[PS_CTR_MAX_IDS];
+    for (int i = 0; i < 100; i++) {
+        uint8_t y;
+        sc[i] = (float)ps_ctr_example(&g, a.ctr.train + (uint64_t)i, rows, NULL, &y);
+    }
+    psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 50, 60, 100, NULL);
+    wait_log(r.psd_log, "without the range's 100 scores", 20);
+    float keep = sc[37];
+    sc[37] = NAN;
+    psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 50, 60, 100, sc);
+    sc[37] = 1.5f;
+    psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 50, 60, 100, sc);
+    sc[37] = keep;
+    psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 50, 60, 100, sc);
+    lib_next(c, &ev, PSW_EV_SHUTDOWN);
+    r.psd_code = proc_wait(p, 30);
+    psw_client_destroy(&c);
+    free(zero);
+    cr_assert_eq(r.psd_code, 0);
+    char *log = slurp(r.psd_log);
+    cr_assert_eq(count_in(log, "without the range's 100 scores"), 3, "%s", log);
+    free(log);
+    char *m = metrics_last(&r);
+    cr_assert_eq(json_num(m, "val_auc"), json_num(m, "optimum_auc"), "%s", m);
+    cr_assert_eq(json_num(m, "val_loss"), 0.5, "%s", m);
+    free(m);
+}
+
 Test(short, more_samples_while_the_last_push_waits_are_trained_on_the_next_version)
 {
     run_t r;
@@ -1411,7 +1486,7 @@ Test(short, a_worker_lost_in_the_middle_of_a_streamed_step)
             if (left == 0) psw_client_barrier(A, 0, assigned);
         } else if (ev.kind == PSW_EV_VALIDATE) {
             psw_client_val_result(A, ev.epoch, ev.version, ev.val_begin, 0.1 * (double)(ev.val_end - ev.val_begin), 0,
-                                  ev.val_end - ev.val_begin);
+                                  ev.val_end - ev.val_begin, NULL);
         }
     }
     cr_assert_eq(trained, 320, "A trained its 192 samples and B's 128 not yet trained");

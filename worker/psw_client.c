@@ -870,7 +870,7 @@ int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples)
 }
 
 int psw_client_val_result(psw_client_t *c, uint32_t epoch, uint64_t version, uint64_t begin,
-                          double loss_sum, uint64_t correct, uint64_t count)
+                          double loss_sum, uint64_t correct, uint64_t count, const float *scores)
 {
     Psd__Header h;
     Psd__ValResult v = PSD__VAL_RESULT__INIT;
@@ -883,7 +883,10 @@ int psw_client_val_result(psw_client_t *c, uint32_t epoch, uint64_t version, uin
     v.count = count;
     h.body_case = PSD__HEADER__BODY_VAL_RESULT;
     h.val_result = &v;
-    return send_hdr(c, &h);
+    if (!scores) return send_hdr(c, &h);
+    ps_frame_t fr = {.data = scores, .nbytes = count * sizeof(float), .dtype = PSD__DTYPE__DT_F32,
+                     .rows = (uint32_t)count}; /* copied at send */
+    return send_msg(c, &h, &fr, 1);
 }
 
 int psw_client_heartbeat(psw_client_t *c, uint32_t epoch)

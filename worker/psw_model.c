@@ -16,6 +16,7 @@
 #include "psw_model.h"
 
 #include <assert.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -31,6 +32,7 @@ struct psw_model {
     int32_t *labels;
     psw_bags_t bags;   /* fields 0: no bags */
     uint32_t *ids;
+    float *logits_host; /* (max_batch, classes): psw_model_prob1 */
 };
 
 static float *tensor(float *arena, const ps_layout_t *l, int k) { return arena + l->t[k].offset; }
@@ -79,7 +81,8 @@ psw_model_t *psw_model_new_bags(psw_backend_t *be, const ps_layout_t *layout, in
         if (!m->delta[i]) goto fail;
     }
     m->labels = be->alloc(be, mb * sizeof(int32_t));
-    if (!m->labels) goto fail;
+    m->logits_host = malloc(mb * (size_t)l->sizes[l->n_layers] * sizeof(float));
+    if (!m->labels || !m->logits_host) goto fail;
     if (bags) {
         m->bags = *bags;
         m->ids = be->alloc(be, mb * (size_t)bags->fields * (size_t)bags->per_field * sizeof(uint32_t));
@@ -113,6 +116,7 @@ void psw_model_destroy(psw_model_t **pm)
         if (m->delta[i]) be->free(be, m->delta[i]);
     if (m->labels) be->free(be, m->labels);
     if (m->ids) be->free(be, m->ids);
+    free(m->logits_host);
     free(m);
     *pm = NULL;
 }
@@ -247,4 +251,21 @@ void psw_model_eval_bags(psw_model_t *m, const uint32_t *ids_host, const int32_t
 {
     assert(m);
     forward(m, NULL, ids_host, labels_host, B, NULL, loss_sum, correct);
+}
+
+void psw_model_prob1(psw_model_t *m, float *p_host, int B)
+{
+    assert(m && p_host && B >= 0 && B <= m->max_batch);
+    const int C = m->layout.sizes[m->layout.n_layers];
+    assert(C >= 2);
+    float *logits = m->logits_host;
+    m->be->download(m->be, logits, m->act[m->layout.n_layers], (size_t)B * (size_t)C * sizeof *logits);
+    m->be->sync(m->be);
+    for (int b = 0; b < B; b++) {
+        const float *l = logits + (size_t)b * (size_t)C;
+        double mx = l[0], sum = 0;
+        for (int c = 1; c < C; c++) mx = l[c] > mx ? l[c] : mx;
+        for (int c = 0; c < C; c++) sum += exp((double)l[c] - mx);
+        p_host[b] = (float)(exp((double)l[1] - mx) / sum);
+    }
 }

@@ -66,4 +66,8 @@ void psw_model_train_bags(psw_model_t *m, const uint32_t *ids_host, const int32_
 void psw_model_eval_bags(psw_model_t *m, const uint32_t *ids_host, const int32_t *labels_host, int B,
                          double *loss_sum, int64_t *correct);
 
+/* After a forward pass of B examples: the softmax probability of class 1
+ * (for 2 classes: of a click) of each, to p_host (B floats). */
+void psw_model_prob1(psw_model_t *m, float *p_host, int B);
+
 #endif

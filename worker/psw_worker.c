@@ -37,6 +37,8 @@ typedef struct {
     int ctr;           /* model.kind ctr: examples from the generator, the model's input is bags of rows */
     ps_ctr_t gen;
     uint32_t *bag_ids; /* (max_batch, fields, per_field) rows of E */
+    float *scores;     /* ctr: the click probabilities of a validation range, for psd's AUC */
+    size_t scores_cap;
     float *grads_host; /* non-host backends: gradients copied here for the wire (pinned) */
     int split;         /* push tensor by tensor, as each is ready */
     int ready_order[PS_MAX_TENSORS], n_ready, ticket[PS_MAX_TENSORS];
@@ -261,6 +263,13 @@ static int validate(wk_t *w, const psw_event_t *ev)
         }
     }
     if (set_weights(w, ev) != 0) return -EPROTO;
+    size_t n = ev->val_end - ev->val_begin;
+    if (w->ctr && n > w->scores_cap) {
+        float *p = realloc(w->scores, n * sizeof *p);
+        if (!p) return -ENOMEM;
+        w->scores = p;
+        w->scores_cap = n;
+    }
     double loss = 0, last_sent = ps_now();
     int64_t correct = 0;
     for (uint64_t i = ev->val_begin; i < ev->val_end;) {
@@ -268,6 +277,7 @@ static int validate(wk_t *w, const psw_event_t *ev)
         if (w->ctr) { /* test examples come after the training ones */
             ctr_batch(w, NULL, w->a.ctr.train + i, B);
             psw_model_eval_bags(w->m, w->bag_ids, w->y, B, &loss, &correct);
+            psw_model_prob1(w->m, w->scores + (i - ev->val_begin), B);
         } else {
             psw_data_slice(&w->test, (size_t)i, B, w->x, w->y);
             psw_model_eval(w->m, w->x, w->y, B, &loss, &correct);
@@ -278,8 +288,8 @@ static int validate(wk_t *w, const psw_event_t *ev)
             last_sent = ps_now();
         }
     }
-    return psw_client_val_result(w->c, ev->epoch, ev->version, ev->val_begin, loss, (uint64_t)correct,
-                                 ev->val_end - ev->val_begin);
+    return psw_client_val_result(w->c, ev->epoch, ev->version, ev->val_begin, loss, (uint64_t)correct, n,
+                                 w->ctr ? w->scores : NULL);
 }
 
 /* EPOCH: this worker's samples for an epoch, or (append) more samples for
@@ -329,6 +339,7 @@ static void wk_deinit(wk_t *w)
     free(w->x);
     free(w->y);
     free(w->bag_ids);
+    free(w->scores);
     free(w->ids);
     psw_client_destroy(&w->c);
 }

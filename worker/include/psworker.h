@@ -136,9 +136,11 @@ float *psw_client_push_region(psw_client_t *c);
 /* My part of the epoch is done. */
 int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples);
 
-/* Validation partial sums for the test range given by VALIDATE. */
+/* Validation partial sums for the test range given by VALIDATE. scores:
+ * NULL, or (model.kind ctr, where psd needs them for the AUC) each test
+ * example's click probability, count floats in the range's order. */
 int psw_client_val_result(psw_client_t *c, uint32_t epoch, uint64_t version, uint64_t begin,
-                          double loss_sum, uint64_t correct, uint64_t count);
+                          double loss_sum, uint64_t correct, uint64_t count, const float *scores);
 
 /* Still alive (send while computing for more than a second). */
 int psw_client_heartbeat(psw_client_t *c, uint32_t epoch);
