@@ -2124,6 +2124,34 @@ Test(short, stopped_at_an_epoch_boundary_and_resumed_gives_identical_weights)
                          "--seed 11 --check-config > /dev/null 2>&1", psd_bin, dirbuf), 0);
 }
 
+/* The ctr model's embedding table is checkpointed and restored with the
+ * rest (checkpoint format 2 carries its shape): stopped after epoch 2 and
+ * resumed, the run ends with the weights of one that never stopped. */
+Test(short, ctr_stopped_and_resumed_gives_identical_weights)
+{
+    char cfg[1024], ck[300], dirbuf[256];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    ckpt_dir_arg(ck, sizeof ck);
+    path(dirbuf, sizeof dirbuf, "ckpt");
+    const char *plain[] = {"--config", cfg, "--epochs", "3", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                           "--set", "checkpoint.dir=", NULL};
+    const char *first[] = {"--config", cfg, "--epochs", "3", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                           "--set", ck, "--stop-after-epoch", "2", NULL};
+    const char *second[] = {"--config", cfg, "--epochs", "3", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                            "--set", ck, "--resume", dirbuf, NULL};
+    run_t a, b, c;
+    train(&a, "ctrfull", 2, plain, 300);
+    cr_assert_eq(a.psd_code, 0);
+    train(&b, "ctrhalf", 2, first, 300);
+    cr_assert_eq(b.psd_code, 0, "stop after epoch 2 exits 0");
+    train(&c, "ctrrest", 2, second, 300);
+    cr_assert_eq(c.psd_code, 0);
+    char *log = slurp(c.psd_log);
+    cr_assert(strstr(log, "resum"), "%s", log);
+    free(log);
+    cr_assert(weights_equal(a.weights, c.weights), "resumed ctr run ends with bit-identical weights, table included");
+}
+
 Test(short, corrupt_newest_checkpoint_falls_back_to_the_previous)
 {
     run_t r;
