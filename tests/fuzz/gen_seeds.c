@@ -5,8 +5,9 @@
  *
  *   clang-14 -std=c17 -D_GNU_SOURCE -Icommon -Iserver -Iworker -Ibuild/proto -Itests/fuzz \
  *       tests/fuzz/gen_seeds.c common/ps_weights.c common/ps_model.c common/ps_util.c \
- *       common/ps_config.c server/psd_ckpt.c server/psd_store.c server/psd_optim.c \
- *       build/proto/psd.pb-c.c -lprotobuf-c -lyaml -lz -lm -lpthread -o build/fuzz/gen_seeds
+ *       common/ps_config.c common/ps_ctr.c common/ps_pool.c common/ps_shm.c common/ps_wire.c common/ps_log.c \
+ *       server/psd_ckpt.c server/psd_store.c server/psd_optim.c \
+ *       build/proto/psd.pb-c.c -lprotobuf-c -lyaml -lz -lzmq -lm -lpthread -o build/fuzz/gen_seeds
  *   build/fuzz/gen_seeds tests/fuzz/corpus
  */
 #include <dirent.h>
@@ -522,10 +523,11 @@ static void idx_seeds(void)
 
 static char g_tmp[64];
 
-static void weights_one(const char *name, const int *sizes, int n_sizes, uint64_t seed)
+/* table_rows > 0: with an embedding table of table_rows x 4 (format 2) */
+static void weights_one(const char *name, const int *sizes, int n_sizes, uint64_t seed, uint64_t table_rows)
 {
     ps_layout_t l;
-    if (ps_layout_init(&l, sizes, n_sizes) != 0) FUZZ_DIE("layout");
+    if (ps_layout_init_table(&l, sizes, n_sizes, table_rows, 4) != 0) FUZZ_DIE("layout");
     float *w = calloc(l.n_params, sizeof *w);
     ps_model_init_params(&l, w, seed);
     ps_weights_meta_t meta = {.run_id = 0xabcdef, .step = 120, .epoch = 2};
@@ -549,7 +551,7 @@ static void weights_one(const char *name, const int *sizes, int n_sizes, uint64_
         c[0] = 'X';
         put("fuzz_weights", "bad-magic", c, len);
         memcpy(c, b, len);
-        fuzz_put_u32le(c + 4, 2);
+        fuzz_put_u32le(c + 4, 2); /* format 2 without the table's shape */
         fuzz_put_u32le(c + len - 4, (uint32_t)crc32(0, c, (uInt)(len - 4)));
         put("fuzz_weights", "format2", c, len);
         memcpy(c, b, len);
@@ -574,10 +576,10 @@ static void weights_one(const char *name, const int *sizes, int n_sizes, uint64_
 }
 
 static void ckpt_one(const char *name, const int *sizes, int n_sizes, ps_opt_kind_t kind,
-                     float momentum, uint64_t train_count, int edges)
+                     float momentum, uint64_t train_count, int edges, uint64_t table_rows)
 {
     ps_layout_t l;
-    if (ps_layout_init(&l, sizes, n_sizes) != 0) FUZZ_DIE("layout");
+    if (ps_layout_init_table(&l, sizes, n_sizes, table_rows, 4) != 0) FUZZ_DIE("layout");
     psd_optim_t o;
     memset(&o, 0, sizeof o);
     o.kind = kind;
@@ -611,6 +613,8 @@ static void ckpt_one(const char *name, const int *sizes, int n_sizes, ps_opt_kin
     m.opt_kind = kind;
     m.n_slots = (uint32_t)psd_optim_slots(&o);
     m.n_params = l.n_params;
+    m.table_rows = table_rows;
+    m.table_dim = table_rows ? 4 : 0;
     uint8_t seen[64];
     for (size_t i = 0; i < sizeof seen; i++) seen[i] = (uint8_t)(0x55 ^ i);
     psd_ckpt_writer_t *wr;
@@ -625,7 +629,7 @@ static void ckpt_one(const char *name, const int *sizes, int n_sizes, ps_opt_kin
     if (edges) {
         uint8_t *c = malloc(len);
         put("fuzz_ckpt", "truncated", b, len - 1);
-        put("fuzz_ckpt", "header-only", b, 216);
+        put("fuzz_ckpt", "header-only", b, 232);
         put("fuzz_ckpt", "short", b, 100);
         memcpy(c, b, len);
         c[300] ^= 0x80;
@@ -643,8 +647,8 @@ static void ckpt_one(const char *name, const int *sizes, int n_sizes, ps_opt_kin
         fuzz_put_u64le(c + 120, (uint64_t)1 << 40); /* train_count */
         put("fuzz_ckpt", "huge-train-count", c, len);
         memcpy(c, b, len);
-        c[4] = 2; /* format */
-        put("fuzz_ckpt", "format2", c, len);
+        c[4] = 3; /* format */
+        put("fuzz_ckpt", "format3", c, len);
         free(c);
     }
     free(b);
@@ -666,13 +670,15 @@ int main(int argc, char **argv)
     idx_seeds();
 
     static const int s2[] = {3, 2}, s3[] = {4, 3, 2}, s4[] = {5, 4, 3, 2};
-    weights_one("w-3-2", s2, 2, 1);
-    weights_one("w-4-3-2", s3, 3, 2);
-    weights_one("w-5-4-3-2", s4, 4, 3);
+    weights_one("w-3-2", s2, 2, 1, 0);
+    weights_one("w-4-3-2", s3, 3, 2, 0);
+    weights_one("w-5-4-3-2", s4, 4, 3, 0);
+    weights_one("w-table-8-4-2", (const int[]){8, 4, 2}, 3, 4, 10);
 
-    ckpt_one("adam-2-slots", s2, 2, PS_OPT_ADAM, 0, 10, 1);
-    ckpt_one("sgd-momentum-1-slot", s3, 3, PS_OPT_SGD, 0.9f, 17, 0);
-    ckpt_one("sgd-0-slots-no-seen", s2, 2, PS_OPT_SGD, 0, 0, 0);
+    ckpt_one("adam-2-slots", s2, 2, PS_OPT_ADAM, 0, 10, 1, 0);
+    ckpt_one("sgd-momentum-1-slot", s3, 3, PS_OPT_SGD, 0.9f, 17, 0, 0);
+    ckpt_one("sgd-0-slots-no-seen", s2, 2, PS_OPT_SGD, 0, 0, 0, 0);
+    ckpt_one("adagrad-table", (const int[]){8, 4, 2}, 3, PS_OPT_ADAGRAD, 0, 20, 0, 12);
     rmdir(g_tmp);
     return 0;
 }
