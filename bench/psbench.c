@@ -154,7 +154,7 @@ static void *bench_worker(void *p)
         } else if (ev.kind == PSW_EV_VALIDATE) {
             if (b->push_only && b->q_first > 0 && b->q_last == 0) b->q_last = ps_now(); /* psd applied them all */
             size_t nv = ev.val_end - ev.val_begin;
-            float *sc = a.ctr.fields ? calloc(nv ? nv : 1, sizeof *sc) : NULL; /* ctr: psd wants scores */
+            float *sc = a.ctr.fields && nv ? calloc(nv, sizeof *sc) : NULL; /* ctr: psd wants scores */
             psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 0, 0, nv, sc);
             free(sc);
         } else if (ev.kind == PSW_EV_WEIGHTS && in_epoch && pulls_left > 0) {

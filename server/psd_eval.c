@@ -18,7 +18,8 @@ static int open_test(const ps_config_t *c, const ps_layout_t *l, psw_data_t *tes
 {
     if (l->table >= 0) {
         if (c->kind != PS_MODEL_CTR || (int64_t)l->t[l->table].rows != c->ctr_rows ||
-            l->t[l->table].cols != c->ctr_dim || l->sizes[0] != c->ctr_fields * c->ctr_dim) {
+            l->t[l->table].cols != c->ctr_dim || l->sizes[0] != c->ctr_fields * c->ctr_dim ||
+            l->sizes[l->n_sizes - 1] != 2) {
             snprintf(err, errlen,
                      "the weights have an embedding table (%d x %d); the config must be the ctr task they were "
                      "trained on (model.kind ctr, ctr.rows %d, ctr.dim %d)",

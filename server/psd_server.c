@@ -2199,7 +2199,7 @@ static void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m)
              p->end - p->begin);
         return;
     }
-    if (s->cfg.kind == PS_MODEL_CTR) { /* the click probabilities of the range, for the AUC */
+    if (s->cfg.kind == PS_MODEL_CTR && v->count > 0) { /* the click probabilities of the range, for the AUC */
         size_t n = 0;
         const float *sc = m->n_frames == 1 ? ps_msg_f32(m, 0, &n) : NULL;
         bool ok = sc && n == v->count;
@@ -3211,8 +3211,10 @@ static int resume(srv_t *s)
                  path, m.config_hash, s->config_hash);
         goto out;
     }
+    uint64_t rows = s->layout.table >= 0 ? (uint64_t)s->layout.t[s->layout.table].rows : 0;
     if (m.n_params != s->layout.n_params || m.n_sizes != s->layout.n_sizes ||
         memcmp(m.sizes, s->layout.sizes, sizeof m.sizes) != 0 || m.train_count != s->train_count ||
+        m.table_rows != rows || (rows && (int)m.table_dim != s->layout.t[s->layout.table].cols) ||
         m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt)) {
         PS_ERROR("cannot resume from %s: its model, optimizer or data do not match this config", path);
         goto out;
@@ -3353,6 +3355,7 @@ int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no
     zmq_setsockopt(*sockp, ZMQ_HEARTBEAT_TTL, &ttl, sizeof ttl);
     /* a message larger than the biggest legitimate one disconnects its sender */
     int64_t maxmsg = (int64_t)(4 * n_params + (size_t)(4 << 20));
+    if (c->kind == PS_MODEL_CTR) maxmsg += 4 * c->ctr_test; /* a VAL_RESULT's scores */
     zmq_setsockopt(*sockp, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     if (zmq_bind(*sockp, listen) != 0) {
         PS_ERROR("cannot listen on '%s': %s", listen, zmq_strerror(zmq_errno()));

@@ -361,7 +361,9 @@ static int resume_part(shard_t *s, uint64_t step, uint64_t version)
         return -1;
     }
     rc = -1;
-    if (m.version != version || m.n_params != s->layout.n_params ||
+    uint64_t rows = s->layout.table >= 0 ? (uint64_t)s->layout.t[s->layout.table].rows : 0;
+    if (m.version != version || m.n_params != s->layout.n_params || m.table_rows != rows ||
+        (rows && (int)m.table_dim != s->layout.t[s->layout.table].cols) ||
         m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt) || m.run_id != s->run_id) {
         PS_ERROR("shard %d: %s does not fit the run shard 0 resumed (version, model, optimizer or run)", s->opts.shard,
                  path);

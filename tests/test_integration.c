@@ -1009,6 +1009,16 @@ Test(short, ctr_task_trains_toward_the_planted_optimum)
     train_sharded(&b, "ctr2", 2, args, wex);
     cr_assert_eq(b.psd_code, 0);
     cr_assert(weights_equal(a.weights, b.weights), "2 shards = 1 psd, bit for bit, table included");
+
+    /* fewer test examples than workers: one validates nothing, and says so without scores */
+    const char *tiny[] = {"--config", cfg, "--epochs", "1", "--set", "ctr.train=2000", "--set", "ctr.test=1",
+                          "--set", "checkpoint.dir=", NULL};
+    run_t t;
+    train(&t, "ctrtiny", 2, tiny, 120);
+    cr_assert_eq(t.psd_code, 0);
+    m = metrics_last(&t);
+    cr_assert_eq(json_num(m, "val_samples"), 1, "%s", m);
+    free(m);
 }
 
 /* Checkpoints with shards: every shard writes its part at the steps shard
@@ -1336,6 +1346,100 @@ Test(short, ctr_results_without_scores_are_dropped)
     cr_assert_eq(json_num(m, "val_auc"), json_num(m, "optimum_auc"), "%s", m);
     cr_assert_eq(json_num(m, "val_loss"), 0.5, "%s", m);
     free(m);
+}
+
+/* A fake psd: answers one REGISTER on its ROUTER with an ASSIGN of a ctr
+ * model (32 -> 2) carrying task ct. */
+typedef struct {
+    void *router;
+    Psd__CtrTask ct;
+} fake_psd_t;
+
+static void *fake_psd(void *p)
+{
+    fake_psd_t *f = p;
+    ps_msg_t m = {0};
+    char err[256];
+    if (ps_msg_recv(f->router, &m, true, 0, err, sizeof err) != 0) return NULL;
+    Psd__Header h;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_ASSIGN;
+    h.run_id = 0x1234;
+    h.seq = 1;
+    Psd__Assign a = PSD__ASSIGN__INIT;
+    Psd__Hyper hy = PSD__HYPER__INIT;
+    uint32_t layers[] = {32, 2};
+    a.layers = layers;
+    a.n_layers = 2;
+    hy.batch_size = 16;
+    hy.val_batch_size = 16;
+    hy.norm_std = 1;
+    a.hyper = &hy;
+    a.start_timeout_s = 5;
+    a.step_timeout_s = 5;
+    a.ctr = &f->ct;
+    h.body_case = PSD__HEADER__BODY_ASSIGN;
+    h.assign = &a;
+    ps_msg_send(f->router, m.ident, m.ident_len, &h, NULL, 0);
+    ps_msg_deinit(&m);
+    return NULL;
+}
+
+/* The worker checks the ctr task psd sends as psd checks its config: a task
+ * whose sizes overflow, or that does not fit the model, is refused with a
+ * message (and nothing is allocated from it); a good one is taken. */
+Test(short, a_bad_ctr_task_from_psd_is_refused)
+{
+    Psd__CtrTask good = PSD__CTR_TASK__INIT;
+    good.fields = 4;
+    good.per_field = 2;
+    good.vocab = 100;
+    good.zipf = 1.1;
+    good.rows = 50;
+    good.dim = 8;
+    good.mean = true;
+    good.weight_std = 1;
+    good.seed = 3;
+    good.train = 1000;
+    good.test = 100;
+    Psd__CtrTask bad[7];
+    for (int i = 0; i < 7; i++) bad[i] = good;
+    bad[0].test = UINT64_MAX; /* train + test wraps */
+    bad[1].train = (uint64_t)1 << 33;
+    bad[2].dim = 7;           /* fields x dim != layers[0] */
+    bad[3].fields = 0;
+    bad[4].per_field = 1000;  /* fields x per_field > 256 */
+    bad[5].zipf = NAN;
+    bad[6].rows = 0;
+    void *ctx = zmq_ctx_new();
+    for (int i = 0; i <= 7; i++) {
+        fake_psd_t f = {.router = zmq_socket(ctx, ZMQ_ROUTER), .ct = i < 7 ? bad[i] : good};
+        char ep[64], err[512] = "";
+        snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
+        cr_assert_eq(zmq_bind(f.router, ep), 0);
+        pthread_t th;
+        pthread_create(&th, NULL, fake_psd, &f);
+        psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = 1};
+        psw_client_t *c = psw_client_new(ep, &info, err, sizeof err);
+        cr_assert_not_null(c, "%s", err);
+        psw_assign_t a;
+        int rc = psw_client_register(c, &a, 10, err, sizeof err);
+        pthread_join(th, NULL);
+        psw_client_destroy(&c);
+        int linger = 0;
+        zmq_setsockopt(f.router, ZMQ_LINGER, &linger, sizeof linger);
+        zmq_close(f.router);
+        if (i < 7) {
+            cr_expect_eq(rc, -EPROTO, "case %d accepted", i);
+            cr_expect(strstr(err, "invalid ctr task"), "case %d: %s", i, err);
+        } else {
+            cr_expect_eq(rc, 0, "the good task: %s", err);
+            cr_expect_eq(a.ctr.fields, 4);
+            cr_expect_eq(a.ctr.rows, 50);
+            cr_expect_eq(a.n_files, 0);
+        }
+    }
+    zmq_ctx_term(ctx);
 }
 
 Test(short, more_samples_while_the_last_push_waits_are_trained_on_the_next_version)

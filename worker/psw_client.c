@@ -636,7 +636,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         char why[128];
         if (t->fields > PS_CTR_MAX_IDS || t->per_field > PS_CTR_MAX_IDS || ps_ctr_check(&g, why, sizeof why) != 0 ||
             t->dim < 1 || t->dim > 4096 || t->fields * t->dim != a->layers[0] || a->layers[a->n_layers - 1] != 2 ||
-            t->train < 1 || t->test < 1 || t->train + t->test > UINT32_MAX) {
+            t->train < 1 || t->test < 1 || t->train > UINT32_MAX || t->test > UINT32_MAX - t->train) {
             snprintf(err, errlen, "psd sent an invalid ctr task");
             return -EPROTO;
         }

@@ -136,10 +136,10 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
     } else {
         w->m = psw_model_new(w->be, &w->layout, w->max_batch);
     }
-    w->x = malloc((size_t)w->max_batch * (size_t)w->a.sizes[0] * sizeof(float));
+    w->x = w->ctr ? NULL : malloc((size_t)w->max_batch * (size_t)w->a.sizes[0] * sizeof(float)); /* ctr: bags */
     w->y = malloc((size_t)w->max_batch * sizeof(int32_t));
     if (!w->be->host_visible) w->grads_host = w->be->host_alloc(w->be, w->layout.n_params * sizeof(float));
-    if (!w->m || !w->x || !w->y || (!w->be->host_visible && !w->grads_host)) {
+    if (!w->m || (!w->ctr && !w->x) || !w->y || (!w->be->host_visible && !w->grads_host)) {
         snprintf(err, errlen, "out of memory for the model");
         return -1;
     }
@@ -265,7 +265,7 @@ static int validate(wk_t *w, const psw_event_t *ev)
     if (set_weights(w, ev) != 0) return -EPROTO;
     size_t n = ev->val_end - ev->val_begin;
     if (w->ctr && n > w->scores_cap) {
-        float *p = realloc(w->scores, n * sizeof *p);
+        float *p = n <= SIZE_MAX / sizeof *p ? realloc(w->scores, n * sizeof *p) : NULL;
         if (!p) return -ENOMEM;
         w->scores = p;
         w->scores_cap = n;
@@ -289,7 +289,7 @@ static int validate(wk_t *w, const psw_event_t *ev)
         }
     }
     return psw_client_val_result(w->c, ev->epoch, ev->version, ev->val_begin, loss, (uint64_t)correct, n,
-                                 w->ctr ? w->scores : NULL);
+                                 w->ctr && n > 0 ? w->scores : NULL);
 }
 
 /* EPOCH: this worker's samples for an epoch, or (append) more samples for
@@ -403,6 +403,7 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
         /* the same run again (psd restarted, or this worker was declared lost) */
         if (a.n_sizes != w->a.n_sizes || memcmp(a.sizes, w->a.sizes, sizeof a.sizes) != 0 ||
             memcmp(a.files, w->a.files, sizeof a.files) != 0 || a.batch_size != w->a.batch_size ||
+            a.val_batch_size != w->a.val_batch_size ||
             memcmp(&a.ctr, &w->a.ctr, sizeof a.ctr) != 0) {
             PS_ERROR("psd's model or data changed since this worker joined; not rejoining");
             return PSW_EXIT_USAGE;
