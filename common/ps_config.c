@@ -137,6 +137,7 @@ static const key_spec_t keys[] = {
     K_ENUM("train.sync", sync, ps_sync_t, sync_names, "bsp"),
     K_INT("train.staleness", staleness, 0, 1000000, "2"),
     K_BOOL("train.stream", stream, "false"),
+    K_DOUBLE("train.sparse_threshold", sparse_threshold, 0.0, 1.0, 0, "0.3"),
 
     K_ENUM("optimizer.name", opt, ps_opt_kind_t, opt_names, "sgd"),
     K_DOUBLE("optimizer.lr", lr, 0.0, INFINITY, F_OPEN_MIN, "0.1"),
@@ -1077,6 +1078,8 @@ static int write_yaml(const ps_config_t *c, FILE *f, bool with_server)
         /* where and when to save or serve do not change what is trained */
         if (!with_server && (strncmp(e->key, "server.", 7) == 0 || strncmp(e->key, "checkpoint.", 11) == 0))
             continue;
+        /* nor how a table's gradient travels (the same bits either way) */
+        if (!with_server && strcmp(e->key, "train.sparse_threshold") == 0) continue;
         /* nor, for the MLP, the ctr task's keys (the MLP's hash stays what it was before them) */
         if (!with_server && c->kind == PS_MODEL_MLP && (strcmp(e->key, "model.kind") == 0 || strncmp(e->key, "ctr.", 4) == 0))
             continue;

@@ -116,6 +116,15 @@ typedef struct {
     const float *shm_grad; /* NULL: no region */
     bool shm;             /* READY confirmed: tensors go through shared memory */
     uint64_t grad_shm;    /* tensors of the push in progress that are in shm_grad */
+    /* a table's gradient pushed as rows (model.kind ctr): scattered into sp_e, a
+     * table-sized buffer that is zero but for the rows sp_ids (those of its
+     * last push, zeroed again at its next), which the step reads as the
+     * whole gradient */
+    bool grad_rows;
+    int sp_table;
+    float *sp_e;
+    uint32_t *sp_ids;
+    size_t sp_n, sp_cap;
     psd_arena_t *hold;
     /* psd shards: the token it presents to shards 1..n-1, which of them
      * have its whole push for the current version (bit i), and whether its
@@ -260,6 +269,7 @@ typedef struct {
     const void *(*step_g)[PS_MAX_TENSORS]; /* a step's gradients, MAX_WORKERS rows */
     uint8_t *step_bf16;   /* and whether each row is bfloat16 */
     uint64_t ep_bytes_in, ep_bytes_out; /* tensor bytes received / sent on the wire this epoch */
+    uint64_t ep_rows_in, ep_rows_pushes; /* table rows received in row-sparse pushes, and those pushes */
     /* async and ssp: staleness of the gradients applied this epoch (versions
      * between the one a push was computed on and the one it was applied to),
      * and ssp's largest lead (steps ahead of the slowest) a worker was let
@@ -583,8 +593,9 @@ static bool wire_bf16(const srv_t *s, const worker_t *w)
 static void release_push(worker_t *w)
 {
     for (int t = 0; t < PS_MAX_TENSORS; t++)
-        if ((w->grad_mask & ~w->grad_shm) & (1ull << t)) zmq_msg_close(&w->grad[t]);
+        if ((w->grad_mask & ~w->grad_shm) & (1ull << t) && !(w->grad_rows && t == w->sp_table)) zmq_msg_close(&w->grad[t]);
     w->grad_mask = w->grad_shm = 0;
+    w->grad_rows = false;
     if (w->n_gch > 0) {
         for (int c = 0; c < w->n_gch_cap; c++)
             if (w->gch_in[c] == 1) zmq_msg_close(&w->gch[c]);
@@ -782,6 +793,7 @@ static void start_epoch(srv_t *s)
     s->bytes_in_done += s->ep_bytes_in;
     s->bytes_out_done += s->ep_bytes_out;
     s->ep_bytes_in = s->ep_bytes_out = 0;
+    s->ep_rows_in = s->ep_rows_pushes = 0;
     s->resumed_mid_epoch = false;
     uint64_t longest = k ? (T + (uint64_t)k - 1) / (uint64_t)k : T;
     s->spe = (double)((longest + (uint64_t)s->cfg.batch_size - 1) / (uint64_t)s->cfg.batch_size);
@@ -986,6 +998,7 @@ static void take_step(srv_t *s, worker_t *only)
         if (!w->has_push || (only && w != only)) continue;
         for (int t = 0; t < s->layout.n_tensors; t++)
             g[k][t] = w->grad_shm & (1ull << t) ? (const void *)(w->shm_grad + s->layout.t[t].offset)
+                      : w->grad_rows && t == s->layout.table ? (const void *)w->sp_e
                       : w->grad_mask & (1ull << t) ? (const void *)zmq_msg_data(&w->grad[t])
                                                    : NULL;
         s->step_bf16[k] = wire_bf16(s, w);
@@ -1401,6 +1414,62 @@ static void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
     answer_pull(s, w);
 }
 
+/* Frames i (u32 ids) and i + 1 (f32 rows) of a PUSH are rows of the
+ * table's gradient: ids strictly increasing and below its row count, rows
+ * of its width, one psd, f32 gradients. 0, or -1. */
+static int rows_check(const srv_t *s, const worker_t *w, const ps_msg_t *m, int i)
+{
+    if (wire_bf16(s, w)) return -1; /* its step reads bfloat16 */
+    const ps_layout_t *l = &s->layout;
+    size_t n = 0, nv = 0;
+    const uint32_t *ids = ps_msg_u32(m, i, &n);
+    const float *v = i + 1 < m->n_frames && m->hdr->tensors[i + 1]->id == m->hdr->tensors[i]->id
+                         ? ps_msg_f32(m, i + 1, &nv)
+                         : NULL;
+    if (l->table < 0 || (int)m->hdr->tensors[i]->id != l->table || sharded(s) || !ids || !v || n == 0 ||
+        n > (size_t)l->t[l->table].rows || nv != n * (size_t)l->t[l->table].cols)
+        return -1;
+    for (size_t j = 0; j < n; j++)
+        if (ids[j] >= (uint32_t)l->t[l->table].rows || (j && ids[j] <= ids[j - 1])) return -1;
+    return 0;
+}
+
+/* Scatter the checked rows (frames i, i + 1) into the worker's table-sized
+ * gradient, zeroing its last push's rows first: the step reads it as the
+ * whole table's gradient, zero where the batch touched nothing. Allocates
+ * only the first time (and when a push has more rows than any before).
+ * 0, or -1 (dropped, logged). */
+static int rows_take(srv_t *s, worker_t *w, ps_msg_t *m, int i)
+{
+    const ps_layout_t *l = &s->layout;
+    const size_t D = (size_t)l->t[l->table].cols;
+    size_t n = 0, nv = 0;
+    const uint32_t *ids = ps_msg_u32(m, i, &n);
+    const float *v = ps_msg_f32(m, i + 1, &nv);
+    if (!w->sp_e && !(w->sp_e = calloc(l->t[l->table].numel, sizeof *w->sp_e))) {
+        drop(s, w, "PUSH of table rows: out of memory for its %zu floats", l->t[l->table].numel);
+        return -1;
+    }
+    if (n > w->sp_cap) {
+        uint32_t *p = realloc(w->sp_ids, n * sizeof *p);
+        if (!p) {
+            drop(s, w, "PUSH of table rows: out of memory");
+            return -1;
+        }
+        w->sp_ids = p;
+        w->sp_cap = n;
+    }
+    for (size_t j = 0; j < w->sp_n; j++) memset(w->sp_e + (size_t)w->sp_ids[j] * D, 0, D * sizeof(float));
+    for (size_t j = 0; j < n; j++) memcpy(w->sp_e + (size_t)ids[j] * D, v + j * D, D * sizeof(float));
+    memcpy(w->sp_ids, ids, n * sizeof *ids);
+    w->sp_n = n;
+    w->sp_table = l->table;
+    w->grad_rows = true;
+    s->ep_rows_in += n;
+    s->ep_rows_pushes++;
+    return 0;
+}
+
 static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Push *p = m->hdr->push;
@@ -1465,6 +1534,7 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
             in_shm |= 1ull << t;
         }
         mask = in_shm;
+        int rows_at = -1; /* the table's gradient as rows: frames rows_at (ids) and rows_at + 1 */
         for (int i = 0; i < m->n_frames; i++) {
             size_t n = 0;
             const Psd__TensorDesc *d = m->hdr->tensors[i];
@@ -1472,6 +1542,16 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
             if (t >= (uint32_t)l->n_tensors || ((w->grad_mask | mask) & (1ull << t))) {
                 drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
                 return;
+            }
+            if (d->dtype == PSD__DTYPE__DT_U32) {
+                if (rows_check(s, w, m, i) != 0) {
+                    drop(s, w, "PUSH of rows of tensor %u that are not rows of the table (strictly increasing "
+                               "ids below its row count, then their f32 rows, one psd)", t);
+                    return;
+                }
+                rows_at = i++;
+                mask |= 1ull << t;
+                continue;
             }
             /* in the worker's wire type: f32, or bf16 with train.wire_gradients: bf16 */
             bool bf16 = wire_bf16(s, w);
@@ -1486,10 +1566,12 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
             }
             mask |= 1ull << t;
         }
+        if (rows_at >= 0 && rows_take(s, w, m, rows_at) != 0) return;
         /* keep the frames without copying: reduced in rank order once everyone has pushed */
         for (int i = 0; i < m->n_frames; i++) {
             uint32_t t = m->hdr->tensors[i]->id;
             s->ep_bytes_in += zmq_msg_size(&m->frames[i]);
+            if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* scattered into sp_e */
             zmq_msg_init(&w->grad[t]);
             zmq_msg_move(&w->grad[t], &m->frames[i]);
         }
@@ -1600,8 +1682,10 @@ static void end_validation(srv_t *s)
                 s->ep_step_n ? 1e3 * (s->store.step_s - s->ep_step_s0) / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
                 ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max);
         if (s->cfg.kind == PS_MODEL_CTR)
-            fprintf(s->metrics, ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g,\"val_auc\":%.9g,\"optimum_auc\":%.9g",
-                    s->ctr_opt_loss, s->ctr_const_loss, auc, s->ctr_opt_auc);
+            fprintf(s->metrics,
+                    ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g,\"val_auc\":%.9g,\"optimum_auc\":%.9g"
+                    ",\"table_rows_in\":%" PRIu64 ",\"table_row_pushes\":%" PRIu64,
+                    s->ctr_opt_loss, s->ctr_const_loss, auc, s->ctr_opt_auc, s->ep_rows_in, s->ep_rows_pushes);
         fputs("}\n", s->metrics);
         fflush(s->metrics);
     }
@@ -1787,6 +1871,7 @@ static void send_assign(srv_t *s, worker_t *w)
     hy.seed = s->cfg.seed;
     hy.sync = (uint32_t)s->cfg.sync;
     hy.staleness = (uint32_t)s->cfg.staleness;
+    hy.sparse_threshold = s->cfg.sparse_threshold;
     a.hyper = &hy;
     /* how long a worker waits for psd before it registers again */
     a.start_timeout_s = s->cfg.start_timeout + 10;
@@ -3525,6 +3610,8 @@ out:
             release_push(&s->w[i]);
             shm_forget(s, &s->w[i]);
             free(s->w[i].ranges);
+            free(s->w[i].sp_e);
+            free(s->w[i].sp_ids);
             free(s->w[i].gch);
             free(s->w[i].gch_in);
         }

@@ -1652,6 +1652,35 @@ static void raw_expect(void *d, ps_msg_t *m, Psd__MsgType type)
  * line; the push then completes with the right chunks, psd steps, and sends
  * the new version back in parts, every tensor once. A raw worker (the only
  * one) over the wire. */
+/* A raw worker on d: registers (the ASSIGN left in *m), says READY with
+ * these counts, takes its EPOCH, pulls and takes version 0's WEIGHTS. */
+static void raw_start(void *d, ps_msg_t *m, uint64_t *run, uint64_t *seq, uint32_t *rank, uint64_t train_count,
+                      uint64_t test_count)
+{
+    cr_assert_eq(raw_register(d, m), 0);
+    cr_assert_eq(m->hdr->type, PSD__MSG_TYPE__MSG_ASSIGN);
+    *run = m->hdr->run_id;
+    *seq = 1;
+    *rank = m->hdr->assign->rank;
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Ready rd = PSD__READY__INIT;
+    rd.train_count = train_count;
+    rd.test_count = test_count;
+    h.type = PSD__MSG_TYPE__MSG_READY;
+    h.body_case = PSD__HEADER__BODY_READY;
+    h.ready = &rd;
+    raw_send(d, seq, *run, *rank, &h, NULL, 0);
+    raw_expect(d, m, PSD__MSG_TYPE__MSG_EPOCH);
+    Psd__Pull pl = PSD__PULL__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_PULL;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &pl;
+    raw_send(d, seq, *run, *rank, &h, NULL, 0);
+    raw_expect(d, m, PSD__MSG_TYPE__MSG_WEIGHTS);
+    cr_assert_eq(m->hdr->weights->version, 0);
+}
+
 Test(short, malformed_streamed_pushes_are_dropped)
 {
     run_t r;
@@ -1664,32 +1693,14 @@ Test(short, malformed_streamed_pushes_are_dropped)
     zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
     cr_assert_eq(zmq_connect(d, r.endpoint), 0);
     ps_msg_t m = {0};
-    cr_assert_eq(raw_register(d, &m), 0);
-    cr_assert_eq(m.hdr->type, PSD__MSG_TYPE__MSG_ASSIGN);
-    cr_assert_eq(m.hdr->assign->stream_chunk_bytes, 65536, "ASSIGN says pushes go in chunks");
-    uint64_t run = m.hdr->run_id, seq = 1;
-    uint32_t rank = m.hdr->assign->rank;
+    uint64_t run, seq;
+    uint32_t rank;
+    raw_start(d, &m, &run, &seq, &rank, 384, 10000);
+    cr_assert_eq(m.hdr->weights->parts, 0, "weights outside a step come whole");
     ps_layout_t l;
     float *g = lib_model(&l, 64);
     for (size_t i = 0; i < l.n_params; i++) g[i] = 1e-3f;
-    Psd__Header h = PSD__HEADER__INIT;
-    Psd__Ready rd = PSD__READY__INIT;
-    rd.train_count = 384;
-    rd.test_count = 10000;
-    h.type = PSD__MSG_TYPE__MSG_READY;
-    h.body_case = PSD__HEADER__BODY_READY;
-    h.ready = &rd;
-    raw_send(d, &seq, run, rank, &h, NULL, 0);
-    raw_expect(d, &m, PSD__MSG_TYPE__MSG_EPOCH);
-    Psd__Pull pl = PSD__PULL__INIT;
-    psd__header__init(&h);
-    h.type = PSD__MSG_TYPE__MSG_PULL;
-    h.body_case = PSD__HEADER__BODY_PULL;
-    h.pull = &pl;
-    raw_send(d, &seq, run, rank, &h, NULL, 0);
-    raw_expect(d, &m, PSD__MSG_TYPE__MSG_WEIGHTS);
-    cr_assert_eq(m.hdr->weights->version, 0);
-    cr_assert_eq(m.hdr->weights->parts, 0, "weights outside a step come whole");
+    Psd__Header h;
     /* chunk k of W0 (784 x 64 = 50176 floats: chunks of 16384), or a piece at any offset (from a
      * buffer that has the bytes of a piece past the tensor too) */
     const size_t cf = 16384;
@@ -1747,6 +1758,85 @@ Test(short, malformed_streamed_pushes_are_dropped)
     ps_msg_deinit(&m);
     free(g);
     free(w0);
+    zmq_close(d);
+    zmq_ctx_term(ctx);
+    kill(p, SIGKILL);
+    proc_wait(p, 10);
+}
+
+/* Rows of the table's gradient that are not rows of it (ids not strictly
+ * increasing, beyond the table, without their values, values of another
+ * count) are logged and dropped; right ones are taken and stepped. */
+Test(short, malformed_table_rows_are_dropped)
+{
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    run_t r;
+    const char *args[] = {"--config", cfg, "--epochs", "1", "--set", "ctr.train=256", "--set", "ctr.test=100",
+                          "--set", "server.shared_memory=false", "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "rowsbad", 1, args);
+    void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
+    cr_assert_eq(zmq_connect(d, r.endpoint), 0);
+    ps_msg_t m = {0};
+    uint64_t run, seq;
+    uint32_t rank;
+    raw_start(d, &m, &run, &seq, &rank, 256, 100);
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, (const int[]){64, 64, 2}, 3, 65536, 8), 0);
+    float *g = calloc(l.n_params, sizeof *g);
+    cr_assert(g);
+    Psd__Header h;
+    Psd__Push pu = PSD__PUSH__INIT;
+    pu.version = 0;
+    pu.batch = 256;
+    pu.loss_sum = 100;
+    pu.pull = 1;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_PUSH;
+    h.body_case = PSD__HEADER__BODY_PUSH;
+    h.push = &pu;
+    /* the MLP's four tensors whole, then the table as rows */
+    ps_frame_t fr[6];
+    for (int t = 0; t < 4; t++)
+        fr[t] = (ps_frame_t){.data = g + l.t[t].offset, .nbytes = l.t[t].numel * 4, .id = (uint32_t)t,
+                             .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)l.t[t].rows,
+                             .cols = t % 2 == 0 ? (uint32_t)l.t[t].cols : 0};
+    uint32_t same[2] = {3, 3}, beyond[2] = {3, 70000}, good[2] = {1, 5};
+    float vals[3 * 8];
+    for (int i = 0; i < 24; i++) vals[i] = 0.25f;
+#define IDS(p, n) ((ps_frame_t){.data = (p), .nbytes = (n) * 4, .id = 4, .dtype = PSD__DTYPE__DT_U32, .rows = (n)})
+#define VALS(n) ((ps_frame_t){.data = vals, .nbytes = (n) * 32, .id = 4, .dtype = PSD__DTYPE__DT_F32, .rows = (n), .cols = 8})
+    fr[4] = IDS(same, 2), fr[5] = VALS(2);
+    raw_send(d, &seq, run, rank, &h, fr, 6);  /* a row twice */
+    fr[4] = IDS(beyond, 2);
+    raw_send(d, &seq, run, rank, &h, fr, 6);  /* beyond the table */
+    fr[4] = IDS(good, 2);
+    raw_send(d, &seq, run, rank, &h, fr, 5);  /* ids without their values */
+    fr[5] = VALS(3);
+    raw_send(d, &seq, run, rank, &h, fr, 6);  /* 3 rows of values for 2 ids */
+    fr[5] = VALS(2);
+    raw_send(d, &seq, run, rank, &h, fr, 6);  /* right: stepped */
+#undef IDS
+#undef VALS
+    raw_expect(d, &m, PSD__MSG_TYPE__MSG_WEIGHTS);
+    cr_assert_eq(m.hdr->weights->version, 1);
+    cr_assert_eq(m.n_frames, 5);
+    /* SGD in the config? no: Adagrad moves each touched float by about lr; rows 1 and 5 moved, row 2 did not */
+    const float *E = (const float *)zmq_msg_data(&m.frames[4]);
+    float *E0 = calloc(l.t[4].numel, sizeof *E0);
+    cr_assert(E0);
+    ps_model_init_params(&l, g, 7); /* run.seed 7 in ctr.yaml */
+    memcpy(E0, g + l.t[4].offset, l.t[4].numel * sizeof *E0);
+    cr_assert(E[1 * 8] != E0[1 * 8] && E[5 * 8 + 7] != E0[5 * 8 + 7], "rows 1 and 5 stepped");
+    cr_assert(memcmp(E + 2 * 8, E0 + 2 * 8, 3 * 8 * sizeof *E) == 0, "rows 2-4 untouched");
+    char *log = slurp(r.psd_log);
+    cr_assert_eq(count_in(log, "that are not rows of the table"), 4, "%s", log);
+    free(log);
+    free(E0);
+    ps_msg_deinit(&m);
+    free(g);
     zmq_close(d);
     zmq_ctx_term(ctx);
     kill(p, SIGKILL);
@@ -2226,6 +2316,42 @@ Test(short, stopped_at_an_epoch_boundary_and_resumed_gives_identical_weights)
                          psd_bin, dirbuf, ck), 2);
     cr_assert_eq(run_cmd("'%s' --resume '%s' --set optimizer.lr=0.5 --force-resume --set data.train_limit=3000 "
                          "--seed 11 --check-config > /dev/null 2>&1", psd_bin, dirbuf), 0);
+}
+
+/* The embedding table's gradient goes as the rows a batch touched when
+ * they are few (train.sparse_threshold, default 0.3 of the table): the
+ * weights are bit for bit those of whole-table pushes (psd steps a
+ * table-sized gradient that is zero elsewhere), and the bytes psd receives
+ * follow the rows: every push is the MLP's tensors plus 4 + 4 x dim bytes
+ * per row, where the whole table is 4 x rows x dim. Over the wire (on
+ * shared memory the table is not sent). */
+Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
+{
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    const char *sparse[] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                            "--set", "checkpoint.dir=", NULL};
+    const char *dense[] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                           "--set", "checkpoint.dir=", "--set", "train.sparse_threshold=0", NULL};
+    const char *wex[] = {"--no-shm", NULL};
+    run_t a, b;
+    train_wx(&a, "rows", 2, sparse, wex, 300);
+    train_wx(&b, "whole", 2, dense, wex, 300);
+    cr_assert_eq(a.psd_code, 0);
+    cr_assert_eq(b.psd_code, 0);
+    cr_assert(weights_equal(a.weights, b.weights), "rows = whole table, bit for bit");
+    char *ma = metrics_last(&a), *mb = metrics_last(&b);
+    const char *la = last_line(ma), *lb = last_line(mb);
+    /* the model: 64 -> 64 -> 2 (4290 floats) and a table of 65536 x 8 */
+    const double mlp = 4.0 * 4290, table = 4.0 * 65536 * 8, row = 4 + 4 * 8;
+    double pushes = json_num(la, "table_row_pushes"), rows = json_num(la, "table_rows_in");
+    cr_assert_eq(pushes, 2 * 40, "every push of the epoch as rows (2 workers x 40 batches): %s", la);
+    cr_assert(rows > pushes && rows < 0.3 * 65536 * pushes, "%s", la);
+    cr_assert_eq(json_num(la, "wire_bytes_in"), pushes * mlp + rows * row, "%s", la);
+    cr_assert_eq(json_num(lb, "table_row_pushes"), 0, "%s", lb);
+    cr_assert_eq(json_num(lb, "wire_bytes_in"), pushes * (mlp + table), "%s", lb);
+    free(ma);
+    free(mb);
 }
 
 /* The ctr model's embedding table is checkpointed and restored with the

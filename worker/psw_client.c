@@ -611,6 +611,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     out->seed = a->hyper->seed;
     out->sync = a->hyper->sync;
     out->staleness = a->hyper->staleness;
+    out->sparse_threshold = a->hyper->sparse_threshold >= 0 && a->hyper->sparse_threshold <= 1 ? a->hyper->sparse_threshold : 0;
     if (out->sync > 2) {
         snprintf(err, errlen, "psd sent an unknown consistency mode %u", out->sync);
         return -EPROTO;
@@ -797,6 +798,25 @@ static int push_stream(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
     return 0;
 }
 
+/* The header of a PUSH (p becomes its body): the batch's statistics and
+ * the worker's timing of the step. */
+static void push_header(psw_client_t *c, Psd__Header *h, Psd__Push *p, uint64_t version, uint32_t batch,
+                        double loss_sum, uint64_t correct, int pull)
+{
+    header_init(c, h, PSD__MSG_TYPE__MSG_PUSH);
+    p->version = version;
+    p->batch = batch;
+    p->loss_sum = loss_sum;
+    p->correct = correct;
+    p->pull = pull != 0;
+    double now = ps_now();
+    p->compute_s = c->t_weights > 0 ? now - c->t_weights : 0;
+    p->wait_s = c->wait;
+    if (pull) c->t_req = now;
+    h->body_case = PSD__HEADER__BODY_PUSH;
+    h->push = p;
+}
+
 int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum,
                     uint64_t correct, int pull, int n, const int *ids, const float *const *grads,
                     const size_t *numel, const int *rows, const int *cols)
@@ -804,18 +824,7 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
     if (n < 0 || n > PSW_MAX_TENSORS) return -EINVAL;
     Psd__Header h;
     Psd__Push p = PSD__PUSH__INIT;
-    header_init(c, &h, PSD__MSG_TYPE__MSG_PUSH);
-    p.version = version;
-    p.batch = batch;
-    p.loss_sum = loss_sum;
-    p.correct = correct;
-    p.pull = pull != 0;
-    double now = ps_now();
-    p.compute_s = c->t_weights > 0 ? now - c->t_weights : 0;
-    p.wait_s = c->wait;
-    if (pull) c->t_req = now;
-    h.body_case = PSD__HEADER__BODY_PUSH;
-    h.push = &p;
+    push_header(c, &h, &p, version, batch, loss_sum, correct, pull);
     if (c->shm) { /* into the region psd reads (no copy if computed there) */
         uint32_t sid[PSW_MAX_TENSORS];
         for (int i = 0; i < n; i++) {
@@ -848,6 +857,46 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
     }
     atomic_fetch_add_explicit(&c->push_inflight, n, memory_order_relaxed);
     return ps_msg_send(c->sock, NULL, 0, &h, fr, n);
+}
+
+int psw_client_rows_ok(const psw_client_t *c)
+{
+    return !c->shm && c->n_shards == 1 && !c->stream_cf && !c->grad_bf16 && c->layout.table >= 0;
+}
+
+int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct,
+                         int pull, int n, const int *ids, const float *const *grads, const size_t *numel,
+                         const int *rows, const int *cols, const uint32_t *row_ids, size_t n_rows,
+                         const float *row_vals)
+{
+    const int table = c->layout.table;
+    if (!psw_client_rows_ok(c) || n < 1 || n > PSW_MAX_TENSORS || n_rows < 1 ||
+        n_rows > (size_t)c->layout.t[table].rows)
+        return -EINVAL;
+    for (size_t i = 0; i < n_rows; i++)
+        if (row_ids[i] >= (uint32_t)c->layout.t[table].rows || (i && row_ids[i] <= row_ids[i - 1])) return -EINVAL;
+    Psd__Header h;
+    Psd__Push p = PSD__PUSH__INIT;
+    push_header(c, &h, &p, version, batch, loss_sum, correct, pull);
+    ps_frame_t fr[PSW_MAX_TENSORS + 1];
+    int m = 0, dim = c->layout.t[table].cols;
+    for (int i = 0; i < n; i++) {
+        if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
+        if (ids[i] == table) { /* the rows instead of the whole table */
+            fr[m++] = (ps_frame_t){.data = row_ids, .nbytes = n_rows * sizeof *row_ids, .ffn = push_frame_done,
+                                   .hint = c, .id = (uint32_t)table, .dtype = PSD__DTYPE__DT_U32,
+                                   .rows = (uint32_t)n_rows};
+            fr[m++] = (ps_frame_t){.data = row_vals, .nbytes = n_rows * (size_t)dim * sizeof(float),
+                                   .ffn = push_frame_done, .hint = c, .id = (uint32_t)table,
+                                   .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)n_rows, .cols = (uint32_t)dim};
+            continue;
+        }
+        fr[m++] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float), .ffn = push_frame_done,
+                               .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_F32,
+                               .rows = (uint32_t)rows[i], .cols = (uint32_t)cols[i]};
+    }
+    atomic_fetch_add_explicit(&c->push_inflight, m, memory_order_relaxed);
+    return ps_msg_send(c->sock, NULL, 0, &h, fr, m);
 }
 
 float *psw_client_push_region(psw_client_t *c) { return c->shm ? c->shm_grad : NULL; }

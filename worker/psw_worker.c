@@ -38,6 +38,9 @@ typedef struct {
     ps_ctr_t gen;
     uint32_t *bag_ids; /* (max_batch, fields, per_field) rows of E */
     float *scores;     /* ctr: the click probabilities of a validation range, for psd's AUC */
+    uint32_t *touched; /* ctr: the rows of E the batch uses, sorted, and their gradient (row-sparse push) */
+    float *row_vals;
+    uint64_t pushes_rows, pushes_whole;
     size_t scores_cap;
     float *grads_host; /* non-host backends: gradients copied here for the wire (pinned) */
     int split;         /* push tensor by tensor, as each is ready */
@@ -128,8 +131,11 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
     if (w->ctr) {
         psw_bags_t bags = {.fields = w->a.ctr.fields, .per_field = w->a.ctr.per_field, .mean = w->a.ctr.mean};
         w->m = psw_model_new_bags(w->be, &w->layout, w->max_batch, &bags);
-        w->bag_ids = malloc((size_t)w->max_batch * (size_t)(bags.fields * bags.per_field) * sizeof *w->bag_ids);
-        if (!w->bag_ids) {
+        size_t per = (size_t)w->max_batch * (size_t)(bags.fields * bags.per_field);
+        w->bag_ids = malloc(per * sizeof *w->bag_ids);
+        w->touched = malloc(per * sizeof *w->touched);
+        w->row_vals = malloc(per * (size_t)w->a.ctr.dim * sizeof *w->row_vals);
+        if (!w->bag_ids || !w->touched || !w->row_vals) {
             snprintf(err, errlen, "out of memory for the model");
             return -1;
         }
@@ -175,6 +181,24 @@ static void ctr_batch(wk_t *w, const uint32_t *idx, uint64_t first, int B)
         ps_ctr_example(&w->gen, first + (idx ? idx[b] : (uint64_t)b), w->bag_ids + (size_t)b * n, NULL, &label);
         w->y[b] = label;
     }
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* ctr: the rows of E the batch of B examples in w->bag_ids uses, sorted and
+ * once each, to w->touched; returns their count. */
+static size_t touched_rows(wk_t *w, int B)
+{
+    size_t n = (size_t)B * (size_t)(w->gen.fields * w->gen.per_field), k = 0;
+    memcpy(w->touched, w->bag_ids, n * sizeof *w->touched);
+    qsort(w->touched, n, sizeof *w->touched, cmp_u32);
+    for (size_t i = 0; i < n; i++)
+        if (!k || w->touched[i] != w->touched[k - 1]) w->touched[k++] = w->touched[i];
+    return k;
 }
 
 /* Backward reached tensor t: start copying its gradient to the wire buffer
@@ -233,9 +257,20 @@ static int train_step(wk_t *w, const psw_event_t *ev)
         rows[k] = w->layout.t[t].rows;
         cols[k] = t % 2 == 0 ? w->layout.t[t].cols : 0;
     }
-    if (!w->split) {
+    size_t nt = w->ctr && !w->split && w->a.sparse_threshold > 0 && psw_client_rows_ok(w->c) ? touched_rows(w, B) : 0;
+    if (nt > 0 && (double)nt < w->a.sparse_threshold * (double)w->layout.t[w->layout.table].rows) {
+        /* few rows of the table touched: push those (the others' gradient is zero) */
+        const int D = w->layout.t[w->layout.table].cols;
+        const float *dE = base + w->layout.t[w->layout.table].offset;
+        for (size_t i = 0; i < nt; i++)
+            memcpy(w->row_vals + i * (size_t)D, dE + (size_t)w->touched[i] * (size_t)D, (size_t)D * sizeof(float));
+        rc = psw_client_push_rows(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct, !last, n, ids, g, numel,
+                                  rows, cols, w->touched, nt, w->row_vals);
+        w->pushes_rows++;
+    } else if (!w->split) {
         rc = psw_client_push(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct, !last, n, ids, g,
                              numel, rows, cols);
+        w->pushes_whole += w->ctr;
     } else {
         for (int k = 0; k < n && rc == 0; k++) {
             w->be->wait(w->be, w->ticket[ids[k]]);
@@ -339,6 +374,8 @@ static void wk_deinit(wk_t *w)
     free(w->x);
     free(w->y);
     free(w->bag_ids);
+    free(w->touched);
+    free(w->row_vals);
     free(w->scores);
     free(w->ids);
     psw_client_destroy(&w->c);
@@ -451,6 +488,9 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
             break;
         case PSW_EV_VALIDATE: rc = validate(w, &ev); break;
         case PSW_EV_SHUTDOWN:
+            if (w->ctr)
+                PS_INFO("embedding table gradient pushed as rows %llu times, whole %llu times",
+                        (unsigned long long)w->pushes_rows, (unsigned long long)w->pushes_whole);
             if (ev.exit_code != 0) PS_ERROR("psd ended the run: %s", ev.message);
             else PS_INFO("psd ended the run: %s", ev.message[0] ? ev.message : "done");
             return ev.exit_code < 0 || ev.exit_code > 125 ? PSW_EXIT_ERROR : ev.exit_code;

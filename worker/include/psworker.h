@@ -59,6 +59,7 @@ typedef struct {
     uint64_t seed;
     uint32_t sync;             /* train.sync: 0 bsp, 1 async, 2 ssp */
     uint32_t staleness;        /* train.staleness (ssp) */
+    double sparse_threshold;   /* train.sparse_threshold: see psw_client_push_rows */
     double start_timeout_s;    /* how long to wait for the first epoch */
     double step_timeout_s;     /* how long to wait for any later reply */
     int shm;                   /* tensors go through shared memory with psd (same host) */
@@ -126,6 +127,18 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
                     uint64_t correct, int pull, int n, const int *ids, const float *const *grads,
                     const size_t *numel, const int *rows, const int *cols);
 int psw_client_push_done(psw_client_t *c);
+/* A push whose embedding table (model.kind ctr) goes as rows: tensor
+ * layout.table among ids[] is sent as the n_rows row ids (strictly
+ * increasing) and their gradient rows (row_vals, n_rows x dim) instead of
+ * the whole table; psd takes the other rows' gradient as zero, so the step
+ * is the one the whole table would give. Without copying, like
+ * psw_client_push. Only where psw_client_rows_ok (over the wire, one psd,
+ * whole steps, f32 gradients); -EINVAL otherwise or for bad ids. */
+int psw_client_rows_ok(const psw_client_t *c);
+int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct,
+                         int pull, int n, const int *ids, const float *const *grads, const size_t *numel,
+                         const int *rows, const int *cols, const uint32_t *row_ids, size_t n_rows,
+                         const float *row_vals);
 /* On psd's host (shared memory): the region psd reads gradients from, the
  * model's n_params floats in layout order; a gradient computed in place
  * there is pushed without any copy (others are copied in by push). Write it
