@@ -122,6 +122,9 @@ typedef struct {
      * whole gradient */
     bool grad_rows;
     int sp_table;
+    uint32_t *want_ids;   /* the rows its next batch reads (Push.want_rows): the reply brings only those */
+    float *want_vals;
+    size_t n_want, want_cap;
     float *sp_e;
     uint32_t *sp_ids;
     size_t sp_n, sp_cap;
@@ -270,6 +273,7 @@ typedef struct {
     uint8_t *step_bf16;   /* and whether each row is bfloat16 */
     uint64_t ep_bytes_in, ep_bytes_out; /* tensor bytes received / sent on the wire this epoch */
     uint64_t ep_rows_in, ep_rows_pushes; /* table rows received in row-sparse pushes, and those pushes */
+    uint64_t ep_rows_out, ep_rows_replies; /* table rows sent in replies that carry only the rows asked for */
     /* async and ssp: staleness of the gradients applied this epoch (versions
      * between the one a push was computed on and the one it was applied to),
      * and ssp's largest lead (steps ahead of the slowest) a worker was let
@@ -509,6 +513,26 @@ static void send_weights(srv_t *s, worker_t *w)
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
     int n = weights_frames(s, w, fr, &wt.shm_slot, &wt.crc);
+    if (w->n_want && !w->shm && s->cfg.wire_weights == PS_WIRE_F32 && !sharded(s)) {
+        /* only the table rows its next batch reads, gathered (and copied by ZeroMQ at send) */
+        const ps_layout_t *l = &s->layout;
+        const size_t D = (size_t)l->t[l->table].cols;
+        const float *E = s->store.cur->w + l->t[l->table].offset;
+        for (int i = 0; i < n; i++) {
+            if (fr[i].id != (uint32_t)l->table) continue;
+            if (fr[i].ffn) fr[i].ffn((void *)fr[i].data, fr[i].hint); /* its reference to the version */
+            s->ep_bytes_out -= fr[i].nbytes;
+            for (size_t j = 0; j < w->n_want; j++) memcpy(w->want_vals + j * D, E + (size_t)w->want_ids[j] * D, D * 4);
+            fr[i] = (ps_frame_t){.data = w->want_vals, .nbytes = w->n_want * D * 4, .id = (uint32_t)l->table,
+                                 .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)w->n_want, .cols = (uint32_t)D};
+            s->ep_bytes_out += fr[i].nbytes;
+            s->ep_rows_out += w->n_want;
+            s->ep_rows_replies++;
+            wt.rows = true;
+            wt.crc = 0;
+        }
+    }
+    w->n_want = 0;
     send_to(s, w, &h, fr, n);
 }
 
@@ -794,6 +818,7 @@ static void start_epoch(srv_t *s)
     s->bytes_out_done += s->ep_bytes_out;
     s->ep_bytes_in = s->ep_bytes_out = 0;
     s->ep_rows_in = s->ep_rows_pushes = 0;
+    s->ep_rows_out = s->ep_rows_replies = 0;
     s->resumed_mid_epoch = false;
     uint64_t longest = k ? (T + (uint64_t)k - 1) / (uint64_t)k : T;
     s->spe = (double)((longest + (uint64_t)s->cfg.batch_size - 1) / (uint64_t)s->cfg.batch_size);
@@ -1470,6 +1495,41 @@ static int rows_take(srv_t *s, worker_t *w, ps_msg_t *m, int i)
     return 0;
 }
 
+/* The last frame of a PUSH with want_rows: the table rows the worker's
+ * next batch reads (strictly increasing, below the table's rows), kept for
+ * the reply. 0, or -1 (dropped, logged). Allocates only when a list is
+ * longer than any before. */
+static int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    const ps_layout_t *l = &s->layout;
+    size_t n = 0;
+    const uint32_t *ids = m->n_frames > 0 && l->table >= 0 &&
+                                  m->hdr->tensors[m->n_frames - 1]->id == (uint32_t)l->table
+                              ? ps_msg_u32(m, m->n_frames - 1, &n)
+                              : NULL;
+    bool ok = ids && n > 0 && n <= (size_t)l->t[l->table].rows;
+    for (size_t j = 0; ok && j < n; j++) ok = ids[j] < (uint32_t)l->t[l->table].rows && (!j || ids[j] > ids[j - 1]);
+    if (!ok) {
+        drop(s, w, "PUSH asking for table rows that are not rows of the table (strictly increasing ids below its "
+                   "row count, in its last frame)");
+        return -1;
+    }
+    if (n > w->want_cap) {
+        uint32_t *p = realloc(w->want_ids, n * sizeof *p);
+        if (p) w->want_ids = p;
+        float *v = p ? realloc(w->want_vals, n * (size_t)l->t[l->table].cols * sizeof *v) : NULL;
+        if (v) w->want_vals = v;
+        if (!p || !v) {
+            drop(s, w, "PUSH asking for table rows: out of memory");
+            return -1;
+        }
+        w->want_cap = n;
+    }
+    memcpy(w->want_ids, ids, n * sizeof *ids);
+    w->n_want = n;
+    return 0;
+}
+
 static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Push *p = m->hdr->push;
@@ -1534,8 +1594,9 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
             in_shm |= 1ull << t;
         }
         mask = in_shm;
+        const int nf = m->n_frames - (p->want_rows && m->n_frames > 0); /* gradient frames; then the rows wanted */
         int rows_at = -1; /* the table's gradient as rows: frames rows_at (ids) and rows_at + 1 */
-        for (int i = 0; i < m->n_frames; i++) {
+        for (int i = 0; i < nf; i++) {
             size_t n = 0;
             const Psd__TensorDesc *d = m->hdr->tensors[i];
             uint32_t t = d->id;
@@ -1566,11 +1627,16 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
             }
             mask |= 1ull << t;
         }
-        if (rows_at >= 0 && rows_take(s, w, m, rows_at) != 0) return;
+        if (p->want_rows && want_take(s, w, m) != 0) return;
+        if (rows_at >= 0 && rows_take(s, w, m, rows_at) != 0) {
+            w->n_want = 0;
+            return;
+        }
         /* keep the frames without copying: reduced in rank order once everyone has pushed */
         for (int i = 0; i < m->n_frames; i++) {
             uint32_t t = m->hdr->tensors[i]->id;
             s->ep_bytes_in += zmq_msg_size(&m->frames[i]);
+            if (i >= nf) continue; /* the rows wanted: kept by want_take */
             if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* scattered into sp_e */
             zmq_msg_init(&w->grad[t]);
             zmq_msg_move(&w->grad[t], &m->frames[i]);
@@ -1684,8 +1750,10 @@ static void end_validation(srv_t *s)
         if (s->cfg.kind == PS_MODEL_CTR)
             fprintf(s->metrics,
                     ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g,\"val_auc\":%.9g,\"optimum_auc\":%.9g"
-                    ",\"table_rows_in\":%" PRIu64 ",\"table_row_pushes\":%" PRIu64,
-                    s->ctr_opt_loss, s->ctr_const_loss, auc, s->ctr_opt_auc, s->ep_rows_in, s->ep_rows_pushes);
+                    ",\"table_rows_in\":%" PRIu64 ",\"table_row_pushes\":%" PRIu64 ",\"table_rows_out\":%" PRIu64
+                    ",\"table_row_replies\":%" PRIu64,
+                    s->ctr_opt_loss, s->ctr_const_loss, auc, s->ctr_opt_auc, s->ep_rows_in, s->ep_rows_pushes,
+                    s->ep_rows_out, s->ep_rows_replies);
         fputs("}\n", s->metrics);
         fflush(s->metrics);
     }
@@ -3612,6 +3680,8 @@ out:
             free(s->w[i].ranges);
             free(s->w[i].sp_e);
             free(s->w[i].sp_ids);
+            free(s->w[i].want_ids);
+            free(s->w[i].want_vals);
             free(s->w[i].gch);
             free(s->w[i].gch_in);
         }

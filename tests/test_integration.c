@@ -1817,6 +1817,9 @@ Test(short, malformed_table_rows_are_dropped)
     fr[5] = VALS(3);
     raw_send(d, &seq, run, rank, &h, fr, 6);  /* 3 rows of values for 2 ids */
     fr[5] = VALS(2);
+    pu.want_rows = 1;
+    raw_send(d, &seq, run, rank, &h, fr, 6);  /* its last frame is no list of rows wanted */
+    pu.want_rows = 0;
     raw_send(d, &seq, run, rank, &h, fr, 6);  /* right: stepped */
 #undef IDS
 #undef VALS
@@ -1832,7 +1835,7 @@ Test(short, malformed_table_rows_are_dropped)
     cr_assert(E[1 * 8] != E0[1 * 8] && E[5 * 8 + 7] != E0[5 * 8 + 7], "rows 1 and 5 stepped");
     cr_assert(memcmp(E + 2 * 8, E0 + 2 * 8, 3 * 8 * sizeof *E) == 0, "rows 2-4 untouched");
     char *log = slurp(r.psd_log);
-    cr_assert_eq(count_in(log, "that are not rows of the table"), 4, "%s", log);
+    cr_assert_eq(count_in(log, "that are not rows of the table"), 5, "%s", log);
     free(log);
     free(E0);
     ps_msg_deinit(&m);
@@ -2319,12 +2322,14 @@ Test(short, stopped_at_an_epoch_boundary_and_resumed_gives_identical_weights)
 }
 
 /* The embedding table's gradient goes as the rows a batch touched when
- * they are few (train.sparse_threshold, default 0.3 of the table): the
- * weights are bit for bit those of whole-table pushes (psd steps a
- * table-sized gradient that is zero elsewhere), and the bytes psd receives
- * follow the rows: every push is the MLP's tensors plus 4 + 4 x dim bytes
- * per row, where the whole table is 4 x rows x dim. Over the wire (on
- * shared memory the table is not sent). */
+ * they are few (train.sparse_threshold, default 0.3 of the table), and the
+ * reply brings only the rows the next batch reads: the weights are bit for
+ * bit those of whole-table pushes and pulls (psd steps a table-sized
+ * gradient that is zero elsewhere; the worker's batch reads only rows it
+ * was sent), and the bytes follow the rows: every push is the MLP's tensors
+ * plus 4 + 4 x dim bytes per row and 4 per row wanted, every reply the
+ * MLP's plus 4 x dim per row, where the whole table is 4 x rows x dim.
+ * Over the wire (on shared memory the table is not sent). */
 Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
 {
     char cfg[1024];
@@ -2347,9 +2352,17 @@ Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
     double pushes = json_num(la, "table_row_pushes"), rows = json_num(la, "table_rows_in");
     cr_assert_eq(pushes, 2 * 40, "every push of the epoch as rows (2 workers x 40 batches): %s", la);
     cr_assert(rows > pushes && rows < 0.3 * 65536 * pushes, "%s", la);
-    cr_assert_eq(json_num(la, "wire_bytes_in"), pushes * mlp + rows * row, "%s", la);
+    /* replies: the rows the next batch reads (asked for in the push: 4 bytes a row), but for
+     * the epoch's first weights, its last (partial) batch's and the validation's, which bring
+     * the whole table */
+    double replies = json_num(la, "table_row_replies"), out = json_num(la, "table_rows_out");
+    cr_assert_eq(json_num(la, "wire_bytes_in"), pushes * mlp + rows * row + out * 4, "%s", la);
     cr_assert_eq(json_num(lb, "table_row_pushes"), 0, "%s", lb);
     cr_assert_eq(json_num(lb, "wire_bytes_in"), pushes * (mlp + table), "%s", lb);
+    cr_assert(replies >= 2 * 37 && out < 0.3 * 65536 * replies, "%s", la);
+    double whole = (json_num(la, "wire_bytes_out") - replies * mlp - out * (row - 4)) / (mlp + table);
+    cr_assert(whole == floor(whole) && whole >= 2 && whole <= 3 * 2, "%g whole-table sends: %s", whole, la);
+    cr_assert_eq(json_num(lb, "table_row_replies"), 0, "%s", lb);
     free(ma);
     free(mb);
 }

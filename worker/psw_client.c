@@ -23,6 +23,11 @@
 #include "ps_wire.h"
 
 struct psw_client {
+    /* the table rows the last push asked for (Push.want_rows), and the
+     * worker's replica of the table the replies' rows are scattered into */
+    uint32_t *want;
+    size_t n_want, want_cap;
+    float *replica;
     void *ctx, *sock;
     void *mon;              /* PAIR receiving the DEALER's socket events */
     int connected;          /* a connection to psd has been up */
@@ -263,6 +268,8 @@ void psw_client_destroy(psw_client_t **cp)
     stream_release(c);
     free(c->gconv);
     free(c->wconv);
+    free(c->want);
+    free(c->replica);
     if (c->sock) {
         ps_msg_drain(c->sock, 0.05, 0.3); /* weights psd sent before we left */
         zmq_socket_monitor(c->sock, NULL, 0);
@@ -664,6 +671,9 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     free(c->wconv);
     c->gconv = c->grad_bf16 ? calloc(c->layout.n_params, sizeof *c->gconv) : NULL;
     c->wconv = c->weight_bf16 ? calloc(c->layout.n_params, sizeof *c->wconv) : NULL;
+    free(c->replica); /* the table's replica: made at the first push asking for rows */
+    c->replica = NULL;
+    c->n_want = 0;
     if ((c->grad_bf16 && !c->gconv) || (c->weight_bf16 && !c->wconv)) {
         snprintf(err, errlen, "out of memory for the bfloat16 buffers");
         return -ENOMEM;
@@ -864,21 +874,41 @@ int psw_client_rows_ok(const psw_client_t *c)
     return !c->shm && c->n_shards == 1 && !c->stream_cf && !c->grad_bf16 && c->layout.table >= 0;
 }
 
+/* ids[0..n) are rows of the table, strictly increasing (n >= 1) */
+static bool table_rows(const psw_client_t *c, const uint32_t *ids, size_t n)
+{
+    const uint32_t R = (uint32_t)c->layout.t[c->layout.table].rows;
+    if (n < 1 || n > R) return false;
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] >= R || (i && ids[i] <= ids[i - 1])) return false;
+    return true;
+}
+
 int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct,
                          int pull, int n, const int *ids, const float *const *grads, const size_t *numel,
                          const int *rows, const int *cols, const uint32_t *row_ids, size_t n_rows,
-                         const float *row_vals)
+                         const float *row_vals, const uint32_t *want, size_t n_want)
 {
     const int table = c->layout.table;
-    if (!psw_client_rows_ok(c) || n < 1 || n > PSW_MAX_TENSORS || n_rows < 1 ||
-        n_rows > (size_t)c->layout.t[table].rows)
+    if (!psw_client_rows_ok(c) || n < 1 || n > PSW_MAX_TENSORS || !table_rows(c, row_ids, n_rows) ||
+        (n_want && (!pull || !table_rows(c, want, n_want))))
         return -EINVAL;
-    for (size_t i = 0; i < n_rows; i++)
-        if (row_ids[i] >= (uint32_t)c->layout.t[table].rows || (i && row_ids[i] <= row_ids[i - 1])) return -EINVAL;
+    if (n_want) { /* kept for the reply, which brings these rows only */
+        if (n_want > c->want_cap) {
+            uint32_t *p = realloc(c->want, n_want * sizeof *p);
+            if (!p) return -ENOMEM;
+            c->want = p;
+            c->want_cap = n_want;
+        }
+        if (!c->replica && !(c->replica = calloc(c->layout.t[table].numel, sizeof *c->replica))) return -ENOMEM;
+        memcpy(c->want, want, n_want * sizeof *want);
+    }
+    c->n_want = n_want;
     Psd__Header h;
     Psd__Push p = PSD__PUSH__INIT;
     push_header(c, &h, &p, version, batch, loss_sum, correct, pull);
-    ps_frame_t fr[PSW_MAX_TENSORS + 1];
+    p.want_rows = n_want > 0;
+    ps_frame_t fr[PSW_MAX_TENSORS + 2];
     int m = 0, dim = c->layout.t[table].cols;
     for (int i = 0; i < n; i++) {
         if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
@@ -895,7 +925,10 @@ int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, doub
                                .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_F32,
                                .rows = (uint32_t)rows[i], .cols = (uint32_t)cols[i]};
     }
-    atomic_fetch_add_explicit(&c->push_inflight, m, memory_order_relaxed);
+    if (n_want) /* copied at send: the worker may reuse its list */
+        fr[m++] = (ps_frame_t){.data = want, .nbytes = n_want * sizeof *want, .id = (uint32_t)table,
+                               .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n_want};
+    atomic_fetch_add_explicit(&c->push_inflight, m - (n_want > 0), memory_order_relaxed);
     return ps_msg_send(c->sock, NULL, 0, &h, fr, m);
 }
 
@@ -1021,6 +1054,25 @@ static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_
         }
         c->verified++;
     }
+    return 0;
+}
+
+/* WEIGHTS with rows: the table's frame holds the rows the last push asked
+ * for, in its order. Scattered into the replica, which the event then
+ * gives as the table: the rows the next batch reads are this version's;
+ * the others are older, and nothing reads them. */
+static int take_rows(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
+{
+    const int t = c->layout.table;
+    const size_t D = t >= 0 ? (size_t)c->layout.t[t].cols : 0;
+    if (t < 0 || !c->n_want || ev->n_tensors != c->layout.n_tensors || ev->tensor_numel[t] != c->n_want * D) {
+        snprintf(err, errlen, "psd sent table rows this worker did not ask for");
+        return -EPROTO;
+    }
+    for (size_t j = 0; j < c->n_want; j++)
+        memcpy(c->replica + (size_t)c->want[j] * D, ev->tensors[t] + j * D, D * sizeof(float));
+    ev->tensors[t] = c->replica;
+    ev->tensor_numel[t] = c->layout.t[t].numel;
     return 0;
 }
 
@@ -1227,7 +1279,10 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
             c->t_req = 0;
             ev->version = h->weights->version;
             ev->step = h->weights->step;
-            return take_tensors(c, ev, h->weights->shm_slot, h->weights->crc, err, errlen);
+            rc = take_tensors(c, ev, h->weights->shm_slot, h->weights->crc, err, errlen);
+            if (rc == 0 && h->weights->rows) rc = take_rows(c, ev, err, errlen);
+            c->n_want = 0;
+            return rc;
         case PSD__MSG_TYPE__MSG_VALIDATE:
             ev->kind = PSW_EV_VALIDATE;
             ev->epoch = h->validate->epoch;

@@ -40,6 +40,7 @@ typedef struct {
     float *scores;     /* ctr: the click probabilities of a validation range, for psd's AUC */
     uint32_t *touched; /* ctr: the rows of E the batch uses, sorted, and their gradient (row-sparse push) */
     float *row_vals;
+    uint32_t *next_bags, *want; /* ctr: the next batch's bags, and the rows they read (asked for with the push) */
     uint64_t pushes_rows, pushes_whole;
     size_t scores_cap;
     float *grads_host; /* non-host backends: gradients copied here for the wire (pinned) */
@@ -135,7 +136,9 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
         w->bag_ids = malloc(per * sizeof *w->bag_ids);
         w->touched = malloc(per * sizeof *w->touched);
         w->row_vals = malloc(per * (size_t)w->a.ctr.dim * sizeof *w->row_vals);
-        if (!w->bag_ids || !w->touched || !w->row_vals) {
+        w->next_bags = malloc(per * sizeof *w->next_bags);
+        w->want = malloc(per * sizeof *w->want);
+        if (!w->bag_ids || !w->touched || !w->row_vals || !w->next_bags || !w->want) {
             snprintf(err, errlen, "out of memory for the model");
             return -1;
         }
@@ -189,16 +192,31 @@ static int cmp_u32(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* ctr: the rows of E the batch of B examples in w->bag_ids uses, sorted and
- * once each, to w->touched; returns their count. */
-static size_t touched_rows(wk_t *w, int B)
+/* ctr: the rows of E that the B examples' bags (bags) read, sorted and
+ * once each, to out; returns their count. */
+static size_t touched_rows(const wk_t *w, const uint32_t *bags, int B, uint32_t *out)
 {
     size_t n = (size_t)B * (size_t)(w->gen.fields * w->gen.per_field), k = 0;
-    memcpy(w->touched, w->bag_ids, n * sizeof *w->touched);
-    qsort(w->touched, n, sizeof *w->touched, cmp_u32);
+    memcpy(out, bags, n * sizeof *out);
+    qsort(out, n, sizeof *out, cmp_u32);
     for (size_t i = 0; i < n; i++)
-        if (!k || w->touched[i] != w->touched[k - 1]) w->touched[k++] = w->touched[i];
+        if (!k || out[i] != out[k - 1]) out[k++] = out[i];
     return k;
+}
+
+/* ctr: the rows the epoch's next batch (from w->pos) reads, to w->want;
+ * returns their count. 0 when it is not a whole batch: samples psd gives
+ * this worker later (EPOCH append) would join it, with rows not asked for. */
+static size_t next_rows(wk_t *w)
+{
+    if (w->n_ids - w->pos < w->a.batch_size) return 0;
+    int B = (int)w->a.batch_size;
+    size_t per = (size_t)(w->gen.fields * w->gen.per_field);
+    for (int b = 0; b < B; b++) {
+        uint8_t label;
+        ps_ctr_example(&w->gen, w->ids[w->pos + (size_t)b], w->next_bags + (size_t)b * per, NULL, &label);
+    }
+    return touched_rows(w, w->next_bags, B, w->want);
 }
 
 /* Backward reached tensor t: start copying its gradient to the wire buffer
@@ -257,15 +275,21 @@ static int train_step(wk_t *w, const psw_event_t *ev)
         rows[k] = w->layout.t[t].rows;
         cols[k] = t % 2 == 0 ? w->layout.t[t].cols : 0;
     }
-    size_t nt = w->ctr && !w->split && w->a.sparse_threshold > 0 && psw_client_rows_ok(w->c) ? touched_rows(w, B) : 0;
-    if (nt > 0 && (double)nt < w->a.sparse_threshold * (double)w->layout.t[w->layout.table].rows) {
+    size_t nt = w->ctr && !w->split && w->a.sparse_threshold > 0 && psw_client_rows_ok(w->c)
+                    ? touched_rows(w, w->bag_ids, B, w->touched)
+                    : 0;
+    const double few = nt ? w->a.sparse_threshold * (double)w->layout.t[w->layout.table].rows : 0;
+    if (nt > 0 && (double)nt < few) {
         /* few rows of the table touched: push those (the others' gradient is zero) */
         const int D = w->layout.t[w->layout.table].cols;
         const float *dE = base + w->layout.t[w->layout.table].offset;
         for (size_t i = 0; i < nt; i++)
             memcpy(w->row_vals + i * (size_t)D, dE + (size_t)w->touched[i] * (size_t)D, (size_t)D * sizeof(float));
+        /* and the reply brings only the table rows the next batch reads, when they are few */
+        size_t nw = last ? 0 : next_rows(w);
+        if ((double)nw >= few) nw = 0;
         rc = psw_client_push_rows(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct, !last, n, ids, g, numel,
-                                  rows, cols, w->touched, nt, w->row_vals);
+                                  rows, cols, w->touched, nt, w->row_vals, w->want, nw);
         w->pushes_rows++;
     } else if (!w->split) {
         rc = psw_client_push(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct, !last, n, ids, g,
@@ -376,6 +400,8 @@ static void wk_deinit(wk_t *w)
     free(w->bag_ids);
     free(w->touched);
     free(w->row_vals);
+    free(w->next_bags);
+    free(w->want);
     free(w->scores);
     free(w->ids);
     psw_client_destroy(&w->c);

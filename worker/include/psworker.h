@@ -135,10 +135,14 @@ int psw_client_push_done(psw_client_t *c);
  * psw_client_push. Only where psw_client_rows_ok (over the wire, one psd,
  * whole steps, f32 gradients); -EINVAL otherwise or for bad ids. */
 int psw_client_rows_ok(const psw_client_t *c);
+/* want (n_want > 0, with pull): the table rows, strictly increasing, the
+ * worker's next batch reads; the WEIGHTS reply then brings only those (and
+ * the other tensors whole), and its table is the client's replica of the
+ * table with them scattered in: exact for a batch that reads no other row. */
 int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct,
                          int pull, int n, const int *ids, const float *const *grads, const size_t *numel,
                          const int *rows, const int *cols, const uint32_t *row_ids, size_t n_rows,
-                         const float *row_vals);
+                         const float *row_vals, const uint32_t *want, size_t n_want);
 /* On psd's host (shared memory): the region psd reads gradients from, the
  * model's n_params floats in layout order; a gradient computed in place
  * there is pushed without any copy (others are copied in by push). Write it
