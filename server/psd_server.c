@@ -1370,6 +1370,13 @@ static void worker_gone(srv_t *s, worker_t *w)
     if (s->stream) stream_forget(s, w);
     release_push(w); /* a gradient from a worker declared gone is never applied (streamed: see stream_forget) */
     shm_forget(s, w);
+    free(w->sp_e); /* its table-sized gradient and row lists (the rows sent were copied at send) */
+    free(w->sp_ids);
+    free(w->want_ids);
+    free(w->want_vals);
+    w->sp_e = w->want_vals = NULL;
+    w->sp_ids = w->want_ids = NULL;
+    w->sp_n = w->sp_cap = w->n_want = w->want_cap = 0;
     w->state = W_GONE;
     w->gone_at = ps_now();
     if (s->phase == PHASE_TRAIN && (was == W_TRAIN || was == W_BARRIER) && w->consumed < w->assigned) {
@@ -1439,6 +1446,14 @@ static void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
     answer_pull(s, w);
 }
 
+/* The most table rows one batch can read: min(rows, batch x fields x values). */
+static size_t batch_rows(const srv_t *s)
+{
+    size_t n = (size_t)s->cfg.batch_size * (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
+    size_t R = (size_t)s->layout.t[s->layout.table].rows;
+    return n < R ? n : R;
+}
+
 /* Frames i (u32 ids) and i + 1 (f32 rows) of a PUSH are rows of the
  * table's gradient: ids strictly increasing and below its row count, rows
  * of its width, one psd, f32 gradients. 0, or -1. */
@@ -1475,14 +1490,15 @@ static int rows_take(srv_t *s, worker_t *w, ps_msg_t *m, int i)
         drop(s, w, "PUSH of table rows: out of memory for its %zu floats", l->t[l->table].numel);
         return -1;
     }
-    if (n > w->sp_cap) {
-        uint32_t *p = realloc(w->sp_ids, n * sizeof *p);
+    if (n > w->sp_cap) { /* the first time: room for any batch's rows, so no later step allocates */
+        size_t cap = n > batch_rows(s) ? n : batch_rows(s);
+        uint32_t *p = realloc(w->sp_ids, cap * sizeof *p);
         if (!p) {
             drop(s, w, "PUSH of table rows: out of memory");
             return -1;
         }
         w->sp_ids = p;
-        w->sp_cap = n;
+        w->sp_cap = cap;
     }
     for (size_t j = 0; j < w->sp_n; j++) memset(w->sp_e + (size_t)w->sp_ids[j] * D, 0, D * sizeof(float));
     for (size_t j = 0; j < n; j++) memcpy(w->sp_e + (size_t)ids[j] * D, v + j * D, D * sizeof(float));
@@ -1509,21 +1525,22 @@ static int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
                               : NULL;
     bool ok = ids && n > 0 && n <= (size_t)l->t[l->table].rows;
     for (size_t j = 0; ok && j < n; j++) ok = ids[j] < (uint32_t)l->t[l->table].rows && (!j || ids[j] > ids[j - 1]);
-    if (!ok) {
+    if (!ok || !m->hdr->push->pull) {
         drop(s, w, "PUSH asking for table rows that are not rows of the table (strictly increasing ids below its "
-                   "row count, in its last frame)");
+                   "row count, in its last frame) or without asking for the next version");
         return -1;
     }
-    if (n > w->want_cap) {
-        uint32_t *p = realloc(w->want_ids, n * sizeof *p);
+    if (n > w->want_cap) { /* the first time: room for any batch's rows */
+        size_t cap = n > batch_rows(s) ? n : batch_rows(s);
+        uint32_t *p = realloc(w->want_ids, cap * sizeof *p);
         if (p) w->want_ids = p;
-        float *v = p ? realloc(w->want_vals, n * (size_t)l->t[l->table].cols * sizeof *v) : NULL;
+        float *v = p ? realloc(w->want_vals, cap * (size_t)l->t[l->table].cols * sizeof *v) : NULL;
         if (v) w->want_vals = v;
         if (!p || !v) {
             drop(s, w, "PUSH asking for table rows: out of memory");
             return -1;
         }
-        w->want_cap = n;
+        w->want_cap = cap;
     }
     memcpy(w->want_ids, ids, n * sizeof *ids);
     w->n_want = n;

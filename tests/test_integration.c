@@ -674,41 +674,68 @@ static void read_counts(const char *file, double c[4])
 /* Once training runs, psd's own code and protobuf decoding allocate nothing
  * per step: two runs that differ only in their number of steps make as
  * many allocations (libzmq's own, per step, are reported). */
-Test(short, psd_allocates_nothing_per_step)
+/* psd's allocations in a run of n[0] and one of n[1] training samples
+ * (data.train_limit, or ctr.train with ctr), 2 workers (w1_extra for the
+ * second), counted by the preloaded counter: psd's own code and protobuf
+ * decoding must allocate the same in both, i.e. nothing per step. */
+static void alloc_check(const char *tag0, const char **cfg, const char *key, const int n[2], int steps_diff,
+                        const char **w0_extra, const char **w1_extra)
 {
     const char *lib = getenv("PSD_ALLOC_COUNT_LIB");
     if (!lib || !lib[0]) cr_skip_test("no allocation counter in this build (sanitizers own malloc)");
-    const char *limit[2] = {"data.train_limit=1280", "data.train_limit=6400"}; /* 10 and 50 steps */
     double c[2][4];
     for (int k = 0; k < 2; k++) {
         run_t r;
-        char tag[16], out[512];
-        snprintf(tag, sizeof tag, "alloc%d", k);
+        char tag[32], out[512], limit[64];
+        snprintf(tag, sizeof tag, "%s%d", tag0, k);
         snprintf(out, sizeof out, "%s/%s-counts.txt", dir, tag);
-        const char *extra[] = {"--epochs", "1", "--set", limit[k], "--set", "checkpoint.dir=", NULL};
+        snprintf(limit, sizeof limit, "%s=%d", key, n[k]);
+        const char *extra[16];
+        int e = 0;
+        for (int i = 0; cfg && cfg[i]; i++) extra[e++] = cfg[i];
+        extra[e++] = "--epochs", extra[e++] = "1", extra[e++] = "--set", extra[e++] = limit;
+        extra[e++] = "--set", extra[e++] = "checkpoint.dir=", extra[e] = NULL;
         setenv("LD_PRELOAD", lib, 1);
         setenv("ALLOC_COUNT_OUT", out, 1);
         pid_t p = start_psd(&r, tag, 2, extra);
         unsetenv("LD_PRELOAD");
         unsetenv("ALLOC_COUNT_OUT");
-        const char *wire[] = {"--no-shm", NULL}; /* one worker on shared memory, one on the wire */
-        pid_t w0 = start_worker(&r, tag, 0, NULL), w1 = start_worker(&r, tag, 1, wire);
+        pid_t w0 = start_worker(&r, tag, 0, w0_extra), w1 = start_worker(&r, tag, 1, w1_extra);
         cr_assert_eq(proc_wait(p, 300), 0);
         cr_assert_eq(proc_wait(w0, 30), 0);
         cr_assert_eq(proc_wait(w1, 30), 0);
         read_counts(out, c[k]);
         char *m = metrics_last(&r);
-        cr_assert_eq(json_num(last_line(m), "train_samples"), k ? 6400 : 1280);
+        cr_assert_eq(json_num(last_line(m), "train_samples"), n[k]);
         free(m);
     }
-    cr_log_info("allocations, 10-step run / 50-step run: psd %.0f / %.0f, protobuf-c %.0f / %.0f, "
+    const double d = steps_diff;
+    cr_log_info("%s allocations, short run / long run: psd %.0f / %.0f, protobuf-c %.0f / %.0f, "
                 "libzmq %.0f / %.0f (%.1f per step), other %.0f / %.0f",
-                c[0][0], c[1][0], c[0][1], c[1][1], c[0][2], c[1][2], (c[1][2] - c[0][2]) / 40, c[0][3], c[1][3]);
-    fprintf(stderr, "allocations per step: psd's code %.2f, protobuf-c %.2f, libzmq %.2f, other %.2f\n",
-            (c[1][0] - c[0][0]) / 40, (c[1][1] - c[0][1]) / 40, (c[1][2] - c[0][2]) / 40, (c[1][3] - c[0][3]) / 40);
+                tag0, c[0][0], c[1][0], c[0][1], c[1][1], c[0][2], c[1][2], (c[1][2] - c[0][2]) / d, c[0][3], c[1][3]);
+    fprintf(stderr, "%s allocations per step: psd's code %.2f, protobuf-c %.2f, libzmq %.2f, other %.2f\n", tag0,
+            (c[1][0] - c[0][0]) / d, (c[1][1] - c[0][1]) / d, (c[1][2] - c[0][2]) / d, (c[1][3] - c[0][3]) / d);
     cr_assert(c[0][0] > 0, "the counter sees psd's allocations at start-up");
     cr_assert_eq(c[1][0], c[0][0], "psd's own code allocated per step (%.0f vs %.0f)", c[1][0], c[0][0]);
     cr_assert_eq(c[1][1], c[0][1], "protobuf decoding allocated per step (%.0f vs %.0f)", c[1][1], c[0][1]);
+}
+
+Test(short, psd_allocates_nothing_per_step)
+{
+    const int n[2] = {1280, 6400}; /* 10 and 50 steps */
+    const char *wire[] = {"--no-shm", NULL}; /* one worker on shared memory, one on the wire */
+    alloc_check("alloc", NULL, "data.train_limit", n, 40, NULL, wire);
+}
+
+/* The same for the ctr model with table rows both ways (both workers on the wire). */
+Test(short, psd_allocates_nothing_per_step_with_table_rows)
+{
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    const char *args[] = {"--config", cfg, "--set", "ctr.test=1000", NULL};
+    const int n[2] = {2560, 12800}; /* 5 and 25 steps */
+    const char *wire[] = {"--no-shm", NULL};
+    alloc_check("allocrows", args, "ctr.train", n, 20, wire, wire);
 }
 
 Test(short, worker_with_other_data_is_refused)

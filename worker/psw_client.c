@@ -893,6 +893,7 @@ int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, doub
     if (!psw_client_rows_ok(c) || n < 1 || n > PSW_MAX_TENSORS || !table_rows(c, row_ids, n_rows) ||
         (n_want && (!pull || !table_rows(c, want, n_want))))
         return -EINVAL;
+    if (c->weight_bf16) n_want = 0; /* psd sends bfloat16 weights whole */
     if (n_want) { /* kept for the reply, which brings these rows only */
         if (n_want > c->want_cap) {
             uint32_t *p = realloc(c->want, n_want * sizeof *p);
