@@ -2394,6 +2394,30 @@ Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
     free(mb);
 }
 
+/* Table rows both ways in async and ssp (each push stepped on its own and
+ * answered at once, or held back): the run trains as in bsp. */
+Test(short, table_rows_in_async_and_ssp)
+{
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    const char *modes[] = {"train.sync=async", "train.sync=ssp"};
+    const char *wex[] = {"--no-shm", NULL};
+    for (int k = 0; k < 2; k++) {
+        const char *args[] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=40000", "--set", "ctr.test=4000",
+                              "--set", "checkpoint.dir=", "--set", modes[k], NULL};
+        run_t r;
+        train_wx(&r, k ? "rowsssp" : "rowsasync", 2, args, wex, 300);
+        cr_assert_eq(r.psd_code, 0, "%s", modes[k]);
+        char *m = metrics_last(&r);
+        const char *l = last_line(m);
+        cr_assert_gt(json_num(l, "table_row_pushes"), 100, "%s: %s", modes[k], l);
+        cr_assert_gt(json_num(l, "table_row_replies"), 100, "%s: %s", modes[k], l);
+        double opt = json_num(l, "optimum_loss"), cst = json_num(l, "constant_loss");
+        cr_assert_lt(json_num(l, "val_loss") - opt, 0.6 * (cst - opt), "%s: %s", modes[k], l);
+        free(m);
+    }
+}
+
 /* The ctr model's embedding table is checkpointed and restored with the
  * rest (checkpoint format 2 carries its shape): stopped after epoch 2 and
  * resumed, the run ends with the weights of one that never stopped. */
