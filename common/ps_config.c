@@ -53,6 +53,8 @@ enum {
     F_OPEN_MIN = 1u << 0, /* KT_DOUBLE: value must be > dmin, not >= */
     F_OPEN_MAX = 1u << 1, /* KT_DOUBLE: value must be < dmax, not <= */
     F_NONEMPTY = 1u << 2, /* KT_STRING: "" is not allowed */
+    F_UNHASHED = 1u << 3, /* not part of the config hash: changes how, not what, is trained */
+    F_CTR = 1u << 4,      /* part of the hash only with model.kind ctr (an MLP's hash stays what it was) */
 };
 
 typedef struct {
@@ -84,19 +86,24 @@ static const char *const sections[] = {"run",      "model",    "ctr",    "data",
 #define FIELD_IS(f, T) (0 * sizeof(_Generic(&((ps_config_t *)0)->f, T *: 1)))
 #define OFF(f, T) (offsetof(ps_config_t, f) + FIELD_IS(f, T))
 
-#define K_INT(k, f, lo, hi, d) \
-    {.key = k, .type = KT_INT, .off = OFF(f, int), .imin = lo, .imax = hi, .def = d}
-#define K_INT64(k, f, lo, hi, d) \
-    {.key = k, .type = KT_INT64, .off = OFF(f, int64_t), .imin = lo, .imax = hi, .def = d}
-#define K_UINT64(k, f, d) {.key = k, .type = KT_UINT64, .off = OFF(f, uint64_t), .def = d}
+#define K_INTF(k, f, lo, hi, fl, d) \
+    {.key = k, .type = KT_INT, .off = OFF(f, int), .imin = lo, .imax = hi, .flags = fl, .def = d}
+#define K_INT(k, f, lo, hi, d) K_INTF(k, f, lo, hi, 0, d)
+#define K_INT64F(k, f, lo, hi, fl, d) \
+    {.key = k, .type = KT_INT64, .off = OFF(f, int64_t), .imin = lo, .imax = hi, .flags = fl, .def = d}
+#define K_INT64(k, f, lo, hi, d) K_INT64F(k, f, lo, hi, 0, d)
+#define K_UINT64F(k, f, fl, d) {.key = k, .type = KT_UINT64, .off = OFF(f, uint64_t), .flags = fl, .def = d}
+#define K_UINT64(k, f, d) K_UINT64F(k, f, 0, d)
 #define K_DOUBLE(k, f, lo, hi, fl, d)                                                      \
     {.key = k, .type = KT_DOUBLE, .off = OFF(f, double), .dmin = lo, .dmax = hi, .flags = fl, \
      .def = d}
-#define K_BOOL(k, f, d) {.key = k, .type = KT_BOOL, .off = OFF(f, bool), .def = d}
+#define K_BOOLF(k, f, fl, d) {.key = k, .type = KT_BOOL, .off = OFF(f, bool), .flags = fl, .def = d}
+#define K_BOOL(k, f, d) K_BOOLF(k, f, 0, d)
 #define K_STRING(k, f, fl, d)                                                             \
     {.key = k, .type = KT_STRING, .off = offsetof(ps_config_t, f),                        \
      .size = sizeof(((ps_config_t *)0)->f), .flags = fl, .def = d}
-#define K_ENUM(k, f, T, n, d) {.key = k, .type = KT_ENUM, .off = OFF(f, T), .names = n, .def = d}
+#define K_ENUMF(k, f, T, n, fl, d) {.key = k, .type = KT_ENUM, .off = OFF(f, T), .names = n, .flags = fl, .def = d}
+#define K_ENUM(k, f, T, n, d) K_ENUMF(k, f, T, n, 0, d)
 
 #define FMNIST "/usr/share/datasets/fashion-mnist/"
 
@@ -107,20 +114,20 @@ static const key_spec_t keys[] = {
     {.key = "model.layers", .type = KT_LAYERS, .off = offsetof(ps_config_t, sizes),
      .imin = 1, .imax = MAX_LAYER_SIZE, .def = "784,512,256,10"},
     K_ENUM("model.activation", activation, ps_act_t, act_names, "relu"),
-    K_ENUM("model.kind", kind, ps_model_kind_t, kind_names, "mlp"),
+    K_ENUMF("model.kind", kind, ps_model_kind_t, kind_names, F_CTR, "mlp"),
 
-    K_INT("ctr.fields", ctr_fields, 1, PS_CTR_MAX_IDS, "8"),
-    K_INT("ctr.per_field", ctr_per_field, 1, PS_CTR_MAX_IDS, "1"),
-    K_INT64("ctr.vocab", ctr_vocab, 1, INT64_C(1) << 40, "100000"),
-    K_DOUBLE("ctr.zipf", ctr_zipf, 0.0, 10.0, F_OPEN_MIN, "1.1"),
-    K_INT64("ctr.rows", ctr_rows, 1, UINT32_MAX, "65536"),
-    K_INT("ctr.dim", ctr_dim, 1, 4096, "16"),
-    K_BOOL("ctr.mean", ctr_mean, "true"),
-    K_DOUBLE("ctr.weight_std", ctr_weight_std, 0.0, 100.0, 0, "1"),
-    K_DOUBLE("ctr.bias", ctr_bias, -100.0, 100.0, 0, "-1.5"),
-    K_UINT64("ctr.seed", ctr_seed, "1"),
-    K_INT64("ctr.train", ctr_train, 1, UINT32_MAX, "200000"),
-    K_INT64("ctr.test", ctr_test, 1, UINT32_MAX, "20000"),
+    K_INTF("ctr.fields", ctr_fields, 1, PS_CTR_MAX_IDS, F_CTR, "8"),
+    K_INTF("ctr.per_field", ctr_per_field, 1, PS_CTR_MAX_IDS, F_CTR, "1"),
+    K_INT64F("ctr.vocab", ctr_vocab, 1, INT64_C(1) << 40, F_CTR, "100000"),
+    K_DOUBLE("ctr.zipf", ctr_zipf, 0.0, 10.0, F_OPEN_MIN | F_CTR, "1.1"),
+    K_INT64F("ctr.rows", ctr_rows, 1, UINT32_MAX, F_CTR, "65536"),
+    K_INTF("ctr.dim", ctr_dim, 1, 4096, F_CTR, "16"),
+    K_BOOLF("ctr.mean", ctr_mean, F_CTR, "true"),
+    K_DOUBLE("ctr.weight_std", ctr_weight_std, 0.0, 100.0, F_CTR, "1"),
+    K_DOUBLE("ctr.bias", ctr_bias, -100.0, 100.0, F_CTR, "-1.5"),
+    K_UINT64F("ctr.seed", ctr_seed, F_CTR, "1"),
+    K_INT64F("ctr.train", ctr_train, 1, UINT32_MAX, F_CTR, "200000"),
+    K_INT64F("ctr.test", ctr_test, 1, UINT32_MAX, F_CTR, "20000"),
 
     K_STRING("data.train_images", train_images, F_NONEMPTY, FMNIST "train-images-idx3-ubyte.gz"),
     K_STRING("data.train_labels", train_labels, F_NONEMPTY, FMNIST "train-labels-idx1-ubyte.gz"),
@@ -137,7 +144,7 @@ static const key_spec_t keys[] = {
     K_ENUM("train.sync", sync, ps_sync_t, sync_names, "bsp"),
     K_INT("train.staleness", staleness, 0, 1000000, "2"),
     K_BOOL("train.stream", stream, "false"),
-    K_DOUBLE("train.sparse_threshold", sparse_threshold, 0.0, 1.0, 0, "0.3"),
+    K_DOUBLE("train.sparse_threshold", sparse_threshold, 0.0, 1.0, F_UNHASHED, "0.3"),
 
     K_ENUM("optimizer.name", opt, ps_opt_kind_t, opt_names, "sgd"),
     K_DOUBLE("optimizer.lr", lr, 0.0, INFINITY, F_OPEN_MIN, "0.1"),
@@ -1078,11 +1085,7 @@ static int write_yaml(const ps_config_t *c, FILE *f, bool with_server)
         /* where and when to save or serve do not change what is trained */
         if (!with_server && (strncmp(e->key, "server.", 7) == 0 || strncmp(e->key, "checkpoint.", 11) == 0))
             continue;
-        /* nor how a table's gradient travels (the same bits either way) */
-        if (!with_server && strcmp(e->key, "train.sparse_threshold") == 0) continue;
-        /* nor, for the MLP, the ctr task's keys (the MLP's hash stays what it was before them) */
-        if (!with_server && c->kind == PS_MODEL_MLP && (strcmp(e->key, "model.kind") == 0 || strncmp(e->key, "ctr.", 4) == 0))
-            continue;
+        if (!with_server && ((e->flags & F_UNHASHED) || ((e->flags & F_CTR) && c->kind != PS_MODEL_CTR))) continue;
         if (!cur || sl != cur_len || strncmp(cur, e->key, sl) != 0) {
             fprintf(f, "%.*s:\n", (int)sl, e->key);
             cur = e->key;

@@ -1454,6 +1454,16 @@ static size_t batch_rows(const srv_t *s)
     return n < R ? n : R;
 }
 
+/* ids[0..n) are rows of the table, strictly increasing, n >= 1 */
+static bool table_ids(const srv_t *s, const uint32_t *ids, size_t n)
+{
+    const uint32_t R = (uint32_t)s->layout.t[s->layout.table].rows;
+    if (!ids || n == 0 || n > R) return false;
+    for (size_t j = 0; j < n; j++)
+        if (ids[j] >= R || (j && ids[j] <= ids[j - 1])) return false;
+    return true;
+}
+
 /* Frames i (u32 ids) and i + 1 (f32 rows) of a PUSH are rows of the
  * table's gradient: ids strictly increasing and below its row count, rows
  * of its width, one psd, f32 gradients. 0, or -1. */
@@ -1466,11 +1476,9 @@ static int rows_check(const srv_t *s, const worker_t *w, const ps_msg_t *m, int 
     const float *v = i + 1 < m->n_frames && m->hdr->tensors[i + 1]->id == m->hdr->tensors[i]->id
                          ? ps_msg_f32(m, i + 1, &nv)
                          : NULL;
-    if (l->table < 0 || (int)m->hdr->tensors[i]->id != l->table || sharded(s) || !ids || !v || n == 0 ||
-        n > (size_t)l->t[l->table].rows || nv != n * (size_t)l->t[l->table].cols)
+    if (l->table < 0 || (int)m->hdr->tensors[i]->id != l->table || sharded(s) || !v || !table_ids(s, ids, n) ||
+        nv != n * (size_t)l->t[l->table].cols)
         return -1;
-    for (size_t j = 0; j < n; j++)
-        if (ids[j] >= (uint32_t)l->t[l->table].rows || (j && ids[j] <= ids[j - 1])) return -1;
     return 0;
 }
 
@@ -1523,9 +1531,7 @@ static int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
                                   m->hdr->tensors[m->n_frames - 1]->id == (uint32_t)l->table
                               ? ps_msg_u32(m, m->n_frames - 1, &n)
                               : NULL;
-    bool ok = ids && n > 0 && n <= (size_t)l->t[l->table].rows;
-    for (size_t j = 0; ok && j < n; j++) ok = ids[j] < (uint32_t)l->t[l->table].rows && (!j || ids[j] > ids[j - 1]);
-    if (!ok || !m->hdr->push->pull) {
+    if (!ids || !table_ids(s, ids, n) || !m->hdr->push->pull) {
         drop(s, w, "PUSH asking for table rows that are not rows of the table (strictly increasing ids below its "
                    "row count, in its last frame) or without asking for the next version");
         return -1;

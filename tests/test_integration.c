@@ -1679,6 +1679,16 @@ static void raw_expect(void *d, ps_msg_t *m, Psd__MsgType type)
  * line; the push then completes with the right chunks, psd steps, and sends
  * the new version back in parts, every tensor once. A raw worker (the only
  * one) over the wire. */
+/* A raw worker's DEALER connected to endpoint (no linger). */
+static void *raw_dealer(void *ctx, const char *endpoint)
+{
+    void *d = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
+    cr_assert_eq(zmq_connect(d, endpoint), 0);
+    return d;
+}
+
 /* A raw worker on d: registers (the ASSIGN left in *m), says READY with
  * these counts, takes its EPOCH, pulls and takes version 0's WEIGHTS. */
 static void raw_start(void *d, ps_msg_t *m, uint64_t *run, uint64_t *seq, uint32_t *rank, uint64_t train_count,
@@ -1715,10 +1725,7 @@ Test(short, malformed_streamed_pushes_are_dropped)
                           "--set", "server.chunk_bytes=65536", "--set", "train.stream=true", "--set",
                           "server.shared_memory=false", "--set", "checkpoint.dir=", NULL};
     pid_t p = start_psd(&r, "stbad", 1, args);
-    void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
-    int linger = 0;
-    zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
-    cr_assert_eq(zmq_connect(d, r.endpoint), 0);
+    void *ctx = zmq_ctx_new(), *d = raw_dealer(ctx, r.endpoint);
     ps_msg_t m = {0};
     uint64_t run, seq;
     uint32_t rank;
@@ -1802,10 +1809,7 @@ Test(short, malformed_table_rows_are_dropped)
     const char *args[] = {"--config", cfg, "--epochs", "1", "--set", "ctr.train=256", "--set", "ctr.test=100",
                           "--set", "server.shared_memory=false", "--set", "checkpoint.dir=", NULL};
     pid_t p = start_psd(&r, "rowsbad", 1, args);
-    void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
-    int linger = 0;
-    zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
-    cr_assert_eq(zmq_connect(d, r.endpoint), 0);
+    void *ctx = zmq_ctx_new(), *d = raw_dealer(ctx, r.endpoint);
     ps_msg_t m = {0};
     uint64_t run, seq;
     uint32_t rank;

@@ -41,6 +41,8 @@ typedef struct {
     uint32_t *touched; /* ctr: the rows of E the batch uses, sorted, and their gradient (row-sparse push) */
     float *row_vals;
     uint32_t *next_bags, *want; /* ctr: the next batch's bags, and the rows they read (asked for with the push) */
+    int32_t *next_y;            /* and its labels: the next step takes them instead of making them again */
+    size_t next_at;             /* 1 + the position of that batch, 0 = none made */
     uint64_t pushes_rows, pushes_whole;
     size_t scores_cap;
     float *grads_host; /* non-host backends: gradients copied here for the wire (pinned) */
@@ -137,8 +139,9 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
         w->touched = malloc(per * sizeof *w->touched);
         w->row_vals = malloc(per * (size_t)w->a.ctr.dim * sizeof *w->row_vals);
         w->next_bags = malloc(per * sizeof *w->next_bags);
+        w->next_y = malloc((size_t)w->max_batch * sizeof *w->next_y);
         w->want = malloc(per * sizeof *w->want);
-        if (!w->bag_ids || !w->touched || !w->row_vals || !w->next_bags || !w->want) {
+        if (!w->bag_ids || !w->touched || !w->row_vals || !w->next_bags || !w->next_y || !w->want) {
             snprintf(err, errlen, "out of memory for the model");
             return -1;
         }
@@ -175,14 +178,14 @@ static int set_weights(wk_t *w, const psw_event_t *ev)
 }
 
 /* model.kind ctr: examples first + idx[b] (idx NULL: first + b) for b < B,
- * as bags of rows (w->bag_ids) and labels (w->y). */
-static void ctr_batch(wk_t *w, const uint32_t *idx, uint64_t first, int B)
+ * as bags of rows and labels. */
+static void ctr_batch(const wk_t *w, const uint32_t *idx, uint64_t first, int B, uint32_t *bags, int32_t *y)
 {
     size_t n = (size_t)w->gen.fields * (size_t)w->gen.per_field;
     for (int b = 0; b < B; b++) {
         uint8_t label;
-        ps_ctr_example(&w->gen, first + (idx ? idx[b] : (uint64_t)b), w->bag_ids + (size_t)b * n, NULL, &label);
-        w->y[b] = label;
+        ps_ctr_example(&w->gen, first + (idx ? idx[b] : (uint64_t)b), bags + (size_t)b * n, NULL, &label);
+        y[b] = label;
     }
 }
 
@@ -211,11 +214,8 @@ static size_t next_rows(wk_t *w)
 {
     if (w->n_ids - w->pos < w->a.batch_size) return 0;
     int B = (int)w->a.batch_size;
-    size_t per = (size_t)(w->gen.fields * w->gen.per_field);
-    for (int b = 0; b < B; b++) {
-        uint8_t label;
-        ps_ctr_example(&w->gen, w->ids[w->pos + (size_t)b], w->next_bags + (size_t)b * per, NULL, &label);
-    }
+    ctr_batch(w, w->ids + w->pos, 0, B, w->next_bags, w->next_y);
+    w->next_at = w->pos + 1;
     return touched_rows(w, w->next_bags, B, w->want);
 }
 
@@ -252,7 +252,15 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     int64_t correct = 0;
     w->n_ready = 0;
     if (w->ctr) {
-        ctr_batch(w, w->ids + w->pos, 0, B);
+        if (w->next_at == w->pos + 1) { /* made when the last push asked for its rows */
+            uint32_t *bags = w->bag_ids;
+            int32_t *y = w->y;
+            w->bag_ids = w->next_bags, w->next_bags = bags;
+            w->y = w->next_y, w->next_y = y;
+        } else {
+            ctr_batch(w, w->ids + w->pos, 0, B, w->bag_ids, w->y);
+        }
+        w->next_at = 0;
         psw_model_train_bags(w->m, w->bag_ids, w->y, B, &loss, &correct, grad_ready, w);
     } else {
         psw_data_gather(&w->train, w->ids + w->pos, B, w->x, w->y);
@@ -334,7 +342,7 @@ static int validate(wk_t *w, const psw_event_t *ev)
     for (uint64_t i = ev->val_begin; i < ev->val_end;) {
         int B = (int)(ev->val_end - i < w->a.val_batch_size ? ev->val_end - i : w->a.val_batch_size);
         if (w->ctr) { /* test examples come after the training ones */
-            ctr_batch(w, NULL, w->a.ctr.train + i, B);
+            ctr_batch(w, NULL, w->a.ctr.train + i, B, w->bag_ids, w->y);
             psw_model_eval_bags(w->m, w->bag_ids, w->y, B, &loss, &correct);
             psw_model_prob1(w->m, w->scores + (i - ev->val_begin), B);
         } else {
@@ -375,7 +383,7 @@ static int start_epoch(wk_t *w, const psw_event_t *ev)
     }
     if (ev->n_samples) memcpy(w->ids + keep, ev->samples, ev->n_samples * sizeof *w->ids);
     w->n_ids = keep + ev->n_samples;
-    if (!ev->append) w->pos = 0;
+    if (!ev->append) w->pos = w->next_at = 0;
     w->epoch = ev->epoch;
     PS_DEBUG("epoch %u: %zu samples%s", ev->epoch, ev->n_samples, ev->append ? " more" : "");
     if (w->pos >= w->n_ids) {
@@ -401,6 +409,7 @@ static void wk_deinit(wk_t *w)
     free(w->touched);
     free(w->row_vals);
     free(w->next_bags);
+    free(w->next_y);
     free(w->want);
     free(w->scores);
     free(w->ids);
@@ -475,7 +484,7 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
         PS_WARN("rejoined run %016llx as rank %u", (unsigned long long)a.run_id, a.rank);
     }
     w->in_epoch = 0;
-    w->n_ids = w->pos = 0;
+    w->n_ids = w->pos = w->next_at = 0;
     psw_client_ready(w->c, w->train.count, w->test.count);
 
     double timeout = w->a.start_timeout_s;
