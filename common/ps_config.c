@@ -128,6 +128,7 @@ static const key_spec_t keys[] = {
     K_UINT64F("ctr.seed", ctr_seed, F_CTR, "1"),
     K_INT64F("ctr.train", ctr_train, 1, UINT32_MAX, F_CTR, "200000"),
     K_INT64F("ctr.test", ctr_test, 1, UINT32_MAX, F_CTR, "20000"),
+    K_DOUBLE("ctr.worker_table_mb", ctr_worker_table_mb, 0.0, INFINITY, F_UNHASHED, "256"),
 
     K_STRING("data.train_images", train_images, F_NONEMPTY, FMNIST "train-images-idx3-ubyte.gz"),
     K_STRING("data.train_labels", train_labels, F_NONEMPTY, FMNIST "train-labels-idx1-ubyte.gz"),

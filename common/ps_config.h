@@ -56,6 +56,8 @@ typedef struct ps_config {
     uint64_t ctr_seed;     /* ctr.seed: the generator's seed (planted weights and examples) */
     int64_t ctr_train;     /* ctr.train: training examples (indices 0..train-1) */
     int64_t ctr_test;      /* ctr.test: test examples (indices train..train+test-1) */
+    double ctr_worker_table_mb; /* ctr.worker_table_mb: a table larger than this (MiB) stays on psd: workers
+                                 * hold only the rows of their batch (0: always) */
 
     /* data: IDX files, gzipped or raw */
     char train_images[PS_PATH_MAX]; /* data.train_images */

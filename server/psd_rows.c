@@ -93,14 +93,14 @@ int psd_rows_merge(psd_rows_t *r, int k, const psd_rowgrad_t *g, const double *w
     return 0;
 }
 
-void psd_rows_apply(const psd_rows_t *r, const psd_optim_t *o, float *table, float *s0, float *s1, double lr,
-                    uint64_t t)
+void psd_rows_apply(const psd_rows_t *r, const psd_optim_t *o, float *table, float *s0, float *s1, float scale,
+                    double lr, uint64_t t)
 {
     const size_t dim = r->dim;
     for (size_t i = 0; i < r->n_ids; i++) {
         size_t at = (size_t)r->ids[i] * dim;
-        psd_optim_apply(o, table + at, table + at, r->sum + i * dim, 1.0f, s0 ? s0 + at : NULL, s1 ? s1 + at : NULL,
-                        dim, lr, t);
+        psd_optim_apply(o, table + at, table + at, r->sum + i * dim, scale, s0 ? s0 + at : NULL,
+                        s1 ? s1 + at : NULL, dim, lr, t);
     }
 }
 

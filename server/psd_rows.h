@@ -59,9 +59,10 @@ void psd_rows_deinit(psd_rows_t *r);
 int psd_rows_merge(psd_rows_t *r, int k, const psd_rowgrad_t *g, const double *w, uint64_t n_rows);
 
 /* The optimizer on the merged rows of table (n_rows x dim) and its state
- * slots (laid out like the table; NULL where the optimizer has none), step t. */
-void psd_rows_apply(const psd_rows_t *r, const psd_optim_t *o, float *table, float *s0, float *s1, double lr,
-                    uint64_t t);
+ * slots (laid out like the table; NULL where the optimizer has none), step
+ * t, the gradient multiplied by scale (global-norm clipping; 1: none). */
+void psd_rows_apply(const psd_rows_t *r, const psd_optim_t *o, float *table, float *s0, float *s1, float scale,
+                    double lr, uint64_t t);
 
 /* The encoding of a table's gradient for one step: rows when fewer than
  * threshold x n_rows rows are touched (an entry costs 4 bytes of id more

@@ -128,6 +128,9 @@ typedef struct {
     float *sp_e;
     uint32_t *sp_ids;
     size_t sp_n, sp_cap;
+    /* lazy tables (store.lazy): the rows themselves (sp_cap of them),
+     * pushed as rows or gathered from a whole table's nonzero rows */
+    float *sp_rows;
     psd_arena_t *hold;
     /* psd shards: the token it presents to shards 1..n-1, which of them
      * have its whole push for the current version (bit i), and whether its
@@ -306,6 +309,8 @@ typedef struct {
     double progress_next;
     double last_loss;     /* mean training loss of the last step */
     double *step_wt;      /* and their weights */
+    psd_rowgrad_t *step_rows; /* and their table rows (lazy tables) */
+    bool table_on_psd;    /* ctr.worker_table_mb: workers hold only their batches' rows (CtrTask.table_on_psd) */
     ps_arena_t rx_arena;  /* decoded headers of received messages (one at a time) */
     uint8_t rx_buf[64 << 10];
     bool cur_bad;         /* the message being handled was dropped */
@@ -513,8 +518,9 @@ static void send_weights(srv_t *s, worker_t *w)
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
     int n = weights_frames(s, w, fr, &wt.shm_slot, &wt.crc);
-    if (w->n_want && !w->shm && s->cfg.wire_weights == PS_WIRE_F32 && !sharded(s)) {
-        /* only the table rows its next batch reads, gathered (and copied by ZeroMQ at send) */
+    if ((w->n_want || s->table_on_psd) && !w->shm && s->cfg.wire_weights == PS_WIRE_F32 && !sharded(s)) {
+        /* only the table rows its next batch reads, gathered (and copied by ZeroMQ at send); with
+         * the table on psd, none when it asked for none */
         const ps_layout_t *l = &s->layout;
         const size_t D = (size_t)l->t[l->table].cols;
         const float *E = s->store.cur->w + l->t[l->table].offset;
@@ -842,6 +848,65 @@ static void start_epoch(srv_t *s)
     if (n == 0) maybe_step(s); /* nothing left to train (resumed at the end of an epoch) */
 }
 
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The table on psd: VALIDATE's table frame (fr[.] of E, a reference on
+ * the version) becomes the rows its range's examples read (ids, then
+ * rows: gathered, copied by ZeroMQ at send). Once per validation part, so
+ * the buffers are allocated here; out of memory, the worker gets none and
+ * fails its part. */
+static void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n)
+{
+    const ps_layout_t *l = &s->layout;
+    Psd__Validate *v = h->validate;
+    const size_t per = (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field, D = (size_t)l->t[l->table].cols;
+    const size_t count = (size_t)(v->end - v->begin);
+    uint32_t *ids = malloc((count * per > 0 ? count * per : 1) * sizeof *ids);
+    float *vals = NULL;
+    size_t k = 0;
+    if (ids) {
+        ps_ctr_t g;
+        ps_ctr_from_config(&s->cfg, &g);
+        uint8_t label;
+        for (size_t i = 0; i < count; i++) /* test examples come after the training ones */
+            ps_ctr_example(&g, (uint64_t)s->cfg.ctr_train + v->begin + i, ids + i * per, NULL, &label);
+        qsort(ids, count * per, sizeof *ids, cmp_u32);
+        for (size_t i = 0; i < count * per; i++)
+            if (!k || ids[i] != ids[k - 1]) ids[k++] = ids[i];
+        vals = malloc((k * D > 0 ? k * D : 1) * sizeof *vals);
+    }
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if (fr[i].id != (uint32_t)l->table) {
+            fr[m++] = fr[i];
+            continue;
+        }
+        if (fr[i].ffn) fr[i].ffn((void *)fr[i].data, fr[i].hint); /* its reference to the version */
+        s->ep_bytes_out -= fr[i].nbytes;
+    }
+    if (!vals) {
+        PS_ERROR("out of memory for the table rows of rank %u's validation part", w->rank);
+        k = 0;
+    }
+    const float *E = s->store.cur->w + l->t[l->table].offset;
+    for (size_t j = 0; j < k; j++) memcpy(vals + j * D, E + (size_t)ids[j] * D, D * sizeof(float));
+    fr[m++] = (ps_frame_t){.data = ids, .nbytes = k * sizeof *ids, .id = (uint32_t)l->table,
+                           .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)k};
+    fr[m++] = (ps_frame_t){.data = vals, .nbytes = k * D * sizeof *vals, .id = (uint32_t)l->table,
+                           .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)k, .cols = (uint32_t)D};
+    s->ep_bytes_out += k * (4 + D * sizeof(float));
+    s->ep_rows_out += k;
+    v->rows = true;
+    v->crc = 0;
+    send_to(s, w, h, fr, m);
+    free(ids);
+    free(vals);
+}
+
 static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
 {
     Psd__Header h;
@@ -859,6 +924,10 @@ static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
     w->state = W_VALIDATING;
     w->last_seen = ps_now();
     int n = weights_frames(s, w, fr, &v.shm_slot, &v.crc);
+    if (s->table_on_psd) {
+        range_rows_send(s, w, &h, fr, n);
+        return;
+    }
     send_to(s, w, &h, fr, n);
 }
 
@@ -1006,6 +1075,32 @@ static void step_lr(srv_t *s)
     s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
 }
 
+static int dense_rows(srv_t *s, worker_t *w, const void *g, bool bf16);
+
+/* Contributor w's table gradient as rows (lazy tables): pushed as rows, or
+ * the nonzero rows of the whole table it pushed (g[table], which the dense
+ * step then skips). 0, or -1 (out of memory). */
+static int lazy_rows(srv_t *s, worker_t *w, const void **g, bool bf16, psd_rowgrad_t *r)
+{
+    const int t = s->layout.table;
+    if (!w->grad_rows && g[t] && dense_rows(s, w, g[t], bf16) != 0) return -1;
+    if (!w->grad_rows && !g[t]) w->sp_n = 0;
+    g[t] = NULL;
+    *r = (psd_rowgrad_t){.ids = w->sp_ids, .rows = w->sp_rows, .n = w->sp_n};
+    return 0;
+}
+
+/* Room in the store's row merge for the k contributors' rows of this step
+ * (grown only when a step has more than any before). 0, or -1. */
+static int lazy_reserve(srv_t *s, int k)
+{
+    size_t total = 0;
+    for (int j = 0; j < k; j++) total += s->step_rows[j].n;
+    if (total <= s->store.rows.max_entries && k <= s->store.rows.max_k) return 0;
+    size_t room = total > s->store.rows.max_entries ? total : s->store.rows.max_entries;
+    return psd_store_lazy_table(&s->store, room, MAX_WORKERS);
+}
+
 /* Reduce the pushes held (every one, or only `only`'s: async and ssp apply
  * each push on its own), apply the optimizer, answer the pulls. Returns
  * with s->stepping set when shards must send their norms first, or with
@@ -1028,6 +1123,11 @@ static void take_step(srv_t *s, worker_t *only)
                                                    : NULL;
         s->step_bf16[k] = wire_bf16(s, w);
         wt[k] = (double)w->push_batch / (double)total;
+        if (s->store.lazy && lazy_rows(s, w, g[k], s->step_bf16[k], &s->step_rows[k]) != 0) {
+            PS_ERROR("out of memory for the table rows of a step");
+            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+            return;
+        }
         k++;
     }
     step_lr(s);
@@ -1043,8 +1143,13 @@ static void take_step(srv_t *s, worker_t *only)
         return;
     }
     uint64_t computed_on = only ? only->push_version : s->store.cur->version;
-    double norm = psd_store_step(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
-                                 s->cfg.clip_norm, s->lr);
+    if (s->store.lazy && lazy_reserve(s, k) != 0) {
+        PS_ERROR("out of memory for the table rows of a step");
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    double norm = psd_store_step_rows(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
+                                      s->store.lazy ? s->step_rows : NULL, s->cfg.clip_norm, s->lr);
     if (norm < 0) {
         PS_ERROR("no free parameter arena (too many pull replies in flight)");
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
@@ -1371,10 +1476,11 @@ static void worker_gone(srv_t *s, worker_t *w)
     release_push(w); /* a gradient from a worker declared gone is never applied (streamed: see stream_forget) */
     shm_forget(s, w);
     free(w->sp_e); /* its table-sized gradient and row lists (the rows sent were copied at send) */
+    free(w->sp_rows);
     free(w->sp_ids);
     free(w->want_ids);
     free(w->want_vals);
-    w->sp_e = w->want_vals = NULL;
+    w->sp_e = w->sp_rows = w->want_vals = NULL;
     w->sp_ids = w->want_ids = NULL;
     w->sp_n = w->sp_cap = w->n_want = w->want_cap = 0;
     w->state = W_GONE;
@@ -1421,6 +1527,8 @@ static void worker_gone(srv_t *s, worker_t *w)
     }
 }
 
+static int want_take(srv_t *s, worker_t *w, ps_msg_t *m);
+
 static void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     if (w->state != W_TRAIN) {
@@ -1432,6 +1540,7 @@ static void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
         drop(s, w, "PULL of version %" PRIu64 ", current is %" PRIu64, v, s->store.cur->version);
         return;
     }
+    if (m->hdr->pull->want_rows && want_take(s, w, m) != 0) return;
     if (w->own_push) { /* its last push still waits for the step (it was given more samples since, or
                         * with shards, this asks for the step's version after a push's last part):
                         * answer with the version that step makes; its gradient, in flight or in
@@ -1452,6 +1561,52 @@ static size_t batch_rows(const srv_t *s)
     size_t n = (size_t)s->cfg.batch_size * (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
     size_t R = (size_t)s->layout.t[s->layout.table].rows;
     return n < R ? n : R;
+}
+
+/* Room for cap rows in w's row lists (and their values with a lazy table).
+ * 0, or -1 (out of memory: what it held is kept). */
+static int sp_grow(srv_t *s, worker_t *w, size_t cap)
+{
+    const size_t D = (size_t)s->layout.t[s->layout.table].cols;
+    uint32_t *p = realloc(w->sp_ids, cap * sizeof *p);
+    if (!p) return -1;
+    w->sp_ids = p;
+    if (s->store.lazy) {
+        float *v = realloc(w->sp_rows, cap * D * sizeof *v);
+        if (!v) return -1;
+        w->sp_rows = v;
+    }
+    w->sp_cap = cap;
+    return 0;
+}
+
+/* A lazy table's gradient pushed whole (its batch touched many rows, or on
+ * shared memory, or bfloat16) as the rows that are not all zero, into w's
+ * row lists: the rows its batch touched. 0, or -1 (out of memory). */
+static int dense_rows(srv_t *s, worker_t *w, const void *g, bool bf16)
+{
+    const ps_tensor_info_t *e = &s->layout.t[s->layout.table];
+    const size_t D = (size_t)e->cols, R = (size_t)e->rows;
+    const float *f = g;
+    const uint16_t *h = g;
+    size_t n = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        n = 0;
+        for (size_t r = 0; r < R; r++) {
+            bool nz = false;
+            for (size_t d = 0; d < D && !nz; d++) nz = bf16 ? (h[r * D + d] & 0x7fff) != 0 : f[r * D + d] != 0.0f;
+            if (!nz) continue;
+            if (pass == 1) {
+                w->sp_ids[n] = (uint32_t)r;
+                for (size_t d = 0; d < D; d++)
+                    w->sp_rows[n * D + d] = bf16 ? ps_bf16_to_f32(h[r * D + d]) : f[r * D + d];
+            }
+            n++;
+        }
+        if (pass == 0 && n > w->sp_cap && sp_grow(s, w, n) != 0) return -1;
+    }
+    w->sp_n = n;
+    return 0;
 }
 
 /* ids[0..n) are rows of the table, strictly increasing, n >= 1 */
@@ -1494,22 +1649,21 @@ static int rows_take(srv_t *s, worker_t *w, ps_msg_t *m, int i)
     size_t n = 0, nv = 0;
     const uint32_t *ids = ps_msg_u32(m, i, &n);
     const float *v = ps_msg_f32(m, i + 1, &nv);
-    if (!w->sp_e && !(w->sp_e = calloc(l->t[l->table].numel, sizeof *w->sp_e))) {
+    if (!s->store.lazy && !w->sp_e && !(w->sp_e = calloc(l->t[l->table].numel, sizeof *w->sp_e))) {
         drop(s, w, "PUSH of table rows: out of memory for its %zu floats", l->t[l->table].numel);
         return -1;
     }
-    if (n > w->sp_cap) { /* the first time: room for any batch's rows, so no later step allocates */
-        size_t cap = n > batch_rows(s) ? n : batch_rows(s);
-        uint32_t *p = realloc(w->sp_ids, cap * sizeof *p);
-        if (!p) {
-            drop(s, w, "PUSH of table rows: out of memory");
-            return -1;
-        }
-        w->sp_ids = p;
-        w->sp_cap = cap;
+    if (n > w->sp_cap && sp_grow(s, w, n > batch_rows(s) ? n : batch_rows(s)) != 0) {
+        /* the first time: room for any batch's rows, so no later step allocates */
+        drop(s, w, "PUSH of table rows: out of memory");
+        return -1;
     }
-    for (size_t j = 0; j < w->sp_n; j++) memset(w->sp_e + (size_t)w->sp_ids[j] * D, 0, D * sizeof(float));
-    for (size_t j = 0; j < n; j++) memcpy(w->sp_e + (size_t)ids[j] * D, v + j * D, D * sizeof(float));
+    if (s->store.lazy) { /* kept as rows: the step merges them */
+        memcpy(w->sp_rows, v, n * D * sizeof(float));
+    } else {
+        for (size_t j = 0; j < w->sp_n; j++) memset(w->sp_e + (size_t)w->sp_ids[j] * D, 0, D * sizeof(float));
+        for (size_t j = 0; j < n; j++) memcpy(w->sp_e + (size_t)ids[j] * D, v + j * D, D * sizeof(float));
+    }
     memcpy(w->sp_ids, ids, n * sizeof *ids);
     w->sp_n = n;
     w->sp_table = l->table;
@@ -1531,9 +1685,11 @@ static int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
                                   m->hdr->tensors[m->n_frames - 1]->id == (uint32_t)l->table
                               ? ps_msg_u32(m, m->n_frames - 1, &n)
                               : NULL;
-    if (!ids || !table_ids(s, ids, n) || !m->hdr->push->pull) {
-        drop(s, w, "PUSH asking for table rows that are not rows of the table (strictly increasing ids below its "
-                   "row count, in its last frame) or without asking for the next version");
+    const char *what = m->hdr->body_case == PSD__HEADER__BODY_PUSH ? "PUSH" : "PULL";
+    bool push = m->hdr->body_case == PSD__HEADER__BODY_PUSH;
+    if (!ids || !table_ids(s, ids, n) || n > batch_rows(s) || (push && !m->hdr->push->pull)) {
+        drop(s, w, "%s asking for table rows that are not rows of the table (strictly increasing ids below its "
+                   "row count, at most a batch's, in its last frame) or without asking for the next version", what);
         return -1;
     }
     if (n > w->want_cap) { /* the first time: room for any batch's rows */
@@ -1543,7 +1699,7 @@ static int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
         float *v = p ? realloc(w->want_vals, cap * (size_t)l->t[l->table].cols * sizeof *v) : NULL;
         if (v) w->want_vals = v;
         if (!p || !v) {
-            drop(s, w, "PUSH asking for table rows: out of memory");
+            drop(s, w, "%s asking for table rows: out of memory", what);
             return -1;
         }
         w->want_cap = cap;
@@ -1951,6 +2107,7 @@ static void send_assign(srv_t *s, worker_t *w)
         ct.seed = s->cfg.ctr_seed;
         ct.train = (uint64_t)s->cfg.ctr_train;
         ct.test = (uint64_t)s->cfg.ctr_test;
+        ct.table_on_psd = s->table_on_psd;
         a.ctr = &ct;
     }
     hy.batch_size = (uint32_t)s->cfg.batch_size;
@@ -3568,10 +3725,11 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->step_g = calloc(MAX_WORKERS, sizeof *s->step_g);
     s->step_bf16 = calloc(MAX_WORKERS, sizeof *s->step_bf16);
     s->step_wt = calloc(MAX_WORKERS, sizeof *s->step_wt);
+    s->step_rows = calloc(MAX_WORKERS, sizeof *s->step_rows);
     ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
-    if (!s->perm || !s->pool || !s->seen || !s->step_g || !s->step_bf16 || !s->step_wt || psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0) {
+    if (!s->perm || !s->pool || !s->seen || !s->step_g || !s->step_bf16 || !s->step_wt || !s->step_rows || psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0) {
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
         goto out;
     }
@@ -3582,6 +3740,24 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     }
     s->n_shards = opts->shards > 1 ? opts->shards : 1;
     s->stream = c->stream && s->n_shards == 1; /* psd_main refuses it with shards */
+    /* one psd, steps not streamed: the table is stepped row by row (psd_rows.h) */
+    if (s->layout.table >= 0 && s->n_shards == 1 && !s->stream &&
+        psd_store_lazy_table(&s->store, (size_t)c->workers * batch_rows(s), MAX_WORKERS) != 0) {
+        PS_ERROR("out of memory for the table's row steps");
+        goto out;
+    }
+    if (s->layout.table >= 0) {
+        const double mb = (double)s->layout.t[s->layout.table].numel * 4.0 / 1048576.0;
+        bool big = mb > c->ctr_worker_table_mb;
+        s->table_on_psd = big && s->store.lazy && c->wire_weights == PS_WIRE_F32 && c->wire_gradients == PS_WIRE_F32;
+        if (s->table_on_psd)
+            PS_INFO("the embedding table (%.0f MiB) stays on psd: workers hold only the rows of their batch, "
+                    "over the wire (ctr.worker_table_mb %g)", mb, c->ctr_worker_table_mb);
+        else if (big)
+            PS_WARN("the embedding table (%.0f MiB, over ctr.worker_table_mb %g) goes to every worker whole: a table "
+                    "only psd holds needs one psd, steps not streamed and f32 weights and gradients", mb,
+                    c->ctr_worker_table_mb);
+    }
     if (s->stream) {
         s->st_cf = ps_chunk_floats((size_t)c->chunk_bytes);
         s->st_nc = s->store.n_chunks;
@@ -3665,7 +3841,8 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     uv_signal_start(&s->sigusr1, on_signal, SIGUSR1);
     uv_signal_start(&s->sighup, on_signal, SIGHUP);
-    if (c->shared_memory && !sharded(s)) start_shm(s); /* with shards: every tensor on the wire */
+    /* with shards: every tensor on the wire; the table on psd: rows go over the wire */
+    if (c->shared_memory && !sharded(s) && !s->table_on_psd) start_shm(s);
     s->t_boot = ps_now();
     s->val_curve = calloc((size_t)c->epochs, sizeof *s->val_curve);
     if (c->http[0] && (code = start_http(s)) != 0) goto out;
@@ -3702,6 +3879,7 @@ out:
             shm_forget(s, &s->w[i]);
             free(s->w[i].ranges);
             free(s->w[i].sp_e);
+            free(s->w[i].sp_rows);
             free(s->w[i].sp_ids);
             free(s->w[i].want_ids);
             free(s->w[i].want_vals);
@@ -3727,6 +3905,7 @@ out:
     free(s->test_labels);
     free(s->auc_order);
     free(s->step_g);
+    free(s->step_rows);
     free(s->step_bf16);
     free(s->step_wt);
     free(s->st_have);

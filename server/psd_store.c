@@ -59,6 +59,18 @@ int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt,
     return 0;
 }
 
+/* The chunks and norm blocks of the dense step: all of them, or those
+ * before the table's (the last tensor) when it is stepped lazily. */
+static void dense_part(psd_store_t *s)
+{
+    const ps_layout_t *l = &s->layout;
+    s->step_chunks = s->n_chunks;
+    s->step_blk = s->n_blk;
+    if (!s->lazy) return;
+    while (s->step_chunks > 0 && s->chunks[s->step_chunks - 1].t == l->table) s->step_chunks--;
+    s->step_blk = ps_layout_first_block(l, l->table);
+}
+
 int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
 {
     const ps_layout_t *l = &s->layout;
@@ -95,6 +107,20 @@ int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
     s->blk_sq = bq;
     s->n_blk = nb;
     s->pool = pool;
+    dense_part(s);
+    return 0;
+}
+
+int psd_store_lazy_table(psd_store_t *s, size_t max_entries, int max_k)
+{
+    const ps_layout_t *l = &s->layout;
+    if (l->table < 0) return -EINVAL;
+    psd_rows_t r;
+    if (psd_rows_init(&r, (size_t)l->t[l->table].cols, max_entries, max_k) != 0) return -ENOMEM;
+    psd_rows_deinit(&s->rows);
+    s->rows = r;
+    s->lazy = true;
+    dense_part(s);
     return 0;
 }
 
@@ -114,6 +140,7 @@ void psd_store_deinit(psd_store_t *s)
     free_floats(s->grad, s->layout.n_params);
     free_floats(s->s0, s->layout.n_params);
     free_floats(s->s1, s->layout.n_params);
+    psd_rows_deinit(&s->rows);
     memset(s, 0, sizeof *s);
 }
 
@@ -375,13 +402,13 @@ void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
                       const double *weight)
 {
     step_t st = {.s = s, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f};
-    step_run(s, s->n_chunks, norm_task, &st);
+    step_run(s, s->step_chunks, norm_task, &st);
 }
 
 double psd_store_sumsq(const psd_store_t *s)
 {
     double sumsq = 0;
-    for (size_t b = 0; b < s->n_blk; b++) sumsq += s->blk_sq[b]; /* block order: any chunking, same bits */
+    for (size_t b = 0; b < s->step_blk; b++) sumsq += s->blk_sq[b]; /* block order: any chunking, same bits */
     return sumsq;
 }
 
@@ -423,12 +450,24 @@ static psd_arena_t *begin_update(psd_store_t *s)
     return next;
 }
 
+/* The lazy table's step on the merged rows: the untouched rows of an
+ * out-of-place version are copied from the current one */
+static void table_apply(psd_store_t *s, psd_arena_t *next, float scale, double lr)
+{
+    if (!s->lazy) return;
+    const ps_tensor_info_t *e = &s->layout.t[s->layout.table];
+    if (next != s->cur) memcpy(next->w + e->offset, s->cur->w + e->offset, e->numel * sizeof(float));
+    psd_rows_apply(&s->rows, &s->opt, next->w + e->offset, s->s0 ? s->s0 + e->offset : NULL,
+                   s->s1 ? s->s1 + e->offset : NULL, scale, lr, s->steps);
+}
+
 int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr)
 {
     psd_arena_t *next = begin_update(s);
     if (!next) return -1;
     step_t st = {.s = s, .next = next, .scale = clip_norm > 0.0 ? psd_clip_scale(sumsq, clip_norm) : 1.0f, .lr = lr};
-    step_run(s, s->n_chunks, apply_task, &st);
+    step_run(s, s->step_chunks, apply_task, &st);
+    table_apply(s, next, st.scale, lr);
     publish(s, next);
     return 0;
 }
@@ -436,10 +475,22 @@ int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr)
 double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
                       const uint8_t *bf16, const double *weight, double clip_norm, double lr)
 {
+    return psd_store_step_rows(s, n, grads, bf16, weight, NULL, clip_norm, lr);
+}
+
+double psd_store_step_rows(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
+                           const uint8_t *bf16, const double *weight, const psd_rowgrad_t *rows,
+                           double clip_norm, double lr)
+{
+    if (s->lazy) {
+        s->rows.n_ids = 0;
+        if (rows && psd_rows_merge(&s->rows, n, rows, weight, s->layout.t[s->layout.table].rows) != 0) return -2;
+    }
     if (clip_norm > 0.0) { /* the global norm first: reduce, then apply */
         if (next_arena(s) == NULL) return -1;
         psd_store_reduce(s, n, grads, bf16, weight);
         double sumsq = psd_store_sumsq(s);
+        if (s->lazy) sumsq += psd_sumsq(s->rows.sum, s->rows.n_ids * s->rows.dim);
         return psd_store_apply(s, sumsq, clip_norm, lr) == 0 ? sqrt(sumsq) : -1;
     }
     /* without clipping every chunk is reduced and applied at once (no second pass) */
@@ -447,7 +498,8 @@ double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
     if (!next) return -1;
     step_t st = {.s = s, .next = next, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f,
                  .lr = lr};
-    step_run(s, s->n_chunks, reduce_task, &st);
+    step_run(s, s->step_chunks, reduce_task, &st);
+    table_apply(s, next, 1.0f, lr);
     publish(s, next);
     return 0;
 }

@@ -18,6 +18,7 @@
 
 #include "ps_model.h"
 #include "psd_optim.h"
+#include "psd_rows.h"
 #include "ps_wire.h"
 
 #define PSD_MAX_ARENAS 8
@@ -66,6 +67,13 @@ typedef struct {
     int n_chunks;
     double *blk_sq;     /* squared norm of each norm block */
     size_t n_blk;
+    /* the table stepped row by row (psd_store_lazy_table): the dense step
+     * runs the first step_chunks chunks (those before the table's) and
+     * sums the first step_blk norm blocks; `rows` merges the table's rows */
+    bool lazy;
+    psd_rows_t rows;
+    int step_chunks;
+    size_t step_blk;
     /* shared arenas (psd_store_share): slot i of one memfd is arena i */
     float *shm_base;
     size_t shm_slot_floats;
@@ -126,6 +134,22 @@ int psd_store_frames(psd_store_t *s, const uint16_t *w16, ps_frame_t *fr, uint32
  * if no arena could be allocated. */
 double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
                       const uint8_t *bf16, const double *weight, double clip_norm, double lr);
+
+/* Step the layout's table lazily from now on (one psd): each step merges
+ * the contributors' row gradients (psd_rows_merge: room for max_entries
+ * entries from up to max_k contributors) and updates only those rows and
+ * their optimizer state (psd_rows.h); the dense step leaves the table out.
+ * Called again with more room, it grows. 0, -EINVAL (no table) or -ENOMEM. */
+int psd_store_lazy_table(psd_store_t *s, size_t max_entries, int max_k);
+
+/* psd_store_step with the table's gradient as rows[k] for contributor k
+ * (lazy tables; rows may be NULL: no row touched), in the same order and
+ * weights as grads. With clipping, the global norm includes the merged
+ * rows. Returns as psd_store_step, or -2 if the rows hold more entries
+ * than psd_store_lazy_table made room for. */
+double psd_store_step_rows(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
+                           const uint8_t *bf16, const double *weight, const psd_rowgrad_t *rows,
+                           double clip_norm, double lr);
 
 /* The same step in two halves, for psd shards with clipping: reduce the
  * owned part (the squared norm of each owned block in s->blk_sq), then,

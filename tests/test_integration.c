@@ -745,7 +745,8 @@ Test(short, psd_allocates_nothing_per_step)
     alloc_check("alloc", NULL, "data.train_limit", n, 40, NULL, wire);
 }
 
-/* The same for the ctr model with table rows both ways (both workers on the wire). */
+/* The same for the ctr model with table rows both ways (both workers on the wire), and with
+ * the table on psd. */
 Test(short, psd_allocates_nothing_per_step_with_table_rows)
 {
     char cfg[1024];
@@ -754,6 +755,8 @@ Test(short, psd_allocates_nothing_per_step_with_table_rows)
     const int n[2] = {2560, 12800}; /* 5 and 25 steps */
     const char *wire[] = {"--no-shm", NULL};
     alloc_check("allocrows", args, "ctr.train", n, 20, wire, wire);
+    const char *onpsd[] = {"--config", cfg, "--set", "ctr.test=1000", "--set", "ctr.worker_table_mb=0", NULL};
+    alloc_check("allocpsd", onpsd, "ctr.train", n, 20, NULL, NULL); /* the table on psd */
 }
 
 Test(short, worker_with_other_data_is_refused)
@@ -1393,6 +1396,105 @@ Test(short, ctr_results_without_scores_are_dropped)
     free(m);
 }
 
+/* The table on psd, as a library worker sees it: a plain pull brings no
+ * row of the table, a pull listing rows brings exactly those (psd's
+ * values, asked again: again), a push of rows steps them, and the
+ * validation part brings the rows of its range's examples, the pushed
+ * rows stepped and the others as they were. */
+Test(short, a_worker_gets_the_table_rows_it_asks_for)
+{
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    run_t r;
+    const char *args[] = {"--config", cfg, "--epochs", "1", "--set", "ctr.train=256", "--set", "ctr.test=100",
+                          "--set", "checkpoint.dir=", "--set", "ctr.worker_table_mb=0", NULL};
+    pid_t p = start_psd(&r, "askrows", 1, args);
+    char err[512];
+    psw_info_t info = {.device = "cpu", .device_index = -1};
+    psw_client_t *c = psw_client_new(r.endpoint, &info, err, sizeof err);
+    psw_assign_t a;
+    cr_assert(c && psw_client_register(c, &a, 60, err, sizeof err) == 0, "%s", err);
+    cr_assert(a.ctr.table_on_psd, "psd keeps the table");
+    cr_assert(!a.shm, "and sends rows over the wire");
+    cr_assert_eq(psw_client_ready(c, 256, 100), 0);
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, a.sizes, a.n_sizes, a.ctr.rows, a.ctr.dim), 0);
+    float *w0 = calloc(l.n_params, sizeof *w0);
+    cr_assert(w0);
+    ps_model_init_params(&l, w0, 7); /* run.seed 7 in ctr.yaml */
+    const float *E0 = w0 + l.t[4].offset;
+    psw_event_t ev;
+    lib_next(c, &ev, PSW_EV_EPOCH);
+    psw_client_pull(c, ev.version);
+    lib_next(c, &ev, PSW_EV_WEIGHTS);
+    cr_assert(ev.n_row_ids == 0 && ev.tensor_numel[4] == 0, "no row asked for, none sent (never the table)");
+    cr_assert(memcmp(ev.tensors[0], w0, l.t[0].numel * sizeof *w0) == 0, "the MLP whole");
+    const uint32_t asks[2][3] = {{1, 5, 900}, {2, 3, 65535}};
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(psw_client_pull_rows(c, ev.version, asks[k], 3), 0);
+        lib_next(c, &ev, PSW_EV_WEIGHTS);
+        cr_assert_eq(ev.n_row_ids, 3);
+        cr_assert(memcmp(ev.row_ids, asks[k], sizeof asks[k]) == 0, "the rows asked for");
+        cr_assert_eq(ev.tensor_numel[4], 3 * 8);
+        for (int j = 0; j < 3; j++)
+            cr_assert(memcmp(ev.tensors[4] + j * 8, E0 + asks[k][j] * 8, 8 * sizeof(float)) == 0, "row %u's values",
+                      asks[k][j]);
+    }
+    const uint32_t bad[2] = {5, 1};
+    cr_assert_eq(psw_client_pull_rows(c, ev.version, bad, 2), -EINVAL, "refused before it leaves");
+    /* push rows 1 and 5, then validate */
+    const float *g[5];
+    size_t numel[5];
+    int ids[5], rows[5], cols[5];
+    float *zero = calloc(l.n_params, sizeof *zero), vals[16];
+    cr_assert(zero);
+    for (int t = 0; t < 5; t++) {
+        ids[t] = t;
+        g[t] = zero + l.t[t].offset;
+        numel[t] = l.t[t].numel;
+        rows[t] = l.t[t].rows;
+        cols[t] = t % 2 == 0 ? l.t[t].cols : 0;
+    }
+    for (int i = 0; i < 16; i++) vals[i] = 0.25f;
+    const uint32_t pushed[2] = {1, 5};
+    cr_assert_eq(psw_client_push_rows(c, ev.version, 256, 100, 0, 0, 5, ids, g, numel, rows, cols, pushed, 2, vals,
+                                      NULL, 0),
+                 0);
+    psw_client_barrier(c, 0, 256);
+    lib_next(c, &ev, PSW_EV_VALIDATE);
+    ps_ctr_t gen = {.fields = a.ctr.fields, .per_field = a.ctr.per_field, .vocab = a.ctr.vocab, .zipf = a.ctr.zipf,
+                    .rows = a.ctr.rows, .weight_std = a.ctr.weight_std, .bias = a.ctr.bias, .seed = a.ctr.seed};
+    uint32_t want[800];
+    size_t nw = 0;
+    for (int i = 0; i < 100; i++) {
+        uint8_t y;
+        uint32_t ex[PS_CTR_MAX_IDS];
+        ps_ctr_example(&gen, a.ctr.train + (uint64_t)i, ex, NULL, &y);
+        for (int f = 0; f < 8; f++) {
+            size_t j = 0;
+            while (j < nw && want[j] != ex[f]) j++;
+            if (j == nw) want[nw++] = ex[f];
+        }
+    }
+    cr_assert_eq(ev.n_row_ids, nw, "the rows the range's examples read");
+    for (size_t j = 0; j < ev.n_row_ids; j++) {
+        uint32_t id = ev.row_ids[j];
+        bool in = false;
+        for (size_t i = 0; i < nw; i++) in |= want[i] == id;
+        cr_assert(in && (j == 0 || id > ev.row_ids[j - 1]), "row %u: read by the range, increasing", id);
+        bool stepped = memcmp(ev.tensors[4] + j * 8, E0 + (size_t)id * 8, 8 * sizeof(float)) != 0;
+        cr_assert_eq(stepped, id == 1 || id == 5, "row %u %s", id, stepped ? "changed" : "did not change");
+    }
+    float sc[100];
+    for (int i = 0; i < 100; i++) sc[i] = 0.5f;
+    psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 50, 60, 100, sc);
+    lib_next(c, &ev, PSW_EV_SHUTDOWN);
+    cr_assert_eq(proc_wait(p, 30), 0);
+    psw_client_destroy(&c);
+    free(zero);
+    free(w0);
+}
+
 /* A fake psd: answers one REGISTER on its ROUTER with an ASSIGN of a ctr
  * model (32 -> 2) carrying task ct. */
 typedef struct {
@@ -1818,7 +1920,9 @@ Test(short, malformed_streamed_pushes_are_dropped)
 
 /* Rows of the table's gradient that are not rows of it (ids not strictly
  * increasing, beyond the table, without their values, values of another
- * count) are logged and dropped; right ones are taken and stepped. */
+ * count) are logged and dropped, and so are PULLs asking for rows that are
+ * not rows of it or more than a batch reads; right ones are taken and
+ * stepped. */
 Test(short, malformed_table_rows_are_dropped)
 {
     char cfg[1024];
@@ -1869,6 +1973,26 @@ Test(short, malformed_table_rows_are_dropped)
     pu.want_rows = 1;
     raw_send(d, &seq, run, rank, &h, fr, 6);  /* its last frame is no list of rows wanted */
     pu.want_rows = 0;
+    /* PULLs asking for table rows: a row twice, beyond the table, more rows than a batch
+     * reads (256 x 8 x 1), no list */
+    Psd__Header ph;
+    Psd__Pull pl = PSD__PULL__INIT;
+    pl.want_rows = 1;
+    psd__header__init(&ph);
+    ph.type = PSD__MSG_TYPE__MSG_PULL;
+    ph.body_case = PSD__HEADER__BODY_PULL;
+    ph.pull = &pl;
+    uint32_t *many = malloc(2049 * sizeof *many);
+    cr_assert(many);
+    for (uint32_t i = 0; i < 2049; i++) many[i] = i;
+    ps_frame_t pf = IDS(same, 2);
+    raw_send(d, &seq, run, rank, &ph, &pf, 1);
+    pf = IDS(beyond, 2);
+    raw_send(d, &seq, run, rank, &ph, &pf, 1);
+    pf = IDS(many, 2049);
+    raw_send(d, &seq, run, rank, &ph, &pf, 1);
+    raw_send(d, &seq, run, rank, &ph, NULL, 0);
+    free(many);
     raw_send(d, &seq, run, rank, &h, fr, 6);  /* right: stepped */
 #undef IDS
 #undef VALS
@@ -1884,7 +2008,7 @@ Test(short, malformed_table_rows_are_dropped)
     cr_assert(E[1 * 8] != E0[1 * 8] && E[5 * 8 + 7] != E0[5 * 8 + 7], "rows 1 and 5 stepped");
     cr_assert(memcmp(E + 2 * 8, E0 + 2 * 8, 3 * 8 * sizeof *E) == 0, "rows 2-4 untouched");
     char *log = slurp(r.psd_log);
-    cr_assert_eq(count_in(log, "that are not rows of the table"), 5, "%s", log);
+    cr_assert_eq(count_in(log, "that are not rows of the table"), 9, "%s", log);
     free(log);
     free(E0);
     ps_msg_deinit(&m);
@@ -2197,20 +2321,27 @@ static double detection_seconds(const char *psd_log)
 static const char *ft_args[] = {"--epochs", "3", "--set", "data.train_limit=12000", "--worker-timeout", "2",
                                 "--set", "checkpoint.dir=", NULL};
 
-Test(short, killed_worker_the_others_finish_every_sample_once)
+/* psd and 3 workers; one of them killed (SIGKILL) in the middle of epoch
+ * 2: psd and the others finish the run. */
+static void kill_one_mid_epoch(run_t *r, const char *tag, const char **args)
 {
     fault_seed();
-    run_t r;
-    pid_t p = start_psd(&r, "k9", 3, ft_args);
+    pid_t p = start_psd(r, tag, 3, args);
     pid_t w[3];
-    for (int i = 0; i < 3; i++) w[i] = start_worker(&r, "k9", i, NULL);
-    wait_metrics(&r, 1);
+    for (int i = 0; i < 3; i++) w[i] = start_worker(r, tag, i, NULL);
+    wait_metrics(r, 1);
     zmq_poll(NULL, 0, rand() % 150); /* mid-epoch 2 */
     int victim = rand() % 3;
     kill(w[victim], SIGKILL);
     cr_assert_eq(proc_wait(p, 300), 0, "psd finished the run with the survivors");
     for (int i = 0; i < 3; i++)
         if (i != victim) cr_assert_eq(proc_wait(w[i], 30), 0, "worker %d", i);
+}
+
+Test(short, killed_worker_the_others_finish_every_sample_once)
+{
+    run_t r;
+    kill_one_mid_epoch(&r, "k9", ft_args);
     check_every_epoch(&r, 3, 12000);
     double d = detection_seconds(r.psd_log);
     cr_assert(d >= 2 && d <= 2 + 1.0, "declared lost %.1f s after its last message (bound 2 s + 0.2 s timer)", d);
@@ -2412,8 +2543,67 @@ Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
     double whole = (json_num(la, "wire_bytes_out") - replies * mlp - out * (row - 4)) / (mlp + table);
     cr_assert(whole == floor(whole) && whole >= 2 && whole <= 3 * 2, "%g whole-table sends: %s", whole, la);
     cr_assert_eq(json_num(lb, "table_row_replies"), 0, "%s", lb);
+    /* the table on psd (ctr.worker_table_mb=0; workers may use shared memory: psd offers none
+     * then): the same bits, and the table never goes whole: every reply brings the rows asked
+     * for (the epoch's first and the partial batch's too), each validation part the rows of
+     * its range (4 bytes of id more a row) */
+    const char *onpsd[] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                           "--set", "checkpoint.dir=", "--set", "ctr.worker_table_mb=0", NULL};
+    run_t c;
+    const char *verbose[] = {"--verbose", NULL};
+    train_wx(&c, "onpsd", 2, onpsd, verbose, 300);
+    cr_assert_eq(c.psd_code, 0);
+    cr_assert(weights_equal(a.weights, c.weights), "the table on psd = a replica on each worker, bit for bit");
+    char *mc = metrics_last(&c);
+    const char *lc = last_line(mc);
+    double rc = json_num(lc, "table_row_replies"), oc = json_num(lc, "table_rows_out");
+    cr_assert_eq(json_num(lc, "table_row_pushes"), 2 * 40, "%s", lc);
+    cr_assert_eq(rc, 2 * 39 + 2, "every reply as rows, the epoch's first included: %s", lc);
+    double val_ids = json_num(lc, "wire_bytes_out") - (rc + 2) * mlp - oc * (row - 4);
+    cr_assert(val_ids > 0 && val_ids < 4 * oc && fmod(val_ids, 4) == 0,
+              "two validation parts with their rows, no whole table (%g): %s", val_ids, lc);
+    cr_assert_eq(json_num(lc, "val_loss"), json_num(la, "val_loss"), "the same validation: %s", lc);
+    cr_assert_eq(json_num(lc, "val_auc"), json_num(la, "val_auc"), "%s", lc);
+    for (int i = 0; i < 2; i++) {
+        char wlog[512];
+        snprintf(wlog, sizeof wlog, "%s/onpsd-w%d.log", dir, i);
+        char *log = slurp(wlog);
+        cr_assert(log && strstr(log, "the table stayed on psd") && strstr(log, "whole 0 times"), "worker %d: %s", i,
+                  log ? log : "");
+        free(log);
+    }
+    char *plog = slurp(c.psd_log);
+    cr_assert(plog && strstr(plog, "stays on psd") && !strstr(plog, "shared memory for workers"), "%s", plog);
+    free(plog);
+    free(mc);
     free(ma);
     free(mb);
+}
+
+/* The table on psd with a worker killed mid-epoch: the others take its
+ * samples (the batches they had asked rows for may grow: they ask again),
+ * every epoch trains each example once and validates every test example. */
+Test(short, killed_worker_with_the_table_on_psd)
+{
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    const char *args[] = {"--config", cfg, "--epochs", "3", "--set", "ctr.train=60000", "--set", "ctr.test=3000",
+                          "--set", "checkpoint.dir=", "--set", "ctr.worker_table_mb=0", "--worker-timeout", "2",
+                          "--set", "train.batch_size=100", NULL};
+    run_t r;
+    kill_one_mid_epoch(&r, "k9psd", args);
+    char *m = metrics_last(&r);
+    cr_assert_eq(count_lines(m), 3, "%s", m);
+    for (char *line = m; line && *line;) {
+        char *nl = strchr(line, '\n');
+        if (nl) *nl = '\0';
+        cr_assert_eq(json_num(line, "train_samples"), 60000, "%s", line);
+        cr_assert_eq(json_num(line, "val_samples"), 3000, "%s", line);
+        double opt = json_num(line, "optimum_loss"), cst = json_num(line, "constant_loss");
+        cr_assert_lt(json_num(line, "val_loss") - opt, 0.8 * (cst - opt), "trained: %s", line);
+        line = nl ? nl + 1 : NULL;
+    }
+    free(m);
 }
 
 /* Table rows both ways in async and ssp (each push stepped on its own and

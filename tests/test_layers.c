@@ -622,6 +622,45 @@ Test(model, bags_report_the_table_last)
     psw_model_destroy(&m);
 }
 
+/* A backward zeroes only the rows of E the previous batch wrote: after
+ * batch A then batch B (other rows), dE is the gradient of B alone. */
+Test(model, a_batch_table_gradient_has_only_its_own_rows)
+{
+    enum { B = 3, F = 2, M = 2, D = 4, ROWS = 50 };
+    const int sizes[] = {F * D, 5, 2};
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, sizes, 3, ROWS, D), 0);
+    psw_bags_t bags = {.fields = F, .per_field = M, .mean = 1};
+    psw_model_t *m = psw_model_new_bags(be, &l, B, &bags), *fresh = psw_model_new_bags(be, &l, B, &bags);
+    cr_assert(m && fresh);
+    float *params = calloc(l.n_params, sizeof(float)), *g1 = malloc(l.n_params * sizeof(float)),
+          *g2 = malloc(l.n_params * sizeof(float));
+    cr_assert(params && g1 && g2);
+    ps_model_init_params(&l, params, 9);
+    psw_model_set_params(m, params);
+    psw_model_set_params(fresh, params);
+    uint32_t a[B * F * M], b[B * F * M];
+    int32_t y[B] = {1, 0, 1};
+    for (int i = 0; i < B * F * M; i++) {
+        a[i] = (uint32_t)(i * 3 % 20);       /* rows 0..19 */
+        b[i] = (uint32_t)(25 + i * 7 % 20);  /* rows 25..44 */
+    }
+    psw_model_train_bags(m, a, y, B, NULL, NULL, NULL, NULL);
+    psw_model_train_bags(m, b, y, B, NULL, NULL, NULL, NULL);
+    psw_model_get_grads(m, g1);
+    psw_model_train_bags(fresh, b, y, B, NULL, NULL, NULL, NULL);
+    psw_model_get_grads(fresh, g2);
+    cr_assert_arr_eq(g1, g2, l.n_params * sizeof(float), "batch A's rows are zero again");
+    size_t nz = 0;
+    for (size_t j = 0; j < l.t[l.table].numel; j++) nz += g1[l.t[l.table].offset + j] != 0;
+    cr_assert_gt(nz, 0, "batch B's rows are there");
+    free(params);
+    free(g1);
+    free(g2);
+    psw_model_destroy(&m);
+    psw_model_destroy(&fresh);
+}
+
 /* ---- (d) training ---- */
 
 /* Three Gaussian blobs in 8 dimensions, one class each. */

@@ -1,7 +1,8 @@
 /* Unit tests of psd's row-sparse table updates (server/psd_rows.c): the
  * sparse step gives the dense step's weights for SGD and Adagrad, merges
  * duplicates and contributors in a fixed order, leaves untouched rows alone
- * (lazy Adam), and refuses what does not fit. */
+ * (lazy Adam), and refuses what does not fit; and psd's store steps a table
+ * lazily with the dense step's bits (SGD, Adagrad), in place or out. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
@@ -10,6 +11,7 @@
 
 #include "ps_rng.h"
 #include "psd_rows.h"
+#include "psd_store.h"
 
 #define ROWS 500
 #define DIM 8
@@ -58,7 +60,7 @@ static void sparse_step(psd_rows_t *r, const batch_t *b, const double *w, const 
     for (int k = 0; k < K; k++) g[k] = (psd_rowgrad_t){b->ids[k], b->rows[k], PER};
     cr_assert_eq(psd_rows_merge(r, K, g, w, ROWS), 0);
     for (size_t i = 1; i < r->n_ids; i++) cr_assert_lt(r->ids[i - 1], r->ids[i], "ascending, unique");
-    psd_rows_apply(r, o, table, s0, s1, lr, t);
+    psd_rows_apply(r, o, table, s0, s1, 1.0f, lr, t);
 }
 
 static void init_table(float *table)
@@ -140,4 +142,113 @@ Test(rows, what_does_not_fit_is_refused)
     psd_rows_deinit(&r);
     cr_assert(psd_rows_sparse(10, 1000, 0.1) && !psd_rows_sparse(100, 1000, 0.1), "sparse below the threshold");
     cr_assert_eq(psd_rows_bytes(10, 32), 10 * (4 + 128));
+}
+
+/* The store of an MLP 6-5-3 with a ROWS x DIM table, the table stepped
+ * lazily or not; every step's table gradient comes as rows (lazy) or as
+ * the dense gradients those rows stand for, the MLP's gradients dense. */
+static void store_steps(psd_store_t *st, bool lazy, const psd_optim_t *o, double clip, bool hold)
+{
+    static const int sizes[3] = {6, 5, 3};
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, sizes, 3, ROWS, DIM), 0);
+    cr_assert_eq(psd_store_init(st, &l, o, 11), 0);
+    cr_assert_eq(psd_store_set_parallel(st, 2, 4096), 0);
+    if (lazy) cr_assert_eq(psd_store_lazy_table(st, 10, 1), 0, "made again below with more room");
+    if (lazy) cr_assert_eq(psd_store_lazy_table(st, K * PER, K), 0);
+    static float mlp[K][64], dense[K][ROWS * DIM];
+    const double w[K] = {0.5, 0.3, 0.2};
+    for (uint64_t step = 0; step < 5; step++) {
+        batch_t b;
+        make_batch(&b, 100 + step);
+        const void *g[K][PS_MAX_TENSORS];
+        psd_rowgrad_t rg[K];
+        memset(dense, 0, sizeof dense);
+        for (int k = 0; k < K; k++) {
+            for (int i = 0; i < 64; i++) mlp[k][i] = sinf((float)(i + 7 * k + 3 * (int)step)) * 0.1f;
+            for (int t = 0; t < l.n_tensors - 1; t++) g[k][t] = mlp[k];
+            for (int j = 0; j < PER; j++)
+                for (int d = 0; d < DIM; d++) dense[k][b.ids[k][j] * DIM + d] += b.rows[k][j * DIM + d];
+            /* rows: ascending and unique, as a worker sends them */
+            static uint32_t ids[K][PER];
+            static float rows[K][PER * DIM];
+            size_t n = 0;
+            for (uint32_t id = 0; id < ROWS; id++) {
+                bool any = false;
+                for (int j = 0; j < PER; j++) any |= b.ids[k][j] == id;
+                if (!any) continue;
+                ids[k][n] = id;
+                memcpy(rows[k] + n * DIM, dense[k] + id * DIM, DIM * sizeof(float));
+                n++;
+            }
+            rg[k] = (psd_rowgrad_t){ids[k], rows[k], n};
+            g[k][l.table] = lazy ? NULL : dense[k];
+        }
+        psd_arena_t *held = hold ? psd_store_ref_current(st) : NULL; /* the next version out of place */
+        double norm = psd_store_step_rows(st, K, (const void *const(*)[PS_MAX_TENSORS])g, NULL, w,
+                                          lazy ? rg : NULL, clip, 1e-2);
+        cr_assert_geq(norm, 0);
+        if (held) {
+            cr_assert_neq(held, st->cur, "stepped out of place");
+            psd_store_frame_free(NULL, held);
+        }
+    }
+}
+
+Test(rows, the_store_steps_a_table_lazily_with_the_dense_bits)
+{
+    psd_optim_t opts[2] = {{.kind = PS_OPT_SGD}, {.kind = PS_OPT_ADAGRAD, .eps = 1e-10f}};
+    for (int o = 0; o < 2; o++)
+        for (int hold = 0; hold < 2; hold++) {
+            psd_store_t a, b;
+            store_steps(&a, false, &opts[o], 0, hold);
+            store_steps(&b, true, &opts[o], 0, hold);
+            cr_assert(memcmp(a.cur->w, b.cur->w, a.layout.n_params * sizeof(float)) == 0,
+                      "optimizer %d, %s: the same bits", o, hold ? "out of place" : "in place");
+            cr_assert_eq(a.steps, b.steps);
+            psd_store_deinit(&a);
+            psd_store_deinit(&b);
+        }
+}
+
+Test(rows, a_lazy_table_is_clipped_by_the_whole_gradients_norm)
+{
+    psd_optim_t o = {.kind = PS_OPT_SGD};
+    psd_store_t a, b;
+    store_steps(&a, false, &o, 0.05, false);
+    store_steps(&b, true, &o, 0.05, false);
+    /* the same norm summed in another order: equal to float rounding */
+    for (size_t i = 0; i < a.layout.n_params; i++)
+        cr_assert(fabsf(a.cur->w[i] - b.cur->w[i]) <= 1e-6f + 1e-5f * fabsf(a.cur->w[i]), "param %zu: %g vs %g", i,
+                  a.cur->w[i], b.cur->w[i]);
+    psd_store_deinit(&a);
+    psd_store_deinit(&b);
+}
+
+Test(rows, lazy_adam_in_the_store_leaves_untouched_rows_alone)
+{
+    psd_optim_t o = {.kind = PS_OPT_ADAM, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
+    psd_store_t a, b;
+    store_steps(&a, false, &o, 0, false);
+    store_steps(&b, true, &o, 0, false);
+    const ps_tensor_info_t *e = &a.layout.t[a.layout.table];
+    cr_assert(memcmp(a.cur->w, b.cur->w, e->offset * sizeof(float)) == 0, "the MLP: the same bits");
+    /* rows 60.. are never touched (ids below 60): lazily they keep their
+     * initial values and zero state; densely Adam moves rows whose moments
+     * are not zero, and these never had any, so they stay too */
+    ps_layout_t l = a.layout;
+    psd_store_t init;
+    psd_optim_t sgd = {.kind = PS_OPT_SGD};
+    cr_assert_eq(psd_store_init(&init, &l, &sgd, 11), 0);
+    const size_t from = e->offset + 60 * DIM, n = (ROWS - 60) * DIM;
+    cr_assert(memcmp(b.cur->w + from, init.cur->w + from, n * sizeof(float)) == 0, "untouched rows keep their values");
+    for (size_t i = from; i < from + n; i++) cr_assert(b.s0[i] == 0 && b.s1[i] == 0, "and their state");
+    /* a row touched at the first step only: lazy Adam leaves it after that,
+     * dense Adam keeps moving it with its decaying moments */
+    size_t differ = 0;
+    for (size_t i = e->offset; i < from; i++) differ += a.cur->w[i] != b.cur->w[i];
+    cr_assert_gt(differ, 0, "lazy and dense Adam differ on rows some steps did not touch");
+    psd_store_deinit(&init);
+    psd_store_deinit(&a);
+    psd_store_deinit(&b);
 }

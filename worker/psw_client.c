@@ -28,6 +28,7 @@ struct psw_client {
     uint32_t *want;
     size_t n_want, want_cap;
     float *replica;
+    int table_on_psd;       /* CtrTask.table_on_psd: no replica; events bring the rows asked for */
     void *ctx, *sock;
     void *mon;              /* PAIR receiving the DEALER's socket events */
     int connected;          /* a connection to psd has been up */
@@ -639,6 +640,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         out->ctr.zipf = t->zipf;
         out->ctr.weight_std = t->weight_std;
         out->ctr.bias = t->bias;
+        out->ctr.table_on_psd = t->table_on_psd;
         ps_ctr_t g = {.fields = (int)t->fields, .per_field = (int)t->per_field, .vocab = t->vocab, .zipf = t->zipf,
                       .rows = t->rows, .weight_std = t->weight_std, .bias = t->bias, .seed = t->seed};
         char why[128];
@@ -674,6 +676,12 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     free(c->replica); /* the table's replica: made at the first push asking for rows */
     c->replica = NULL;
     c->n_want = 0;
+    c->table_on_psd = a->ctr && a->ctr->table_on_psd;
+    if (c->table_on_psd && !psw_client_rows_ok(c)) {
+        snprintf(err, errlen, "psd keeps the table but sent a set-up without row pushes (shared memory, shards, "
+                              "streams or bfloat16)");
+        return -EPROTO;
+    }
     if ((c->grad_bf16 && !c->gconv) || (c->weight_bf16 && !c->wconv)) {
         snprintf(err, errlen, "out of memory for the bfloat16 buffers");
         return -ENOMEM;
@@ -884,6 +892,43 @@ static bool table_rows(const psw_client_t *c, const uint32_t *ids, size_t n)
     return true;
 }
 
+/* The rows the next reply brings (n may be 0), kept to check it and to
+ * scatter it into the replica (made here, the first time; none when the
+ * table stays on psd). 0 or -ENOMEM. */
+static int keep_want(psw_client_t *c, const uint32_t *want, size_t n)
+{
+    if (n > c->want_cap) {
+        uint32_t *p = realloc(c->want, n * sizeof *p);
+        if (!p) return -ENOMEM;
+        c->want = p;
+        c->want_cap = n;
+    }
+    if (n && !c->table_on_psd && !c->replica &&
+        !(c->replica = calloc(c->layout.t[c->layout.table].numel, sizeof *c->replica)))
+        return -ENOMEM;
+    if (n) memcpy(c->want, want, n * sizeof *want);
+    c->n_want = n;
+    return 0;
+}
+
+int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *want, size_t n)
+{
+    if (!psw_client_rows_ok(c) || !table_rows(c, want, n)) return -EINVAL;
+    int rc = keep_want(c, want, n);
+    if (rc < 0) return rc;
+    c->t_req = ps_now();
+    Psd__Header h;
+    Psd__Pull p = PSD__PULL__INIT;
+    header_init(c, &h, PSD__MSG_TYPE__MSG_PULL);
+    p.min_version = min_version;
+    p.want_rows = true;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &p;
+    ps_frame_t fr = {.data = want, .nbytes = n * sizeof *want, .id = (uint32_t)c->layout.table,
+                     .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n}; /* copied at send */
+    return ps_msg_send(c->sock, NULL, 0, &h, &fr, 1);
+}
+
 int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct,
                          int pull, int n, const int *ids, const float *const *grads, const size_t *numel,
                          const int *rows, const int *cols, const uint32_t *row_ids, size_t n_rows,
@@ -894,17 +939,8 @@ int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, doub
         (n_want && (!pull || !table_rows(c, want, n_want))))
         return -EINVAL;
     if (c->weight_bf16) n_want = 0; /* psd sends bfloat16 weights whole */
-    if (n_want) { /* kept for the reply, which brings these rows only */
-        if (n_want > c->want_cap) {
-            uint32_t *p = realloc(c->want, n_want * sizeof *p);
-            if (!p) return -ENOMEM;
-            c->want = p;
-            c->want_cap = n_want;
-        }
-        if (!c->replica && !(c->replica = calloc(c->layout.t[table].numel, sizeof *c->replica))) return -ENOMEM;
-        memcpy(c->want, want, n_want * sizeof *want);
-    }
-    c->n_want = n_want;
+    int rc = keep_want(c, want, n_want);
+    if (rc < 0) return rc;
     Psd__Header h;
     Psd__Push p = PSD__PUSH__INIT;
     push_header(c, &h, &p, version, batch, loss_sum, correct, pull);
@@ -1066,14 +1102,49 @@ static int take_rows(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
 {
     const int t = c->layout.table;
     const size_t D = t >= 0 ? (size_t)c->layout.t[t].cols : 0;
-    if (t < 0 || !c->n_want || ev->n_tensors != c->layout.n_tensors || ev->tensor_numel[t] != c->n_want * D) {
+    if (t < 0 || (!c->n_want && !c->table_on_psd) || ev->n_tensors != c->layout.n_tensors ||
+        ev->tensor_numel[t] != c->n_want * D) {
         snprintf(err, errlen, "psd sent table rows this worker did not ask for");
         return -EPROTO;
+    }
+    if (c->table_on_psd) { /* the rows themselves are the event's table */
+        ev->row_ids = c->want;
+        ev->n_row_ids = c->n_want;
+        return 0;
     }
     for (size_t j = 0; j < c->n_want; j++)
         memcpy(c->replica + (size_t)c->want[j] * D, ev->tensors[t] + j * D, D * sizeof(float));
     ev->tensors[t] = c->replica;
     ev->tensor_numel[t] = c->layout.t[t].numel;
+    return 0;
+}
+
+/* VALIDATE with rows (the table on psd): the MLP's tensors, then the rows
+ * the range's examples read (ids strictly increasing) and their values. */
+static int take_val_rows(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
+{
+    const ps_layout_t *l = &c->layout;
+    const int t = l->table;
+    size_t n = 0, k = 0, nv = 0;
+    const uint32_t *ids = c->cur.n_frames == l->n_tensors + 1 ? ps_msg_u32(&c->cur, t, &k) : NULL;
+    const float *vals = ids ? ps_msg_f32(&c->cur, t + 1, &nv) : NULL;
+    bool ok = vals && c->cur.hdr->tensors[t]->id == (uint32_t)t && c->cur.hdr->tensors[t + 1]->id == (uint32_t)t &&
+              nv == k * (size_t)l->t[t].cols && (k == 0 || table_rows(c, ids, k));
+    for (int i = 0; ok && i < t; i++) {
+        const float *p = ps_msg_f32(&c->cur, i, &n);
+        ok = p && c->cur.hdr->tensors[i]->id == (uint32_t)i && n == l->t[i].numel;
+        ev->tensors[i] = p;
+        ev->tensor_numel[i] = n;
+    }
+    if (!ok) {
+        snprintf(err, errlen, "psd sent an invalid validation part (the table's rows)");
+        return -EPROTO;
+    }
+    ev->n_tensors = l->n_tensors;
+    ev->tensors[t] = vals;
+    ev->tensor_numel[t] = nv;
+    ev->row_ids = ids;
+    ev->n_row_ids = k;
     return 0;
 }
 
@@ -1280,6 +1351,10 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
             c->t_req = 0;
             ev->version = h->weights->version;
             ev->step = h->weights->step;
+            if (c->table_on_psd && !h->weights->rows) {
+                snprintf(err, errlen, "psd sent the whole table to a worker that holds only rows of it");
+                return -EPROTO;
+            }
             rc = take_tensors(c, ev, h->weights->shm_slot, h->weights->crc, err, errlen);
             if (rc == 0 && h->weights->rows) rc = take_rows(c, ev, err, errlen);
             c->n_want = 0;
@@ -1294,6 +1369,12 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
                 snprintf(err, errlen, "psd sent an invalid validation range");
                 return -EPROTO;
             }
+            if (c->table_on_psd != h->validate->rows) {
+                snprintf(err, errlen, "psd sent a validation part with%s the table's rows",
+                         h->validate->rows ? "" : "out");
+                return -EPROTO;
+            }
+            if (h->validate->rows) return take_val_rows(c, ev, err, errlen);
             return take_tensors(c, ev, h->validate->shm_slot, h->validate->crc, err, errlen);
         case PSD__MSG_TYPE__MSG_SHUTDOWN:
             ev->kind = PSW_EV_SHUTDOWN;

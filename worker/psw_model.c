@@ -33,6 +33,12 @@ struct psw_model {
     psw_bags_t bags;   /* fields 0: no bags */
     uint32_t *ids;
     float *logits_host; /* (max_batch, classes): psw_model_prob1 */
+    /* host-visible backends: dE_clean is a table gradient that is zero but
+     * for the rows of the last batch's bags (prev_ids, n_prev of them), so
+     * the next backward zeroes those rows, not the whole table */
+    float *dE_clean;
+    uint32_t *prev_ids;
+    size_t n_prev;
 };
 
 static float *tensor(float *arena, const ps_layout_t *l, int k) { return arena + l->t[k].offset; }
@@ -87,6 +93,9 @@ psw_model_t *psw_model_new_bags(psw_backend_t *be, const ps_layout_t *layout, in
         m->bags = *bags;
         m->ids = be->alloc(be, mb * (size_t)bags->fields * (size_t)bags->per_field * sizeof(uint32_t));
         if (!m->ids) goto fail;
+        if (be->host_visible && !(m->prev_ids = malloc(mb * (size_t)bags->fields * (size_t)bags->per_field *
+                                                       sizeof(uint32_t))))
+            goto fail;
     }
     return m;
 
@@ -117,6 +126,7 @@ void psw_model_destroy(psw_model_t **pm)
     if (m->labels) be->free(be, m->labels);
     if (m->ids) be->free(be, m->ids);
     free(m->logits_host);
+    free(m->prev_ids);
     free(m);
     *pm = NULL;
 }
@@ -221,8 +231,17 @@ static void train(psw_model_t *m, const float *x_host, const uint32_t *ids_host,
     if (m->bags.fields) { /* delta[1 - cur]: d(loss)/d(bags' output) */
         const psw_bags_t *g = &m->bags;
         float *dE = tensor(m->grads, l, l->table);
-        be->zero(be, dE, l->t[l->table].numel * sizeof(float));
-        be->embag_bwd(be, dE, m->delta[1 - cur], m->ids, B, g->fields, g->per_field, l->t[l->table].cols, g->mean);
+        const size_t D = (size_t)l->t[l->table].cols, n = (size_t)B * (size_t)g->fields * (size_t)g->per_field;
+        if (m->prev_ids && m->dE_clean == dE) /* only the rows the last batch wrote: a step costs its rows */
+            for (size_t j = 0; j < m->n_prev; j++) memset(dE + (size_t)m->prev_ids[j] * D, 0, D * sizeof(float));
+        else
+            be->zero(be, dE, l->t[l->table].numel * sizeof(float));
+        be->embag_bwd(be, dE, m->delta[1 - cur], m->ids, B, g->fields, g->per_field, (int)D, g->mean);
+        if (m->prev_ids) {
+            memcpy(m->prev_ids, ids_host, n * sizeof *ids_host);
+            m->n_prev = n;
+            m->dE_clean = dE;
+        }
         if (ready) ready(ud, l->table);
     }
 }

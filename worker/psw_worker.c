@@ -27,7 +27,14 @@ typedef struct {
     const psw_worker_opts_t *o;
     psw_client_t *c;
     psw_assign_t a;
-    ps_layout_t layout;
+    ps_layout_t layout;  /* psd's model */
+    /* the table on psd (a.ctr.table_on_psd): the model's table is the rows
+     * of one batch (mlayout: layout with a batch's most rows), read
+     * through local ids (the batch's rows renumbered in the order of their
+     * ids); else mlayout is layout */
+    int on_psd;
+    ps_layout_t mlayout;
+    uint32_t *local;
     psw_data_t train, test;
     psw_backend_t *be;
     psw_model_t *m;
@@ -43,7 +50,8 @@ typedef struct {
     uint32_t *next_bags, *want; /* ctr: the next batch's bags, and the rows they read (asked for with the push) */
     int32_t *next_y;            /* and its labels: the next step takes them instead of making them again */
     size_t next_at;             /* 1 + the position of that batch, 0 = none made */
-    uint64_t pushes_rows, pushes_whole;
+    int next_B;                 /* its size */
+    uint64_t pushes_rows, pushes_whole, repulls;
     size_t scores_cap;
     float *grads_host; /* non-host backends: gradients copied here for the wire (pinned) */
     int split;         /* push tensor by tensor, as each is ready */
@@ -131,10 +139,33 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
     }
     w->split = w->o->split_push || !w->be->host_visible;
     w->max_batch = (int)(w->a.batch_size > w->a.val_batch_size ? w->a.batch_size : w->a.val_batch_size);
+    w->mlayout = w->layout;
+    if (w->on_psd) {
+        if (!w->be->host_visible) {
+            snprintf(err, errlen, "psd keeps the embedding table to itself (larger than its ctr.worker_table_mb) "
+                                  "and the %s backend needs it whole for now: raise ctr.worker_table_mb in psd's "
+                                  "config, or use --devices cpu", w->be->name);
+            return -1;
+        }
+        w->split = 0; /* the table's rows go in one push with the rest */
+        uint64_t cap = (uint64_t)w->a.batch_size * (uint64_t)(w->a.ctr.fields * w->a.ctr.per_field);
+        if (cap > w->a.ctr.rows) cap = w->a.ctr.rows;
+        if (ps_layout_init_table(&w->mlayout, w->a.sizes, w->a.n_sizes, cap, w->a.ctr.dim) != 0) {
+            snprintf(err, errlen, "invalid model");
+            return -1;
+        }
+        PS_INFO("the embedding table (%llu rows) stays on psd: this worker holds the rows of one batch (at most "
+                "%llu)", (unsigned long long)w->a.ctr.rows, (unsigned long long)cap);
+    }
     if (w->ctr) {
         psw_bags_t bags = {.fields = w->a.ctr.fields, .per_field = w->a.ctr.per_field, .mean = w->a.ctr.mean};
-        w->m = psw_model_new_bags(w->be, &w->layout, w->max_batch, &bags);
+        w->m = psw_model_new_bags(w->be, &w->mlayout, w->max_batch, &bags);
         size_t per = (size_t)w->max_batch * (size_t)(bags.fields * bags.per_field);
+        w->local = w->on_psd ? malloc(per * sizeof *w->local) : NULL;
+        if (w->on_psd && !w->local) {
+            snprintf(err, errlen, "out of memory for the model");
+            return -1;
+        }
         w->bag_ids = malloc(per * sizeof *w->bag_ids);
         w->touched = malloc(per * sizeof *w->touched);
         w->row_vals = malloc(per * (size_t)w->a.ctr.dim * sizeof *w->row_vals);
@@ -166,7 +197,7 @@ static int set_weights(wk_t *w, const psw_event_t *ev)
 {
     if (ev->n_tensors != w->layout.n_tensors) return -1;
     for (int i = 0; i < ev->n_tensors; i++)
-        if (ev->tensor_numel[i] != w->layout.t[i].numel) return -1;
+        if (ev->tensor_numel[i] != w->layout.t[i].numel && !(w->on_psd && i == w->layout.table)) return -1;
     if (w->be->host_visible) {
         psw_model_borrow(w->m, ev->tensors, psw_client_push_region(w->c));
         return 0;
@@ -212,11 +243,25 @@ static size_t touched_rows(const wk_t *w, const uint32_t *bags, int B, uint32_t 
  * this worker later (EPOCH append) would join it, with rows not asked for. */
 static size_t next_rows(wk_t *w)
 {
-    if (w->n_ids - w->pos < w->a.batch_size) return 0;
-    int B = (int)w->a.batch_size;
+    size_t left = w->n_ids - w->pos;
+    if (left == 0 || (left < w->a.batch_size && !w->on_psd)) return 0; /* the table on psd: a partial one too */
+    int B = (int)(left < w->a.batch_size ? left : w->a.batch_size);
     ctr_batch(w, w->ids + w->pos, 0, B, w->next_bags, w->next_y);
     w->next_at = w->pos + 1;
+    w->next_B = B;
     return touched_rows(w, w->next_bags, B, w->want);
+}
+
+/* The table on psd: bags[0, n) as indices into rows[0, k) (strictly
+ * increasing), the rows the event brought. 0, or -1 if one is missing. */
+static int to_local(const uint32_t *bags, size_t n, const uint32_t *rows, size_t k, uint32_t *local)
+{
+    for (size_t j = 0; j < n; j++) {
+        const uint32_t *p = k ? bsearch(&bags[j], rows, k, sizeof *rows, cmp_u32) : NULL;
+        if (!p) return -1;
+        local[j] = (uint32_t)(p - rows);
+    }
+    return 0;
 }
 
 /* Backward reached tensor t: start copying its gradient to the wire buffer
@@ -252,7 +297,7 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     int64_t correct = 0;
     w->n_ready = 0;
     if (w->ctr) {
-        if (w->next_at == w->pos + 1) { /* made when the last push asked for its rows */
+        if (w->next_at == w->pos + 1 && w->next_B == B) { /* made when the last push asked for its rows */
             uint32_t *bags = w->bag_ids;
             int32_t *y = w->y;
             w->bag_ids = w->next_bags, w->next_bags = bags;
@@ -261,7 +306,23 @@ static int train_step(wk_t *w, const psw_event_t *ev)
             ctr_batch(w, w->ids + w->pos, 0, B, w->bag_ids, w->y);
         }
         w->next_at = 0;
-        psw_model_train_bags(w->m, w->bag_ids, w->y, B, &loss, &correct, grad_ready, w);
+        const uint32_t *bags = w->bag_ids;
+        if (w->on_psd) { /* the batch's rows: those the event brought, or ask for them */
+            size_t nt = touched_rows(w, w->bag_ids, B, w->touched);
+            if (ev->n_row_ids != nt || memcmp(ev->row_ids, w->touched, nt * sizeof *w->touched) != 0) {
+                uint32_t *b = w->bag_ids;
+                int32_t *y = w->y;
+                w->bag_ids = w->next_bags, w->next_bags = b; /* kept for the answer */
+                w->y = w->next_y, w->next_y = y;
+                w->next_at = w->pos + 1;
+                w->next_B = B;
+                w->repulls++;
+                return psw_client_pull_rows(w->c, ev->version, w->touched, nt);
+            }
+            to_local(w->bag_ids, (size_t)B * (size_t)(w->gen.fields * w->gen.per_field), w->touched, nt, w->local);
+            bags = w->local;
+        }
+        psw_model_train_bags(w->m, bags, w->y, B, &loss, &correct, grad_ready, w);
     } else {
         psw_data_gather(&w->train, w->ids + w->pos, B, w->x, w->y);
         psw_model_train_step(w->m, w->x, w->y, B, &loss, &correct, grad_ready, w);
@@ -270,7 +331,7 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     int last = w->pos >= w->n_ids;
     if (w->o->slow_ms > 0) nanosleep(&(struct timespec){w->o->slow_ms / 1000, (w->o->slow_ms % 1000) * 1000000L}, NULL);
 
-    const float *base = w->be->host_visible ? psw_model_grads(w->m) : w->grads_host;
+    const float *base = w->be->host_visible ? psw_model_grads(w->m) : w->grads_host; /* laid out as mlayout */
     const float *g[PSW_MAX_TENSORS];
     size_t numel[PSW_MAX_TENSORS];
     int ids[PSW_MAX_TENSORS], rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
@@ -278,26 +339,30 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     for (int k = 0; k < n; k++) {
         int t = w->split ? w->ready_order[k] : k;
         ids[k] = t;
-        g[k] = base + w->layout.t[t].offset;
-        numel[k] = w->layout.t[t].numel;
+        g[k] = base + w->mlayout.t[t].offset;
+        numel[k] = w->layout.t[t].numel; /* the table on psd: it goes as rows */
         rows[k] = w->layout.t[t].rows;
         cols[k] = t % 2 == 0 ? w->layout.t[t].cols : 0;
     }
-    size_t nt = w->ctr && !w->split && w->a.sparse_threshold > 0 && psw_client_rows_ok(w->c)
+    size_t nt = w->ctr && !w->split && (w->a.sparse_threshold > 0 || w->on_psd) && psw_client_rows_ok(w->c)
                     ? touched_rows(w, w->bag_ids, B, w->touched)
                     : 0;
     const double few = nt ? w->a.sparse_threshold * (double)w->layout.t[w->layout.table].rows : 0;
-    if (nt > 0 && (double)nt < few) {
-        /* few rows of the table touched: push those (the others' gradient is zero) */
+    if (nt > 0 && ((double)nt < few || w->on_psd)) {
+        /* few rows of the table touched (or the table on psd): push those (the others' gradient is zero) */
         const int D = w->layout.t[w->layout.table].cols;
-        const float *dE = base + w->layout.t[w->layout.table].offset;
-        for (size_t i = 0; i < nt; i++)
-            memcpy(w->row_vals + i * (size_t)D, dE + (size_t)w->touched[i] * (size_t)D, (size_t)D * sizeof(float));
+        const float *dE = base + w->mlayout.t[w->layout.table].offset, *vals = dE; /* on psd: rows 0..nt-1 */
+        if (!w->on_psd) {
+            for (size_t i = 0; i < nt; i++)
+                memcpy(w->row_vals + i * (size_t)D, dE + (size_t)w->touched[i] * (size_t)D,
+                       (size_t)D * sizeof(float));
+            vals = w->row_vals;
+        }
         /* and the reply brings only the table rows the next batch reads, when they are few */
         size_t nw = last ? 0 : next_rows(w);
-        if ((double)nw >= few) nw = 0;
+        if ((double)nw >= few && !w->on_psd) nw = 0;
         rc = psw_client_push_rows(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct, !last, n, ids, g, numel,
-                                  rows, cols, w->touched, nt, w->row_vals, w->want, nw);
+                                  rows, cols, w->touched, nt, vals, w->want, nw);
         w->pushes_rows++;
     } else if (!w->split) {
         rc = psw_client_push(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct, !last, n, ids, g,
@@ -343,7 +408,16 @@ static int validate(wk_t *w, const psw_event_t *ev)
         int B = (int)(ev->val_end - i < w->a.val_batch_size ? ev->val_end - i : w->a.val_batch_size);
         if (w->ctr) { /* test examples come after the training ones */
             ctr_batch(w, NULL, w->a.ctr.train + i, B, w->bag_ids, w->y);
-            psw_model_eval_bags(w->m, w->bag_ids, w->y, B, &loss, &correct);
+            const uint32_t *bags = w->bag_ids;
+            if (w->on_psd) { /* read through the rows psd sent for the range */
+                if (to_local(w->bag_ids, (size_t)B * (size_t)(w->gen.fields * w->gen.per_field), ev->row_ids,
+                             ev->n_row_ids, w->local) != 0) {
+                    PS_ERROR("psd's validation part lacks table rows its examples read");
+                    return -EPROTO;
+                }
+                bags = w->local;
+            }
+            psw_model_eval_bags(w->m, bags, w->y, B, &loss, &correct);
             psw_model_prob1(w->m, w->scores + (i - ev->val_begin), B);
         } else {
             psw_data_slice(&w->test, (size_t)i, B, w->x, w->y);
@@ -392,6 +466,10 @@ static int start_epoch(wk_t *w, const psw_event_t *ev)
     }
     if (w->in_epoch) return 0; /* already training: the new samples come after */
     w->in_epoch = 1;
+    if (w->on_psd) { /* the table on psd: with the rows of the first batch */
+        size_t n = next_rows(w);
+        return psw_client_pull_rows(w->c, ev->version, w->want, n);
+    }
     return psw_client_pull(w->c, ev->version);
 }
 
@@ -411,6 +489,7 @@ static void wk_deinit(wk_t *w)
     free(w->next_bags);
     free(w->next_y);
     free(w->want);
+    free(w->local);
     free(w->scores);
     free(w->ids);
     psw_client_destroy(&w->c);
@@ -458,6 +537,7 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
             return PSW_EXIT_USAGE;
         }
         w->ctr = a.ctr.fields > 0;
+        w->on_psd = w->ctr && a.ctr.table_on_psd;
         if (w->ctr) { /* no files: examples are made from their index */
             w->gen = (ps_ctr_t){.fields = a.ctr.fields, .per_field = a.ctr.per_field, .vocab = a.ctr.vocab,
                                 .zipf = a.ctr.zipf, .rows = a.ctr.rows, .weight_std = a.ctr.weight_std,
@@ -524,8 +604,12 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
         case PSW_EV_VALIDATE: rc = validate(w, &ev); break;
         case PSW_EV_SHUTDOWN:
             if (w->ctr)
-                PS_INFO("embedding table gradient pushed as rows %llu times, whole %llu times",
-                        (unsigned long long)w->pushes_rows, (unsigned long long)w->pushes_whole);
+                PS_INFO("embedding table gradient pushed as rows %llu times, whole %llu times%s",
+                        (unsigned long long)w->pushes_rows, (unsigned long long)w->pushes_whole,
+                        w->on_psd ? "; the table stayed on psd" : "");
+            if (w->repulls)
+                PS_INFO("%llu batches asked psd for their table rows again (samples added to the epoch)",
+                        (unsigned long long)w->repulls);
             if (ev.exit_code != 0) PS_ERROR("psd ended the run: %s", ev.message);
             else PS_INFO("psd ended the run: %s", ev.message[0] ? ev.message : "done");
             return ev.exit_code < 0 || ev.exit_code > 125 ? PSW_EXIT_ERROR : ev.exit_code;

@@ -163,9 +163,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     void *tx = router ? g_dealer[tcp] : g_pair_tx[tcp], *rx = router ? g_router[tcp] : g_pair_rx[tcp];
     for (int i = 0; i < n_frames; i++) {
-        int flags = ZMQ_DONTWAIT | (i + 1 < n_frames ? ZMQ_SNDMORE : 0);
-        if (zmq_send(tx, fp[i], fl[i], flags) != (int)fl[i])
-            FUZZ_DIE("zmq_send frame %d: %s", i, zmq_strerror(zmq_errno()));
+        int flags = ZMQ_DONTWAIT | (i + 1 < n_frames ? ZMQ_SNDMORE : 0), rc;
+        do rc = zmq_send(tx, fp[i], fl[i], flags); /* libFuzzer's SIGALRM can interrupt it too */
+        while (rc < 0 && zmq_errno() == EINTR);
+        if (rc != (int)fl[i]) FUZZ_DIE("zmq_send frame %d: %s", i, zmq_strerror(zmq_errno()));
     }
 
     if (tcp) {

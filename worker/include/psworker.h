@@ -71,6 +71,7 @@ typedef struct {
         int fields, per_field, dim, mean;
         uint64_t vocab, rows, seed, train, test;
         double zipf, weight_std, bias;
+        int table_on_psd;      /* the table stays on psd: events bring the rows asked for (psw_client_pull_rows) */
     } ctr;
 } psw_assign_t;
 
@@ -94,6 +95,12 @@ typedef struct {
     const float *tensors[PSW_MAX_TENSORS]; /* borrowed until the next psw_client_next */
     size_t tensor_numel[PSW_MAX_TENSORS];
     uint64_t val_begin, val_end;
+    /* the table on psd (ctr.table_on_psd): tensors[table] holds these rows
+     * (strictly increasing), n_row_ids x dim floats: a WEIGHTS event the
+     * rows asked for with the push or pull that asked for it, a VALIDATE
+     * event the rows its range's examples read */
+    const uint32_t *row_ids;
+    size_t n_row_ids;
     int exit_code;
     char message[256];
 } psw_event_t;
@@ -114,6 +121,10 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
 
 /* Ask for weights of version >= min_version (answered by a WEIGHTS event). */
 int psw_client_pull(psw_client_t *c, uint64_t min_version);
+/* The same, with the table as rows want[0, n) only (strictly increasing,
+ * n >= 1), where psw_client_rows_ok: how a worker whose table stays on psd
+ * gets the rows of a batch its last push did not ask for. */
+int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *want, size_t n);
 
 /* Push the mean gradient of a batch computed on `version`: n tensors, the
  * i-th being tensor ids[i] of the model with numel[i] floats at grads[i]

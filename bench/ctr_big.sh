@@ -1,0 +1,56 @@
+#!/bin/bash
+# The click-through task with a 10 000 000 x 32 embedding table (1.28 GB of
+# floats), psd + 2 pworkers over tcp loopback (--no-shm: the wire), Adagrad.
+# One run with the table's gradient and weights sent as rows (the default),
+# for EPOCHS epochs; then the same model with the table forced whole
+# (train.sparse_threshold=0) for a few steps only (a whole-table step moves
+# 1.28 GB each way per worker). Prints the final validation log-loss and AUC
+# against the planted optimum, psd's and the workers' peak RSS, samples/s,
+# and bytes on the wire per step both ways. Not a test.
+#
+#   bash bench/ctr_big.sh            (about 10 minutes on a 2-core VM, 14 GiB of memory)
+#   EPOCHS=1 TRAIN=200000 bash bench/ctr_big.sh
+set -euo pipefail
+. "$(dirname "$0")/lib.sh"
+bench_setup
+CFG="$ROOT/deploy/configs/ctr.yaml"
+EPOCHS=${EPOCHS:-2}
+TRAIN=${TRAIN:-400000}
+BIG=(--set ctr.rows=10000000 --set ctr.dim=32 --set 'model.layers=[256,64,2]' --set ctr.vocab=2000000
+     --set ctr.test=40000 --set train.val_batch_size=2000)
+
+one() { # TAG ARGS...: one run; prints its line
+    local tag=$1
+    shift
+    /usr/bin/time -f "%M %e" -o "$WORK/rss-$tag" "$ROOT/build/psd" --config "$CFG" \
+        --listen "tcp://127.0.0.1:$PORT" --workers 2 --metrics "$WORK/m-$tag.jsonl" --set checkpoint.dir= \
+        "${BIG[@]}" "$@" 2>"$WORK/psd-$tag.log" &
+    for i in 0 1; do
+        /usr/bin/time -f "%M" -o "$WORK/rss-$tag-w$i" "$ROOT/build/pworker" --no-shm \
+            --connect "tcp://127.0.0.1:$PORT" 2>/dev/null &
+    done
+    wait
+    grep -m1 "ctr task" "$WORK/psd-$tag.log" | sed 's/.*ctr task/ctr task/' || true
+    python3 - "$tag" "$WORK/m-$tag.jsonl" "$(cat "$WORK/rss-$tag")" "$(cat "$WORK/rss-$tag-w0")" \
+        "$(cat "$WORK/rss-$tag-w1")" <<'PY'
+import json, sys
+tag, path = sys.argv[1], sys.argv[2]
+rss, wall = sys.argv[3].split()
+w0, w1 = int(sys.argv[4]), int(sys.argv[5])
+lines = [json.loads(l) for l in open(path)]
+d = lines[-1]
+steps = d["step"] - (lines[-2]["step"] if len(lines) > 1 else 0)
+pushes = max(2 * steps, 1)
+print(f"{tag}: epoch {d['epoch']}, {steps} steps (2 pushes each), {d['samples_per_s']:.0f} samples/s, wall {float(wall):.0f} s")
+print(f"  psd max RSS {int(rss) / 1024:.0f} MiB, workers {w0 / 1024:.0f} / {w1 / 1024:.0f} MiB")
+print(f"  last epoch: psd received {d['wire_bytes_in'] / 1e6:.1f} MB ({d['wire_bytes_in'] / pushes / 1e3:.1f} kB a push),"
+      f" sent {d['wire_bytes_out'] / 1e6:.1f} MB; table rows: {d['table_rows_in'] / max(d['table_row_pushes'], 1):.0f}"
+      f" a push in {d['table_row_pushes']} pushes, {d['table_rows_out'] / max(d['table_row_replies'], 1):.0f}"
+      f" a reply in {d['table_row_replies']} replies ({d['table_rows_out'] * 132 / max(d['table_row_replies'], 1) / 1e3:.1f} kB)")
+print(f"  val log-loss {d['val_loss']:.4f} (planted optimum {d['optimum_loss']:.4f}, constant {d['constant_loss']:.4f}),"
+      f" AUC {d['val_auc']:.4f} (planted {d['optimum_auc']:.4f}), psd step {d['psd_step_ms']:.3f} ms")
+PY
+}
+date -u +%F
+one rows --set run.epochs="$EPOCHS" --set ctr.train="$TRAIN"
+one whole --set run.epochs=1 --set ctr.train=10240 --set ctr.test=2000 --set train.sparse_threshold=0
