@@ -3,7 +3,8 @@
 # gradient pushed as rows (train.sparse_threshold's default) and whole
 # (train.sparse_threshold=0), psd + 2 pworkers over tcp loopback (--no-shm:
 # the wire), on the shipped config (65 536 x 8 table, 5 epochs) and on a
-# 1 048 576 x 32 table (50 000 examples, 1 epoch). Prints, for the last
+# 1 048 576 x 32 table (50 000 examples, 1 epoch), there also with the
+# table on psd (ctr.worker_table_mb=0). Prints, for the last
 # epoch: bytes psd received and sent, table rows received, samples/s, psd's
 # peak RSS, validation log-loss and AUC against the planted optimum, and
 # whether both ways gave the same weights (they must). Not a test.
@@ -51,3 +52,5 @@ BIG=(--set ctr.rows=1048576 --set ctr.dim=32 --set 'model.layers=[256,64,2]' --s
 one big-rows "${BIG[@]}"
 one big-whole "${BIG[@]}" --set train.sparse_threshold=0
 same big-rows big-whole
+one big-onpsd "${BIG[@]}" --set ctr.worker_table_mb=0
+same big-rows big-onpsd

@@ -8,9 +8,13 @@
 
 #include "ps_util.h"
 
+/* what ps_weights_save writes: the header, then the tensors straight from
+ * params (no copy of the model), the CRC-32 of both after them */
 typedef struct {
-    uint8_t *buf;
-    size_t len;
+    const uint8_t *hdr;
+    size_t hdr_len;
+    const ps_layout_t *l;
+    const float *params;
 } blob_t;
 
 static void put_u32(uint8_t **p, uint32_t v)
@@ -30,7 +34,17 @@ static uint64_t get_u64(const uint8_t *p) { return (uint64_t)get_u32(p) | (uint6
 static int write_blob(int fd, void *ud)
 {
     blob_t *b = ud;
-    return ps_write_all(fd, b->buf, b->len);
+    uLong crc = crc32_z(0L, b->hdr, b->hdr_len);
+    int rc = ps_write_all(fd, b->hdr, b->hdr_len);
+    for (int t = 0; rc == 0 && t < b->l->n_tensors; t++) { /* x86-64/arm64: little-endian */
+        const uint8_t *p = (const uint8_t *)(b->params + b->l->t[t].offset);
+        size_t n = 4 * b->l->t[t].numel;
+        crc = crc32_z(crc, p, n);
+        rc = ps_write_all(fd, p, n);
+    }
+    uint8_t tail[4], *q = tail;
+    put_u32(&q, (uint32_t)crc);
+    return rc == 0 ? ps_write_all(fd, tail, sizeof tail) : rc;
 }
 
 /* format 2 (a model with an embedding table) adds u64 rows, u32 dim, u32 0 */
@@ -40,12 +54,7 @@ int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
                     const ps_weights_meta_t *meta, char *err, size_t errlen)
 {
     int table = l->table >= 0;
-    size_t len = header_len(l->n_sizes, table) + 4 * l->n_params + 4;
-    uint8_t *buf = malloc(len), *p = buf;
-    if (!buf) {
-        snprintf(err, errlen, "%s: out of memory", path);
-        return -1;
-    }
+    uint8_t hdr[64 + 4 * (PS_MAX_LAYERS + 1)], *p = hdr;
     memcpy(p, "PSDW", 4);
     p += 4;
     put_u32(&p, table ? PS_WEIGHTS_FORMAT_TABLE : PS_WEIGHTS_FORMAT);
@@ -61,15 +70,8 @@ int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
         put_u32(&p, (uint32_t)l->t[l->table].cols);
         put_u32(&p, 0);
     }
-    for (int t = 0; t < l->n_tensors; t++) {
-        memcpy(p, params + l->t[t].offset, 4 * l->t[t].numel); /* x86-64/arm64: little-endian */
-        p += 4 * l->t[t].numel;
-    }
-    uLong crc = crc32(0L, buf, (uInt)(p - buf));
-    put_u32(&p, (uint32_t)crc);
-    blob_t b = {buf, (size_t)(p - buf)};
+    blob_t b = {hdr, (size_t)(p - hdr), l, params};
     int rc = ps_write_atomic(path, write_blob, &b);
-    free(buf);
     if (rc != 0) {
         snprintf(err, errlen, "%s: cannot write: %s", path, strerror(-rc));
         return -1;
@@ -120,7 +122,7 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
         goto out;
     }
     uint32_t crc_stored = get_u32(buf + len - 4);
-    if ((uint32_t)crc32(0L, buf, (uInt)(len - 4)) != crc_stored) {
+    if ((uint32_t)crc32_z(0L, buf, len - 4) != crc_stored) {
         snprintf(err, errlen, "%s: checksum mismatch (corrupt or truncated file)", path);
         goto out;
     }

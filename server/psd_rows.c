@@ -36,10 +36,32 @@ void psd_rows_deinit(psd_rows_t *r)
     memset(r, 0, sizeof *r);
 }
 
-static int by_key(const void *a, const void *b)
+/* Heapsort of n keys in place: the keys are distinct, so any sort gives the
+ * same order, and this one allocates nothing (glibc's qsort may malloc a
+ * buffer on every call, and psd allocates nothing per step). */
+static void sift(uint64_t *k, size_t i, size_t n)
 {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= n) return;
+        if (c + 1 < n && k[c + 1] > k[c]) c++;
+        if (k[i] >= k[c]) return;
+        uint64_t t = k[i];
+        k[i] = k[c];
+        k[c] = t;
+        i = c;
+    }
+}
+
+static void sort_keys(uint64_t *k, size_t n)
+{
+    for (size_t i = n / 2; i-- > 0;) sift(k, i, n);
+    for (size_t e = n; e-- > 1;) {
+        uint64_t t = k[0];
+        k[0] = k[e];
+        k[e] = t;
+        sift(k, 0, e);
+    }
 }
 
 /* acc = w * t (first contributor of the row) or acc += w * t */
@@ -67,7 +89,7 @@ int psd_rows_merge(psd_rows_t *r, int k, const psd_rowgrad_t *g, const double *w
         }
     }
     r->first[k] = total;
-    qsort(r->keys, total, sizeof *r->keys, by_key);
+    sort_keys(r->keys, total);
     const size_t dim = r->dim;
     for (size_t i = 0; i < total;) {
         uint32_t id = (uint32_t)(r->keys[i] >> 32);

@@ -507,6 +507,21 @@ static int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot,
     return n;
 }
 
+/* The table on psd: a message's frames sent as copies, so that no reply
+ * in flight holds a reference on the version: a step would then go out of
+ * place and copy the whole table into the next arena. The frames are the
+ * MLP's and a batch's rows, small next to the table. */
+static int send_copied(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n)
+{
+    ps_frame_t keep[PS_MAX_TENSORS + 2];
+    memcpy(keep, fr, (size_t)n * sizeof *fr);
+    for (int i = 0; i < n; i++) fr[i].ffn = NULL;
+    int rc = send_to(s, w, h, fr, n);
+    for (int i = 0; i < n; i++)
+        if (keep[i].ffn) keep[i].ffn((void *)keep[i].data, keep[i].hint); /* its reference to the version */
+    return rc;
+}
+
 static void send_weights(srv_t *s, worker_t *w)
 {
     Psd__Header h;
@@ -539,7 +554,10 @@ static void send_weights(srv_t *s, worker_t *w)
         }
     }
     w->n_want = 0;
-    send_to(s, w, &h, fr, n);
+    if (s->table_on_psd)
+        send_copied(s, w, &h, fr, n);
+    else
+        send_to(s, w, &h, fr, n);
 }
 
 /* ---- consistency modes (train.sync) ------------------------------------- */
@@ -902,7 +920,7 @@ static void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *f
     s->ep_rows_out += k;
     v->rows = true;
     v->crc = 0;
-    send_to(s, w, h, fr, m);
+    send_copied(s, w, h, fr, m);
     free(ids);
     free(vals);
 }
