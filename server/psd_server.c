@@ -3695,7 +3695,14 @@ int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no
                 "read the model or change it with one push ***",
                 listen);
     }
-    int one = 1, linger = 1000, hwm = 1000, ivl = 1000, tmo = 3000, ttl = 6000;
+    /* ZeroMQ's heartbeat counts only whole messages as traffic (libzmq issue
+     * 2709): a peer whose PONG waits behind a message of the whole model
+     * must not be taken for dead while it goes. 3 s, plus the model's bytes
+     * at 40 MB/s (a 1.28 GB model: 35 s), at most 60 s; the peer's TTL
+     * twice that, at most 65 s (ZMTP carries it in deciseconds, 16 bits). */
+    long long slow_ms = (long long)(4 * (n_params / 40000));
+    int one = 1, linger = 1000, hwm = 1000, ivl = 1000, tmo = (int)(3000 + (slow_ms < 57000 ? slow_ms : 57000)),
+        ttl = 2 * tmo < 65000 ? 2 * tmo : 65000;
     zmq_setsockopt(*sockp, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
     zmq_setsockopt(*sockp, ZMQ_ROUTER_HANDOVER, &one, sizeof one); /* a worker reconnecting keeps its id */
     zmq_setsockopt(*sockp, ZMQ_LINGER, &linger, sizeof linger);

@@ -191,7 +191,15 @@ psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char 
     if (!c->ctx) goto zfail;
     c->sock = zmq_socket(c->ctx, ZMQ_DEALER);
     if (!c->sock) goto zfail;
-    int linger = 2000, ivl = 1000, tmo = 3000, ttl = 6000, zero = 0;
+    /* tmo: how long after a PING a connection may stay without a whole
+     * message from psd. Long, since one may be the whole model (ZeroMQ counts
+     * only whole messages: libzmq issue 2709); a psd that falls silent is
+     * still noticed within the TTL psd sets in its PINGs (6 s for a model of
+     * a few MB, longer for larger ones: psd_router_open). ttl, psd's
+     * timeout of this connection when it hears nothing: long too, for the
+     * same reason; psd's own PING timeout (sized for the model) is the
+     * short one */
+    int linger = 2000, ivl = 1000, tmo = 60000, ttl = 65000, zero = 0;
     zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
     zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_TIMEOUT, &tmo, sizeof tmo);
