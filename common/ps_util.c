@@ -143,3 +143,26 @@ out:
     free(dir);
     return rc;
 }
+
+int ps_rows_valid(const uint32_t *ids, size_t n, uint64_t rows)
+{
+    if (!ids || n == 0 || n > rows) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] >= rows || (i && ids[i] <= ids[i - 1])) return 0;
+    return 1;
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+size_t ps_sort_unique_u32(uint32_t *a, size_t n)
+{
+    size_t k = 0;
+    if (n > 1) qsort(a, n, sizeof *a, cmp_u32);
+    for (size_t i = 0; i < n; i++)
+        if (!k || a[i] != a[k - 1]) a[k++] = a[i];
+    return k;
+}

@@ -29,4 +29,11 @@ int ps_write_atomic(const char *path, ps_write_fn fn, void *ud);
 /* write() all of buf, retrying on EINTR/short writes. 0 or -errno. */
 int ps_write_all(int fd, const void *buf, size_t n);
 
+/* ids[0, n) is a list of rows of a table of `rows` rows: n >= 1, strictly
+ * increasing, each below rows. */
+int ps_rows_valid(const uint32_t *ids, size_t n, uint64_t rows);
+
+/* Sort a[0, n) and keep each value once; returns how many remain. */
+size_t ps_sort_unique_u32(uint32_t *a, size_t n);
+
 #endif

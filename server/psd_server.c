@@ -522,6 +522,23 @@ static int send_copied(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, in
     return rc;
 }
 
+/* The table's frame *fr (a reference on the current version) becomes rows
+ * ids[0, n) of it, gathered into vals (n x dim; copied by ZeroMQ at send),
+ * with the epoch's byte and row counts. */
+static void table_rows_frame(srv_t *s, ps_frame_t *fr, const uint32_t *ids, size_t n, float *vals)
+{
+    const ps_layout_t *l = &s->layout;
+    const size_t D = (size_t)l->t[l->table].cols;
+    const float *E = s->store.cur->w + l->t[l->table].offset;
+    if (fr->ffn) fr->ffn((void *)fr->data, fr->hint); /* its reference to the version */
+    s->ep_bytes_out -= fr->nbytes;
+    for (size_t j = 0; j < n; j++) memcpy(vals + j * D, E + (size_t)ids[j] * D, D * sizeof(float));
+    *fr = (ps_frame_t){.data = vals, .nbytes = n * D * sizeof(float), .id = (uint32_t)l->table,
+                       .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)n, .cols = (uint32_t)D};
+    s->ep_bytes_out += fr->nbytes;
+    s->ep_rows_out += n;
+}
+
 static void send_weights(srv_t *s, worker_t *w)
 {
     Psd__Header h;
@@ -533,25 +550,14 @@ static void send_weights(srv_t *s, worker_t *w)
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
     int n = weights_frames(s, w, fr, &wt.shm_slot, &wt.crc);
-    if ((w->n_want || s->table_on_psd) && !w->shm && s->cfg.wire_weights == PS_WIRE_F32 && !sharded(s)) {
-        /* only the table rows its next batch reads, gathered (and copied by ZeroMQ at send); with
-         * the table on psd, none when it asked for none */
-        const ps_layout_t *l = &s->layout;
-        const size_t D = (size_t)l->t[l->table].cols;
-        const float *E = s->store.cur->w + l->t[l->table].offset;
-        for (int i = 0; i < n; i++) {
-            if (fr[i].id != (uint32_t)l->table) continue;
-            if (fr[i].ffn) fr[i].ffn((void *)fr[i].data, fr[i].hint); /* its reference to the version */
-            s->ep_bytes_out -= fr[i].nbytes;
-            for (size_t j = 0; j < w->n_want; j++) memcpy(w->want_vals + j * D, E + (size_t)w->want_ids[j] * D, D * 4);
-            fr[i] = (ps_frame_t){.data = w->want_vals, .nbytes = w->n_want * D * 4, .id = (uint32_t)l->table,
-                                 .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)w->n_want, .cols = (uint32_t)D};
-            s->ep_bytes_out += fr[i].nbytes;
-            s->ep_rows_out += w->n_want;
-            s->ep_rows_replies++;
-            wt.rows = true;
-            wt.crc = 0;
-        }
+    if ((w->n_want || s->table_on_psd) && !w->shm && s->cfg.wire_weights == PS_WIRE_F32 && !sharded(s) && n > 0 &&
+        fr[n - 1].id == (uint32_t)s->layout.table) {
+        /* only the table rows its next batch reads; with the table on psd, none when it asked
+         * for none. The table is the last tensor, so the last frame. */
+        table_rows_frame(s, &fr[n - 1], w->want_ids, w->n_want, w->want_vals);
+        s->ep_rows_replies++;
+        wt.rows = true;
+        wt.crc = 0;
     }
     w->n_want = 0;
     if (s->table_on_psd)
@@ -866,23 +872,16 @@ static void start_epoch(srv_t *s)
     if (n == 0) maybe_step(s); /* nothing left to train (resumed at the end of an epoch) */
 }
 
-static int cmp_u32(const void *a, const void *b)
-{
-    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
-    return (x > y) - (x < y);
-}
-
-/* The table on psd: VALIDATE's table frame (fr[.] of E, a reference on
- * the version) becomes the rows its range's examples read (ids, then
- * rows: gathered, copied by ZeroMQ at send). Once per validation part, so
- * the buffers are allocated here; out of memory, the worker gets none and
- * fails its part. */
+/* The table on psd: VALIDATE's table frame (the last one, a reference on
+ * the version) becomes the rows its range's examples read: their ids, then
+ * the rows (gathered, copied by ZeroMQ at send). Once per validation part,
+ * so the buffers are allocated here; out of memory, the worker gets none
+ * and fails its part. */
 static void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n)
 {
-    const ps_layout_t *l = &s->layout;
     Psd__Validate *v = h->validate;
-    const size_t per = (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field, D = (size_t)l->t[l->table].cols;
-    const size_t count = (size_t)(v->end - v->begin);
+    const size_t per = (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
+    const size_t count = (size_t)(v->end - v->begin), D = (size_t)s->layout.t[s->layout.table].cols;
     uint32_t *ids = malloc((count * per > 0 ? count * per : 1) * sizeof *ids);
     float *vals = NULL;
     size_t k = 0;
@@ -892,35 +891,21 @@ static void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *f
         uint8_t label;
         for (size_t i = 0; i < count; i++) /* test examples come after the training ones */
             ps_ctr_example(&g, (uint64_t)s->cfg.ctr_train + v->begin + i, ids + i * per, NULL, &label);
-        qsort(ids, count * per, sizeof *ids, cmp_u32);
-        for (size_t i = 0; i < count * per; i++)
-            if (!k || ids[i] != ids[k - 1]) ids[k++] = ids[i];
+        k = ps_sort_unique_u32(ids, count * per);
         vals = malloc((k * D > 0 ? k * D : 1) * sizeof *vals);
-    }
-    int m = 0;
-    for (int i = 0; i < n; i++) {
-        if (fr[i].id != (uint32_t)l->table) {
-            fr[m++] = fr[i];
-            continue;
-        }
-        if (fr[i].ffn) fr[i].ffn((void *)fr[i].data, fr[i].hint); /* its reference to the version */
-        s->ep_bytes_out -= fr[i].nbytes;
     }
     if (!vals) {
         PS_ERROR("out of memory for the table rows of rank %u's validation part", w->rank);
         k = 0;
     }
-    const float *E = s->store.cur->w + l->t[l->table].offset;
-    for (size_t j = 0; j < k; j++) memcpy(vals + j * D, E + (size_t)ids[j] * D, D * sizeof(float));
-    fr[m++] = (ps_frame_t){.data = ids, .nbytes = k * sizeof *ids, .id = (uint32_t)l->table,
-                           .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)k};
-    fr[m++] = (ps_frame_t){.data = vals, .nbytes = k * D * sizeof *vals, .id = (uint32_t)l->table,
-                           .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)k, .cols = (uint32_t)D};
-    s->ep_bytes_out += k * (4 + D * sizeof(float));
-    s->ep_rows_out += k;
+    table_rows_frame(s, &fr[n - 1], ids, k, vals);
+    fr[n] = fr[n - 1];
+    fr[n - 1] = (ps_frame_t){.data = ids, .nbytes = k * sizeof *ids, .id = (uint32_t)s->layout.table,
+                             .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)k};
+    s->ep_bytes_out += k * sizeof *ids;
     v->rows = true;
     v->crc = 0;
-    send_copied(s, w, h, fr, m);
+    send_copied(s, w, h, fr, n + 1);
     free(ids);
     free(vals);
 }
@@ -929,7 +914,7 @@ static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
 {
     Psd__Header h;
     Psd__Validate v = PSD__VALIDATE__INIT;
-    ps_frame_t fr[PS_MAX_TENSORS];
+    ps_frame_t fr[PS_MAX_TENSORS + 1]; /* the table on psd: its rows' ids too */
     hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_VALIDATE);
     v.epoch = s->epoch;
     v.version = s->store.cur->version;
@@ -942,7 +927,7 @@ static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
     w->state = W_VALIDATING;
     w->last_seen = ps_now();
     int n = weights_frames(s, w, fr, &v.shm_slot, &v.crc);
-    if (s->table_on_psd) {
+    if (s->table_on_psd && n > 0 && fr[n - 1].id == (uint32_t)s->layout.table) {
         range_rows_send(s, w, &h, fr, n);
         return;
     }
@@ -1484,6 +1469,20 @@ static void shm_forget(srv_t *s, worker_t *w)
     w->shm = false;
 }
 
+/* A worker's table buffers: its gradient rows (and table-sized gradient)
+ * and the rows it asked for. */
+static void rows_free(worker_t *w)
+{
+    free(w->sp_e);
+    free(w->sp_rows);
+    free(w->sp_ids);
+    free(w->want_ids);
+    free(w->want_vals);
+    w->sp_e = w->sp_rows = w->want_vals = NULL;
+    w->sp_ids = w->want_ids = NULL;
+    w->sp_n = w->sp_cap = w->n_want = w->want_cap = 0;
+}
+
 /* A worker is gone (lost, left, failed): its samples and validation parts go
  * to the others, or wait for the next worker to join. */
 static void worker_gone(srv_t *s, worker_t *w)
@@ -1493,14 +1492,7 @@ static void worker_gone(srv_t *s, worker_t *w)
     if (s->stream) stream_forget(s, w);
     release_push(w); /* a gradient from a worker declared gone is never applied (streamed: see stream_forget) */
     shm_forget(s, w);
-    free(w->sp_e); /* its table-sized gradient and row lists (the rows sent were copied at send) */
-    free(w->sp_rows);
-    free(w->sp_ids);
-    free(w->want_ids);
-    free(w->want_vals);
-    w->sp_e = w->sp_rows = w->want_vals = NULL;
-    w->sp_ids = w->want_ids = NULL;
-    w->sp_n = w->sp_cap = w->n_want = w->want_cap = 0;
+    rows_free(w); /* the rows sent were copied at send */
     w->state = W_GONE;
     w->gone_at = ps_now();
     if (s->phase == PHASE_TRAIN && (was == W_TRAIN || was == W_BARRIER) && w->consumed < w->assigned) {
@@ -1630,11 +1622,7 @@ static int dense_rows(srv_t *s, worker_t *w, const void *g, bool bf16)
 /* ids[0..n) are rows of the table, strictly increasing, n >= 1 */
 static bool table_ids(const srv_t *s, const uint32_t *ids, size_t n)
 {
-    const uint32_t R = (uint32_t)s->layout.t[s->layout.table].rows;
-    if (!ids || n == 0 || n > R) return false;
-    for (size_t j = 0; j < n; j++)
-        if (ids[j] >= R || (j && ids[j] <= ids[j - 1])) return false;
-    return true;
+    return ps_rows_valid(ids, n, (uint64_t)s->layout.t[s->layout.table].rows);
 }
 
 /* Frames i (u32 ids) and i + 1 (f32 rows) of a PUSH are rows of the
@@ -1703,8 +1691,8 @@ static int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
                                   m->hdr->tensors[m->n_frames - 1]->id == (uint32_t)l->table
                               ? ps_msg_u32(m, m->n_frames - 1, &n)
                               : NULL;
-    const char *what = m->hdr->body_case == PSD__HEADER__BODY_PUSH ? "PUSH" : "PULL";
-    bool push = m->hdr->body_case == PSD__HEADER__BODY_PUSH;
+    const bool push = m->hdr->body_case == PSD__HEADER__BODY_PUSH;
+    const char *what = push ? "PUSH" : "PULL";
     if (!ids || !table_ids(s, ids, n) || n > batch_rows(s) || (push && !m->hdr->push->pull)) {
         drop(s, w, "%s asking for table rows that are not rows of the table (strictly increasing ids below its "
                    "row count, at most a batch's, in its last frame) or without asking for the next version", what);
@@ -3903,11 +3891,7 @@ out:
             release_push(&s->w[i]);
             shm_forget(s, &s->w[i]);
             free(s->w[i].ranges);
-            free(s->w[i].sp_e);
-            free(s->w[i].sp_rows);
-            free(s->w[i].sp_ids);
-            free(s->w[i].want_ids);
-            free(s->w[i].want_vals);
+            rows_free(&s->w[i]);
             free(s->w[i].gch);
             free(s->w[i].gch_in);
         }

@@ -721,14 +721,22 @@ int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count)
 }
 
 /* PULL of min_version on sock (psd, or one of its shards). */
-static int pull_on(psw_client_t *c, void *sock, uint64_t min_version)
+/* PULL on sock; with want (n >= 1) listing the table rows the reply brings
+ * (one psd: sock is c->sock) */
+static int pull_on(psw_client_t *c, void *sock, uint64_t min_version, const uint32_t *want, size_t n)
 {
     Psd__Header h;
     Psd__Pull p = PSD__PULL__INIT;
     header_init(c, &h, PSD__MSG_TYPE__MSG_PULL);
     p.min_version = min_version;
+    p.want_rows = n > 0;
     h.body_case = PSD__HEADER__BODY_PULL;
     h.pull = &p;
+    if (n) {
+        ps_frame_t fr = {.data = want, .nbytes = n * sizeof *want, .id = (uint32_t)c->layout.table,
+                         .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n}; /* copied at send */
+        return ps_msg_send(sock, NULL, 0, &h, &fr, 1);
+    }
     if (sock == c->sock) return send_hdr(c, &h);
     return ps_msg_send(sock, NULL, 0, &h, NULL, 0);
 }
@@ -737,10 +745,10 @@ int psw_client_pull(psw_client_t *c, uint64_t min_version)
 {
     c->t_req = ps_now();
     for (int k = 1; k < c->n_shards; k++) { /* and from every other shard */
-        int rc = pull_on(c, c->ssock[k], min_version);
+        int rc = pull_on(c, c->ssock[k], min_version, NULL, 0);
         if (rc < 0) return rc;
     }
-    return pull_on(c, c->sock, min_version);
+    return pull_on(c, c->sock, min_version, NULL, 0);
 }
 
 /* Tensor id of the model with numel elements (pushes into buffers laid out
@@ -785,7 +793,7 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
             atomic_fetch_add_explicit(&c->push_inflight, m, memory_order_relaxed);
             rc = ps_msg_send(so, NULL, 0, h, fr, m);
         } else if (pull) { /* its part of the push came before: ask for the next version */
-            rc = pull_on(c, so, k ? h->push->version + 1 : h->push->version);
+            rc = pull_on(c, so, k ? h->push->version + 1 : h->push->version, NULL, 0);
         } else {
             continue;
         }
@@ -893,11 +901,7 @@ int psw_client_rows_ok(const psw_client_t *c)
 /* ids[0..n) are rows of the table, strictly increasing (n >= 1) */
 static bool table_rows(const psw_client_t *c, const uint32_t *ids, size_t n)
 {
-    const uint32_t R = (uint32_t)c->layout.t[c->layout.table].rows;
-    if (n < 1 || n > R) return false;
-    for (size_t i = 0; i < n; i++)
-        if (ids[i] >= R || (i && ids[i] <= ids[i - 1])) return false;
-    return true;
+    return ps_rows_valid(ids, n, (uint64_t)c->layout.t[c->layout.table].rows);
 }
 
 /* The rows the next reply brings (n may be 0), kept to check it and to
@@ -925,16 +929,7 @@ int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *
     int rc = keep_want(c, want, n);
     if (rc < 0) return rc;
     c->t_req = ps_now();
-    Psd__Header h;
-    Psd__Pull p = PSD__PULL__INIT;
-    header_init(c, &h, PSD__MSG_TYPE__MSG_PULL);
-    p.min_version = min_version;
-    p.want_rows = true;
-    h.body_case = PSD__HEADER__BODY_PULL;
-    h.pull = &p;
-    ps_frame_t fr = {.data = want, .nbytes = n * sizeof *want, .id = (uint32_t)c->layout.table,
-                     .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n}; /* copied at send */
-    return ps_msg_send(c->sock, NULL, 0, &h, &fr, 1);
+    return pull_on(c, c->sock, min_version, want, n);
 }
 
 int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct,
@@ -1306,7 +1301,7 @@ static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t err
             return -EPROTO;
         }
         for (int j = 1; j < c->n_shards; j++) /* the other parts of that version */
-            if (c->got[j] != v + 1 && (rc = pull_on(c, c->ssock[j], v)) < 0) return rc;
+            if (c->got[j] != v + 1 && (rc = pull_on(c, c->ssock[j], v, NULL, 0)) < 0) return rc;
     } else {
         c->pend.step = h->weights->step;
     }

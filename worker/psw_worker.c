@@ -230,12 +230,18 @@ static int cmp_u32(const void *a, const void *b)
  * once each, to out; returns their count. */
 static size_t touched_rows(const wk_t *w, const uint32_t *bags, int B, uint32_t *out)
 {
-    size_t n = (size_t)B * (size_t)(w->gen.fields * w->gen.per_field), k = 0;
+    size_t n = (size_t)B * (size_t)(w->gen.fields * w->gen.per_field);
     memcpy(out, bags, n * sizeof *out);
-    qsort(out, n, sizeof *out, cmp_u32);
-    for (size_t i = 0; i < n; i++)
-        if (!k || out[i] != out[k - 1]) out[k++] = out[i];
-    return k;
+    return ps_sort_unique_u32(out, n);
+}
+
+/* The batch made ahead (next_bags, next_y) and the current one trade places. */
+static void swap_next(wk_t *w)
+{
+    uint32_t *b = w->bag_ids;
+    int32_t *y = w->y;
+    w->bag_ids = w->next_bags, w->next_bags = b;
+    w->y = w->next_y, w->next_y = y;
 }
 
 /* ctr: the rows the epoch's next batch (from w->pos) reads, to w->want;
@@ -295,25 +301,20 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     int B = (int)(w->n_ids - w->pos < w->a.batch_size ? w->n_ids - w->pos : w->a.batch_size);
     double loss = 0;
     int64_t correct = 0;
+    size_t nt = 0; /* ctr: the rows of E the batch reads (w->touched) */
     w->n_ready = 0;
     if (w->ctr) {
         if (w->next_at == w->pos + 1 && w->next_B == B) { /* made when the last push asked for its rows */
-            uint32_t *bags = w->bag_ids;
-            int32_t *y = w->y;
-            w->bag_ids = w->next_bags, w->next_bags = bags;
-            w->y = w->next_y, w->next_y = y;
+            swap_next(w);
         } else {
             ctr_batch(w, w->ids + w->pos, 0, B, w->bag_ids, w->y);
         }
         w->next_at = 0;
         const uint32_t *bags = w->bag_ids;
         if (w->on_psd) { /* the batch's rows: those the event brought, or ask for them */
-            size_t nt = touched_rows(w, w->bag_ids, B, w->touched);
+            nt = touched_rows(w, w->bag_ids, B, w->touched);
             if (ev->n_row_ids != nt || memcmp(ev->row_ids, w->touched, nt * sizeof *w->touched) != 0) {
-                uint32_t *b = w->bag_ids;
-                int32_t *y = w->y;
-                w->bag_ids = w->next_bags, w->next_bags = b; /* kept for the answer */
-                w->y = w->next_y, w->next_y = y;
+                swap_next(w); /* kept for the answer */
                 w->next_at = w->pos + 1;
                 w->next_B = B;
                 w->repulls++;
@@ -344,9 +345,10 @@ static int train_step(wk_t *w, const psw_event_t *ev)
         rows[k] = w->layout.t[t].rows;
         cols[k] = t % 2 == 0 ? w->layout.t[t].cols : 0;
     }
-    size_t nt = w->ctr && !w->split && (w->a.sparse_threshold > 0 || w->on_psd) && psw_client_rows_ok(w->c)
-                    ? touched_rows(w, w->bag_ids, B, w->touched)
-                    : 0;
+    if (!w->on_psd) /* on psd: found above */
+        nt = w->ctr && !w->split && w->a.sparse_threshold > 0 && psw_client_rows_ok(w->c)
+                 ? touched_rows(w, w->bag_ids, B, w->touched)
+                 : 0;
     const double few = nt ? w->a.sparse_threshold * (double)w->layout.t[w->layout.table].rows : 0;
     if (nt > 0 && ((double)nt < few || w->on_psd)) {
         /* few rows of the table touched (or the table on psd): push those (the others' gradient is zero) */
