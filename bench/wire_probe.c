@@ -8,7 +8,16 @@
  *   sends MIB bytes (zero-copy, zmq_msg_init_data), a ROUTER in another
  *   process answers with MIB bytes (zero-copy from a prepared buffer);
  *   GB/s = (bytes sent + bytes received) / round time, like psbench's
- *   push+pull figure. Prints one line per probe, medians of 5 runs. */
+ *   push+pull figure. Prints one line per probe, medians of 5 runs.
+ *
+ *   build/wire_probe MIB SECONDS CLIENTS
+ *
+ * tcp only: CLIENTS DEALERs (threads, one ZeroMQ context each, as psbench's
+ *   workers) round-trip with one ROUTER process (2 I/O threads, as psd) at
+ *   once; GB/s = all bytes sent and received / time: what the machine's
+ *   loopback carries for CLIENTS connections into one server, the yardstick
+ *   of psd's aggregate figures. */
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,10 +48,14 @@ static double memcpy_gbs(size_t bytes, double seconds)
     return (double)n * (double)bytes / (t - t0) / 1e9;
 }
 
-/* child: ROUTER bound to `ep` (tcp://127.0.0.1:* or ipc://), endpoint written to fd */
-static void server(const char *ep, size_t bytes, int fd)
+/* child: ROUTER bound to `ep` (tcp://127.0.0.1:* or ipc://), endpoint
+ * written to fd; answers every message until `clients` empty ones came */
+static void server(const char *ep, size_t bytes, int fd, int clients)
 {
-    void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_ROUTER);
+    void *ctx = zmq_ctx_new();
+    int io = clients > 1 ? 2 : 1;
+    zmq_ctx_set(ctx, ZMQ_IO_THREADS, io);
+    void *s = zmq_socket(ctx, ZMQ_ROUTER);
     if (zmq_bind(s, ep) != 0) _exit(1);
     char last[256];
     size_t len = sizeof last;
@@ -59,7 +72,11 @@ static void server(const char *ep, size_t bytes, int fd)
         if (zmq_msg_recv(&body, s, 0) < 0) break;
         int stop = zmq_msg_size(&body) == 0;
         zmq_msg_close(&body);
-        if (stop) break;
+        if (stop) {
+            zmq_msg_close(&id);
+            if (--clients == 0) break;
+            continue;
+        }
         zmq_msg_send(&id, s, ZMQ_SNDMORE);
         zmq_msg_init_data(&r, reply, bytes, bench_no_free, NULL);
         zmq_msg_send(&r, s, 0);
@@ -70,37 +87,34 @@ static void server(const char *ep, size_t bytes, int fd)
     _exit(0);
 }
 
-static double zmq_gbs(const char *bind_ep, size_t bytes, double seconds)
+/* one client: round trips with the server at `ep` for `seconds` after two
+ * warm-up rounds; its rounds and their time */
+typedef struct {
+    const char *ep;
+    size_t bytes;
+    double seconds;
+    uint64_t rounds;
+    double t0, t;
+} client_t;
+
+static void *client(void *arg)
 {
-    int pfd[2];
-    if (pipe(pfd) != 0) return -1;
-    pid_t pid = fork();
-    if (pid == 0) {
-        close(pfd[0]);
-        server(bind_ep, bytes, pfd[1]);
-    }
-    close(pfd[1]);
-    char ep[256] = "";
-    ssize_t n = read(pfd[0], ep, sizeof ep - 1);
-    close(pfd[0]);
-    if (n <= 0) return -1;
+    client_t *cl = arg;
     void *ctx = zmq_ctx_new(), *c = zmq_socket(ctx, ZMQ_DEALER);
-    zmq_connect(c, ep);
-    char *buf = malloc(bytes);
-    memset(buf, 4, bytes);
-    uint64_t rounds = 0;
-    double t0 = 0, t = 0;
+    zmq_connect(c, cl->ep);
+    char *buf = malloc(cl->bytes);
+    memset(buf, 4, cl->bytes);
     for (int i = 0;; i++) {
         zmq_msg_t m, r;
-        zmq_msg_init_data(&m, buf, bytes, bench_no_free, NULL);
+        zmq_msg_init_data(&m, buf, cl->bytes, bench_no_free, NULL);
         zmq_msg_send(&m, c, 0);
         zmq_msg_init(&r);
         zmq_msg_recv(&r, c, 0);
         zmq_msg_close(&r);
-        t = ps_now();
-        if (i == 2) t0 = t; /* the first rounds set up buffers */
-        if (i > 2) rounds++;
-        if (i > 2 && t - t0 > seconds) break;
+        cl->t = ps_now();
+        if (i == 2) cl->t0 = cl->t; /* the first rounds set up buffers */
+        if (i > 2) cl->rounds++;
+        if (i > 2 && cl->t - cl->t0 > cl->seconds) break;
     }
     zmq_send(c, "", 0, 0);
     int linger = 1000;
@@ -108,26 +122,64 @@ static double zmq_gbs(const char *bind_ep, size_t bytes, double seconds)
     zmq_close(c);
     zmq_ctx_term(ctx);
     free(buf);
+    return NULL;
+}
+
+/* GB/s of `clients` connections round-tripping `bytes` each way at once */
+static double zmq_gbs(const char *bind_ep, size_t bytes, double seconds, int clients)
+{
+    int pfd[2];
+    if (pipe(pfd) != 0) return -1;
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(pfd[0]);
+        server(bind_ep, bytes, pfd[1], clients);
+    }
+    close(pfd[1]);
+    char ep[256] = "";
+    ssize_t n = read(pfd[0], ep, sizeof ep - 1);
+    close(pfd[0]);
+    if (n <= 0) return -1;
+    client_t cl[16];
+    pthread_t th[16];
+    for (int k = 0; k < clients; k++) {
+        cl[k] = (client_t){.ep = ep, .bytes = bytes, .seconds = seconds};
+        if (pthread_create(&th[k], NULL, client, &cl[k]) != 0) return -1;
+    }
+    double gbs = 0; /* the clients' rates summed, as psbench's aggregate */
+    for (int k = 0; k < clients; k++) {
+        pthread_join(th[k], NULL);
+        gbs += 2.0 * (double)cl[k].rounds * (double)bytes / (cl[k].t - cl[k].t0) / 1e9;
+    }
     waitpid(pid, NULL, 0);
-    return 2.0 * (double)rounds * (double)bytes / (t - t0) / 1e9;
+    return gbs;
 }
 
 int main(int argc, char **argv)
 {
     double mib = argc > 1 ? atof(argv[1]) : 4;
     double seconds = argc > 2 ? atof(argv[2]) : 1;
-    if (mib <= 0 || seconds <= 0) {
-        fprintf(stderr, "usage: wire_probe [MIB] [SECONDS]\n");
+    int clients = argc > 3 ? atoi(argv[3]) : 0;
+    if (mib <= 0 || seconds <= 0 || argc > 4 || (argc > 3 && (clients < 1 || clients > 16))) {
+        fprintf(stderr, "usage: wire_probe [MIB] [SECONDS] [CLIENTS (1-16)]\n");
         return 2;
     }
     size_t bytes = (size_t)(mib * 1048576);
+    if (clients > 0) {
+        double r[5];
+        for (int k = 0; k < 5; k++) r[k] = zmq_gbs("tcp://127.0.0.1:*", bytes, seconds, clients);
+        qsort(r, 5, sizeof(double), bench_cmp_double);
+        printf("zmq_tcp_roundtrip_aggregate %.2f MiB %d clients: %.3f GB/s (median of 5; min %.3f max %.3f)\n", mib,
+               clients, r[2], r[0], r[4]);
+        return 0;
+    }
     char ipc[128];
     snprintf(ipc, sizeof ipc, "ipc:///tmp/wire-probe-%d.sock", (int)getpid());
     double r[3][5];
     for (int k = 0; k < 5; k++) {
         r[0][k] = memcpy_gbs(bytes, seconds);
-        r[1][k] = zmq_gbs("tcp://127.0.0.1:*", bytes, seconds);
-        r[2][k] = zmq_gbs(ipc, bytes, seconds);
+        r[1][k] = zmq_gbs("tcp://127.0.0.1:*", bytes, seconds, 1);
+        r[2][k] = zmq_gbs(ipc, bytes, seconds, 1);
     }
     unlink(ipc + 6);
     const char *name[3] = {"memcpy", "zmq_tcp_roundtrip", "zmq_ipc_roundtrip"};

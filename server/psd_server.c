@@ -8,7 +8,8 @@
  * state; this file decides who does what when.
  *
  * Workers come and go: a worker psd waits for that stays silent past
- * worker_timeout is declared lost, one that leaves (SIGTERM) says so; either
+ * worker_timeout (plus, for a large model, the time a message of the whole
+ * model takes each way: psd_silence_limit) is declared lost, one that leaves (SIGTERM) says so; either
  * way the samples of the epoch it had not trained are given to the others
  * (or to the next worker to join), and its part of a validation goes to
  * another worker, so every sample is trained once per epoch and validated
@@ -225,6 +226,7 @@ typedef struct {
     struct { uint32_t epoch; uint64_t step; float train_loss, val_loss, val_acc; } *val_curve;
     int n_val_curve;
     double shard_hb;      /* when shard 0 last sent them a heartbeat */
+    double silence;       /* a peer psd waits for is lost after this (psd_silence_limit) */
     ps_layout_t layout;
     psd_store_t store;
     uint64_t run_id, config_hash;
@@ -2129,7 +2131,7 @@ static void send_assign(srv_t *s, worker_t *w)
     a.hyper = &hy;
     /* how long a worker waits for psd before it registers again */
     a.start_timeout_s = s->cfg.start_timeout + 10;
-    a.step_timeout_s = s->cfg.worker_timeout * 3 + 10;
+    a.step_timeout_s = s->silence * 3 + 10;
     a.grad_dtype = s->cfg.wire_gradients == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
     a.weight_dtype = s->cfg.wire_weights == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
     if (s->stream) a.stream_chunk_bytes = (uint64_t)s->store.chunk_bytes;
@@ -2884,13 +2886,13 @@ static void on_timer(uv_timer_t *t)
         }
         for (int i = 1; i < s->n_shards; i++) {
             shard_t *sh = &s->shards[i];
-            if (s->stepping && !sh->norm_in && now - s->stepping_since >= s->cfg.worker_timeout) {
+            if (s->stepping && !sh->norm_in && now - s->stepping_since >= s->silence) {
                 PS_ERROR("psd shard %d (%s pid %u) did not send its part of the gradient's norm in %.1f s; the run "
                          "stops", i, sh->hostname, sh->pid, now - s->stepping_since);
                 finish(s, PSD_EXIT_SHARD_LOST, "a psd shard stopped answering");
                 return;
             }
-            if (!sh->joined || now - sh->last_seen < s->cfg.worker_timeout) continue;
+            if (!sh->joined || now - sh->last_seen < s->silence) continue;
             PS_ERROR("psd shard %d (%s pid %u) lost: nothing from it for %.1f s; its part of the parameters is "
                      "gone, so the run stops", i, sh->hostname, sh->pid, now - sh->last_seen);
             sh->joined = false;
@@ -2911,14 +2913,14 @@ static void on_timer(uv_timer_t *t)
             worker_t *w = &s->w[i];
             bool waited_for = (w->state == W_TRAIN && !w->has_push && !w->ssp_wait && !(s->st_open && w->want_pull)) ||
                               w->state == W_VALIDATING;
-            if (w->own_push && !w->has_push && now - w->own_push_at >= s->cfg.worker_timeout) {
+            if (w->own_push && !w->has_push && now - w->own_push_at >= s->silence) {
                 /* a shard never got all of its push: it died between its messages */
                 PS_WARN("rank %u (%s pid %u) lost: psd shards are missing part of its push for %.1f s; going on "
                         "without it", w->rank, w->hostname, w->pid, now - w->own_push_at);
                 worker_gone(s, w);
                 continue;
             }
-            if (!waited_for || now - w->last_seen < s->cfg.worker_timeout) continue;
+            if (!waited_for || now - w->last_seen < s->silence) continue;
             time_t last = time(NULL) - (time_t)(now - w->last_seen);
             struct tm tm;
             char when[32];
@@ -3619,6 +3621,17 @@ void *psd_zmq_context(const ps_config_t *c)
     return ctx;
 }
 
+double psd_transfer_s(size_t n_params)
+{
+    double s = 4.0 * (double)n_params / 40e6;
+    return s < 57.0 ? s : 57.0;
+}
+
+double psd_silence_limit(const ps_config_t *c, size_t n_params)
+{
+    return c->worker_timeout + 2.0 * psd_transfer_s(n_params);
+}
+
 int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no_zap, size_t n_params, bool allow_self,
                     void **sockp, psd_zap_t **zapp, void **monp)
 {
@@ -3685,11 +3698,10 @@ int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no
     }
     /* ZeroMQ's heartbeat counts only whole messages as traffic (libzmq issue
      * 2709): a peer whose PONG waits behind a message of the whole model
-     * must not be taken for dead while it goes. 3 s, plus the model's bytes
-     * at 40 MB/s (a 1.28 GB model: 35 s), at most 60 s; the peer's TTL
+     * must not be taken for dead while it goes. 3 s, plus the model's
+     * transfer time (a 1.28 GB model: 32 s), at most 60 s; the peer's TTL
      * twice that, at most 65 s (ZMTP carries it in deciseconds, 16 bits). */
-    long long slow_ms = (long long)(4 * (n_params / 40000));
-    int one = 1, linger = 1000, hwm = 1000, ivl = 1000, tmo = (int)(3000 + (slow_ms < 57000 ? slow_ms : 57000)),
+    int one = 1, linger = 1000, hwm = 1000, ivl = 1000, tmo = (int)(3000 + 1000 * psd_transfer_s(n_params)),
         ttl = 2 * tmo < 65000 ? 2 * tmo : 65000;
     zmq_setsockopt(*sockp, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
     zmq_setsockopt(*sockp, ZMQ_ROUTER_HANDOVER, &one, sizeof one); /* a worker reconnecting keeps its id */
@@ -3822,6 +3834,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, sharded(s), &s->sock, &s->zap,
                                 &s->mon)) != 0)
         goto out;
+    s->silence = psd_silence_limit(c, s->layout.n_params);
     code = PSD_EXIT_ERROR;
     char ep[256] = "";
     size_t eplen = sizeof ep;
@@ -3835,6 +3848,11 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         PS_INFO("streamed steps: %d chunks of up to %zu KiB, each stepped as soon as every worker has sent it",
                 s->st_nc, s->st_cf * sizeof(float) / 1024);
     if (sharded(s)) PS_INFO("psd shard 0 of %d: waiting for shards 1..%d to join", s->n_shards, s->n_shards - 1);
+    if (s->silence > c->worker_timeout + 0.5)
+        PS_INFO("a silent worker is lost after %.1f s: server.worker_timeout %.1f s plus %.1f s each way for a "
+                "message of the whole model (%.0f MB at 40 MB/s)",
+                s->silence, c->worker_timeout, psd_transfer_s(s->layout.n_params),
+                4.0 * (double)s->layout.n_params / 1e6);
 
     int fd;
     size_t fdlen = sizeof fd;

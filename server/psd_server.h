@@ -34,6 +34,16 @@ int psd_step_threads(const ps_config_t *c);
  * to 4 from 12 cores on). NULL if it cannot be made. */
 void *psd_zmq_context(const ps_config_t *c);
 
+/* Seconds a message of the whole model (n_params floats) may take on the
+ * wire: its bytes at 40 MB/s, at most 57 s. ZeroMQ hands a message over only
+ * whole (and counts only whole messages in its heartbeats, libzmq issue
+ * 2709), so a peer is silent while one of that size is on its way. */
+double psd_transfer_s(size_t n_params);
+/* The silence after which a peer psd waits for is lost: worker_timeout, plus
+ * a model-sized message each way (a reply that is still arriving, then a
+ * push on its way back). */
+double psd_silence_limit(const ps_config_t *c, size_t n_params);
+
 struct psd_zap;
 /* psd's ROUTER socket on `listen`: CURVE with the allow-list (failing
  * closed) when the config has a key, else the loopback rule; options; bind.

@@ -18,7 +18,8 @@
  * of their pieces, PULL. Nothing here decides anything: a step takes exactly
  * the contributors shard 0 names, so every shard applies the same step and
  * the weights are the same bits as with one psd. Shard 0 silent past
- * worker_timeout (it sends a heartbeat every second): exit 5. */
+ * worker_timeout (it sends a heartbeat every second; plus the time a message of
+ * the whole model may take each way, psd_silence_limit): exit 5. */
 #include "psd_server.h"
 
 #include <errno.h>
@@ -635,6 +636,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, false, &s->router, &s->zap,
                                 &s->mon)) != 0)
         goto out;
+    const double silence = psd_silence_limit(c, s->layout.n_params);
     code = PSD_EXIT_ERROR;
     char ep[256] = "";
     size_t eplen = sizeof ep;
@@ -711,7 +713,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
                 last_hello = now;
             }
         } else {
-            if (now - s->leader_seen > c->worker_timeout) {
+            if (now - s->leader_seen > silence) {
                 PS_ERROR("shard %d: nothing from shard 0 for %.1f s: it is gone; stopping", opts->shard,
                          now - s->leader_seen);
                 s->exit_code = PSD_EXIT_SHARD_LOST;

@@ -5,7 +5,10 @@
 #include <fcntl.h>
 #include <math.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +22,15 @@ static pid_t procs[MAX_PROCS];
 static char proc_cwd[512];
 
 void proc_set_cwd(const char *dir) { snprintf(proc_cwd, sizeof proc_cwd, "%s", dir ? dir : ""); }
+
+static void remember(pid_t pid)
+{
+    for (int i = 0; i < MAX_PROCS; i++)
+        if (procs[i] == 0) {
+            procs[i] = pid;
+            break;
+        }
+}
 
 pid_t proc_spawn(const char *const *argv, const char *log)
 {
@@ -36,11 +48,7 @@ pid_t proc_spawn(const char *const *argv, const char *log)
         fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
         _exit(127);
     }
-    for (int i = 0; i < MAX_PROCS; i++)
-        if (procs[i] == 0) {
-            procs[i] = pid;
-            break;
-        }
+    remember(pid);
     return pid;
 }
 
@@ -95,6 +103,141 @@ int free_port(void)
     }
     close(fd);
     return ntohs(a.sin_port);
+}
+
+/* ---- slow link ------------------------------------------------------------ */
+
+#define LINK_MAX 8
+#define LINK_BUF 65536
+typedef struct {
+    int fd[2];              /* 0: the connecting side, 1: the target */
+    char buf[2][LINK_BUF];  /* buf[d]: read from fd[d], to write to fd[1 - d] */
+    size_t len[2], off[2];
+    double tokens[2];       /* bytes direction d may still read now */
+} link_t;
+
+static int loopback_socket(int port, bool listening)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd < 0) return -1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    int rc = listening ? bind(fd, (struct sockaddr *)&a, sizeof a) : connect(fd, (struct sockaddr *)&a, sizeof a);
+    if (rc != 0 || (listening && listen(fd, LINK_MAX) != 0)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static void link_close(link_t *l)
+{
+    close(l->fd[0]);
+    close(l->fd[1]);
+    l->fd[0] = l->fd[1] = -1;
+}
+
+static void link_serve(int lfd, int target_port, double rate)
+{
+    static link_t links[LINK_MAX];
+    for (int i = 0; i < LINK_MAX; i++) links[i].fd[0] = links[i].fd[1] = -1;
+    const double burst = rate / 100 > LINK_BUF ? rate / 100 : LINK_BUF; /* 10 ms of the rate */
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double last = (double)t0.tv_sec + (double)t0.tv_nsec * 1e-9;
+    for (;;) {
+        struct pollfd pf[1 + 2 * LINK_MAX];
+        int who[1 + 2 * LINK_MAX], n = 0;
+        pf[n] = (struct pollfd){.fd = lfd, .events = POLLIN};
+        who[n++] = -1;
+        bool throttled = false;
+        for (int i = 0; i < LINK_MAX; i++) {
+            link_t *l = &links[i];
+            if (l->fd[0] < 0) continue;
+            for (int d = 0; d < 2; d++) {
+                short ev = 0;
+                if (l->len[d] == 0 && l->tokens[d] >= 1) ev |= POLLIN;
+                if (l->len[d] == 0 && l->tokens[d] < 1) throttled = true;
+                if (l->len[1 - d] > 0) ev |= POLLOUT;
+                pf[n] = (struct pollfd){.fd = l->fd[d], .events = ev};
+                who[n++] = 2 * i + d;
+            }
+        }
+        if (poll(pf, (nfds_t)n, throttled ? 1 : 100) < 0 && errno != EINTR) _exit(1);
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+        for (int i = 0; i < LINK_MAX; i++)
+            for (int d = 0; d < 2; d++) {
+                links[i].tokens[d] += rate * (now - last);
+                if (links[i].tokens[d] > burst) links[i].tokens[d] = burst;
+            }
+        last = now;
+        for (int k = 0; k < n; k++) {
+            if (!pf[k].revents) continue;
+            if (who[k] < 0) {
+                int c = accept(lfd, NULL, NULL);
+                if (c < 0) continue;
+                int t = loopback_socket(target_port, false);
+                int slot = -1;
+                for (int i = 0; i < LINK_MAX && slot < 0; i++)
+                    if (links[i].fd[0] < 0) slot = i;
+                if (t < 0 || slot < 0) {
+                    close(c);
+                    if (t >= 0) close(t);
+                    continue;
+                }
+                fcntl(c, F_SETFL, O_NONBLOCK);
+                fcntl(t, F_SETFL, O_NONBLOCK);
+                links[slot] = (link_t){.fd = {c, t}};
+                continue;
+            }
+            link_t *l = &links[who[k] / 2];
+            int d = who[k] % 2;
+            if (l->fd[0] < 0) continue;
+            if ((pf[k].revents & POLLOUT) && l->len[1 - d] > 0) { /* the other direction's bytes go out here */
+                ssize_t w = write(l->fd[d], l->buf[1 - d] + l->off[1 - d], l->len[1 - d] - l->off[1 - d]);
+                if (w < 0 && errno != EAGAIN && errno != EINTR) {
+                    link_close(l);
+                    continue;
+                }
+                if (w > 0 && (l->off[1 - d] += (size_t)w) == l->len[1 - d]) l->len[1 - d] = l->off[1 - d] = 0;
+            }
+            if ((pf[k].revents & (POLLIN | POLLHUP | POLLERR)) && l->len[d] == 0 && l->tokens[d] >= 1) {
+                size_t want = l->tokens[d] < LINK_BUF ? (size_t)l->tokens[d] : LINK_BUF;
+                ssize_t r = read(l->fd[d], l->buf[d], want);
+                if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+                    link_close(l);
+                    continue;
+                }
+                if (r > 0) {
+                    l->len[d] = (size_t)r;
+                    l->off[d] = 0;
+                    l->tokens[d] -= (double)r;
+                }
+            }
+        }
+    }
+}
+
+pid_t proc_slow_link(int listen_port, int target_port, double bytes_per_s)
+{
+    int lfd = loopback_socket(listen_port, true);
+    if (lfd < 0) return -1;
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(lfd);
+        return -1;
+    }
+    if (pid == 0) {
+        signal(SIGPIPE, SIG_IGN);
+        link_serve(lfd, target_port, bytes_per_s);
+        _exit(0);
+    }
+    close(lfd);
+    remember(pid);
+    return pid;
 }
 
 char *slurp(const char *path)

@@ -2338,6 +2338,41 @@ static void kill_one_mid_epoch(run_t *r, const char *tag, const char **args)
         if (i != victim) cr_assert_eq(proc_wait(w[i], 30), 0, "worker %d", i);
 }
 
+Test(short, a_slow_link_is_not_taken_for_a_dead_worker)
+{
+    /* A 38 MB model over a 100 MB/s link (a process relaying the worker's
+     * connection at that rate each way): each reply and each push is on the
+     * wire for about 0.4 s, ZeroMQ hands it over only whole, so the worker
+     * is silent for longer than --worker-timeout 0.5 at every step. psd
+     * allows for a message of the whole model each way (at 40 MB/s, 0.95 s):
+     * the worker is never declared lost and the run trains and validates
+     * every sample. */
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=640", "--set", "model.layers=[784,12000,10]",
+                          "--worker-timeout", "0.5", "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "slow", 1, args);
+    /* the link accepts at once: a worker that reached it before psd listens
+     * would see its handshakes fail and give up */
+    wait_log(r.psd_log, "listening on", 120);
+    int lport = free_port();
+    pid_t link = proc_slow_link(lport, atoi(strrchr(r.endpoint, ':') + 1), 100e6);
+    cr_assert(link > 0, "the slow link listens");
+    run_t via = r;
+    snprintf(via.endpoint, sizeof via.endpoint, "tcp://127.0.0.1:%d", lport);
+    const char *wargs[] = {"--no-shm", "--threads", "1", NULL};
+    pid_t w = start_worker(&via, "slow", 0, wargs);
+    r.psd_code = proc_wait(p, 300);
+    r.worker_code[0] = proc_wait(w, 30);
+    char *log = slurp(r.psd_log);
+    cr_assert(log && strstr(log, "a silent worker is lost after"), "psd says how long it waits");
+    cr_assert(!strstr(log, "lost:"), "no worker was declared lost on the slow link:\n%s", log);
+    free(log);
+    check_run(&r, 1, 1);
+    char *m = metrics_last(&r);
+    cr_assert_eq(json_num(last_line(m), "train_samples"), 640, "%s", last_line(m));
+    free(m);
+}
+
 Test(short, killed_worker_the_others_finish_every_sample_once)
 {
     run_t r;
