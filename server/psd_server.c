@@ -1594,7 +1594,9 @@ static int sp_grow(srv_t *s, worker_t *w, size_t cap)
 
 /* A lazy table's gradient pushed whole (its batch touched many rows, or on
  * shared memory, or bfloat16) as the rows that are not all zero, into w's
- * row lists: the rows its batch touched. 0, or -1 (out of memory). */
+ * row lists: the rows its batch touched. One pass over the table; the lists
+ * grow by doubling (rarely: they keep their size between steps). 0, or -1
+ * (out of memory). */
 static int dense_rows(srv_t *s, worker_t *w, const void *g, bool bf16)
 {
     const ps_tensor_info_t *e = &s->layout.t[s->layout.table];
@@ -1602,20 +1604,17 @@ static int dense_rows(srv_t *s, worker_t *w, const void *g, bool bf16)
     const float *f = g;
     const uint16_t *h = g;
     size_t n = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        n = 0;
-        for (size_t r = 0; r < R; r++) {
-            bool nz = false;
-            for (size_t d = 0; d < D && !nz; d++) nz = bf16 ? (h[r * D + d] & 0x7fff) != 0 : f[r * D + d] != 0.0f;
-            if (!nz) continue;
-            if (pass == 1) {
-                w->sp_ids[n] = (uint32_t)r;
-                for (size_t d = 0; d < D; d++)
-                    w->sp_rows[n * D + d] = bf16 ? ps_bf16_to_f32(h[r * D + d]) : f[r * D + d];
-            }
-            n++;
+    for (size_t r = 0; r < R; r++) {
+        bool nz = false;
+        for (size_t d = 0; d < D && !nz; d++) nz = bf16 ? (h[r * D + d] & 0x7fff) != 0 : f[r * D + d] != 0.0f;
+        if (!nz) continue;
+        if (n == w->sp_cap) {
+            size_t cap = 2 * n > 1024 ? 2 * n : 1024;
+            if (sp_grow(s, w, cap < R ? cap : R) != 0) return -1;
         }
-        if (pass == 0 && n > w->sp_cap && sp_grow(s, w, n) != 0) return -1;
+        w->sp_ids[n] = (uint32_t)r;
+        for (size_t d = 0; d < D; d++) w->sp_rows[n * D + d] = bf16 ? ps_bf16_to_f32(h[r * D + d]) : f[r * D + d];
+        n++;
     }
     w->sp_n = n;
     return 0;
@@ -3764,7 +3763,14 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         goto out;
     }
     s->n_shards = opts->shards > 1 ? opts->shards : 1;
-    s->stream = c->stream && s->n_shards == 1; /* psd_main refuses it with shards */
+    /* psd_main refuses streamed steps with shards. With an embedding table
+     * they would step and send the table whole: the table's rows are worth
+     * far more than overlapping the step (a 1M x 32 table: 128 MB a push
+     * against a batch's rows), so psd steps whole and says so. */
+    s->stream = c->stream && s->n_shards == 1 && s->layout.table < 0;
+    if (c->stream && s->layout.table >= 0)
+        PS_WARN("train.stream: the model has an embedding table, so steps are whole (not streamed): the table "
+                "goes by rows, which a streamed step would send whole");
     /* one psd, steps not streamed: the table is stepped row by row (psd_rows.h) */
     if (s->layout.table >= 0 && s->n_shards == 1 && !s->stream &&
         psd_store_lazy_table(&s->store, (size_t)c->workers * batch_rows(s), MAX_WORKERS) != 0) {

@@ -2610,6 +2610,22 @@ Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
     char *plog = slurp(c.psd_log);
     cr_assert(plog && strstr(plog, "stays on psd") && !strstr(plog, "shared memory for workers"), "%s", plog);
     free(plog);
+    /* asked for streamed steps, psd steps whole so that the table still goes by rows */
+    const char *streamed[] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                              "--set", "checkpoint.dir=", "--set", "ctr.worker_table_mb=0", "--set",
+                              "train.stream=true", NULL};
+    run_t d;
+    train_wx(&d, "onpsd-st", 2, streamed, NULL, 300);
+    cr_assert_eq(d.psd_code, 0);
+    cr_assert(weights_equal(c.weights, d.weights), "train.stream changes nothing with a table");
+    char *md = metrics_last(&d);
+    cr_assert_eq(json_num(last_line(md), "table_row_replies"), rc, "%s", last_line(md));
+    free(md);
+    plog = slurp(d.psd_log);
+    cr_assert(plog && strstr(plog, "steps are whole (not streamed)") && strstr(plog, "stays on psd") &&
+                  !strstr(plog, "streamed steps:"),
+              "%s", plog);
+    free(plog);
     free(mc);
     free(ma);
     free(mb);

@@ -320,7 +320,9 @@ static int check_monitor(psw_client_t *c)
             return -EACCES;
         /* a client without keys at a psd with keys only ever sees its
          * handshakes fail without detail (libzmq 4.3): a few in a row, and
-         * none ever succeeded, is that refusal */
+         * none ever succeeded, is that refusal. A proxy or tunnel that
+         * accepts and closes because nothing listens behind it yet looks the
+         * same: the message names both. */
         if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && !c->connected && ++c->hs_failed >= 3) return -EACCES;
     }
 }
@@ -414,7 +416,8 @@ static int recv_msg(psw_client_t *c, double timeout_s, char *err, size_t errlen)
                              "public key in psd's allow-list, and --server-key psd's public key?)", c->endpoint);
                 else
                     snprintf(err, errlen, "psd at %s refused this worker: authentication failed (psd uses keys: give "
-                             "this worker --key and --server-key)", c->endpoint);
+                             "this worker --key and --server-key; or that address is a proxy or tunnel with no "
+                             "psd behind it yet: ZeroMQ cannot tell the two apart)", c->endpoint);
                 return -EACCES;
             }
             if (mrc == -ECONNRESET) {
