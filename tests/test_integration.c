@@ -802,6 +802,20 @@ Test(short, gradients_pushed_tensor_by_tensor_give_the_same_weights)
     train_wx(&c, "splits", 2, sargs, split_wire, 300);
     check_run(&c, 2, 1);
     cr_assert(weights_equal(a.weights, c.weights), "streamed parts");
+    /* a device backend's code paths (uploads, gradients downloaded tensor by tensor and pushed
+     * as they come down), on the CPU's ops: the CPU backend posing as a device */
+    const char *dev[] = {"--x-device-sim", "--verbose", NULL}, *dev_wire[] = {"--x-device-sim", "--no-shm", NULL};
+    train_wx(&c, "devsim", 2, args, dev, 300);
+    check_run(&c, 2, 1);
+    cr_assert(weights_equal(a.weights, c.weights), "a device worker on psd's host");
+    char wlog[512];
+    snprintf(wlog, sizeof wlog, "%s/devsim-w0.log", dir);
+    char *log = slurp(wlog);
+    cr_assert(log && strstr(log, "backend cpu-as-device"), "%s", log ? log : "");
+    free(log);
+    train_wx(&c, "devsimw", 2, args, dev_wire, 300);
+    check_run(&c, 2, 1);
+    cr_assert(weights_equal(a.weights, c.weights), "a device worker over the wire");
 }
 
 /* ---- same host: shared memory ------------------------------------------- */
@@ -2610,6 +2624,33 @@ Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
     char *plog = slurp(c.psd_log);
     cr_assert(plog && strstr(plog, "stays on psd") && !strstr(plog, "shared memory for workers"), "%s", plog);
     free(plog);
+    /* device workers (the CPU backend posing as one: uploads, downloads), table replicas and the
+     * table on psd: the same bits, every push as rows */
+    const char *dev_wire[] = {"--x-device-sim", "--no-shm", NULL}, *dev[] = {"--x-device-sim", "--verbose", NULL};
+    run_t e;
+    train_wx(&e, "rows-dev", 2, sparse, dev_wire, 300);
+    cr_assert_eq(e.psd_code, 0);
+    cr_assert(weights_equal(a.weights, e.weights), "device workers' rows = the CPU's, bit for bit");
+    char *me = metrics_last(&e);
+    cr_assert_eq(json_num(last_line(me), "table_row_pushes"), 2 * 40, "%s", last_line(me));
+    free(me);
+    train_wx(&e, "onpsd-dev", 2, onpsd, dev, 300);
+    cr_assert_eq(e.psd_code, 0);
+    cr_assert(weights_equal(c.weights, e.weights), "device workers with the table on psd, bit for bit");
+    me = metrics_last(&e);
+    cr_assert_eq(json_num(last_line(me), "val_loss"), json_num(lc, "val_loss"), "%s", last_line(me));
+    cr_assert_eq(json_num(last_line(me), "val_auc"), json_num(lc, "val_auc"), "%s", last_line(me));
+    cr_assert_eq(json_num(last_line(me), "table_row_replies"), rc, "%s", last_line(me));
+    free(me);
+    for (int i = 0; i < 2; i++) {
+        char wlog[512];
+        snprintf(wlog, sizeof wlog, "%s/onpsd-dev-w%d.log", dir, i);
+        char *log = slurp(wlog);
+        cr_assert(log && strstr(log, "backend cpu-as-device") && strstr(log, "the table stayed on psd") &&
+                      strstr(log, "whole 0 times"),
+                  "worker %d: %s", i, log ? log : "");
+        free(log);
+    }
     /* asked for streamed steps, psd steps whole so that the table still goes by rows */
     const char *streamed[] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
                               "--set", "checkpoint.dir=", "--set", "ctr.worker_table_mb=0", "--set",

@@ -134,6 +134,11 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
             snprintf(err, errlen, "out of memory");
             return -1;
         }
+        if (w->o->device_sim) { /* tests: the device code paths (uploads, downloads, pushes as the
+                                 * tensors come down) on the CPU's ops, which give the same bits */
+            w->be->host_visible = 0;
+            w->be->name = "cpu-as-device";
+        }
         PS_INFO("backend %s (OpenBLAS %s kernels), %d thread%s", w->be->name, psw_blas_core(), threads,
                 threads == 1 ? "" : "s");
     }
@@ -141,14 +146,10 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
     w->max_batch = (int)(w->a.batch_size > w->a.val_batch_size ? w->a.batch_size : w->a.val_batch_size);
     w->mlayout = w->layout;
     if (w->on_psd) {
-        if (!w->be->host_visible) {
-            snprintf(err, errlen, "psd keeps the embedding table to itself (larger than its ctr.worker_table_mb) "
-                                  "and the %s backend needs it whole for now: raise ctr.worker_table_mb in psd's "
-                                  "config, or use --devices cpu", w->be->name);
-            return -1;
-        }
         w->split = 0; /* the table's rows go in one push with the rest */
-        uint64_t cap = (uint64_t)w->a.batch_size * (uint64_t)(w->a.ctr.fields * w->a.ctr.per_field);
+        /* a batch's rows: a training batch's (the rows psd sends with its weights), or on a
+         * device backend a validation batch's (uploaded batch by batch) */
+        uint64_t cap = (uint64_t)w->max_batch * (uint64_t)(w->a.ctr.fields * w->a.ctr.per_field);
         if (cap > w->a.ctr.rows) cap = w->a.ctr.rows;
         if (ps_layout_init_table(&w->mlayout, w->a.sizes, w->a.n_sizes, cap, w->a.ctr.dim) != 0) {
             snprintf(err, errlen, "invalid model");
@@ -181,7 +182,7 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
     }
     w->x = w->ctr ? NULL : malloc((size_t)w->max_batch * (size_t)w->a.sizes[0] * sizeof(float)); /* ctr: bags */
     w->y = malloc((size_t)w->max_batch * sizeof(int32_t));
-    if (!w->be->host_visible) w->grads_host = w->be->host_alloc(w->be, w->layout.n_params * sizeof(float));
+    if (!w->be->host_visible) w->grads_host = w->be->host_alloc(w->be, w->mlayout.n_params * sizeof(float));
     if (!w->m || (!w->ctr && !w->x) || !w->y || (!w->be->host_visible && !w->grads_host)) {
         snprintf(err, errlen, "out of memory for the model");
         return -1;
@@ -192,8 +193,11 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
 /* The weights of ev for the model: on the CPU they are used where they
  * arrived (frames, psd's shared slot: valid until the next
  * psw_client_next), without a copy, and the gradient goes straight to the
- * region psd reads it from when there is one; device backends upload. */
-static int set_weights(wk_t *w, const psw_event_t *ev)
+ * region psd reads it from when there is one; device backends upload. With
+ * the table on psd the event's table is the rows it brought: a training
+ * batch's fit the model's table; a validation part's (table false) are
+ * uploaded batch by batch (val_rows). */
+static int set_weights(wk_t *w, const psw_event_t *ev, bool table)
 {
     if (ev->n_tensors != w->layout.n_tensors) return -1;
     for (int i = 0; i < ev->n_tensors; i++)
@@ -203,8 +207,13 @@ static int set_weights(wk_t *w, const psw_event_t *ev)
         return 0;
     }
     float *p = psw_model_params(w->m);
-    for (int i = 0; i < ev->n_tensors; i++)
-        w->be->upload(w->be, p + w->layout.t[i].offset, ev->tensors[i], 4 * w->layout.t[i].numel);
+    for (int i = 0; i < ev->n_tensors; i++) {
+        if (w->on_psd && i == w->layout.table && (!table || ev->tensor_numel[i] > w->mlayout.t[i].numel)) {
+            if (table) return -1; /* more rows than a batch reads */
+            continue;
+        }
+        w->be->upload(w->be, p + w->mlayout.t[i].offset, ev->tensors[i], 4 * ev->tensor_numel[i]);
+    }
     return 0;
 }
 
@@ -270,15 +279,33 @@ static int to_local(const uint32_t *bags, size_t n, const uint32_t *rows, size_t
     return 0;
 }
 
+/* A device backend with the table on psd: the rows of the validation
+ * batch bags[0, B) to the model's table, from those psd sent for the range
+ * (ev), and the bags as indices into them (w->local). 0, or -1 if psd's
+ * rows lack one. */
+static int val_rows(wk_t *w, const psw_event_t *ev, const uint32_t *bags, int B)
+{
+    const int t = w->layout.table;
+    const size_t D = (size_t)w->layout.t[t].cols, nt = touched_rows(w, bags, B, w->touched);
+    for (size_t j = 0; j < nt; j++) {
+        const uint32_t *q = ev->n_row_ids ? bsearch(&w->touched[j], ev->row_ids, ev->n_row_ids, sizeof *q, cmp_u32)
+                                          : NULL;
+        if (!q) return -1;
+        memcpy(w->row_vals + j * D, ev->tensors[t] + (size_t)(q - ev->row_ids) * D, D * sizeof(float));
+    }
+    w->be->upload(w->be, psw_model_params(w->m) + w->mlayout.t[t].offset, w->row_vals, nt * D * sizeof(float));
+    return to_local(bags, (size_t)B * (size_t)(w->gen.fields * w->gen.per_field), w->touched, nt, w->local);
+}
+
 /* Backward reached tensor t: start copying its gradient to the wire buffer
  * (device backends) while earlier layers still compute. */
 static void grad_ready(void *ud, int t)
 {
     wk_t *w = ud;
     if (!w->be->host_visible) {
-        size_t off = w->layout.t[t].offset;
+        size_t off = w->mlayout.t[t].offset;
         w->ticket[t] = w->be->download_async(w->be, w->grads_host + off, psw_model_grads(w->m) + off,
-                                             4 * w->layout.t[t].numel);
+                                             4 * w->mlayout.t[t].numel);
     }
     w->ready_order[w->n_ready++] = t;
 }
@@ -297,7 +324,7 @@ static int train_step(wk_t *w, const psw_event_t *ev)
         }
         sched_yield();
     }
-    if (set_weights(w, ev) != 0) return -EPROTO;
+    if (set_weights(w, ev, true) != 0) return -EPROTO;
     int B = (int)(w->n_ids - w->pos < w->a.batch_size ? w->n_ids - w->pos : w->a.batch_size);
     double loss = 0;
     int64_t correct = 0;
@@ -346,11 +373,13 @@ static int train_step(wk_t *w, const psw_event_t *ev)
         cols[k] = t % 2 == 0 ? w->layout.t[t].cols : 0;
     }
     if (!w->on_psd) /* on psd: found above */
-        nt = w->ctr && !w->split && w->a.sparse_threshold > 0 && psw_client_rows_ok(w->c)
-                 ? touched_rows(w, w->bag_ids, B, w->touched)
-                 : 0;
+        nt = w->ctr && w->a.sparse_threshold > 0 && psw_client_rows_ok(w->c) ? touched_rows(w, w->bag_ids, B, w->touched)
+                                                                               : 0;
     const double few = nt ? w->a.sparse_threshold * (double)w->layout.t[w->layout.table].rows : 0;
-    if (nt > 0 && ((double)nt < few || w->on_psd)) {
+    const bool as_rows = nt > 0 && ((double)nt < few || w->on_psd);
+    if (!w->be->host_visible && (as_rows || !w->split)) /* read whole from grads_host: every tensor down */
+        for (int t = 0; t < n; t++) w->be->wait(w->be, w->ticket[t]);
+    if (as_rows) {
         /* few rows of the table touched (or the table on psd): push those (the others' gradient is zero) */
         const int D = w->layout.t[w->layout.table].cols;
         const float *dE = base + w->mlayout.t[w->layout.table].offset, *vals = dE; /* on psd: rows 0..nt-1 */
@@ -396,7 +425,7 @@ static int validate(wk_t *w, const psw_event_t *ev)
             return -ENODEV;
         }
     }
-    if (set_weights(w, ev) != 0) return -EPROTO;
+    if (set_weights(w, ev, false) != 0) return -EPROTO;
     size_t n = ev->val_end - ev->val_begin;
     if (w->ctr && n > w->scores_cap) {
         float *p = n <= SIZE_MAX / sizeof *p ? realloc(w->scores, n * sizeof *p) : NULL;
@@ -412,8 +441,9 @@ static int validate(wk_t *w, const psw_event_t *ev)
             ctr_batch(w, NULL, w->a.ctr.train + i, B, w->bag_ids, w->y);
             const uint32_t *bags = w->bag_ids;
             if (w->on_psd) { /* read through the rows psd sent for the range */
-                if (to_local(w->bag_ids, (size_t)B * (size_t)(w->gen.fields * w->gen.per_field), ev->row_ids,
-                             ev->n_row_ids, w->local) != 0) {
+                if ((w->be->host_visible ? to_local(w->bag_ids, (size_t)B * (size_t)(w->gen.fields * w->gen.per_field),
+                                                    ev->row_ids, ev->n_row_ids, w->local)
+                                         : val_rows(w, ev, w->bag_ids, B)) != 0) {
                     PS_ERROR("psd's validation part lacks table rows its examples read");
                     return -EPROTO;
                 }

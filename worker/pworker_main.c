@@ -232,14 +232,14 @@ static int supervise(psw_worker_opts_t *o, const device_t *dev, int n_dev)
 
 int main(int argc, char **argv)
 {
-    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT, OPT_RETRY, OPT_KEY, OPT_SERVER_KEY, OPT_NO_SHM, OPT_LOG_FORMAT, OPT_XSLOW };
+    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT, OPT_RETRY, OPT_KEY, OPT_SERVER_KEY, OPT_NO_SHM, OPT_LOG_FORMAT, OPT_XSLOW, OPT_XDEVSIM };
     static const struct option longopts[] = {
         {"connect", required_argument, NULL, 'c'}, {"threads", required_argument, NULL, 't'},
         {"verbose", no_argument, NULL, 'v'},       {"help", no_argument, NULL, 'h'},
         {"version", no_argument, NULL, OPT_VERSION}, {"data-dir", required_argument, NULL, OPT_DATA_DIR},
         {"wait", required_argument, NULL, OPT_WAIT}, {"devices", required_argument, NULL, OPT_DEVICES},
         {"x-protocol", required_argument, NULL, OPT_XPROTO}, {"x-split-push", no_argument, NULL, OPT_XSPLIT},
-        {"x-slow-ms", required_argument, NULL, OPT_XSLOW},
+        {"x-slow-ms", required_argument, NULL, OPT_XSLOW}, {"x-device-sim", no_argument, NULL, OPT_XDEVSIM},
         {"retry-for", required_argument, NULL, OPT_RETRY},
         {"key", required_argument, NULL, OPT_KEY},
         {"server-key", required_argument, NULL, OPT_SERVER_KEY},
@@ -276,6 +276,7 @@ int main(int argc, char **argv)
             o.protocol = (unsigned)v;
             break;
         case OPT_XSPLIT: o.split_push = 1; break; /* testing only: push tensor by tensor */
+        case OPT_XDEVSIM: o.device_sim = 1; break; /* testing only: the CPU backend taken for a device */
         case OPT_XSLOW: /* testing only: a slow worker */
             if (parse_int("--x-slow-ms", optarg, 0, 60000, &v)) return 2;
             o.slow_ms = (int)v;
