@@ -378,7 +378,7 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     const double few = nt ? w->a.sparse_threshold * (double)w->layout.t[w->layout.table].rows : 0;
     const bool as_rows = nt > 0 && ((double)nt < few || w->on_psd);
     if (!w->be->host_visible && (as_rows || !w->split)) /* read whole from grads_host: every tensor down */
-        for (int t = 0; t < n; t++) w->be->wait(w->be, w->ticket[t]);
+        for (int k = 0; k < w->n_ready; k++) w->be->wait(w->be, w->ticket[w->ready_order[k]]);
     if (as_rows) {
         /* few rows of the table touched (or the table on psd): push those (the others' gradient is zero) */
         const int D = w->layout.t[w->layout.table].cols;
