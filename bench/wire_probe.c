@@ -14,7 +14,8 @@
  *
  * tcp only: CLIENTS DEALERs (threads, one ZeroMQ context each, as psbench's
  *   workers) round-trip with one ROUTER process (2 I/O threads, as psd) at
- *   once; GB/s = all bytes sent and received / time: what the machine's
+ *   once; GB/s = the clients' rates (bytes sent and received / each one's
+ *   time) summed, as psbench's aggregate: what the machine's
  *   loopback carries for CLIENTS connections into one server, the yardstick
  *   of psd's aggregate figures. */
 #include <pthread.h>
@@ -144,7 +145,11 @@ static double zmq_gbs(const char *bind_ep, size_t bytes, double seconds, int cli
     pthread_t th[16];
     for (int k = 0; k < clients; k++) {
         cl[k] = (client_t){.ep = ep, .bytes = bytes, .seconds = seconds};
-        if (pthread_create(&th[k], NULL, client, &cl[k]) != 0) return -1;
+        if (pthread_create(&th[k], NULL, client, &cl[k]) != 0) {
+            perror("wire_probe: pthread_create");
+            kill(pid, SIGKILL); /* the server waits for every client's stop */
+            exit(1);
+        }
     }
     double gbs = 0; /* the clients' rates summed, as psbench's aggregate */
     for (int k = 0; k < clients; k++) {

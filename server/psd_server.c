@@ -1610,7 +1610,10 @@ static int dense_rows(srv_t *s, worker_t *w, const void *g, bool bf16)
         if (!nz) continue;
         if (n == w->sp_cap) {
             size_t cap = 2 * n > 1024 ? 2 * n : 1024;
-            if (sp_grow(s, w, cap < R ? cap : R) != 0) return -1;
+            if (sp_grow(s, w, cap < R ? cap : R) != 0) {
+                w->sp_n = 0; /* the lists were being rewritten */
+                return -1;
+            }
         }
         w->sp_ids[n] = (uint32_t)r;
         for (size_t d = 0; d < D; d++) w->sp_rows[n * D + d] = bf16 ? ps_bf16_to_f32(h[r * D + d]) : f[r * D + d];

@@ -142,7 +142,7 @@ static void link_serve(int lfd, int target_port, double rate)
 {
     static link_t links[LINK_MAX];
     for (int i = 0; i < LINK_MAX; i++) links[i].fd[0] = links[i].fd[1] = -1;
-    const double burst = rate / 100 > LINK_BUF ? rate / 100 : LINK_BUF; /* 10 ms of the rate */
+    const double burst = rate / 100 > LINK_BUF ? rate / 100 : LINK_BUF; /* 10 ms of the rate, at least a buffer */
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     double last = (double)t0.tv_sec + (double)t0.tv_nsec * 1e-9;
@@ -160,7 +160,9 @@ static void link_serve(int lfd, int target_port, double rate)
                 if (l->len[d] == 0 && l->tokens[d] >= 1) ev |= POLLIN;
                 if (l->len[d] == 0 && l->tokens[d] < 1) throttled = true;
                 if (l->len[1 - d] > 0) ev |= POLLOUT;
-                pf[n] = (struct pollfd){.fd = l->fd[d], .events = ev};
+                /* nothing to do on it now: left out, so that a hangup reported while its
+                 * buffer waits to drain does not wake poll again and again */
+                pf[n] = (struct pollfd){.fd = ev ? l->fd[d] : -1, .events = ev};
                 who[n++] = 2 * i + d;
             }
         }

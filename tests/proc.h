@@ -19,9 +19,10 @@ void proc_reap_all(void);
 /* A TCP port on 127.0.0.1 that was free a moment ago. */
 int free_port(void);
 /* A slow network link: a process (ended by proc_reap_all like the others)
- * that listens on 127.0.0.1:listen_port and relays every connection to
- * 127.0.0.1:target_port, each direction of each connection at most
- * bytes_per_s. Its pid once it listens, or -1. */
+ * that listens on 127.0.0.1:listen_port and relays every connection (up to
+ * 8) to 127.0.0.1:target_port, each direction of each connection at most
+ * bytes_per_s; either side's end (or error) closes both. Its pid once it
+ * listens, or -1. */
 pid_t proc_slow_link(int listen_port, int target_port, double bytes_per_s);
 /* Whole file as a string (caller frees), or NULL. */
 char *slurp(const char *path);

@@ -56,6 +56,7 @@ typedef struct {
     float *grads_host; /* non-host backends: gradients copied here for the wire (pinned) */
     int split;         /* push tensor by tensor, as each is ready */
     int ready_order[PS_MAX_TENSORS], n_ready, ticket[PS_MAX_TENSORS];
+    size_t batch_rows; /* the table on psd: rows of the batch in training (its gradient's rows 0..n-1) */
     /* epoch state */
     uint32_t epoch;
     uint32_t *ids;     /* this epoch's sample ids */
@@ -148,8 +149,10 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
     if (w->on_psd) {
         w->split = 0; /* the table's rows go in one push with the rest */
         /* a batch's rows: a training batch's (the rows psd sends with its weights), or on a
-         * device backend a validation batch's (uploaded batch by batch) */
-        uint64_t cap = (uint64_t)w->max_batch * (uint64_t)(w->a.ctr.fields * w->a.ctr.per_field);
+         * device backend a validation batch's too (uploaded batch by batch; on the CPU the
+         * model reads the validation part's rows where they arrived) */
+        uint64_t cap = (uint64_t)(w->be->host_visible ? (int)w->a.batch_size : w->max_batch) *
+                       (uint64_t)(w->a.ctr.fields * w->a.ctr.per_field);
         if (cap > w->a.ctr.rows) cap = w->a.ctr.rows;
         if (ps_layout_init_table(&w->mlayout, w->a.sizes, w->a.n_sizes, cap, w->a.ctr.dim) != 0) {
             snprintf(err, errlen, "invalid model");
@@ -303,19 +306,19 @@ static void grad_ready(void *ud, int t)
 {
     wk_t *w = ud;
     if (!w->be->host_visible) {
-        size_t off = w->mlayout.t[t].offset;
-        w->ticket[t] = w->be->download_async(w->be, w->grads_host + off, psw_model_grads(w->m) + off,
-                                             4 * w->mlayout.t[t].numel);
+        size_t off = w->mlayout.t[t].offset, numel = w->mlayout.t[t].numel;
+        if (w->on_psd && t == w->layout.table) /* only the batch's rows have a gradient */
+            numel = w->batch_rows * (size_t)w->mlayout.t[t].cols;
+        w->ticket[t] = w->be->download_async(w->be, w->grads_host + off, psw_model_grads(w->m) + off, 4 * numel);
     }
     w->ready_order[w->n_ready++] = t;
 }
 
-/* One training step on the next batch of the epoch, then push: in one
- * message, or tensor by tensor as each gradient reaches host memory. */
-static int train_step(wk_t *w, const psw_event_t *ev)
+/* The last push's buffers (gradients, row lists) are released by ZeroMQ
+ * (sent, or dropped with its connection) before they are written again;
+ * never waits for ever. 0, or -ETIMEDOUT. */
+static int push_done(wk_t *w)
 {
-    /* the previous push's buffers must be released by ZeroMQ before reuse
-     * (sent, or dropped with its connection); never waits for ever */
     double since = ps_now();
     while (!psw_client_push_done(w->c)) {
         if (ps_now() - since > w->a.step_timeout_s) {
@@ -324,6 +327,15 @@ static int train_step(wk_t *w, const psw_event_t *ev)
         }
         sched_yield();
     }
+    return 0;
+}
+
+/* One training step on the next batch of the epoch, then push: in one
+ * message, or tensor by tensor as each gradient reaches host memory. */
+static int train_step(wk_t *w, const psw_event_t *ev)
+{
+    int rc = push_done(w);
+    if (rc < 0) return rc;
     if (set_weights(w, ev, true) != 0) return -EPROTO;
     int B = (int)(w->n_ids - w->pos < w->a.batch_size ? w->n_ids - w->pos : w->a.batch_size);
     double loss = 0;
@@ -349,6 +361,7 @@ static int train_step(wk_t *w, const psw_event_t *ev)
             }
             to_local(w->bag_ids, (size_t)B * (size_t)(w->gen.fields * w->gen.per_field), w->touched, nt, w->local);
             bags = w->local;
+            w->batch_rows = nt;
         }
         psw_model_train_bags(w->m, bags, w->y, B, &loss, &correct, grad_ready, w);
     } else {
@@ -363,7 +376,7 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     const float *g[PSW_MAX_TENSORS];
     size_t numel[PSW_MAX_TENSORS];
     int ids[PSW_MAX_TENSORS], rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
-    int n = w->layout.n_tensors, rc = 0;
+    int n = w->layout.n_tensors;
     for (int k = 0; k < n; k++) {
         int t = w->split ? w->ready_order[k] : k;
         ids[k] = t;
@@ -425,6 +438,8 @@ static int validate(wk_t *w, const psw_event_t *ev)
             return -ENODEV;
         }
     }
+    int rc = push_done(w); /* a validation batch's rows go where the last push's were */
+    if (rc < 0) return rc;
     if (set_weights(w, ev, false) != 0) return -EPROTO;
     size_t n = ev->val_end - ev->val_begin;
     if (w->ctr && n > w->scores_cap) {
