@@ -158,6 +158,12 @@ static int cmp_u32(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+ptrdiff_t ps_find_u32(const uint32_t *a, size_t n, uint32_t v)
+{
+    const uint32_t *p = n ? bsearch(&v, a, n, sizeof *a, cmp_u32) : NULL;
+    return p ? p - a : -1;
+}
+
 size_t ps_sort_unique_u32(uint32_t *a, size_t n)
 {
     size_t k = 0;

@@ -36,4 +36,7 @@ int ps_rows_valid(const uint32_t *ids, size_t n, uint64_t rows);
 /* Sort a[0, n) and keep each value once; returns how many remain. */
 size_t ps_sort_unique_u32(uint32_t *a, size_t n);
 
+/* The index of v in a[0, n) (sorted, increasing), or -1 if it is not there. */
+ptrdiff_t ps_find_u32(const uint32_t *a, size_t n, uint32_t v);
+
 #endif

@@ -9,11 +9,11 @@
  *
  * Workers come and go: a worker psd waits for that stays silent past
  * worker_timeout (plus, for a large model, the time a message of the whole
- * model takes each way: psd_silence_limit) is declared lost, one that leaves (SIGTERM) says so; either
- * way the samples of the epoch it had not trained are given to the others
- * (or to the next worker to join), and its part of a validation goes to
- * another worker, so every sample is trained once per epoch and validated
- * once. New workers may join at any time: they get samples from the next
+ * model takes each way: psd_silence_limit) is declared lost, one that
+ * leaves (SIGTERM) says so; either way the samples of the epoch it had not
+ * trained are given to the others (or to the next worker to join), and its
+ * part of a validation goes to another worker, so every sample is trained
+ * once per epoch and validated once. New workers may join at any time: they get samples from the next
  * epoch, or at once if some are waiting for a worker. */
 #include "psd_server.h"
 

@@ -90,20 +90,6 @@ void proc_reap_all(void)
         }
 }
 
-int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
-        getsockname(fd, (struct sockaddr *)&a, &len) != 0) {
-        if (fd >= 0) close(fd);
-        return -1;
-    }
-    close(fd);
-    return ntohs(a.sin_port);
-}
 
 /* ---- slow link ------------------------------------------------------------ */
 
@@ -129,6 +115,17 @@ static int loopback_socket(int port, bool listening)
         return -1;
     }
     return fd;
+}
+
+int free_port(void)
+{
+    int fd = loopback_socket(0, true);
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    if (fd < 0) return -1;
+    int rc = getsockname(fd, (struct sockaddr *)&a, &len);
+    close(fd);
+    return rc == 0 ? ntohs(a.sin_port) : -1;
 }
 
 static void link_close(link_t *l)

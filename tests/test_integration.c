@@ -2559,6 +2559,20 @@ Test(short, stopped_at_an_epoch_boundary_and_resumed_gives_identical_weights)
  * plus 4 + 4 x dim bytes per row and 4 per row wanted, every reply the
  * MLP's plus 4 x dim per row, where the whole table is 4 x rows x dim.
  * Over the wire (on shared memory the table is not sent). */
+/* Both workers of run <tag> (--verbose) say the table stayed on psd and was
+ * never sent whole, and that `also` */
+static void assert_table_stayed(const char *tag, const char *also)
+{
+    for (int i = 0; i < 2; i++) {
+        char wlog[512];
+        snprintf(wlog, sizeof wlog, "%s/%s-w%d.log", dir, tag, i);
+        char *log = slurp(wlog);
+        cr_assert(log && strstr(log, also) && strstr(log, "the table stayed on psd") && strstr(log, "whole 0 times"),
+                  "worker %d: %s", i, log ? log : "");
+        free(log);
+    }
+}
+
 Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
 {
     char cfg[1024];
@@ -2613,14 +2627,7 @@ Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
               "two validation parts with their rows, no whole table (%g): %s", val_ids, lc);
     cr_assert_eq(json_num(lc, "val_loss"), json_num(la, "val_loss"), "the same validation: %s", lc);
     cr_assert_eq(json_num(lc, "val_auc"), json_num(la, "val_auc"), "%s", lc);
-    for (int i = 0; i < 2; i++) {
-        char wlog[512];
-        snprintf(wlog, sizeof wlog, "%s/onpsd-w%d.log", dir, i);
-        char *log = slurp(wlog);
-        cr_assert(log && strstr(log, "the table stayed on psd") && strstr(log, "whole 0 times"), "worker %d: %s", i,
-                  log ? log : "");
-        free(log);
-    }
+    assert_table_stayed("onpsd", "the table stayed on psd");
     char *plog = slurp(c.psd_log);
     cr_assert(plog && strstr(plog, "stays on psd") && !strstr(plog, "shared memory for workers"), "%s", plog);
     free(plog);
@@ -2642,15 +2649,7 @@ Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
     cr_assert_eq(json_num(last_line(me), "val_auc"), json_num(lc, "val_auc"), "%s", last_line(me));
     cr_assert_eq(json_num(last_line(me), "table_row_replies"), rc, "%s", last_line(me));
     free(me);
-    for (int i = 0; i < 2; i++) {
-        char wlog[512];
-        snprintf(wlog, sizeof wlog, "%s/onpsd-dev-w%d.log", dir, i);
-        char *log = slurp(wlog);
-        cr_assert(log && strstr(log, "backend cpu-as-device") && strstr(log, "the table stayed on psd") &&
-                      strstr(log, "whole 0 times"),
-                  "worker %d: %s", i, log ? log : "");
-        free(log);
-    }
+    assert_table_stayed("onpsd-dev", "backend cpu-as-device");
     /* asked for streamed steps, psd steps whole so that the table still goes by rows */
     const char *streamed[] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
                               "--set", "checkpoint.dir=", "--set", "ctr.worker_table_mb=0", "--set",

@@ -198,9 +198,9 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
  * psw_client_next), without a copy, and the gradient goes straight to the
  * region psd reads it from when there is one; device backends upload. With
  * the table on psd the event's table is the rows it brought: a training
- * batch's fit the model's table; a validation part's (table false) are
+ * batch's fit the model's table; a validation part's (with_table false) are
  * uploaded batch by batch (val_rows). */
-static int set_weights(wk_t *w, const psw_event_t *ev, bool table)
+static int set_weights(wk_t *w, const psw_event_t *ev, bool with_table)
 {
     if (ev->n_tensors != w->layout.n_tensors) return -1;
     for (int i = 0; i < ev->n_tensors; i++)
@@ -211,9 +211,9 @@ static int set_weights(wk_t *w, const psw_event_t *ev, bool table)
     }
     float *p = psw_model_params(w->m);
     for (int i = 0; i < ev->n_tensors; i++) {
-        if (w->on_psd && i == w->layout.table && (!table || ev->tensor_numel[i] > w->mlayout.t[i].numel)) {
-            if (table) return -1; /* more rows than a batch reads */
-            continue;
+        if (w->on_psd && i == w->layout.table) {
+            if (!with_table) continue;                                     /* uploaded batch by batch */
+            if (ev->tensor_numel[i] > w->mlayout.t[i].numel) return -1; /* more rows than a batch reads */
         }
         w->be->upload(w->be, p + w->mlayout.t[i].offset, ev->tensors[i], 4 * ev->tensor_numel[i]);
     }
@@ -230,12 +230,6 @@ static void ctr_batch(const wk_t *w, const uint32_t *idx, uint64_t first, int B,
         ps_ctr_example(&w->gen, first + (idx ? idx[b] : (uint64_t)b), bags + (size_t)b * n, NULL, &label);
         y[b] = label;
     }
-}
-
-static int cmp_u32(const void *a, const void *b)
-{
-    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
-    return (x > y) - (x < y);
 }
 
 /* ctr: the rows of E that the B examples' bags (bags) read, sorted and
@@ -275,9 +269,9 @@ static size_t next_rows(wk_t *w)
 static int to_local(const uint32_t *bags, size_t n, const uint32_t *rows, size_t k, uint32_t *local)
 {
     for (size_t j = 0; j < n; j++) {
-        const uint32_t *p = k ? bsearch(&bags[j], rows, k, sizeof *rows, cmp_u32) : NULL;
-        if (!p) return -1;
-        local[j] = (uint32_t)(p - rows);
+        ptrdiff_t i = ps_find_u32(rows, k, bags[j]);
+        if (i < 0) return -1;
+        local[j] = (uint32_t)i;
     }
     return 0;
 }
@@ -291,10 +285,9 @@ static int val_rows(wk_t *w, const psw_event_t *ev, const uint32_t *bags, int B)
     const int t = w->layout.table;
     const size_t D = (size_t)w->layout.t[t].cols, nt = touched_rows(w, bags, B, w->touched);
     for (size_t j = 0; j < nt; j++) {
-        const uint32_t *q = ev->n_row_ids ? bsearch(&w->touched[j], ev->row_ids, ev->n_row_ids, sizeof *q, cmp_u32)
-                                          : NULL;
-        if (!q) return -1;
-        memcpy(w->row_vals + j * D, ev->tensors[t] + (size_t)(q - ev->row_ids) * D, D * sizeof(float));
+        ptrdiff_t i = ps_find_u32(ev->row_ids, ev->n_row_ids, w->touched[j]);
+        if (i < 0) return -1;
+        memcpy(w->row_vals + j * D, ev->tensors[t] + (size_t)i * D, D * sizeof(float));
     }
     w->be->upload(w->be, psw_model_params(w->m) + w->mlayout.t[t].offset, w->row_vals, nt * D * sizeof(float));
     return to_local(bags, (size_t)B * (size_t)(w->gen.fields * w->gen.per_field), w->touched, nt, w->local);
