@@ -119,13 +119,17 @@ static int loopback_socket(int port, bool listening)
 
 int free_port(void)
 {
-    int fd = loopback_socket(0, true);
-    struct sockaddr_in a;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     socklen_t len = sizeof a;
-    if (fd < 0) return -1;
-    int rc = getsockname(fd, (struct sockaddr *)&a, &len);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
+        getsockname(fd, (struct sockaddr *)&a, &len) != 0) {
+        if (fd >= 0) close(fd);
+        return -1;
+    }
     close(fd);
-    return rc == 0 ? ntohs(a.sin_port) : -1;
+    return ntohs(a.sin_port);
 }
 
 static void link_close(link_t *l)
