@@ -39,4 +39,11 @@ size_t ps_sort_unique_u32(uint32_t *a, size_t n);
 /* The index of v in a[0, n) (sorted, increasing), or -1 if it is not there. */
 ptrdiff_t ps_find_u32(const uint32_t *a, size_t n, uint32_t v);
 
+/* SIGINT/SIGTERM that come before a daemon's own handlers (while it loads
+ * its data): the first is remembered for the daemon to act on once its
+ * loop runs; a second exits at once with 128+N. ps_early_stop_signal()
+ * returns the first one (0 if none). */
+void ps_early_stop_signals(void);
+int ps_early_stop_signal(void);
+
 #endif

@@ -12,6 +12,7 @@
 #include "ps_wire.h"
 #include "psd_eval.h"
 #include "psd_server.h"
+#include "ps_util.h"
 #include "ps_auth.h"
 
 static void usage(FILE *f)
@@ -273,6 +274,7 @@ int main(int argc, char **argv)
         code = psd_eval_run(&cfg, eval_path, threads);
         goto out;
     }
+    ps_early_stop_signals(); /* a stop while loading is acted on once the loop runs */
     code = run.shard > 0 ? psd_shard_run(&cfg, &run) : psd_server_run(&cfg, &run);
 out:
     free(over);

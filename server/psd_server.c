@@ -3892,6 +3892,8 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
              strcmp(getenv("TERM"), "dumb") != 0;
     s->phase = PHASE_WAIT;
     s->phase_deadline = ps_now() + c->start_timeout;
+    if (ps_early_stop_signal()) /* one that came while psd loaded */
+        request_stop(s, ps_early_stop_signal(), strsignal(ps_early_stop_signal()));
     drain(s);
     if (s->phase != PHASE_DONE) uv_run(&s->loop, UV_RUN_DEFAULT);
     if (s->tty) ps_log_status(NULL);
@@ -3910,8 +3912,11 @@ out:
         uv_close((uv_handle_t *)&s->sigterm, close_cb);
         uv_close((uv_handle_t *)&s->sigusr1, close_cb);
         uv_close((uv_handle_t *)&s->sighup, close_cb);
-        uv_run(&s->loop, UV_RUN_DEFAULT);
-        uv_loop_close(&s->loop);
+        /* a uv_stop before the loop ever ran (a stop while loading) makes
+         * the first uv_run return at once: run it until the closes are done */
+        for (int i = 0; i < 3 && uv_run(&s->loop, UV_RUN_DEFAULT) != 0; i++)
+            ;
+        if (uv_loop_close(&s->loop) != 0) PS_WARN("psd's event loop did not close cleanly");
     }
     if (s->w)
         for (int i = 0; i < s->n; i++) {

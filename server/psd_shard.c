@@ -682,6 +682,10 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     sa.sa_handler = on_stop;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
+    if (ps_early_stop_signal() && !stop_signal) { /* one that came while this shard loaded */
+        stop_signal = ps_early_stop_signal();
+        stop_count = 1;
+    }
     double start = ps_now(), last_hello = 0, last_hb = 0, stop_at = 0;
     s->leader_seen = start;
     while (!s->done) {

@@ -3126,6 +3126,42 @@ Test(short, no_keys_no_listening_beyond_loopback)
     (void)r;
 }
 
+/* SIGTERM while psd still builds a large table (before its loop and its
+ * own handlers): remembered, acted on once the loop runs (exit 0, the
+ * workers told); a second one exits at once with 128+15. */
+Test(short, a_stop_while_psd_loads_is_a_clean_stop)
+{
+    for (int twice = 0; twice < 2; twice++) {
+        char log[256], ep[64];
+        snprintf(log, sizeof log, "%s/load-stop%d.log", dir, twice);
+        snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
+        char cfg[512];
+        snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+        const char *argv[] = {psd_bin, "--config", cfg, "--listen", ep, "--set", "ctr.rows=3000000", "--set",
+                              "ctr.dim=32", "--set", "model.layers=[256,64,2]", "--set", "checkpoint.dir=",
+                              "--metrics", "", "--start-timeout", "60", NULL};
+        pid_t p = proc_spawn(argv, log);
+        wait_log(log, "ctr task:", 60); /* logged before the table is built */
+        kill(p, SIGTERM);
+        if (twice) {
+            zmq_poll(NULL, 0, 20);
+            kill(p, SIGTERM);
+        }
+        int rc = proc_wait(p, 60);
+        char *t = slurp(log);
+        cr_assert(t, "psd's log");
+        if (twice) {
+            cr_assert_eq(rc, 128 + SIGTERM, "a second signal exits at once: %d\n%s", rc, t);
+            cr_assert_null(strstr(t, "listening on"), "it did not go on loading: %s", t);
+        } else {
+            cr_assert_eq(rc, 0, "a clean stop: %d\n%s", rc, t);
+            cr_assert(strstr(t, "the embedding table") && strstr(t, "received Terminated"),
+                      "loaded, then acted on the signal: %s", t);
+        }
+        free(t);
+    }
+}
+
 /* ---- soak: training while hostile connections pound psd ----------------- */
 
 static long rss_kib(pid_t pid)
