@@ -3900,7 +3900,13 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     code = s->exit_code;
 out:
     if (s->ckpt) { /* a last checkpoint still being written: let it finish */
-        if (s->stopping > 0 && code >= 128) _exit(code); /* a second signal: exit at once */
+        if (s->stopping > 0 && code >= 128) { /* a second signal: exit at once */
+            /* _exit skips ZeroMQ's linger: give its I/O thread a moment to
+             * send the workers' SHUTDOWN (a few bytes each), or they would
+             * wait for a psd that is not coming back */
+            zmq_poll(NULL, 0, 250);
+            _exit(code);
+        }
         poll_checkpoint(s, true);
     }
     if (loop_ok) {

@@ -2919,7 +2919,13 @@ Test(short, a_second_sigint_exits_at_once)
     char *log = slurp(r.psd_log);
     cr_assert(strstr(log, "again: exiting now"), "%s", log);
     free(log);
-    proc_wait(w, 60);
+    /* and the workers were told: they do not wait for psd to come back */
+    proc_wait(w, 30);
+    char wlog[256];
+    path(wlog, sizeof wlog, "int2-w0.log");
+    char *wl = slurp(wlog);
+    cr_assert(wl && strstr(wl, "psd ended the run"), "the worker heard of the stop: %s", wl ? wl : "");
+    free(wl);
 }
 
 /* ---- authentication (CurveZMQ + allow-list) ------------------------------ */
@@ -2936,7 +2942,11 @@ static int keyed_worker(run_t *r, const char *tag, const char *key, const char *
     snprintf(log, sizeof log, "%s/%s.log", dir, tag);
     snprintf(k, sizeof k, "%s/%s", dir, key ? key : "");
     snprintf(sp, sizeof sp, "%s/%s", dir, server_pub ? server_pub : "");
-    const char *argv[16] = {pworker_bin, "--connect", r->endpoint, "--devices", "cpu", "--wait", "20"};
+    /* how long the worker waits for psd: 20 s, or a third of wait_s when
+     * that is shorter (a test that expects no answer) */
+    char wait[16];
+    snprintf(wait, sizeof wait, "%.0f", wait_s >= 60 ? 20.0 : wait_s / 3);
+    const char *argv[16] = {pworker_bin, "--connect", r->endpoint, "--devices", "cpu", "--wait", wait};
     int n = 7;
     if (key) {
         argv[n++] = "--key";
@@ -3075,8 +3085,8 @@ Test(short, no_authentication_handler_means_nobody_gets_in)
     auth_setup("good", key, allow, sizeof key);
     const char *args[] = {"--key", key, "--allow", allow, "--x-no-zap", "--start-timeout", "30", NULL};
     pid_t p = start_psd(&r, "nozap", 1, args);
-    int code = keyed_worker(&r, "w-good", "good.key", "srv.pub", 60);
-    cr_assert(code == 2 || code == 4, "even an allowed key gets no answer (exit 2 refused, or 4 nothing for 20 s): %d",
+    int code = keyed_worker(&r, "w-good", "good.key", "srv.pub", 15);
+    cr_assert(code == 2 || code == 4, "even an allowed key gets no answer (exit 2 refused, or 4 nothing for 5 s): %d",
               code);
     kill(p, SIGTERM);
     cr_assert_eq(proc_wait(p, 30), 0);
@@ -3491,7 +3501,10 @@ Test(short, live_page_in_headless_chromium)
     char addr[64], url[96];
     snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
     snprintf(url, sizeof url, "http://%s/", addr);
-    const char *args[] = {"--epochs", "20", "--http", addr, "--set", "checkpoint.dir=", NULL};
+    /* short epochs (the first validation comes soon), many of them (psd
+     * still serves the page when chromium loads it; SIGTERM ends the run) */
+    const char *args[] = {"--epochs", "200", "--http", addr, "--set", "checkpoint.dir=", "--set",
+                          "data.train_limit=10000", NULL};
     const char *wex[] = {"--threads", "1", "--no-shm", NULL};
     run_t r;
     pid_t p = start_psd(&r, "page", 2, args);
