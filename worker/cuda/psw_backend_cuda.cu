@@ -236,7 +236,7 @@ static __global__ void embag_bwd_kernel(float *dE, const float *dy, const uint32
         const float g = dy[k * (size_t)D + d];
         for (int j = 0; j < m; j++) {
             float *e = dE + (size_t)ids[k * (size_t)m + j] * (size_t)D + d;
-            *e += mean ? g * inv : g;
+            *e = __fadd_rn(*e, mean ? __fmul_rn(g, inv) : g); /* never fused: the CPU's bits */
         }
     }
 }
