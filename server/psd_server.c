@@ -13,8 +13,9 @@
  * leaves (SIGTERM) says so; either way the samples of the epoch it had not
  * trained are given to the others (or to the next worker to join), and its
  * part of a validation goes to another worker, so every sample is trained
- * once per epoch and validated once. New workers may join at any time: they get samples from the next
- * epoch, or at once if some are waiting for a worker. */
+ * once per epoch and validated once. New workers may join at any time: they
+ * get samples from the next epoch, or at once if some are waiting for a
+ * worker. */
 #include "psd_server.h"
 
 #include <errno.h>
@@ -3892,8 +3893,9 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
              strcmp(getenv("TERM"), "dumb") != 0;
     s->phase = PHASE_WAIT;
     s->phase_deadline = ps_now() + c->start_timeout;
-    if (ps_early_stop_signal()) /* one that came while psd loaded */
-        request_stop(s, ps_early_stop_signal(), strsignal(ps_early_stop_signal()));
+    /* one that came while psd loaded: sent again, now to libuv's handler,
+     * so it goes the way of any other (on_signal, in the loop) */
+    if (ps_early_stop_signal()) raise(ps_early_stop_signal());
     drain(s);
     if (s->phase != PHASE_DONE) uv_run(&s->loop, UV_RUN_DEFAULT);
     if (s->tty) ps_log_status(NULL);

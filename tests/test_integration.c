@@ -2550,15 +2550,6 @@ Test(short, stopped_at_an_epoch_boundary_and_resumed_gives_identical_weights)
                          "--seed 11 --check-config > /dev/null 2>&1", psd_bin, dirbuf), 0);
 }
 
-/* The embedding table's gradient goes as the rows a batch touched when
- * they are few (train.sparse_threshold, default 0.3 of the table), and the
- * reply brings only the rows the next batch reads: the weights are bit for
- * bit those of whole-table pushes and pulls (psd steps a table-sized
- * gradient that is zero elsewhere; the worker's batch reads only rows it
- * was sent), and the bytes follow the rows: every push is the MLP's tensors
- * plus 4 + 4 x dim bytes per row and 4 per row wanted, every reply the
- * MLP's plus 4 x dim per row, where the whole table is 4 x rows x dim.
- * Over the wire (on shared memory the table is not sent). */
 /* Both workers of run <tag> (--verbose) say the table stayed on psd and was
  * never sent whole, and that `also` */
 static void assert_table_stayed(const char *tag, const char *also)
@@ -2573,6 +2564,15 @@ static void assert_table_stayed(const char *tag, const char *also)
     }
 }
 
+/* The embedding table's gradient goes as the rows a batch touched when
+ * they are few (train.sparse_threshold, default 0.3 of the table), and the
+ * reply brings only the rows the next batch reads: the weights are bit for
+ * bit those of whole-table pushes and pulls (psd steps a table-sized
+ * gradient that is zero elsewhere; the worker's batch reads only rows it
+ * was sent), and the bytes follow the rows: every push is the MLP's tensors
+ * plus 4 + 4 x dim bytes per row and 4 per row wanted, every reply the
+ * MLP's plus 4 x dim per row, where the whole table is 4 x rows x dim.
+ * Over the wire (on shared memory the table is not sent). */
 Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
 {
     char cfg[1024];
