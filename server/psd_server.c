@@ -3597,10 +3597,28 @@ out:
     return rc;
 }
 
-/* psd's ROUTER socket on `listen`: CURVE with the allow-list (failing
- * closed) when there is a key, else the loopback rule; socket options; bind.
- * allow_self: also let in psd's own key (psd shards). 0, or the exit code
- * (logged). */
+/* Close psd's sockets and end its ZeroMQ context, which returns once what
+ * was queued (the workers' SHUTDOWN) is sent, or after the router's
+ * linger: linger_ms, or -1 for the one set when it was opened (1 s). */
+static void zmq_end(srv_t *s, int linger_ms)
+{
+    int zero = 0;
+    if (s->sock) {
+        if (linger_ms >= 0) zmq_setsockopt(s->sock, ZMQ_LINGER, &linger_ms, sizeof linger_ms);
+        if (s->mon) zmq_socket_monitor(s->sock, NULL, 0);
+        zmq_close(s->sock);
+        s->sock = NULL;
+    }
+    if (s->mon) {
+        zmq_setsockopt(s->mon, ZMQ_LINGER, &zero, sizeof zero);
+        zmq_close(s->mon);
+        s->mon = NULL;
+    }
+    psd_zap_stop(&s->zap);
+    if (s->zctx) zmq_ctx_term(s->zctx);
+    s->zctx = NULL;
+}
+
 int psd_step_threads(const ps_config_t *c)
 {
     if (c->threads > 0) return c->threads;
@@ -3635,6 +3653,10 @@ double psd_silence_limit(const ps_config_t *c, size_t n_params)
     return c->worker_timeout + 2.0 * psd_transfer_s(n_params);
 }
 
+/* psd's ROUTER socket on `listen`: CURVE with the allow-list (failing
+ * closed) when there is a key, else the loopback rule; socket options; bind.
+ * allow_self: also let in psd's own key (psd shards). 0, or the exit code
+ * (logged). */
 int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no_zap, size_t n_params, bool allow_self,
                     void **sockp, psd_zap_t **zapp, void **monp)
 {
@@ -3903,10 +3925,11 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
 out:
     if (s->ckpt) { /* a last checkpoint still being written: let it finish */
         if (s->stopping > 0 && code >= 128) { /* a second signal: exit at once */
-            /* _exit skips ZeroMQ's linger: give its I/O thread a moment to
-             * send the workers' SHUTDOWN (a few bytes each), or they would
-             * wait for a psd that is not coming back */
-            zmq_poll(NULL, 0, 250);
+            /* the workers' SHUTDOWN (a few bytes each) is queued: end
+             * ZeroMQ as at any exit, with a short linger, so that it goes
+             * out (or they would wait for a psd that is not coming back),
+             * then leave the checkpoint's writer behind */
+            zmq_end(s, 250);
             _exit(code);
         }
         poll_checkpoint(s, true);
@@ -3935,18 +3958,8 @@ out:
             free(s->w[i].gch);
             free(s->w[i].gch_in);
         }
-    if (s->sock) {
-        ps_msg_drain(s->sock, 0.1, 1.0); /* what workers sent before they saw SHUTDOWN */
-        if (s->mon) zmq_socket_monitor(s->sock, NULL, 0);
-        zmq_close(s->sock); /* lingers up to 1 s to deliver SHUTDOWN */
-    }
-    if (s->mon) {
-        int zero = 0;
-        zmq_setsockopt(s->mon, ZMQ_LINGER, &zero, sizeof zero);
-        zmq_close(s->mon);
-    }
-    psd_zap_stop(&s->zap);
-    if (s->zctx) zmq_ctx_term(s->zctx);
+    if (s->sock) ps_msg_drain(s->sock, 0.1, 1.0); /* what workers sent before they saw SHUTDOWN */
+    zmq_end(s, -1);
     if (s->metrics) fclose(s->metrics);
     psd_store_deinit(&s->store);
     free(s->perm);
