@@ -138,8 +138,8 @@ static const key_spec_t keys[] = {
     K_DOUBLE("data.normalize_std", norm_std, 0.0, INFINITY, F_OPEN_MIN, "0.3530"),
     K_INT64("data.train_limit", train_limit, 0, INT64_MAX, "0"),
 
-    K_INT("train.batch_size", batch_size, 1, MAX_LAYER_SIZE, "64"),
-    K_INT("train.val_batch_size", val_batch_size, 1, MAX_LAYER_SIZE, "500"),
+    K_INT("train.batch_size", batch_size, 1, PS_MAX_BATCH, "64"),
+    K_INT("train.val_batch_size", val_batch_size, 1, PS_MAX_BATCH, "500"),
     K_ENUM("train.wire_gradients", wire_gradients, ps_wire_dtype_t, wire_names, "f32"),
     K_ENUM("train.wire_weights", wire_weights, ps_wire_dtype_t, wire_names, "f32"),
     K_ENUM("train.sync", sync, ps_sync_t, sync_names, "bsp"),

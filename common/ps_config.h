@@ -14,6 +14,7 @@
 #include <stdio.h>
 
 #define PS_MAX_LAYERS 16 /* dense layers; sizes[] holds PS_MAX_LAYERS + 1 */
+#define PS_MAX_BATCH (1 << 20) /* train.batch_size and train.val_batch_size: at most */
 #define PS_PATH_MAX 1024
 #define PS_ENDPOINT_MAX 256
 

@@ -1510,10 +1510,15 @@ Test(short, a_worker_gets_the_table_rows_it_asks_for)
 }
 
 /* A fake psd: answers one REGISTER on its ROUTER with an ASSIGN of a ctr
- * model (32 -> 2) carrying task ct. */
+ * model (32 -> 2) carrying task ct (batch sizes `batch` when not 0), then,
+ * with wframes > 0, sends WEIGHTS of wframes f32 frames (tensor ids 0, 1,
+ * ...) of wnumel floats each. */
 typedef struct {
     void *router;
     Psd__CtrTask ct;
+    uint32_t batch;
+    int wframes;
+    size_t wnumel;
 } fake_psd_t;
 
 static void *fake_psd(void *p)
@@ -1532,8 +1537,8 @@ static void *fake_psd(void *p)
     uint32_t layers[] = {32, 2};
     a.layers = layers;
     a.n_layers = 2;
-    hy.batch_size = 16;
-    hy.val_batch_size = 16;
+    hy.batch_size = f->batch ? f->batch : 16;
+    hy.val_batch_size = f->batch ? f->batch : 16;
     hy.norm_std = 1;
     a.hyper = &hy;
     a.start_timeout_s = 5;
@@ -1542,8 +1547,69 @@ static void *fake_psd(void *p)
     h.body_case = PSD__HEADER__BODY_ASSIGN;
     h.assign = &a;
     ps_msg_send(f->router, m.ident, m.ident_len, &h, NULL, 0);
+    if (f->wframes > 0) {
+        float *v = calloc(f->wnumel ? f->wnumel : 1, sizeof *v);
+        ps_frame_t fr[PS_MAX_FRAMES];
+        for (int i = 0; i < f->wframes && i < PS_MAX_FRAMES; i++)
+            fr[i] = (ps_frame_t){.data = v, .nbytes = f->wnumel * sizeof *v, .id = (uint32_t)i,
+                                 .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)f->wnumel};
+        Psd__Header w;
+        psd__header__init(&w);
+        Psd__Weights wt = PSD__WEIGHTS__INIT;
+        w.type = PSD__MSG_TYPE__MSG_WEIGHTS;
+        w.run_id = 0x1234;
+        w.seq = 2;
+        wt.version = 1;
+        w.body_case = PSD__HEADER__BODY_WEIGHTS;
+        w.weights = &wt;
+        ps_msg_send(f->router, m.ident, m.ident_len, &w, fr, f->wframes < PS_MAX_FRAMES ? f->wframes : PS_MAX_FRAMES);
+        free(v);
+    }
     ps_msg_deinit(&m);
     return NULL;
+}
+
+/* A ctr task that fits the fake psd's model: 4 fields x 8 = 32 inputs, a
+ * table of 50 x 8. */
+static Psd__CtrTask fake_ctr_task(void)
+{
+    Psd__CtrTask ct = PSD__CTR_TASK__INIT;
+    ct.fields = 4;
+    ct.per_field = 2;
+    ct.vocab = 100;
+    ct.zipf = 1.1;
+    ct.rows = 50;
+    ct.dim = 8;
+    ct.mean = true;
+    ct.weight_std = 1;
+    ct.seed = 3;
+    ct.train = 1000;
+    ct.test = 100;
+    return ct;
+}
+
+/* One worker (library) against fake psd f: the result of registering and,
+ * when it registered and f sends weights, of the next event; err says why. */
+static int against_fake_psd(fake_psd_t *f, void *ctx, psw_assign_t *a, char *err, size_t errlen)
+{
+    char ep[64];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
+    f->router = zmq_socket(ctx, ZMQ_ROUTER);
+    cr_assert_eq(zmq_bind(f->router, ep), 0);
+    pthread_t th;
+    pthread_create(&th, NULL, fake_psd, f);
+    psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = 1};
+    psw_client_t *c = psw_client_new(ep, &info, err, errlen);
+    cr_assert_not_null(c, "%s", err);
+    int rc = psw_client_register(c, a, 10, err, errlen);
+    psw_event_t ev;
+    if (rc == 0 && f->wframes > 0) rc = psw_client_next(c, &ev, 10, err, errlen);
+    pthread_join(th, NULL);
+    psw_client_destroy(&c);
+    int linger = 0;
+    zmq_setsockopt(f->router, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_close(f->router);
+    return rc;
 }
 
 /* The worker checks the ctr task psd sends as psd checks its config: a task
@@ -1551,18 +1617,7 @@ static void *fake_psd(void *p)
  * message (and nothing is allocated from it); a good one is taken. */
 Test(short, a_bad_ctr_task_from_psd_is_refused)
 {
-    Psd__CtrTask good = PSD__CTR_TASK__INIT;
-    good.fields = 4;
-    good.per_field = 2;
-    good.vocab = 100;
-    good.zipf = 1.1;
-    good.rows = 50;
-    good.dim = 8;
-    good.mean = true;
-    good.weight_std = 1;
-    good.seed = 3;
-    good.train = 1000;
-    good.test = 100;
+    Psd__CtrTask good = fake_ctr_task();
     Psd__CtrTask bad[7];
     for (int i = 0; i < 7; i++) bad[i] = good;
     bad[0].test = UINT64_MAX; /* train + test wraps */
@@ -1574,22 +1629,10 @@ Test(short, a_bad_ctr_task_from_psd_is_refused)
     bad[6].rows = 0;
     void *ctx = zmq_ctx_new();
     for (int i = 0; i <= 7; i++) {
-        fake_psd_t f = {.router = zmq_socket(ctx, ZMQ_ROUTER), .ct = i < 7 ? bad[i] : good};
-        char ep[64], err[512] = "";
-        snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
-        cr_assert_eq(zmq_bind(f.router, ep), 0);
-        pthread_t th;
-        pthread_create(&th, NULL, fake_psd, &f);
-        psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = 1};
-        psw_client_t *c = psw_client_new(ep, &info, err, sizeof err);
-        cr_assert_not_null(c, "%s", err);
+        fake_psd_t f = {.ct = i < 7 ? bad[i] : good};
+        char err[512] = "";
         psw_assign_t a;
-        int rc = psw_client_register(c, &a, 10, err, sizeof err);
-        pthread_join(th, NULL);
-        psw_client_destroy(&c);
-        int linger = 0;
-        zmq_setsockopt(f.router, ZMQ_LINGER, &linger, sizeof linger);
-        zmq_close(f.router);
+        int rc = against_fake_psd(&f, ctx, &a, err, sizeof err);
         if (i < 7) {
             cr_expect_eq(rc, -EPROTO, "case %d accepted", i);
             cr_expect(strstr(err, "invalid ctr task"), "case %d: %s", i, err);
@@ -1600,6 +1643,31 @@ Test(short, a_bad_ctr_task_from_psd_is_refused)
             cr_expect_eq(a.n_files, 0);
         }
     }
+    zmq_ctx_term(ctx);
+}
+
+/* The worker checks psd's batch sizes and weights: a batch size past
+ * psd's own limit is an invalid assignment (it aborted the worker when cast
+ * to int), and weights must be one frame per tensor of the model, each of
+ * its size (40 frames overran the event's arrays). The model: W 32 x 2, b 2,
+ * table 50 x 8. */
+Test(short, bad_batch_sizes_and_weights_from_psd_are_refused)
+{
+    Psd__CtrTask ct = fake_ctr_task();
+    void *ctx = zmq_ctx_new();
+    char err[512] = "";
+    psw_assign_t a;
+    fake_psd_t big = {.ct = ct, .batch = 1u << 31};
+    cr_expect_eq(against_fake_psd(&big, ctx, &a, err, sizeof err), -EPROTO, "a batch of 2^31 was taken");
+    cr_expect(strstr(err, "invalid assignment"), "%s", err);
+    fake_psd_t many = {.ct = ct, .wframes = 40, .wnumel = 2};
+    cr_expect_eq(against_fake_psd(&many, ctx, &a, err, sizeof err), -EPROTO, "40 weights frames were taken");
+    cr_expect(strstr(err, "40 weights frames for a model of 3 tensors"), "%s", err);
+    fake_psd_t small = {.ct = ct, .wframes = 3, .wnumel = 2}; /* W and the table too small */
+    cr_expect_eq(against_fake_psd(&small, ctx, &a, err, sizeof err), -EPROTO, "short weights frames were taken");
+    cr_expect(strstr(err, "invalid weights frame 0"), "%s", err);
+    fake_psd_t ok = {.ct = ct, .batch = 1u << 20};
+    cr_expect_eq(against_fake_psd(&ok, ctx, &a, err, sizeof err), 0, "psd's largest batch: %s", err);
     zmq_ctx_term(ctx);
 }
 

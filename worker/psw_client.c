@@ -372,7 +372,9 @@ static int recv_msg(psw_client_t *c, double timeout_s, char *err, size_t errlen)
         zmq_pollitem_t it[2 + PS_MAX_SHARDS] = {{c->sock, 0, ZMQ_POLLIN, 0}, {c->mon, 0, ZMQ_POLLIN, 0}};
         int ni = c->mon ? 2 : 1, s0 = ni - 1;
         for (int k = 1; k < c->n_shards; k++) it[ni++] = (zmq_pollitem_t){c->ssock[k], 0, ZMQ_POLLIN, 0};
-        int n = zmq_poll(it, ni, (long)(left * 1000) + 1);
+        /* an hour at most per poll: an infinite timeout (psd's server.start_timeout: .inf)
+         * waits for ever without overflowing the conversion */
+        int n = zmq_poll(it, ni, left < 3600 ? (long)(left * 1000) + 1 : 3600000L);
         if (n < 0) {
             if (zmq_errno() == EINTR) {
                 snprintf(err, errlen, "interrupted");
@@ -593,6 +595,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     }
     if (ah->run_id == 0 || a->n_layers < 2 || a->n_layers > PSW_MAX_LAYERS + 1 || !a->hyper ||
         a->n_files != (a->ctr ? 0u : 4u) || a->hyper->batch_size == 0 || a->hyper->val_batch_size == 0 ||
+        a->hyper->batch_size > PS_MAX_BATCH || a->hyper->val_batch_size > PS_MAX_BATCH ||
         !(a->hyper->norm_std > 0) || !(a->start_timeout_s > 0) || !(a->step_timeout_s > 0)) {
         snprintf(err, errlen, "psd sent an invalid assignment");
         return -EPROTO;
@@ -1048,11 +1051,13 @@ int psw_client_fail(psw_client_t *c, int data_error, const char *message)
     return send_hdr(c, &h);
 }
 
-/* Tensor frames of a WEIGHTS/VALIDATE message, checked against each other
- * and, when psd sends one (psd --x-verify-weights), against the CRC-32 of
- * the version they claim to be: a frame psd changed while ZeroMQ was still
- * sending it would show here. */
-static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_t crc, char *err, size_t errlen)
+/* Tensor frames of a WEIGHTS/VALIDATE message: one per tensor of the
+ * model, each of its size (but the table's with `rows`: take_rows checks
+ * it), and, when psd sends one (psd --x-verify-weights), matching the CRC-32
+ * of the version they claim to be: a frame psd changed while ZeroMQ was
+ * still sending it would show here. */
+static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_t crc, bool rows, char *err,
+                        size_t errlen)
 {
     uLong got = crc32(0L, Z_NULL, 0); /* over what came: the frames as sent, or the shared slot */
     if (slot) { /* in psd's shared slot `slot - 1` */
@@ -1067,6 +1072,10 @@ static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_
             ev->tensor_numel[i] = c->layout.t[i].numel;
         }
         if (crc) got = ps_layout_crc32(&c->layout, base);
+    } else if (c->cur.n_frames != c->layout.n_tensors) {
+        snprintf(err, errlen, "psd sent %d weights frames for a model of %d tensors", c->cur.n_frames,
+                 c->layout.n_tensors);
+        return -EPROTO;
     } else {
         ev->n_tensors = c->cur.n_frames;
     }
@@ -1081,7 +1090,8 @@ static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_
         } else if (!c->weight_bf16) {
             p = ps_msg_f32(&c->cur, i, &n);
         }
-        if (!p || c->cur.hdr->tensors[i]->id != (uint32_t)i || c->cur.hdr->tensors[i]->offset) {
+        if (!p || c->cur.hdr->tensors[i]->id != (uint32_t)i || c->cur.hdr->tensors[i]->offset ||
+            (n != c->layout.t[i].numel && !(rows && i == c->layout.table))) {
             snprintf(err, errlen, "psd sent an invalid weights frame %d", i);
             return -EPROTO;
         }
@@ -1361,7 +1371,7 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
                 snprintf(err, errlen, "psd sent the whole table to a worker that holds only rows of it");
                 return -EPROTO;
             }
-            rc = take_tensors(c, ev, h->weights->shm_slot, h->weights->crc, err, errlen);
+            rc = take_tensors(c, ev, h->weights->shm_slot, h->weights->crc, h->weights->rows, err, errlen);
             if (rc == 0 && h->weights->rows) rc = take_rows(c, ev, err, errlen);
             c->n_want = 0;
             return rc;
@@ -1381,7 +1391,7 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
                 return -EPROTO;
             }
             if (h->validate->rows) return take_val_rows(c, ev, err, errlen);
-            return take_tensors(c, ev, h->validate->shm_slot, h->validate->crc, err, errlen);
+            return take_tensors(c, ev, h->validate->shm_slot, h->validate->crc, false, err, errlen);
         case PSD__MSG_TYPE__MSG_SHUTDOWN:
             ev->kind = PSW_EV_SHUTDOWN;
             ev->exit_code = h->shutdown->exit_code;
