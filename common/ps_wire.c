@@ -229,8 +229,9 @@ int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_
         uint64_t numel = 1;
         for (size_t k = 0; k < d->n_shape; k++) {
             if (d->shape[k] == 0 && d->nbytes) FAIL("tensor %zu: zero dimension", i); /* empty: no rows asked for */
+            if (d->shape[k] && numel > (1ull << 34) / d->shape[k])
+                FAIL("tensor %zu: shape too large", i); /* checked before multiplying: no wrap */
             numel *= d->shape[k];
-            if (numel > (1ull << 34)) FAIL("tensor %zu: shape too large", i);
         }
         if (((uintptr_t)zmq_msg_data(&m->frames[i]) & (es - 1)) != 0) {
             /* small frames can arrive at any offset of ZeroMQ's receive

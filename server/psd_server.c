@@ -138,7 +138,8 @@ typedef struct {
      * have its whole push for the current version (bit i), and whether its
      * ASSIGN waits for every shard to join */
     uint8_t shard_token[PS_SHM_TOKEN];
-    uint32_t shard_have;
+    uint32_t shard_have;  /* shards that have its push for version have_version */
+    uint64_t have_version;
     bool own_push;        /* this shard's part of its push is complete */
     double own_push_at;
     bool want_pull;       /* send it the version the step in progress makes */
@@ -205,6 +206,7 @@ typedef struct {
     bool ckpt_deferred;   /* a checkpoint asked for while stepping: taken once the step is applied */
     double stepping_since;
     bool fetching;        /* end of the run: waiting for the shards' parts */
+    double fetching_since;
     /* HTTP endpoint (server.http) and what /metrics and /status report
      * beyond the state above */
     psd_http_t *http;
@@ -467,7 +469,8 @@ static void shards_send_all(srv_t *s, Psd__Header *h)
  * has its part (SHARD_HAVE): sets and returns has_push. */
 static bool push_check(const srv_t *s, worker_t *w)
 {
-    w->has_push = w->own_push && (w->shard_have & shard_bits(s)) == shard_bits(s);
+    w->has_push = w->own_push && (shard_bits(s) == 0 || (w->have_version == s->store.cur->version &&
+                                                          (w->shard_have & shard_bits(s)) == shard_bits(s)));
     return w->has_push;
 }
 
@@ -1972,6 +1975,7 @@ static void end_validation(srv_t *s)
         h.shard_fetch = &f;
         for (int i = 1; i < s->n_shards; i++) s->shards[i].fetched = false;
         s->fetching = true;
+        s->fetching_since = ps_now();
         s->phase = PHASE_WAIT; /* nothing to do but wait for them */
         s->phase_deadline = INFINITY;
         shards_send_all(s, &h);
@@ -2341,6 +2345,11 @@ static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
         drop(s, NULL, "NORM from shard %d with %zu blocks, it has %zu", i, n->n_block_sq, want);
         return;
     }
+    for (size_t j = 0; j < want; j++)
+        if (n->block_sq[j] < 0) { /* sums of squares (NaN or inf: a diverging gradient, as with one psd) */
+            drop(s, NULL, "NORM from shard %d with a negative sum of squares", i);
+            return;
+        }
     size_t j = 0;
     for (int t = 0; t < s->layout.n_tensors; t++) {
         size_t b = ps_layout_first_block(&s->layout, t) + p[t].off / PSD_NORM_BLOCK;
@@ -2389,7 +2398,10 @@ static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
         size_t n = 0;
         const float *src = f < m->n_frames ? ps_msg_f32(m, f, &n) : NULL;
         if (!src || m->hdr->tensors[f]->id != (uint32_t)t || m->hdr->tensors[f]->offset != p[t].off || n != p[t].n) {
-            drop(s, NULL, "WEIGHTS from shard %d do not match its part", i);
+            /* it answers a FETCH once: without its part there are no final weights */
+            PS_ERROR("psd shard %d sent final weights that do not match its part of the parameters; the run stops",
+                     i);
+            finish(s, PSD_EXIT_SHARD_LOST, "a psd shard sent a broken part of the weights");
             return;
         }
         memcpy(s->store.cur->w + l->t[t].offset + p[t].off, src, n * sizeof(float));
@@ -2411,6 +2423,8 @@ static void on_shard_have(srv_t *s, int i, ps_msg_t *m)
         PS_DEBUG("shard %d has rank %u's push for version %" PRIu64 "; not needed", i, hv->rank, hv->version);
         return;
     }
+    if (w->have_version != hv->version) w->shard_have = 0; /* bits of an older version (unused) */
+    w->have_version = hv->version;
     w->shard_have |= 1u << i;
     if (push_check(s, w)) maybe_step(s);
 }
@@ -2419,12 +2433,23 @@ static void on_shard(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__Header *h = m->hdr;
     if (h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
-        bool again = false;
+        bool again = false, was = i > 0 && s->shards[i].joined;
         if (i > 0) { /* its HELLO again: the answer was lost? answer again */
-            again = s->shards[i].joined && m->hdr->shard_hello && s->shards[i].pid == m->hdr->shard_hello->pid;
+            const Psd__ShardHello *hh = m->hdr->shard_hello;
+            again = was && s->shards[i].pid == hh->pid && hh->shard == (uint32_t)i;
+            if (was && !again) {
+                drop(s, NULL, "HELLO from shard %d's connection as shard %u pid %u (it is pid %u)", i, hh->shard,
+                     hh->pid, s->shards[i].pid);
+                return;
+            }
             s->shards[i].joined = false;
         }
         on_shard_hello(s, m, again);
+        if (was && !s->shards[i].joined) { /* refused now: it is no longer watched */
+            PS_ERROR("psd shard %d said hello again and was refused; its part of the parameters is gone, so the "
+                     "run stops", i);
+            finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was refused");
+        }
         return;
     }
     if (i < 0) return;
@@ -2892,6 +2917,12 @@ static void on_timer(uv_timer_t *t)
             if (s->stepping && !sh->norm_in && now - s->stepping_since >= s->silence) {
                 PS_ERROR("psd shard %d (%s pid %u) did not send its part of the gradient's norm in %.1f s; the run "
                          "stops", i, sh->hostname, sh->pid, now - s->stepping_since);
+                finish(s, PSD_EXIT_SHARD_LOST, "a psd shard stopped answering");
+                return;
+            }
+            if (s->fetching && !sh->fetched && now - s->fetching_since >= s->silence) {
+                PS_ERROR("psd shard %d (%s pid %u) did not send its part of the final weights in %.1f s; the run "
+                         "stops", i, sh->hostname, sh->pid, now - s->fetching_since);
                 finish(s, PSD_EXIT_SHARD_LOST, "a psd shard stopped answering");
                 return;
             }

@@ -207,6 +207,17 @@ static void on_step(shard_t *s, ps_msg_t *m)
         fail(s, why);
         return;
     }
+    bool seen[SHARD_MAX_WORKERS] = {0};
+    bool ok = isfinite(st->lr) && st->clip_norm == s->cfg.clip_norm;
+    for (size_t k = 0; ok && k < st->n_ranks; k++) {
+        ok = st->ranks[k] < SHARD_MAX_WORKERS && !seen[st->ranks[k]] && isfinite(st->weights[k]) && st->weights[k] >= 0;
+        if (ok) seen[st->ranks[k]] = true;
+    }
+    if (!ok) {
+        fail(s, "STEP with a repeated rank, a weight or learning rate that is not a finite non-negative number, or "
+                "another clip norm than this shard's config");
+        return;
+    }
     for (size_t k = 0; k < st->n_ranks; k++) {
         fw_t *w = st->ranks[k] < SHARD_MAX_WORKERS ? &s->w[st->ranks[k]] : NULL;
         if (!w || !w->complete || w->push_version != st->version) {
@@ -262,6 +273,10 @@ static void on_apply(shard_t *s, ps_msg_t *m)
     Psd__ShardApply *a = m->hdr->shard_apply;
     if (!s->awaiting_apply || a->version != s->store.cur->version) {
         fail(s, "APPLY without the STEP before it");
+        return;
+    }
+    if (a->sumsq < 0) {
+        fail(s, "APPLY with a negative sum of squares");
         return;
     }
     if (psd_store_apply(&s->store, a->sumsq, s->cfg.clip_norm, s->lr) != 0) {
@@ -399,6 +414,11 @@ static void on_leader(shard_t *s, ps_msg_t *m)
         if (s->joined) return;
         s->joined = true;
         s->run_id = h->run_id;
+        if (h->shard_hello->resume && !s->opts.resume_dir) {
+            fail(s, "shard 0 resumed a run, and this shard was started without --resume DIR");
+            s->exit_code = PSD_EXIT_USAGE;
+            return;
+        }
         if (h->shard_hello->resume && resume_part(s, h->shard_hello->resume_step, h->shard_hello->resume_version) != 0) {
             fail(s, "cannot resume its part at shard 0's step");
             s->exit_code = PSD_EXIT_USAGE;
@@ -465,8 +485,10 @@ static void on_register(shard_t *s, ps_msg_t *m)
         sdrop(s, "REGISTER of rank %u with the wrong token", r);
         return;
     }
-    if (w->ident_len && (w->ident_len != m->ident_len || memcmp(w->ident, m->ident, m->ident_len) != 0))
-        release(w); /* the same rank from a new connection */
+    if (w->ident_len && (w->ident_len != m->ident_len || memcmp(w->ident, m->ident, m->ident_len) != 0) &&
+        !w->complete)
+        release(w); /* the same rank from a new connection: its pieces so far go; a complete push stays, as
+                     * shard 0 has been told about it (SHARD_HAVE) and may name it in a STEP */
     memcpy(w->ident, m->ident, m->ident_len);
     w->ident_len = m->ident_len;
     w->seq_in = h->seq;

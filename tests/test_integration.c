@@ -1201,6 +1201,179 @@ Test(short, psd_shards_that_do_not_fit_are_refused)
     free(l);
 }
 
+/* ---- a fake shard 0 (and a hand-made worker) against a real psd shard ---- */
+
+/* The next message of `type` on sock within timeout_s (others dropped):
+ * 0, or -1. */
+static int recv_type(void *sock, bool router, Psd__MsgType type, ps_msg_t *m, double timeout_s)
+{
+    double end = ps_now() + timeout_s;
+    char err[256];
+    while (ps_now() < end) {
+        zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 100) <= 0 || ps_msg_recv(sock, m, router, ZMQ_DONTWAIT, err, sizeof err) != 0) continue;
+        if (m->hdr->type == type) return 0;
+        ps_msg_deinit(m);
+    }
+    return -1;
+}
+
+/* A header of `type` for run 0x77 from rank 0 (the body is the caller's) */
+static Psd__Header fake_hdr(Psd__MsgType type, uint64_t seq)
+{
+    Psd__Header h;
+    psd__header__init(&h);
+    h.type = type;
+    h.run_id = 0x77;
+    h.seq = seq;
+    return h;
+}
+
+/* A worker's DEALER registered with the shard at ep as rank 0 with token
+ * (asked again until the shard answers: shard 0's word may come later). */
+static void *shard_register(void *ctx, const char *ep, const uint8_t *token, uint64_t *seq)
+{
+    void *d = zmq_socket(ctx, ZMQ_DEALER);
+    int zero = 0;
+    zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof zero);
+    cr_assert_eq(zmq_connect(d, ep), 0);
+    for (int i = 0; i < 50; i++) {
+        Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_REGISTER, ++*seq);
+        Psd__Register r = PSD__REGISTER__INIT;
+        r.shard_token.data = (uint8_t *)token;
+        r.shard_token.len = PS_SHM_TOKEN;
+        h.body_case = PSD__HEADER__BODY_REG;
+        h.reg = &r;
+        cr_assert_eq(ps_msg_send(d, NULL, 0, &h, NULL, 0), 0);
+        ps_msg_t m;
+        if (recv_type(d, false, PSD__MSG_TYPE__MSG_ASSIGN, &m, 0.5) == 0) {
+            ps_msg_deinit(&m);
+            return d;
+        }
+    }
+    cr_assert_fail("the shard did not answer REGISTER");
+    return NULL;
+}
+
+/* Rank 0's push of version v: the bias (4 floats of 1, the shard's part of
+ * MLP 784-4), with a pull of the next version. */
+static void shard_push(void *d, uint64_t v, uint64_t *seq)
+{
+    float g[4] = {1, 1, 1, 1};
+    ps_frame_t fr = {.data = g, .nbytes = sizeof g, .id = 1, .dtype = PSD__DTYPE__DT_F32, .rows = 4};
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_PUSH, ++*seq);
+    Psd__Push p = PSD__PUSH__INIT;
+    p.version = v;
+    p.batch = 1;
+    p.pull = true;
+    h.body_case = PSD__HEADER__BODY_PUSH;
+    h.push = &p;
+    cr_assert_eq(ps_msg_send(d, NULL, 0, &h, &fr, 1), 0);
+}
+
+/* Shard 0 tells the shard to step version v (step v) with `ranks`, each
+ * weighing 1/n, lr 0.5. */
+static void shard_step(void *lead, const uint8_t *ident, size_t ilen, uint64_t v, uint32_t *ranks, size_t n,
+                       uint64_t seq)
+{
+    double wt[4] = {1.0 / (double)n, 1.0 / (double)n, 1.0 / (double)n, 1.0 / (double)n};
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_STEP, seq);
+    Psd__ShardStep st = PSD__SHARD_STEP__INIT;
+    st.version = v;
+    st.step = v;
+    st.ranks = ranks;
+    st.n_ranks = n;
+    st.weights = wt;
+    st.n_weights = n;
+    st.lr = 0.5;
+    h.body_case = PSD__HEADER__BODY_SHARD_STEP;
+    h.shard_step = &st;
+    cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, NULL, 0), 0);
+}
+
+/* A psd shard keeps a worker's complete push when the worker registers
+ * again from a new connection (shard 0 was told it is here and names it
+ * in its STEP: the shard failed the run before), and refuses a STEP that
+ * names a rank twice (it reduced that push twice before). Shard 0 is this
+ * test: it answers the shard's HELLO, tells it about rank 0, reads its
+ * SHARD_HAVE and sends the STEPs. */
+Test(short, a_psd_shard_keeps_pushes_across_registrations_and_refuses_repeated_ranks)
+{
+    void *ctx = zmq_ctx_new(), *lead = zmq_socket(ctx, ZMQ_ROUTER);
+    int zero = 0;
+    zmq_setsockopt(lead, ZMQ_LINGER, &zero, sizeof zero);
+    char lep[64], wep[64], log[256];
+    snprintf(lep, sizeof lep, "tcp://127.0.0.1:%d", free_port());
+    snprintf(wep, sizeof wep, "tcp://127.0.0.1:%d", free_port());
+    cr_assert_eq(zmq_bind(lead, lep), 0);
+    path(log, sizeof log, "fakelead-shard.log");
+    const char *argv[] = {psd_bin, "--listen", wep, "--shard", "1/2", "--leader", lep, "--set",
+                          "model.layers=[784,4]", "--set", "optimizer.momentum=0", "--set", "optimizer.weight_decay=0",
+                          "--set", "data.train_limit=1000", "--set", "checkpoint.dir=", "--worker-timeout", "60",
+                          "--log-level", "debug", NULL};
+    pid_t sh = proc_spawn(argv, log);
+    ps_msg_t m;
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HELLO, &m, 60), 0, "no HELLO from the shard");
+    uint8_t ident[PS_MAX_IDENTITY];
+    size_t ilen = m.ident_len;
+    memcpy(ident, m.ident, ilen);
+    ps_msg_deinit(&m);
+    uint64_t lseq = 0;
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_HELLO, ++lseq);
+    Psd__ShardHello hb = PSD__SHARD_HELLO__INIT;
+    hb.shard = 1;
+    hb.shards = 2;
+    h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
+    h.shard_hello = &hb;
+    cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, NULL, 0), 0);
+    uint8_t token[PS_SHM_TOKEN] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+    h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_WORKER, ++lseq);
+    Psd__ShardWorker sw = PSD__SHARD_WORKER__INIT;
+    sw.token.data = token;
+    sw.token.len = sizeof token;
+    h.body_case = PSD__HEADER__BODY_SHARD_WORKER;
+    h.shard_worker = &sw;
+    cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, NULL, 0), 0);
+
+    uint64_t seq = 0;
+    void *w1 = shard_register(ctx, wep, token, &seq);
+    shard_push(w1, 0, &seq);
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE");
+    cr_assert_eq(m.hdr->shard_have->rank, 0);
+    ps_msg_deinit(&m);
+    void *w2 = shard_register(ctx, wep, token, &seq); /* the same rank from a new connection */
+    h = fake_hdr(PSD__MSG_TYPE__MSG_PULL, ++seq);
+    Psd__Pull pl = PSD__PULL__INIT;
+    pl.min_version = 1;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &pl;
+    cr_assert_eq(ps_msg_send(w2, NULL, 0, &h, NULL, 0), 0);
+    uint32_t one[1] = {0};
+    shard_step(lead, ident, ilen, 0, one, 1, ++lseq);
+    cr_assert_eq(recv_type(w2, false, PSD__MSG_TYPE__MSG_WEIGHTS, &m, 30), 0,
+                 "no version 1 after the STEP: the shard dropped the push (log %s)", log);
+    size_t n = 0;
+    const float *b = m.n_frames == 1 ? ps_msg_f32(&m, 0, &n) : NULL;
+    cr_assert(b && n == 4 && m.hdr->weights->version == 1, "weights of the shard's part");
+    for (int i = 0; i < 4; i++) cr_expect_float_eq(b[i], -0.5f, 1e-6, "bias %d: 0 - 0.5 x 1", i);
+    ps_msg_deinit(&m);
+
+    shard_push(w2, 1, &seq);
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for version 1");
+    ps_msg_deinit(&m);
+    uint32_t twice[2] = {0, 0};
+    shard_step(lead, ident, ilen, 1, twice, 2, ++lseq);
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_ERROR, &m, 30), 0, "a STEP naming rank 0 twice was taken");
+    cr_expect(m.hdr->error->message && strstr(m.hdr->error->message, "repeated rank"), "%s",
+              m.hdr->error->message ? m.hdr->error->message : "");
+    ps_msg_deinit(&m);
+    cr_expect_eq(proc_wait(sh, 30), 1, "the shard exits 1");
+    zmq_close(w1);
+    zmq_close(w2);
+    zmq_close(lead);
+    zmq_ctx_term(ctx);
+}
+
 /* --log-format json: every line psd and the workers write is one JSON
  * object with ts, role, level and msg (checked with Python's json module);
  * the rank-0 rule holds (rank 1 logs no INFO without --verbose). */

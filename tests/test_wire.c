@@ -301,6 +301,32 @@ Test(wire, frame_count_and_sizes_are_checked)
     expect_valid_pull(9);
 }
 
+/* The element count of a shape is checked before each multiplication:
+ * 2^17 x 2^17 x (2^30 + 1) wraps to 2^34 in 64 bits, which the check after
+ * the multiplication let through. */
+Test(wire, a_shape_whose_element_count_wraps_is_refused)
+{
+    float data[4] = {0};
+    uint32_t shape[3] = {1u << 17, 1u << 17, (1u << 30) + 1};
+    Psd__TensorDesc d = PSD__TENSOR_DESC__INIT;
+    d.dtype = PSD__DTYPE__DT_F32;
+    d.shape = shape;
+    d.n_shape = 3;
+    d.nbytes = sizeof data;
+    const void *fr[1] = {data};
+    size_t lens[1] = {sizeof data};
+    send_push_with(&d, 1, fr, lens, 1);
+    expect_rejected("a shape whose element count wraps");
+    shape[2] = 1; /* 2^34 elements: the most a shape may hold */
+    send_push_with(&d, 1, fr, lens, 1);
+    ps_msg_t m;
+    char err[256];
+    cr_assert_eq(recv_router(&m, err), 0, "%s", err);
+    ps_msg_deinit(&m);
+    send_valid_pull(11);
+    expect_valid_pull(11);
+}
+
 Test(wire, too_many_descriptors_are_refused)
 {
     uint8_t *buf = malloc(1 << 16);
