@@ -1685,13 +1685,15 @@ Test(short, a_worker_gets_the_table_rows_it_asks_for)
 /* A fake psd: answers one REGISTER on its ROUTER with an ASSIGN of a ctr
  * model (32 -> 2) carrying task ct (batch sizes `batch` when not 0), then,
  * with wframes > 0, sends WEIGHTS of wframes f32 frames (tensor ids 0, 1,
- * ...) of wnumel floats each. */
+ * ...) of wnumel floats each; with noise > 0, that many messages no worker
+ * expects from psd (PULL), 100 ms apart. */
 typedef struct {
     void *router;
     Psd__CtrTask ct;
     uint32_t batch;
     int wframes;
     size_t wnumel;
+    int noise;
 } fake_psd_t;
 
 static void *fake_psd(void *p)
@@ -1738,6 +1740,18 @@ static void *fake_psd(void *p)
         ps_msg_send(f->router, m.ident, m.ident_len, &w, fr, f->wframes < PS_MAX_FRAMES ? f->wframes : PS_MAX_FRAMES);
         free(v);
     }
+    for (int i = 0; i < f->noise; i++) {
+        Psd__Header n;
+        psd__header__init(&n);
+        Psd__Pull pl = PSD__PULL__INIT;
+        n.type = PSD__MSG_TYPE__MSG_PULL;
+        n.run_id = 0x1234;
+        n.seq = 3 + (uint64_t)i;
+        n.body_case = PSD__HEADER__BODY_PULL;
+        n.pull = &pl;
+        ps_msg_send(f->router, m.ident, m.ident_len, &n, NULL, 0);
+        nanosleep(&(struct timespec){0, 100000000L}, NULL);
+    }
     ps_msg_deinit(&m);
     return NULL;
 }
@@ -1777,6 +1791,12 @@ static int against_fake_psd(fake_psd_t *f, void *ctx, psw_assign_t *a, char *err
     int rc = psw_client_register(c, a, 10, err, errlen);
     psw_event_t ev;
     if (rc == 0 && f->wframes > 0) rc = psw_client_next(c, &ev, 10, err, errlen);
+    if (rc == 0 && f->noise > 0) { /* 1 s to wait, which the messages it drops do not prolong */
+        double t0 = ps_now();
+        rc = psw_client_next(c, &ev, 1, err, errlen);
+        cr_expect_lt(ps_now() - t0, 4.0, "waited %.1f s of psd's %d unexpected messages for a 1 s wait",
+                     ps_now() - t0, f->noise);
+    }
     pthread_join(th, NULL);
     psw_client_destroy(&c);
     int linger = 0;
@@ -1823,7 +1843,8 @@ Test(short, a_bad_ctr_task_from_psd_is_refused)
  * psd's own limit is an invalid assignment (it aborted the worker when cast
  * to int), and weights must be one frame per tensor of the model, each of
  * its size (40 frames overran the event's arrays). The model: W 32 x 2, b 2,
- * table 50 x 8. */
+ * table 50 x 8. And a wait ends at its deadline however many messages the
+ * worker drops meanwhile (each one restarted it). */
 Test(short, bad_batch_sizes_and_weights_from_psd_are_refused)
 {
     Psd__CtrTask ct = fake_ctr_task();
@@ -1841,6 +1862,8 @@ Test(short, bad_batch_sizes_and_weights_from_psd_are_refused)
     cr_expect(strstr(err, "invalid weights frame 0"), "%s", err);
     fake_psd_t ok = {.ct = ct, .batch = 1u << 20};
     cr_expect_eq(against_fake_psd(&ok, ctx, &a, err, sizeof err), 0, "psd's largest batch: %s", err);
+    fake_psd_t noisy = {.ct = ct, .noise = 80}; /* 8 s of messages it drops */
+    cr_expect_eq(against_fake_psd(&noisy, ctx, &a, err, sizeof err), -ETIMEDOUT, "%s", err);
     zmq_ctx_term(ctx);
 }
 

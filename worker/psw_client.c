@@ -357,10 +357,11 @@ static int send_msg(psw_client_t *c, Psd__Header *h, const ps_frame_t *frames, i
 
 static int send_hdr(psw_client_t *c, Psd__Header *h) { return send_msg(c, h, NULL, 0); }
 
-/* Wait for one well-formed message from psd, up to timeout_s. */
-static int recv_msg(psw_client_t *c, double timeout_s, char *err, size_t errlen)
+/* Wait for one well-formed message from psd until `deadline` (ps_now()
+ * time): the caller's wait of timeout_s, which messages it drops do not
+ * prolong. */
+static int recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err, size_t errlen)
 {
-    double deadline = ps_now() + timeout_s;
     ps_msg_deinit(&c->cur);
     for (;;) {
         double left = deadline - ps_now();
@@ -579,8 +580,8 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         snprintf(err, errlen, "cannot send to psd: %s", zmq_strerror(-rc));
         return rc;
     }
-    for (;;) {
-        rc = recv_msg(c, timeout_s, err, errlen);
+    for (double deadline = ps_now() + timeout_s;;) {
+        rc = recv_msg(c, deadline, timeout_s, err, errlen);
         if (rc < 0) return rc;
         if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_ASSIGN) break;
         PS_WARN("dropped an unexpected %s before the assignment", ps_msg_type_name((int)c->cur.hdr->type));
@@ -1302,6 +1303,10 @@ static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t err
     uint64_t v = val ? h->validate->version : h->weights->version;
     int rc = take_part(c, 0, v, val ? h->validate->crc : h->weights->crc, err, errlen);
     if (rc < 0) return rc;
+    if (c->pending && (c->pend.kind != (val ? PSW_EV_VALIDATE : PSW_EV_WEIGHTS) || c->pend.version != v))
+        PS_WARN("psd sent %s of version %llu while its %s of version %llu waited for the shards' parts: that one is "
+                "dropped", val ? "VALIDATE" : "WEIGHTS", (unsigned long long)v,
+                c->pend.kind == PSW_EV_VALIDATE ? "VALIDATE" : "WEIGHTS", (unsigned long long)c->pend.version);
     memset(&c->pend, 0, sizeof c->pend);
     c->pend.kind = val ? PSW_EV_VALIDATE : PSW_EV_WEIGHTS;
     c->pend.version = v;
@@ -1324,8 +1329,8 @@ static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t err
 
 int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
 {
-    for (;;) {
-        int rc = recv_msg(c, timeout_s, err, errlen);
+    for (double deadline = ps_now() + timeout_s;;) {
+        int rc = recv_msg(c, deadline, timeout_s, err, errlen);
         if (rc < 0) return rc;
         Psd__Header *h = c->cur.hdr;
         memset(ev, 0, sizeof *ev);
