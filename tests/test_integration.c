@@ -1374,6 +1374,61 @@ Test(short, a_psd_shard_keeps_pushes_across_registrations_and_refuses_repeated_r
     zmq_ctx_term(ctx);
 }
 
+/* A shard's HELLO to shard 0 (as shard i of n, config hash `hash`, MLP
+ * 784-10), from the fake shard's DEALER d. */
+static void fake_hello(void *d, uint32_t i, uint32_t n, uint64_t hash, uint64_t *seq)
+{
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_HELLO, ++*seq);
+    h.run_id = 0;
+    h.rank = i;
+    Psd__ShardHello b = PSD__SHARD_HELLO__INIT;
+    b.shard = i;
+    b.shards = n;
+    b.endpoint = "tcp://127.0.0.1:1";
+    b.config_hash = hash;
+    b.n_params = 784 * 10 + 10;
+    b.hostname = "fake";
+    b.pid = 4242;
+    h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
+    h.shard_hello = &b;
+    cr_assert_eq(ps_msg_send(d, NULL, 0, &h, NULL, 0), 0);
+}
+
+/* Shard 0 keeps watching a joined shard whose connection says HELLO again
+ * as another shard: that HELLO is dropped. Before, it un-joined the shard,
+ * and a shard that then fell silent went unnoticed: the run waited for its
+ * start timeout (exit 3). This test is shard 1: it joins, says HELLO as
+ * shard 2 of 3, and falls silent: shard 0 ends the run, shard lost (5). */
+Test(short, a_joined_shard_saying_hello_as_another_is_still_watched)
+{
+    run_t r;
+    const char *args[] = {"--set", "model.layers=[784,10]", "--set", "checkpoint.dir=", "--shard", "0/2",
+                          "--worker-timeout", "2", "--start-timeout", "60", NULL};
+    pid_t p = start_psd(&r, "oddhello", 1, args);
+    void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
+    int zero = 0;
+    zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof zero);
+    cr_assert_eq(zmq_connect(d, r.endpoint), 0);
+    uint64_t seq = 0, hash = 0;
+    ps_msg_t m;
+    fake_hello(d, 1, 2, 0, &seq); /* a wrong hash: the refusal names shard 0's */
+    cr_assert_eq(recv_type(d, false, PSD__MSG_TYPE__MSG_ERROR, &m, 60), 0, "no refusal");
+    const char *at = m.hdr->error->message ? strstr(m.hdr->error->message, "shard 0's ") : NULL;
+    cr_assert(at && sscanf(at, "shard 0's %" SCNx64, &hash) == 1, "%s", m.hdr->error->message);
+    ps_msg_deinit(&m);
+    fake_hello(d, 1, 2, hash, &seq);
+    cr_assert_eq(recv_type(d, false, PSD__MSG_TYPE__MSG_SHARD_HELLO, &m, 30), 0, "not joined");
+    ps_msg_deinit(&m);
+    fake_hello(d, 2, 3, hash, &seq);
+    cr_assert_eq(proc_wait(p, 45), 5, "shard 0 did not notice its silent shard (log %s)", r.psd_log);
+    char *l = slurp(r.psd_log);
+    cr_expect(strstr(l, "HELLO from shard 1's connection as shard 2"), "%s", l);
+    cr_expect(strstr(l, "psd shard 1 (fake pid 4242) lost"), "%s", l);
+    free(l);
+    zmq_close(d);
+    zmq_ctx_term(ctx);
+}
+
 /* --log-format json: every line psd and the workers write is one JSON
  * object with ts, role, level and msg (checked with Python's json module);
  * the rank-0 rule holds (rank 1 logs no INFO without --verbose). */
