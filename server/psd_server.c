@@ -138,8 +138,7 @@ typedef struct {
      * have its whole push for the current version (bit i), and whether its
      * ASSIGN waits for every shard to join */
     uint8_t shard_token[PS_SHM_TOKEN];
-    uint32_t shard_have;  /* shards that have its push for version have_version */
-    uint64_t have_version;
+    uint32_t shard_have;  /* shards that have its push for the current version (cleared at each step) */
     bool own_push;        /* this shard's part of its push is complete */
     double own_push_at;
     bool want_pull;       /* send it the version the step in progress makes */
@@ -469,8 +468,7 @@ static void shards_send_all(srv_t *s, Psd__Header *h)
  * has its part (SHARD_HAVE): sets and returns has_push. */
 static bool push_check(const srv_t *s, worker_t *w)
 {
-    w->has_push = w->own_push && (shard_bits(s) == 0 || (w->have_version == s->store.cur->version &&
-                                                          (w->shard_have & shard_bits(s)) == shard_bits(s)));
+    w->has_push = w->own_push && (w->shard_have & shard_bits(s)) == shard_bits(s);
     return w->has_push;
 }
 
@@ -1043,6 +1041,7 @@ static void step_done(srv_t *s)
     }
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
+        w->shard_have = 0; /* HAVEs name a version: none of them counts for the next (a non-contributor's) */
         if (w->want_pull && w->state == W_TRAIN) {
             w->last_seen = ps_now(); /* psd's own waiting (a deferred pull) is not its silence */
             answer_pull(s, w);
@@ -2423,8 +2422,6 @@ static void on_shard_have(srv_t *s, int i, ps_msg_t *m)
         PS_DEBUG("shard %d has rank %u's push for version %" PRIu64 "; not needed", i, hv->rank, hv->version);
         return;
     }
-    if (w->have_version != hv->version) w->shard_have = 0; /* bits of an older version (unused) */
-    w->have_version = hv->version;
     w->shard_have |= 1u << i;
     if (push_check(s, w)) maybe_step(s);
 }
@@ -2914,15 +2911,16 @@ static void on_timer(uv_timer_t *t)
         }
         for (int i = 1; i < s->n_shards; i++) {
             shard_t *sh = &s->shards[i];
-            if (s->stepping && !sh->norm_in && now - s->stepping_since >= s->silence) {
-                PS_ERROR("psd shard %d (%s pid %u) did not send its part of the gradient's norm in %.1f s; the run "
-                         "stops", i, sh->hostname, sh->pid, now - s->stepping_since);
-                finish(s, PSD_EXIT_SHARD_LOST, "a psd shard stopped answering");
-                return;
-            }
-            if (s->fetching && !sh->fetched && now - s->fetching_since >= s->silence) {
-                PS_ERROR("psd shard %d (%s pid %u) did not send its part of the final weights in %.1f s; the run "
-                         "stops", i, sh->hostname, sh->pid, now - s->fetching_since);
+            /* an answer shard 0 waits for: its norms (clipping), its part of the final weights */
+            const char *owed = NULL;
+            double since = 0;
+            if (s->stepping && !sh->norm_in)
+                owed = "its part of the gradient's norm", since = s->stepping_since;
+            else if (s->fetching && !sh->fetched)
+                owed = "its part of the final weights", since = s->fetching_since;
+            if (owed && now - since >= s->silence) {
+                PS_ERROR("psd shard %d (%s pid %u) did not send %s in %.1f s; the run stops", i, sh->hostname, sh->pid,
+                         owed, now - since);
                 finish(s, PSD_EXIT_SHARD_LOST, "a psd shard stopped answering");
                 return;
             }

@@ -208,18 +208,15 @@ static void on_step(shard_t *s, ps_msg_t *m)
         return;
     }
     bool seen[SHARD_MAX_WORKERS] = {0};
-    bool ok = isfinite(st->lr) && st->clip_norm == s->cfg.clip_norm;
-    for (size_t k = 0; ok && k < st->n_ranks; k++) {
-        ok = st->ranks[k] < SHARD_MAX_WORKERS && !seen[st->ranks[k]] && isfinite(st->weights[k]) && st->weights[k] >= 0;
-        if (ok) seen[st->ranks[k]] = true;
-    }
-    if (!ok) {
-        fail(s, "STEP with a repeated rank, a weight or learning rate that is not a finite non-negative number, or "
-                "another clip norm than this shard's config");
-        return;
-    }
     for (size_t k = 0; k < st->n_ranks; k++) {
         fw_t *w = st->ranks[k] < SHARD_MAX_WORKERS ? &s->w[st->ranks[k]] : NULL;
+        if (!isfinite(st->lr) || st->clip_norm != s->cfg.clip_norm || (w && seen[st->ranks[k]]) ||
+            !isfinite(st->weights[k]) || st->weights[k] < 0) {
+            fail(s, "STEP with a repeated rank, a weight or learning rate that is not a finite non-negative number, "
+                    "or another clip norm than this shard's config");
+            return;
+        }
+        if (w) seen[st->ranks[k]] = true;
         if (!w || !w->complete || w->push_version != st->version) {
             char why[160];
             snprintf(why, sizeof why, "STEP names rank %u, whose push for version %" PRIu64 " is not here",

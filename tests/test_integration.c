@@ -1218,7 +1218,8 @@ static int recv_type(void *sock, bool router, Psd__MsgType type, ps_msg_t *m, do
     return -1;
 }
 
-/* A header of `type` for run 0x77 from rank 0 (the body is the caller's) */
+/* A header of `type` for run 0x77 from rank 0 (the body is the caller's):
+ * the fake peers' (shard 0, a shard, a worker, psd) */
 static Psd__Header fake_hdr(Psd__MsgType type, uint64_t seq)
 {
     Psd__Header h;
@@ -1757,11 +1758,7 @@ static void *fake_psd(void *p)
     ps_msg_t m = {0};
     char err[256];
     if (ps_msg_recv(f->router, &m, true, 0, err, sizeof err) != 0) return NULL;
-    Psd__Header h;
-    psd__header__init(&h);
-    h.type = PSD__MSG_TYPE__MSG_ASSIGN;
-    h.run_id = 0x1234;
-    h.seq = 1;
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_ASSIGN, 1);
     Psd__Assign a = PSD__ASSIGN__INIT;
     Psd__Hyper hy = PSD__HYPER__INIT;
     uint32_t layers[] = {32, 2};
@@ -1783,12 +1780,8 @@ static void *fake_psd(void *p)
         for (int i = 0; i < f->wframes && i < PS_MAX_FRAMES; i++)
             fr[i] = (ps_frame_t){.data = v, .nbytes = f->wnumel * sizeof *v, .id = (uint32_t)i,
                                  .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)f->wnumel};
-        Psd__Header w;
-        psd__header__init(&w);
+        Psd__Header w = fake_hdr(PSD__MSG_TYPE__MSG_WEIGHTS, 2);
         Psd__Weights wt = PSD__WEIGHTS__INIT;
-        w.type = PSD__MSG_TYPE__MSG_WEIGHTS;
-        w.run_id = 0x1234;
-        w.seq = 2;
         wt.version = 1;
         w.body_case = PSD__HEADER__BODY_WEIGHTS;
         w.weights = &wt;
@@ -1796,12 +1789,8 @@ static void *fake_psd(void *p)
         free(v);
     }
     for (int i = 0; i < f->noise; i++) {
-        Psd__Header n;
-        psd__header__init(&n);
+        Psd__Header n = fake_hdr(PSD__MSG_TYPE__MSG_PULL, 3 + (uint64_t)i);
         Psd__Pull pl = PSD__PULL__INIT;
-        n.type = PSD__MSG_TYPE__MSG_PULL;
-        n.run_id = 0x1234;
-        n.seq = 3 + (uint64_t)i;
         n.body_case = PSD__HEADER__BODY_PULL;
         n.pull = &pl;
         ps_msg_send(f->router, m.ident, m.ident_len, &n, NULL, 0);
