@@ -171,3 +171,13 @@ void ps_shard_pieces(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_T
         out[t] = (ps_piece_t){.t = t, .off = lo == SIZE_MAX ? 0 : lo, .n = lo == SIZE_MAX ? 0 : hi - lo};
     }
 }
+
+int ps_piece_rows(const ps_layout_t *l, const ps_piece_t *p, size_t *r0, size_t *r1)
+{
+    if (l->table < 0 || p->t != l->table) return 0;
+    size_t D = (size_t)l->t[l->table].cols;
+    if (D == 0 || p->off % D != 0 || p->n % D != 0) return 0;
+    *r0 = p->off / D;
+    *r1 = (p->off + p->n) / D;
+    return 1;
+}

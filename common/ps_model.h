@@ -64,6 +64,12 @@ typedef struct {
  * shard has none of it). Workers and shards compute it alike. */
 void ps_shard_pieces(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_TENSORS]);
 
+/* The table's rows a piece of it holds whole: 1 with [*r0, *r1) when the
+ * piece is whole rows (always when the table's width divides
+ * PS_NORM_BLOCK; an empty piece holds none), 0 when a row straddles its
+ * ends or the piece is not the table's. */
+int ps_piece_rows(const ps_layout_t *l, const ps_piece_t *p, size_t *r0, size_t *r1);
+
 /* Blocks of the layout in order, and the first block of tensor t. */
 size_t ps_layout_blocks(const ps_layout_t *l);
 size_t ps_layout_first_block(const ps_layout_t *l, int t);

@@ -130,3 +130,46 @@ bool psd_rows_sparse(size_t touched, uint64_t n_rows, double threshold)
 {
     return (double)touched < threshold * (double)n_rows;
 }
+
+bool psd_rows_in(const uint32_t *ids, size_t n, size_t r0, size_t r1)
+{
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < r0 || ids[i] >= r1 || (i && ids[i] <= ids[i - 1])) return false;
+    return true;
+}
+
+void psd_rows_scatter(float *e, size_t e_row0, size_t dim, const uint32_t *old, size_t n_old, const uint32_t *ids,
+                      const float *v, size_t n)
+{
+    for (size_t j = 0; j < n_old; j++) memset(e + ((size_t)old[j] - e_row0) * dim, 0, dim * sizeof(float));
+    for (size_t j = 0; j < n; j++) memcpy(e + ((size_t)ids[j] - e_row0) * dim, v + j * dim, dim * sizeof(float));
+}
+
+void psd_rows_gather(float *out, const float *E, size_t dim, const uint32_t *ids, size_t n)
+{
+    for (size_t j = 0; j < n; j++) memcpy(out + j * dim, E + (size_t)ids[j] * dim, dim * sizeof(float));
+}
+
+int psd_want_keep(psd_want_t *w, const uint32_t *ids, size_t n, size_t room, size_t dim)
+{
+    if (n > w->cap) {
+        size_t cap = n > room ? n : room;
+        uint32_t *p = realloc(w->ids, cap * sizeof *p);
+        if (p) w->ids = p;
+        float *v = p ? realloc(w->vals, cap * dim * sizeof *v) : NULL;
+        if (v) w->vals = v;
+        if (!p || !v) return -ENOMEM;
+        w->cap = cap;
+    }
+    if (n) memcpy(w->ids, ids, n * sizeof *ids);
+    w->n = n;
+    w->has = true;
+    return 0;
+}
+
+void psd_want_free(psd_want_t *w)
+{
+    free(w->ids);
+    free(w->vals);
+    *w = (psd_want_t){0};
+}

@@ -69,6 +69,35 @@ void psd_rows_apply(const psd_rows_t *r, const psd_optim_t *o, float *table, flo
  * than the row), whole otherwise. */
 bool psd_rows_sparse(size_t touched, uint64_t n_rows, double threshold);
 
+/* ids[0..n) strictly increasing in [r0, r1) (true for n = 0): the rows of a
+ * push a psd shard owning the table's rows [r0, r1) takes. */
+bool psd_rows_in(const uint32_t *ids, size_t n, size_t r0, size_t r1);
+
+/* Into e, the table's gradient from row e_row0 on (zero but for the rows
+ * old[0..n_old) of the last push): zero those, then write rows ids[0..n)
+ * with values v (n x dim). Every id is a row of e. */
+void psd_rows_scatter(float *e, size_t e_row0, size_t dim, const uint32_t *old, size_t n_old, const uint32_t *ids,
+                      const float *v, size_t n);
+
+/* Rows ids[0..n) of the table E (dim floats a row) into out (n x dim). */
+void psd_rows_gather(float *out, const float *E, size_t dim, const uint32_t *ids, size_t n);
+
+/* The table rows a worker's next batch reads (Push.want_rows), kept for
+ * the reply, which then brings those rows (gathered into vals) instead of
+ * the table: has is set until the reply, n may be 0 on a psd shard. */
+typedef struct {
+    uint32_t *ids;
+    float *vals;
+    size_t n, cap;
+    bool has;
+} psd_want_t;
+
+/* Keep ids[0..n) (checked by the caller); room for at least `room` rows
+ * of dim floats the first time, so that later lists up to that long
+ * allocate nothing. 0, or -ENOMEM (what it held is kept, has not set). */
+int psd_want_keep(psd_want_t *w, const uint32_t *ids, size_t n, size_t room, size_t dim);
+void psd_want_free(psd_want_t *w);
+
 /* Bytes of a row gradient of n entries on the wire, and of the whole table. */
 static inline uint64_t psd_rows_bytes(size_t n, size_t dim) { return (uint64_t)n * (4 + 4 * (uint64_t)dim); }
 

@@ -124,9 +124,7 @@ typedef struct {
      * whole gradient */
     bool grad_rows;
     int sp_table;
-    uint32_t *want_ids;   /* the rows its next batch reads (Push.want_rows): the reply brings only those */
-    float *want_vals;
-    size_t n_want, want_cap;
+    psd_want_t want;      /* the rows its next batch reads (Push.want_rows): the reply brings only those */
     float *sp_e;
     uint32_t *sp_ids;
     size_t sp_n, sp_cap;
@@ -536,7 +534,7 @@ static void table_rows_frame(srv_t *s, ps_frame_t *fr, const uint32_t *ids, size
     const float *E = s->store.cur->w + l->t[l->table].offset;
     if (fr->ffn) fr->ffn((void *)fr->data, fr->hint); /* its reference to the version */
     s->ep_bytes_out -= fr->nbytes;
-    for (size_t j = 0; j < n; j++) memcpy(vals + j * D, E + (size_t)ids[j] * D, D * sizeof(float));
+    psd_rows_gather(vals, E, D, ids, n);
     *fr = (ps_frame_t){.data = vals, .nbytes = n * D * sizeof(float), .id = (uint32_t)l->table,
                        .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)n, .cols = (uint32_t)D};
     s->ep_bytes_out += fr->nbytes;
@@ -554,16 +552,18 @@ static void send_weights(srv_t *s, worker_t *w)
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
     int n = weights_frames(s, w, fr, &wt.shm_slot, &wt.crc);
-    if ((w->n_want || s->table_on_psd) && !w->shm && s->cfg.wire_weights == PS_WIRE_F32 && !sharded(s) && n > 0 &&
+    if ((w->want.has || s->table_on_psd) && !w->shm && s->cfg.wire_weights == PS_WIRE_F32 && n > 0 &&
         fr[n - 1].id == (uint32_t)s->layout.table) {
-        /* only the table rows its next batch reads; with the table on psd, none when it asked
-         * for none. The table is the last tensor, so the last frame. */
-        table_rows_frame(s, &fr[n - 1], w->want_ids, w->n_want, w->want_vals);
+        /* only the table rows its next batch reads (a shard: those in its piece, none maybe);
+         * with the table on psd, none when it asked for none. The table is the last tensor,
+         * so the last frame. */
+        table_rows_frame(s, &fr[n - 1], w->want.ids, w->want.n, w->want.vals);
         s->ep_rows_replies++;
         wt.rows = true;
         wt.crc = 0;
     }
-    w->n_want = 0;
+    w->want.n = 0;
+    w->want.has = false;
     if (s->table_on_psd)
         send_copied(s, w, &h, fr, n);
     else
@@ -1481,11 +1481,10 @@ static void rows_free(worker_t *w)
     free(w->sp_e);
     free(w->sp_rows);
     free(w->sp_ids);
-    free(w->want_ids);
-    free(w->want_vals);
-    w->sp_e = w->sp_rows = w->want_vals = NULL;
-    w->sp_ids = w->want_ids = NULL;
-    w->sp_n = w->sp_cap = w->n_want = w->want_cap = 0;
+    psd_want_free(&w->want);
+    w->sp_e = w->sp_rows = NULL;
+    w->sp_ids = NULL;
+    w->sp_n = w->sp_cap = 0;
 }
 
 /* A worker is gone (lost, left, failed): its samples and validation parts go
@@ -1634,27 +1633,30 @@ static bool table_ids(const srv_t *s, const uint32_t *ids, size_t n)
 
 /* Frames i (u32 ids) and i + 1 (f32 rows) of a PUSH are rows of the
  * table's gradient: ids strictly increasing and below its row count, rows
- * of its width, one psd, f32 gradients. 0, or -1. */
+ * of its width, f32 gradients; on a psd shard, rows of its piece of the
+ * table (whole rows), none maybe. 0, or -1. */
 static int rows_check(const srv_t *s, const worker_t *w, const ps_msg_t *m, int i)
 {
     if (wire_bf16(s, w)) return -1; /* its step reads bfloat16 */
     const ps_layout_t *l = &s->layout;
     size_t n = 0, nv = 0;
     const uint32_t *ids = ps_msg_u32(m, i, &n);
-    const float *v = i + 1 < m->n_frames && m->hdr->tensors[i + 1]->id == m->hdr->tensors[i]->id
-                         ? ps_msg_f32(m, i + 1, &nv)
-                         : NULL;
-    if (l->table < 0 || (int)m->hdr->tensors[i]->id != l->table || sharded(s) || !v || !table_ids(s, ids, n) ||
-        nv != n * (size_t)l->t[l->table].cols)
+    bool vals = i + 1 < m->n_frames && m->hdr->tensors[i + 1]->id == m->hdr->tensors[i]->id &&
+                m->hdr->tensors[i + 1]->dtype == PSD__DTYPE__DT_F32;
+    if (vals) ps_msg_f32(m, i + 1, &nv);
+    if (l->table < 0 || (int)m->hdr->tensors[i]->id != l->table || !vals || nv != n * (size_t)l->t[l->table].cols)
         return -1;
-    return 0;
+    if (!sharded(s)) return table_ids(s, ids, n) ? 0 : -1;
+    size_t r0, r1;
+    if (!ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) || r0 == r1) return -1;
+    return psd_rows_in(ids, n, r0, r1) ? 0 : -1;
 }
 
-/* Scatter the checked rows (frames i, i + 1) into the worker's table-sized
- * gradient, zeroing its last push's rows first: the step reads it as the
- * whole table's gradient, zero where the batch touched nothing. Allocates
- * only the first time (and when a push has more rows than any before).
- * 0, or -1 (dropped, logged). */
+/* Scatter the checked rows (frames i, i + 1) into the worker's gradient of
+ * the table (of its piece on a psd shard), zeroing its last push's rows
+ * first: the step reads it as the whole table's gradient, zero where the
+ * batch touched nothing. Allocates only the first time (and when a push
+ * has more rows than any before). 0, or -1 (dropped, logged). */
 static int rows_take(srv_t *s, worker_t *w, ps_msg_t *m, int i)
 {
     const ps_layout_t *l = &s->layout;
@@ -1662,8 +1664,8 @@ static int rows_take(srv_t *s, worker_t *w, ps_msg_t *m, int i)
     size_t n = 0, nv = 0;
     const uint32_t *ids = ps_msg_u32(m, i, &n);
     const float *v = ps_msg_f32(m, i + 1, &nv);
-    if (!s->store.lazy && !w->sp_e && !(w->sp_e = calloc(l->t[l->table].numel, sizeof *w->sp_e))) {
-        drop(s, w, "PUSH of table rows: out of memory for its %zu floats", l->t[l->table].numel);
+    if (!s->store.lazy && !w->sp_e && !(w->sp_e = calloc(s->store.own[l->table].n, sizeof *w->sp_e))) {
+        drop(s, w, "PUSH of table rows: out of memory for its %zu floats", s->store.own[l->table].n);
         return -1;
     }
     if (n > w->sp_cap && sp_grow(s, w, n > batch_rows(s) ? n : batch_rows(s)) != 0) {
@@ -1674,10 +1676,9 @@ static int rows_take(srv_t *s, worker_t *w, ps_msg_t *m, int i)
     if (s->store.lazy) { /* kept as rows: the step merges them */
         memcpy(w->sp_rows, v, n * D * sizeof(float));
     } else {
-        for (size_t j = 0; j < w->sp_n; j++) memset(w->sp_e + (size_t)w->sp_ids[j] * D, 0, D * sizeof(float));
-        for (size_t j = 0; j < n; j++) memcpy(w->sp_e + (size_t)ids[j] * D, v + j * D, D * sizeof(float));
+        psd_rows_scatter(w->sp_e, s->store.own[l->table].off / D, D, w->sp_ids, w->sp_n, ids, v, n);
     }
-    memcpy(w->sp_ids, ids, n * sizeof *ids);
+    if (n) memcpy(w->sp_ids, ids, n * sizeof *ids);
     w->sp_n = n;
     w->sp_table = l->table;
     w->grad_rows = true;
@@ -1700,25 +1701,20 @@ static int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
                               : NULL;
     const bool push = m->hdr->body_case == PSD__HEADER__BODY_PUSH;
     const char *what = push ? "PUSH" : "PULL";
-    if (!ids || !table_ids(s, ids, n) || n > batch_rows(s) || (push && !m->hdr->push->pull)) {
+    size_t r0 = 0, r1 = 0; /* a shard: rows of its piece, none maybe */
+    bool rows_ok = sharded(s) ? ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) && r0 < r1 && ids &&
+                                    psd_rows_in(ids, n, r0, r1)
+                              : ids && table_ids(s, ids, n);
+    if (!rows_ok || n > batch_rows(s) || (push && !m->hdr->push->pull)) {
         drop(s, w, "%s asking for table rows that are not rows of the table (strictly increasing ids below its "
-                   "row count, at most a batch's, in its last frame) or without asking for the next version", what);
+                   "row count, of this shard's piece, at most a batch's, in its last frame) or without asking for "
+                   "the next version", what);
         return -1;
     }
-    if (n > w->want_cap) { /* the first time: room for any batch's rows */
-        size_t cap = n > batch_rows(s) ? n : batch_rows(s);
-        uint32_t *p = realloc(w->want_ids, cap * sizeof *p);
-        if (p) w->want_ids = p;
-        float *v = p ? realloc(w->want_vals, cap * (size_t)l->t[l->table].cols * sizeof *v) : NULL;
-        if (v) w->want_vals = v;
-        if (!p || !v) {
-            drop(s, w, "%s asking for table rows: out of memory", what);
-            return -1;
-        }
-        w->want_cap = cap;
+    if (psd_want_keep(&w->want, ids, n, batch_rows(s), (size_t)l->t[l->table].cols) != 0) {
+        drop(s, w, "%s asking for table rows: out of memory", what);
+        return -1;
     }
-    memcpy(w->want_ids, ids, n * sizeof *ids);
-    w->n_want = n;
     return 0;
 }
 
@@ -1799,7 +1795,7 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
             if (d->dtype == PSD__DTYPE__DT_U32) {
                 if (rows_check(s, w, m, i) != 0) {
                     drop(s, w, "PUSH of rows of tensor %u that are not rows of the table (strictly increasing "
-                               "ids below its row count, then their f32 rows, one psd)", t);
+                               "ids below its row count, of this shard's piece, then their f32 rows)", t);
                     return;
                 }
                 rows_at = i++;
@@ -1821,7 +1817,8 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         }
         if (p->want_rows && want_take(s, w, m) != 0) return;
         if (rows_at >= 0 && rows_take(s, w, m, rows_at) != 0) {
-            w->n_want = 0;
+            w->want.n = 0;
+            w->want.has = false;
             return;
         }
         /* keep the frames without copying: reduced in rank order once everyone has pushed */

@@ -52,6 +52,15 @@ typedef struct {
     size_t ident_len;          /* 0: not registered here */
     uint64_t seq_in, seq_out;
     zmq_msg_t grad[PS_MAX_TENSORS];
+    uint64_t held;             /* tensors whose grad[] holds a frame */
+    /* the table's piece pushed as rows: scattered into sp_e (this piece's
+     * gradient, zero but for the rows sp_ids[0..sp_n) of the last such push) */
+    float *sp_e;
+    uint32_t *sp_ids;
+    size_t sp_n, sp_cap;
+    /* the rows of this shard's piece of the table its next batch reads
+     * (Push.want_rows): the reply to that push brings only those */
+    psd_want_t rows_want;
     uint64_t mask;             /* pieces received for push_version */
     uint64_t push_version;
     bool complete;
@@ -78,6 +87,8 @@ typedef struct {
     const void *(*g)[PS_MAX_TENSORS];
     uint8_t *bf16;
     uint64_t dropped;
+    uint64_t bytes_in, rows_pushes, rows_in; /* gradient bytes received; pushes of table rows, their rows */
+    uint64_t rows_out;                       /* table rows sent in replies that asked for rows */
     int exit_code;
     bool done;
     psd_ckpt_writer_t *ckpt; /* this part's checkpoint being written */
@@ -136,13 +147,19 @@ static void hello(shard_t *s)
 static void release(fw_t *w)
 {
     for (int t = 0; t < PS_MAX_TENSORS; t++)
-        if (w->mask & (1ull << t)) zmq_msg_close(&w->grad[t]);
-    w->mask = 0;
+        if (w->held & (1ull << t)) zmq_msg_close(&w->grad[t]);
+    w->mask = w->held = 0;
     w->complete = false;
 }
 
-static void send_weights_to(shard_t *s, const uint8_t *ident, size_t len, uint32_t rank, uint64_t *seq)
+/* The current version of this shard's part, to worker w (its ident, rank
+ * and sequence) or to shard 0 (w NULL). A worker that asked for rows gets
+ * those of the table's piece instead of the piece. */
+static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
 {
+    const uint8_t *ident = w ? w->ident : NULL;
+    size_t len = w ? w->ident_len : 0;
+    uint64_t *seq = w ? &w->seq_out : &s->seq_out;
     Psd__Header h;
     Psd__Weights wt = PSD__WEIGHTS__INIT;
     ps_frame_t fr[PS_MAX_TENSORS];
@@ -159,6 +176,20 @@ static void send_weights_to(shard_t *s, const uint8_t *ident, size_t len, uint32
     const uint16_t *w16 = bf16 ? psd_store_current_bf16(&s->store) : NULL;
     if (bf16 && !w16) PS_WARN("out of memory for bfloat16 weights: sending f32");
     int n = psd_store_frames(&s->store, w16, fr, s->opts.verify_weights ? &wt.crc : NULL);
+    const ps_layout_t *l = &s->layout;
+    if (w && w->rows_want.has && !w16 && n > 0 && fr[n - 1].id == (uint32_t)l->table) { /* the table: the last frame */
+        const size_t D = (size_t)l->t[l->table].cols;
+        if (fr[n - 1].ffn) fr[n - 1].ffn((void *)fr[n - 1].data, fr[n - 1].hint); /* its reference to the version */
+        const psd_want_t *rw = &w->rows_want;
+        psd_rows_gather(rw->vals, s->store.cur->w + l->t[l->table].offset, D, rw->ids, rw->n);
+        fr[n - 1] = (ps_frame_t){.data = rw->vals, .nbytes = rw->n * D * sizeof(float), .id = (uint32_t)l->table,
+                                 .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)rw->n,
+                                 .cols = (uint32_t)D}; /* copied at send */
+        wt.rows = true;
+        wt.crc = 0; /* the CRC covers whole versions */
+        s->rows_out += rw->n;
+    }
+    if (w) w->rows_want.has = false;
     int rc = ident ? ps_msg_send(s->router, ident, len, &h, fr, n) : to_leader(s, &h, fr, n);
     if (rc < 0) PS_WARN("shard %d cannot send weights: %s", s->opts.shard, zmq_strerror(-rc));
 }
@@ -170,7 +201,7 @@ static void answer_pulls(shard_t *s)
         fw_t *w = &s->w[r];
         if (w->want == 0 || w->want - 1 > s->store.cur->version || w->ident_len == 0) continue;
         w->want = 0;
-        send_weights_to(s, w->ident, w->ident_len, (uint32_t)r, &w->seq_out);
+        send_weights_to(s, w, (uint32_t)r);
     }
 }
 
@@ -225,7 +256,9 @@ static void on_step(shard_t *s, ps_msg_t *m)
             return;
         }
         for (int t = 0; t < s->layout.n_tensors; t++)
-            s->g[k][t] = s->all & (1ull << t) ? zmq_msg_data(&w->grad[t]) : NULL;
+            s->g[k][t] = !(s->all & (1ull << t)) ? NULL
+                         : w->held & (1ull << t) ? zmq_msg_data(&w->grad[t])
+                                                 : w->sp_e; /* the table's rows, scattered */
         s->bf16[k] = s->cfg.wire_gradients == PS_WIRE_BF16;
     }
     const void *const(*g)[PS_MAX_TENSORS] = (const void *const(*)[PS_MAX_TENSORS])s->g;
@@ -445,10 +478,13 @@ static void on_leader(shard_t *s, ps_msg_t *m)
     }
     case PSD__MSG_TYPE__MSG_SHARD_STEP: on_step(s, m); break;
     case PSD__MSG_TYPE__MSG_SHARD_APPLY: on_apply(s, m); break;
-    case PSD__MSG_TYPE__MSG_SHARD_FETCH: send_weights_to(s, NULL, 0, 0, &s->seq_out); break;
+    case PSD__MSG_TYPE__MSG_SHARD_FETCH: send_weights_to(s, NULL, 0); break;
     case PSD__MSG_TYPE__MSG_SHARD_CKPT: on_ckpt(s, m); break;
     case PSD__MSG_TYPE__MSG_SHUTDOWN:
         PS_INFO("shard %d: shard 0 ends the run: %s", s->opts.shard, h->shutdown->reason ? h->shutdown->reason : "");
+        PS_INFO("shard %d received: %" PRIu64 " gradient bytes, %" PRIu64 " pushes of table rows (%" PRIu64
+                " rows); sent %" PRIu64 " rows in replies",
+                s->opts.shard, s->bytes_in, s->rows_pushes, s->rows_in, s->rows_out);
         s->exit_code = 0;
         s->done = true;
         break;
@@ -490,6 +526,7 @@ static void on_register(shard_t *s, ps_msg_t *m)
     w->ident_len = m->ident_len;
     w->seq_in = h->seq;
     w->want = 0;
+    w->rows_want.has = false;
     Psd__Header a;
     Psd__Assign as = PSD__ASSIGN__INIT;
     psd__header__init(&a);
@@ -501,6 +538,90 @@ static void on_register(shard_t *s, ps_msg_t *m)
     a.body_case = PSD__HEADER__BODY_ASSIGN;
     a.assign = &as;
     ps_msg_send(s->router, w->ident, w->ident_len, &a, NULL, 0);
+}
+
+/* The most rows of this shard's piece of the table one batch reads. */
+static size_t batch_rows(const shard_t *s)
+{
+    const ps_layout_t *l = &s->layout;
+    size_t most = (size_t)s->cfg.batch_size * (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
+    size_t piece = s->store.own[l->table].n / (size_t)l->t[l->table].cols;
+    return most < piece ? most : piece;
+}
+
+/* Frames i (u32 ids) and i + 1 (f32 values) of a PUSH are rows of this
+ * shard's piece of the table (whole rows; none maybe). */
+static bool rows_ok(const shard_t *s, const ps_msg_t *m, int i)
+{
+    const ps_layout_t *l = &s->layout;
+    size_t n = 0, nv = 0, r0, r1;
+    const uint32_t *ids = ps_msg_u32(m, i, &n);
+    bool vals = i + 1 < m->n_frames && m->hdr->tensors[i + 1]->id == m->hdr->tensors[i]->id &&
+                m->hdr->tensors[i + 1]->dtype == PSD__DTYPE__DT_F32;
+    if (vals) ps_msg_f32(m, i + 1, &nv);
+    return vals && nv == n * (size_t)l->t[l->table].cols && ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) &&
+           psd_rows_in(ids, n, r0, r1);
+}
+
+/* Scatter checked rows (frames i, i + 1) into w's gradient of the table's
+ * piece: allocated the first time, the id list grown only when a push has
+ * more rows than any before. 0, or -1 (dropped, logged). */
+static int rows_take(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m, int i)
+{
+    const ps_layout_t *l = &s->layout;
+    const ps_piece_t *own = &s->store.own[l->table];
+    const size_t D = (size_t)l->t[l->table].cols;
+    size_t n = 0, nv = 0;
+    const uint32_t *ids = ps_msg_u32(m, i, &n);
+    const float *v = ps_msg_f32(m, i + 1, &nv);
+    if (!w->sp_e && !(w->sp_e = calloc(own->n, sizeof *w->sp_e))) {
+        sdrop(s, "PUSH of rank %u: out of memory for its table rows", rank);
+        return -1;
+    }
+    if (n > w->sp_cap) { /* the first time: room for any batch's rows in the piece */
+        size_t cap = n > batch_rows(s) ? n : batch_rows(s);
+        uint32_t *p = realloc(w->sp_ids, cap * sizeof *p);
+        if (!p) {
+            sdrop(s, "PUSH of rank %u: out of memory for its table rows", rank);
+            return -1;
+        }
+        w->sp_ids = p;
+        w->sp_cap = cap;
+    }
+    psd_rows_scatter(w->sp_e, own->off / D, D, w->sp_ids, w->sp_n, ids, v, n);
+    if (n) memcpy(w->sp_ids, ids, n * sizeof *ids);
+    w->sp_n = n;
+    s->rows_pushes++;
+    s->rows_in += n;
+    return 0;
+}
+
+/* The last frame of a PUSH with want_rows (with pull): rows of this shard's
+ * piece of the table, strictly increasing, at most a batch's, none maybe. */
+static bool want_ok(const shard_t *s, const ps_msg_t *m, bool pull)
+{
+    const ps_layout_t *l = &s->layout;
+    size_t n = 0, r0, r1;
+    const int i = m->n_frames - 1;
+    const uint32_t *ids = i >= 0 && l->table >= 0 && m->hdr->tensors[i]->id == (uint32_t)l->table
+                              ? ps_msg_u32(m, i, &n)
+                              : NULL;
+    return pull && ids && ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) && r0 < r1 && n <= batch_rows(s) &&
+           psd_rows_in(ids, n, r0, r1);
+}
+
+/* Keep a checked want list for the reply. Allocates only the first time
+ * (room for a batch's rows). 0, or -1 (dropped, logged). */
+static int want_take(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
+{
+    const ps_layout_t *l = &s->layout;
+    size_t n = 0;
+    const uint32_t *ids = ps_msg_u32(m, m->n_frames - 1, &n);
+    if (psd_want_keep(&w->rows_want, ids, n, batch_rows(s), (size_t)l->t[l->table].cols) != 0) {
+        sdrop(s, "PUSH of rank %u asking for table rows: out of memory", rank);
+        return -1;
+    }
+    return 0;
 }
 
 static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
@@ -518,10 +639,28 @@ static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
     }
     bool bf16 = s->cfg.wire_gradients == PS_WIRE_BF16;
     uint64_t mask = 0;
-    for (int i = 0; i < m->n_frames; i++) {
+    int rows_at = -1; /* the table's piece as rows: frames rows_at (ids) and rows_at + 1 */
+    const int nf = m->n_frames - (p->want_rows && m->n_frames > 0); /* gradient frames; then the rows wanted */
+    if (p->want_rows && !want_ok(s, m, p->pull)) {
+        sdrop(s, "PUSH of rank %u asking for table rows that are not rows of this shard's piece (strictly "
+                 "increasing, at most a batch's, in its last frame) or without asking for the next version", rank);
+        return;
+    }
+    for (int i = 0; i < nf; i++) {
         const Psd__TensorDesc *d = m->hdr->tensors[i];
         size_t n = 0;
         uint32_t t = d->id;
+        if (d->dtype == PSD__DTYPE__DT_U32) {
+            if (bf16 || (int)t != s->layout.table || !(s->all & (1ull << t)) || ((w->mask | mask) & (1ull << t)) ||
+                !rows_ok(s, m, i)) {
+                sdrop(s, "PUSH of rank %u: frames %d-%d are not rows of this shard's piece of the table", rank, i,
+                      i + 1);
+                return;
+            }
+            rows_at = i++;
+            mask |= 1ull << t;
+            continue;
+        }
         bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
         if (t >= (uint32_t)s->layout.n_tensors || !(s->all & (1ull << t)) || ((w->mask | mask) & (1ull << t)) || !ok ||
             d->offset != s->store.own[t].off || n != s->store.own[t].n) {
@@ -530,10 +669,15 @@ static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
         }
         mask |= 1ull << t;
     }
-    for (int i = 0; i < m->n_frames; i++) {
+    if (rows_at >= 0 && rows_take(s, w, rank, m, rows_at) != 0) return;
+    if (p->want_rows && want_take(s, w, rank, m) != 0) return;
+    for (int i = 0; i < nf; i++) {
         uint32_t t = m->hdr->tensors[i]->id;
+        s->bytes_in += zmq_msg_size(&m->frames[i]);
+        if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* scattered into sp_e */
         zmq_msg_init(&w->grad[t]);
         zmq_msg_move(&w->grad[t], &m->frames[i]);
+        w->held |= 1ull << t;
     }
     w->mask |= mask;
     w->push_version = p->version;
@@ -766,7 +910,12 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     code = s->exit_code;
 out:
     ckpt_finish(s, true); /* a checkpoint being written is finished first */
-    for (int r = 0; s->w && r < SHARD_MAX_WORKERS; r++) release(&s->w[r]);
+    for (int r = 0; s->w && r < SHARD_MAX_WORKERS; r++) {
+        release(&s->w[r]);
+        free(s->w[r].sp_e);
+        free(s->w[r].sp_ids);
+        psd_want_free(&s->w[r].rows_want);
+    }
     if (s->router) {
         ps_msg_drain(s->router, 0.05, 0.5);
         if (s->mon) zmq_socket_monitor(s->router, NULL, 0);

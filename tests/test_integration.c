@@ -1083,6 +1083,78 @@ Test(short, ctr_task_trains_toward_the_planted_optimum)
     free(m);
 }
 
+/* psd (every shard: train_sharded) and both workers exited 0 */
+static bool a_run_ok(const run_t *r)
+{
+    return r->psd_code == 0 && r->worker_code[0] == 0 && r->worker_code[1] == 0;
+}
+
+/* Table rows with psd shards: each shard gets the rows of its piece of
+ * the table (the pieces are whole rows: the table's width divides the norm
+ * block), none when the batch touched none there, and steps as if the
+ * table had come whole; it answers with the rows of its piece the next
+ * batch reads. 1 psd, 2 shards with rows and 2 shards with whole tables
+ * give the same bits; the bytes each shard receives and sends follow the
+ * rows. */
+Test(short, table_rows_go_to_psd_shards)
+{
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    const char *sparse[] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                            "--set", "checkpoint.dir=", "--x-verify-weights", NULL};
+    const char *dense[] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                           "--set", "checkpoint.dir=", "--x-verify-weights", "--set", "train.sparse_threshold=0", NULL};
+    const char *wex[] = {"--no-shm", "--verbose", NULL};
+    run_t a, b, c;
+    train_sharded(&a, "rows1", 1, sparse, wex);
+    cr_assert(a_run_ok(&a), "%s", a.psd_log);
+    train_sharded(&b, "rows2", 2, sparse, wex);
+    cr_assert(a_run_ok(&b), "%s", b.psd_log);
+    train_sharded(&c, "whole2", 2, dense, wex);
+    cr_assert(a_run_ok(&c), "%s", c.psd_log);
+    cr_assert(weights_equal(a.weights, b.weights), "2 shards with table rows = 1 psd, bit for bit");
+    cr_assert(weights_equal(a.weights, c.weights), "2 shards with whole tables = 1 psd, bit for bit");
+    assert_workers_verified("rows2", 2, "every shard's part");
+    /* the model: 64 -> 64 -> 2 (4290 floats, all on shard 0) and a table of 65536 x 8 (half on
+     * each shard: 262144 floats); 2 workers x 40 batches an epoch */
+    const double mlp = 4.0 * 4290, piece = 4.0 * 262144, row = 4 + 4 * 8;
+    char *mb = metrics_last(&b), *mc = metrics_last(&c);
+    const char *lb = last_line(mb), *lc = last_line(mc);
+    double pushes = json_num(lb, "table_row_pushes"), rows0 = json_num(lb, "table_rows_in");
+    cr_assert_eq(pushes, 2 * 40, "every push of the epoch as rows: %s", lb);
+    cr_assert(rows0 > 0 && rows0 < 0.3 * 65536 * pushes, "%s", lb);
+    /* the replies: the rows of its piece the next batch reads (asked for in the push: 4 bytes a
+     * row), but for the epoch's first weights, its last batch's and the validation's */
+    double replies0 = json_num(lb, "table_row_replies"), out0 = json_num(lb, "table_rows_out");
+    cr_assert_eq(json_num(lb, "wire_bytes_in"), pushes * mlp + rows0 * row + out0 * 4, "%s", lb);
+    cr_assert(replies0 >= 2 * 37 && out0 > 0 && out0 < 0.3 * 65536 * replies0, "%s", lb);
+    double whole = (json_num(lb, "wire_bytes_out") - replies0 * mlp - out0 * (row - 4)) / (mlp + piece);
+    cr_assert(whole == floor(whole) && whole >= 2 && whole <= 3 * 2, "%g whole sends of shard 0's part: %s", whole, lb);
+    cr_assert_eq(json_num(lc, "table_row_pushes"), 0, "%s", lc);
+    cr_assert_eq(json_num(lc, "wire_bytes_in"), pushes * (mlp + piece), "%s", lc);
+    /* shard 1: the rows of its piece only, in every push of both epochs; whole, its piece */
+    double got[2][4];
+    const char *tags[2] = {"rows2-shard1.log", "whole2-shard1.log"};
+    for (int i = 0; i < 2; i++) {
+        char lp[256];
+        path(lp, sizeof lp, tags[i]);
+        char *l1 = slurp(lp);
+        const char *p = l1 ? strstr(l1, "shard 1 received: ") : NULL;
+        cr_assert(p && sscanf(p, "shard 1 received: %lf gradient bytes, %lf pushes of table rows (%lf rows); sent %lf",
+                              &got[i][0], &got[i][1], &got[i][2], &got[i][3]) == 4,
+                  "%s", l1 ? l1 : tags[i]);
+        free(l1);
+    }
+    cr_assert_eq(got[0][1], 2 * 2 * 40, "shard 1: every push as rows");
+    cr_assert(got[0][2] > 0 && got[0][0] == got[0][2] * row, "shard 1: %g bytes for %g rows", got[0][0], got[0][2]);
+    cr_assert(got[0][2] < 0.3 * 65536 * got[0][1], "shard 1: %g rows", got[0][2]);
+    cr_assert(got[0][3] > 0 && got[0][3] < 0.3 * 32768 * 2 * 2 * 40, "shard 1: %g rows sent", got[0][3]);
+    cr_assert(got[1][1] == 0 && got[1][0] == 2 * 2 * 40 * piece && got[1][3] == 0, "shard 1, whole tables: %g bytes",
+              got[1][0]);
+    free(mb);
+    free(mc);
+}
+
 /* Checkpoints with shards: every shard writes its part at the steps shard
  * 0 writes its own (run-<id>/shard-<i>/), and resumes at the step shard 0
  * resumed at. Stopped after epoch 1 and resumed, 2 shards end with the
@@ -1292,6 +1364,31 @@ static void shard_step(void *lead, const uint8_t *ident, size_t ilen, uint64_t v
     cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, NULL, 0), 0);
 }
 
+/* The test as shard 0 of 2: answers shard 1's HELLO on lead (its identity
+ * into ident, ilen) and tells it rank 0 may register with token. */
+static void fake_leader_join(void *lead, uint8_t *ident, size_t *ilen, const uint8_t *token, uint64_t *lseq)
+{
+    ps_msg_t m;
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HELLO, &m, 60), 0, "no HELLO from the shard");
+    *ilen = m.ident_len;
+    memcpy(ident, m.ident, m.ident_len);
+    ps_msg_deinit(&m);
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_HELLO, ++*lseq);
+    Psd__ShardHello hb = PSD__SHARD_HELLO__INIT;
+    hb.shard = 1;
+    hb.shards = 2;
+    h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
+    h.shard_hello = &hb;
+    cr_assert_eq(ps_msg_send(lead, ident, *ilen, &h, NULL, 0), 0);
+    h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_WORKER, ++*lseq);
+    Psd__ShardWorker sw = PSD__SHARD_WORKER__INIT;
+    sw.token.data = (uint8_t *)token;
+    sw.token.len = PS_SHM_TOKEN;
+    h.body_case = PSD__HEADER__BODY_SHARD_WORKER;
+    h.shard_worker = &sw;
+    cr_assert_eq(ps_msg_send(lead, ident, *ilen, &h, NULL, 0), 0);
+}
+
 /* A psd shard keeps a worker's complete push when the worker registers
  * again from a new connection (shard 0 was told it is here and names it
  * in its STEP: the shard failed the run before), and refuses a STEP that
@@ -1314,27 +1411,12 @@ Test(short, a_psd_shard_keeps_pushes_across_registrations_and_refuses_repeated_r
                           "--log-level", "debug", NULL};
     pid_t sh = proc_spawn(argv, log);
     ps_msg_t m;
-    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HELLO, &m, 60), 0, "no HELLO from the shard");
     uint8_t ident[PS_MAX_IDENTITY];
-    size_t ilen = m.ident_len;
-    memcpy(ident, m.ident, ilen);
-    ps_msg_deinit(&m);
+    size_t ilen = 0;
     uint64_t lseq = 0;
-    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_HELLO, ++lseq);
-    Psd__ShardHello hb = PSD__SHARD_HELLO__INIT;
-    hb.shard = 1;
-    hb.shards = 2;
-    h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
-    h.shard_hello = &hb;
-    cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, NULL, 0), 0);
-    uint8_t token[PS_SHM_TOKEN] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
-    h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_WORKER, ++lseq);
-    Psd__ShardWorker sw = PSD__SHARD_WORKER__INIT;
-    sw.token.data = token;
-    sw.token.len = sizeof token;
-    h.body_case = PSD__HEADER__BODY_SHARD_WORKER;
-    h.shard_worker = &sw;
-    cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, NULL, 0), 0);
+    const uint8_t token[PS_SHM_TOKEN] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+    fake_leader_join(lead, ident, &ilen, token, &lseq);
+    Psd__Header h;
 
     uint64_t seq = 0;
     void *w1 = shard_register(ctx, wep, token, &seq);
@@ -1371,6 +1453,174 @@ Test(short, a_psd_shard_keeps_pushes_across_registrations_and_refuses_repeated_r
     cr_expect_eq(proc_wait(sh, 30), 1, "the shard exits 1");
     zmq_close(w1);
     zmq_close(w2);
+    zmq_close(lead);
+    zmq_ctx_term(ctx);
+}
+
+/* A PUSH of table rows to rank 0's shard connection d for version v: the
+ * ids frame (n ids) and a values frame of nv rows of 8 floats (val), or
+ * none when nv < 0; then, with want, the n_want rows the reply is to bring
+ * (pull: whether it asks for the next version). */
+static void shard_push_rows_want(void *d, uint64_t v, const uint32_t *ids, size_t n, int nv, float val,
+                                 const uint32_t *want, size_t n_want, bool pull, uint64_t *seq)
+{
+    const uint32_t table = 4; /* ctr.yaml: W0, b0, W1, b1, E */
+    float vals[4 * 8];
+    for (int i = 0; i < 4 * 8; i++) vals[i] = val + (float)(i / 8);
+    ps_frame_t fr[3] = {{.data = ids, .nbytes = n * 4, .id = table, .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n},
+                        {.data = vals, .nbytes = (size_t)(nv > 0 ? nv : 0) * 32, .id = table,
+                         .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)(nv > 0 ? nv : 0), .cols = 8}};
+    int k = nv < 0 ? 1 : 2;
+    if (want)
+        fr[k++] = (ps_frame_t){.data = want, .nbytes = n_want * 4, .id = table, .dtype = PSD__DTYPE__DT_U32,
+                               .rows = (uint32_t)n_want};
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_PUSH, ++*seq);
+    Psd__Push p = PSD__PUSH__INIT;
+    p.version = v;
+    p.batch = 1;
+    p.pull = pull;
+    p.want_rows = want != NULL;
+    h.body_case = PSD__HEADER__BODY_PUSH;
+    h.push = &p;
+    cr_assert_eq(ps_msg_send(d, NULL, 0, &h, fr, k), 0);
+}
+
+static void shard_push_rows(void *d, uint64_t v, const uint32_t *ids, size_t n, int nv, float val, uint64_t *seq)
+{
+    shard_push_rows_want(d, v, ids, n, nv, val, NULL, 0, true, seq);
+}
+
+/* The shard's part (its piece of the table) of the version its WEIGHTS
+ * answer on d brings, copied into out (n floats). */
+static void shard_weights(void *d, uint64_t version, float *out, size_t n)
+{
+    ps_msg_t m;
+    cr_assert_eq(recv_type(d, false, PSD__MSG_TYPE__MSG_WEIGHTS, &m, 30), 0, "no WEIGHTS of version %" PRIu64,
+                 version);
+    size_t got = 0;
+    const float *f = m.n_frames == 1 ? ps_msg_f32(&m, 0, &got) : NULL;
+    cr_assert(f && got == n && m.hdr->weights->version == version, "the piece of version %" PRIu64, version);
+    memcpy(out, f, n * sizeof *f);
+    ps_msg_deinit(&m);
+}
+
+/* A psd shard takes a push of table rows for its piece of the table only
+ * (ids strictly increasing inside the piece, one value row each: anything
+ * else is dropped and logged), steps as if the table had come whole (the
+ * rows pushed change, no other), forgets a push's rows at the next one,
+ * and answers a push that lists the rows the next batch reads with those
+ * rows. The test is shard 0 (ctr.yaml: the MLP on shard 0, the table's
+ * rows 32768..65535 on shard 1) and worker rank 0. */
+Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
+{
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, (int[]){64, 64, 2}, 3, 65536, 8), 0);
+    ps_piece_t pc[PS_MAX_TENSORS];
+    ps_shard_pieces(&l, 1, 2, pc);
+    size_t r0 = 0, r1 = 0;
+    cr_assert(l.table == 4 && ps_piece_rows(&l, &pc[4], &r0, &r1) && r0 == 32768 && r1 == 65536, "%zu..%zu", r0, r1);
+    for (int t = 0; t < 4; t++) cr_assert_eq(pc[t].n, 0, "the MLP on shard 0");
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    void *ctx = zmq_ctx_new(), *lead = zmq_socket(ctx, ZMQ_ROUTER);
+    int zero = 0;
+    zmq_setsockopt(lead, ZMQ_LINGER, &zero, sizeof zero);
+    char lep[64], wep[64], log[256];
+    snprintf(lep, sizeof lep, "tcp://127.0.0.1:%d", free_port());
+    snprintf(wep, sizeof wep, "tcp://127.0.0.1:%d", free_port());
+    cr_assert_eq(zmq_bind(lead, lep), 0);
+    path(log, sizeof log, "fakelead-rows.log");
+    const char *argv[] = {psd_bin, "--config", cfg, "--listen", wep, "--shard", "1/2", "--leader", lep,
+                          "--set", "checkpoint.dir=", "--worker-timeout", "60", NULL};
+    pid_t sh = proc_spawn(argv, log);
+    ps_msg_t m;
+    uint8_t ident[PS_MAX_IDENTITY];
+    size_t ilen = 0;
+    uint64_t lseq = 0;
+    const uint8_t token[PS_SHM_TOKEN] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+    fake_leader_join(lead, ident, &ilen, token, &lseq);
+    Psd__Header h;
+    uint64_t seq = 0;
+    void *w = shard_register(ctx, wep, token, &seq);
+    const size_t n = pc[4].n;
+    float *v0 = malloc(n * sizeof *v0), *v1 = malloc(n * sizeof *v1), *v2 = malloc(n * sizeof *v2);
+    h = fake_hdr(PSD__MSG_TYPE__MSG_PULL, ++seq);
+    Psd__Pull pl = PSD__PULL__INIT;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &pl;
+    cr_assert_eq(ps_msg_send(w, NULL, 0, &h, NULL, 0), 0);
+    shard_weights(w, 0, v0, n);
+
+    /* refused: a row of shard 0's piece, ids out of order, values for fewer rows, no values */
+    const uint32_t below[2] = {32767, 32768}, unsorted[2] = {40000, 39999}, ok[2] = {32768, 65535};
+    shard_push_rows(w, 0, below, 2, 2, 1, &seq);
+    shard_push_rows(w, 0, unsorted, 2, 2, 1, &seq);
+    shard_push_rows(w, 0, ok, 2, 1, 1, &seq);
+    shard_push_rows(w, 0, ok, 2, -1, 1, &seq);
+    cr_assert_neq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 1), 0, "a bad push of rows was taken");
+    char *text = slurp(log);
+    cr_assert_eq(count_in(text, "are not rows of this shard's piece of the table"), 4, "%s", text);
+    free(text);
+    shard_push_rows(w, 0, ok, 2, 2, 1, &seq); /* rows 32768 (all 1) and 65535 (all 2) */
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for the rows");
+    ps_msg_deinit(&m);
+    uint32_t one[1] = {0};
+    shard_step(lead, ident, ilen, 0, one, 1, ++lseq);
+    shard_weights(w, 1, v1, n);
+    const size_t last = n - 8;
+    for (size_t i = 0; i < n; i++) {
+        if (i < 8 || i >= last) cr_assert(v1[i] < v0[i], "float %zu of a row pushed went down", i);
+        else cr_assert(v1[i] == v0[i], "float %zu of a row not pushed changed", i);
+    }
+    /* the next push's rows only: the last push's are zero again */
+    const uint32_t mid[1] = {50000};
+    shard_push_rows(w, 1, mid, 1, 1, 1, &seq);
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for version 1");
+    ps_msg_deinit(&m);
+    shard_step(lead, ident, ilen, 1, one, 1, ++lseq);
+    shard_weights(w, 2, v2, n);
+    const size_t at = (50000 - 32768) * 8;
+    for (size_t i = 0; i < n; i++) {
+        if (i >= at && i < at + 8) cr_assert(v2[i] < v1[i], "float %zu of the row pushed went down", i);
+        else cr_assert(v2[i] == v1[i], "float %zu of a row not pushed this time changed", i);
+    }
+    /* with the rows the next batch reads: the reply brings those rows of the new version only;
+     * refused: a row of shard 0's piece, a list without a pull */
+    const uint32_t other[1] = {50001}, want[2] = {32768, 65535};
+    shard_push_rows_want(w, 2, other, 1, 1, 1, below, 2, true, &seq);
+    shard_push_rows_want(w, 2, other, 1, 1, 1, want, 2, false, &seq);
+    cr_assert_neq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 1), 0, "a bad list of rows was taken");
+    text = slurp(log);
+    cr_assert_eq(count_in(text, "asking for table rows that are not rows of this shard's piece"), 2, "%s", text);
+    free(text);
+    shard_push_rows_want(w, 2, other, 1, 1, 1, want, 2, true, &seq);
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for version 2");
+    ps_msg_deinit(&m);
+    shard_step(lead, ident, ilen, 2, one, 1, ++lseq);
+    cr_assert_eq(recv_type(w, false, PSD__MSG_TYPE__MSG_WEIGHTS, &m, 30), 0, "no WEIGHTS of version 3");
+    size_t got = 0;
+    const float *f = m.n_frames == 1 ? ps_msg_f32(&m, 0, &got) : NULL;
+    cr_assert(f && got == 16 && m.hdr->weights->version == 3 && m.hdr->weights->rows,
+              "two rows of version 3 (%zu floats)", got);
+    for (int i = 0; i < 8; i++) {
+        cr_assert(f[i] == v2[i], "row 32768 (not pushed since version 1), float %d", i);
+        cr_assert(f[8 + i] == v2[last + i], "row 65535, float %d", i);
+    }
+    ps_msg_deinit(&m);
+    free(v0);
+    free(v1);
+    free(v2);
+    h = fake_hdr(PSD__MSG_TYPE__MSG_SHUTDOWN, ++lseq);
+    Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
+    sd.reason = "test over";
+    h.body_case = PSD__HEADER__BODY_SHUTDOWN;
+    h.shutdown = &sd;
+    cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, NULL, 0), 0);
+    cr_expect_eq(proc_wait(sh, 30), 0, "the shard exits 0 at SHUTDOWN");
+    text = slurp(log);
+    cr_expect(text && strstr(text, "3 pushes of table rows (4 rows); sent 2 rows in replies"), "%s", text ? text : "");
+    free(text);
+    zmq_close(w);
     zmq_close(lead);
     zmq_ctx_term(ctx);
 }

@@ -66,6 +66,7 @@ struct psw_client {
     int n_shards;           /* 1: one psd */
     void *ssock[PS_MAX_SHARDS]; /* [0] unused: sock */
     ps_piece_t pieces[PS_MAX_SHARDS][PS_MAX_TENSORS];
+    int rows_shards;        /* every shard's piece of the table is whole rows: row pushes go to the shards */
     float *wbuf;
     uint64_t got[PS_MAX_SHARDS]; /* version + 1 of each shard's part in wbuf (0: none) */
     int from;               /* shard the message in cur came from */
@@ -486,7 +487,13 @@ static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, cha
     }
     memset(c->got, 0, sizeof c->got);
     c->pending = 0;
-    for (int k = 0; k < c->n_shards; k++) ps_shard_pieces(&c->layout, k, c->n_shards, c->pieces[k]);
+    c->rows_shards = c->layout.table >= 0;
+    for (int k = 0; k < c->n_shards; k++) {
+        ps_shard_pieces(&c->layout, k, c->n_shards, c->pieces[k]);
+        size_t r0, r1;
+        if (c->layout.table >= 0 && !ps_piece_rows(&c->layout, &c->pieces[k][c->layout.table], &r0, &r1))
+            c->rows_shards = 0;
+    }
     uint8_t token[PS_SHM_TOKEN];
     memcpy(token, a->shard_token.data, sizeof token);
     for (int k = 1; k < c->n_shards; k++) {
@@ -692,7 +699,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     c->replica = NULL;
     c->n_want = 0;
     c->table_on_psd = a->ctr && a->ctr->table_on_psd;
-    if (c->table_on_psd && !psw_client_rows_ok(c)) {
+    if (c->table_on_psd && (!psw_client_rows_ok(c) || c->n_shards > 1)) {
         snprintf(err, errlen, "psd keeps the table but sent a set-up without row pushes (shared memory, shards, "
                               "streams or bfloat16)");
         return -EPROTO;
@@ -768,8 +775,28 @@ static bool layout_tensor(const psw_client_t *c, int id, size_t numel)
 /* A push to psd shards: each gets its pieces of the tensors, in one message
  * (none if it holds none of them; then, when the push asks for the next
  * version, a PULL for it instead). Sent without copying, like one psd's. */
+/* First of the n sorted ids that is >= r (n if none). */
+static size_t first_row_at(const uint32_t *ids, size_t n, size_t r)
+{
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (ids[mid] < r) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* A push to psd shards: each shard gets one message with its pieces
+ * (sent from the gradients without copies). With row_ids, the table goes
+ * as rows: to each shard the ids and values of the rows in its piece
+ * (slices of the caller's arrays; two empty frames when none are); with
+ * want, each shard holding a piece of the table gets the rows of it the
+ * next batch reads (a last frame, copied; empty when none), and answers
+ * with those rows of its piece. */
 static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
-                       const size_t *numel, const int *rows, const int *cols)
+                       const size_t *numel, const int *rows, const int *cols, const uint32_t *row_ids,
+                       size_t n_rows, const float *row_vals, const uint32_t *want, size_t n_want)
 {
     const void *src[PSW_MAX_TENSORS];
     for (int i = 0; i < n; i++) {
@@ -784,20 +811,44 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
     size_t es = c->grad_bf16 ? 2 : 4;
     int pull = h->push->pull;
     for (int k = c->n_shards - 1; k >= 0; k--) { /* shard 0 last: its push completes the step's wait */
-        ps_frame_t fr[PSW_MAX_TENSORS];
-        int m = 0;
+        ps_frame_t fr[PSW_MAX_TENSORS + 2];
+        int m = 0, owed = 0; /* frames, and those sent without copies (push_frame_done) */
+        h->push->want_rows = false;
+        size_t wa = 0, wn = 0; /* want[wa, wa + wn): the rows of this shard's piece wanted */
         for (int i = 0; i < n; i++) {
             const ps_piece_t *p = &c->pieces[k][ids[i]];
             if (p->n == 0) continue;
+            size_t r0, r1;
+            if (row_ids && ids[i] == c->layout.table && ps_piece_rows(&c->layout, p, &r0, &r1)) {
+                size_t a = first_row_at(row_ids, n_rows, r0), nr = first_row_at(row_ids, n_rows, r1) - a;
+                size_t D = (size_t)c->layout.t[ids[i]].cols;
+                void (*ffn)(void *, void *) = nr ? push_frame_done : NULL; /* none: two empty frames */
+                fr[m++] = (ps_frame_t){.data = row_ids + a, .nbytes = nr * sizeof *row_ids, .ffn = ffn, .hint = c,
+                                       .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)nr};
+                fr[m++] = (ps_frame_t){.data = row_vals + a * D, .nbytes = nr * D * sizeof(float), .ffn = ffn,
+                                       .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_F32,
+                                       .rows = (uint32_t)nr, .cols = (uint32_t)D};
+                owed += nr ? 2 : 0;
+                if (n_want) {
+                    wa = first_row_at(want, n_want, r0);
+                    wn = first_row_at(want, n_want, r1) - wa;
+                    h->push->want_rows = true;
+                }
+                continue;
+            }
             fr[m++] = (ps_frame_t){.data = (const char *)src[i] + p->off * es, .nbytes = p->n * es,
                                    .ffn = push_frame_done, .hint = c, .id = (uint32_t)ids[i],
                                    .dtype = c->grad_bf16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32,
                                    .rows = (uint32_t)rows[i], .cols = (uint32_t)cols[i], .offset = p->off};
+            owed++;
         }
+        if (h->push->want_rows) /* the message's last frame */
+            fr[m++] = (ps_frame_t){.data = want + wa, .nbytes = wn * sizeof *want, .id = (uint32_t)c->layout.table,
+                                   .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)wn};
         void *so = k ? c->ssock[k] : c->sock;
         int rc;
         if (m > 0) {
-            atomic_fetch_add_explicit(&c->push_inflight, m, memory_order_relaxed);
+            atomic_fetch_add_explicit(&c->push_inflight, owed, memory_order_relaxed);
             rc = ps_msg_send(so, NULL, 0, h, fr, m);
         } else if (pull) { /* its part of the push came before: ask for the next version */
             rc = pull_on(c, so, k ? h->push->version + 1 : h->push->version, NULL, 0);
@@ -879,7 +930,7 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
         return ps_msg_send(c->sock, NULL, 0, &h, NULL, 0);
     }
     ps_frame_t fr[PSW_MAX_TENSORS];
-    if (c->n_shards > 1) return push_shards(c, &h, n, ids, grads, numel, rows, cols);
+    if (c->n_shards > 1) return push_shards(c, &h, n, ids, grads, numel, rows, cols, NULL, 0, NULL, NULL, 0);
     if (c->stream_cf) return push_stream(c, &h, n, ids, grads, numel, rows, cols);
     for (int i = 0; i < n; i++) {
         if (c->grad_bf16) { /* rounded into the conversion buffer, sent from there */
@@ -902,7 +953,7 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
 
 int psw_client_rows_ok(const psw_client_t *c)
 {
-    return !c->shm && c->n_shards == 1 && !c->stream_cf && !c->grad_bf16 && c->layout.table >= 0;
+    return !c->shm && (c->n_shards == 1 || c->rows_shards) && !c->stream_cf && !c->grad_bf16 && c->layout.table >= 0;
 }
 
 /* ids[0..n) are rows of the table, strictly increasing (n >= 1) */
@@ -922,7 +973,7 @@ static int keep_want(psw_client_t *c, const uint32_t *want, size_t n)
         c->want = p;
         c->want_cap = n;
     }
-    if (n && !c->table_on_psd && !c->replica &&
+    if (n && !c->table_on_psd && c->n_shards == 1 && !c->replica && /* shards: wbuf holds the table */
         !(c->replica = calloc(c->layout.t[c->layout.table].numel, sizeof *c->replica)))
         return -ENOMEM;
     if (n) memcpy(c->want, want, n * sizeof *want);
@@ -932,7 +983,7 @@ static int keep_want(psw_client_t *c, const uint32_t *want, size_t n)
 
 int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *want, size_t n)
 {
-    if (!psw_client_rows_ok(c) || !table_rows(c, want, n)) return -EINVAL;
+    if (!psw_client_rows_ok(c) || c->n_shards > 1 || !table_rows(c, want, n)) return -EINVAL;
     int rc = keep_want(c, want, n);
     if (rc < 0) return rc;
     c->t_req = ps_now();
@@ -954,6 +1005,8 @@ int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, doub
     Psd__Header h;
     Psd__Push p = PSD__PUSH__INIT;
     push_header(c, &h, &p, version, batch, loss_sum, correct, pull);
+    if (c->n_shards > 1)
+        return push_shards(c, &h, n, ids, grads, numel, rows, cols, row_ids, n_rows, row_vals, want, n_want);
     p.want_rows = n_want > 0;
     ps_frame_t fr[PSW_MAX_TENSORS + 2];
     int m = 0, dim = c->layout.t[table].cols;
@@ -1168,21 +1221,36 @@ static int take_val_rows(psw_client_t *c, psw_event_t *ev, char *err, size_t err
 uint64_t psw_client_verified(const psw_client_t *c) { return c->verified; }
 
 /* Shard k's part of a version (the frames in cur) into wbuf, checked
- * against its pieces and, with crc, against the CRC-32 it sent. */
-static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, char *err, size_t errlen)
+ * against its pieces and, with crc, against the CRC-32 it sent. With rows,
+ * its piece of the table is the rows of it the last push asked for,
+ * scattered into wbuf (the others keep older values: the next batch does
+ * not read them). */
+static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, bool rows, char *err, size_t errlen)
 {
     uLong got = crc32(0L, Z_NULL, 0);
     int f = 0;
     for (int t = 0; t < c->layout.n_tensors; t++) {
         const ps_piece_t *p = &c->pieces[k][t];
         if (p->n == 0) continue;
-        size_t n = 0;
+        size_t n = 0, r0, r1, wa = 0, want_n = p->n;
+        const bool as_rows = rows && t == c->layout.table && ps_piece_rows(&c->layout, p, &r0, &r1);
+        const size_t D = as_rows ? (size_t)c->layout.t[t].cols : 0;
+        if (as_rows) { /* the rows of want in this piece */
+            wa = first_row_at(c->want, c->n_want, r0);
+            want_n = (first_row_at(c->want, c->n_want, r1) - wa) * D;
+        }
         const uint16_t *h16 = c->weight_bf16 && f < c->cur.n_frames ? ps_msg_bf16(&c->cur, f, &n) : NULL;
         const float *h32 = !c->weight_bf16 && f < c->cur.n_frames ? ps_msg_f32(&c->cur, f, &n) : NULL;
-        if ((!h16 && !h32) || c->cur.hdr->tensors[f]->id != (uint32_t)t || c->cur.hdr->tensors[f]->offset != p->off ||
-            n != p->n) {
+        if ((!h16 && !h32) || c->cur.hdr->tensors[f]->id != (uint32_t)t ||
+            c->cur.hdr->tensors[f]->offset != (as_rows ? 0 : p->off) || n != want_n || (as_rows && (h16 || crc))) {
             snprintf(err, errlen, "psd shard %d sent an invalid weights frame %d", k, f);
             return -EPROTO;
+        }
+        if (as_rows) {
+            float *E = c->wbuf + c->layout.t[t].offset;
+            for (size_t j = 0; j < n / D; j++) memcpy(E + (size_t)c->want[wa + j] * D, h32 + j * D, D * sizeof(float));
+            f++;
+            continue;
         }
         float *dst = c->wbuf + c->layout.t[t].offset + p->off;
         if (h16) ps_bf16_to_f32_n(dst, h16, n);
@@ -1278,6 +1346,7 @@ static int parts_done(psw_client_t *c, psw_event_t *ev)
         ev->tensor_numel[t] = c->layout.t[t].numel;
     }
     if (ev->kind == PSW_EV_WEIGHTS) {
+        c->n_want = 0; /* the rows asked for came */
         c->t_weights = ps_now();
         c->wait = c->t_req > 0 ? c->t_weights - c->t_req : 0;
         c->t_req = 0;
@@ -1296,12 +1365,12 @@ static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t err
             PS_WARN("dropped an unexpected %s from psd shard %d", ps_msg_type_name((int)h->type), k);
             return 0;
         }
-        int rc = take_part(c, k, h->weights->version, h->weights->crc, err, errlen);
+        int rc = take_part(c, k, h->weights->version, h->weights->crc, h->weights->rows, err, errlen);
         return rc < 0 ? rc : parts_done(c, ev);
     }
     bool val = h->type == PSD__MSG_TYPE__MSG_VALIDATE;
     uint64_t v = val ? h->validate->version : h->weights->version;
-    int rc = take_part(c, 0, v, val ? h->validate->crc : h->weights->crc, err, errlen);
+    int rc = take_part(c, 0, v, val ? h->validate->crc : h->weights->crc, !val && h->weights->rows, err, errlen);
     if (rc < 0) return rc;
     if (c->pending && (c->pend.kind != (val ? PSW_EV_VALIDATE : PSW_EV_WEIGHTS) || c->pend.version != v))
         PS_WARN("psd sent %s of version %llu while its %s of version %llu waited for the shards' parts: that one is "

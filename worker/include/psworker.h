@@ -122,8 +122,8 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
 /* Ask for weights of version >= min_version (answered by a WEIGHTS event). */
 int psw_client_pull(psw_client_t *c, uint64_t min_version);
 /* The same, with the table as rows want[0, n) only (strictly increasing,
- * n >= 1), where psw_client_rows_ok: how a worker whose table stays on psd
- * gets the rows of a batch its last push did not ask for. */
+ * n >= 1), where psw_client_rows_ok, one psd: how a worker whose table
+ * stays on psd gets the rows of a batch its last push did not ask for. */
 int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *want, size_t n);
 
 /* Push the mean gradient of a batch computed on `version`: n tensors, the
@@ -143,13 +143,18 @@ int psw_client_push_done(psw_client_t *c);
  * increasing) and their gradient rows (row_vals, n_rows x dim) instead of
  * the whole table; psd takes the other rows' gradient as zero, so the step
  * is the one the whole table would give. Without copying, like
- * psw_client_push. Only where psw_client_rows_ok (over the wire, one psd,
- * whole steps, f32 gradients); -EINVAL otherwise or for bad ids. */
+ * psw_client_push. Only where psw_client_rows_ok (over the wire, whole
+ * steps, f32 gradients; with psd shards, when every shard's piece of the
+ * table is whole rows: each gets the rows in its piece); -EINVAL otherwise
+ * or for bad ids. */
 int psw_client_rows_ok(const psw_client_t *c);
 /* want (n_want > 0, with pull): the table rows, strictly increasing, the
  * worker's next batch reads; the WEIGHTS reply then brings only those (and
  * the other tensors whole), and its table is the client's replica of the
- * table with them scattered in: exact for a batch that reads no other row. */
+ * table with them scattered in: exact for a batch that reads no other row.
+ * With psd shards each shard holding a piece of the table gets the rows of
+ * its piece and answers with those; the table is the client's whole-model
+ * buffer with them scattered in. */
 int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct,
                          int pull, int n, const int *ids, const float *const *grads, const size_t *numel,
                          const int *rows, const int *cols, const uint32_t *row_ids, size_t n_rows,
