@@ -1151,6 +1151,21 @@ Test(short, table_rows_go_to_psd_shards)
     cr_assert(got[0][3] > 0 && got[0][3] < 0.3 * 32768 * 2 * 2 * 40, "shard 1: %g rows sent", got[0][3]);
     cr_assert(got[1][1] == 0 && got[1][0] == 2 * 2 * 40 * piece && got[1][3] == 0, "shard 1, whole tables: %g bytes",
               got[1][0]);
+    /* a width that does not divide the norm block (12; with 50 000 rows the shards' boundary
+     * falls inside a row): the table goes whole to the shards (rows to one psd), the same bits */
+    const char *odd[] = {"--config", cfg, "--epochs", "1", "--set", "ctr.train=5000", "--set", "ctr.test=500",
+                         "--set", "checkpoint.dir=", "--set", "ctr.rows=50000", "--set", "ctr.dim=12", "--set",
+                         "model.layers=[96,16,2]", NULL};
+    run_t d, e;
+    train_sharded(&d, "odd1", 1, odd, wex);
+    cr_assert(a_run_ok(&d), "%s", d.psd_log);
+    train_sharded(&e, "odd2", 2, odd, wex);
+    cr_assert(a_run_ok(&e), "%s", e.psd_log);
+    cr_assert(weights_equal(d.weights, e.weights), "table width 12: 2 shards = 1 psd, bit for bit");
+    char *md = metrics_last(&d), *me = metrics_last(&e);
+    cr_assert(json_num(md, "table_row_pushes") > 0 && json_num(me, "table_row_pushes") == 0, "%s\n%s", md, me);
+    free(md);
+    free(me);
     free(mb);
     free(mc);
 }

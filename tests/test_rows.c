@@ -2,7 +2,9 @@
  * sparse step gives the dense step's weights for SGD and Adagrad, merges
  * duplicates and contributors in a fixed order, leaves untouched rows alone
  * (lazy Adam), and refuses what does not fit; and psd's store steps a table
- * lazily with the dense step's bits (SGD, Adagrad), in place or out. */
+ * lazily with the dense step's bits (SGD, Adagrad), in place or out; and
+ * a psd shard's piece of a table is whole rows, its rows checked,
+ * scattered and gathered. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
@@ -251,4 +253,77 @@ Test(rows, lazy_adam_in_the_store_leaves_untouched_rows_alone)
     psd_store_deinit(&init);
     psd_store_deinit(&a);
     psd_store_deinit(&b);
+}
+
+/* psd shards and table rows: a shard's piece of a table is whole rows when
+ * the table's width divides the norm block, and the worker falls back to
+ * whole tables otherwise (ps_piece_rows says no). */
+Test(rows, shard_pieces_of_a_table_are_whole_rows_when_its_width_divides_the_block)
+{
+    const int sizes[] = {64, 64, 2};
+    const struct {
+        int dim;
+        bool whole;
+    } c[] = {{8, true}, {32, true}, {16384, true}, {12, false}, {24, false}};
+    for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
+        ps_layout_t l;
+        cr_assert_eq(ps_layout_init_table(&l, sizes, 3, 65536 * 8 / (uint64_t)c[i].dim + 7, c[i].dim), 0);
+        bool all = true;
+        size_t covered = 0, next = 0;
+        for (int k = 0; k < 3; k++) {
+            ps_piece_t p[PS_MAX_TENSORS];
+            ps_shard_pieces(&l, k, 3, p);
+            size_t r0, r1;
+            if (!ps_piece_rows(&l, &p[l.table], &r0, &r1)) {
+                all = false;
+                continue;
+            }
+            if (r0 == r1) continue;
+            cr_assert_eq(r0, next, "dim %d: shard %d's rows follow the last shard's", c[i].dim, k);
+            cr_assert_eq(p[l.table].off, r0 * (size_t)c[i].dim);
+            covered += r1 - r0;
+            next = r1;
+        }
+        cr_assert_eq(all, c[i].whole, "dim %d", c[i].dim);
+        if (all) cr_assert_eq(covered, (size_t)l.t[l.table].rows, "dim %d: every row on one shard", c[i].dim);
+    }
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, sizes, 3, 100, 8), 0);
+    ps_piece_t p = {.t = 0, .off = 0, .n = 8};
+    size_t r0, r1;
+    cr_assert_not(ps_piece_rows(&l, &p, &r0, &r1), "a piece of another tensor");
+}
+
+/* A shard's rows: checked inside its piece, scattered into its piece's
+ * gradient (the last push's rows zeroed), gathered for a reply. */
+Test(rows, a_shards_rows_are_checked_scattered_and_gathered)
+{
+    const uint32_t in[3] = {10, 11, 19}, out_lo[2] = {9, 12}, out_hi[2] = {12, 20}, dup[2] = {12, 12};
+    cr_assert(psd_rows_in(in, 3, 10, 20));
+    cr_assert(psd_rows_in(NULL, 0, 10, 20), "none");
+    cr_assert_not(psd_rows_in(out_lo, 2, 10, 20));
+    cr_assert_not(psd_rows_in(out_hi, 2, 10, 20));
+    cr_assert_not(psd_rows_in(dup, 2, 10, 20));
+    float e[10 * 2] = {0}, v[3 * 2] = {1, 2, 3, 4, 5, 6};
+    psd_rows_scatter(e, 10, 2, NULL, 0, in, v, 3);
+    const float want1[20] = {1, 2, 3, 4, [18] = 5, [19] = 6};
+    cr_assert_arr_eq(e, want1, sizeof e);
+    const uint32_t next[1] = {15};
+    psd_rows_scatter(e, 10, 2, in, 3, next, v, 1);
+    const float want2[20] = {[10] = 1, [11] = 2};
+    cr_assert_arr_eq(e, want2, sizeof e, "the last push's rows are zero again");
+    float E[30 * 2], g[2 * 2];
+    for (int i = 0; i < 60; i++) E[i] = (float)i;
+    const uint32_t rows[2] = {3, 29};
+    psd_rows_gather(g, E, 2, rows, 2);
+    const float want3[4] = {6, 7, 58, 59};
+    cr_assert_arr_eq(g, want3, sizeof g);
+    psd_want_t w = {0};
+    cr_assert_eq(psd_want_keep(&w, rows, 2, 16, 2), 0);
+    cr_assert(w.has && w.n == 2 && w.cap == 16 && w.ids[1] == 29);
+    uint32_t *ids = w.ids;
+    cr_assert_eq(psd_want_keep(&w, NULL, 0, 16, 2), 0);
+    cr_assert(w.has && w.n == 0 && w.ids == ids, "an empty list keeps its room");
+    psd_want_free(&w);
+    cr_assert(!w.ids && !w.vals && !w.has);
 }
