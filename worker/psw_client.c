@@ -508,6 +508,9 @@ static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, cha
         zmq_setsockopt(so, ZMQ_LINGER, &linger, sizeof linger);
         zmq_setsockopt(so, ZMQ_SNDHWM, &zero, sizeof zero);
         zmq_setsockopt(so, ZMQ_RCVHWM, &zero, sizeof zero);
+        /* a shard sends its parts of the weights and small messages: a larger frame disconnects it */
+        int64_t most = 4 * (int64_t)c->layout.n_params + (4 << 20);
+        zmq_setsockopt(so, ZMQ_MAXMSGSIZE, &most, sizeof most);
         if (c->info.curve_server && (zmq_setsockopt(so, ZMQ_CURVE_SERVERKEY, c->info.curve_server, 40) != 0 ||
                                      zmq_setsockopt(so, ZMQ_CURVE_PUBLICKEY, c->info.curve_public, 40) != 0 ||
                                      zmq_setsockopt(so, ZMQ_CURVE_SECRETKEY, c->info.curve_secret, 40) != 0)) {
