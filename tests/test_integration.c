@@ -1379,29 +1379,73 @@ static void shard_step(void *lead, const uint8_t *ident, size_t ilen, uint64_t v
     cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, NULL, 0), 0);
 }
 
-/* The test as shard 0 of 2: answers shard 1's HELLO on lead (its identity
- * into ident, ilen) and tells it rank 0 may register with token. */
-static void fake_leader_join(void *lead, uint8_t *ident, size_t *ilen, const uint8_t *token, uint64_t *lseq)
+/* The test as shard 0 of 2 against a real `psd --shard 1/2` (started with
+ * the extra arguments, its log in `log`): it joins (the test answers its
+ * HELLO), learns that rank 0 may register with fake_token, and rank 0 is
+ * registered with it (w). */
+typedef struct {
+    void *ctx, *lead, *w; /* shard 0's ROUTER; rank 0's DEALER to the shard */
+    char wep[64], log[256];
+    uint8_t ident[PS_MAX_IDENTITY]; /* the shard's identity on lead */
+    size_t ilen;
+    uint64_t lseq, seq; /* shard 0's and rank 0's sequence numbers */
+    pid_t sh;
+} fake_lead_t;
+
+static const uint8_t fake_token[PS_SHM_TOKEN] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+
+static void fake_lead_start(fake_lead_t *f, const char *logname, const char *const *extra)
 {
+    memset(f, 0, sizeof *f);
+    f->ctx = zmq_ctx_new();
+    f->lead = zmq_socket(f->ctx, ZMQ_ROUTER);
+    int zero = 0;
+    zmq_setsockopt(f->lead, ZMQ_LINGER, &zero, sizeof zero);
+    char lep[64];
+    snprintf(lep, sizeof lep, "tcp://127.0.0.1:%d", free_port());
+    snprintf(f->wep, sizeof f->wep, "tcp://127.0.0.1:%d", free_port());
+    cr_assert_eq(zmq_bind(f->lead, lep), 0);
+    path(f->log, sizeof f->log, logname);
+    const char *argv[32] = {psd_bin, "--listen", f->wep, "--shard", "1/2", "--leader", lep, "--set",
+                            "checkpoint.dir=", "--worker-timeout", "60"};
+    int k = 11;
+    for (int j = 0; extra[j]; j++) argv[k++] = extra[j];
+    argv[k] = NULL;
+    f->sh = proc_spawn(argv, f->log);
     ps_msg_t m;
-    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HELLO, &m, 60), 0, "no HELLO from the shard");
-    *ilen = m.ident_len;
-    memcpy(ident, m.ident, m.ident_len);
+    cr_assert_eq(recv_type(f->lead, true, PSD__MSG_TYPE__MSG_SHARD_HELLO, &m, 60), 0, "no HELLO from the shard");
+    f->ilen = m.ident_len;
+    memcpy(f->ident, m.ident, m.ident_len);
     ps_msg_deinit(&m);
-    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_HELLO, ++*lseq);
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_HELLO, ++f->lseq);
     Psd__ShardHello hb = PSD__SHARD_HELLO__INIT;
     hb.shard = 1;
     hb.shards = 2;
     h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     h.shard_hello = &hb;
-    cr_assert_eq(ps_msg_send(lead, ident, *ilen, &h, NULL, 0), 0);
-    h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_WORKER, ++*lseq);
+    cr_assert_eq(ps_msg_send(f->lead, f->ident, f->ilen, &h, NULL, 0), 0);
+    h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_WORKER, ++f->lseq);
     Psd__ShardWorker sw = PSD__SHARD_WORKER__INIT;
-    sw.token.data = (uint8_t *)token;
+    sw.token.data = (uint8_t *)fake_token;
     sw.token.len = PS_SHM_TOKEN;
     h.body_case = PSD__HEADER__BODY_SHARD_WORKER;
     h.shard_worker = &sw;
-    cr_assert_eq(ps_msg_send(lead, ident, *ilen, &h, NULL, 0), 0);
+    cr_assert_eq(ps_msg_send(f->lead, f->ident, f->ilen, &h, NULL, 0), 0);
+    f->w = shard_register(f->ctx, f->wep, fake_token, &f->seq);
+}
+
+/* Shard 0 sends h (its sequence number next) to the shard. */
+static void fake_lead_send(fake_lead_t *f, Psd__Header *h)
+{
+    h->seq = ++f->lseq;
+    cr_assert_eq(ps_msg_send(f->lead, f->ident, f->ilen, h, NULL, 0), 0);
+}
+
+static void fake_lead_end(fake_lead_t *f)
+{
+    zmq_close(f->w);
+    zmq_close(f->lead);
+    zmq_ctx_term(f->ctx);
 }
 
 /* A psd shard keeps a worker's complete push when the worker registers
@@ -1412,64 +1456,45 @@ static void fake_leader_join(void *lead, uint8_t *ident, size_t *ilen, const uin
  * SHARD_HAVE and sends the STEPs. */
 Test(short, a_psd_shard_keeps_pushes_across_registrations_and_refuses_repeated_ranks)
 {
-    void *ctx = zmq_ctx_new(), *lead = zmq_socket(ctx, ZMQ_ROUTER);
-    int zero = 0;
-    zmq_setsockopt(lead, ZMQ_LINGER, &zero, sizeof zero);
-    char lep[64], wep[64], log[256];
-    snprintf(lep, sizeof lep, "tcp://127.0.0.1:%d", free_port());
-    snprintf(wep, sizeof wep, "tcp://127.0.0.1:%d", free_port());
-    cr_assert_eq(zmq_bind(lead, lep), 0);
-    path(log, sizeof log, "fakelead-shard.log");
-    const char *argv[] = {psd_bin, "--listen", wep, "--shard", "1/2", "--leader", lep, "--set",
-                          "model.layers=[784,4]", "--set", "optimizer.momentum=0", "--set", "optimizer.weight_decay=0",
-                          "--set", "data.train_limit=1000", "--set", "checkpoint.dir=", "--worker-timeout", "60",
-                          "--log-level", "debug", NULL};
-    pid_t sh = proc_spawn(argv, log);
+    const char *extra[] = {"--set", "model.layers=[784,4]", "--set", "optimizer.momentum=0", "--set",
+                           "optimizer.weight_decay=0", "--set", "data.train_limit=1000", "--log-level", "debug", NULL};
+    fake_lead_t f;
+    fake_lead_start(&f, "fakelead-shard.log", extra);
     ps_msg_t m;
-    uint8_t ident[PS_MAX_IDENTITY];
-    size_t ilen = 0;
-    uint64_t lseq = 0;
-    const uint8_t token[PS_SHM_TOKEN] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
-    fake_leader_join(lead, ident, &ilen, token, &lseq);
     Psd__Header h;
-
-    uint64_t seq = 0;
-    void *w1 = shard_register(ctx, wep, token, &seq);
-    shard_push(w1, 0, &seq);
-    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE");
+    shard_push(f.w, 0, &f.seq);
+    cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE");
     cr_assert_eq(m.hdr->shard_have->rank, 0);
     ps_msg_deinit(&m);
-    void *w2 = shard_register(ctx, wep, token, &seq); /* the same rank from a new connection */
-    h = fake_hdr(PSD__MSG_TYPE__MSG_PULL, ++seq);
+    void *w2 = shard_register(f.ctx, f.wep, fake_token, &f.seq); /* the same rank from a new connection */
+    h = fake_hdr(PSD__MSG_TYPE__MSG_PULL, ++f.seq);
     Psd__Pull pl = PSD__PULL__INIT;
     pl.min_version = 1;
     h.body_case = PSD__HEADER__BODY_PULL;
     h.pull = &pl;
     cr_assert_eq(ps_msg_send(w2, NULL, 0, &h, NULL, 0), 0);
     uint32_t one[1] = {0};
-    shard_step(lead, ident, ilen, 0, one, 1, ++lseq);
+    shard_step(f.lead, f.ident, f.ilen, 0, one, 1, ++f.lseq);
     cr_assert_eq(recv_type(w2, false, PSD__MSG_TYPE__MSG_WEIGHTS, &m, 30), 0,
-                 "no version 1 after the STEP: the shard dropped the push (log %s)", log);
+                 "no version 1 after the STEP: the shard dropped the push (log %s)", f.log);
     size_t n = 0;
     const float *b = m.n_frames == 1 ? ps_msg_f32(&m, 0, &n) : NULL;
     cr_assert(b && n == 4 && m.hdr->weights->version == 1, "weights of the shard's part");
     for (int i = 0; i < 4; i++) cr_expect_float_eq(b[i], -0.5f, 1e-6, "bias %d: 0 - 0.5 x 1", i);
     ps_msg_deinit(&m);
 
-    shard_push(w2, 1, &seq);
-    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for version 1");
+    shard_push(w2, 1, &f.seq);
+    cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for version 1");
     ps_msg_deinit(&m);
     uint32_t twice[2] = {0, 0};
-    shard_step(lead, ident, ilen, 1, twice, 2, ++lseq);
-    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_ERROR, &m, 30), 0, "a STEP naming rank 0 twice was taken");
+    shard_step(f.lead, f.ident, f.ilen, 1, twice, 2, ++f.lseq);
+    cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_ERROR, &m, 30), 0, "a STEP naming rank 0 twice was taken");
     cr_expect(m.hdr->error->message && strstr(m.hdr->error->message, "repeated rank"), "%s",
               m.hdr->error->message ? m.hdr->error->message : "");
     ps_msg_deinit(&m);
-    cr_expect_eq(proc_wait(sh, 30), 1, "the shard exits 1");
-    zmq_close(w1);
+    cr_expect_eq(proc_wait(f.sh, 30), 1, "the shard exits 1");
     zmq_close(w2);
-    zmq_close(lead);
-    zmq_ctx_term(ctx);
+    fake_lead_end(&f);
 }
 
 /* A PUSH of table rows to rank 0's shard connection d for version v: the
@@ -1537,29 +1562,16 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
     for (int t = 0; t < 4; t++) cr_assert_eq(pc[t].n, 0, "the MLP on shard 0");
     char cfg[1024];
     snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
-    void *ctx = zmq_ctx_new(), *lead = zmq_socket(ctx, ZMQ_ROUTER);
-    int zero = 0;
-    zmq_setsockopt(lead, ZMQ_LINGER, &zero, sizeof zero);
-    char lep[64], wep[64], log[256];
-    snprintf(lep, sizeof lep, "tcp://127.0.0.1:%d", free_port());
-    snprintf(wep, sizeof wep, "tcp://127.0.0.1:%d", free_port());
-    cr_assert_eq(zmq_bind(lead, lep), 0);
-    path(log, sizeof log, "fakelead-rows.log");
-    const char *argv[] = {psd_bin, "--config", cfg, "--listen", wep, "--shard", "1/2", "--leader", lep,
-                          "--set", "checkpoint.dir=", "--worker-timeout", "60", NULL};
-    pid_t sh = proc_spawn(argv, log);
+    const char *extra[] = {"--config", cfg, NULL};
+    fake_lead_t f;
+    fake_lead_start(&f, "fakelead-rows.log", extra);
     ps_msg_t m;
-    uint8_t ident[PS_MAX_IDENTITY];
-    size_t ilen = 0;
-    uint64_t lseq = 0;
-    const uint8_t token[PS_SHM_TOKEN] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
-    fake_leader_join(lead, ident, &ilen, token, &lseq);
     Psd__Header h;
-    uint64_t seq = 0;
-    void *w = shard_register(ctx, wep, token, &seq);
+    void *w = f.w;
+    uint64_t *seq = &f.seq;
     const size_t n = pc[4].n;
     float *v0 = malloc(n * sizeof *v0), *v1 = malloc(n * sizeof *v1), *v2 = malloc(n * sizeof *v2);
-    h = fake_hdr(PSD__MSG_TYPE__MSG_PULL, ++seq);
+    h = fake_hdr(PSD__MSG_TYPE__MSG_PULL, ++*seq);
     Psd__Pull pl = PSD__PULL__INIT;
     h.body_case = PSD__HEADER__BODY_PULL;
     h.pull = &pl;
@@ -1568,19 +1580,19 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
 
     /* refused: a row of shard 0's piece, ids out of order, values for fewer rows, no values */
     const uint32_t below[2] = {32767, 32768}, unsorted[2] = {40000, 39999}, ok[2] = {32768, 65535};
-    shard_push_rows(w, 0, below, 2, 2, 1, &seq);
-    shard_push_rows(w, 0, unsorted, 2, 2, 1, &seq);
-    shard_push_rows(w, 0, ok, 2, 1, 1, &seq);
-    shard_push_rows(w, 0, ok, 2, -1, 1, &seq);
-    cr_assert_neq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 1), 0, "a bad push of rows was taken");
-    char *text = slurp(log);
+    shard_push_rows(w, 0, below, 2, 2, 1, seq);
+    shard_push_rows(w, 0, unsorted, 2, 2, 1, seq);
+    shard_push_rows(w, 0, ok, 2, 1, 1, seq);
+    shard_push_rows(w, 0, ok, 2, -1, 1, seq);
+    cr_assert_neq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 1), 0, "a bad push of rows was taken");
+    char *text = slurp(f.log);
     cr_assert_eq(count_in(text, "are not rows of this shard's piece of the table"), 4, "%s", text);
     free(text);
-    shard_push_rows(w, 0, ok, 2, 2, 1, &seq); /* rows 32768 (all 1) and 65535 (all 2) */
-    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for the rows");
+    shard_push_rows(w, 0, ok, 2, 2, 1, seq); /* rows 32768 (all 1) and 65535 (all 2) */
+    cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for the rows");
     ps_msg_deinit(&m);
     uint32_t one[1] = {0};
-    shard_step(lead, ident, ilen, 0, one, 1, ++lseq);
+    shard_step(f.lead, f.ident, f.ilen, 0, one, 1, ++f.lseq);
     shard_weights(w, 1, v1, n);
     const size_t last = n - 8;
     for (size_t i = 0; i < n; i++) {
@@ -1589,10 +1601,10 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
     }
     /* the next push's rows only: the last push's are zero again */
     const uint32_t mid[1] = {50000};
-    shard_push_rows(w, 1, mid, 1, 1, 1, &seq);
-    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for version 1");
+    shard_push_rows(w, 1, mid, 1, 1, 1, seq);
+    cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for version 1");
     ps_msg_deinit(&m);
-    shard_step(lead, ident, ilen, 1, one, 1, ++lseq);
+    shard_step(f.lead, f.ident, f.ilen, 1, one, 1, ++f.lseq);
     shard_weights(w, 2, v2, n);
     const size_t at = (50000 - 32768) * 8;
     for (size_t i = 0; i < n; i++) {
@@ -1602,42 +1614,85 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
     /* with the rows the next batch reads: the reply brings those rows of the new version only;
      * refused: a row of shard 0's piece, a list without a pull */
     const uint32_t other[1] = {50001}, want[2] = {32768, 65535};
-    shard_push_rows_want(w, 2, other, 1, 1, 1, below, 2, true, &seq);
-    shard_push_rows_want(w, 2, other, 1, 1, 1, want, 2, false, &seq);
-    cr_assert_neq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 1), 0, "a bad list of rows was taken");
-    text = slurp(log);
+    shard_push_rows_want(w, 2, other, 1, 1, 1, below, 2, true, seq);
+    shard_push_rows_want(w, 2, other, 1, 1, 1, want, 2, false, seq);
+    cr_assert_neq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 1), 0, "a bad list of rows was taken");
+    text = slurp(f.log);
     cr_assert_eq(count_in(text, "asking for table rows that are not rows of this shard's piece"), 2, "%s", text);
     free(text);
-    shard_push_rows_want(w, 2, other, 1, 1, 1, want, 2, true, &seq);
-    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for version 2");
+    shard_push_rows_want(w, 2, other, 1, 1, 1, want, 2, true, seq);
+    cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for version 2");
     ps_msg_deinit(&m);
-    shard_step(lead, ident, ilen, 2, one, 1, ++lseq);
+    shard_step(f.lead, f.ident, f.ilen, 2, one, 1, ++f.lseq);
     cr_assert_eq(recv_type(w, false, PSD__MSG_TYPE__MSG_WEIGHTS, &m, 30), 0, "no WEIGHTS of version 3");
     size_t got = 0;
-    const float *f = m.n_frames == 1 ? ps_msg_f32(&m, 0, &got) : NULL;
-    cr_assert(f && got == 16 && m.hdr->weights->version == 3 && m.hdr->weights->rows,
+    const float *r = m.n_frames == 1 ? ps_msg_f32(&m, 0, &got) : NULL;
+    cr_assert(r && got == 16 && m.hdr->weights->version == 3 && m.hdr->weights->rows,
               "two rows of version 3 (%zu floats)", got);
     for (int i = 0; i < 8; i++) {
-        cr_assert(f[i] == v2[i], "row 32768 (not pushed since version 1), float %d", i);
-        cr_assert(f[8 + i] == v2[last + i], "row 65535, float %d", i);
+        cr_assert(r[i] == v2[i], "row 32768 (not pushed since version 1), float %d", i);
+        cr_assert(r[8 + i] == v2[last + i], "row 65535, float %d", i);
     }
     ps_msg_deinit(&m);
     free(v0);
     free(v1);
     free(v2);
-    h = fake_hdr(PSD__MSG_TYPE__MSG_SHUTDOWN, ++lseq);
+    h = fake_hdr(PSD__MSG_TYPE__MSG_SHUTDOWN, ++f.lseq);
     Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
     sd.reason = "test over";
     h.body_case = PSD__HEADER__BODY_SHUTDOWN;
     h.shutdown = &sd;
-    cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, NULL, 0), 0);
-    cr_expect_eq(proc_wait(sh, 30), 0, "the shard exits 0 at SHUTDOWN");
-    text = slurp(log);
+    fake_lead_send(&f, &h);
+    cr_expect_eq(proc_wait(f.sh, 30), 0, "the shard exits 0 at SHUTDOWN");
+    text = slurp(f.log);
     cr_expect(text && strstr(text, "3 pushes of table rows (4 rows); sent 2 rows in replies"), "%s", text ? text : "");
     free(text);
-    zmq_close(w);
-    zmq_close(lead);
-    zmq_ctx_term(ctx);
+    fake_lead_end(&f);
+}
+
+/* With clipping, a psd shard sends its blocks' norms (SHARD_NORM) and
+ * applies nothing before shard 0's APPLY; an APPLY whose sum of squares is
+ * negative (no gradient has one) ends the run on the shard (exit 1, ERROR
+ * to shard 0) instead of applying a NaN scale. The test is shard 0. */
+Test(short, a_psd_shard_refuses_a_negative_norm)
+{
+    const char *extra[] = {"--set", "model.layers=[784,4]", "--set", "optimizer.clip_norm=1", "--set",
+                           "data.train_limit=1000", NULL};
+    fake_lead_t f;
+    fake_lead_start(&f, "fakelead-norm.log", extra);
+    ps_msg_t m;
+    shard_push(f.w, 0, &f.seq);
+    cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE");
+    ps_msg_deinit(&m);
+    uint32_t one[1] = {0};
+    double wt[1] = {1};
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_STEP, 0);
+    Psd__ShardStep st = PSD__SHARD_STEP__INIT;
+    st.ranks = one;
+    st.n_ranks = 1;
+    st.weights = wt;
+    st.n_weights = 1;
+    st.lr = 0.5;
+    st.clip_norm = 1;
+    h.body_case = PSD__HEADER__BODY_SHARD_STEP;
+    h.shard_step = &st;
+    fake_lead_send(&f, &h);
+    cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_NORM, &m, 30), 0, "no SHARD_NORM (log %s)", f.log);
+    cr_assert(m.hdr->shard_norm->n_block_sq == 1 && m.hdr->shard_norm->block_sq[0] == 4.0,
+              "one block: the bias's 4 ones");
+    ps_msg_deinit(&m);
+    h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_APPLY, 0);
+    Psd__ShardApply ap = PSD__SHARD_APPLY__INIT;
+    ap.sumsq = -1;
+    h.body_case = PSD__HEADER__BODY_SHARD_APPLY;
+    h.shard_apply = &ap;
+    fake_lead_send(&f, &h);
+    cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_ERROR, &m, 30), 0, "a negative norm was applied");
+    cr_expect(m.hdr->error->message && strstr(m.hdr->error->message, "negative sum of squares"), "%s",
+              m.hdr->error->message ? m.hdr->error->message : "");
+    ps_msg_deinit(&m);
+    cr_expect_eq(proc_wait(f.sh, 30), 1, "the shard exits 1");
+    fake_lead_end(&f);
 }
 
 /* A shard's HELLO to shard 0 (as shard i of n, config hash `hash`, MLP
