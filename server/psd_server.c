@@ -1702,9 +1702,9 @@ static int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
     const bool push = m->hdr->body_case == PSD__HEADER__BODY_PUSH;
     const char *what = push ? "PUSH" : "PULL";
     size_t r0 = 0, r1 = 0; /* a shard: rows of its piece, none maybe */
-    bool rows_ok = sharded(s) ? ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) && r0 < r1 && ids &&
-                                    psd_rows_in(ids, n, r0, r1)
-                              : ids && table_ids(s, ids, n);
+    bool rows_ok = ids && (sharded(s) ? ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) && r0 < r1 &&
+                                            psd_rows_in(ids, n, r0, r1)
+                                      : table_ids(s, ids, n));
     if (!rows_ok || n > batch_rows(s) || (push && !m->hdr->push->pull)) {
         drop(s, w, "%s asking for table rows that are not rows of the table (strictly increasing ids below its "
                    "row count, of this shard's piece, at most a batch's, in its last frame) or without asking for "

@@ -45,6 +45,16 @@
 
 #define SHARD_MAX_WORKERS 1024
 
+/* The gradient of this shard's piece of the table scattered from a push's
+ * rows: zero but for the rows ids[0..n). Lent to a worker from its rows
+ * push until the step (or until the push is dropped), then zeroed and
+ * pooled: as many exist as workers pushed rows between two steps. */
+typedef struct {
+    float *e;
+    uint32_t *ids;
+    size_t n, cap;
+} sp_buf_t;
+
 typedef struct {
     bool known;                /* shard 0 told us its token */
     uint8_t token[PS_SHM_TOKEN];
@@ -53,11 +63,7 @@ typedef struct {
     uint64_t seq_in, seq_out;
     zmq_msg_t grad[PS_MAX_TENSORS];
     uint64_t held;             /* tensors whose grad[] holds a frame */
-    /* the table's piece pushed as rows: scattered into sp_e (this piece's
-     * gradient, zero but for the rows sp_ids[0..sp_n) of the last such push) */
-    float *sp_e;
-    uint32_t *sp_ids;
-    size_t sp_n, sp_cap;
+    sp_buf_t *sp;              /* the table's piece pushed as rows (NULL: none) */
     /* the rows of this shard's piece of the table its next batch reads
      * (Push.want_rows): the reply to that push brings only those */
     psd_want_t rows_want;
@@ -79,6 +85,8 @@ typedef struct {
     bool joined;
     double leader_seen;
     fw_t *w;
+    sp_buf_t **sp_free;        /* pooled row gradients (SHARD_MAX_WORKERS room) */
+    int n_sp_free;
     int n_w;                   /* 1 + the highest rank shard 0 told about: the loops per step stop there */
     bool awaiting_apply;
     double lr;
@@ -144,12 +152,20 @@ static void hello(shard_t *s)
     to_leader(s, &h, NULL, 0);
 }
 
-static void release(fw_t *w)
+/* w's push goes: its frames, and its row gradient back to the pool (zeroed). */
+static void release(shard_t *s, fw_t *w)
 {
     for (int t = 0; t < PS_MAX_TENSORS; t++)
         if (w->held & (1ull << t)) zmq_msg_close(&w->grad[t]);
     w->mask = w->held = 0;
     w->complete = false;
+    if (w->sp) {
+        const size_t D = (size_t)s->layout.t[s->layout.table].cols;
+        psd_rows_scatter(w->sp->e, s->store.own[s->layout.table].off / D, D, w->sp->ids, w->sp->n, NULL, NULL, 0);
+        w->sp->n = 0;
+        s->sp_free[s->n_sp_free++] = w->sp;
+        w->sp = NULL;
+    }
 }
 
 /* The current version of this shard's part, to worker w (its ident, rank
@@ -258,7 +274,7 @@ static void on_step(shard_t *s, ps_msg_t *m)
         for (int t = 0; t < s->layout.n_tensors; t++)
             s->g[k][t] = !(s->all & (1ull << t)) ? NULL
                          : w->held & (1ull << t) ? zmq_msg_data(&w->grad[t])
-                                                 : w->sp_e; /* the table's rows, scattered */
+                                                 : w->sp->e; /* the table's rows, scattered */
         s->bf16[k] = s->cfg.wire_gradients == PS_WIRE_BF16;
     }
     const void *const(*g)[PS_MAX_TENSORS] = (const void *const(*)[PS_MAX_TENSORS])s->g;
@@ -294,7 +310,7 @@ static void on_step(shard_t *s, ps_msg_t *m)
         return;
     }
     for (int r = 0; r < s->n_w; r++) /* every push of that version is used or stale */
-        if (s->w[r].mask && s->w[r].push_version <= st->version) release(&s->w[r]);
+        if (s->w[r].mask && s->w[r].push_version <= st->version) release(s, &s->w[r]);
     if (!s->awaiting_apply) applied(s);
 }
 
@@ -520,7 +536,7 @@ static void on_register(shard_t *s, ps_msg_t *m)
     }
     if (w->ident_len && (w->ident_len != m->ident_len || memcmp(w->ident, m->ident, m->ident_len) != 0) &&
         !w->complete)
-        release(w); /* the same rank from a new connection: its pieces so far go; a complete push stays, as
+        release(s, w); /* the same rank from a new connection: its pieces so far go; a complete push stays, as
                      * shard 0 has been told about it (SHARD_HAVE) and may name it in a STEP */
     memcpy(w->ident, m->ident, m->ident_len);
     w->ident_len = m->ident_len;
@@ -564,8 +580,8 @@ static bool rows_ok(const shard_t *s, const ps_msg_t *m, int i)
 }
 
 /* Scatter checked rows (frames i, i + 1) into w's gradient of the table's
- * piece: allocated the first time, the id list grown only when a push has
- * more rows than any before. 0, or -1 (dropped, logged). */
+ * piece: one from the pool, or a new one (its id list grown only when a
+ * push has more rows than any before). 0, or -1 (dropped, logged). */
 static int rows_take(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m, int i)
 {
     const ps_layout_t *l = &s->layout;
@@ -574,23 +590,27 @@ static int rows_take(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m, int i)
     size_t n = 0, nv = 0;
     const uint32_t *ids = ps_msg_u32(m, i, &n);
     const float *v = ps_msg_f32(m, i + 1, &nv);
-    if (!w->sp_e && !(w->sp_e = calloc(own->n, sizeof *w->sp_e))) {
+    if (!w->sp && s->n_sp_free) w->sp = s->sp_free[--s->n_sp_free];
+    if (!w->sp && (w->sp = calloc(1, sizeof *w->sp)) && !(w->sp->e = calloc(own->n, sizeof *w->sp->e))) {
+        free(w->sp);
+        w->sp = NULL;
+    }
+    sp_buf_t *b = w->sp;
+    if (b && n > b->cap) { /* the first time: room for any batch's rows in the piece */
+        size_t cap = n > batch_rows(s) ? n : batch_rows(s);
+        uint32_t *p = realloc(b->ids, cap * sizeof *p);
+        if (p) {
+            b->ids = p;
+            b->cap = cap;
+        }
+    }
+    if (!b || n > b->cap) {
         sdrop(s, "PUSH of rank %u: out of memory for its table rows", rank);
         return -1;
     }
-    if (n > w->sp_cap) { /* the first time: room for any batch's rows in the piece */
-        size_t cap = n > batch_rows(s) ? n : batch_rows(s);
-        uint32_t *p = realloc(w->sp_ids, cap * sizeof *p);
-        if (!p) {
-            sdrop(s, "PUSH of rank %u: out of memory for its table rows", rank);
-            return -1;
-        }
-        w->sp_ids = p;
-        w->sp_cap = cap;
-    }
-    psd_rows_scatter(w->sp_e, own->off / D, D, w->sp_ids, w->sp_n, ids, v, n);
-    if (n) memcpy(w->sp_ids, ids, n * sizeof *ids);
-    w->sp_n = n;
+    psd_rows_scatter(b->e, own->off / D, D, b->ids, b->n, ids, v, n);
+    if (n) memcpy(b->ids, ids, n * sizeof *ids);
+    b->n = n;
     s->rows_pushes++;
     s->rows_in += n;
     return 0;
@@ -632,7 +652,7 @@ static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
               s->store.cur->version);
         return;
     }
-    if (w->mask && w->push_version != p->version) release(w); /* a push that never completed */
+    if (w->mask && w->push_version != p->version) release(s, w); /* a push that never completed */
     if (w->complete) {
         sdrop(s, "second PUSH of rank %u for version %" PRIu64, rank, p->version);
         return;
@@ -651,8 +671,8 @@ static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
         size_t n = 0;
         uint32_t t = d->id;
         if (d->dtype == PSD__DTYPE__DT_U32) {
-            if (bf16 || (int)t != s->layout.table || !(s->all & (1ull << t)) || ((w->mask | mask) & (1ull << t)) ||
-                !rows_ok(s, m, i)) {
+            if (bf16 || s->layout.table < 0 || t != (uint32_t)s->layout.table || !(s->all & (1ull << t)) ||
+                ((w->mask | mask) & (1ull << t)) || !rows_ok(s, m, i)) {
                 sdrop(s, "PUSH of rank %u: frames %d-%d are not rows of this shard's piece of the table", rank, i,
                       i + 1);
                 return;
@@ -674,7 +694,7 @@ static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
     for (int i = 0; i < nf; i++) {
         uint32_t t = m->hdr->tensors[i]->id;
         s->bytes_in += zmq_msg_size(&m->frames[i]);
-        if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* scattered into sp_e */
+        if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* scattered into w->sp */
         zmq_msg_init(&w->grad[t]);
         zmq_msg_move(&w->grad[t], &m->frames[i]);
         w->held |= 1ull << t;
@@ -725,6 +745,7 @@ static void on_worker(shard_t *s, ps_msg_t *m)
             break;
         }
         w->want = h->pull->min_version + 1;
+        w->rows_want.has = false; /* answered whole */
         if (!s->awaiting_apply) answer_pulls(s);
         break;
     default: sdrop(s, "%s is not a message workers send to a shard", ps_msg_type_name((int)h->type));
@@ -769,8 +790,9 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->w = calloc(SHARD_MAX_WORKERS, sizeof *s->w);
     s->g = calloc(SHARD_MAX_WORKERS, sizeof *s->g);
     s->bf16 = calloc(SHARD_MAX_WORKERS, 1);
+    s->sp_free = calloc(SHARD_MAX_WORKERS, sizeof *s->sp_free);
     ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
-    if (!s->w || !s->g || !s->bf16) goto out;
+    if (!s->w || !s->g || !s->bf16 || !s->sp_free) goto out;
     if (ps_config_layout(c, &s->layout) != 0) {
         PS_ERROR("invalid model.layers");
         code = PSD_EXIT_USAGE;
@@ -911,11 +933,15 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
 out:
     ckpt_finish(s, true); /* a checkpoint being written is finished first */
     for (int r = 0; s->w && r < SHARD_MAX_WORKERS; r++) {
-        release(&s->w[r]);
-        free(s->w[r].sp_e);
-        free(s->w[r].sp_ids);
+        release(s, &s->w[r]);
         psd_want_free(&s->w[r].rows_want);
     }
+    for (int i = 0; s->sp_free && i < s->n_sp_free; i++) {
+        free(s->sp_free[i]->e);
+        free(s->sp_free[i]->ids);
+        free(s->sp_free[i]);
+    }
+    free(s->sp_free);
     if (s->router) {
         ps_msg_drain(s->router, 0.05, 0.5);
         if (s->mon) zmq_socket_monitor(s->router, NULL, 0);

@@ -69,6 +69,7 @@ struct psw_client {
     int rows_shards;        /* every shard's piece of the table is whole rows: row pushes go to the shards */
     float *wbuf;
     uint64_t got[PS_MAX_SHARDS]; /* version + 1 of each shard's part in wbuf (0: none) */
+    uint32_t rows_part;          /* shards whose last part was rows only (the rest of their piece is older) */
     int from;               /* shard the message in cur came from */
     psw_event_t pend;       /* WEIGHTS/VALIDATE from shard 0 waiting for the other parts */
     int pending;
@@ -775,9 +776,6 @@ static bool layout_tensor(const psw_client_t *c, int id, size_t numel)
     return id >= 0 && id < c->layout.n_tensors && numel == c->layout.t[id].numel;
 }
 
-/* A push to psd shards: each gets its pieces of the tensors, in one message
- * (none if it holds none of them; then, when the push asks for the next
- * version, a PULL for it instead). Sent without copying, like one psd's. */
 /* First of the n sorted ids that is >= r (n if none). */
 static size_t first_row_at(const uint32_t *ids, size_t n, size_t r)
 {
@@ -791,7 +789,9 @@ static size_t first_row_at(const uint32_t *ids, size_t n, size_t r)
 }
 
 /* A push to psd shards: each shard gets one message with its pieces
- * (sent from the gradients without copies). With row_ids, the table goes
+ * (sent from the gradients without copies; none if it holds none of them:
+ * then, when the push asks for the next version, a PULL for it instead).
+ * With row_ids, the table goes
  * as rows: to each shard the ids and values of the rows in its piece
  * (slices of the caller's arrays; two empty frames when none are); with
  * want, each shard holding a piece of the table gets the rows of it the
@@ -1272,6 +1272,7 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
     }
     if (crc) c->verified++;
     c->got[k] = version + 1;
+    c->rows_part = rows ? c->rows_part | (1u << k) : c->rows_part & ~(1u << k);
     return 0;
 }
 
@@ -1339,8 +1340,9 @@ static int stream_part(psw_client_t *c, psw_event_t *ev, char *err, size_t errle
 static int parts_done(psw_client_t *c, psw_event_t *ev)
 {
     if (!c->pending) return 0;
-    for (int k = 0; k < c->n_shards; k++)
-        if (c->got[k] != c->pend.version + 1) return 0;
+    for (int k = 0; k < c->n_shards; k++) /* a validation reads the whole table: no part of rows only */
+        if (c->got[k] != c->pend.version + 1 || (c->pend.kind == PSW_EV_VALIDATE && (c->rows_part & (1u << k))))
+            return 0;
     *ev = c->pend;
     c->pending = 0;
     ev->n_tensors = c->layout.n_tensors;
@@ -1391,7 +1393,8 @@ static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t err
             return -EPROTO;
         }
         for (int j = 1; j < c->n_shards; j++) /* the other parts of that version */
-            if (c->got[j] != v + 1 && (rc = pull_on(c, c->ssock[j], v, NULL, 0)) < 0) return rc;
+            if ((c->got[j] != v + 1 || (c->rows_part & (1u << j))) && (rc = pull_on(c, c->ssock[j], v, NULL, 0)) < 0)
+                return rc;
     } else {
         c->pend.step = h->weights->step;
     }
