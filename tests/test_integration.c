@@ -696,57 +696,76 @@ static void read_counts(const char *file, double c[4])
  * (data.train_limit, or ctr.train with ctr), 2 workers (w1_extra for the
  * second), counted by the preloaded counter: psd's own code and protobuf
  * decoding must allocate the same in both, i.e. nothing per step. */
+static pid_t start_shard(const run_t *r, const char *tag, int i, int n, const char **extra);
+
 static void alloc_check(const char *tag0, const char **cfg, const char *key, const int n[2], int steps_diff,
-                        const char **w0_extra, const char **w1_extra)
+                        const char **w0_extra, const char **w1_extra, int shards)
 {
     const char *lib = getenv("PSD_ALLOC_COUNT_LIB");
     if (!lib || !lib[0]) cr_skip_test("no allocation counter in this build (sanitizers own malloc)");
-    double c[2][4];
+    double c[2][2][4]; /* [run][shard] */
     for (int k = 0; k < 2; k++) {
         run_t r;
-        char tag[32], out[512], limit[64];
+        char tag[32], out[2][512], limit[64];
         snprintf(tag, sizeof tag, "%s%d", tag0, k);
-        snprintf(out, sizeof out, "%s/%s-counts.txt", dir, tag);
         snprintf(limit, sizeof limit, "%s=%d", key, n[k]);
         const char *extra[16];
         int e = 0;
         for (int i = 0; cfg && cfg[i]; i++) extra[e++] = cfg[i];
         extra[e++] = "--epochs", extra[e++] = "1", extra[e++] = "--set", extra[e++] = limit;
         extra[e++] = "--set", extra[e++] = "checkpoint.dir=", extra[e] = NULL;
+        const char *extra0[20];
+        int e0 = 0;
+        for (; e0 < e; e0++) extra0[e0] = extra[e0];
+        if (shards > 1) extra0[e0++] = "--shard", extra0[e0++] = "0/2";
+        extra0[e0] = NULL;
         setenv("LD_PRELOAD", lib, 1);
-        setenv("ALLOC_COUNT_OUT", out, 1);
-        pid_t p = start_psd(&r, tag, 2, extra);
+        pid_t sh = 0, p = 0;
+        for (int i = 0; i < shards; i++) {
+            snprintf(out[i], sizeof out[i], "%s/%s-counts%d.txt", dir, tag, i);
+            setenv("ALLOC_COUNT_OUT", out[i], 1);
+            if (i == 0) p = start_psd(&r, tag, 2, extra0);
+            else sh = start_shard(&r, tag, 1, 2, extra);
+        }
         unsetenv("LD_PRELOAD");
         unsetenv("ALLOC_COUNT_OUT");
         pid_t w0 = start_worker(&r, tag, 0, w0_extra), w1 = start_worker(&r, tag, 1, w1_extra);
         cr_assert_eq(proc_wait(p, 300), 0);
         cr_assert_eq(proc_wait(w0, 30), 0);
         cr_assert_eq(proc_wait(w1, 30), 0);
-        read_counts(out, c[k]);
+        if (shards > 1) cr_assert_eq(proc_wait(sh, 30), 0, "shard 1 exits 0");
+        for (int i = 0; i < shards; i++) read_counts(out[i], c[k][i]);
         char *m = metrics_last(&r);
         cr_assert_eq(json_num(last_line(m), "train_samples"), n[k]);
         free(m);
     }
     const double d = steps_diff;
-    cr_log_info("%s allocations, short run / long run: psd %.0f / %.0f, protobuf-c %.0f / %.0f, "
-                "libzmq %.0f / %.0f (%.1f per step), other %.0f / %.0f",
-                tag0, c[0][0], c[1][0], c[0][1], c[1][1], c[0][2], c[1][2], (c[1][2] - c[0][2]) / d, c[0][3], c[1][3]);
-    fprintf(stderr, "%s allocations per step: psd's code %.2f, protobuf-c %.2f, libzmq %.2f, other %.2f\n", tag0,
-            (c[1][0] - c[0][0]) / d, (c[1][1] - c[0][1]) / d, (c[1][2] - c[0][2]) / d, (c[1][3] - c[0][3]) / d);
-    cr_assert(c[0][0] > 0, "the counter sees psd's allocations at start-up");
-    cr_assert_eq(c[1][0], c[0][0], "psd's own code allocated per step (%.0f vs %.0f)", c[1][0], c[0][0]);
-    cr_assert_eq(c[1][1], c[0][1], "protobuf decoding allocated per step (%.0f vs %.0f)", c[1][1], c[0][1]);
+    for (int i = 0; i < shards; i++) {
+        double(*a)[4] = &c[0][i], (*b)[4] = &c[1][i];
+        const char *who = i ? "psd shard 1" : "psd";
+        cr_log_info("%s %s allocations, short run / long run: psd %.0f / %.0f, protobuf-c %.0f / %.0f, "
+                    "libzmq %.0f / %.0f (%.1f per step), other %.0f / %.0f",
+                    tag0, who, (*a)[0], (*b)[0], (*a)[1], (*b)[1], (*a)[2], (*b)[2], ((*b)[2] - (*a)[2]) / d, (*a)[3],
+                    (*b)[3]);
+        fprintf(stderr, "%s %s allocations per step: psd's code %.2f, protobuf-c %.2f, libzmq %.2f, other %.2f\n",
+                tag0, who, ((*b)[0] - (*a)[0]) / d, ((*b)[1] - (*a)[1]) / d, ((*b)[2] - (*a)[2]) / d,
+                ((*b)[3] - (*a)[3]) / d);
+        cr_assert((*a)[0] > 0, "the counter sees %s's allocations at start-up", who);
+        cr_assert_eq((*b)[0], (*a)[0], "%s's own code allocated per step (%.0f vs %.0f)", who, (*b)[0], (*a)[0]);
+        cr_assert_eq((*b)[1], (*a)[1], "%s: protobuf decoding allocated per step (%.0f vs %.0f)", who, (*b)[1],
+                     (*a)[1]);
+    }
 }
 
 Test(short, psd_allocates_nothing_per_step)
 {
     const int n[2] = {1280, 6400}; /* 10 and 50 steps */
     const char *wire[] = {"--no-shm", NULL}; /* one worker on shared memory, one on the wire */
-    alloc_check("alloc", NULL, "data.train_limit", n, 40, NULL, wire);
+    alloc_check("alloc", NULL, "data.train_limit", n, 40, NULL, wire, 1);
 }
 
-/* The same for the ctr model with table rows both ways (both workers on the wire), and with
- * the table on psd. */
+/* The same for the ctr model with table rows both ways (both workers on the wire), with
+ * the table on psd, and with 2 psd shards (rows both ways; each shard counted). */
 Test(short, psd_allocates_nothing_per_step_with_table_rows)
 {
     char cfg[1024];
@@ -754,9 +773,10 @@ Test(short, psd_allocates_nothing_per_step_with_table_rows)
     const char *args[] = {"--config", cfg, "--set", "ctr.test=1000", NULL};
     const int n[2] = {2560, 12800}; /* 5 and 25 steps */
     const char *wire[] = {"--no-shm", NULL};
-    alloc_check("allocrows", args, "ctr.train", n, 20, wire, wire);
+    alloc_check("allocrows", args, "ctr.train", n, 20, wire, wire, 1);
     const char *onpsd[] = {"--config", cfg, "--set", "ctr.test=1000", "--set", "ctr.worker_table_mb=0", NULL};
-    alloc_check("allocpsd", onpsd, "ctr.train", n, 20, NULL, NULL); /* the table on psd */
+    alloc_check("allocpsd", onpsd, "ctr.train", n, 20, NULL, NULL, 1); /* the table on psd */
+    alloc_check("allocsh", args, "ctr.train", n, 20, NULL, NULL, 2); /* 2 psd shards, rows both ways */
 }
 
 Test(short, worker_with_other_data_is_refused)
