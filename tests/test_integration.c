@@ -3048,7 +3048,12 @@ Test(short, frozen_worker_is_dropped_then_rejoins_cleanly)
 {
     fault_seed();
     run_t r;
-    pid_t p = start_psd(&r, "stop", 2, ft_args);
+    /* 8 epochs: after the 2-3 s to detect it and 0.5 s frozen, the worker must find the run
+     * still going (with 3 the others sometimes finished first: it then waited for a psd that
+     * was gone, past the 60 s below) */
+    const char *args[] = {"--epochs", "8", "--set", "data.train_limit=12000", "--worker-timeout", "2", "--set",
+                          "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "stop", 2, args);
     pid_t w0 = start_worker(&r, "stop", 0, NULL), w1 = start_worker(&r, "stop", 1, NULL);
     wait_metrics(&r, 1);
     zmq_poll(NULL, 0, rand() % 150);
@@ -3059,7 +3064,10 @@ Test(short, frozen_worker_is_dropped_then_rejoins_cleanly)
     cr_assert_eq(proc_wait(p, 300), 0, "psd finished the run");
     cr_assert_eq(proc_wait(w0, 30), 0);
     cr_assert_eq(proc_wait(w1, 60), 0, "the frozen worker rejoined or left cleanly");
-    check_every_epoch(&r, 3, 12000);
+    check_every_epoch(&r, 8, 12000);
+    char *l = slurp(r.psd_log);
+    cr_assert(l && strstr(l, "joins from epoch"), "the frozen worker rejoined: %s", l ? l : "");
+    free(l);
     double d = detection_seconds(r.psd_log);
     cr_assert(d >= 2 && d <= 3.0, "declared lost after %.1f s", d);
 }
