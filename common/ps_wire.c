@@ -290,6 +290,13 @@ const uint32_t *ps_msg_u32(const ps_msg_t *m, int i, size_t *n)
     return frame_as(m, i, PSD__DTYPE__DT_U32, n);
 }
 
+bool ps_msg_rows(const ps_msg_t *m, int i, const uint32_t **ids, size_t *n, size_t *nv)
+{
+    *ids = ps_msg_u32(m, i, n);
+    return *ids && i + 1 < m->n_frames && m->hdr->tensors[i + 1]->id == m->hdr->tensors[i]->id &&
+           ps_msg_f32(m, i + 1, nv) != NULL;
+}
+
 /* zmq_msg_send, retried on EINTR: a signal between the frames of a
  * multipart message must not leave it half sent. */
 static int send_frame(zmq_msg_t *m, void *sock, int flags)

@@ -66,6 +66,10 @@ void ps_msg_deinit(ps_msg_t *m);
  * misaligned. n receives the element count. Borrowed until ps_msg_deinit. */
 const float *ps_msg_f32(const ps_msg_t *m, int i, size_t *n);
 const uint32_t *ps_msg_u32(const ps_msg_t *m, int i, size_t *n);
+/* Frames i (u32 row ids) and i + 1 (f32 values of the same tensor) of a
+ * row push: false unless they are such; then *ids, their count *n and the
+ * count of values *nv (both may be 0). */
+bool ps_msg_rows(const ps_msg_t *m, int i, const uint32_t **ids, size_t *n, size_t *nv);
 const uint16_t *ps_msg_bf16(const ps_msg_t *m, int i, size_t *n);
 
 /* bfloat16 <-> float: the high half of the bits, rounded to nearest even

@@ -173,3 +173,11 @@ void psd_want_free(psd_want_t *w)
     free(w->vals);
     *w = (psd_want_t){0};
 }
+
+bool psd_rows_fit(const ps_layout_t *l, const ps_piece_t *own, const uint32_t *ids, size_t n, size_t nv,
+                  bool empty_ok)
+{
+    size_t r0, r1;
+    return l->table >= 0 && nv == n * (size_t)l->t[l->table].cols && (n > 0 || empty_ok) &&
+           ps_piece_rows(l, own, &r0, &r1) && r0 < r1 && psd_rows_in(ids, n, r0, r1);
+}

@@ -26,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ps_model.h"
 #include "psd_optim.h"
 
 /* One contributor's row gradient: n entries, ids[j] the row of rows[j * dim .. ] */
@@ -78,6 +79,12 @@ bool psd_rows_in(const uint32_t *ids, size_t n, size_t r0, size_t r1);
  * with values v (n x dim). Every id is a row of e. */
 void psd_rows_scatter(float *e, size_t e_row0, size_t dim, const uint32_t *old, size_t n_old, const uint32_t *ids,
                       const float *v, size_t n);
+
+/* A push's rows for a psd owning piece `own` of the table (all of it for
+ * one psd): nv values for the n ids (dim each), ids strictly increasing
+ * inside the piece, which is whole rows; none only when empty_ok. */
+bool psd_rows_fit(const ps_layout_t *l, const ps_piece_t *own, const uint32_t *ids, size_t n, size_t nv,
+                  bool empty_ok);
 
 /* Rows ids[0..n) of the table E (dim floats a row) into out (n x dim). */
 void psd_rows_gather(float *out, const float *E, size_t dim, const uint32_t *ids, size_t n);

@@ -1639,17 +1639,12 @@ static int rows_check(const srv_t *s, const worker_t *w, const ps_msg_t *m, int 
 {
     if (wire_bf16(s, w)) return -1; /* its step reads bfloat16 */
     const ps_layout_t *l = &s->layout;
+    const uint32_t *ids;
     size_t n = 0, nv = 0;
-    const uint32_t *ids = ps_msg_u32(m, i, &n);
-    bool vals = i + 1 < m->n_frames && m->hdr->tensors[i + 1]->id == m->hdr->tensors[i]->id &&
-                m->hdr->tensors[i + 1]->dtype == PSD__DTYPE__DT_F32;
-    if (vals) ps_msg_f32(m, i + 1, &nv);
-    if (l->table < 0 || (int)m->hdr->tensors[i]->id != l->table || !vals || nv != n * (size_t)l->t[l->table].cols)
-        return -1;
-    if (!sharded(s)) return table_ids(s, ids, n) ? 0 : -1;
-    size_t r0, r1;
-    if (!ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) || r0 == r1) return -1;
-    return psd_rows_in(ids, n, r0, r1) ? 0 : -1;
+    return l->table >= 0 && (int)m->hdr->tensors[i]->id == l->table && ps_msg_rows(m, i, &ids, &n, &nv) &&
+                   psd_rows_fit(l, &s->store.own[l->table], ids, n, nv, sharded(s))
+               ? 0
+               : -1;
 }
 
 /* Scatter the checked rows (frames i, i + 1) into the worker's gradient of

@@ -569,14 +569,9 @@ static size_t batch_rows(const shard_t *s)
  * shard's piece of the table (whole rows; none maybe). */
 static bool rows_ok(const shard_t *s, const ps_msg_t *m, int i)
 {
-    const ps_layout_t *l = &s->layout;
-    size_t n = 0, nv = 0, r0, r1;
-    const uint32_t *ids = ps_msg_u32(m, i, &n);
-    bool vals = i + 1 < m->n_frames && m->hdr->tensors[i + 1]->id == m->hdr->tensors[i]->id &&
-                m->hdr->tensors[i + 1]->dtype == PSD__DTYPE__DT_F32;
-    if (vals) ps_msg_f32(m, i + 1, &nv);
-    return vals && nv == n * (size_t)l->t[l->table].cols && ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) &&
-           psd_rows_in(ids, n, r0, r1);
+    const uint32_t *ids;
+    size_t n = 0, nv = 0;
+    return ps_msg_rows(m, i, &ids, &n, &nv) && psd_rows_fit(&s->layout, &s->store.own[s->layout.table], ids, n, nv, true);
 }
 
 /* Scatter checked rows (frames i, i + 1) into w's gradient of the table's

@@ -1167,6 +1167,12 @@ static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_
     return 0;
 }
 
+/* Rows ids[0..n) of table E (D floats a row) from vals (n x D). */
+static void scatter_rows(float *E, size_t D, const uint32_t *ids, size_t n, const float *vals)
+{
+    for (size_t j = 0; j < n; j++) memcpy(E + (size_t)ids[j] * D, vals + j * D, D * sizeof(float));
+}
+
 /* WEIGHTS with rows: the table's frame holds the rows the last push asked
  * for, in its order. Scattered into the replica, which the event then
  * gives as the table: the rows the next batch reads are this version's;
@@ -1185,8 +1191,7 @@ static int take_rows(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
         ev->n_row_ids = c->n_want;
         return 0;
     }
-    for (size_t j = 0; j < c->n_want; j++)
-        memcpy(c->replica + (size_t)c->want[j] * D, ev->tensors[t] + j * D, D * sizeof(float));
+    scatter_rows(c->replica, D, c->want, c->n_want, ev->tensors[t]);
     ev->tensors[t] = c->replica;
     ev->tensor_numel[t] = c->layout.t[t].numel;
     return 0;
@@ -1251,7 +1256,7 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
         }
         if (as_rows) {
             float *E = c->wbuf + c->layout.t[t].offset;
-            for (size_t j = 0; j < n / D; j++) memcpy(E + (size_t)c->want[wa + j] * D, h32 + j * D, D * sizeof(float));
+            scatter_rows(E, D, c->want + wa, n / D, h32);
             f++;
             continue;
         }
