@@ -181,3 +181,15 @@ int ps_piece_rows(const ps_layout_t *l, const ps_piece_t *p, size_t *r0, size_t 
     *r1 = (p->off + p->n) / D;
     return 1;
 }
+
+int ps_shards_table_rows(const ps_layout_t *l, int n)
+{
+    if (l->table < 0 || n < 1) return 0;
+    for (int k = 0; k < n; k++) {
+        ps_piece_t p[PS_MAX_TENSORS];
+        size_t r0, r1;
+        ps_shard_pieces(l, k, n, p);
+        if (!ps_piece_rows(l, &p[l->table], &r0, &r1)) return 0;
+    }
+    return 1;
+}

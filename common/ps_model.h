@@ -70,6 +70,11 @@ void ps_shard_pieces(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_T
  * ends or the piece is not the table's. */
 int ps_piece_rows(const ps_layout_t *l, const ps_piece_t *p, size_t *r0, size_t *r1);
 
+/* 1 when the layout has a table and every piece of it among n shards is
+ * whole rows (ps_piece_rows): table rows then go to the shard owning them,
+ * and each shard steps its rows lazily; 0 otherwise. */
+int ps_shards_table_rows(const ps_layout_t *l, int n);
+
 /* Blocks of the layout in order, and the first block of tensor t. */
 size_t ps_layout_blocks(const ps_layout_t *l);
 size_t ps_layout_first_block(const ps_layout_t *l, int t);

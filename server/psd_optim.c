@@ -152,18 +152,22 @@ void psd_optim_apply(const psd_optim_t *o, const float *w_old, float *w_new, con
  * running sum waits for the previous addition at every element (it made this
  * the most expensive pass of a step). The order depends only on n, so the
  * result is as reproducible as before. */
-#define SUMSQ_LANES 16
+double psd_sumsq_lanes(double lane[PSD_SUMSQ_LANES])
+{
+    for (int w = PSD_SUMSQ_LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) lane[j] += lane[j + w];
+    return lane[0];
+}
+
 double psd_sumsq(const float *g, size_t n)
 {
     PSD_ASSERT(g || n == 0);
-    double lane[SUMSQ_LANES] = {0};
+    double lane[PSD_SUMSQ_LANES] = {0};
     size_t i = 0;
-    for (; i + SUMSQ_LANES <= n; i += SUMSQ_LANES)
-        for (int j = 0; j < SUMSQ_LANES; j++) lane[j] += (double)g[i + j] * (double)g[i + j];
+    for (; i + PSD_SUMSQ_LANES <= n; i += PSD_SUMSQ_LANES)
+        for (int j = 0; j < PSD_SUMSQ_LANES; j++) lane[j] += (double)g[i + j] * (double)g[i + j];
     for (int j = 0; i < n; i++, j++) lane[j] += (double)g[i] * (double)g[i];
-    for (int w = SUMSQ_LANES / 2; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) lane[j] += lane[j + w];
-    return lane[0];
+    return psd_sumsq_lanes(lane);
 }
 
 float psd_clip_scale(double total_sumsq, double max_norm)

@@ -51,8 +51,13 @@ int psd_optim_slots(const psd_optim_t *o);
 void psd_optim_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
                      float gscale, float *s0, float *s1, size_t n, double lr, uint64_t t);
 
-/* Sum of squares in double precision. */
+/* Sum of squares in double precision: element i goes to partial sum
+ * (lane) i % PSD_SUMSQ_LANES, and the lanes are added up in a fixed tree
+ * (psd_sumsq_lanes), so the result depends only on the values and their
+ * positions: zeros anywhere add nothing. */
+#define PSD_SUMSQ_LANES 16
 double psd_sumsq(const float *g, size_t n);
+double psd_sumsq_lanes(double lane[PSD_SUMSQ_LANES]); /* the lanes' total (lane[] is overwritten) */
 
 /* Global-norm clipping factor (PyTorch clip_grad_norm_): given the total
  * squared norm of the whole gradient, returns max_norm/(norm+1e-6) when that

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ps_wire.h"
+
 int psd_rows_init(psd_rows_t *r, size_t dim, size_t max_entries, int max_k)
 {
     memset(r, 0, sizeof *r);
@@ -138,13 +140,6 @@ bool psd_rows_in(const uint32_t *ids, size_t n, size_t r0, size_t r1)
     return true;
 }
 
-void psd_rows_scatter(float *e, size_t e_row0, size_t dim, const uint32_t *old, size_t n_old, const uint32_t *ids,
-                      const float *v, size_t n)
-{
-    for (size_t j = 0; j < n_old; j++) memset(e + ((size_t)old[j] - e_row0) * dim, 0, dim * sizeof(float));
-    for (size_t j = 0; j < n; j++) memcpy(e + ((size_t)ids[j] - e_row0) * dim, v + j * dim, dim * sizeof(float));
-}
-
 void psd_rows_gather(float *out, const float *E, size_t dim, const uint32_t *ids, size_t n)
 {
     for (size_t j = 0; j < n; j++) memcpy(out + j * dim, E + (size_t)ids[j] * dim, dim * sizeof(float));
@@ -180,4 +175,78 @@ bool psd_rows_fit(const ps_layout_t *l, const ps_piece_t *own, const uint32_t *i
     size_t r0, r1;
     return l->table >= 0 && nv == n * (size_t)l->t[l->table].cols && (n > 0 || empty_ok) &&
            ps_piece_rows(l, own, &r0, &r1) && r0 < r1 && psd_rows_in(ids, n, r0, r1);
+}
+
+void psd_rows_norms(const psd_rows_t *r, double *blk)
+{
+    const size_t dim = r->dim;
+    double lane[PSD_SUMSQ_LANES];
+    size_t cur = SIZE_MAX;
+    for (size_t i = 0; i < r->n_ids; i++) { /* ascending ids: block by block, each element in order */
+        const float *g = r->sum + i * dim;
+        for (size_t d = 0, p = (size_t)r->ids[i] * dim; d < dim; d++, p++) {
+            if (p / PS_NORM_BLOCK != cur) {
+                if (cur != SIZE_MAX) blk[cur] = psd_sumsq_lanes(lane);
+                memset(lane, 0, sizeof lane);
+                cur = p / PS_NORM_BLOCK;
+            }
+            lane[p % PSD_SUMSQ_LANES] += (double)g[d] * (double)g[d]; /* as psd_sumsq: lane i % 16 of the block */
+        }
+    }
+    if (cur != SIZE_MAX) blk[cur] = psd_sumsq_lanes(lane);
+}
+
+int psd_rowbuf_reserve(psd_rowbuf_t *b, size_t cap, size_t dim)
+{
+    if (cap <= b->cap) return 0;
+    uint32_t *p = realloc(b->ids, cap * sizeof *p);
+    if (!p) return -ENOMEM;
+    b->ids = p;
+    float *v = realloc(b->rows, cap * dim * sizeof *v);
+    if (!v) return -ENOMEM;
+    b->rows = v;
+    b->cap = cap;
+    return 0;
+}
+
+int psd_rowbuf_set(psd_rowbuf_t *b, const uint32_t *ids, const float *v, size_t n, size_t dim, size_t room)
+{
+    b->n = 0;
+    if (n > b->cap && psd_rowbuf_reserve(b, n > room ? n : room, dim) != 0) return -ENOMEM;
+    if (n) {
+        memcpy(b->ids, ids, n * sizeof *ids);
+        memcpy(b->rows, v, n * dim * sizeof *v);
+    }
+    b->n = n;
+    return 0;
+}
+
+int psd_rowbuf_dense(psd_rowbuf_t *b, const void *g, bool bf16, size_t row0, size_t n_rows, size_t dim)
+{
+    const float *f = g;
+    const uint16_t *h = g;
+    size_t n = 0;
+    b->n = 0;
+    for (size_t r = 0; r < n_rows; r++) {
+        const size_t at = r * dim;
+        bool nz = false;
+        for (size_t d = 0; d < dim && !nz; d++) nz = bf16 ? (h[at + d] & 0x7fff) != 0 : f[at + d] != 0.0f;
+        if (!nz) continue;
+        if (n == b->cap) {
+            size_t cap = 2 * n > 1024 ? 2 * n : 1024;
+            if (psd_rowbuf_reserve(b, cap < n_rows ? cap : n_rows, dim) != 0) return -ENOMEM;
+        }
+        b->ids[n] = (uint32_t)(row0 + r);
+        for (size_t d = 0; d < dim; d++) b->rows[n * dim + d] = bf16 ? ps_bf16_to_f32(h[at + d]) : f[at + d];
+        n++;
+    }
+    b->n = n;
+    return 0;
+}
+
+void psd_rowbuf_free(psd_rowbuf_t *b)
+{
+    free(b->ids);
+    free(b->rows);
+    *b = (psd_rowbuf_t){0};
 }

@@ -65,6 +65,39 @@ int psd_rows_merge(psd_rows_t *r, int k, const psd_rowgrad_t *g, const double *w
 void psd_rows_apply(const psd_rows_t *r, const psd_optim_t *o, float *table, float *s0, float *s1, float scale,
                     double lr, uint64_t t);
 
+/* The squared norms of the table's norm blocks (PS_NORM_BLOCK floats of
+ * the table, from its first) that the merged rows fall in, into blk[b]
+ * (blk: the table's first block; the others are left as they are): the
+ * same bits as psd_sumsq over the block of the whole gradient, zero where
+ * no row was touched (clipping gives the same norm as a dense step, and
+ * psd shards holding parts of the table add up to one psd's). */
+void psd_rows_norms(const psd_rows_t *r, double *blk);
+
+/* One contributor's table rows kept for a step: n ids and their values
+ * (dim floats each), room for cap. */
+typedef struct {
+    uint32_t *ids;
+    float *rows;
+    size_t n, cap;
+} psd_rowbuf_t;
+
+/* Room for at least cap rows (grows, never shrinks). 0 or -ENOMEM (what
+ * it held is kept). */
+int psd_rowbuf_reserve(psd_rowbuf_t *b, size_t cap, size_t dim);
+/* Copy n rows in (room for at least `room` rows the first time, so that
+ * later pushes up to that long allocate nothing). 0 or -ENOMEM (b->n 0). */
+int psd_rowbuf_set(psd_rowbuf_t *b, const uint32_t *ids, const float *v, size_t n, size_t dim, size_t room);
+/* The rows of a dense gradient g of n_rows rows (f32, or bfloat16 where
+ * bf16), the first being row row0 of the table, that are not all zero:
+ * the rows its batch touched. One pass; the room grows by doubling (rarely:
+ * it is kept between steps). 0 or -ENOMEM (b->n 0). */
+int psd_rowbuf_dense(psd_rowbuf_t *b, const void *g, bool bf16, size_t row0, size_t n_rows, size_t dim);
+void psd_rowbuf_free(psd_rowbuf_t *b);
+static inline psd_rowgrad_t psd_rowbuf_grad(const psd_rowbuf_t *b)
+{
+    return (psd_rowgrad_t){.ids = b->ids, .rows = b->rows, .n = b->n};
+}
+
 /* The encoding of a table's gradient for one step: rows when fewer than
  * threshold x n_rows rows are touched (an entry costs 4 bytes of id more
  * than the row), whole otherwise. */
@@ -73,12 +106,6 @@ bool psd_rows_sparse(size_t touched, uint64_t n_rows, double threshold);
 /* ids[0..n) strictly increasing in [r0, r1) (true for n = 0): the rows of a
  * push a psd shard owning the table's rows [r0, r1) takes. */
 bool psd_rows_in(const uint32_t *ids, size_t n, size_t r0, size_t r1);
-
-/* Into e, the table's gradient from row e_row0 on (zero but for the rows
- * old[0..n_old) of the last push): zero those, then write rows ids[0..n)
- * with values v (n x dim). Every id is a row of e. */
-void psd_rows_scatter(float *e, size_t e_row0, size_t dim, const uint32_t *old, size_t n_old, const uint32_t *ids,
-                      const float *v, size_t n);
 
 /* A push's rows for a psd owning piece `own` of the table (all of it for
  * one psd): nv values for the n ids (dim each), ids strictly increasing

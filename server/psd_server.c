@@ -118,19 +118,13 @@ typedef struct {
     const float *shm_grad; /* NULL: no region */
     bool shm;             /* READY confirmed: tensors go through shared memory */
     uint64_t grad_shm;    /* tensors of the push in progress that are in shm_grad */
-    /* a table's gradient pushed as rows (model.kind ctr): scattered into sp_e, a
-     * table-sized buffer that is zero but for the rows sp_ids (those of its
-     * last push, zeroed again at its next), which the step reads as the
-     * whole gradient */
+    /* its table gradient as rows (the table is stepped lazily: store.lazy),
+     * pushed as rows (grad_rows) or gathered at the step from the nonzero
+     * rows of the table (its piece on a psd shard) pushed whole */
     bool grad_rows;
     int sp_table;
     psd_want_t want;      /* the rows its next batch reads (Push.want_rows): the reply brings only those */
-    float *sp_e;
-    uint32_t *sp_ids;
-    size_t sp_n, sp_cap;
-    /* lazy tables (store.lazy): the rows themselves (sp_cap of them),
-     * pushed as rows or gathered from a whole table's nonzero rows */
-    float *sp_rows;
+    psd_rowbuf_t sp;
     psd_arena_t *hold;
     /* psd shards: the token it presents to shards 1..n-1, which of them
      * have its whole push for the current version (bit i), and whether its
@@ -1083,18 +1077,18 @@ static void step_lr(srv_t *s)
     s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
 }
 
-static int dense_rows(srv_t *s, worker_t *w, const void *g, bool bf16);
-
 /* Contributor w's table gradient as rows (lazy tables): pushed as rows, or
- * the nonzero rows of the whole table it pushed (g[table], which the dense
- * step then skips). 0, or -1 (out of memory). */
+ * the nonzero rows of the table (this shard's piece of it) it pushed whole
+ * (g[table], which the dense step then skips). 0, or -1 (out of memory). */
 static int lazy_rows(srv_t *s, worker_t *w, const void **g, bool bf16, psd_rowgrad_t *r)
 {
     const int t = s->layout.table;
-    if (!w->grad_rows && g[t] && dense_rows(s, w, g[t], bf16) != 0) return -1;
-    if (!w->grad_rows && !g[t]) w->sp_n = 0;
+    const size_t D = (size_t)s->layout.t[t].cols;
+    const ps_piece_t *own = &s->store.own[t];
+    if (!w->grad_rows && g[t] && psd_rowbuf_dense(&w->sp, g[t], bf16, own->off / D, own->n / D, D) != 0) return -1;
+    if (!w->grad_rows && !g[t]) w->sp.n = 0;
     g[t] = NULL;
-    *r = (psd_rowgrad_t){.ids = w->sp_ids, .rows = w->sp_rows, .n = w->sp_n};
+    *r = psd_rowbuf_grad(&w->sp);
     return 0;
 }
 
@@ -1126,7 +1120,7 @@ static void take_step(srv_t *s, worker_t *only)
         if (!w->has_push || (only && w != only)) continue;
         for (int t = 0; t < s->layout.n_tensors; t++)
             g[k][t] = w->grad_shm & (1ull << t) ? (const void *)(w->shm_grad + s->layout.t[t].offset)
-                      : w->grad_rows && t == s->layout.table ? (const void *)w->sp_e
+                      : w->grad_rows && t == s->layout.table ? NULL /* its rows: lazy_rows */
                       : w->grad_mask & (1ull << t) ? (const void *)zmq_msg_data(&w->grad[t])
                                                    : NULL;
         s->step_bf16[k] = wire_bf16(s, w);
@@ -1139,11 +1133,21 @@ static void take_step(srv_t *s, worker_t *only)
         k++;
     }
     step_lr(s);
+    if (s->store.lazy && lazy_reserve(s, k) != 0) {
+        PS_ERROR("out of memory for the table rows of a step");
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
     if (sharded(s)) shards_step(s, k, wt);
     if (sharded(s) && s->cfg.clip_norm > 0) {
         /* the whole gradient's norm first: this part's blocks now, the
          * other shards' in their NORM messages (on_shard_norm) */
-        psd_store_reduce(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt);
+        if (psd_store_reduce_rows(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
+                                  s->store.lazy ? s->step_rows : NULL) != 0) {
+            PS_ERROR("more table rows in a step than psd made room for");
+            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+            return;
+        }
         account_step(s, total, NULL);
         s->stepping = true;
         s->stepping_since = ps_now();
@@ -1151,11 +1155,6 @@ static void take_step(srv_t *s, worker_t *only)
         return;
     }
     uint64_t computed_on = only ? only->push_version : s->store.cur->version;
-    if (s->store.lazy && lazy_reserve(s, k) != 0) {
-        PS_ERROR("out of memory for the table rows of a step");
-        finish(s, PSD_EXIT_ERROR, "psd out of memory");
-        return;
-    }
     double norm = psd_store_step_rows(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
                                       s->store.lazy ? s->step_rows : NULL, s->cfg.clip_norm, s->lr);
     if (norm < 0) {
@@ -1474,17 +1473,11 @@ static void shm_forget(srv_t *s, worker_t *w)
     w->shm = false;
 }
 
-/* A worker's table buffers: its gradient rows (and table-sized gradient)
- * and the rows it asked for. */
+/* A worker's table buffers: its gradient rows and the rows it asked for. */
 static void rows_free(worker_t *w)
 {
-    free(w->sp_e);
-    free(w->sp_rows);
-    free(w->sp_ids);
+    psd_rowbuf_free(&w->sp);
     psd_want_free(&w->want);
-    w->sp_e = w->sp_rows = NULL;
-    w->sp_ids = NULL;
-    w->sp_n = w->sp_cap = 0;
 }
 
 /* A worker is gone (lost, left, failed): its samples and validation parts go
@@ -1577,54 +1570,6 @@ static size_t batch_rows(const srv_t *s)
     return n < R ? n : R;
 }
 
-/* Room for cap rows in w's row lists (and their values with a lazy table).
- * 0, or -1 (out of memory: what it held is kept). */
-static int sp_grow(srv_t *s, worker_t *w, size_t cap)
-{
-    const size_t D = (size_t)s->layout.t[s->layout.table].cols;
-    uint32_t *p = realloc(w->sp_ids, cap * sizeof *p);
-    if (!p) return -1;
-    w->sp_ids = p;
-    if (s->store.lazy) {
-        float *v = realloc(w->sp_rows, cap * D * sizeof *v);
-        if (!v) return -1;
-        w->sp_rows = v;
-    }
-    w->sp_cap = cap;
-    return 0;
-}
-
-/* A lazy table's gradient pushed whole (its batch touched many rows, or on
- * shared memory, or bfloat16) as the rows that are not all zero, into w's
- * row lists: the rows its batch touched. One pass over the table; the lists
- * grow by doubling (rarely: they keep their size between steps). 0, or -1
- * (out of memory). */
-static int dense_rows(srv_t *s, worker_t *w, const void *g, bool bf16)
-{
-    const ps_tensor_info_t *e = &s->layout.t[s->layout.table];
-    const size_t D = (size_t)e->cols, R = (size_t)e->rows;
-    const float *f = g;
-    const uint16_t *h = g;
-    size_t n = 0;
-    for (size_t r = 0; r < R; r++) {
-        bool nz = false;
-        for (size_t d = 0; d < D && !nz; d++) nz = bf16 ? (h[r * D + d] & 0x7fff) != 0 : f[r * D + d] != 0.0f;
-        if (!nz) continue;
-        if (n == w->sp_cap) {
-            size_t cap = 2 * n > 1024 ? 2 * n : 1024;
-            if (sp_grow(s, w, cap < R ? cap : R) != 0) {
-                w->sp_n = 0; /* the lists were being rewritten */
-                return -1;
-            }
-        }
-        w->sp_ids[n] = (uint32_t)r;
-        for (size_t d = 0; d < D; d++) w->sp_rows[n * D + d] = bf16 ? ps_bf16_to_f32(h[r * D + d]) : f[r * D + d];
-        n++;
-    }
-    w->sp_n = n;
-    return 0;
-}
-
 /* ids[0..n) are rows of the table, strictly increasing, n >= 1 */
 static bool table_ids(const srv_t *s, const uint32_t *ids, size_t n)
 {
@@ -1634,10 +1579,10 @@ static bool table_ids(const srv_t *s, const uint32_t *ids, size_t n)
 /* Frames i (u32 ids) and i + 1 (f32 rows) of a PUSH are rows of the
  * table's gradient: ids strictly increasing and below its row count, rows
  * of its width, f32 gradients; on a psd shard, rows of its piece of the
- * table (whole rows), none maybe. 0, or -1. */
+ * table (whole rows), none maybe. The table is stepped by rows. 0, or -1. */
 static int rows_check(const srv_t *s, const worker_t *w, const ps_msg_t *m, int i)
 {
-    if (wire_bf16(s, w)) return -1; /* its step reads bfloat16 */
+    if (wire_bf16(s, w) || !s->store.lazy) return -1; /* its step reads bfloat16, or the table whole */
     const ps_layout_t *l = &s->layout;
     const uint32_t *ids;
     size_t n = 0, nv = 0;
@@ -1647,11 +1592,9 @@ static int rows_check(const srv_t *s, const worker_t *w, const ps_msg_t *m, int 
                : -1;
 }
 
-/* Scatter the checked rows (frames i, i + 1) into the worker's gradient of
- * the table (of its piece on a psd shard), zeroing its last push's rows
- * first: the step reads it as the whole table's gradient, zero where the
- * batch touched nothing. Allocates only the first time (and when a push
- * has more rows than any before). 0, or -1 (dropped, logged). */
+/* Keep the checked rows (frames i, i + 1) for the step, which merges them.
+ * Allocates only the first time (room for any batch's rows) and when a
+ * push has more rows than any before. 0, or -1 (dropped, logged). */
 static int rows_take(srv_t *s, worker_t *w, ps_msg_t *m, int i)
 {
     const ps_layout_t *l = &s->layout;
@@ -1659,22 +1602,10 @@ static int rows_take(srv_t *s, worker_t *w, ps_msg_t *m, int i)
     size_t n = 0, nv = 0;
     const uint32_t *ids = ps_msg_u32(m, i, &n);
     const float *v = ps_msg_f32(m, i + 1, &nv);
-    if (!s->store.lazy && !w->sp_e && !(w->sp_e = calloc(s->store.own[l->table].n, sizeof *w->sp_e))) {
-        drop(s, w, "PUSH of table rows: out of memory for its %zu floats", s->store.own[l->table].n);
-        return -1;
-    }
-    if (n > w->sp_cap && sp_grow(s, w, n > batch_rows(s) ? n : batch_rows(s)) != 0) {
-        /* the first time: room for any batch's rows, so no later step allocates */
+    if (psd_rowbuf_set(&w->sp, ids, v, n, D, batch_rows(s)) != 0) {
         drop(s, w, "PUSH of table rows: out of memory");
         return -1;
     }
-    if (s->store.lazy) { /* kept as rows: the step merges them */
-        memcpy(w->sp_rows, v, n * D * sizeof(float));
-    } else {
-        psd_rows_scatter(w->sp_e, s->store.own[l->table].off / D, D, w->sp_ids, w->sp_n, ids, v, n);
-    }
-    if (n) memcpy(w->sp_ids, ids, n * sizeof *ids);
-    w->sp_n = n;
     w->sp_table = l->table;
     w->grad_rows = true;
     s->ep_rows_in += n;
@@ -1821,7 +1752,7 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
             uint32_t t = m->hdr->tensors[i]->id;
             s->ep_bytes_in += zmq_msg_size(&m->frames[i]);
             if (i >= nf) continue; /* the rows wanted: kept by want_take */
-            if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* scattered into sp_e */
+            if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* copied by rows_take */
             zmq_msg_init(&w->grad[t]);
             zmq_msg_move(&w->grad[t], &m->frames[i]);
         }
@@ -3810,6 +3741,10 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         goto out;
     }
     s->n_shards = opts->shards > 1 ? opts->shards : 1;
+    if (sharded(s) && psd_store_own(&s->store, 0, s->n_shards) != 0) {
+        PS_ERROR("out of memory for the step's threads");
+        goto out;
+    }
     /* psd_main refuses streamed steps with shards. With an embedding table
      * they would step and send the table whole: the table's rows are worth
      * far more than overlapping the step (a 1M x 32 table: 128 MB a push
@@ -3818,8 +3753,10 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if (c->stream && s->layout.table >= 0)
         PS_WARN("train.stream: the model has an embedding table, so steps are whole (not streamed): the table "
                 "goes by rows, which a streamed step would send whole");
-    /* one psd, steps not streamed: the table is stepped row by row (psd_rows.h) */
-    if (s->layout.table >= 0 && s->n_shards == 1 && !s->stream &&
+    /* the table stepped row by row (psd_rows.h): one psd, steps not
+     * streamed, or psd shards whose pieces of it are all whole rows (else
+     * rows straddle two shards: the table goes whole and is stepped densely) */
+    if (s->layout.table >= 0 && !s->stream && (s->n_shards == 1 || ps_shards_table_rows(&s->layout, s->n_shards)) &&
         psd_store_lazy_table(&s->store, (size_t)c->workers * batch_rows(s), MAX_WORKERS) != 0) {
         PS_ERROR("out of memory for the table's row steps");
         goto out;
@@ -3827,7 +3764,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if (s->layout.table >= 0) {
         const double mb = (double)s->layout.t[s->layout.table].numel * 4.0 / 1048576.0;
         bool big = mb > c->ctr_worker_table_mb;
-        s->table_on_psd = big && s->store.lazy && c->wire_weights == PS_WIRE_F32 && c->wire_gradients == PS_WIRE_F32;
+        s->table_on_psd = big && s->n_shards == 1 && s->store.lazy && c->wire_weights == PS_WIRE_F32 && c->wire_gradients == PS_WIRE_F32;
         if (s->table_on_psd)
             PS_INFO("the embedding table (%.0f MiB) stays on psd: workers hold only the rows of their batch, "
                     "over the wire (ctr.worker_table_mb %g)", mb, c->ctr_worker_table_mb);
@@ -3851,12 +3788,6 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         s->st_mem = calloc(MAX_WORKERS, sizeof *s->st_mem);
         if (!s->st_have || !s->st_done || !s->st_ready || !s->st_rq || !s->st_src || !s->st_mem) {
             PS_ERROR("out of memory for streamed steps");
-            goto out;
-        }
-    }
-    if (sharded(s)) {
-        if (psd_store_own(&s->store, 0, s->n_shards) != 0) {
-            PS_ERROR("out of memory for the step's threads");
             goto out;
         }
     }

@@ -45,16 +45,6 @@
 
 #define SHARD_MAX_WORKERS 1024
 
-/* The gradient of this shard's piece of the table scattered from a push's
- * rows: zero but for the rows ids[0..n). Lent to a worker from its rows
- * push until the step (or until the push is dropped), then zeroed and
- * pooled: as many exist as workers pushed rows between two steps. */
-typedef struct {
-    float *e;
-    uint32_t *ids;
-    size_t n, cap;
-} sp_buf_t;
-
 typedef struct {
     bool known;                /* shard 0 told us its token */
     uint8_t token[PS_SHM_TOKEN];
@@ -63,7 +53,12 @@ typedef struct {
     uint64_t seq_in, seq_out;
     zmq_msg_t grad[PS_MAX_TENSORS];
     uint64_t held;             /* tensors whose grad[] holds a frame */
-    sp_buf_t *sp;              /* the table's piece pushed as rows (NULL: none) */
+    /* its gradient of this shard's piece of the table as rows (the table is
+     * stepped lazily): pushed as rows, or the nonzero rows of the piece
+     * pushed whole, gathered at the step. Lent from the pool from the push
+     * (or the step) until the step, or until the push is dropped: as many
+     * exist as workers pushed rows between two steps. NULL: none */
+    psd_rowbuf_t *sp;
     /* the rows of this shard's piece of the table its next batch reads
      * (Push.want_rows): the reply to that push brings only those */
     psd_want_t rows_want;
@@ -85,8 +80,9 @@ typedef struct {
     bool joined;
     double leader_seen;
     fw_t *w;
-    sp_buf_t **sp_free;        /* pooled row gradients (SHARD_MAX_WORKERS room) */
+    psd_rowbuf_t **sp_free;    /* pooled row gradients (SHARD_MAX_WORKERS room) */
     int n_sp_free;
+    psd_rowgrad_t *rg;         /* a step's contributors' rows (SHARD_MAX_WORKERS) */
     int n_w;                   /* 1 + the highest rank shard 0 told about: the loops per step stop there */
     bool awaiting_apply;
     double lr;
@@ -152,7 +148,7 @@ static void hello(shard_t *s)
     to_leader(s, &h, NULL, 0);
 }
 
-/* w's push goes: its frames, and its row gradient back to the pool (zeroed). */
+/* w's push goes: its frames, and its row gradient back to the pool. */
 static void release(shard_t *s, fw_t *w)
 {
     for (int t = 0; t < PS_MAX_TENSORS; t++)
@@ -160,12 +156,68 @@ static void release(shard_t *s, fw_t *w)
     w->mask = w->held = 0;
     w->complete = false;
     if (w->sp) {
-        const size_t D = (size_t)s->layout.t[s->layout.table].cols;
-        psd_rows_scatter(w->sp->e, s->store.own[s->layout.table].off / D, D, w->sp->ids, w->sp->n, NULL, NULL, 0);
         w->sp->n = 0;
         s->sp_free[s->n_sp_free++] = w->sp;
         w->sp = NULL;
     }
+}
+
+/* A row gradient for w: its own, one from the pool, or a new one. NULL if
+ * out of memory. */
+static psd_rowbuf_t *rowbuf_of(shard_t *s, fw_t *w)
+{
+    if (!w->sp && s->n_sp_free) w->sp = s->sp_free[--s->n_sp_free];
+    if (!w->sp) w->sp = calloc(1, sizeof *w->sp);
+    return w->sp;
+}
+
+/* The most rows of this shard's piece of the table one batch reads. */
+static size_t batch_rows(const shard_t *s)
+{
+    const ps_layout_t *l = &s->layout;
+    size_t most = (size_t)s->cfg.batch_size * (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
+    size_t piece = s->store.own[l->table].n / (size_t)l->t[l->table].cols;
+    return most < piece ? most : piece;
+}
+
+static void fail(shard_t *s, const char *why);
+
+/* The step's contributors' table rows, k of them in s->rg (their pieces
+ * pushed whole become their nonzero rows), with room in the store's merge.
+ * 0, or -1 (out of memory: failed). */
+static int step_rows(shard_t *s, const Psd__ShardStep *st)
+{
+    const ps_layout_t *l = &s->layout;
+    const int t = l->table;
+    const size_t D = (size_t)l->t[t].cols;
+    const ps_piece_t *own = &s->store.own[t];
+    size_t total = 0;
+    for (size_t k = 0; k < st->n_ranks; k++) {
+        fw_t *w = &s->w[st->ranks[k]];
+        if (!(s->all & (1ull << t))) {
+            s->rg[k] = (psd_rowgrad_t){0};
+            continue;
+        }
+        if (w->held & (1ull << t)) { /* the piece whole: its rows now */
+            psd_rowbuf_t *b = rowbuf_of(s, w);
+            if (!b || psd_rowbuf_dense(b, zmq_msg_data(&w->grad[t]), s->cfg.wire_gradients == PS_WIRE_BF16,
+                                       own->off / D, own->n / D, D) != 0) {
+                fail(s, "out of memory for a step's table rows");
+                return -1;
+            }
+            zmq_msg_close(&w->grad[t]);
+            w->held &= ~(1ull << t);
+        }
+        s->rg[k] = w->sp ? psd_rowbuf_grad(w->sp) : (psd_rowgrad_t){0};
+        s->g[k][t] = NULL;
+        total += s->rg[k].n;
+    }
+    const psd_rows_t *r = &s->store.rows;
+    if (total > r->max_entries && psd_store_lazy_table(&s->store, total, SHARD_MAX_WORKERS) != 0) {
+        fail(s, "out of memory for a step's table rows");
+        return -1;
+    }
+    return 0;
 }
 
 /* The current version of this shard's part, to worker w (its ident, rank
@@ -272,15 +324,18 @@ static void on_step(shard_t *s, ps_msg_t *m)
             return;
         }
         for (int t = 0; t < s->layout.n_tensors; t++)
-            s->g[k][t] = !(s->all & (1ull << t)) ? NULL
-                         : w->held & (1ull << t) ? zmq_msg_data(&w->grad[t])
-                                                 : w->sp->e; /* the table's rows, scattered */
+            s->g[k][t] = (s->all & (1ull << t)) && (w->held & (1ull << t)) ? zmq_msg_data(&w->grad[t]) : NULL;
         s->bf16[k] = s->cfg.wire_gradients == PS_WIRE_BF16;
     }
+    if (s->store.lazy && step_rows(s, st) != 0) return;
+    const psd_rowgrad_t *rows = s->store.lazy ? s->rg : NULL;
     const void *const(*g)[PS_MAX_TENSORS] = (const void *const(*)[PS_MAX_TENSORS])s->g;
     s->lr = st->lr;
     if (st->clip_norm > 0) { /* the norm of the whole gradient first */
-        psd_store_reduce(&s->store, (int)st->n_ranks, g, s->bf16, st->weights);
+        if (psd_store_reduce_rows(&s->store, (int)st->n_ranks, g, s->bf16, st->weights, rows) != 0) {
+            fail(s, "more table rows in a step than this shard made room for");
+            return;
+        }
         Psd__Header h;
         Psd__ShardNorm nb = PSD__SHARD_NORM__INIT;
         double sq[PS_MAX_TENSORS * 64], *blk = sq;
@@ -305,9 +360,13 @@ static void on_step(shard_t *s, ps_msg_t *m)
         to_leader(s, &h, NULL, 0);
         if (blk != sq) free(blk);
         s->awaiting_apply = true;
-    } else if (psd_store_step(&s->store, (int)st->n_ranks, g, s->bf16, st->weights, 0, st->lr) < 0) {
-        fail(s, "no free parameter arena (too many pull replies in flight)");
-        return;
+    } else {
+        double rc = psd_store_step_rows(&s->store, (int)st->n_ranks, g, s->bf16, st->weights, rows, 0, st->lr);
+        if (rc < 0) {
+            fail(s, rc == -2 ? "more table rows in a step than this shard made room for"
+                             : "no free parameter arena (too many pull replies in flight)");
+            return;
+        }
     }
     for (int r = 0; r < s->n_w; r++) /* every push of that version is used or stale */
         if (s->w[r].mask && s->w[r].push_version <= st->version) release(s, &s->w[r]);
@@ -556,56 +615,30 @@ static void on_register(shard_t *s, ps_msg_t *m)
     ps_msg_send(s->router, w->ident, w->ident_len, &a, NULL, 0);
 }
 
-/* The most rows of this shard's piece of the table one batch reads. */
-static size_t batch_rows(const shard_t *s)
-{
-    const ps_layout_t *l = &s->layout;
-    size_t most = (size_t)s->cfg.batch_size * (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
-    size_t piece = s->store.own[l->table].n / (size_t)l->t[l->table].cols;
-    return most < piece ? most : piece;
-}
-
 /* Frames i (u32 ids) and i + 1 (f32 values) of a PUSH are rows of this
  * shard's piece of the table (whole rows; none maybe). */
 static bool rows_ok(const shard_t *s, const ps_msg_t *m, int i)
 {
     const uint32_t *ids;
     size_t n = 0, nv = 0;
-    return ps_msg_rows(m, i, &ids, &n, &nv) && psd_rows_fit(&s->layout, &s->store.own[s->layout.table], ids, n, nv, true);
+    return s->store.lazy && ps_msg_rows(m, i, &ids, &n, &nv) &&
+           psd_rows_fit(&s->layout, &s->store.own[s->layout.table], ids, n, nv, true);
 }
 
-/* Scatter checked rows (frames i, i + 1) into w's gradient of the table's
- * piece: one from the pool, or a new one (its id list grown only when a
- * push has more rows than any before). 0, or -1 (dropped, logged). */
+/* Keep checked rows (frames i, i + 1) as w's gradient of the table's
+ * piece, in a row gradient from the pool (its room grown only when a push
+ * has more rows than any before). 0, or -1 (dropped, logged). */
 static int rows_take(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m, int i)
 {
     const ps_layout_t *l = &s->layout;
-    const ps_piece_t *own = &s->store.own[l->table];
-    const size_t D = (size_t)l->t[l->table].cols;
     size_t n = 0, nv = 0;
     const uint32_t *ids = ps_msg_u32(m, i, &n);
     const float *v = ps_msg_f32(m, i + 1, &nv);
-    if (!w->sp && s->n_sp_free) w->sp = s->sp_free[--s->n_sp_free];
-    if (!w->sp && (w->sp = calloc(1, sizeof *w->sp)) && !(w->sp->e = calloc(own->n, sizeof *w->sp->e))) {
-        free(w->sp);
-        w->sp = NULL;
-    }
-    sp_buf_t *b = w->sp;
-    if (b && n > b->cap) { /* the first time: room for any batch's rows in the piece */
-        size_t cap = n > batch_rows(s) ? n : batch_rows(s);
-        uint32_t *p = realloc(b->ids, cap * sizeof *p);
-        if (p) {
-            b->ids = p;
-            b->cap = cap;
-        }
-    }
-    if (!b || n > b->cap) {
+    psd_rowbuf_t *b = rowbuf_of(s, w);
+    if (!b || psd_rowbuf_set(b, ids, v, n, (size_t)l->t[l->table].cols, batch_rows(s)) != 0) {
         sdrop(s, "PUSH of rank %u: out of memory for its table rows", rank);
         return -1;
     }
-    psd_rows_scatter(b->e, own->off / D, D, b->ids, b->n, ids, v, n);
-    if (n) memcpy(b->ids, ids, n * sizeof *ids);
-    b->n = n;
     s->rows_pushes++;
     s->rows_in += n;
     return 0;
@@ -689,7 +722,7 @@ static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
     for (int i = 0; i < nf; i++) {
         uint32_t t = m->hdr->tensors[i]->id;
         s->bytes_in += zmq_msg_size(&m->frames[i]);
-        if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* scattered into w->sp */
+        if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* copied into w->sp */
         zmq_msg_init(&w->grad[t]);
         zmq_msg_move(&w->grad[t], &m->frames[i]);
         w->held |= 1ull << t;
@@ -786,8 +819,9 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->g = calloc(SHARD_MAX_WORKERS, sizeof *s->g);
     s->bf16 = calloc(SHARD_MAX_WORKERS, 1);
     s->sp_free = calloc(SHARD_MAX_WORKERS, sizeof *s->sp_free);
+    s->rg = calloc(SHARD_MAX_WORKERS, sizeof *s->rg);
     ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
-    if (!s->w || !s->g || !s->bf16 || !s->sp_free) goto out;
+    if (!s->w || !s->g || !s->bf16 || !s->sp_free || !s->rg) goto out;
     if (ps_config_layout(c, &s->layout) != 0) {
         PS_ERROR("invalid model.layers");
         code = PSD_EXIT_USAGE;
@@ -811,6 +845,15 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
                  "shards", opts->shard, opts->shards, PSD_NORM_BLOCK);
         code = PSD_EXIT_USAGE;
         goto out;
+    }
+    /* the table stepped by rows when every shard's piece of it is whole rows
+     * (as shard 0 and the workers decide: they then send rows) */
+    if (ps_shards_table_rows(&s->layout, opts->shards)) {
+        size_t room = (size_t)c->workers * batch_rows(s);
+        if (psd_store_lazy_table(&s->store, room ? room : 1, SHARD_MAX_WORKERS) != 0) {
+            PS_ERROR("out of memory for the table's row steps");
+            goto out;
+        }
     }
     s->zctx = psd_zmq_context(c);
     if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, false, &s->router, &s->zap,
@@ -932,11 +975,11 @@ out:
         psd_want_free(&s->w[r].rows_want);
     }
     for (int i = 0; s->sp_free && i < s->n_sp_free; i++) {
-        free(s->sp_free[i]->e);
-        free(s->sp_free[i]->ids);
+        psd_rowbuf_free(s->sp_free[i]);
         free(s->sp_free[i]);
     }
     free(s->sp_free);
+    free(s->rg);
     if (s->router) {
         ps_msg_drain(s->router, 0.05, 0.5);
         if (s->mon) zmq_socket_monitor(s->router, NULL, 0);

@@ -59,16 +59,14 @@ int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt,
     return 0;
 }
 
-/* The chunks and norm blocks of the dense step: all of them, or those
- * before the table's (the last tensor) when it is stepped lazily. */
+/* The chunks of the dense step: all of them, or those before the table's
+ * (the last tensor) when it is stepped lazily. */
 static void dense_part(psd_store_t *s)
 {
     const ps_layout_t *l = &s->layout;
     s->step_chunks = s->n_chunks;
-    s->step_blk = s->n_blk;
     if (!s->lazy) return;
     while (s->step_chunks > 0 && s->chunks[s->step_chunks - 1].t == l->table) s->step_chunks--;
-    s->step_blk = ps_layout_first_block(l, l->table);
 }
 
 int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
@@ -114,7 +112,8 @@ int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
 int psd_store_lazy_table(psd_store_t *s, size_t max_entries, int max_k)
 {
     const ps_layout_t *l = &s->layout;
-    if (l->table < 0) return -EINVAL;
+    size_t r0, r1;
+    if (l->table < 0 || !ps_piece_rows(l, &s->own[l->table], &r0, &r1)) return -EINVAL;
     psd_rows_t r;
     if (psd_rows_init(&r, (size_t)l->t[l->table].cols, max_entries, max_k) != 0) return -ENOMEM;
     psd_rows_deinit(&s->rows);
@@ -405,10 +404,33 @@ void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
     step_run(s, s->step_chunks, norm_task, &st);
 }
 
+/* The lazy table's norm blocks (the piece this store owns) from the merged
+ * rows: zero but where rows were touched */
+static void table_norms(psd_store_t *s)
+{
+    const ps_layout_t *l = &s->layout;
+    const ps_piece_t *own = &s->own[l->table];
+    double *blk = s->blk_sq + ps_layout_first_block(l, l->table);
+    for (size_t o = own->off; o < own->off + own->n; o += PSD_NORM_BLOCK) blk[o / PSD_NORM_BLOCK] = 0;
+    psd_rows_norms(&s->rows, blk);
+}
+
+int psd_store_reduce_rows(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16,
+                          const double *weight, const psd_rowgrad_t *rows)
+{
+    if (s->lazy) {
+        s->rows.n_ids = 0;
+        if (rows && psd_rows_merge(&s->rows, n, rows, weight, s->layout.t[s->layout.table].rows) != 0) return -2;
+        table_norms(s);
+    }
+    psd_store_reduce(s, n, grads, bf16, weight);
+    return 0;
+}
+
 double psd_store_sumsq(const psd_store_t *s)
 {
     double sumsq = 0;
-    for (size_t b = 0; b < s->step_blk; b++) sumsq += s->blk_sq[b]; /* block order: any chunking, same bits */
+    for (size_t b = 0; b < s->n_blk; b++) sumsq += s->blk_sq[b]; /* block order: any chunking, same bits */
     return sumsq;
 }
 
@@ -450,13 +472,16 @@ static psd_arena_t *begin_update(psd_store_t *s)
     return next;
 }
 
-/* The lazy table's step on the merged rows: the untouched rows of an
- * out-of-place version are copied from the current one */
+/* The lazy table's step on the merged rows: the untouched rows (of the
+ * piece this store owns) of an out-of-place version are copied from the
+ * current one */
 static void table_apply(psd_store_t *s, psd_arena_t *next, float scale, double lr)
 {
     if (!s->lazy) return;
     const ps_tensor_info_t *e = &s->layout.t[s->layout.table];
-    if (next != s->cur) memcpy(next->w + e->offset, s->cur->w + e->offset, e->numel * sizeof(float));
+    const ps_piece_t *own = &s->own[s->layout.table];
+    if (next != s->cur)
+        memcpy(next->w + e->offset + own->off, s->cur->w + e->offset + own->off, own->n * sizeof(float));
     psd_rows_apply(&s->rows, &s->opt, next->w + e->offset, s->s0 ? s->s0 + e->offset : NULL,
                    s->s1 ? s->s1 + e->offset : NULL, scale, lr, s->steps);
 }
@@ -482,16 +507,15 @@ double psd_store_step_rows(psd_store_t *s, int n, const void *const (*grads)[PS_
                            const uint8_t *bf16, const double *weight, const psd_rowgrad_t *rows,
                            double clip_norm, double lr)
 {
+    if (clip_norm > 0.0) { /* the global norm first: reduce, then apply */
+        if (next_arena(s) == NULL) return -1;
+        if (psd_store_reduce_rows(s, n, grads, bf16, weight, rows) != 0) return -2;
+        double sumsq = psd_store_sumsq(s);
+        return psd_store_apply(s, sumsq, clip_norm, lr) == 0 ? sqrt(sumsq) : -1;
+    }
     if (s->lazy) {
         s->rows.n_ids = 0;
         if (rows && psd_rows_merge(&s->rows, n, rows, weight, s->layout.t[s->layout.table].rows) != 0) return -2;
-    }
-    if (clip_norm > 0.0) { /* the global norm first: reduce, then apply */
-        if (next_arena(s) == NULL) return -1;
-        psd_store_reduce(s, n, grads, bf16, weight);
-        double sumsq = psd_store_sumsq(s);
-        if (s->lazy) sumsq += psd_sumsq(s->rows.sum, s->rows.n_ids * s->rows.dim);
-        return psd_store_apply(s, sumsq, clip_norm, lr) == 0 ? sqrt(sumsq) : -1;
     }
     /* without clipping every chunk is reduced and applied at once (no second pass) */
     psd_arena_t *next = begin_update(s);

@@ -68,12 +68,11 @@ typedef struct {
     double *blk_sq;     /* squared norm of each norm block */
     size_t n_blk;
     /* the table stepped row by row (psd_store_lazy_table): the dense step
-     * runs the first step_chunks chunks (those before the table's) and
-     * sums the first step_blk norm blocks; `rows` merges the table's rows */
+     * runs the first step_chunks chunks (those before the table's); `rows`
+     * merges the table's rows, whose norm blocks come from them */
     bool lazy;
     psd_rows_t rows;
     int step_chunks;
-    size_t step_blk;
     /* shared arenas (psd_store_share): slot i of one memfd is arena i */
     float *shm_base;
     size_t shm_slot_floats;
@@ -135,11 +134,14 @@ int psd_store_frames(psd_store_t *s, const uint16_t *w16, ps_frame_t *fr, uint32
 double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
                       const uint8_t *bf16, const double *weight, double clip_norm, double lr);
 
-/* Step the layout's table lazily from now on (one psd): each step merges
- * the contributors' row gradients (psd_rows_merge: room for max_entries
- * entries from up to max_k contributors) and updates only those rows and
- * their optimizer state (psd_rows.h); the dense step leaves the table out.
- * Called again with more room, it grows. 0, -EINVAL (no table) or -ENOMEM. */
+/* Step the layout's table lazily from now on (one psd, or a psd shard
+ * whose piece of the table is whole rows: after psd_store_own): each step
+ * merges the contributors' row gradients (psd_rows_merge: room for
+ * max_entries entries from up to max_k contributors; ids of the table, in
+ * the piece owned) and updates only those rows and their optimizer state
+ * (psd_rows.h); the dense step leaves the table out. Called again with more
+ * room, it grows. 0, -EINVAL (no table, or a piece that is not whole rows)
+ * or -ENOMEM. */
 int psd_store_lazy_table(psd_store_t *s, size_t max_entries, int max_k);
 
 /* psd_store_step with the table's gradient as rows[k] for contributor k
@@ -152,11 +154,15 @@ double psd_store_step_rows(psd_store_t *s, int n, const void *const (*grads)[PS_
                            double clip_norm, double lr);
 
 /* The same step in two halves, for psd shards with clipping: reduce the
- * owned part (the squared norm of each owned block in s->blk_sq), then,
+ * owned part (the squared norm of each owned block in s->blk_sq; with a
+ * lazy table, reduce_rows first merges the rows as step_rows does and
+ * takes the table's blocks' norms from them: 0, or -2 as step_rows), then,
  * once the squared norm of the whole gradient is known (psd_store_sumsq
  * over every shard's blocks), apply. apply returns 0, or -1 if no arena. */
 void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16,
                       const double *weight);
+int psd_store_reduce_rows(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16,
+                          const double *weight, const psd_rowgrad_t *rows);
 double psd_store_sumsq(const psd_store_t *s);
 int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr);
 

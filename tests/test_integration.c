@@ -1109,13 +1109,32 @@ static bool a_run_ok(const run_t *r)
     return r->psd_code == 0 && r->worker_code[0] == 0 && r->worker_code[1] == 0;
 }
 
+/* train_sharded, and psd (every shard) and both workers exited 0 */
+static void train_ok(run_t *r, const char *tag, int shards, const char **args, const char **wex)
+{
+    train_sharded(r, tag, shards, args, wex);
+    cr_assert(a_run_ok(r), "%s: %s", tag, r->psd_log);
+}
+
+/* Runs tags[0..2]: 1 psd with args `rows`, 2 shards with `rows` and 2
+ * shards with `whole` (the table's gradient pushed whole): the same bits. */
+static void rows_and_shards(run_t r[3], const char *const *tags, const char **rows, const char **whole,
+                            const char **wex, const char *what)
+{
+    train_ok(&r[0], tags[0], 1, rows, wex);
+    train_ok(&r[1], tags[1], 2, rows, wex);
+    train_ok(&r[2], tags[2], 2, whole, wex);
+    cr_assert(weights_equal(r[0].weights, r[1].weights), "%s: 2 shards with table rows = 1 psd, bit for bit", what);
+    cr_assert(weights_equal(r[0].weights, r[2].weights), "%s: 2 shards with whole tables = 1 psd, bit for bit", what);
+}
+
 /* Table rows with psd shards: each shard gets the rows of its piece of
  * the table (the pieces are whole rows: the table's width divides the norm
- * block), none when the batch touched none there, and steps as if the
- * table had come whole; it answers with the rows of its piece the next
- * batch reads. 1 psd, 2 shards with rows and 2 shards with whole tables
- * give the same bits; the bytes each shard receives and sends follow the
- * rows. */
+ * block), none when the batch touched none there, and steps those rows
+ * only, as one psd does (lazily); it answers with the rows of its piece the
+ * next batch reads. 1 psd, 2 shards with rows and 2 shards with whole
+ * tables give the same bits (Adagrad, and lazy Adam with clipping); the
+ * bytes each shard receives and sends follow the rows. */
 Test(short, table_rows_go_to_psd_shards)
 {
     char cfg[1024];
@@ -1125,15 +1144,9 @@ Test(short, table_rows_go_to_psd_shards)
     const char *dense[] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
                            "--set", "checkpoint.dir=", "--x-verify-weights", "--set", "train.sparse_threshold=0", NULL};
     const char *wex[] = {"--no-shm", "--verbose", NULL};
-    run_t a, b, c;
-    train_sharded(&a, "rows1", 1, sparse, wex);
-    cr_assert(a_run_ok(&a), "%s", a.psd_log);
-    train_sharded(&b, "rows2", 2, sparse, wex);
-    cr_assert(a_run_ok(&b), "%s", b.psd_log);
-    train_sharded(&c, "whole2", 2, dense, wex);
-    cr_assert(a_run_ok(&c), "%s", c.psd_log);
-    cr_assert(weights_equal(a.weights, b.weights), "2 shards with table rows = 1 psd, bit for bit");
-    cr_assert(weights_equal(a.weights, c.weights), "2 shards with whole tables = 1 psd, bit for bit");
+    run_t abc[3];
+    rows_and_shards(abc, (const char *[]){"rows1", "rows2", "whole2"}, sparse, dense, wex, "Adagrad");
+    run_t b = abc[1], c = abc[2];
     assert_workers_verified("rows2", 2, "every shard's part");
     /* the model: 64 -> 64 -> 2 (4290 floats, all on shard 0) and a table of 65536 x 8 (half on
      * each shard: 262144 floats); 2 workers x 40 batches an epoch */
@@ -1171,16 +1184,26 @@ Test(short, table_rows_go_to_psd_shards)
     cr_assert(got[0][3] > 0 && got[0][3] < 0.3 * 32768 * 2 * 2 * 40, "shard 1: %g rows sent", got[0][3]);
     cr_assert(got[1][1] == 0 && got[1][0] == 2 * 2 * 40 * piece && got[1][3] == 0, "shard 1, whole tables: %g bytes",
               got[1][0]);
+    /* lazy Adam with clipping: a shard steps only the rows of its piece that a step's pushes
+     * touched, as one psd does (rows pushed, or found in a piece pushed whole), and the rows'
+     * norm blocks add up to one psd's: the same bits */
+    const char *adam[] = {"--config", cfg, "--epochs", "1", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                          "--set", "checkpoint.dir=", "--set", "optimizer.name=adam", "--set", "optimizer.lr=0.01",
+                          "--set", "optimizer.clip_norm=0.5", "--set", "train.sparse_threshold=0.3", NULL};
+    const char *adam_whole[] = {"--config", cfg, "--epochs", "1", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                                "--set", "checkpoint.dir=", "--set", "optimizer.name=adam", "--set",
+                                "optimizer.lr=0.01", "--set", "optimizer.clip_norm=0.5", "--set",
+                                "train.sparse_threshold=0", NULL};
+    run_t fgh[3];
+    rows_and_shards(fgh, (const char *[]){"adam1", "adam2", "adamwhole2"}, adam, adam_whole, wex, "lazy Adam, clipped");
     /* a width that does not divide the norm block (12; with 50 000 rows the shards' boundary
      * falls inside a row): the table goes whole to the shards (rows to one psd), the same bits */
     const char *odd[] = {"--config", cfg, "--epochs", "1", "--set", "ctr.train=5000", "--set", "ctr.test=500",
                          "--set", "checkpoint.dir=", "--set", "ctr.rows=50000", "--set", "ctr.dim=12", "--set",
                          "model.layers=[96,16,2]", NULL};
     run_t d, e;
-    train_sharded(&d, "odd1", 1, odd, wex);
-    cr_assert(a_run_ok(&d), "%s", d.psd_log);
-    train_sharded(&e, "odd2", 2, odd, wex);
-    cr_assert(a_run_ok(&e), "%s", e.psd_log);
+    train_ok(&d, "odd1", 1, odd, wex);
+    train_ok(&e, "odd2", 2, odd, wex);
     cr_assert(weights_equal(d.weights, e.weights), "table width 12: 2 shards = 1 psd, bit for bit");
     char *md = metrics_last(&d), *me = metrics_last(&e);
     cr_assert(json_num(md, "table_row_pushes") > 0 && json_num(me, "table_row_pushes") == 0, "%s\n%s", md, me);
@@ -1566,8 +1589,8 @@ static void shard_weights(void *d, uint64_t version, float *out, size_t n)
 
 /* A psd shard takes a push of table rows for its piece of the table only
  * (ids strictly increasing inside the piece, one value row each: anything
- * else is dropped and logged), steps as if the table had come whole (the
- * rows pushed change, no other), forgets a push's rows at the next one,
+ * else is dropped and logged), steps the rows pushed (no other), forgets
+ * a push's rows at the next one,
  * and answers a push that lists the rows the next batch reads with those
  * rows. The test is shard 0 (ctr.yaml: the MLP on shard 0, the table's
  * rows 32768..65535 on shard 1) and worker rank 0. */
@@ -1619,7 +1642,7 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
         if (i < 8 || i >= last) cr_assert(v1[i] < v0[i], "float %zu of a row pushed went down", i);
         else cr_assert(v1[i] == v0[i], "float %zu of a row not pushed changed", i);
     }
-    /* the next push's rows only: the last push's are zero again */
+    /* the next push's rows only: the last push's are not stepped again */
     const uint32_t mid[1] = {50000};
     shard_push_rows(w, 1, mid, 1, 1, 1, seq);
     cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE for version 1");

@@ -3,8 +3,9 @@
  * duplicates and contributors in a fixed order, leaves untouched rows alone
  * (lazy Adam), and refuses what does not fit; and psd's store steps a table
  * lazily with the dense step's bits (SGD, Adagrad), in place or out; and
- * a psd shard's piece of a table is whole rows, its rows checked,
- * scattered and gathered. */
+ * a psd shard's piece of a table is whole rows, its rows checked and
+ * gathered, and psd shards stepping their pieces of a table lazily give
+ * one store's bits, clipped or not. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
@@ -219,10 +220,9 @@ Test(rows, a_lazy_table_is_clipped_by_the_whole_gradients_norm)
     psd_store_t a, b;
     store_steps(&a, false, &o, 0.05, false);
     store_steps(&b, true, &o, 0.05, false);
-    /* the same norm summed in another order: equal to float rounding */
-    for (size_t i = 0; i < a.layout.n_params; i++)
-        cr_assert(fabsf(a.cur->w[i] - b.cur->w[i]) <= 1e-6f + 1e-5f * fabsf(a.cur->w[i]), "param %zu: %g vs %g", i,
-                  a.cur->w[i], b.cur->w[i]);
+    /* the rows' norm block by block, element i of a block in lane i % 16:
+     * the dense step's norm, so the same bits */
+    cr_assert(memcmp(a.cur->w, b.cur->w, a.layout.n_params * sizeof(float)) == 0, "clipped: the same bits");
     psd_store_deinit(&a);
     psd_store_deinit(&b);
 }
@@ -294,9 +294,8 @@ Test(rows, shard_pieces_of_a_table_are_whole_rows_when_its_width_divides_the_blo
     cr_assert_not(ps_piece_rows(&l, &p, &r0, &r1), "a piece of another tensor");
 }
 
-/* A shard's rows: checked inside its piece, scattered into its piece's
- * gradient (the last push's rows zeroed), gathered for a reply. */
-Test(rows, a_shards_rows_are_checked_scattered_and_gathered)
+/* A shard's rows: checked inside its piece, gathered for a reply. */
+Test(rows, a_shards_rows_are_checked_and_gathered)
 {
     const uint32_t in[3] = {10, 11, 19}, out_lo[2] = {9, 12}, out_hi[2] = {12, 20}, dup[2] = {12, 12};
     cr_assert(psd_rows_in(in, 3, 10, 20));
@@ -304,14 +303,6 @@ Test(rows, a_shards_rows_are_checked_scattered_and_gathered)
     cr_assert_not(psd_rows_in(out_lo, 2, 10, 20));
     cr_assert_not(psd_rows_in(out_hi, 2, 10, 20));
     cr_assert_not(psd_rows_in(dup, 2, 10, 20));
-    float e[10 * 2] = {0}, v[3 * 2] = {1, 2, 3, 4, 5, 6};
-    psd_rows_scatter(e, 10, 2, NULL, 0, in, v, 3);
-    const float want1[20] = {1, 2, 3, 4, [18] = 5, [19] = 6};
-    cr_assert_arr_eq(e, want1, sizeof e);
-    const uint32_t next[1] = {15};
-    psd_rows_scatter(e, 10, 2, in, 3, next, v, 1);
-    const float want2[20] = {[10] = 1, [11] = 2};
-    cr_assert_arr_eq(e, want2, sizeof e, "the last push's rows are zero again");
     float E[30 * 2], g[2 * 2];
     for (int i = 0; i < 60; i++) E[i] = (float)i;
     const uint32_t rows[2] = {3, 29};
@@ -326,4 +317,162 @@ Test(rows, a_shards_rows_are_checked_scattered_and_gathered)
     cr_assert(w.has && w.n == 0 && w.ids == ids, "an empty list keeps its room");
     psd_want_free(&w);
     cr_assert(!w.ids && !w.vals && !w.has);
+}
+
+/* The rows' norm blocks are psd_sumsq over the blocks of the dense
+ * gradient they stand for, for widths that divide the block and one whose
+ * rows straddle blocks; a dense gradient's nonzero rows come back as rows
+ * (f32 and bfloat16, from a piece starting at some row). */
+Test(rows, row_norms_are_the_dense_blocks_norms_and_dense_gradients_become_rows)
+{
+    const size_t dims[2] = {8, 12}, R = 5000;
+    for (int c = 0; c < 2; c++) {
+        const size_t D = dims[c], nb = (R * D + PS_NORM_BLOCK - 1) / PS_NORM_BLOCK;
+        psd_rows_t r;
+        cr_assert_eq(psd_rows_init(&r, D, 400, 1), 0);
+        float *dense = calloc(R * D, sizeof *dense);
+        ps_rng_t g;
+        ps_rng_seed(&g, 7 + c, 1);
+        for (size_t id = 3; id < R; id += 1 + ps_rng_below(&g, 25)) { /* ascending, across every block */
+            r.ids[r.n_ids] = (uint32_t)id;
+            for (size_t d = 0; d < D; d++)
+                dense[id * D + d] = r.sum[r.n_ids * D + d] = (ps_rng_uniform(&g) - 0.5f) * (float)(1 + d % 3);
+            r.n_ids++;
+        }
+        cr_assert_gt(r.n_ids, 200);
+        double blk[8], want;
+        for (size_t b = 0; b < nb; b++) blk[b] = -1;
+        psd_rows_norms(&r, blk);
+        for (size_t b = 0; b < nb; b++) {
+            size_t n = b + 1 < nb ? PS_NORM_BLOCK : R * D - b * PS_NORM_BLOCK;
+            want = psd_sumsq(dense + b * PS_NORM_BLOCK, n);
+            cr_assert(blk[b] == want, "dim %zu block %zu: %.17g vs %.17g", D, b, blk[b], want);
+        }
+        /* back from dense: the piece from row 1000 on */
+        psd_rowbuf_t rb = {0};
+        cr_assert_eq(psd_rowbuf_dense(&rb, dense + 1000 * D, false, 1000, R - 1000, D), 0);
+        size_t first = 0;
+        while (r.ids[first] < 1000) first++;
+        cr_assert_eq(rb.n, r.n_ids - first);
+        cr_assert_arr_eq(rb.ids, r.ids + first, rb.n * sizeof *rb.ids);
+        cr_assert_arr_eq(rb.rows, r.sum + first * D, rb.n * D * sizeof(float));
+        uint16_t *h = calloc(R * D, sizeof *h);
+        for (size_t i = 0; i < R * D; i++) h[i] = (uint16_t)(dense[i] == 0 ? 0x8000 : 0x3f80); /* -0 and 1.0 */
+        cr_assert_eq(psd_rowbuf_dense(&rb, h, true, 0, R, D), 0);
+        cr_assert_eq(rb.n, r.n_ids, "bfloat16: -0 is zero");
+        cr_assert(rb.rows[0] == 1.0f && rb.ids[0] == r.ids[0]);
+        const uint32_t two[2] = {4, 9};
+        const float v[24] = {1};
+        cr_assert_eq(psd_rowbuf_set(&rb, two, v, 2, D, 10), 0);
+        cr_assert(rb.n == 2 && rb.ids[1] == 9 && rb.rows[0] == 1.0f);
+        psd_rowbuf_free(&rb);
+        cr_assert(!rb.ids && !rb.rows && rb.cap == 0);
+        free(h);
+        free(dense);
+        psd_rows_deinit(&r);
+    }
+}
+
+/* Two psd shards' stores, each owning its piece of a 8192 x 8 table (4
+ * norm blocks: two each) and stepping it by rows, against one store:
+ * without clipping each step on its own; with clipping the shards reduce,
+ * exchange their blocks' norms (as SHARD_NORM does), and apply with the
+ * whole norm. Adam and Nesterov momentum with weight decay (where a lazy
+ * step differs from a dense one): every shard's piece has one store's bits. */
+Test(rows, psd_shards_step_their_table_pieces_by_rows_as_one_store)
+{
+    static const int sizes[3] = {6, 5, 3};
+    enum { TR = 8192, TD = 8, KK = 2, NR = 300 };
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, sizes, 3, TR, TD), 0);
+    cr_assert(ps_shards_table_rows(&l, 2));
+    psd_optim_t opts[2] = {{.kind = PS_OPT_ADAM, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f},
+                           {.kind = PS_OPT_SGD, .momentum = 0.9f, .nesterov = true, .weight_decay = 1e-2f}};
+    for (int o = 0; o < 2; o++)
+        for (int clip = 0; clip < 2; clip++) {
+            psd_store_t one, sh[2];
+            cr_assert_eq(psd_store_init(&one, &l, &opts[o], 5), 0);
+            cr_assert_eq(psd_store_lazy_table(&one, KK * NR, KK), 0);
+            for (int k = 0; k < 2; k++) {
+                cr_assert_eq(psd_store_init(&sh[k], &l, &opts[o], 5), 0);
+                cr_assert_eq(psd_store_set_parallel(&sh[k], 2, 16384), 0);
+                cr_assert_eq(psd_store_own(&sh[k], k, 2), 0);
+                cr_assert_eq(psd_store_lazy_table(&sh[k], KK * NR, KK), 0);
+            }
+            size_t r0[2], r1[2];
+            for (int k = 0; k < 2; k++) cr_assert(ps_piece_rows(&l, &sh[k].own[l.table], &r0[k], &r1[k]));
+            cr_assert(r0[0] < r1[0] && r1[0] == r0[1] && r0[1] < r1[1] && r1[1] == TR, "the table in two pieces");
+            const double w[KK] = {0.625, 0.375};
+            ps_rng_t g;
+            ps_rng_seed(&g, 99, 1);
+            for (int step = 0; step < 6; step++) {
+                static uint32_t ids[KK][NR];
+                static float rows[KK][NR * TD], mlp[KK][64];
+                const void *gg[KK][PS_MAX_TENSORS] = {{0}}, *gs[2][KK][PS_MAX_TENSORS] = {{{0}}};
+                psd_rowgrad_t rg[KK], rs[2][KK];
+                for (int k = 0; k < KK; k++) {
+                    for (int i = 0; i < 64; i++) mlp[k][i] = (ps_rng_uniform(&g) - 0.5f) * 0.3f;
+                    size_t n = 0;
+                    for (uint32_t id = (uint32_t)ps_rng_below(&g, 20); id < TR && n < NR;
+                         id += 1 + (uint32_t)ps_rng_below(&g, 60)) {
+                        ids[k][n] = id;
+                        for (int d = 0; d < TD; d++) rows[k][n * TD + d] = (ps_rng_uniform(&g) - 0.5f) * 2.0f;
+                        n++;
+                    }
+                    rg[k] = (psd_rowgrad_t){ids[k], rows[k], n};
+                    size_t split = 0;
+                    while (split < n && ids[k][split] < r1[0]) split++;
+                    rs[0][k] = (psd_rowgrad_t){ids[k], rows[k], split};
+                    rs[1][k] = (psd_rowgrad_t){ids[k] + split, rows[k] + split * TD, n - split};
+                    for (int t = 0; t < l.table; t++) {
+                        gg[k][t] = mlp[k] + 0;
+                        for (int sk = 0; sk < 2; sk++) gs[sk][k][t] = mlp[k] + sh[sk].own[t].off;
+                    }
+                }
+                const double c = clip ? 0.5 : 0;
+                cr_assert_geq(psd_store_step_rows(&one, KK, (const void *const(*)[PS_MAX_TENSORS])gg, NULL, w, rg, c,
+                                                  1e-2),
+                              0);
+                if (!clip) {
+                    for (int k = 0; k < 2; k++)
+                        cr_assert_eq(psd_store_step_rows(&sh[k], KK, (const void *const(*)[PS_MAX_TENSORS])gs[k], NULL,
+                                                         w, rs[k], 0, 1e-2),
+                                     0);
+                    continue;
+                }
+                for (int k = 0; k < 2; k++)
+                    cr_assert_eq(psd_store_reduce_rows(&sh[k], KK, (const void *const(*)[PS_MAX_TENSORS])gs[k], NULL,
+                                                       w, rs[k]),
+                                 0);
+                for (int k = 0; k < 2; k++) /* shard 0 takes shard 1's blocks (SHARD_NORM) */
+                    for (int t = 0; t < l.n_tensors; t++) {
+                        size_t b = ps_layout_first_block(&l, t) + sh[1].own[t].off / PS_NORM_BLOCK;
+                        for (size_t o2 = 0; o2 < sh[1].own[t].n; o2 += PS_NORM_BLOCK, b++)
+                            sh[0].blk_sq[b] = sh[1].blk_sq[b];
+                    }
+                double sumsq = psd_store_sumsq(&sh[0]);
+                cr_assert(sumsq > 0.25, "clipping applies: norm %g", sqrt(sumsq));
+                for (int k = 0; k < 2; k++) cr_assert_eq(psd_store_apply(&sh[k], sumsq, c, 1e-2), 0);
+            }
+            for (int k = 0; k < 2; k++)
+                for (int t = 0; t < l.n_tensors; t++) {
+                    size_t at = l.t[t].offset + sh[k].own[t].off, n = sh[k].own[t].n;
+                    cr_assert(memcmp(sh[k].cur->w + at, one.cur->w + at, n * sizeof(float)) == 0,
+                              "optimizer %d clip %d: shard %d's piece of tensor %d has one store's bits", o, clip, k,
+                              t);
+                    cr_assert(memcmp(sh[k].s0 + at, one.s0 + at, n * sizeof(float)) == 0, "and its state");
+                }
+            /* a lazy step: rows no step touched kept their initial values */
+            size_t untouched = 0;
+            psd_store_t init;
+            cr_assert_eq(psd_store_init(&init, &l, &opts[o], 5), 0);
+            const float *E = one.cur->w + l.t[l.table].offset, *E0 = init.cur->w + l.t[l.table].offset;
+            for (size_t r = 0; r < TR; r++) untouched += one.s0[l.t[l.table].offset + r * TD] == 0 &&
+                                                         memcmp(E + r * TD, E0 + r * TD, TD * sizeof(float)) == 0;
+            cr_assert_gt(untouched, 100, "rows no step touched are left alone");
+            psd_store_deinit(&init);
+            psd_store_deinit(&one);
+            psd_store_deinit(&sh[0]);
+            psd_store_deinit(&sh[1]);
+        }
 }

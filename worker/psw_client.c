@@ -488,13 +488,8 @@ static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, cha
     }
     memset(c->got, 0, sizeof c->got);
     c->pending = 0;
-    c->rows_shards = c->layout.table >= 0;
-    for (int k = 0; k < c->n_shards; k++) {
-        ps_shard_pieces(&c->layout, k, c->n_shards, c->pieces[k]);
-        size_t r0, r1;
-        if (c->layout.table >= 0 && !ps_piece_rows(&c->layout, &c->pieces[k][c->layout.table], &r0, &r1))
-            c->rows_shards = 0;
-    }
+    c->rows_shards = ps_shards_table_rows(&c->layout, c->n_shards);
+    for (int k = 0; k < c->n_shards; k++) ps_shard_pieces(&c->layout, k, c->n_shards, c->pieces[k]);
     uint8_t token[PS_SHM_TOKEN];
     memcpy(token, a->shard_token.data, sizeof token);
     for (int k = 1; k < c->n_shards; k++) {
