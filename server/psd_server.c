@@ -896,7 +896,23 @@ static void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *f
         PS_ERROR("out of memory for the table rows of rank %u's validation part", w->rank);
         k = 0;
     }
-    table_rows_frame(s, &fr[n - 1], ids, k, vals);
+    /* the values of the rows in this psd's piece of the table (a shard:
+     * a slice of the sorted ids, none maybe; the worker asks the other
+     * shards for theirs) */
+    const ps_piece_t *own = &s->store.own[s->layout.table];
+    size_t r0 = 0, r1 = 0, a = 0, b = k;
+    if (own->n && ps_piece_rows(&s->layout, own, &r0, &r1)) {
+        while (a < k && ids[a] < r0) a++;
+        for (b = a; b < k && ids[b] < r1; b++) {}
+    } else {
+        b = a;
+    }
+    if (n > 0 && fr[n - 1].id == (uint32_t)s->layout.table) {
+        table_rows_frame(s, &fr[n - 1], ids + a, b - a, vals);
+    } else { /* a shard holding none of the table */
+        fr[n++] = (ps_frame_t){.data = vals, .nbytes = 0, .id = (uint32_t)s->layout.table,
+                               .dtype = PSD__DTYPE__DT_F32, .rows = 0, .cols = (uint32_t)D};
+    }
     fr[n] = fr[n - 1];
     fr[n - 1] = (ps_frame_t){.data = ids, .nbytes = k * sizeof *ids, .id = (uint32_t)s->layout.table,
                              .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)k};
@@ -925,7 +941,7 @@ static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
     w->state = W_VALIDATING;
     w->last_seen = ps_now();
     int n = weights_frames(s, w, fr, &v.shm_slot, &v.crc);
-    if (s->table_on_psd && n > 0 && fr[n - 1].id == (uint32_t)s->layout.table) {
+    if (s->table_on_psd) {
         range_rows_send(s, w, &h, fr, n);
         return;
     }
@@ -3571,6 +3587,12 @@ static void zmq_end(srv_t *s, int linger_ms)
     s->zctx = NULL;
 }
 
+bool psd_table_on_psd(const ps_config_t *c, const ps_layout_t *l, bool lazy)
+{
+    return l->table >= 0 && lazy && (double)l->t[l->table].numel * 4.0 / 1048576.0 > c->ctr_worker_table_mb &&
+           c->wire_weights == PS_WIRE_F32 && c->wire_gradients == PS_WIRE_F32;
+}
+
 int psd_step_threads(const ps_config_t *c)
 {
     if (c->threads > 0) return c->threads;
@@ -3764,13 +3786,14 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if (s->layout.table >= 0) {
         const double mb = (double)s->layout.t[s->layout.table].numel * 4.0 / 1048576.0;
         bool big = mb > c->ctr_worker_table_mb;
-        s->table_on_psd = big && s->n_shards == 1 && s->store.lazy && c->wire_weights == PS_WIRE_F32 && c->wire_gradients == PS_WIRE_F32;
+        s->table_on_psd = psd_table_on_psd(c, &s->layout, s->store.lazy);
         if (s->table_on_psd)
             PS_INFO("the embedding table (%.0f MiB) stays on psd: workers hold only the rows of their batch, "
                     "over the wire (ctr.worker_table_mb %g)", mb, c->ctr_worker_table_mb);
         else if (big)
             PS_WARN("the embedding table (%.0f MiB, over ctr.worker_table_mb %g) goes to every worker whole: a table "
-                    "only psd holds needs one psd, steps not streamed and f32 weights and gradients", mb,
+                    "only psd holds needs its rows stepped lazily (one psd, or shards whose pieces are whole rows), "
+                    "steps not streamed and f32 weights and gradients", mb,
                     c->ctr_worker_table_mb);
     }
     if (s->stream) {

@@ -6,6 +6,7 @@
 #include <stdbool.h>
 
 #include "ps_config.h"
+#include "ps_model.h"
 
 /* Exit codes of psd (README). */
 enum {
@@ -30,6 +31,12 @@ typedef struct {
 
 /* Threads of a step: server.threads, or the cores (at most 16). */
 int psd_step_threads(const ps_config_t *c);
+/* The embedding table of layout l stays on psd (workers hold only their
+ * batches' rows: CtrTask.table_on_psd): it is larger than
+ * ctr.worker_table_mb, stepped by rows (`lazy`: one psd, steps not
+ * streamed, or shards whose pieces are whole rows) and f32 both ways.
+ * Shard 0 and the other shards decide alike. */
+bool psd_table_on_psd(const ps_config_t *c, const ps_layout_t *l, bool lazy);
 /* A ZeroMQ context with server.io_threads I/O threads (0: 2, or cores/4 up
  * to 4 from 12 cores on). NULL if it cannot be made. */
 void *psd_zmq_context(const ps_config_t *c);

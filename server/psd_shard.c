@@ -83,6 +83,7 @@ typedef struct {
     psd_rowbuf_t **sp_free;    /* pooled row gradients (SHARD_MAX_WORKERS room) */
     int n_sp_free;
     psd_rowgrad_t *rg;         /* a step's contributors' rows (SHARD_MAX_WORKERS) */
+    bool table_on_psd;         /* workers hold only their batches' rows: replies bring rows, never the piece */
     int n_w;                   /* 1 + the highest rank shard 0 told about: the loops per step stop there */
     bool awaiting_apply;
     double lr;
@@ -93,6 +94,7 @@ typedef struct {
     uint64_t dropped;
     uint64_t bytes_in, rows_pushes, rows_in; /* gradient bytes received; pushes of table rows, their rows */
     uint64_t rows_out;                       /* table rows sent in replies that asked for rows */
+    uint64_t bytes_out;                      /* tensor bytes sent to workers */
     int exit_code;
     bool done;
     psd_ckpt_writer_t *ckpt; /* this part's checkpoint being written */
@@ -222,7 +224,10 @@ static int step_rows(shard_t *s, const Psd__ShardStep *st)
 
 /* The current version of this shard's part, to worker w (its ident, rank
  * and sequence) or to shard 0 (w NULL). A worker that asked for rows gets
- * those of the table's piece instead of the piece. */
+ * those of the table's piece instead of the piece; with the table on psd
+ * a worker always gets rows (none if it asked for none), and every frame
+ * is copied: no reply in flight holds the version, whose table piece an
+ * out-of-place step would copy whole. */
 static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
 {
     const uint8_t *ident = w ? w->ident : NULL;
@@ -245,20 +250,29 @@ static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
     if (bf16 && !w16) PS_WARN("out of memory for bfloat16 weights: sending f32");
     int n = psd_store_frames(&s->store, w16, fr, s->opts.verify_weights ? &wt.crc : NULL);
     const ps_layout_t *l = &s->layout;
-    if (w && w->rows_want.has && !w16 && n > 0 && fr[n - 1].id == (uint32_t)l->table) { /* the table: the last frame */
+    if (w && (w->rows_want.has || s->table_on_psd) && !w16 && n > 0 && fr[n - 1].id == (uint32_t)l->table) {
+        /* the table: the last frame */
         const size_t D = (size_t)l->t[l->table].cols;
         if (fr[n - 1].ffn) fr[n - 1].ffn((void *)fr[n - 1].data, fr[n - 1].hint); /* its reference to the version */
         const psd_want_t *rw = &w->rows_want;
-        psd_rows_gather(rw->vals, s->store.cur->w + l->t[l->table].offset, D, rw->ids, rw->n);
-        fr[n - 1] = (ps_frame_t){.data = rw->vals, .nbytes = rw->n * D * sizeof(float), .id = (uint32_t)l->table,
-                                 .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)rw->n,
+        const size_t nr = rw->has ? rw->n : 0;
+        psd_rows_gather(rw->vals, s->store.cur->w + l->t[l->table].offset, D, rw->ids, nr);
+        fr[n - 1] = (ps_frame_t){.data = rw->vals, .nbytes = nr * D * sizeof(float), .id = (uint32_t)l->table,
+                                 .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)nr,
                                  .cols = (uint32_t)D}; /* copied at send */
         wt.rows = true;
         wt.crc = 0; /* the CRC covers whole versions */
-        s->rows_out += rw->n;
+        s->rows_out += nr;
     }
     if (w) w->rows_want.has = false;
+    ps_frame_t keep[PS_MAX_TENSORS];
+    memcpy(keep, fr, (size_t)n * sizeof *fr);
+    const bool copy = w && s->table_on_psd;
+    for (int i = 0; copy && i < n; i++) fr[i].ffn = NULL;
+    for (int i = 0; w && i < n; i++) s->bytes_out += fr[i].nbytes;
     int rc = ident ? ps_msg_send(s->router, ident, len, &h, fr, n) : to_leader(s, &h, fr, n);
+    for (int i = 0; copy && i < n; i++)
+        if (keep[i].ffn) keep[i].ffn((void *)keep[i].data, keep[i].hint); /* its reference to the version */
     if (rc < 0) PS_WARN("shard %d cannot send weights: %s", s->opts.shard, zmq_strerror(-rc));
 }
 
@@ -558,8 +572,8 @@ static void on_leader(shard_t *s, ps_msg_t *m)
     case PSD__MSG_TYPE__MSG_SHUTDOWN:
         PS_INFO("shard %d: shard 0 ends the run: %s", s->opts.shard, h->shutdown->reason ? h->shutdown->reason : "");
         PS_INFO("shard %d received: %" PRIu64 " gradient bytes, %" PRIu64 " pushes of table rows (%" PRIu64
-                " rows); sent %" PRIu64 " rows in replies",
-                s->opts.shard, s->bytes_in, s->rows_pushes, s->rows_in, s->rows_out);
+                " rows); sent %" PRIu64 " rows in replies, %" PRIu64 " weights bytes to workers",
+                s->opts.shard, s->bytes_in, s->rows_pushes, s->rows_in, s->rows_out, s->bytes_out);
         s->exit_code = 0;
         s->done = true;
         break;
@@ -644,9 +658,10 @@ static int rows_take(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m, int i)
     return 0;
 }
 
-/* The last frame of a PUSH with want_rows (with pull): rows of this shard's
- * piece of the table, strictly increasing, at most a batch's, none maybe. */
-static bool want_ok(const shard_t *s, const ps_msg_t *m, bool pull)
+/* The last frame of a PUSH with want_rows (with pull), or of a PULL with
+ * want_rows: rows of this shard's piece of the table, strictly increasing,
+ * at most `most`, none maybe. */
+static bool want_ok(const shard_t *s, const ps_msg_t *m, bool pull, size_t most)
 {
     const ps_layout_t *l = &s->layout;
     size_t n = 0, r0, r1;
@@ -654,7 +669,7 @@ static bool want_ok(const shard_t *s, const ps_msg_t *m, bool pull)
     const uint32_t *ids = i >= 0 && l->table >= 0 && m->hdr->tensors[i]->id == (uint32_t)l->table
                               ? ps_msg_u32(m, i, &n)
                               : NULL;
-    return pull && ids && ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) && r0 < r1 && n <= batch_rows(s) &&
+    return pull && ids && ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) && r0 < r1 && n <= most &&
            psd_rows_in(ids, n, r0, r1);
 }
 
@@ -666,7 +681,7 @@ static int want_take(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
     size_t n = 0;
     const uint32_t *ids = ps_msg_u32(m, m->n_frames - 1, &n);
     if (psd_want_keep(&w->rows_want, ids, n, batch_rows(s), (size_t)l->t[l->table].cols) != 0) {
-        sdrop(s, "PUSH of rank %u asking for table rows: out of memory", rank);
+        sdrop(s, "rank %u asking for table rows: out of memory", rank);
         return -1;
     }
     return 0;
@@ -689,7 +704,7 @@ static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
     uint64_t mask = 0;
     int rows_at = -1; /* the table's piece as rows: frames rows_at (ids) and rows_at + 1 */
     const int nf = m->n_frames - (p->want_rows && m->n_frames > 0); /* gradient frames; then the rows wanted */
-    if (p->want_rows && !want_ok(s, m, p->pull)) {
+    if (p->want_rows && !want_ok(s, m, p->pull, batch_rows(s))) {
         sdrop(s, "PUSH of rank %u asking for table rows that are not rows of this shard's piece (strictly "
                  "increasing, at most a batch's, in its last frame) or without asking for the next version", rank);
         return;
@@ -772,8 +787,22 @@ static void on_worker(shard_t *s, ps_msg_t *m)
                   s->store.cur->version);
             break;
         }
+        /* with want_rows: the rows of this shard's piece a batch or a
+         * validation part reads (at most the piece's), the reply brings only
+         * those; without, the piece whole (rows with the table on psd: none) */
+        if (h->pull->want_rows) {
+            const ps_piece_t *own = s->layout.table >= 0 ? &s->store.own[s->layout.table] : NULL;
+            size_t piece = own ? own->n / (size_t)s->layout.t[s->layout.table].cols : 0;
+            if (!want_ok(s, m, true, piece)) {
+                sdrop(s, "PULL of rank %u asking for table rows that are not rows of this shard's piece (strictly "
+                         "increasing, in its last frame)", h->rank);
+                break;
+            }
+            if (want_take(s, w, h->rank, m) != 0) break;
+        } else {
+            w->rows_want.has = false;
+        }
         w->want = h->pull->min_version + 1;
-        w->rows_want.has = false; /* answered whole */
         if (!s->awaiting_apply) answer_pulls(s);
         break;
     default: sdrop(s, "%s is not a message workers send to a shard", ps_msg_type_name((int)h->type));
@@ -854,6 +883,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
             PS_ERROR("out of memory for the table's row steps");
             goto out;
         }
+        s->table_on_psd = psd_table_on_psd(c, &s->layout, true); /* as shard 0 decides */
     }
     s->zctx = psd_zmq_context(c);
     if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, false, &s->router, &s->zap,

@@ -1591,7 +1591,7 @@ static void shard_weights(void *d, uint64_t version, float *out, size_t n)
  * (ids strictly increasing inside the piece, one value row each: anything
  * else is dropped and logged), steps the rows pushed (no other), forgets
  * a push's rows at the next one,
- * and answers a push that lists the rows the next batch reads with those
+ * and answers a push or a PULL that lists rows of its piece with those
  * rows. The test is shard 0 (ctr.yaml: the MLP on shard 0, the table's
  * rows 32768..65535 on shard 1) and worker rank 0. */
 Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
@@ -1677,6 +1677,29 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
         cr_assert(r[8 + i] == v2[last + i], "row 65535, float %d", i);
     }
     ps_msg_deinit(&m);
+    /* a PULL listing rows (a batch that grew, a validation part): those of the piece only; the
+     * reply brings them */
+    for (int k = 0; k < 2; k++) {
+        h = fake_hdr(PSD__MSG_TYPE__MSG_PULL, ++*seq);
+        Psd__Pull rp = PSD__PULL__INIT;
+        rp.min_version = 3;
+        rp.want_rows = true;
+        h.body_case = PSD__HEADER__BODY_PULL;
+        h.pull = &rp;
+        const uint32_t mine[1] = {40000};
+        ps_frame_t fr = {.data = k ? mine : below, .nbytes = (k ? 1 : 2) * sizeof(uint32_t), .id = 4,
+                         .dtype = PSD__DTYPE__DT_U32, .rows = k ? 1 : 2};
+        cr_assert_eq(ps_msg_send(w, NULL, 0, &h, &fr, 1), 0);
+    }
+    cr_assert_eq(recv_type(w, false, PSD__MSG_TYPE__MSG_WEIGHTS, &m, 30), 0, "no WEIGHTS for the PULL of rows");
+    r = m.n_frames == 1 ? ps_msg_f32(&m, 0, &got) : NULL;
+    cr_assert(r && got == 8 && m.hdr->weights->rows, "row 40000 only (%zu floats)", got);
+    for (int i = 0; i < 8; i++) cr_assert(r[i] == v2[(40000 - 32768) * 8 + i], "row 40000, float %d", i);
+    ps_msg_deinit(&m);
+    text = slurp(f.log);
+    cr_assert_eq(count_in(text, "PULL of rank 0 asking for table rows that are not rows of this shard's piece"), 1,
+                 "%s", text);
+    free(text);
     free(v0);
     free(v1);
     free(v2);
@@ -1688,7 +1711,7 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
     fake_lead_send(&f, &h);
     cr_expect_eq(proc_wait(f.sh, 30), 0, "the shard exits 0 at SHUTDOWN");
     text = slurp(f.log);
-    cr_expect(text && strstr(text, "3 pushes of table rows (4 rows); sent 2 rows in replies"), "%s", text ? text : "");
+    cr_expect(text && strstr(text, "3 pushes of table rows (4 rows); sent 3 rows in replies"), "%s", text ? text : "");
     free(text);
     fake_lead_end(&f);
 }
@@ -3008,10 +3031,15 @@ static const char *ft_args[] = {"--epochs", "3", "--set", "data.train_limit=1200
 
 /* psd and 3 workers; one of them killed (SIGKILL) in the middle of epoch
  * 2: psd and the others finish the run. */
-static void kill_one_mid_epoch(run_t *r, const char *tag, const char **args)
+static void kill_one_mid_epoch(run_t *r, const char *tag, const char **args, int shards)
 {
     fault_seed();
-    pid_t p = start_psd(r, tag, 3, args);
+    const char *a0[48];
+    int k = 0;
+    for (; args[k]; k++) a0[k] = args[k];
+    if (shards > 1) a0[k++] = "--shard", a0[k++] = "0/2"; /* and shard 1 */
+    a0[k] = NULL;
+    pid_t p = start_psd(r, tag, 3, a0), s1 = shards > 1 ? start_shard(r, tag, 1, 2, args) : 0;
     pid_t w[3];
     for (int i = 0; i < 3; i++) w[i] = start_worker(r, tag, i, NULL);
     wait_metrics(r, 1);
@@ -3021,6 +3049,7 @@ static void kill_one_mid_epoch(run_t *r, const char *tag, const char **args)
     cr_assert_eq(proc_wait(p, 300), 0, "psd finished the run with the survivors");
     for (int i = 0; i < 3; i++)
         if (i != victim) cr_assert_eq(proc_wait(w[i], 30), 0, "worker %d", i);
+    if (s1) cr_assert_eq(proc_wait(s1, 30), 0, "shard 1 exits 0");
 }
 
 Test(short, a_slow_link_is_not_taken_for_a_dead_worker)
@@ -3061,7 +3090,7 @@ Test(short, a_slow_link_is_not_taken_for_a_dead_worker)
 Test(short, killed_worker_the_others_finish_every_sample_once)
 {
     run_t r;
-    kill_one_mid_epoch(&r, "k9", ft_args);
+    kill_one_mid_epoch(&r, "k9", ft_args, 1);
     check_every_epoch(&r, 3, 12000);
     double d = detection_seconds(r.psd_log);
     cr_assert(d >= 2 && d <= 2 + 1.0, "declared lost %.1f s after its last message (bound 2 s + 0.2 s timer)", d);
@@ -3350,9 +3379,59 @@ Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
     free(mb);
 }
 
+/* The table on psd (ctr.worker_table_mb=0) with 2 psd shards: each shard
+ * keeps its piece of the table, and workers hold only the rows of their
+ * batch, put together from every shard's: the same bits, the same
+ * validation as one psd; shard 1 (the table's rows 32768.. and nothing
+ * else) sends only rows, each asked for; shard 0 sends the MLP and rows of
+ * its piece, and the ids of a validation part's rows with its part. */
+Test(short, the_table_on_psd_with_psd_shards)
+{
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    const char *args[] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                          "--set", "checkpoint.dir=", "--set", "ctr.worker_table_mb=0", NULL};
+    const char *wex[] = {"--no-shm", "--verbose", NULL};
+    run_t a, b;
+    train_ok(&a, "onpsd1", 1, args, wex);
+    train_ok(&b, "onpsd2", 2, args, wex);
+    cr_assert(weights_equal(a.weights, b.weights), "the table on 2 psd shards = on 1 psd, bit for bit");
+    assert_table_stayed("onpsd2", "the table stayed on psd");
+    char *ma = metrics_last(&a), *mb = metrics_last(&b);
+    const char *la = last_line(ma), *lb = last_line(mb);
+    cr_assert_eq(json_num(lb, "val_loss"), json_num(la, "val_loss"), "the same validation: %s", lb);
+    cr_assert_eq(json_num(lb, "val_auc"), json_num(la, "val_auc"), "%s", lb);
+    cr_assert_eq(json_num(lb, "val_samples"), 2000, "%s", lb);
+    /* shard 0: every reply as rows (of its piece), the validation parts with their rows' ids */
+    const double mlp = 4.0 * 4290, row = 4 + 4 * 8;
+    double rc = json_num(lb, "table_row_replies"), oc = json_num(lb, "table_rows_out");
+    cr_assert_eq(rc, json_num(la, "table_row_replies"), "every reply as rows: %s", lb);
+    cr_assert(oc > 0 && oc < json_num(la, "table_rows_out"), "shard 0 sends the rows of its piece only: %s", lb);
+    double val_ids = json_num(lb, "wire_bytes_out") - (rc + 2) * mlp - oc * (row - 4);
+    cr_assert(val_ids > 0 && val_ids < 4 * 2000 * 8 && fmod(val_ids, 4) == 0,
+              "two validation parts with their rows' ids, no whole table (%g): %s", val_ids, lb);
+    /* shard 1: rows only, those asked for */
+    char lp[256];
+    path(lp, sizeof lp, "onpsd2-shard1.log");
+    char *l1 = slurp(lp);
+    const char *p = l1 ? strstr(l1, "shard 1 received: ") : NULL;
+    double got[5];
+    cr_assert(p && sscanf(p, "shard 1 received: %lf gradient bytes, %lf pushes of table rows (%lf rows); sent %lf rows "
+                             "in replies, %lf weights bytes",
+                          &got[0], &got[1], &got[2], &got[3], &got[4]) == 5,
+              "%s", l1 ? l1 : "no log");
+    cr_assert(got[3] > 0 && got[4] == got[3] * (row - 4), "shard 1 sent %g rows in %g bytes: nothing else", got[3],
+              got[4]);
+    cr_assert_eq(got[1], 2 * 2 * 40, "shard 1: every push as rows");
+    free(l1);
+    free(ma);
+    free(mb);
+}
+
 /* The table on psd with a worker killed mid-epoch: the others take its
  * samples (the batches they had asked rows for may grow: they ask again),
- * every epoch trains each example once and validates every test example. */
+ * every epoch trains each example once and validates every test example;
+ * with one psd and with 2 psd shards. */
 Test(short, killed_worker_with_the_table_on_psd)
 {
     char cfg[1024];
@@ -3360,20 +3439,22 @@ Test(short, killed_worker_with_the_table_on_psd)
     const char *args[] = {"--config", cfg, "--epochs", "3", "--set", "ctr.train=60000", "--set", "ctr.test=3000",
                           "--set", "checkpoint.dir=", "--set", "ctr.worker_table_mb=0", "--worker-timeout", "2",
                           "--set", "train.batch_size=100", NULL};
-    run_t r;
-    kill_one_mid_epoch(&r, "k9psd", args);
-    char *m = metrics_last(&r);
-    cr_assert_eq(count_lines(m), 3, "%s", m);
-    for (char *line = m; line && *line;) {
-        char *nl = strchr(line, '\n');
-        if (nl) *nl = '\0';
-        cr_assert_eq(json_num(line, "train_samples"), 60000, "%s", line);
-        cr_assert_eq(json_num(line, "val_samples"), 3000, "%s", line);
-        double opt = json_num(line, "optimum_loss"), cst = json_num(line, "constant_loss");
-        cr_assert_lt(json_num(line, "val_loss") - opt, 0.8 * (cst - opt), "trained: %s", line);
-        line = nl ? nl + 1 : NULL;
+    for (int shards = 1; shards <= 2; shards++) { /* one psd, and 2 psd shards */
+        run_t r;
+        kill_one_mid_epoch(&r, shards > 1 ? "k9psd2" : "k9psd", args, shards);
+        char *m = metrics_last(&r);
+        cr_assert_eq(count_lines(m), 3, "%s", m);
+        for (char *line = m; line && *line;) {
+            char *nl = strchr(line, '\n');
+            if (nl) *nl = '\0';
+            cr_assert_eq(json_num(line, "train_samples"), 60000, "%d shards: %s", shards, line);
+            cr_assert_eq(json_num(line, "val_samples"), 3000, "%s", line);
+            double opt = json_num(line, "optimum_loss"), cst = json_num(line, "constant_loss");
+            cr_assert_lt(json_num(line, "val_loss") - opt, 0.8 * (cst - opt), "trained: %s", line);
+            line = nl ? nl + 1 : NULL;
+        }
+        free(m);
     }
-    free(m);
 }
 
 /* Table rows both ways in async and ssp (each push stepped on its own and

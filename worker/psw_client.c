@@ -29,6 +29,8 @@ struct psw_client {
     size_t n_want, want_cap;
     float *replica;
     int table_on_psd;       /* CtrTask.table_on_psd: no replica; events bring the rows asked for */
+    float *tbuf;            /* the table on psd, with shards: the rows asked for (want's order), put together */
+    size_t tbuf_cap;        /* rows tbuf has room for */
     void *ctx, *sock;
     void *mon;              /* PAIR receiving the DEALER's socket events */
     int connected;          /* a connection to psd has been up */
@@ -256,6 +258,9 @@ static void shards_close(psw_client_t *c)
         }
     free(c->wbuf);
     c->wbuf = NULL;
+    free(c->tbuf);
+    c->tbuf = NULL;
+    c->tbuf_cap = 0;
     c->n_shards = 1;
 }
 
@@ -481,7 +486,10 @@ static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, cha
         return -EPROTO;
     }
     c->n_shards = (int)a->n_shard_endpoints + 1;
-    c->wbuf = calloc(c->layout.n_params ? c->layout.n_params : 1, sizeof *c->wbuf);
+    /* the table on psd: the model but the table (the last tensor), whose
+     * rows asked for go to tbuf */
+    size_t floats = c->table_on_psd ? c->layout.t[c->layout.table].offset : c->layout.n_params;
+    c->wbuf = calloc(floats ? floats : 1, sizeof *c->wbuf);
     if (!c->wbuf) {
         snprintf(err, errlen, "out of memory");
         return -ENOMEM;
@@ -685,6 +693,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
             PS_WARN("no shared memory with psd (%s): tensors go over %s", why, c->endpoint);
     }
     out->shm = c->shm;
+    c->table_on_psd = a->ctr && a->ctr->table_on_psd && c->layout.table >= 0;
     int src = shards_connect(c, a, timeout_s, err, errlen);
     if (src != 0) return src;
     /* bfloat16 on the wire, when psd asks for it (never through shared memory) */
@@ -697,10 +706,9 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     free(c->replica); /* the table's replica: made at the first push asking for rows */
     c->replica = NULL;
     c->n_want = 0;
-    c->table_on_psd = a->ctr && a->ctr->table_on_psd;
-    if (c->table_on_psd && (!psw_client_rows_ok(c) || c->n_shards > 1)) {
-        snprintf(err, errlen, "psd keeps the table but sent a set-up without row pushes (shared memory, shards, "
-                              "streams or bfloat16)");
+    if (c->table_on_psd && !psw_client_rows_ok(c)) {
+        snprintf(err, errlen, "psd keeps the table but sent a set-up without row pushes (shared memory, shards "
+                              "whose pieces are not whole rows, streams or bfloat16)");
         return -EPROTO;
     }
     if ((c->grad_bf16 && !c->gconv) || (c->weight_bf16 && !c->wconv)) {
@@ -974,18 +982,44 @@ static int keep_want(psw_client_t *c, const uint32_t *want, size_t n)
     if (n && !c->table_on_psd && c->n_shards == 1 && !c->replica && /* shards: wbuf holds the table */
         !(c->replica = calloc(c->layout.t[c->layout.table].numel, sizeof *c->replica)))
         return -ENOMEM;
+    if (n > c->tbuf_cap && c->table_on_psd && c->n_shards > 1) { /* the shards' rows are put together there */
+        float *b = realloc(c->tbuf, n * (size_t)c->layout.t[c->layout.table].cols * sizeof *b);
+        if (!b) return -ENOMEM;
+        c->tbuf = b;
+        c->tbuf_cap = n;
+    }
     if (n) memcpy(c->want, want, n * sizeof *want);
     c->n_want = n;
     return 0;
 }
 
+/* want[*a, *a + *n): the rows of shard k's piece of the table among the n
+ * sorted ids (none when its piece holds no rows). */
+static void shard_slice(const psw_client_t *c, int k, const uint32_t *want, size_t n, size_t *a, size_t *m)
+{
+    size_t r0, r1;
+    const ps_piece_t *p = &c->pieces[k][c->layout.table];
+    *a = *m = 0;
+    if (p->n == 0 || !ps_piece_rows(&c->layout, p, &r0, &r1)) return;
+    *a = first_row_at(want, n, r0);
+    *m = first_row_at(want, n, r1) - *a;
+}
+
 int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *want, size_t n)
 {
-    if (!psw_client_rows_ok(c) || c->n_shards > 1 || !table_rows(c, want, n)) return -EINVAL;
+    if (!psw_client_rows_ok(c) || !table_rows(c, want, n)) return -EINVAL;
     int rc = keep_want(c, want, n);
     if (rc < 0) return rc;
     c->t_req = ps_now();
-    return pull_on(c, c->sock, min_version, want, n);
+    /* with shards: each one the rows of its piece; a part of this version
+     * that came before brought other rows, so every part must come again */
+    memset(c->got, 0, sizeof c->got);
+    for (int k = c->n_shards - 1; k >= 0; k--) {
+        size_t a = 0, m = n;
+        if (c->n_shards > 1) shard_slice(c, k, c->want, n, &a, &m);
+        if ((rc = pull_on(c, k ? c->ssock[k] : c->sock, min_version, m ? c->want + a : NULL, m)) < 0) return rc;
+    }
+    return 0;
 }
 
 int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct,
@@ -1223,18 +1257,20 @@ static int take_val_rows(psw_client_t *c, psw_event_t *ev, char *err, size_t err
 
 uint64_t psw_client_verified(const psw_client_t *c) { return c->verified; }
 
-/* Shard k's part of a version (the frames in cur) into wbuf, checked
- * against its pieces and, with crc, against the CRC-32 it sent. With rows,
- * its piece of the table is the rows of it the last push asked for,
- * scattered into wbuf (the others keep older values: the next batch does
- * not read them). */
-static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, bool rows, char *err, size_t errlen)
+/* Shard k's part of a version (the first nf frames in cur) into wbuf,
+ * checked against its pieces and, with crc, against the CRC-32 it sent.
+ * With rows, its piece of the table is the rows of it the last push asked
+ * for, scattered into wbuf (the others keep older values: the next batch
+ * does not read them), or, with the table on psd, copied to their place in
+ * tbuf; without the table's piece (skip_table) when the caller takes it. */
+static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, bool rows, int nf, bool skip_table,
+                     char *err, size_t errlen)
 {
     uLong got = crc32(0L, Z_NULL, 0);
     int f = 0;
     for (int t = 0; t < c->layout.n_tensors; t++) {
         const ps_piece_t *p = &c->pieces[k][t];
-        if (p->n == 0) continue;
+        if (p->n == 0 || (skip_table && t == c->layout.table)) continue;
         size_t n = 0, r0, r1, wa = 0, want_n = p->n;
         const bool as_rows = rows && t == c->layout.table && ps_piece_rows(&c->layout, p, &r0, &r1);
         const size_t D = as_rows ? (size_t)c->layout.t[t].cols : 0;
@@ -1242,12 +1278,19 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
             wa = first_row_at(c->want, c->n_want, r0);
             want_n = (first_row_at(c->want, c->n_want, r1) - wa) * D;
         }
-        const uint16_t *h16 = c->weight_bf16 && f < c->cur.n_frames ? ps_msg_bf16(&c->cur, f, &n) : NULL;
-        const float *h32 = !c->weight_bf16 && f < c->cur.n_frames ? ps_msg_f32(&c->cur, f, &n) : NULL;
+        const uint16_t *h16 = c->weight_bf16 && f < nf ? ps_msg_bf16(&c->cur, f, &n) : NULL;
+        const float *h32 = !c->weight_bf16 && f < nf ? ps_msg_f32(&c->cur, f, &n) : NULL;
         if ((!h16 && !h32) || c->cur.hdr->tensors[f]->id != (uint32_t)t ||
-            c->cur.hdr->tensors[f]->offset != (as_rows ? 0 : p->off) || n != want_n || (as_rows && (h16 || crc))) {
-            snprintf(err, errlen, "psd shard %d sent an invalid weights frame %d", k, f);
+            c->cur.hdr->tensors[f]->offset != (as_rows ? 0 : p->off) || n != want_n || (as_rows && (h16 || crc)) ||
+            (c->table_on_psd && t == c->layout.table && !as_rows)) { /* never the table's piece whole then */
+            snprintf(err, errlen, "psd shard %d sent an invalid weights frame %d (%zu values of tensor %d, %zu %s "
+                     "expected)", k, f, n, t, want_n, as_rows ? "rows' values" : "of its piece");
             return -EPROTO;
+        }
+        if (as_rows && c->table_on_psd) {
+            if (n) memcpy(c->tbuf + wa * D, h32, n * sizeof(float));
+            f++;
+            continue;
         }
         if (as_rows) {
             float *E = c->wbuf + c->layout.t[t].offset;
@@ -1261,8 +1304,8 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
         if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[f]), zmq_msg_size(&c->cur.frames[f]));
         f++;
     }
-    if (f != c->cur.n_frames) {
-        snprintf(err, errlen, "psd shard %d sent %d weights frames, it holds %d pieces", k, c->cur.n_frames, f);
+    if (f != nf) {
+        snprintf(err, errlen, "psd shard %d sent %d weights frames, it holds %d pieces", k, nf, f);
         return -EPROTO;
     }
     if (crc && (uint32_t)got != crc) {
@@ -1341,7 +1384,8 @@ static int parts_done(psw_client_t *c, psw_event_t *ev)
 {
     if (!c->pending) return 0;
     for (int k = 0; k < c->n_shards; k++) /* a validation reads the whole table: no part of rows only */
-        if (c->got[k] != c->pend.version + 1 || (c->pend.kind == PSW_EV_VALIDATE && (c->rows_part & (1u << k))))
+        if (c->got[k] != c->pend.version + 1 ||
+            (c->pend.kind == PSW_EV_VALIDATE && !c->table_on_psd && (c->rows_part & (1u << k))))
             return 0;
     *ev = c->pend;
     c->pending = 0;
@@ -1350,6 +1394,14 @@ static int parts_done(psw_client_t *c, psw_event_t *ev)
         ev->tensors[t] = c->wbuf + c->layout.t[t].offset;
         ev->tensor_numel[t] = c->layout.t[t].numel;
     }
+    if (c->table_on_psd) { /* the rows asked for (a batch's, or the validation part's), in tbuf */
+        const int t = c->layout.table;
+        ev->tensors[t] = c->tbuf;
+        ev->tensor_numel[t] = c->n_want * (size_t)c->layout.t[t].cols;
+        ev->row_ids = c->want;
+        ev->n_row_ids = c->n_want;
+        c->n_want = 0;
+    }
     if (ev->kind == PSW_EV_WEIGHTS) {
         c->n_want = 0; /* the rows asked for came */
         c->t_weights = ps_now();
@@ -1357,6 +1409,37 @@ static int parts_done(psw_client_t *c, psw_event_t *ev)
         c->t_req = 0;
     }
     return 1;
+}
+
+/* VALIDATE from shard 0 with the table on psd: its pieces but the table's,
+ * then the ids of the rows the part's examples read (all of them) and the
+ * values of those in shard 0's piece of the table (none maybe). The ids
+ * become the rows asked for (the other shards are asked for theirs), the
+ * values go to their place in tbuf. */
+static int take_val_part0(psw_client_t *c, uint64_t v, char *err, size_t errlen)
+{
+    const int t = c->layout.table, nf = c->cur.n_frames;
+    const size_t D = (size_t)c->layout.t[t].cols;
+    size_t k = 0, nv = 0, a = 0, m = 0;
+    const uint32_t *ids = nf >= 2 && c->cur.hdr->tensors[nf - 2]->id == (uint32_t)t
+                              ? ps_msg_u32(&c->cur, nf - 2, &k) : NULL;
+    const float *vals = ids && c->cur.hdr->tensors[nf - 1]->id == (uint32_t)t ? ps_msg_f32(&c->cur, nf - 1, &nv) : NULL;
+    if (!vals || (k && !table_rows(c, ids, k))) {
+        snprintf(err, errlen, "psd sent an invalid validation part (the table's rows)");
+        return -EPROTO;
+    }
+    int rc = keep_want(c, ids, k);
+    if (rc < 0) {
+        snprintf(err, errlen, "out of memory for a validation part's table rows");
+        return rc;
+    }
+    shard_slice(c, 0, c->want, k, &a, &m);
+    if (nv != m * D) {
+        snprintf(err, errlen, "psd sent %zu values for the %zu rows of its piece a validation part reads", nv / D, m);
+        return -EPROTO;
+    }
+    if (nv) memcpy(c->tbuf + a * D, vals, nv * sizeof(float));
+    return take_part(c, 0, v, 0, false, nf - 2, true, err, errlen);
 }
 
 /* With shards: a message of cur, from shard c->from. 1: *ev is an event to
@@ -1370,12 +1453,20 @@ static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t err
             PS_WARN("dropped an unexpected %s from psd shard %d", ps_msg_type_name((int)h->type), k);
             return 0;
         }
-        int rc = take_part(c, k, h->weights->version, h->weights->crc, h->weights->rows, err, errlen);
+        int rc = take_part(c, k, h->weights->version, h->weights->crc, h->weights->rows, c->cur.n_frames, false, err,
+                           errlen);
         return rc < 0 ? rc : parts_done(c, ev);
     }
     bool val = h->type == PSD__MSG_TYPE__MSG_VALIDATE;
     uint64_t v = val ? h->validate->version : h->weights->version;
-    int rc = take_part(c, 0, v, val ? h->validate->crc : h->weights->crc, !val && h->weights->rows, err, errlen);
+    if (val && c->table_on_psd != h->validate->rows) {
+        snprintf(err, errlen, "psd sent a validation part with%s the table's rows", h->validate->rows ? "" : "out");
+        return -EPROTO;
+    }
+    int rc = val && c->table_on_psd
+                 ? take_val_part0(c, v, err, errlen)
+                 : take_part(c, 0, v, val ? h->validate->crc : h->weights->crc, !val && h->weights->rows,
+                             c->cur.n_frames, false, err, errlen);
     if (rc < 0) return rc;
     if (c->pending && (c->pend.kind != (val ? PSW_EV_VALIDATE : PSW_EV_WEIGHTS) || c->pend.version != v))
         PS_WARN("psd sent %s of version %llu while its %s of version %llu waited for the shards' parts: that one is "
@@ -1392,9 +1483,16 @@ static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t err
             snprintf(err, errlen, "psd sent an invalid validation range");
             return -EPROTO;
         }
-        for (int j = 1; j < c->n_shards; j++) /* the other parts of that version */
-            if ((c->got[j] != v + 1 || (c->rows_part & (1u << j))) && (rc = pull_on(c, c->ssock[j], v, NULL, 0)) < 0)
+        for (int j = 1; j < c->n_shards; j++) { /* the other parts of that version */
+            size_t a = 0, m = 0;
+            if (c->table_on_psd) { /* and the rows of their pieces the part reads */
+                shard_slice(c, j, c->want, c->n_want, &a, &m);
+                c->got[j] = 0;
+            }
+            if ((c->got[j] != v + 1 || (c->rows_part & (1u << j))) &&
+                (rc = pull_on(c, c->ssock[j], v, m ? c->want + a : NULL, m)) < 0)
                 return rc;
+        }
     } else {
         c->pend.step = h->weights->step;
     }
