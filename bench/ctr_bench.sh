@@ -50,13 +50,6 @@ print(f"{tag:10s} epoch {d['epoch']}: psd received {d['wire_bytes_in'] / 1e6:.1f
       f" val log-loss {d['val_loss']:.4f} (planted {d['optimum_loss']:.4f}), AUC {d['val_auc']:.4f}")
 PY
 }
-same() { # TAG1 TAG2: the weights files agree but for the run id and the CRC
-    if cmp -s <(head -c -4 "$WORK/w-$1.bin" | tail -c +41) <(head -c -4 "$WORK/w-$2.bin" | tail -c +41); then
-        echo "$1 = $2: same weights"
-    else
-        echo "$1 != $2: the weights differ (a bug)"
-    fi
-}
 date -u +%F
 BIG=(--set ctr.rows=1048576 --set ctr.dim=32 --set 'model.layers=[256,64,2]' --set run.epochs=1
      --set ctr.train=50000 --set ctr.vocab=100000)

@@ -10,8 +10,14 @@
 # train.sparse_threshold=0, --worker-timeout 120): every push and reply is
 # a 1.28 GB message (about 5 more minutes, 11 GiB of memory).
 #
+# With SHARDS=2 it runs the same training again with psd as 2 shards (psd
+# --shard 0/2 and 1/2: each keeps half of the table, the workers still hold
+# one batch's rows), with each shard's peak RSS, and checks that both runs
+# gave the same weights (they must).
+#
 #   bash bench/ctr_big.sh            (about 1 minute on a 2-core VM; psd takes 2.5 GiB)
 #   EPOCHS=2 TRAIN=400000 bash bench/ctr_big.sh
+#   SHARDS=2 bash bench/ctr_big.sh   (about 3 minutes)
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 bench_setup
@@ -21,19 +27,32 @@ TRAIN=${TRAIN:-1000000}
 BIG=(--set ctr.rows=10000000 --set ctr.dim=32 --set 'model.layers=[256,64,2]' --set ctr.vocab=2000000
      --set ctr.test=40000 --set train.val_batch_size=2000)
 
-one() { # TAG ARGS...: one run; prints its line
+one() { # TAG ARGS...: one run; prints its line (SH=2: psd as 2 shards, shard 0's figures and shard 1's RSS)
     local tag=$1
     shift
+    local sh=()
+    [ "${SH:-1}" = 2 ] && sh=(--shard 0/2)
     /usr/bin/time -f "%M %e" -o "$WORK/rss-$tag" "$ROOT/build/psd" --config "$CFG" \
         --listen "tcp://127.0.0.1:$PORT" --workers 2 --metrics "$WORK/m-$tag.jsonl" --save "$WORK/w-$tag.bin" \
-        --set checkpoint.dir= \
+        --set checkpoint.dir= "${sh[@]}" \
         "${BIG[@]}" "$@" 2>"$WORK/psd-$tag.log" &
+    if [ "${SH:-1}" = 2 ]; then
+        local p1
+        p1=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+        /usr/bin/time -f "%M" -o "$WORK/rss1-$tag" "$ROOT/build/psd" --config "$CFG" --listen "tcp://127.0.0.1:$p1" \
+            --shard 1/2 --leader "tcp://127.0.0.1:$PORT" --set checkpoint.dir= "${BIG[@]}" "$@" \
+            2>"$WORK/psd1-$tag.log" &
+    fi
     for i in 0 1; do
         /usr/bin/time -f "%M" -o "$WORK/rss-$tag-w$i" "$ROOT/build/pworker" --no-shm \
             --connect "tcp://127.0.0.1:$PORT" 2>/dev/null &
     done
     wait
     grep -m1 "ctr task" "$WORK/psd-$tag.log" | sed 's/.*ctr task/ctr task/' || true
+    if [ "${SH:-1}" = 2 ]; then
+        echo "  shard 1 (max RSS $(($(cat "$WORK/rss1-$tag") / 1024)) MiB), the whole run:" \
+            "$(grep -o 'received: .*' "$WORK/psd1-$tag.log")"
+    fi
     python3 - "$tag" "$WORK/m-$tag.jsonl" "$(cat "$WORK/rss-$tag")" "$(cat "$WORK/rss-$tag-w0")" \
         "$(cat "$WORK/rss-$tag-w1")" <<'PY'
 import json, sys
@@ -56,6 +75,10 @@ PY
 }
 date -u +%F
 one rows --set run.epochs="$EPOCHS" --set ctr.train="$TRAIN"
+if [ "${SHARDS:-1}" = 2 ]; then
+    SH=2 one rows-2sh --set run.epochs="$EPOCHS" --set ctr.train="$TRAIN"
+    same rows rows-2sh
+fi
 if [ "${DENSE:-0}" = 1 ]; then
     one whole --set run.epochs=1 --set ctr.train=5120 --set ctr.test=2000 --set train.sparse_threshold=0 \
         --set ctr.worker_table_mb=1000000 --worker-timeout 120

@@ -11,3 +11,12 @@ bench_setup() { # [--bench]
     trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$WORK"' EXIT
     PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 }
+
+# TAG1 TAG2: the weights files $WORK/w-TAG.bin agree but for the run id and the CRC
+same() {
+    if cmp -s <(head -c -4 "$WORK/w-$1.bin" | tail -c +41) <(head -c -4 "$WORK/w-$2.bin" | tail -c +41); then
+        echo "$1 = $2: same weights"
+    else
+        echo "$1 != $2: the weights differ (a bug)"
+    fi
+}

@@ -880,22 +880,24 @@ static void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *f
     Psd__Validate *v = h->validate;
     const size_t per = (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
     const size_t count = (size_t)(v->end - v->begin), D = (size_t)s->layout.t[s->layout.table].cols;
-    uint32_t *ids = malloc((count * per > 0 ? count * per : 1) * sizeof *ids);
+    uint32_t *buf = malloc((count * per > 0 ? count * per : 1) * sizeof *buf);
     float *vals = NULL;
     size_t k = 0;
-    if (ids) {
+    if (buf) {
         ps_ctr_t g;
         ps_ctr_from_config(&s->cfg, &g);
         uint8_t label;
         for (size_t i = 0; i < count; i++) /* test examples come after the training ones */
-            ps_ctr_example(&g, (uint64_t)s->cfg.ctr_train + v->begin + i, ids + i * per, NULL, &label);
-        k = ps_sort_unique_u32(ids, count * per);
+            ps_ctr_example(&g, (uint64_t)s->cfg.ctr_train + v->begin + i, buf + i * per, NULL, &label);
+        k = ps_sort_unique_u32(buf, count * per);
         vals = malloc((k * D > 0 ? k * D : 1) * sizeof *vals);
     }
     if (!vals) {
         PS_ERROR("out of memory for the table rows of rank %u's validation part", w->rank);
         k = 0;
     }
+    static const uint32_t none[1];
+    const uint32_t *ids = buf ? buf : none; /* none: k is 0 */
     /* the values of the rows in this psd's piece of the table (a shard:
      * a slice of the sorted ids, none maybe; the worker asks the other
      * shards for theirs) */
@@ -920,7 +922,7 @@ static void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *f
     v->rows = true;
     v->crc = 0;
     send_copied(s, w, h, fr, n + 1);
-    free(ids);
+    free(buf);
     free(vals);
 }
 
@@ -1115,7 +1117,7 @@ static int lazy_reserve(srv_t *s, int k)
     size_t total = 0;
     for (int j = 0; j < k; j++) total += s->step_rows[j].n;
     if (total <= s->store.rows.max_entries && k <= s->store.rows.max_k) return 0;
-    size_t room = total > s->store.rows.max_entries ? total : s->store.rows.max_entries;
+    size_t room = total > 2 * s->store.rows.max_entries ? total : 2 * s->store.rows.max_entries;
     return psd_store_lazy_table(&s->store, room, MAX_WORKERS);
 }
 

@@ -84,6 +84,8 @@ typedef struct {
     int n_sp_free;
     psd_rowgrad_t *rg;         /* a step's contributors' rows (SHARD_MAX_WORKERS) */
     bool table_on_psd;         /* workers hold only their batches' rows: replies bring rows, never the piece */
+    double *norm_blk;          /* clipping: this part's blocks' squared norms for SHARD_NORM */
+    size_t n_norm_blk;
     int n_w;                   /* 1 + the highest rank shard 0 told about: the loops per step stop there */
     bool awaiting_apply;
     double lr;
@@ -215,7 +217,8 @@ static int step_rows(shard_t *s, const Psd__ShardStep *st)
         total += s->rg[k].n;
     }
     const psd_rows_t *r = &s->store.rows;
-    if (total > r->max_entries && psd_store_lazy_table(&s->store, total, SHARD_MAX_WORKERS) != 0) {
+    if (total > r->max_entries &&
+        psd_store_lazy_table(&s->store, total > 2 * r->max_entries ? total : 2 * r->max_entries, SHARD_MAX_WORKERS) != 0) {
         fail(s, "out of memory for a step's table rows");
         return -1;
     }
@@ -273,6 +276,8 @@ static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
     int rc = ident ? ps_msg_send(s->router, ident, len, &h, fr, n) : to_leader(s, &h, fr, n);
     for (int i = 0; copy && i < n; i++)
         if (keep[i].ffn) keep[i].ffn((void *)keep[i].data, keep[i].hint); /* its reference to the version */
+    /* a validation part's rows (up to the piece's) are not kept for the run */
+    if (w && s->layout.table >= 0 && w->rows_want.cap > batch_rows(s)) psd_want_free(&w->rows_want);
     if (rc < 0) PS_WARN("shard %d cannot send weights: %s", s->opts.shard, zmq_strerror(-rc));
 }
 
@@ -352,14 +357,8 @@ static void on_step(shard_t *s, ps_msg_t *m)
         }
         Psd__Header h;
         Psd__ShardNorm nb = PSD__SHARD_NORM__INIT;
-        double sq[PS_MAX_TENSORS * 64], *blk = sq;
-        size_t nblk = 0, cap = sizeof sq / sizeof sq[0];
-        for (int t = 0; t < s->layout.n_tensors; t++) nblk += (s->store.own[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
-        if (nblk > cap && !(blk = malloc(nblk * sizeof *blk))) {
-            fail(s, "out of memory");
-            return;
-        }
-        size_t j = 0;
+        double *blk = s->norm_blk;
+        size_t nblk = s->n_norm_blk, j = 0;
         for (int t = 0; t < s->layout.n_tensors; t++) {
             size_t b = ps_layout_first_block(&s->layout, t) + s->store.own[t].off / PSD_NORM_BLOCK;
             for (size_t o = 0; o < s->store.own[t].n; o += PSD_NORM_BLOCK) blk[j++] = s->store.blk_sq[b++];
@@ -372,7 +371,6 @@ static void on_step(shard_t *s, ps_msg_t *m)
         h.body_case = PSD__HEADER__BODY_SHARD_NORM;
         h.shard_norm = &nb;
         to_leader(s, &h, NULL, 0);
-        if (blk != sq) free(blk);
         s->awaiting_apply = true;
     } else {
         double rc = psd_store_step_rows(&s->store, (int)st->n_ranks, g, s->bf16, st->weights, rows, 0, st->lr);
@@ -869,6 +867,12 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         owned += s->store.own[t].n;
         if (s->store.own[t].n) s->all |= 1ull << t;
     }
+    for (int t = 0; t < s->layout.n_tensors; t++)
+        s->n_norm_blk += (s->store.own[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
+    if (!(s->norm_blk = calloc(s->n_norm_blk ? s->n_norm_blk : 1, sizeof *s->norm_blk))) {
+        PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
+        goto out;
+    }
     if (owned == 0) {
         PS_ERROR("shard %d of %d holds no parameters: the model has fewer blocks of %d floats than shards; use fewer "
                  "shards", opts->shard, opts->shards, PSD_NORM_BLOCK);
@@ -1010,6 +1014,7 @@ out:
     }
     free(s->sp_free);
     free(s->rg);
+    free(s->norm_blk);
     if (s->router) {
         ps_msg_drain(s->router, 0.05, 0.5);
         if (s->mon) zmq_socket_monitor(s->router, NULL, 0);

@@ -1942,20 +1942,31 @@ static void lib_start(const char *ep, psw_client_t **w, int n, size_t samples)
     }
 }
 
-static void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull, const float *zero,
-                     const ps_layout_t *l)
-{
+/* A push's arguments for every tensor of l, the gradient from grad (laid out as l). */
+typedef struct {
     const float *g[PSW_MAX_TENSORS];
     size_t numel[PSW_MAX_TENSORS];
     int ids[PSW_MAX_TENSORS], rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
+} lib_grads_t;
+
+static void lib_grads(lib_grads_t *a, const ps_layout_t *l, const float *grad)
+{
     for (int t = 0; t < l->n_tensors; t++) {
-        ids[t] = t;
-        g[t] = zero + l->t[t].offset;
-        numel[t] = l->t[t].numel;
-        rows[t] = l->t[t].rows;
-        cols[t] = t % 2 == 0 ? l->t[t].cols : 0;
+        a->ids[t] = t;
+        a->g[t] = grad + l->t[t].offset;
+        a->numel[t] = l->t[t].numel;
+        a->rows[t] = l->t[t].rows;
+        a->cols[t] = t % 2 == 0 ? l->t[t].cols : 0;
     }
-    cr_assert_eq(psw_client_push(c, version, batch, 0.5 * batch, 0, pull, l->n_tensors, ids, g, numel, rows, cols),
+}
+
+static void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull, const float *zero,
+                     const ps_layout_t *l)
+{
+    lib_grads_t a;
+    lib_grads(&a, l, zero);
+    cr_assert_eq(psw_client_push(c, version, batch, 0.5 * batch, 0, pull, l->n_tensors, a.ids, a.g, a.numel, a.rows,
+                                 a.cols),
                  0);
 }
 
@@ -2025,6 +2036,21 @@ Test(short, ctr_results_without_scores_are_dropped)
     free(m);
 }
 
+/* The rows of the ctr task's table test examples [begin, end) read,
+ * sorted, into out (room for (end - begin) x 8); their count. */
+static size_t ctr_range_rows(const psw_assign_t *a, uint64_t begin, uint64_t end, uint32_t *out)
+{
+    ps_ctr_t gen = {.fields = a->ctr.fields, .per_field = a->ctr.per_field, .vocab = a->ctr.vocab,
+                    .zipf = a->ctr.zipf, .rows = a->ctr.rows, .weight_std = a->ctr.weight_std, .bias = a->ctr.bias,
+                    .seed = a->ctr.seed};
+    const size_t per = (size_t)(a->ctr.fields * a->ctr.per_field);
+    for (uint64_t i = begin; i < end; i++) {
+        uint8_t y;
+        ps_ctr_example(&gen, a->ctr.train + i, out + (i - begin) * per, NULL, &y);
+    }
+    return ps_sort_unique_u32(out, (size_t)(end - begin) * per);
+}
+
 /* The table on psd, as a library worker sees it: a plain pull brings no
  * row of the table, a pull listing rows brings exactly those (psd's
  * values, asked again: again), a push of rows steps them, and the
@@ -2072,45 +2098,23 @@ Test(short, a_worker_gets_the_table_rows_it_asks_for)
     const uint32_t bad[2] = {5, 1};
     cr_assert_eq(psw_client_pull_rows(c, ev.version, bad, 2), -EINVAL, "refused before it leaves");
     /* push rows 1 and 5, then validate */
-    const float *g[5];
-    size_t numel[5];
-    int ids[5], rows[5], cols[5];
     float *zero = calloc(l.n_params, sizeof *zero), vals[16];
     cr_assert(zero);
-    for (int t = 0; t < 5; t++) {
-        ids[t] = t;
-        g[t] = zero + l.t[t].offset;
-        numel[t] = l.t[t].numel;
-        rows[t] = l.t[t].rows;
-        cols[t] = t % 2 == 0 ? l.t[t].cols : 0;
-    }
+    lib_grads_t ga;
+    lib_grads(&ga, &l, zero);
     for (int i = 0; i < 16; i++) vals[i] = 0.25f;
     const uint32_t pushed[2] = {1, 5};
-    cr_assert_eq(psw_client_push_rows(c, ev.version, 256, 100, 0, 0, 5, ids, g, numel, rows, cols, pushed, 2, vals,
-                                      NULL, 0),
+    cr_assert_eq(psw_client_push_rows(c, ev.version, 256, 100, 0, 0, 5, ga.ids, ga.g, ga.numel, ga.rows, ga.cols,
+                                      pushed, 2, vals, NULL, 0),
                  0);
     psw_client_barrier(c, 0, 256);
     lib_next(c, &ev, PSW_EV_VALIDATE);
-    ps_ctr_t gen = {.fields = a.ctr.fields, .per_field = a.ctr.per_field, .vocab = a.ctr.vocab, .zipf = a.ctr.zipf,
-                    .rows = a.ctr.rows, .weight_std = a.ctr.weight_std, .bias = a.ctr.bias, .seed = a.ctr.seed};
     uint32_t want[800];
-    size_t nw = 0;
-    for (int i = 0; i < 100; i++) {
-        uint8_t y;
-        uint32_t ex[PS_CTR_MAX_IDS];
-        ps_ctr_example(&gen, a.ctr.train + (uint64_t)i, ex, NULL, &y);
-        for (int f = 0; f < 8; f++) {
-            size_t j = 0;
-            while (j < nw && want[j] != ex[f]) j++;
-            if (j == nw) want[nw++] = ex[f];
-        }
-    }
+    size_t nw = ctr_range_rows(&a, 0, 100, want);
     cr_assert_eq(ev.n_row_ids, nw, "the rows the range's examples read");
+    cr_assert(memcmp(ev.row_ids, want, nw * sizeof *want) == 0, "those rows, increasing");
     for (size_t j = 0; j < ev.n_row_ids; j++) {
         uint32_t id = ev.row_ids[j];
-        bool in = false;
-        for (size_t i = 0; i < nw; i++) in |= want[i] == id;
-        cr_assert(in && (j == 0 || id > ev.row_ids[j - 1]), "row %u: read by the range, increasing", id);
         bool stepped = memcmp(ev.tensors[4] + j * 8, E0 + (size_t)id * 8, 8 * sizeof(float)) != 0;
         cr_assert_eq(stepped, id == 1 || id == 5, "row %u %s", id, stepped ? "changed" : "did not change");
     }
@@ -2120,6 +2124,90 @@ Test(short, a_worker_gets_the_table_rows_it_asks_for)
     lib_next(c, &ev, PSW_EV_SHUTDOWN);
     cr_assert_eq(proc_wait(p, 30), 0);
     psw_client_destroy(&c);
+    free(zero);
+    free(w0);
+}
+
+/* The table on psd with 2 psd shards, as a library worker sees it, given
+ * two validation parts at once (the second one is a worker's that left
+ * while it validated): each part's event brings the rows its range's
+ * examples read, all of them, put together from both shards (psd's
+ * values: the pushes were zero), the second after the first; the run ends
+ * with both results in. */
+Test(short, two_validation_parts_at_once_with_the_table_on_psd_shards)
+{
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    run_t r;
+    const char *base[] = {"--config", cfg, "--epochs", "1", "--set", "ctr.train=512", "--set", "ctr.test=200",
+                          "--set", "checkpoint.dir=", "--set", "ctr.worker_table_mb=0", NULL};
+    const char *a0[16] = {NULL};
+    int n0 = 0;
+    while (base[n0]) a0[n0] = base[n0], n0++;
+    a0[n0++] = "--shard", a0[n0] = "0/2"; /* shard 0, and shard 1 */
+    pid_t p = start_psd(&r, "twoparts", 2, a0), p1 = start_shard(&r, "twoparts", 1, 2, base);
+    char err[512];
+    psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = 1};
+    psw_client_t *c[2];
+    psw_assign_t a;
+    for (int i = 0; i < 2; i++) {
+        c[i] = psw_client_new(r.endpoint, &info, err, sizeof err);
+        cr_assert(c[i] && psw_client_register(c[i], &a, 60, err, sizeof err) == 0, "%s", err);
+        cr_assert(a.ctr.table_on_psd, "psd keeps the table");
+        cr_assert_eq(psw_client_ready(c[i], 512, 200), 0);
+    }
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, a.sizes, a.n_sizes, a.ctr.rows, a.ctr.dim), 0);
+    float *w0 = calloc(l.n_params, sizeof *w0), *zero = calloc(l.n_params, sizeof *zero);
+    cr_assert(w0 && zero);
+    ps_model_init_params(&l, w0, 7); /* run.seed 7 in ctr.yaml */
+    const float *E0 = w0 + l.t[4].offset;
+    psw_event_t ev;
+    lib_grads_t ga;
+    lib_grads(&ga, &l, zero);
+    const uint32_t one_row[1] = {1};
+    const float vals[8] = {0};
+    for (int i = 0; i < 2; i++) { /* one batch each, a zero gradient */
+        lib_next(c[i], &ev, PSW_EV_EPOCH);
+        cr_assert_eq(ev.n_samples, 256);
+        psw_client_pull(c[i], ev.version);
+        lib_next(c[i], &ev, PSW_EV_WEIGHTS);
+        cr_assert_eq(psw_client_push_rows(c[i], ev.version, 256, 100, 0, 0, 5, ga.ids, ga.g, ga.numel, ga.rows, ga.cols,
+                                          one_row, 1, vals, NULL, 0),
+                     0);
+        psw_client_barrier(c[i], 0, 256);
+    }
+    psw_event_t gone;
+    lib_next(c[1], &gone, PSW_EV_VALIDATE); /* validation began; worker 1 leaves with its part */
+    cr_assert_eq(psw_client_leave(c[1], "test: leaves while validating"), 0);
+    psw_client_destroy(&c[1]);
+    wait_log(r.psd_log, "left the run", 30);
+    zmq_poll(NULL, 0, 300); /* the second part is on its way to worker 0 */
+    uint32_t *want = malloc(200 * 8 * sizeof *want);
+    cr_assert(want);
+    uint64_t covered = 0;
+    float sc[200];
+    for (int i = 0; i < 200; i++) sc[i] = 0.5f;
+    for (int k = 0; k < 2; k++) {
+        lib_next(c[0], &ev, PSW_EV_VALIDATE);
+        if (k == 1) cr_assert_eq(ev.val_begin, gone.val_begin, "the part of the worker that left, second");
+        size_t nw = ctr_range_rows(&a, ev.val_begin, ev.val_end, want);
+        cr_assert_eq(ev.n_row_ids, nw, "part %d [%" PRIu64 ", %" PRIu64 "): the rows its examples read", k,
+                     ev.val_begin, ev.val_end);
+        cr_assert(memcmp(ev.row_ids, want, nw * sizeof *want) == 0, "part %d: those rows", k);
+        cr_assert_eq(ev.tensor_numel[4], nw * 8);
+        for (size_t j = 0; j < nw; j++)
+            cr_assert(memcmp(ev.tensors[4] + j * 8, E0 + (size_t)want[j] * 8, 8 * sizeof(float)) == 0,
+                      "part %d, row %u: psd's values (from shard %d)", k, want[j], want[j] < 32768 ? 0 : 1);
+        covered += ev.val_end - ev.val_begin;
+        psw_client_val_result(c[0], ev.epoch, ev.version, ev.val_begin, 50, 60, ev.val_end - ev.val_begin, sc);
+    }
+    cr_assert_eq(covered, 200, "both parts");
+    lib_next(c[0], &ev, PSW_EV_SHUTDOWN);
+    cr_assert_eq(proc_wait(p, 30), 0);
+    cr_assert_eq(proc_wait(p1, 30), 0);
+    psw_client_destroy(&c[0]);
+    free(want);
     free(zero);
     free(w0);
 }

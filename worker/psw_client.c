@@ -75,6 +75,12 @@ struct psw_client {
     int from;               /* shard the message in cur came from */
     psw_event_t pend;       /* WEIGHTS/VALIDATE from shard 0 waiting for the other parts */
     int pending;
+    /* VALIDATEs from shard 0 that came while one waited for the other
+     * shards' parts (psd may give a worker several parts at once): taken
+     * in order once it is returned, so that the shards' replies answer
+     * the part they were asked for */
+    ps_msg_t *defer;        /* PSW_MAX_DEFER of them, made at the first */
+    int n_defer;
     /* streamed steps (ASSIGN's stream_chunk_bytes): gradients go out in
      * chunks of stream_cf floats, one message each; the weights come a few
      * whole tensors at a time, kept where they arrived: sheld[t] holds
@@ -87,6 +93,32 @@ struct psw_client {
     uint64_t sver;
     uint32_t scrc;
 };
+
+#define PSW_MAX_DEFER 64
+
+/* Move m's header and frames into an empty dst (m is left empty). */
+static void msg_move(ps_msg_t *dst, ps_msg_t *m)
+{
+    dst->hdr = m->hdr;
+    dst->arena = m->arena;
+    dst->n_frames = m->n_frames;
+    for (int i = 0; i < m->n_frames; i++) {
+        zmq_msg_init(&dst->frames[i]);
+        zmq_msg_move(&dst->frames[i], &m->frames[i]);
+        zmq_msg_close(&m->frames[i]);
+    }
+    m->hdr = NULL;
+    m->arena = NULL;
+    m->n_frames = 0;
+}
+
+static void defer_free(psw_client_t *c)
+{
+    for (int i = 0; i < c->n_defer; i++) ps_msg_deinit(&c->defer[i]);
+    free(c->defer);
+    c->defer = NULL;
+    c->n_defer = 0;
+}
 
 static void shm_unmap(psw_client_t *c)
 {
@@ -261,6 +293,7 @@ static void shards_close(psw_client_t *c)
     free(c->tbuf);
     c->tbuf = NULL;
     c->tbuf_cap = 0;
+    defer_free(c);
     c->n_shards = 1;
 }
 
@@ -1459,6 +1492,18 @@ static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t err
     }
     bool val = h->type == PSD__MSG_TYPE__MSG_VALIDATE;
     uint64_t v = val ? h->validate->version : h->weights->version;
+    if (val && c->pending && c->pend.kind == PSW_EV_VALIDATE) { /* after the one waiting */
+        if (!c->defer && !(c->defer = calloc(PSW_MAX_DEFER, sizeof *c->defer))) {
+            snprintf(err, errlen, "out of memory");
+            return -ENOMEM;
+        }
+        if (c->n_defer == PSW_MAX_DEFER) {
+            snprintf(err, errlen, "psd sent more than %d validation parts at once", PSW_MAX_DEFER);
+            return -EPROTO;
+        }
+        msg_move(&c->defer[c->n_defer++], &c->cur);
+        return 0;
+    }
     if (val && c->table_on_psd != h->validate->rows) {
         snprintf(err, errlen, "psd sent a validation part with%s the table's rows", h->validate->rows ? "" : "out");
         return -EPROTO;
@@ -1503,7 +1548,16 @@ static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t err
 int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
 {
     for (double deadline = ps_now() + timeout_s;;) {
-        int rc = recv_msg(c, deadline, timeout_s, err, errlen);
+        int rc = 0;
+        if (c->n_defer > 0 && !c->pending) { /* a validation part that came while another waited */
+            ps_msg_deinit(&c->cur);
+            msg_move(&c->cur, &c->defer[0]);
+            for (int i = 1; i < c->n_defer; i++) msg_move(&c->defer[i - 1], &c->defer[i]);
+            c->n_defer--;
+            c->from = 0;
+        } else {
+            rc = recv_msg(c, deadline, timeout_s, err, errlen);
+        }
         if (rc < 0) return rc;
         Psd__Header *h = c->cur.hdr;
         memset(ev, 0, sizeof *ev);
