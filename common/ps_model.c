@@ -95,14 +95,27 @@ void ps_model_init_params(const ps_layout_t *l, float *params, uint64_t seed)
     assert(l && params);
     /* Zeroes biases and the padding between tensors. */
     memset(params, 0, l->n_params * sizeof(float));
-    for (int k = 0; k < l->n_tensors; k += 2) {
+    ps_model_init_pieces(l, params, seed, NULL);
+}
+
+void ps_model_init_pieces(const ps_layout_t *l, float *params, uint64_t seed, const ps_piece_t *own)
+{
+    assert(l && params);
+    for (int k = 0; k < l->n_tensors; k++) {
         const ps_tensor_info_t *w = &l->t[k];
+        const size_t from = own ? own[k].off : 0, to = own ? own[k].off + own[k].n : w->numel;
+        float *p = params + w->offset;
+        if (k % 2 == 1) { /* a bias: zero */
+            if (own && to > from) memset(p + from, 0, (to - from) * sizeof(float));
+            continue;
+        }
         ps_rng_t r;
         ps_rng_seed(&r, seed, PS_INIT_STREAM + (uint64_t)k);
-        /* He-uniform: Var = bound^2 / 3 = 2 / fan_in. */
+        /* He-uniform: Var = bound^2 / 3 = 2 / fan_in. The stream is drawn
+         * from the tensor's first float on, whatever part is written. */
         const float bound = (float)sqrt(6.0 / (double)w->cols);
-        float *p = params + w->offset;
-        for (size_t j = 0; j < w->numel; j++) p[j] = (2.0f * ps_rng_uniform(&r) - 1.0f) * bound;
+        for (size_t j = 0; j < from; j++) (void)ps_rng_next(&r);
+        for (size_t j = from; j < to; j++) p[j] = (2.0f * ps_rng_uniform(&r) - 1.0f) * bound;
     }
 }
 

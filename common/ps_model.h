@@ -70,6 +70,12 @@ void ps_shard_pieces(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_T
  * ends or the piece is not the table's. */
 int ps_piece_rows(const ps_layout_t *l, const ps_piece_t *p, size_t *r0, size_t *r1);
 
+/* ps_model_init_params' values written only inside the pieces own[t] (one
+ * per tensor, ps_shard_pieces: a psd shard's part); the rest of params is
+ * not touched (pages a shard never takes), padding included. NULL: every
+ * weight tensor whole, biases left as they are. */
+void ps_model_init_pieces(const ps_layout_t *l, float *params, uint64_t seed, const ps_piece_t *own);
+
 /* 1 when the layout has a table and every piece of it among n shards is
  * whole rows (ps_piece_rows): table rows then go to the shard owning them,
  * and each shard steps its rows lazily; 0 otherwise. */

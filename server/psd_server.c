@@ -1905,7 +1905,7 @@ static void end_validation(srv_t *s)
         s->val_curve[s->n_val_curve].val_loss = (float)val_loss;
         s->val_curve[s->n_val_curve++].val_acc = (float)val_acc;
     }
-    if (last && sharded(s)) { /* the other parts of the weights first */
+    if (last && sharded(s) && s->cfg.save[0]) { /* the other parts of the weights first, for the file */
         Psd__Header h;
         Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
         psd__header__init(&h);
@@ -3755,7 +3755,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
-    if (!s->perm || !s->pool || !s->seen || !s->step_g || !s->step_bf16 || !s->step_wt || !s->step_rows || psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0) {
+    if (!s->perm || !s->pool || !s->seen || !s->step_g || !s->step_bf16 || !s->step_wt || !s->step_rows || psd_store_init_part(&s->store, &s->layout, &opt, c->seed, 0, opts->shards) != 0) {
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
         goto out;
     }
@@ -3764,11 +3764,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         PS_ERROR("out of memory for the step's threads");
         goto out;
     }
-    s->n_shards = opts->shards > 1 ? opts->shards : 1;
-    if (sharded(s) && psd_store_own(&s->store, 0, s->n_shards) != 0) {
-        PS_ERROR("out of memory for the step's threads");
-        goto out;
-    }
+    s->n_shards = opts->shards > 1 ? opts->shards : 1; /* the store owns shard 0's part (psd_store_init_part) */
     /* psd_main refuses streamed steps with shards. With an embedding table
      * they would step and send the table whole: the table's rows are worth
      * far more than overlapping the step (a 1M x 32 table: 128 MB a push

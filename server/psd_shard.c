@@ -856,9 +856,8 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     }
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
-    if (psd_store_init(&s->store, &s->layout, &opt, c->seed) != 0 ||
-        psd_store_set_parallel(&s->store, psd_step_threads(c), (size_t)c->chunk_bytes) != 0 ||
-        psd_store_own(&s->store, opts->shard, opts->shards) != 0) {
+    if (psd_store_init_part(&s->store, &s->layout, &opt, c->seed, opts->shard, opts->shards) != 0 ||
+        psd_store_set_parallel(&s->store, psd_step_threads(c), (size_t)c->chunk_bytes) != 0) {
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
         goto out;
     }

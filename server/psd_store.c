@@ -32,10 +32,17 @@ static void free_floats(float *p, size_t n)
 
 int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt, uint64_t seed)
 {
+    return psd_store_init_part(s, l, opt, seed, 0, 1);
+}
+
+int psd_store_init_part(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt, uint64_t seed, int k, int n)
+{
     memset(s, 0, sizeof *s);
     s->layout = *l;
     s->opt = *opt;
-    for (int t = 0; t < l->n_tensors; t++) s->own[t] = (ps_piece_t){.t = t, .off = 0, .n = l->t[t].numel};
+    if (n > 1) ps_shard_pieces(l, k, n, s->own);
+    else
+        for (int t = 0; t < l->n_tensors; t++) s->own[t] = (ps_piece_t){.t = t, .off = 0, .n = l->t[t].numel};
     s->grad = alloc_floats(l->n_params);
     int slots = psd_optim_slots(opt);
     if (slots >= 1) s->s0 = alloc_floats(l->n_params);
@@ -52,7 +59,8 @@ int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt,
         psd_store_deinit(s);
         return -ENOMEM;
     }
-    ps_model_init_params(l, a->w, seed);
+    if (n > 1) ps_model_init_pieces(l, a->w, seed, s->own); /* the rest: zero pages never taken */
+    else ps_model_init_params(l, a->w, seed);
     atomic_store(&a->refs, 1);
     a->version = 0;
     s->cur = a;

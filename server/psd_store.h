@@ -81,6 +81,10 @@ typedef struct {
 
 /* Allocate and initialise weights from seed (version 0). 0 or -ENOMEM. */
 int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt, uint64_t seed);
+/* The same for psd shard k of n (n > 1): it owns only its pieces
+ * (ps_shard_pieces, as psd_store_own) and only those are initialised and
+ * take memory; n <= 1 is psd_store_init. */
+int psd_store_init_part(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt, uint64_t seed, int k, int n);
 void psd_store_deinit(psd_store_t *s);
 
 /* Split steps into chunks of about chunk_bytes (rounded up to whole norm

@@ -476,3 +476,48 @@ Test(rows, psd_shards_step_their_table_pieces_by_rows_as_one_store)
             psd_store_deinit(&sh[1]);
         }
 }
+
+/* A psd shard initialises only its part (psd_store_init_part,
+ * ps_model_init_pieces): the parts of 3 shards put together are the whole
+ * model's initial weights, bit for bit, and nothing outside a part is
+ * written (a part's store takes no pages for the others). */
+Test(rows, shard_parts_are_initialised_as_the_whole_model_and_nothing_else)
+{
+    static const int sizes[3] = {6, 5, 3};
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, sizes, 3, 9000, 8), 0); /* 72 000 floats: 5 norm blocks */
+    float *whole = calloc(l.n_params, sizeof *whole), *part = malloc(l.n_params * sizeof *part);
+    cr_assert(whole && part);
+    ps_model_init_params(&l, whole, 11);
+    float *put = calloc(l.n_params, sizeof *put);
+    cr_assert(put);
+    for (int k = 0; k < 3; k++) {
+        ps_piece_t p[PS_MAX_TENSORS];
+        ps_shard_pieces(&l, k, 3, p);
+        for (size_t i = 0; i < l.n_params; i++) part[i] = NAN;
+        ps_model_init_pieces(&l, part, 11, p);
+        size_t inside = 0;
+        for (int t = 0; t < l.n_tensors; t++) {
+            const size_t at = l.t[t].offset;
+            for (size_t i = 0; i < l.t[t].numel; i++) {
+                bool in = i >= p[t].off && i < p[t].off + p[t].n;
+                cr_assert(in ? !isnan(part[at + i]) : isnan(part[at + i]), "shard %d, tensor %d, float %zu", k, t, i);
+                if (in) put[at + i] = part[at + i], inside++;
+            }
+        }
+        cr_assert_gt(inside, 0, "shard %d owns something", k);
+        psd_store_t st;
+        psd_optim_t o = {.kind = PS_OPT_SGD};
+        cr_assert_eq(psd_store_init_part(&st, &l, &o, 11, k, 3), 0);
+        for (int t = 0; t < l.n_tensors; t++) {
+            cr_assert(st.own[t].off == p[t].off && st.own[t].n == p[t].n, "the store owns shard %d's pieces", k);
+            const size_t at = l.t[t].offset + p[t].off;
+            cr_assert(memcmp(st.cur->w + at, part + at, p[t].n * sizeof(float)) == 0, "and has their values");
+        }
+        psd_store_deinit(&st);
+    }
+    cr_assert(memcmp(put, whole, l.n_params * sizeof *put) == 0, "3 parts = the whole model, bit for bit");
+    free(put);
+    free(part);
+    free(whole);
+}
