@@ -3472,7 +3472,8 @@ Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
  * batch, put together from every shard's: the same bits, the same
  * validation as one psd; shard 1 (the table's rows 32768.. and nothing
  * else) sends only rows, each asked for; shard 0 sends the MLP and rows of
- * its piece, and the ids of a validation part's rows with its part. */
+ * its piece, and the ids of a validation part's rows with its part. Device
+ * workers (the CPU backend posing as one) give the same bits. */
 Test(short, the_table_on_psd_with_psd_shards)
 {
     char cfg[1024];
@@ -3485,6 +3486,12 @@ Test(short, the_table_on_psd_with_psd_shards)
     train_ok(&b, "onpsd2", 2, args, wex);
     cr_assert(weights_equal(a.weights, b.weights), "the table on 2 psd shards = on 1 psd, bit for bit");
     assert_table_stayed("onpsd2", "the table stayed on psd");
+    /* device workers (the CPU backend posing as one: uploads, downloads): the same bits */
+    const char *dev[] = {"--x-device-sim", "--no-shm", "--verbose", NULL};
+    run_t d;
+    train_ok(&d, "onpsd2-dev", 2, args, dev);
+    cr_assert(weights_equal(a.weights, d.weights), "device workers, the table on 2 psd shards, bit for bit");
+    assert_table_stayed("onpsd2-dev", "backend cpu-as-device");
     char *ma = metrics_last(&a), *mb = metrics_last(&b);
     const char *la = last_line(ma), *lb = last_line(mb);
     cr_assert_eq(json_num(lb, "val_loss"), json_num(la, "val_loss"), "the same validation: %s", lb);
