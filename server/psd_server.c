@@ -1110,17 +1110,6 @@ static int lazy_rows(srv_t *s, worker_t *w, const void **g, bool bf16, psd_rowgr
     return 0;
 }
 
-/* Room in the store's row merge for the k contributors' rows of this step
- * (grown only when a step has more than any before). 0, or -1. */
-static int lazy_reserve(srv_t *s, int k)
-{
-    size_t total = 0;
-    for (int j = 0; j < k; j++) total += s->step_rows[j].n;
-    if (total <= s->store.rows.max_entries && k <= s->store.rows.max_k) return 0;
-    size_t room = total > 2 * s->store.rows.max_entries ? total : 2 * s->store.rows.max_entries;
-    return psd_store_lazy_table(&s->store, room, MAX_WORKERS);
-}
-
 /* Reduce the pushes held (every one, or only `only`'s: async and ssp apply
  * each push on its own), apply the optimizer, answer the pulls. Returns
  * with s->stepping set when shards must send their norms first, or with
@@ -1151,7 +1140,7 @@ static void take_step(srv_t *s, worker_t *only)
         k++;
     }
     step_lr(s);
-    if (s->store.lazy && lazy_reserve(s, k) != 0) {
+    if (s->store.lazy && psd_store_rows_room(&s->store, k, s->step_rows, MAX_WORKERS) != 0) {
         PS_ERROR("out of memory for the table rows of a step");
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;

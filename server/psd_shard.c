@@ -195,7 +195,6 @@ static int step_rows(shard_t *s, const Psd__ShardStep *st)
     const int t = l->table;
     const size_t D = (size_t)l->t[t].cols;
     const ps_piece_t *own = &s->store.own[t];
-    size_t total = 0;
     for (size_t k = 0; k < st->n_ranks; k++) {
         fw_t *w = &s->w[st->ranks[k]];
         if (!(s->all & (1ull << t))) {
@@ -214,11 +213,8 @@ static int step_rows(shard_t *s, const Psd__ShardStep *st)
         }
         s->rg[k] = w->sp ? psd_rowbuf_grad(w->sp) : (psd_rowgrad_t){0};
         s->g[k][t] = NULL;
-        total += s->rg[k].n;
     }
-    const psd_rows_t *r = &s->store.rows;
-    if (total > r->max_entries &&
-        psd_store_lazy_table(&s->store, total > 2 * r->max_entries ? total : 2 * r->max_entries, SHARD_MAX_WORKERS) != 0) {
+    if (psd_store_rows_room(&s->store, (int)st->n_ranks, s->rg, SHARD_MAX_WORKERS) != 0) {
         fail(s, "out of memory for a step's table rows");
         return -1;
     }

@@ -131,6 +131,14 @@ int psd_store_lazy_table(psd_store_t *s, size_t max_entries, int max_k)
     return 0;
 }
 
+int psd_store_rows_room(psd_store_t *s, int k, const psd_rowgrad_t *rows, int max_k)
+{
+    size_t total = 0, have = s->rows.max_entries;
+    for (int j = 0; j < k; j++) total += rows[j].n;
+    if (total <= have && k <= s->rows.max_k) return 0;
+    return psd_store_lazy_table(s, total > 2 * have ? total : 2 * have, max_k);
+}
+
 void psd_store_deinit(psd_store_t *s)
 {
     ps_pool_free(&s->pool);

@@ -148,6 +148,11 @@ double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
  * or -ENOMEM. */
 int psd_store_lazy_table(psd_store_t *s, size_t max_entries, int max_k);
 
+/* Room in the row merge for the k contributors' rows[0..k) of a step (a
+ * lazy table), from up to max_k contributors: grown, by doubling at least,
+ * only when a step has more entries than any before. 0 or -ENOMEM. */
+int psd_store_rows_room(psd_store_t *s, int k, const psd_rowgrad_t *rows, int max_k);
+
 /* psd_store_step with the table's gradient as rows[k] for contributor k
  * (lazy tables; rows may be NULL: no row touched), in the same order and
  * weights as grads. With clipping, the global norm includes the merged
