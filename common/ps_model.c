@@ -185,6 +185,28 @@ void ps_shard_pieces(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_T
     }
 }
 
+uint64_t ps_part_size(const ps_piece_t part[PS_MAX_TENSORS], int n_tensors)
+{
+    uint64_t n = 0;
+    for (int t = 0; t < n_tensors; t++) n += part[t].n;
+    return n;
+}
+
+int ps_part_range(const ps_piece_t part[PS_MAX_TENSORS], int n_tensors, uint64_t from, uint64_t count,
+                  ps_piece_t out[PS_MAX_TENSORS])
+{
+    uint64_t size = ps_part_size(part, n_tensors);
+    if (count == 0 || from > size || count > size - from) return 0;
+    int k = 0;
+    uint64_t at = 0, end = from + count; /* at: where piece t starts in the run */
+    for (int t = 0; t < n_tensors && at < end; at += part[t].n, t++) {
+        uint64_t lo = from > at ? from : at, hi = end < at + part[t].n ? end : at + part[t].n;
+        if (lo >= hi) continue;
+        out[k++] = (ps_piece_t){.t = t, .off = part[t].off + (size_t)(lo - at), .n = (size_t)(hi - lo)};
+    }
+    return k;
+}
+
 int ps_piece_rows(const ps_layout_t *l, const ps_piece_t *p, size_t *r0, size_t *r1)
 {
     if (l->table < 0 || p->t != l->table) return 0;

@@ -64,6 +64,15 @@ typedef struct {
  * shard has none of it). Workers and shards compute it alike. */
 void ps_shard_pieces(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_TENSORS]);
 
+/* A shard's part as one run of floats: its pieces (one per tensor, as
+ * ps_shard_pieces gives them) one after the other in tensor order.
+ * ps_part_size: how many floats. ps_part_range: the floats [from, from +
+ * count) of that run as pieces of tensors, in order, into out; returns how
+ * many (0 when the range is empty or does not lie inside the part). */
+uint64_t ps_part_size(const ps_piece_t part[PS_MAX_TENSORS], int n_tensors);
+int ps_part_range(const ps_piece_t part[PS_MAX_TENSORS], int n_tensors, uint64_t from, uint64_t count,
+                  ps_piece_t out[PS_MAX_TENSORS]);
+
 /* The table's rows a piece of it holds whole: 1 with [*r0, *r1) when the
  * piece is whole rows (always when the table's width divides
  * PS_NORM_BLOCK; an empty piece holds none), 0 when a row straddles its

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <libgen.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -126,47 +127,92 @@ int ps_write_all(int fd, const void *buf, size_t n)
     return 0;
 }
 
-int ps_write_atomic(const char *path, ps_write_fn fn, void *ud)
+int ps_pwrite_all(int fd, const void *buf, size_t n, uint64_t off)
+{
+    const char *p = buf;
+    while (n > 0) {
+        ssize_t w = pwrite(fd, p, n, (off_t)off);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        p += w;
+        off += (uint64_t)w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+int ps_atomic_open(ps_atomic_t *a, const char *path)
 {
     size_t len = strlen(path);
-    char *tmp = malloc(len + 16), *dir = strdup(path);
-    int rc = 0, fd = -1;
-    if (!tmp || !dir) {
-        rc = -ENOMEM;
-        goto out;
+    a->fd = -1;
+    a->tmp = malloc(len + 16);
+    a->path = strdup(path);
+    if (!a->tmp || !a->path) {
+        free(a->tmp);
+        free(a->path);
+        a->tmp = a->path = NULL;
+        return -ENOMEM;
     }
-    snprintf(tmp, len + 16, "%s.tmp", path);
-    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) {
+    snprintf(a->tmp, len + 16, "%s.tmp", path);
+    a->fd = open(a->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (a->fd < 0) {
+        int rc = -errno;
+        free(a->tmp);
+        free(a->path);
+        a->tmp = a->path = NULL;
+        return rc;
+    }
+    return 0;
+}
+
+static void atomic_end(ps_atomic_t *a, bool remove)
+{
+    if (a->fd >= 0) close(a->fd);
+    if (remove && a->tmp) unlink(a->tmp);
+    free(a->tmp);
+    free(a->path);
+    a->fd = -1;
+    a->tmp = a->path = NULL;
+}
+
+void ps_atomic_abort(ps_atomic_t *a) { atomic_end(a, true); }
+
+int ps_atomic_commit(ps_atomic_t *a)
+{
+    int rc = 0;
+    if (fsync(a->fd) != 0) {
         rc = -errno;
-        goto out;
+        atomic_end(a, true);
+        return rc;
     }
-    if ((rc = fn(fd, ud)) != 0) goto out;
-    if (fsync(fd) != 0) {
+    int fd = a->fd;
+    a->fd = -1;
+    if (close(fd) != 0 || rename(a->tmp, a->path) != 0) {
         rc = -errno;
-        goto out;
+        atomic_end(a, true);
+        return rc;
     }
-    if (close(fd) != 0) {
-        fd = -1;
-        rc = -errno;
-        goto out;
-    }
-    fd = -1;
-    if (rename(tmp, path) != 0) {
-        rc = -errno;
-        goto out;
-    }
-    int dfd = open(dirname(dir), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int dfd = open(dirname(a->path), O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* dirname may write into path */
     if (dfd >= 0) {
         fsync(dfd);
         close(dfd);
     }
-out:
-    if (fd >= 0) close(fd);
-    if (rc != 0 && tmp) unlink(tmp);
-    free(tmp);
-    free(dir);
-    return rc;
+    atomic_end(a, false);
+    return 0;
+}
+
+int ps_write_atomic(const char *path, ps_write_fn fn, void *ud)
+{
+    ps_atomic_t a;
+    int rc = ps_atomic_open(&a, path);
+    if (rc != 0) return rc;
+    if ((rc = fn(a.fd, ud)) != 0) {
+        ps_atomic_abort(&a);
+        return rc;
+    }
+    return ps_atomic_commit(&a);
 }
 
 int ps_rows_valid(const uint32_t *ids, size_t n, uint64_t rows)

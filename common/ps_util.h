@@ -26,8 +26,23 @@ void ps_host_id(char *buf, size_t n);
 typedef int (*ps_write_fn)(int fd, void *ud);
 int ps_write_atomic(const char *path, ps_write_fn fn, void *ud);
 
-/* write() all of buf, retrying on EINTR/short writes. 0 or -errno. */
+/* The same in steps, for a file written piece by piece over time:
+ * ps_atomic_open creates PATH.tmp (a->fd); ps_atomic_commit fsyncs and
+ * closes it, renames it over PATH and fsyncs the directory (on failure the
+ * temp file is removed); ps_atomic_abort closes and removes it. Commit and
+ * abort end a. 0 or -errno. */
+typedef struct {
+    int fd;
+    char *tmp, *path;
+} ps_atomic_t;
+int ps_atomic_open(ps_atomic_t *a, const char *path);
+int ps_atomic_commit(ps_atomic_t *a);
+void ps_atomic_abort(ps_atomic_t *a);
+
+/* write() all of buf, retrying on EINTR/short writes. 0 or -errno.
+ * ps_pwrite_all: the same at file offset off (pwrite). */
 int ps_write_all(int fd, const void *buf, size_t n);
+int ps_pwrite_all(int fd, const void *buf, size_t n, uint64_t off);
 
 /* ids[0, n) is a list of rows of a table of `rows` rows: n >= 1, strictly
  * increasing, each below rows. */

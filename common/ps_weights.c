@@ -8,15 +8,6 @@
 
 #include "ps_util.h"
 
-/* what ps_weights_save writes: the header, then the tensors straight from
- * params (no copy of the model), the CRC-32 of both after them */
-typedef struct {
-    const uint8_t *hdr;
-    size_t hdr_len;
-    const ps_layout_t *l;
-    const float *params;
-} blob_t;
-
 static void put_u32(uint8_t **p, uint32_t v)
 {
     for (int i = 0; i < 4; i++) *(*p)++ = (uint8_t)(v >> (8 * i));
@@ -31,27 +22,45 @@ static uint32_t get_u32(const uint8_t *p)
 }
 static uint64_t get_u64(const uint8_t *p) { return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32; }
 
-static int write_blob(int fd, void *ud)
-{
-    blob_t *b = ud;
-    uLong crc = crc32_z(0L, b->hdr, b->hdr_len);
-    int rc = ps_write_all(fd, b->hdr, b->hdr_len);
-    for (int t = 0; rc == 0 && t < b->l->n_tensors; t++) { /* x86-64/arm64: little-endian */
-        const uint8_t *p = (const uint8_t *)(b->params + b->l->t[t].offset);
-        size_t n = 4 * b->l->t[t].numel;
-        crc = crc32_z(crc, p, n);
-        rc = ps_write_all(fd, p, n);
-    }
-    uint8_t tail[4], *q = tail;
-    put_u32(&q, (uint32_t)crc);
-    return rc == 0 ? ps_write_all(fd, tail, sizeof tail) : rc;
-}
-
 /* format 2 (a model with an embedding table) adds u64 rows, u32 dim, u32 0 */
 static size_t header_len(int n_sizes, int table) { return 4 + 4 + 4 + 4u * (size_t)n_sizes + 4 + 8 + 8 + 4 + 4 + (table ? 16 : 0); }
 
-int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
-                    const ps_weights_meta_t *meta, char *err, size_t errlen)
+/* a run of the file written, and its CRC-32 */
+typedef struct {
+    uint64_t at, len;
+    uint32_t crc;
+} seg_t;
+
+struct ps_weights_writer {
+    ps_atomic_t file;
+    const ps_layout_t *l;
+    uint64_t base[PS_MAX_TENSORS + 1]; /* where each tensor's floats start in the file; [n]: the CRC */
+    seg_t *seg;
+    size_t n_seg, cap_seg;
+};
+
+static int add_seg(ps_weights_writer_t *w, uint64_t at, const void *p, size_t len)
+{
+    if (w->n_seg == w->cap_seg) {
+        size_t cap = w->cap_seg ? 2 * w->cap_seg : 64;
+        seg_t *g = realloc(w->seg, cap * sizeof *g);
+        if (!g) return -ENOMEM;
+        w->seg = g;
+        w->cap_seg = cap;
+    }
+    int rc = ps_pwrite_all(w->file.fd, p, len, at);
+    if (rc == 0) w->seg[w->n_seg++] = (seg_t){at, len, (uint32_t)crc32_z(0L, p, len)};
+    return rc;
+}
+
+static int seg_cmp(const void *a, const void *b)
+{
+    const seg_t *x = a, *y = b;
+    return x->at < y->at ? -1 : x->at > y->at;
+}
+
+ps_weights_writer_t *ps_weights_begin(const char *path, const ps_layout_t *l, const ps_weights_meta_t *meta,
+                                      char *err, size_t errlen)
 {
     int table = l->table >= 0;
     uint8_t hdr[64 + 4 * (PS_MAX_LAYERS + 1)], *p = hdr;
@@ -70,13 +79,95 @@ int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
         put_u32(&p, (uint32_t)l->t[l->table].cols);
         put_u32(&p, 0);
     }
-    blob_t b = {hdr, (size_t)(p - hdr), l, params};
-    int rc = ps_write_atomic(path, write_blob, &b);
+    ps_weights_writer_t *w = calloc(1, sizeof *w);
+    int rc = w ? ps_atomic_open(&w->file, path) : -ENOMEM;
+    if (rc != 0) {
+        snprintf(err, errlen, "%s: cannot write: %s", path, strerror(-rc));
+        free(w);
+        return NULL;
+    }
+    w->l = l;
+    w->base[0] = (uint64_t)(p - hdr);
+    for (int t = 0; t < l->n_tensors; t++) w->base[t + 1] = w->base[t] + 4 * (uint64_t)l->t[t].numel;
+    if ((rc = add_seg(w, 0, hdr, (size_t)(p - hdr))) != 0) {
+        snprintf(err, errlen, "%s: cannot write: %s", path, strerror(-rc));
+        ps_weights_abort(w);
+        return NULL;
+    }
+    return w;
+}
+
+int ps_weights_put(ps_weights_writer_t *w, int t, uint64_t off, const float *src, size_t n, char *err,
+                   size_t errlen)
+{
+    if (t < 0 || t >= w->l->n_tensors || off > w->l->t[t].numel || n > w->l->t[t].numel - off) {
+        snprintf(err, errlen, "%s: floats [%llu, +%zu) of tensor %d are not in the model", w->file.path,
+                 (unsigned long long)off, n, t);
+        return -1;
+    }
+    int rc = n ? add_seg(w, w->base[t] + 4 * off, src, 4 * n) : 0; /* x86-64/arm64: little-endian */
+    if (rc != 0) {
+        snprintf(err, errlen, "%s: cannot write: %s", w->file.path, strerror(-rc));
+        return -1;
+    }
+    return 0;
+}
+
+int ps_weights_commit(ps_weights_writer_t *w, char *err, size_t errlen)
+{
+    const uint64_t end = w->base[w->l->n_tensors];
+    qsort(w->seg, w->n_seg, sizeof *w->seg, seg_cmp);
+    uLong crc = 0;
+    uint64_t at = 0;
+    size_t i = 0;
+    for (; i < w->n_seg && w->seg[i].at == at; i++) { /* stops at a gap or an overlap */
+        crc = i ? crc32_combine64(crc, w->seg[i].crc, (z_off64_t)w->seg[i].len) : w->seg[i].crc;
+        at += w->seg[i].len;
+    }
+    if (at != end || i != w->n_seg) {
+        snprintf(err, errlen, "%s: the pieces written cover bytes [0, %llu) of %llu, not each once",
+                 w->file.path, (unsigned long long)at, (unsigned long long)end);
+        ps_weights_abort(w);
+        return -1;
+    }
+    uint8_t tail[4], *q = tail;
+    put_u32(&q, (uint32_t)crc);
+    char path[4096];
+    snprintf(path, sizeof path, "%s", w->file.path);
+    int rc = ps_pwrite_all(w->file.fd, tail, sizeof tail, end);
+    if (rc != 0) {
+        ps_weights_abort(w);
+    } else {
+        rc = ps_atomic_commit(&w->file);
+        free(w->seg);
+        free(w);
+    }
     if (rc != 0) {
         snprintf(err, errlen, "%s: cannot write: %s", path, strerror(-rc));
         return -1;
     }
     return 0;
+}
+
+void ps_weights_abort(ps_weights_writer_t *w)
+{
+    if (!w) return;
+    ps_atomic_abort(&w->file);
+    free(w->seg);
+    free(w);
+}
+
+int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
+                    const ps_weights_meta_t *meta, char *err, size_t errlen)
+{
+    ps_weights_writer_t *w = ps_weights_begin(path, l, meta, err, errlen);
+    if (!w) return -1;
+    for (int t = 0; t < l->n_tensors; t++)
+        if (ps_weights_put(w, t, 0, params + l->t[t].offset, l->t[t].numel, err, errlen) != 0) {
+            ps_weights_abort(w);
+            return -1;
+        }
+    return ps_weights_commit(w, err, errlen);
 }
 
 int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights_meta_t *meta,

@@ -28,6 +28,22 @@ typedef struct {
 int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
                     const ps_weights_meta_t *meta, char *err, size_t errlen);
 
+/* The same file written piece by piece, in any order, as the pieces come
+ * (psd shards: each part fetched in chunks, never the whole model in one
+ * process's memory). ps_weights_begin opens PATH.tmp and writes the header;
+ * ps_weights_put writes floats [off, off + n) of tensor t; ps_weights_commit
+ * checks that the pieces cover every tensor exactly once, writes the CRC
+ * (combined from the pieces', nothing is read back) and renames the file
+ * over PATH; ps_weights_abort removes it. Commit and abort free w. NULL or
+ * -1 with a message. */
+typedef struct ps_weights_writer ps_weights_writer_t;
+ps_weights_writer_t *ps_weights_begin(const char *path, const ps_layout_t *l, const ps_weights_meta_t *meta,
+                                      char *err, size_t errlen);
+int ps_weights_put(ps_weights_writer_t *w, int t, uint64_t off, const float *src, size_t n, char *err,
+                   size_t errlen);
+int ps_weights_commit(ps_weights_writer_t *w, char *err, size_t errlen);
+void ps_weights_abort(ps_weights_writer_t *w);
+
 /* Read and check (magic, format, sizes, length, CRC). On success *params is a
  * new arena laid out by *l (caller frees with free()). 0, or -1 + message. */
 int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights_meta_t *meta,

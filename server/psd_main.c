@@ -72,7 +72,7 @@ int main(int argc, char **argv)
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
         OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
-        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
+        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_XFETCH, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
     };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, OPT_CONFIG},
@@ -98,6 +98,7 @@ int main(int argc, char **argv)
         {"insecure", no_argument, NULL, OPT_INSECURE},
         {"x-no-zap", no_argument, NULL, OPT_XNOZAP},
         {"x-verify-weights", no_argument, NULL, OPT_XVERIFY},
+        {"x-fetch-floats", required_argument, NULL, OPT_XFETCH},
         {"shard", required_argument, NULL, OPT_SHARD},
         {"leader", required_argument, NULL, OPT_LEADER},
         {"advertise", required_argument, NULL, OPT_ADVERTISE},
@@ -176,6 +177,16 @@ int main(int argc, char **argv)
         case OPT_INSECURE: over[n_over++] = (override_t){"server.insecure", "true"}; break;
         case OPT_XNOZAP: run.no_zap = 1; break; /* tests only */
         case OPT_XVERIFY: run.verify_weights = 1; break; /* tests only */
+        case OPT_XFETCH: { /* tests only */
+            char *end;
+            unsigned long long v = strtoull(optarg, &end, 10);
+            if (*end || end == optarg || optarg[0] == '-' || v < 1 || v > ((uint64_t)1 << 32)) {
+                fprintf(stderr, "psd: --x-fetch-floats: expected an integer in [1, 2^32], got '%s'\n", optarg);
+                goto out;
+            }
+            run.fetch_floats = v;
+            break;
+        }
         case OPT_FORCE_RESUME: run.force_resume = 1; break;
         case OPT_SHARD: {
             int i = -1, n = -1, used = 0;

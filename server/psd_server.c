@@ -183,7 +183,7 @@ typedef struct {
     uint32_t pid;
     double last_seen;
     uint64_t seq_out;
-    bool norm_in, fetched;
+    bool norm_in;
 } shard_t;
 
 typedef struct {
@@ -196,8 +196,14 @@ typedef struct {
     bool stepping;        /* with clipping: waiting for the shards' block norms */
     bool ckpt_deferred;   /* a checkpoint asked for while stepping: taken once the step is applied */
     double stepping_since;
-    bool fetching;        /* end of the run: waiting for the shards' parts */
-    double fetching_since;
+    /* end of the run with --save: the weights file is written as the other
+     * shards' parts come, PSD_FETCH_FLOATS at a time from shard fetch_k (never
+     * the whole model in memory) */
+    bool fetching;
+    double fetching_since; /* the last chunk asked for */
+    ps_weights_writer_t *wr;
+    int fetch_k;
+    uint64_t fetch_from, fetch_count, fetch_chunks;
     /* HTTP endpoint (server.http) and what /metrics and /status report
      * beyond the state above */
     psd_http_t *http;
@@ -625,7 +631,7 @@ static void ssp_release(srv_t *s)
 
 static void save_weights(srv_t *s)
 {
-    if (!s->cfg.save[0]) return;
+    if (!s->cfg.save[0] || sharded(s)) return; /* shards: written as the parts come (fetch_next) */
     char err[512];
     ps_weights_meta_t meta = {.run_id = s->run_id, .step = s->step, .epoch = s->epoch};
     if (ps_weights_save(s->cfg.save, &s->layout, s->store.cur->w, &meta, err, sizeof err) != 0) {
@@ -680,6 +686,8 @@ static void finish(srv_t *s, int code, const char *reason)
     }
     s->phase = PHASE_DONE;
     s->exit_code = code;
+    ps_weights_abort(s->wr); /* a weights file not finished is not left behind */
+    s->wr = NULL;
     uv_stop(&s->loop);
 }
 
@@ -1821,6 +1829,9 @@ static void end_run(srv_t *s)
     s->exit_code = code;
 }
 
+static bool begin_save(srv_t *s);
+static void fetch_next(srv_t *s);
+
 static void end_validation(srv_t *s)
 {
     if (s->tty) ps_log_status(NULL); /* the epoch's line takes its place */
@@ -1894,20 +1905,10 @@ static void end_validation(srv_t *s)
         s->val_curve[s->n_val_curve].val_loss = (float)val_loss;
         s->val_curve[s->n_val_curve++].val_acc = (float)val_acc;
     }
-    if (last && sharded(s) && s->cfg.save[0]) { /* the other parts of the weights first, for the file */
-        Psd__Header h;
-        Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
-        psd__header__init(&h);
-        h.type = PSD__MSG_TYPE__MSG_SHARD_FETCH;
-        f.version = s->store.cur->version;
-        h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
-        h.shard_fetch = &f;
-        for (int i = 1; i < s->n_shards; i++) s->shards[i].fetched = false;
-        s->fetching = true;
-        s->fetching_since = ps_now();
+    if (last && sharded(s) && s->cfg.save[0] && begin_save(s)) { /* the others' parts then come for the file */
         s->phase = PHASE_WAIT; /* nothing to do but wait for them */
         s->phase_deadline = INFINITY;
-        shards_send_all(s, &h);
+        fetch_next(s);
         return;
     }
     if (last) {
@@ -2311,36 +2312,107 @@ static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
 
 static void end_run(srv_t *s);
 
-/* A shard's part of the final version (SHARD_FETCH), for the weights file. */
+/* The end of a sharded run with --save: the weights file is begun with this
+ * shard's part; false (the error logged, the exit code set) when it cannot
+ * be. */
+static bool begin_save(srv_t *s)
+{
+    char err[512];
+    ps_weights_meta_t meta = {.run_id = s->run_id, .step = s->step, .epoch = s->epoch};
+    ps_piece_t p[PS_MAX_TENSORS];
+    ps_shard_pieces(&s->layout, 0, s->n_shards, p);
+    s->wr = ps_weights_begin(s->cfg.save, &s->layout, &meta, err, sizeof err);
+    for (int t = 0; s->wr && t < s->layout.n_tensors; t++)
+        if (ps_weights_put(s->wr, t, p[t].off, s->store.cur->w + s->layout.t[t].offset + p[t].off, p[t].n, err,
+                           sizeof err) != 0) {
+            ps_weights_abort(s->wr);
+            s->wr = NULL;
+        }
+    if (!s->wr) {
+        PS_ERROR("%s", err);
+        s->exit_code = PSD_EXIT_ERROR;
+        return false;
+    }
+    s->fetching = true;
+    s->fetch_k = 1;
+    s->fetch_from = 0;
+    return true;
+}
+
+/* Ask for the next chunk of the shards' parts, or, all in, write the file's
+ * end and end the run. */
+static void fetch_next(srv_t *s)
+{
+    for (; s->fetch_k < s->n_shards; s->fetch_k++, s->fetch_from = 0) {
+        ps_piece_t p[PS_MAX_TENSORS];
+        ps_shard_pieces(&s->layout, s->fetch_k, s->n_shards, p);
+        uint64_t size = ps_part_size(p, s->layout.n_tensors);
+        if (s->fetch_from < size) {
+            Psd__Header h;
+            Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
+            psd__header__init(&h);
+            h.type = PSD__MSG_TYPE__MSG_SHARD_FETCH;
+            f.version = s->store.cur->version;
+            f.from = s->fetch_from;
+            const uint64_t chunk = s->opts.fetch_floats ? s->opts.fetch_floats : PSD_FETCH_FLOATS;
+            f.count = s->fetch_count = size - s->fetch_from < chunk ? size - s->fetch_from : chunk;
+            h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
+            h.shard_fetch = &f;
+            s->fetching_since = ps_now();
+            s->fetch_chunks++;
+            send_shard(s, s->fetch_k, &h, NULL, 0);
+            return;
+        }
+    }
+    char err[512];
+    s->fetching = false;
+    int rc = ps_weights_commit(s->wr, err, sizeof err);
+    s->wr = NULL;
+    if (rc != 0) {
+        PS_ERROR("%s", err);
+        s->exit_code = PSD_EXIT_ERROR;
+    } else {
+        PS_INFO("saved weights (version %" PRIu64 ") to %s; the other shards' parts came in %" PRIu64 " chunks",
+                s->store.cur->version, s->cfg.save, s->fetch_chunks);
+    }
+    end_run(s);
+}
+
+/* A chunk of a shard's part of the final version (SHARD_FETCH): into the
+ * weights file. */
 static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
 {
-    const ps_layout_t *l = &s->layout;
-    if (!s->fetching || s->shards[i].fetched || m->hdr->weights->version != s->store.cur->version) {
+    if (!s->fetching || i != s->fetch_k || m->hdr->weights->version != s->store.cur->version) {
         drop(s, NULL, "WEIGHTS from shard %d that psd did not ask for", i);
         return;
     }
-    ps_piece_t p[PS_MAX_TENSORS];
-    ps_shard_pieces(l, i, s->n_shards, p);
-    int f = 0;
-    for (int t = 0; t < l->n_tensors; t++) {
-        if (p[t].n == 0) continue;
+    ps_piece_t p[PS_MAX_TENSORS], r[PS_MAX_TENSORS];
+    ps_shard_pieces(&s->layout, i, s->n_shards, p);
+    int nr = ps_part_range(p, s->layout.n_tensors, s->fetch_from, s->fetch_count, r);
+    bool ok = nr == m->n_frames;
+    for (int f = 0; ok && f < nr; f++) {
         size_t n = 0;
-        const float *src = f < m->n_frames ? ps_msg_f32(m, f, &n) : NULL;
-        if (!src || m->hdr->tensors[f]->id != (uint32_t)t || m->hdr->tensors[f]->offset != p[t].off || n != p[t].n) {
-            /* it answers a FETCH once: without its part there are no final weights */
-            PS_ERROR("psd shard %d sent final weights that do not match its part of the parameters; the run stops",
-                     i);
-            finish(s, PSD_EXIT_SHARD_LOST, "a psd shard sent a broken part of the weights");
+        const float *src = ps_msg_f32(m, f, &n);
+        ok = src && m->hdr->tensors[f]->id == (uint32_t)r[f].t && m->hdr->tensors[f]->offset == r[f].off &&
+             n == r[f].n;
+        char err[512];
+        if (ok && ps_weights_put(s->wr, r[f].t, r[f].off, src, n, err, sizeof err) != 0) {
+            PS_ERROR("%s", err);
+            s->exit_code = PSD_EXIT_ERROR;
+            ps_weights_abort(s->wr);
+            s->wr = NULL;
+            s->fetching = false;
+            end_run(s);
             return;
         }
-        memcpy(s->store.cur->w + l->t[t].offset + p[t].off, src, n * sizeof(float));
-        f++;
     }
-    s->shards[i].fetched = true;
-    for (int k = 1; k < s->n_shards; k++)
-        if (!s->shards[k].fetched) return;
-    s->fetching = false;
-    end_run(s);
+    if (!ok) { /* it answers a FETCH once: without its part there are no final weights */
+        PS_ERROR("psd shard %d sent final weights that do not match its part of the parameters; the run stops", i);
+        finish(s, PSD_EXIT_SHARD_LOST, "a psd shard sent a broken part of the weights");
+        return;
+    }
+    s->fetch_from += s->fetch_count;
+    fetch_next(s);
 }
 
 static void on_shard_have(srv_t *s, int i, ps_msg_t *m)
@@ -2846,7 +2918,7 @@ static void on_timer(uv_timer_t *t)
             double since = 0;
             if (s->stepping && !sh->norm_in)
                 owed = "its part of the gradient's norm", since = s->stepping_since;
-            else if (s->fetching && !sh->fetched)
+            else if (s->fetching && i == s->fetch_k)
                 owed = "its part of the final weights", since = s->fetching_since;
             if (owed && now - since >= s->silence) {
                 PS_ERROR("psd shard %d (%s pid %u) did not send %s in %.1f s; the run stops", i, sh->hostname, sh->pid,

@@ -18,12 +18,18 @@ enum {
     PSD_EXIT_SHARD_LOST = 5,    /* a psd shard went silent, failed or refused the run */
 };
 
+/* Floats of a psd shard's part shard 0 asks for at a time at the end of a
+ * run, to write the weights file (16 MiB) */
+#define PSD_FETCH_FLOATS ((uint64_t)4 << 20)
+
 typedef struct {
     const char *resume_dir; /* --resume DIR: continue from its newest valid checkpoint */
     int force_resume;       /* --force-resume: even if the config differs */
     int stop_after_epoch;   /* --stop-after-epoch E: checkpoint and stop after epoch E (1-based) */
     int no_zap;             /* tests only: keys but no authentication handler (everyone refused) */
     int verify_weights;     /* tests only: weights messages carry their version's CRC-32 */
+    uint64_t fetch_floats;  /* tests only: floats per chunk of a shard's part fetched for --save
+                             * (0: PSD_FETCH_FLOATS) */
     int shard, shards;      /* --shard i/n: this psd holds part i of n (shards 0: one psd) */
     const char *leader;     /* shard i > 0: shard 0's endpoint */
     const char *advertise;  /* shard i > 0: the endpoint workers reach it at (default: where it listens) */

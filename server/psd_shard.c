@@ -11,7 +11,9 @@
  *   <- SHARD_STEP           reduce these contributors in this order, and apply
  *   SHARD_NORM    ->        (clipping) the squared norms of this part's blocks,
  *   <- SHARD_APPLY          then apply with the whole gradient's norm
- *   <- SHARD_FETCH          send this part of the current version (weights file)
+ *   <- SHARD_FETCH          send floats [from, from + count) of this part of
+ *                           the current version (shard 0 writes the weights
+ *                           file from them, a chunk at a time)
  *   <- HEARTBEAT / SHUTDOWN
  *
  * Workers talk to it directly (its ROUTER): REGISTER with the token, PUSH
@@ -229,9 +231,6 @@ static int step_rows(shard_t *s, const Psd__ShardStep *st)
  * out-of-place step would copy whole. */
 static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
 {
-    const uint8_t *ident = w ? w->ident : NULL;
-    size_t len = w ? w->ident_len : 0;
-    uint64_t *seq = w ? &w->seq_out : &s->seq_out;
     Psd__Header h;
     Psd__Weights wt = PSD__WEIGHTS__INIT;
     ps_frame_t fr[PS_MAX_TENSORS];
@@ -239,17 +238,17 @@ static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
     h.type = PSD__MSG_TYPE__MSG_WEIGHTS;
     h.run_id = s->run_id;
     h.rank = rank;
-    h.seq = ++*seq;
+    h.seq = ++w->seq_out;
     wt.version = s->store.cur->version;
     wt.step = s->store.steps;
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
-    bool bf16 = ident && s->cfg.wire_weights == PS_WIRE_BF16; /* to workers as they asked; to shard 0 f32 */
+    bool bf16 = s->cfg.wire_weights == PS_WIRE_BF16;
     const uint16_t *w16 = bf16 ? psd_store_current_bf16(&s->store) : NULL;
     if (bf16 && !w16) PS_WARN("out of memory for bfloat16 weights: sending f32");
     int n = psd_store_frames(&s->store, w16, fr, s->opts.verify_weights ? &wt.crc : NULL);
     const ps_layout_t *l = &s->layout;
-    if (w && (w->rows_want.has || s->table_on_psd) && !w16 && n > 0 && fr[n - 1].id == (uint32_t)l->table) {
+    if ((w->rows_want.has || s->table_on_psd) && !w16 && n > 0 && fr[n - 1].id == (uint32_t)l->table) {
         /* the table: the last frame */
         const size_t D = (size_t)l->t[l->table].cols;
         if (fr[n - 1].ffn) fr[n - 1].ffn((void *)fr[n - 1].data, fr[n - 1].hint); /* its reference to the version */
@@ -263,18 +262,41 @@ static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
         wt.crc = 0; /* the CRC covers whole versions */
         s->rows_out += nr;
     }
-    if (w) w->rows_want.has = false;
+    w->rows_want.has = false;
     ps_frame_t keep[PS_MAX_TENSORS];
     memcpy(keep, fr, (size_t)n * sizeof *fr);
-    const bool copy = w && s->table_on_psd;
+    const bool copy = s->table_on_psd;
     for (int i = 0; copy && i < n; i++) fr[i].ffn = NULL;
-    for (int i = 0; w && i < n; i++) s->bytes_out += fr[i].nbytes;
-    int rc = ident ? ps_msg_send(s->router, ident, len, &h, fr, n) : to_leader(s, &h, fr, n);
+    for (int i = 0; i < n; i++) s->bytes_out += fr[i].nbytes;
+    int rc = ps_msg_send(s->router, w->ident, w->ident_len, &h, fr, n);
     for (int i = 0; copy && i < n; i++)
         if (keep[i].ffn) keep[i].ffn((void *)keep[i].data, keep[i].hint); /* its reference to the version */
     /* a validation part's rows (up to the piece's) are not kept for the run */
-    if (w && s->layout.table >= 0 && w->rows_want.cap > batch_rows(s)) psd_want_free(&w->rows_want);
+    if (s->layout.table >= 0 && w->rows_want.cap > batch_rows(s)) psd_want_free(&w->rows_want);
     if (rc < 0) PS_WARN("shard %d cannot send weights: %s", s->opts.shard, zmq_strerror(-rc));
+}
+
+/* SHARD_FETCH: floats [from, from + count) of this part of the final
+ * version, for the weights file shard 0 writes a chunk at a time. */
+static void send_part(shard_t *s, const Psd__ShardFetch *f)
+{
+    ps_frame_t fr[PS_MAX_TENSORS];
+    int n = f->version == s->store.cur->version ? psd_store_range_frames(&s->store, f->from, f->count, fr) : 0;
+    if (n == 0) {
+        sdrop(s, "SHARD_FETCH of floats [%" PRIu64 ", +%" PRIu64 ") of version %" PRIu64 ": not in this shard's "
+              "part of version %" PRIu64, f->from, f->count, f->version, s->store.cur->version);
+        return;
+    }
+    Psd__Header h;
+    Psd__Weights wt = PSD__WEIGHTS__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_WEIGHTS;
+    wt.version = s->store.cur->version;
+    wt.step = s->store.steps;
+    h.body_case = PSD__HEADER__BODY_WEIGHTS;
+    h.weights = &wt;
+    int rc = to_leader(s, &h, fr, n);
+    if (rc < 0) PS_WARN("shard %d cannot send its part of the weights: %s", s->opts.shard, zmq_strerror(-rc));
 }
 
 /* A new version: answer the pulls waiting for it. */
@@ -561,7 +583,7 @@ static void on_leader(shard_t *s, ps_msg_t *m)
     }
     case PSD__MSG_TYPE__MSG_SHARD_STEP: on_step(s, m); break;
     case PSD__MSG_TYPE__MSG_SHARD_APPLY: on_apply(s, m); break;
-    case PSD__MSG_TYPE__MSG_SHARD_FETCH: send_weights_to(s, NULL, 0); break;
+    case PSD__MSG_TYPE__MSG_SHARD_FETCH: send_part(s, h->shard_fetch); break;
     case PSD__MSG_TYPE__MSG_SHARD_CKPT: on_ckpt(s, m); break;
     case PSD__MSG_TYPE__MSG_SHUTDOWN:
         PS_INFO("shard %d: shard 0 ends the run: %s", s->opts.shard, h->shutdown->reason ? h->shutdown->reason : "");

@@ -241,6 +241,14 @@ int psd_store_frames(psd_store_t *s, const uint16_t *w16, ps_frame_t *fr, uint32
     return n;
 }
 
+int psd_store_range_frames(psd_store_t *s, uint64_t from, uint64_t count, ps_frame_t *fr)
+{
+    ps_piece_t r[PS_MAX_TENSORS];
+    int n = ps_part_range(s->own, s->layout.n_tensors, from, count, r);
+    for (int i = 0; i < n; i++) fr[i] = piece_frame(s, s->cur, NULL, &r[i]);
+    return n;
+}
+
 psd_arena_t *psd_store_ref_current(psd_store_t *s)
 {
     atomic_fetch_add_explicit(&s->cur->refs, 1, memory_order_relaxed);

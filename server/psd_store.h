@@ -128,6 +128,12 @@ const uint16_t *psd_store_current_bf16(psd_store_t *s);
  * crc: the CRC-32 of the frames' bytes in order. Returns the frame count. */
 int psd_store_frames(psd_store_t *s, const uint16_t *w16, ps_frame_t *fr, uint32_t *crc);
 
+/* Frames of floats [from, from + count) of the current version's owned
+ * pieces taken as one run (ps_part_range), f32, each holding a reference on
+ * the current arena. Returns the frame count: 0 when the range is empty or
+ * not inside the part. */
+int psd_store_range_frames(psd_store_t *s, uint64_t from, uint64_t count, ps_frame_t *fr);
+
 /* One synchronous step. grads[k][t] is tensor t of contributor k (borrowed):
  * floats, or bfloat16 where bf16 (may be NULL) has bf16[k] set; weight[k]
  * its share of the batch (sum 1); contributors are reduced in the

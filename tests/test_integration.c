@@ -32,6 +32,7 @@
 #include "ps_shm.h"
 #include "psworker.h"
 #include "ps_util.h"
+#include "ps_weights.h"
 #include "ps_wire.h"
 
 static char dir[128];
@@ -1007,13 +1008,35 @@ Test(short, one_two_and_three_psd_shards_give_identical_weights)
     check_run(&a, 2, 2);
     train_sharded(&b, "two", 2, chunked, wex);
     check_run(&b, 2, 2);
-    train_sharded(&c, "three", 3, base, wex);
+    const char *fetch[32]; /* shard 0 writes the weights file from chunks of 1001 floats of the others' parts */
+    for (k = 0; base[k]; k++) fetch[k] = base[k];
+    fetch[k++] = "--x-fetch-floats";
+    fetch[k++] = "1001";
+    fetch[k] = NULL;
+    train_sharded(&c, "three", 3, fetch, wex);
     check_run(&c, 2, 2);
     cr_assert(weights_equal(a.weights, b.weights), "2 shards, chunked steps = 1 psd, bit for bit");
-    cr_assert(weights_equal(a.weights, c.weights), "3 shards = 1 psd, bit for bit");
-    char *lb = slurp(b.psd_log);
+    cr_assert(weights_equal(a.weights, c.weights), "3 shards, the file written from chunks = 1 psd, bit for bit");
+    char *lb = slurp(b.psd_log), *lc = slurp(c.psd_log);
     cr_assert_eq(count_in(lb, "psd shard 1/2 joined"), 1, "%s", lb);
+    cr_assert(strstr(lb, "the other shards' parts came in 1 chunks"), "%s", lb); /* 16 MiB at a time */
+    ps_layout_t l; /* the model's, from the weights file */
+    float *params = NULL;
+    ps_weights_meta_t meta;
+    char err[512];
+    cr_assert_eq(ps_weights_load(c.weights, &l, &params, &meta, err, sizeof err), 0, "%s", err);
+    free(params);
+    uint64_t chunks = 0;
+    for (int i = 1; i < 3; i++) {
+        ps_piece_t p[PS_MAX_TENSORS];
+        ps_shard_pieces(&l, i, 3, p);
+        chunks += (ps_part_size(p, l.n_tensors) + 1000) / 1001;
+    }
+    char want[96];
+    snprintf(want, sizeof want, "the other shards' parts came in %" PRIu64 " chunks", chunks);
+    cr_assert(chunks > 100 && strstr(lc, want), "%s: %s", want, lc);
     free(lb);
+    free(lc);
     assert_workers_verified("two", 2, "every shard's part");
     assert_workers_verified("three", 2, "every shard's part");
     char *ma = metrics_last(&a), *mb = metrics_last(&b);
