@@ -1321,6 +1321,33 @@ Test(short, a_lost_psd_shard_ends_the_run_and_nothing_hangs)
     cr_assert_eq(proc_wait(f, 60), 5, "the shard stops when shard 0 is gone");
     proc_wait(w0, 1);
     proc_wait(w1, 1);
+
+    /* lost while shard 0 writes the weights file (a float at a time: the
+     * fetch lasts long enough to be caught): no file, finished or not */
+    const char *fetch[] = {"--epochs", "1", "--set", "data.train_limit=3000", "--set", "checkpoint.dir=",
+                           "--worker-timeout", "3", "--shard", "0/2", "--x-fetch-floats", "1", NULL};
+    const char *fetch1[] = {"--set", "data.train_limit=3000", "--set", "checkpoint.dir=", "--worker-timeout", "3",
+                            "--epochs", "1", NULL};
+    run_t z;
+    p = start_psd(&z, "lostw", 2, fetch);
+    f = start_shard(&z, "lostw", 1, 2, fetch1);
+    w0 = start_worker(&z, "lostw", 0, NULL);
+    w1 = start_worker(&z, "lostw", 1, NULL);
+    char tmp[300];
+    snprintf(tmp, sizeof tmp, "%s.tmp", z.weights);
+    double t = 0;
+    for (; t < 120 && access(tmp, F_OK) != 0; t += 0.01) usleep(10000);
+    cr_assert_lt(t, 120, "shard 0 began %s", tmp);
+    kill(f, SIGKILL);
+    cr_assert_eq(proc_wait(f, 10), 128 + SIGKILL);
+    code = proc_wait(p, 60);
+    log = slurp(z.psd_log);
+    cr_assert_eq(code, 5, "psd exits 5 when a shard is lost while it writes the weights (got %d):\n%s", code, log);
+    cr_assert(strstr(log, "psd shard 1") && !strstr(log, "saved weights"), "%s", log);
+    free(log);
+    cr_assert(access(tmp, F_OK) != 0 && access(z.weights, F_OK) != 0, "no weights file is left, whole or not");
+    proc_wait(w0, 30);
+    proc_wait(w1, 30);
 }
 
 /* Shards that do not fit the run are refused with a clear message, and
