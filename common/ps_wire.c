@@ -361,7 +361,7 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
         const ps_frame_t *fr = &frames[i];
         zmq_msg_t fm;
         int flags = i + 1 < n_frames ? ZMQ_SNDMORE : 0;
-        if (fr->ffn) {
+        if (fr->ffn && !fr->copy) {
             if (zmq_msg_init_data(&fm, (void *)fr->data, fr->nbytes, fr->ffn, fr->hint) != 0) {
                 rc = -ENOMEM;
                 goto out;
@@ -373,6 +373,7 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
                 goto out;
             }
             if (fr->nbytes) memcpy(zmq_msg_data(&fm), fr->data, fr->nbytes);
+            if (fr->ffn) fr->ffn((void *)fr->data, fr->hint); /* copied: its reference is given back now */
             passed = i + 1;
         }
         if ((rc = send_frame(&fm, sock, flags)) < 0) {

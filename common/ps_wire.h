@@ -93,7 +93,9 @@ void ps_bf16_to_f32_n(float *dst, const uint16_t *src, size_t n);
 
 /* One tensor frame to send. If ffn is NULL the bytes are copied at send
  * time; otherwise they are sent in place and ffn(data, hint) is called by
- * ZeroMQ (on its I/O thread) once they are no longer needed. */
+ * ZeroMQ (on its I/O thread) once they are no longer needed. With copy set
+ * they are copied even with an ffn, which is then called once they are
+ * (before ps_msg_send returns: nothing in flight holds the reference). */
 typedef struct {
     const void *data;
     size_t nbytes;
@@ -103,6 +105,7 @@ typedef struct {
     Psd__DType dtype;
     uint32_t rows, cols; /* shape; cols 0 for 1-D */
     uint64_t offset;     /* first element of the frame within the tensor (a piece of it) */
+    bool copy;
 } ps_frame_t;
 
 /* Send header (+frames). hdr->protocol and the tensors list are filled in

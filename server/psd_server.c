@@ -515,13 +515,8 @@ static int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot,
  * MLP's and a batch's rows, small next to the table. */
 static int send_copied(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n)
 {
-    ps_frame_t keep[PS_MAX_TENSORS + 2];
-    memcpy(keep, fr, (size_t)n * sizeof *fr);
-    for (int i = 0; i < n; i++) fr[i].ffn = NULL;
-    int rc = send_to(s, w, h, fr, n);
-    for (int i = 0; i < n; i++)
-        if (keep[i].ffn) keep[i].ffn((void *)keep[i].data, keep[i].hint); /* its reference to the version */
-    return rc;
+    for (int i = 0; i < n; i++) fr[i].copy = true;
+    return send_to(s, w, h, fr, n);
 }
 
 /* The table's frame *fr (a reference on the current version) becomes rows

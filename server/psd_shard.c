@@ -178,11 +178,17 @@ static psd_rowbuf_t *rowbuf_of(shard_t *s, fw_t *w)
 }
 
 /* The most rows of this shard's piece of the table one batch reads. */
-static size_t batch_rows(const shard_t *s)
+/* The rows of this shard's piece of the table (0 without a table). */
+static size_t piece_rows(const shard_t *s)
 {
     const ps_layout_t *l = &s->layout;
+    return l->table >= 0 ? s->store.own[l->table].n / (size_t)l->t[l->table].cols : 0;
+}
+
+static size_t batch_rows(const shard_t *s)
+{
     size_t most = (size_t)s->cfg.batch_size * (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
-    size_t piece = s->store.own[l->table].n / (size_t)l->t[l->table].cols;
+    size_t piece = piece_rows(s);
     return most < piece ? most : piece;
 }
 
@@ -263,14 +269,11 @@ static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
         s->rows_out += nr;
     }
     w->rows_want.has = false;
-    ps_frame_t keep[PS_MAX_TENSORS];
-    memcpy(keep, fr, (size_t)n * sizeof *fr);
-    const bool copy = s->table_on_psd;
-    for (int i = 0; copy && i < n; i++) fr[i].ffn = NULL;
-    for (int i = 0; i < n; i++) s->bytes_out += fr[i].nbytes;
+    for (int i = 0; i < n; i++) {
+        fr[i].copy = s->table_on_psd; /* as psd's send_copied: no reply in flight holds the version */
+        s->bytes_out += fr[i].nbytes;
+    }
     int rc = ps_msg_send(s->router, w->ident, w->ident_len, &h, fr, n);
-    for (int i = 0; copy && i < n; i++)
-        if (keep[i].ffn) keep[i].ffn((void *)keep[i].data, keep[i].hint); /* its reference to the version */
     /* a validation part's rows (up to the piece's) are not kept for the run */
     if (s->layout.table >= 0 && w->rows_want.cap > batch_rows(s)) psd_want_free(&w->rows_want);
     if (rc < 0) PS_WARN("shard %d cannot send weights: %s", s->opts.shard, zmq_strerror(-rc));
@@ -807,9 +810,7 @@ static void on_worker(shard_t *s, ps_msg_t *m)
          * validation part reads (at most the piece's), the reply brings only
          * those; without, the piece whole (rows with the table on psd: none) */
         if (h->pull->want_rows) {
-            const ps_piece_t *own = s->layout.table >= 0 ? &s->store.own[s->layout.table] : NULL;
-            size_t piece = own ? own->n / (size_t)s->layout.t[s->layout.table].cols : 0;
-            if (!want_ok(s, m, true, piece)) {
+            if (!want_ok(s, m, true, piece_rows(s))) {
                 sdrop(s, "PULL of rank %u asking for table rows that are not rows of this shard's piece (strictly "
                          "increasing, in its last frame)", h->rank);
                 break;

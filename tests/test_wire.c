@@ -123,6 +123,43 @@ Test(wire, push_round_trip_zero_copy)
     cr_assert_eq(atomic_load(&freed), 2);
 }
 
+/* A frame marked copy is copied at send although it has a free callback,
+ * which is called before ps_msg_send returns: nothing in flight refers to
+ * the buffer, which may change at once without changing what arrives. */
+Test(wire, frames_marked_copy_are_copied_and_released_at_send)
+{
+    float a[4] = {1, 2, 3, 4}, b[2] = {7, 8}, sent[4];
+    memcpy(sent, a, sizeof a);
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Pull p = PSD__PULL__INIT;
+    h.type = PSD__MSG_TYPE__MSG_PULL;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &p;
+    ps_frame_t fr[2] = {
+        {.data = a, .nbytes = sizeof a, .ffn = count_free, .id = 0, .dtype = PSD__DTYPE__DT_F32, .rows = 4,
+         .copy = true},
+        {.data = b, .nbytes = sizeof b, .ffn = count_free, .id = 1, .dtype = PSD__DTYPE__DT_F32, .rows = 2},
+    };
+    atomic_store(&freed, 0);
+    cr_assert_eq(ps_msg_send(dealer, NULL, 0, &h, fr, 2), 0);
+    cr_assert_geq(atomic_load(&freed), 1, "the copied frame's reference is given back at send");
+    a[0] = a[1] = a[2] = a[3] = -1; /* its buffer is the caller's again */
+    ps_msg_t m;
+    char err[256];
+    cr_assert_eq(recv_router(&m, err), 0, "%s", err);
+    size_t n;
+    const float *g0 = ps_msg_f32(&m, 0, &n);
+    cr_assert_eq(n, 4);
+    cr_assert_arr_eq(g0, sent, sizeof sent, "the values as they were at send");
+    cr_assert_neq((const void *)g0, (const void *)a);
+    const float *g1 = ps_msg_f32(&m, 1, &n);
+    cr_assert_eq(n, 2);
+    cr_assert_arr_eq(g1, b, sizeof b);
+    ps_msg_deinit(&m);
+    for (int i = 0; i < 200 && atomic_load(&freed) < 2; i++) zmq_poll(NULL, 0, 5);
+    cr_assert_eq(atomic_load(&freed), 2, "each reference given back once");
+}
+
 Test(wire, router_to_dealer_with_u32_frame)
 {
     send_valid_pull(1); /* learn the dealer's identity */
