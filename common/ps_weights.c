@@ -174,7 +174,6 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
                     char *err, size_t errlen)
 {
     int rc = -1;
-    uint8_t *buf = NULL;
     float *arena = NULL;
     *params = NULL;
     FILE *f = fopen(path, "rb");
@@ -189,13 +188,11 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
         snprintf(err, errlen, "%s: not a psd weights file (%ld bytes)", path, flen);
         goto out;
     }
-    buf = malloc((size_t)flen);
-    if (!buf) {
-        snprintf(err, errlen, "%s: out of memory", path);
-        goto out;
-    }
-    if (fread(buf, 1, (size_t)flen, f) != (size_t)flen) goto io;
-    size_t len = (size_t)flen;
+    /* the header, then the tensors read straight into the arena (the model
+     * is in memory once), the CRC computed as they come */
+    uint8_t buf[64 + 4 * (PS_MAX_LAYERS + 1)];
+    size_t len = (size_t)flen, got = len < sizeof buf ? len : sizeof buf;
+    if (fread(buf, 1, got, f) != got) goto io;
     if (memcmp(buf, "PSDW", 4) != 0) {
         snprintf(err, errlen, "%s: not a psd weights file (bad magic)", path);
         goto out;
@@ -210,11 +207,6 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
     uint32_t n_sizes = get_u32(buf + 8);
     if (n_sizes < 2 || n_sizes > PS_MAX_LAYERS + 1 || len < header_len((int)n_sizes, table) + 4) {
         snprintf(err, errlen, "%s: bad layer count %u or truncated header", path, n_sizes);
-        goto out;
-    }
-    uint32_t crc_stored = get_u32(buf + len - 4);
-    if ((uint32_t)crc32_z(0L, buf, len - 4) != crc_stored) {
-        snprintf(err, errlen, "%s: checksum mismatch (corrupt or truncated file)", path);
         goto out;
     }
     int sizes[PS_MAX_LAYERS + 1];
@@ -245,11 +237,11 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
     meta->step = get_u64(p + 12);
     meta->epoch = get_u32(p + 20);
     p += table ? 44 : 28;
+    const size_t hlen = (size_t)(p - buf);
     size_t numel = 0;
     for (int t = 0; t < l->n_tensors; t++) numel += l->t[t].numel;
-    if ((size_t)(buf + len - 4 - p) != 4 * numel) {
-        snprintf(err, errlen, "%s: %zu bytes of weights, the layer sizes need %zu", path,
-                 (size_t)(buf + len - 4 - p), 4 * numel);
+    if (len - 4 - hlen != 4 * numel) {
+        snprintf(err, errlen, "%s: %zu bytes of weights, the layer sizes need %zu", path, len - 4 - hlen, 4 * numel);
         goto out;
     }
     arena = calloc(l->n_params ? l->n_params : 1, sizeof(float));
@@ -257,9 +249,18 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
         snprintf(err, errlen, "%s: out of memory", path);
         goto out;
     }
-    for (int t = 0; t < l->n_tensors; t++) {
-        memcpy(arena + l->t[t].offset, p, 4 * l->t[t].numel);
-        p += 4 * l->t[t].numel;
+    uLong crc = crc32_z(0L, buf, hlen);
+    if (fseek(f, (long)hlen, SEEK_SET) != 0) goto io;
+    for (int t = 0; t < l->n_tensors; t++) { /* x86-64/arm64: little-endian */
+        float *dst = arena + l->t[t].offset;
+        if (fread(dst, sizeof(float), l->t[t].numel, f) != l->t[t].numel) goto io;
+        crc = crc32_z(crc, (const Bytef *)dst, 4 * l->t[t].numel);
+    }
+    uint8_t tail[4];
+    if (fread(tail, 1, 4, f) != 4) goto io;
+    if ((uint32_t)crc != get_u32(tail)) {
+        snprintf(err, errlen, "%s: checksum mismatch (corrupt or truncated file)", path);
+        goto out;
     }
     *params = arena;
     arena = NULL;
@@ -269,7 +270,6 @@ io:
     snprintf(err, errlen, "%s: read error: %s", path, strerror(errno ? errno : EIO));
 out:
     if (f) fclose(f);
-    free(buf);
     free(arena);
     return rc;
 }

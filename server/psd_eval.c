@@ -74,7 +74,7 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
     size_t per = ctr ? (size_t)gen.fields * (size_t)gen.per_field : 0;
     psw_bags_t bags = {.fields = gen.fields, .per_field = gen.per_field, .mean = c->ctr_mean};
     be = psw_backend_cpu_new(threads);
-    m = !be ? NULL : ctr ? psw_model_new_bags(be, &l, B, &bags) : psw_model_new(be, &l, B);
+    m = be ? psw_model_new_eval(be, &l, B, ctr ? &bags : NULL, params) : NULL; /* computes from params in place */
     x = ctr ? NULL : malloc((size_t)B * test.dim * sizeof *x);
     ids = ctr ? malloc((size_t)B * per * sizeof *ids) : NULL;
     y = malloc((size_t)B * sizeof *y);
@@ -87,7 +87,6 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
         fprintf(stderr, "psd eval: out of memory\n");
         goto out;
     }
-    psw_model_set_params(m, params);
     double loss = 0;
     int64_t correct = 0;
     for (size_t i = 0; i < test.count;) {

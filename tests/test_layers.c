@@ -538,6 +538,48 @@ static void on_ready(void *ud, int tensor)
     memcpy(log->snap + t->offset, psw_model_grads(log->m) + t->offset, t->numel * sizeof(float));
 }
 
+/* A model made for evaluation computes from the caller's parameters in
+ * place: the same loss, correct count and probabilities as a model given a
+ * copy, and it follows the caller's buffer (borrowed, not copied). */
+Test(model, an_eval_model_computes_from_the_callers_parameters_in_place)
+{
+    enum { B = 6, F = 3, M = 2, D = 4, ROWS = 12, C = 2 };
+    const int sizes[] = {F * D, 5, C};
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, sizes, 3, ROWS, D), 0);
+    const psw_bags_t bags = {.fields = F, .per_field = M, .mean = 0};
+    float *params = calloc(l.n_params, sizeof(float));
+    cr_assert_not_null(params);
+    ps_model_init_params(&l, params, 5);
+    ps_rng_t r;
+    ps_rng_seed(&r, 23, 0);
+    fill_uniform(params + l.t[l.table].offset, l.t[l.table].numel, -0.5f, 0.5f, &r);
+    uint32_t ids[B * F * M];
+    int32_t y[B];
+    for (int i = 0; i < B * F * M; i++) ids[i] = (uint32_t)ps_rng_below(&r, ROWS);
+    for (int i = 0; i < B; i++) y[i] = (int32_t)ps_rng_below(&r, C);
+    psw_model_t *m = psw_model_new_bags(be, &l, B, &bags), *e = psw_model_new_eval(be, &l, B, &bags, params);
+    cr_assert(m && e);
+    psw_model_set_params(m, params);
+    double lm = 0, le = 0;
+    int64_t cm = 0, ce = 0;
+    float pm[B], pe[B];
+    psw_model_eval_bags(m, ids, y, B, &lm, &cm);
+    psw_model_prob1(m, pm, B);
+    psw_model_eval_bags(e, ids, y, B, &le, &ce);
+    psw_model_prob1(e, pe, B);
+    cr_assert_eq(le, lm, "the same loss, bit for bit");
+    cr_assert_eq(ce, cm);
+    cr_assert_arr_eq(pe, pm, sizeof pm);
+    for (size_t i = 0; i < l.t[l.table].numel; i++) params[l.t[l.table].offset + i] *= 2.0f; /* it reads them */
+    double l2 = 0;
+    psw_model_eval_bags(e, ids, y, B, &l2, NULL);
+    cr_assert_neq(l2, le, "the eval model follows the caller's parameters");
+    psw_model_destroy(&e);
+    psw_model_destroy(&m);
+    free(params);
+}
+
 Test(model, ready_called_once_per_tensor_last_layer_first)
 {
     enum { B = 5 };

@@ -51,7 +51,25 @@ psw_model_t *psw_model_new(psw_backend_t *be, const ps_layout_t *layout, int max
     return psw_model_new_bags(be, layout, max_batch, NULL);
 }
 
+static psw_model_t *model_new(psw_backend_t *be, const ps_layout_t *layout, int max_batch, const psw_bags_t *bags,
+                              const float *params_host);
+
 psw_model_t *psw_model_new_bags(psw_backend_t *be, const ps_layout_t *layout, int max_batch, const psw_bags_t *bags)
+{
+    return model_new(be, layout, max_batch, bags, NULL);
+}
+
+psw_model_t *psw_model_new_eval(psw_backend_t *be, const ps_layout_t *layout, int max_batch, const psw_bags_t *bags,
+                                const float *params_host)
+{
+    assert(be && be->host_visible && params_host);
+    return model_new(be, layout, max_batch, bags, params_host);
+}
+
+/* params_host: computes from it in place (evaluation only), no parameter
+ * or gradient buffers of its own */
+static psw_model_t *model_new(psw_backend_t *be, const ps_layout_t *layout, int max_batch, const psw_bags_t *bags,
+                              const float *params_host)
 {
     assert(be && layout);
     assert(layout->n_layers >= 1 && layout->n_layers <= PS_MAX_LAYERS);
@@ -73,11 +91,15 @@ psw_model_t *psw_model_new_bags(psw_backend_t *be, const ps_layout_t *layout, in
     for (int i = 1; i < l->n_sizes; i++)
         if (l->sizes[i] > max_out) max_out = l->sizes[i];
 
-    m->params = be->alloc(be, l->n_params * sizeof(float));
-    m->grads = be->alloc(be, l->n_params * sizeof(float));
-    if (!m->params || !m->grads) goto fail;
-    m->own_params = m->params;
-    m->own_grads = m->grads;
+    if (params_host) {
+        for (int k = 0; k < l->n_tensors; k++) m->pt[k] = params_host + l->t[k].offset;
+    } else {
+        m->params = be->alloc(be, l->n_params * sizeof(float));
+        m->grads = be->alloc(be, l->n_params * sizeof(float));
+        if (!m->params || !m->grads) goto fail;
+        m->own_params = m->params;
+        m->own_grads = m->grads;
+    }
     for (int i = 0; i < l->n_sizes; i++) {
         m->act[i] = be->alloc(be, mb * (size_t)l->sizes[i] * sizeof(float));
         if (!m->act[i]) goto fail;
@@ -140,7 +162,7 @@ void psw_model_borrow(psw_model_t *m, const float *const *tensors, float *grads)
 
 void psw_model_set_params(psw_model_t *m, const float *params_host)
 {
-    assert(m && params_host);
+    assert(m && params_host && m->params);
     memset(m->pt, 0, sizeof m->pt);
     m->be->upload(m->be, m->params, params_host, m->layout.n_params * sizeof(float));
     m->be->sync(m->be);
@@ -160,7 +182,7 @@ float *psw_model_grads(psw_model_t *m)
 
 void psw_model_get_grads(psw_model_t *m, float *grads_host)
 {
-    assert(m && grads_host);
+    assert(m && grads_host && m->grads);
     m->be->download(m->be, grads_host, m->grads, m->layout.n_params * sizeof(float));
     m->be->sync(m->be);
 }
@@ -206,7 +228,7 @@ static void forward(psw_model_t *m, const float *x_host, const uint32_t *ids_hos
 static void train(psw_model_t *m, const float *x_host, const uint32_t *ids_host, const int32_t *labels_host, int B,
                   double *loss_sum, int64_t *correct, psw_grad_ready_fn ready, void *ud)
 {
-    assert(m);
+    assert(m && m->grads); /* not a model made for evaluation only */
     psw_backend_t *be = m->be;
     const ps_layout_t *l = &m->layout;
     const int L = l->n_layers;

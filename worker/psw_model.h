@@ -30,6 +30,12 @@ typedef struct {
     int fields, per_field, mean;
 } psw_bags_t;
 psw_model_t *psw_model_new_bags(psw_backend_t *be, const ps_layout_t *layout, int max_batch, const psw_bags_t *bags);
+/* For evaluation only (psw_model_eval*, psw_model_prob1), on a host-visible
+ * backend: computes from params_host (n_params floats laid out by layout)
+ * in place, borrowed for the model's life; no parameter or gradient
+ * buffers of its own (psd eval of a large table: the model once in memory). */
+psw_model_t *psw_model_new_eval(psw_backend_t *be, const ps_layout_t *layout, int max_batch, const psw_bags_t *bags,
+                                const float *params_host);
 void psw_model_destroy(psw_model_t **m);
 
 /* Copy n_params host floats into the parameter buffer. */
