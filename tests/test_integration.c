@@ -944,10 +944,12 @@ Test(short, bf16_on_the_wire_halves_the_bytes)
 
 /* psd shard i of n (i > 0) of the run r's psd (shard 0), listening on a
  * free port, logging to TAG-shardI.log. */
-static pid_t start_shard(const run_t *r, const char *tag, int i, int n, const char **extra)
+/* shard i of n for the run r; its endpoint into ep_out (64 bytes) if not NULL */
+static pid_t start_shard_at(const run_t *r, const char *tag, int i, int n, const char **extra, char *ep_out)
 {
     char ep[64], sh[16], name[64], log[256];
     snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
+    if (ep_out) memcpy(ep_out, ep, sizeof ep);
     snprintf(sh, sizeof sh, "%d/%d", i, n);
     snprintf(name, sizeof name, "%s-shard%d.log", tag, i);
     path(log, sizeof log, name);
@@ -957,6 +959,11 @@ static pid_t start_shard(const run_t *r, const char *tag, int i, int n, const ch
     for (int j = 0; extra && extra[j]; j++) argv[k++] = extra[j];
     argv[k] = NULL;
     return proc_spawn(argv, log);
+}
+
+static pid_t start_shard(const run_t *r, const char *tag, int i, int n, const char **extra)
+{
+    return start_shard_at(r, tag, i, n, extra, NULL);
 }
 
 /* psd as n shards (n > 1: shard 0 with --shard 0/n, and shards 1..n-1) and
@@ -4189,6 +4196,42 @@ Test(short, soak_hostile_connections_while_training)
      * and reconnecting makes grow; leaks are LeakSanitizer's job there. */
     if (!sanitized())
         cr_assert(rss0 > 0 && rss1 <= rss0 * 105 / 100, "RSS grew by at most 5%%: %ld -> %ld KiB", rss0, rss1);
+}
+
+/* A psd shard's socket is as exposed as psd's: the same hostile peers
+ * (raw garbage, frames over its ZMQ_MAXMSGSIZE, malformed headers) against
+ * shard 1 while 2 shards train. Nothing reaches the parameters: the
+ * weights are the bits of the same run left alone, and the shard logs what
+ * it dropped. */
+Test(short, a_psd_shard_under_attack_trains_on_with_the_same_weights)
+{
+    const char *args[] = {"--epochs", "3", "--set", "data.train_limit=4000", "--seed", "7", "--set",
+                          "checkpoint.dir=", NULL};
+    run_t a, b;
+    train_sharded(&a, "calm", 2, args, NULL);
+    check_run(&a, 2, 3);
+    const char *args0[] = {"--epochs", "3", "--set", "data.train_limit=4000", "--seed", "7", "--set",
+                           "checkpoint.dir=", "--shard", "0/2", NULL};
+    pid_t p = start_psd(&b, "attacked", 2, args0);
+    char ep[64];
+    pid_t f = start_shard_at(&b, "attacked", 1, 2, args, ep);
+    soak_t k = {.endpoint = ep, .port = atoi(strrchr(ep, ':') + 1), .seed = fault_seed()};
+    pthread_t th;
+    pthread_create(&th, NULL, soak_main, &k);
+    pid_t w0 = start_worker(&b, "attacked", 0, NULL), w1 = start_worker(&b, "attacked", 1, NULL);
+    b.psd_code = proc_wait(p, 300);
+    k.stop = 1;
+    pthread_join(th, NULL);
+    b.worker_code[0] = proc_wait(w0, 30);
+    b.worker_code[1] = proc_wait(w1, 30);
+    cr_assert_eq(proc_wait(f, 30), 0, "shard 1 trained to the end under attack");
+    check_run(&b, 2, 3);
+    cr_assert(weights_equal(a.weights, b.weights), "the same bits as the run left alone");
+    char log[256];
+    path(log, sizeof log, "attacked-shard1.log");
+    char *l = slurp(log);
+    cr_assert(l && strstr(l, "dropped"), "shard 1 logs what it dropped: %s", l ? l : "(no log)");
+    free(l);
 }
 
 /* ---- HTTP endpoint -------------------------------------------------------- */
