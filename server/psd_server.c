@@ -626,7 +626,13 @@ static void ssp_release(srv_t *s)
 
 static void save_weights(srv_t *s)
 {
-    if (!s->cfg.save[0] || sharded(s)) return; /* shards: written as the parts come (fetch_next) */
+    if (!s->cfg.save[0]) return;
+    if (sharded(s)) { /* written as the parts come at the end of training (fetch_next); not from here */
+        PS_ERROR("%s not written: psd shards write the weights file from every shard's part as training ends, and "
+                 "this run has nothing left to train (each shard's checkpoint holds its part)", s->cfg.save);
+        s->exit_code = PSD_EXIT_ERROR;
+        return;
+    }
     char err[512];
     ps_weights_meta_t meta = {.run_id = s->run_id, .step = s->step, .epoch = s->epoch};
     if (ps_weights_save(s->cfg.save, &s->layout, s->store.cur->w, &meta, err, sizeof err) != 0) {
@@ -963,6 +969,25 @@ static worker_t *least_busy(srv_t *s)
         if (!best || w->val_pending < best->val_pending) best = w;
     }
     return best;
+}
+
+/* Validation parts a worker holds at once: its own and one more, so that it
+ * has the next at hand when it answers. The parts of workers that left wait
+ * on psd (bounded by the parts) rather than pile up on one worker. */
+#define PSD_VAL_PENDING_MAX 2
+
+/* The parts no worker holds (their worker left or died) to the least busy
+ * live workers, up to PSD_VAL_PENDING_MAX each; the rest wait for an
+ * answer or a worker joining. */
+static void give_orphans(srv_t *s)
+{
+    for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++) {
+        vpart_t *p = &s->parts[i];
+        if (p->done || p->worker >= 0) continue;
+        worker_t *to = least_busy(s);
+        if (!to || to->val_pending >= PSD_VAL_PENDING_MAX) return;
+        send_validate(s, to, p);
+    }
 }
 
 static void start_validation(srv_t *s)
@@ -1531,13 +1556,9 @@ static void worker_gone(srv_t *s, worker_t *w)
         maybe_step(s);
     } else if (s->phase == PHASE_VALIDATE && w->val_pending > 0) {
         w->val_pending = 0;
-        for (int i = 0; i < s->n_parts; i++) {
-            vpart_t *p = &s->parts[i];
-            if (p->done || p->worker != (int)(w - s->w)) continue;
-            worker_t *to = least_busy(s);
-            p->worker = -1;
-            if (to) send_validate(s, to, p);
-        }
+        for (int i = 0; i < s->n_parts; i++)
+            if (!s->parts[i].done && s->parts[i].worker == (int)(w - s->w)) s->parts[i].worker = -1;
+        give_orphans(s);
         if (!least_busy(s)) s->orphan_deadline = ps_now() + s->cfg.start_timeout;
     } else if (s->phase == PHASE_TRAIN) {
         maybe_step(s);
@@ -1811,7 +1832,7 @@ static void end_run(srv_t *s)
 {
     double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
     double wall = ps_now() - s->t_start;
-    save_weights(s);
+    if (!sharded(s)) save_weights(s); /* shards: written already (fetch_next) */
     PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s", s->cfg.epochs,
             s->step, s->val_acc_last, sps, wall);
     if (s->int_n[1] > 0)
@@ -2313,6 +2334,8 @@ static void end_run(srv_t *s);
 static bool begin_save(srv_t *s)
 {
     char err[512];
+    ps_weights_abort(s->wr); /* (none: the run ends once) */
+    s->fetch_chunks = 0;
     ps_weights_meta_t meta = {.run_id = s->run_id, .step = s->step, .epoch = s->epoch};
     ps_piece_t p[PS_MAX_TENSORS];
     ps_shard_pieces(&s->layout, 0, s->n_shards, p);
@@ -2493,7 +2516,7 @@ static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
         shm_forget(s, w); /* it gave up on its side */
     }
     w->state = W_READY;
-    if (s->stop_when_written) return; /* stopping: nothing more to train */
+    if (s->stop_when_written || s->fetching) return; /* stopping, or writing the weights: nothing more to train */
     if (s->phase == PHASE_WAIT) {
         if (live_workers(s) >= s->cfg.workers) {
             if (s->epoch)
@@ -2515,8 +2538,7 @@ static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
         return;
     }
     if (s->phase == PHASE_VALIDATE) {
-        for (int i = 0; i < s->n_parts; i++)
-            if (!s->parts[i].done && s->parts[i].worker < 0) send_validate(s, w, &s->parts[i]);
+        give_orphans(s); /* it is the least busy */
         if (w->state == W_VALIDATING) return;
     }
     PS_INFO("rank %u joins from epoch %u", w->rank, s->epoch + 2);
@@ -2578,6 +2600,7 @@ static void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m)
     p->count = v->count;
     p->done = true;
     if (--w->val_pending == 0) w->state = W_VALIDATED;
+    give_orphans(s);
     for (int i = 0; i < s->n_parts; i++)
         if (!s->parts[i].done) return;
     end_validation(s);
@@ -2609,8 +2632,13 @@ static void handle(srv_t *s, ps_msg_t *m)
             host = h->reg->hostname ? h->reg->hostname : "?";
             pid = h->reg->pid;
         }
-        PS_WARN("refused a worker from %s pid %u: it speaks protocol %u, psd %u", host, pid, h->protocol,
-                PS_PROTOCOL_VERSION);
+        const bool shard = h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO;
+        if (shard) {
+            host = h->shard_hello->hostname ? h->shard_hello->hostname : "?";
+            pid = h->shard_hello->pid;
+        }
+        PS_WARN("refused a %s from %s pid %u: it speaks protocol %u, psd %u", shard ? "psd shard" : "worker", host, pid,
+                h->protocol, PS_PROTOCOL_VERSION);
         char msg[128];
         snprintf(msg, sizeof msg, "psd speaks protocol %u, this worker %u", PS_PROTOCOL_VERSION, h->protocol);
         send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_PROTOCOL, msg);
@@ -2960,9 +2988,10 @@ static void on_timer(uv_timer_t *t)
                     w->rank, w->hostname, w->pid, now - w->last_seen, when, wstate_name[w->state]);
             worker_gone(s, w);
         }
-        bool waiting = s->n_pool > 0 && live_workers(s) == 0;
+        bool waiting = s->n_pool > 0 && live_workers(s) == 0, orphans = false;
         for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++)
-            waiting |= !s->parts[i].done && s->parts[i].worker < 0;
+            orphans |= !s->parts[i].done && s->parts[i].worker < 0;
+        waiting |= orphans && !least_busy(s); /* with live workers they wait for one to answer */
         if (waiting && s->phase != PHASE_DONE && now > s->orphan_deadline) {
             PS_ERROR("no worker came back within %.0f s to finish epoch %u", s->cfg.start_timeout, s->epoch + 1);
             take_checkpoint(s, false);

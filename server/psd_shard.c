@@ -230,7 +230,7 @@ static int step_rows(shard_t *s, const Psd__ShardStep *st)
 }
 
 /* The current version of this shard's part, to worker w (its ident, rank
- * and sequence) or to shard 0 (w NULL). A worker that asked for rows gets
+ * and sequence). A worker that asked for rows gets
  * those of the table's piece instead of the piece; with the table on psd
  * a worker always gets rows (none if it asked for none), and every frame
  * is copied: no reply in flight holds the version, whose table piece an

@@ -581,7 +581,7 @@ Test(short, malformed_messages_are_dropped)
     cr_assert_eq(zmq_connect(s, r.endpoint), 0);
     zmq_send(s, "garbage", 7, 0);
     zmq_send(s, "", 0, 0);
-    zmq_send(s, "\x08\x01\x18\x07", 4, ZMQ_SNDMORE); /* header: protocol 1, PUSH, no body */
+    zmq_send(s, "\x08\x02\x18\x07", 4, ZMQ_SNDMORE); /* header: protocol 2, PUSH, no body */
     zmq_send(s, "frame", 5, 0);
     uint8_t buf[256];
     Psd__Header h = PSD__HEADER__INIT;
@@ -1355,6 +1355,40 @@ Test(short, a_lost_psd_shard_ends_the_run_and_nothing_hangs)
     cr_assert(access(tmp, F_OK) != 0 && access(z.weights, F_OK) != 0, "no weights file is left, whole or not");
     proc_wait(w0, 30);
     proc_wait(w1, 30);
+}
+
+/* A worker that comes while shard 0 writes the weights file (the others'
+ * parts fetched a float at a time: the writing lasts seconds) registers
+ * but trains nothing: the run is over. Before, its READY started another
+ * epoch in the middle of the fetch. */
+Test(short, a_worker_joining_while_psd_shards_write_the_weights_trains_nothing)
+{
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--set", "model.layers=[784,256,10]",
+                          "--set", "checkpoint.dir=", NULL};
+    const char *args0[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--set", "model.layers=[784,256,10]",
+                           "--set", "checkpoint.dir=", "--shard", "0/2", "--x-fetch-floats", "1", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "joinw", 2, args0);
+    pid_t f = start_shard(&r, "joinw", 1, 2, args);
+    pid_t w0 = start_worker(&r, "joinw", 0, NULL), w1 = start_worker(&r, "joinw", 1, NULL);
+    char tmp[300];
+    snprintf(tmp, sizeof tmp, "%s.tmp", r.weights);
+    double t = 0;
+    for (; t < 120 && access(tmp, F_OK) != 0; t += 0.01) usleep(10000);
+    cr_assert_lt(t, 120, "shard 0 began %s", tmp);
+    pid_t w2 = start_worker(&r, "joinw", 2, NULL);
+    r.psd_code = proc_wait(p, 120);
+    cr_assert_eq(proc_wait(f, 30), 0);
+    r.worker_code[0] = proc_wait(w0, 30);
+    r.worker_code[1] = proc_wait(w1, 30);
+    cr_assert_eq(proc_wait(w2, 30), 0, "the newcomer is told the run is over");
+    char *log = slurp(r.psd_log);
+    const char *reg = strstr(log, "worker registered: rank 2"), *saved = strstr(log, "saved weights");
+    cr_assert(reg && saved && reg < saved, "the third worker came while the file was written:\n%s", log);
+    cr_assert_eq(count_in(log, "train_loss"), 1, "one epoch, not another for the newcomer:\n%s", log);
+    free(log);
+    check_run(&r, 2, 1);
+    cr_assert(access(tmp, F_OK) != 0 && access(r.weights, F_OK) == 0);
 }
 
 /* Shards that do not fit the run are refused with a clear message, and
@@ -2267,6 +2301,79 @@ Test(short, two_validation_parts_at_once_with_the_table_on_psd_shards)
     free(want);
     free(zero);
     free(w0);
+}
+
+/* psd gives a worker at most two validation parts at once (its own and one
+ * more): the parts of three workers that left during validation wait on
+ * psd and come one at a time as the worker answers, instead of piling up on
+ * it (a worker's queue of parts is bounded). Every test example is still
+ * validated exactly once. Four library workers; three leave. */
+Test(short, validation_parts_of_workers_that_left_come_one_at_a_time)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,16,10]",
+                          "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "vparts", 4, args);
+    ps_layout_t l;
+    float *zero = lib_model(&l, 16);
+    psw_client_t *w[4];
+    lib_start(r.endpoint, w, 4, 96);
+    psw_event_t ev, held[8];
+    for (int i = 0; i < 4; i++) { /* two batches each (64 and 32), then the barrier */
+        lib_next(w[i], &ev, PSW_EV_WEIGHTS);
+        lib_push(w[i], ev.version, 64, 1, zero, &l);
+    }
+    for (int i = 0; i < 4; i++) {
+        lib_next(w[i], &ev, PSW_EV_WEIGHTS);
+        lib_push(w[i], ev.version, 32, 0, zero, &l);
+        psw_client_barrier(w[i], 0, 96);
+    }
+    int n = 0;
+    lib_next(w[0], &held[n++], PSW_EV_VALIDATE);
+    for (int i = 1; i < 4; i++) {
+        lib_next(w[i], &ev, PSW_EV_VALIDATE); /* validation began: they leave with their parts */
+        cr_assert_eq(psw_client_leave(w[i], "test: leaves while validating"), 0);
+        psw_client_destroy(&w[i]);
+    }
+    for (int t = 0; t < 600; t++) {
+        char *log = slurp(r.psd_log);
+        int left = log ? count_in(log, "left the run") : 0;
+        free(log);
+        if (left == 3) break;
+        zmq_poll(NULL, 0, 50);
+    }
+    char err[512];
+    uint64_t covered = 0;
+    int most = 0, answered = 0;
+    for (;;) {
+        /* take what psd sends without answering for a while: what it holds at once */
+        while (psw_client_next(w[0], &ev, 0.5, err, sizeof err) == 0) {
+            if (ev.kind == PSW_EV_SHUTDOWN) goto done;
+            cr_assert_eq(ev.kind, PSW_EV_VALIDATE, "event %d", (int)ev.kind);
+            cr_assert_lt(n, 8);
+            held[n++] = ev;
+        }
+        if (n > most) most = n;
+        cr_assert_gt(n, 0, "psd sent nothing more and did not end the run: %s", err);
+        ev = held[0]; /* answer the oldest */
+        memmove(held, held + 1, (size_t)(n - 1) * sizeof *held);
+        n--;
+        covered += ev.val_end - ev.val_begin;
+        answered++;
+        psw_client_val_result(w[0], ev.epoch, ev.version, ev.val_begin, 0.5 * (double)(ev.val_end - ev.val_begin), 0,
+                              ev.val_end - ev.val_begin, NULL);
+    }
+done:
+    cr_assert_eq(n, 0);
+    cr_assert_eq(answered, 4, "its part and the three of the workers that left");
+    cr_assert_eq(most, 2, "two parts held at once, never more (held %d)", most);
+    cr_assert_eq(covered, 10000, "every test example once");
+    psw_client_destroy(&w[0]);
+    free(zero);
+    cr_assert_eq(proc_wait(p, 30), 0);
+    char *m = metrics_last(&r);
+    cr_assert_eq(json_num(last_line(m), "val_samples"), 10000, "%s", last_line(m));
+    free(m);
 }
 
 /* A fake psd: answers one REGISTER on its ROUTER with an ASSIGN of a ctr

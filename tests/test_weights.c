@@ -294,6 +294,7 @@ Test(weights, a_piece_missing_or_written_twice_fails_and_leaves_no_file)
     half.n = 1;
     put(w, &l, p, &half);
     cr_assert_eq(ps_weights_commit(w, err, sizeof err), -1, "overlapping pieces: accepted");
+    cr_assert(!exists(path2) && !exists(tmp2));
     w = begin(&l); /* outside the model, then given up */
     cr_assert_eq(ps_weights_put(w, l.n_tensors, 0, p, 1, err, sizeof err), -1);
     cr_assert_eq(ps_weights_put(w, 0, l.t[0].numel, p, 1, err, sizeof err), -1, "past the tensor's end");

@@ -155,7 +155,7 @@ void psw_model_destroy(psw_model_t **pm)
 
 void psw_model_borrow(psw_model_t *m, const float *const *tensors, float *grads)
 {
-    assert(m && m->be->host_visible);
+    assert(m && m->be->host_visible && (tensors || m->own_params)); /* an eval model has no params of its own */
     for (int k = 0; k < m->layout.n_tensors; k++) m->pt[k] = tensors ? tensors[k] : NULL;
     m->grads = grads ? grads : m->own_grads;
 }
