@@ -72,7 +72,7 @@ int main(int argc, char **argv)
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
         OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
-        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_XFETCH, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
+        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_XFETCH, OPT_XBREAKFETCH, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
     };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, OPT_CONFIG},
@@ -99,6 +99,7 @@ int main(int argc, char **argv)
         {"x-no-zap", no_argument, NULL, OPT_XNOZAP},
         {"x-verify-weights", no_argument, NULL, OPT_XVERIFY},
         {"x-fetch-floats", required_argument, NULL, OPT_XFETCH},
+        {"x-break-fetch", no_argument, NULL, OPT_XBREAKFETCH},
         {"shard", required_argument, NULL, OPT_SHARD},
         {"leader", required_argument, NULL, OPT_LEADER},
         {"advertise", required_argument, NULL, OPT_ADVERTISE},
@@ -177,6 +178,7 @@ int main(int argc, char **argv)
         case OPT_INSECURE: over[n_over++] = (override_t){"server.insecure", "true"}; break;
         case OPT_XNOZAP: run.no_zap = 1; break; /* tests only */
         case OPT_XVERIFY: run.verify_weights = 1; break; /* tests only */
+        case OPT_XBREAKFETCH: run.break_fetch = 1; break; /* tests only */
         case OPT_XFETCH: { /* tests only */
             char *end;
             unsigned long long v = strtoull(optarg, &end, 10);

@@ -1286,6 +1286,15 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
     train_sharded(&c, "second", 2, res, wex);
     cr_assert_eq(c.psd_code, 0);
     cr_assert(weights_equal(a.weights, c.weights), "stopped and resumed on 2 shards = one psd, bit for bit");
+    /* resumed at the end of the run: shard 0 alone cannot write the weights
+     * file (it holds one part), so it says so and exits 1, writing none */
+    run_t e;
+    p = start_psd(&e, "atend", 2, res0);
+    cr_assert_eq(proc_wait(p, 60), 1, "nothing to train, no weights file to write");
+    l = slurp(e.psd_log);
+    cr_assert(strstr(l, "nothing to train") && strstr(l, "not written: psd shards write the weights file"), "%s", l);
+    free(l);
+    cr_assert(access(e.weights, F_OK) != 0, "no weights file of one part");
 }
 
 /* A shard that dies ends the run with exit 5 and a clear error (its part of
@@ -1389,6 +1398,33 @@ Test(short, a_worker_joining_while_psd_shards_write_the_weights_trains_nothing)
     free(log);
     check_run(&r, 2, 1);
     cr_assert(access(tmp, F_OK) != 0 && access(r.weights, F_OK) == 0);
+}
+
+/* A shard whose chunk of the final weights does not match what shard 0
+ * asked for (test flag: its last frame a float short) ends the run:
+ * exit 5, and no weights file, finished or not. */
+Test(short, a_broken_chunk_of_the_final_weights_leaves_no_file)
+{
+    const char *args0[] = {"--epochs", "1", "--set", "data.train_limit=1000", "--set", "checkpoint.dir=", "--shard",
+                           "0/2", NULL};
+    const char *args1[] = {"--epochs", "1", "--set", "data.train_limit=1000", "--set", "checkpoint.dir=",
+                           "--x-break-fetch", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "brokenw", 2, args0);
+    pid_t f = start_shard(&r, "brokenw", 1, 2, args1);
+    pid_t w0 = start_worker(&r, "brokenw", 0, NULL), w1 = start_worker(&r, "brokenw", 1, NULL);
+    int code = proc_wait(p, 120);
+    char *log = slurp(r.psd_log);
+    cr_assert_eq(code, 5, "exit 5 (got %d):\n%s", code, log);
+    cr_assert(strstr(log, "psd shard 1 sent final weights that do not match its part of the parameters"), "%s", log);
+    cr_assert(!strstr(log, "saved weights"), "%s", log);
+    free(log);
+    char tmp[300];
+    snprintf(tmp, sizeof tmp, "%s.tmp", r.weights);
+    cr_assert(access(tmp, F_OK) != 0 && access(r.weights, F_OK) != 0, "no weights file is left, whole or not");
+    cr_assert_neq(proc_wait(f, 30), -1, "shard 1 ends with the run");
+    proc_wait(w0, 30);
+    proc_wait(w1, 30);
 }
 
 /* Shards that do not fit the run are refused with a clear message, and
