@@ -112,60 +112,26 @@ void ps_host_id(char *buf, size_t n)
     ps_hostname(buf, n);
 }
 
-int ps_write_all(int fd, const void *buf, size_t n)
+/* write() or, with off >= 0, pwrite() at off: all of buf */
+static int write_loop(int fd, const void *buf, size_t n, int64_t off)
 {
     const char *p = buf;
     while (n > 0) {
-        ssize_t w = write(fd, p, n);
+        ssize_t w = off >= 0 ? pwrite(fd, p, n, (off_t)off) : write(fd, p, n);
         if (w < 0) {
             if (errno == EINTR) continue;
             return -errno;
         }
         p += w;
+        if (off >= 0) off += w;
         n -= (size_t)w;
     }
     return 0;
 }
 
-int ps_pwrite_all(int fd, const void *buf, size_t n, uint64_t off)
-{
-    const char *p = buf;
-    while (n > 0) {
-        ssize_t w = pwrite(fd, p, n, (off_t)off);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return -errno;
-        }
-        p += w;
-        off += (uint64_t)w;
-        n -= (size_t)w;
-    }
-    return 0;
-}
+int ps_write_all(int fd, const void *buf, size_t n) { return write_loop(fd, buf, n, -1); }
 
-int ps_atomic_open(ps_atomic_t *a, const char *path)
-{
-    size_t len = strlen(path);
-    a->fd = -1;
-    a->tmp = malloc(len + 16);
-    a->path = strdup(path);
-    if (!a->tmp || !a->path) {
-        free(a->tmp);
-        free(a->path);
-        a->tmp = a->path = NULL;
-        return -ENOMEM;
-    }
-    snprintf(a->tmp, len + 16, "%s.tmp", path);
-    a->fd = open(a->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (a->fd < 0) {
-        int rc = -errno;
-        free(a->tmp);
-        free(a->path);
-        a->tmp = a->path = NULL;
-        return rc;
-    }
-    return 0;
-}
+int ps_pwrite_all(int fd, const void *buf, size_t n, uint64_t off) { return write_loop(fd, buf, n, (int64_t)off); }
 
 static void atomic_end(ps_atomic_t *a, bool remove)
 {
@@ -175,6 +141,26 @@ static void atomic_end(ps_atomic_t *a, bool remove)
     free(a->path);
     a->fd = -1;
     a->tmp = a->path = NULL;
+}
+
+int ps_atomic_open(ps_atomic_t *a, const char *path)
+{
+    size_t len = strlen(path);
+    a->fd = -1;
+    a->tmp = malloc(len + 16);
+    a->path = strdup(path);
+    if (!a->tmp || !a->path) {
+        atomic_end(a, false);
+        return -ENOMEM;
+    }
+    snprintf(a->tmp, len + 16, "%s.tmp", path);
+    a->fd = open(a->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (a->fd < 0) {
+        int rc = -errno;
+        atomic_end(a, false);
+        return rc;
+    }
+    return 0;
 }
 
 void ps_atomic_abort(ps_atomic_t *a) { atomic_end(a, true); }

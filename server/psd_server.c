@@ -196,14 +196,15 @@ typedef struct {
     bool stepping;        /* with clipping: waiting for the shards' block norms */
     bool ckpt_deferred;   /* a checkpoint asked for while stepping: taken once the step is applied */
     double stepping_since;
-    /* end of the run with --save: the weights file is written as the other
-     * shards' parts come, PSD_FETCH_FLOATS at a time from shard fetch_k (never
-     * the whole model in memory) */
-    bool fetching;
-    double fetching_since; /* the last chunk asked for */
+    /* end of the run with --save: the weights file (wr; not NULL while it is
+     * written) is written as the other shards' parts come, PSD_FETCH_FLOATS at
+     * a time from shard fetch_k, whose part is fetch_part (never the whole
+     * model in memory) */
     ps_weights_writer_t *wr;
+    double fetching_since; /* the last chunk asked for */
     int fetch_k;
-    uint64_t fetch_from, fetch_count, fetch_chunks;
+    ps_piece_t fetch_part[PS_MAX_TENSORS];
+    uint64_t fetch_size, fetch_from, fetch_count, fetch_chunks;
     /* HTTP endpoint (server.http) and what /metrics and /status report
      * beyond the state above */
     psd_http_t *http;
@@ -624,15 +625,11 @@ static void ssp_release(srv_t *s)
     }
 }
 
+/* One psd's weights file, from the current version (psd shards write theirs
+ * as the parts come: begin_save, fetch_next). */
 static void save_weights(srv_t *s)
 {
     if (!s->cfg.save[0]) return;
-    if (sharded(s)) { /* written as the parts come at the end of training (fetch_next); not from here */
-        PS_ERROR("%s not written: psd shards write the weights file from every shard's part as training ends, and "
-                 "this run has nothing left to train (each shard's checkpoint holds its part)", s->cfg.save);
-        s->exit_code = PSD_EXIT_ERROR;
-        return;
-    }
     char err[512];
     ps_weights_meta_t meta = {.run_id = s->run_id, .step = s->step, .epoch = s->epoch};
     if (ps_weights_save(s->cfg.save, &s->layout, s->store.cur->w, &meta, err, sizeof err) != 0) {
@@ -2328,32 +2325,35 @@ static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
 
 static void end_run(srv_t *s);
 
+/* The sharded weights file cannot be finished: why, and no file. */
+static void save_failed(srv_t *s, const char *why)
+{
+    PS_ERROR("%s", why);
+    s->exit_code = PSD_EXIT_ERROR;
+    ps_weights_abort(s->wr);
+    s->wr = NULL;
+}
+
 /* The end of a sharded run with --save: the weights file is begun with this
  * shard's part; false (the error logged, the exit code set) when it cannot
  * be. */
 static bool begin_save(srv_t *s)
 {
     char err[512];
-    ps_weights_abort(s->wr); /* (none: the run ends once) */
-    s->fetch_chunks = 0;
     ps_weights_meta_t meta = {.run_id = s->run_id, .step = s->step, .epoch = s->epoch};
     ps_piece_t p[PS_MAX_TENSORS];
     ps_shard_pieces(&s->layout, 0, s->n_shards, p);
     s->wr = ps_weights_begin(s->cfg.save, &s->layout, &meta, err, sizeof err);
-    for (int t = 0; s->wr && t < s->layout.n_tensors; t++)
-        if (ps_weights_put(s->wr, t, p[t].off, s->store.cur->w + s->layout.t[t].offset + p[t].off, p[t].n, err,
-                           sizeof err) != 0) {
-            ps_weights_abort(s->wr);
-            s->wr = NULL;
-        }
-    if (!s->wr) {
-        PS_ERROR("%s", err);
-        s->exit_code = PSD_EXIT_ERROR;
+    bool ok = s->wr != NULL;
+    for (int t = 0; ok && t < s->layout.n_tensors; t++)
+        ok = ps_weights_put(s->wr, t, p[t].off, s->store.cur->w + s->layout.t[t].offset + p[t].off, p[t].n, err,
+                            sizeof err) == 0;
+    if (!ok) {
+        save_failed(s, err);
         return false;
     }
-    s->fetching = true;
-    s->fetch_k = 1;
-    s->fetch_from = 0;
+    s->fetch_k = 0; /* fetch_next goes on to shard 1 */
+    s->fetch_size = s->fetch_from = s->fetch_chunks = 0;
     return true;
 }
 
@@ -2361,38 +2361,35 @@ static bool begin_save(srv_t *s)
  * end and end the run. */
 static void fetch_next(srv_t *s)
 {
-    for (; s->fetch_k < s->n_shards; s->fetch_k++, s->fetch_from = 0) {
-        ps_piece_t p[PS_MAX_TENSORS];
-        ps_shard_pieces(&s->layout, s->fetch_k, s->n_shards, p);
-        uint64_t size = ps_part_size(p, s->layout.n_tensors);
-        if (s->fetch_from < size) {
-            Psd__Header h;
-            Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
-            psd__header__init(&h);
-            h.type = PSD__MSG_TYPE__MSG_SHARD_FETCH;
-            f.version = s->store.cur->version;
-            f.from = s->fetch_from;
-            const uint64_t chunk = s->opts.fetch_floats ? s->opts.fetch_floats : PSD_FETCH_FLOATS;
-            f.count = s->fetch_count = size - s->fetch_from < chunk ? size - s->fetch_from : chunk;
-            h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
-            h.shard_fetch = &f;
-            s->fetching_since = ps_now();
-            s->fetch_chunks++;
-            send_shard(s, s->fetch_k, &h, NULL, 0);
-            return;
-        }
+    while (s->fetch_from >= s->fetch_size && ++s->fetch_k < s->n_shards) { /* the next shard's part */
+        ps_shard_pieces(&s->layout, s->fetch_k, s->n_shards, s->fetch_part);
+        s->fetch_size = ps_part_size(s->fetch_part, s->layout.n_tensors);
+        s->fetch_from = 0;
+    }
+    if (s->fetch_k < s->n_shards) {
+        Psd__Header h;
+        Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
+        psd__header__init(&h);
+        h.type = PSD__MSG_TYPE__MSG_SHARD_FETCH;
+        f.version = s->store.cur->version;
+        f.from = s->fetch_from;
+        const uint64_t chunk = s->opts.fetch_floats ? s->opts.fetch_floats : PSD_FETCH_FLOATS;
+        f.count = s->fetch_count = s->fetch_size - s->fetch_from < chunk ? s->fetch_size - s->fetch_from : chunk;
+        h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
+        h.shard_fetch = &f;
+        s->fetching_since = ps_now();
+        s->fetch_chunks++;
+        send_shard(s, s->fetch_k, &h, NULL, 0);
+        return;
     }
     char err[512];
-    s->fetching = false;
-    int rc = ps_weights_commit(s->wr, err, sizeof err);
+    int rc = ps_weights_commit(s->wr, err, sizeof err); /* frees it either way */
     s->wr = NULL;
-    if (rc != 0) {
-        PS_ERROR("%s", err);
-        s->exit_code = PSD_EXIT_ERROR;
-    } else {
+    if (rc != 0)
+        save_failed(s, err);
+    else
         PS_INFO("saved weights (version %" PRIu64 ") to %s; the other shards' parts came in %" PRIu64 " chunks",
                 s->store.cur->version, s->cfg.save, s->fetch_chunks);
-    }
     end_run(s);
 }
 
@@ -2400,13 +2397,12 @@ static void fetch_next(srv_t *s)
  * weights file. */
 static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
 {
-    if (!s->fetching || i != s->fetch_k || m->hdr->weights->version != s->store.cur->version) {
+    if (!s->wr || i != s->fetch_k || m->hdr->weights->version != s->store.cur->version) {
         drop(s, NULL, "WEIGHTS from shard %d that psd did not ask for", i);
         return;
     }
-    ps_piece_t p[PS_MAX_TENSORS], r[PS_MAX_TENSORS];
-    ps_shard_pieces(&s->layout, i, s->n_shards, p);
-    int nr = ps_part_range(p, s->layout.n_tensors, s->fetch_from, s->fetch_count, r);
+    ps_piece_t r[PS_MAX_TENSORS];
+    int nr = ps_part_range(s->fetch_part, s->layout.n_tensors, s->fetch_from, s->fetch_count, r);
     bool ok = nr == m->n_frames;
     for (int f = 0; ok && f < nr; f++) {
         size_t n = 0;
@@ -2415,11 +2411,7 @@ static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
              n == r[f].n;
         char err[512];
         if (ok && ps_weights_put(s->wr, r[f].t, r[f].off, src, n, err, sizeof err) != 0) {
-            PS_ERROR("%s", err);
-            s->exit_code = PSD_EXIT_ERROR;
-            ps_weights_abort(s->wr);
-            s->wr = NULL;
-            s->fetching = false;
+            save_failed(s, err);
             end_run(s);
             return;
         }
@@ -2516,7 +2508,7 @@ static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
         shm_forget(s, w); /* it gave up on its side */
     }
     w->state = W_READY;
-    if (s->stop_when_written || s->fetching) return; /* stopping, or writing the weights: nothing more to train */
+    if (s->stop_when_written || s->wr) return; /* stopping, or writing the weights: nothing more to train */
     if (s->phase == PHASE_WAIT) {
         if (live_workers(s) >= s->cfg.workers) {
             if (s->epoch)
@@ -2640,7 +2632,8 @@ static void handle(srv_t *s, ps_msg_t *m)
         PS_WARN("refused a %s from %s pid %u: it speaks protocol %u, psd %u", shard ? "psd shard" : "worker", host, pid,
                 h->protocol, PS_PROTOCOL_VERSION);
         char msg[128];
-        snprintf(msg, sizeof msg, "psd speaks protocol %u, this worker %u", PS_PROTOCOL_VERSION, h->protocol);
+        snprintf(msg, sizeof msg, "psd speaks protocol %u, this %s %u", PS_PROTOCOL_VERSION,
+                 shard ? "psd shard" : "worker", h->protocol);
         send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_PROTOCOL, msg);
         return;
     }
@@ -2941,7 +2934,7 @@ static void on_timer(uv_timer_t *t)
             double since = 0;
             if (s->stepping && !sh->norm_in)
                 owed = "its part of the gradient's norm", since = s->stepping_since;
-            else if (s->fetching && i == s->fetch_k)
+            else if (s->wr && i == s->fetch_k)
                 owed = "its part of the final weights", since = s->fetching_since;
             if (owed && now - since >= s->silence) {
                 PS_ERROR("psd shard %d (%s pid %u) did not send %s in %.1f s; the run stops", i, sh->hostname, sh->pid,
@@ -3901,7 +3894,13 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     code = PSD_EXIT_ERROR;
     if (s->epoch >= (uint32_t)c->epochs) {
         PS_INFO("the checkpoint is at the end of the run (%d epochs): nothing to train", c->epochs);
-        save_weights(s);
+        if (sharded(s) && c->save[0]) { /* the file is written from every shard's part as training ends */
+            PS_ERROR("%s not written: psd shards write the weights file from every shard's part as training ends, "
+                     "and this run has nothing left to train (each shard's checkpoint holds its part)", c->save);
+            s->exit_code = PSD_EXIT_ERROR;
+        } else {
+            save_weights(s);
+        }
         code = s->exit_code;
         goto out;
     }

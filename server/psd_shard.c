@@ -177,7 +177,6 @@ static psd_rowbuf_t *rowbuf_of(shard_t *s, fw_t *w)
     return w->sp;
 }
 
-/* The most rows of this shard's piece of the table one batch reads. */
 /* The rows of this shard's piece of the table (0 without a table). */
 static size_t piece_rows(const shard_t *s)
 {
@@ -185,6 +184,7 @@ static size_t piece_rows(const shard_t *s)
     return l->table >= 0 ? s->store.own[l->table].n / (size_t)l->t[l->table].cols : 0;
 }
 
+/* The most rows of this shard's piece of the table one batch reads. */
 static size_t batch_rows(const shard_t *s)
 {
     size_t most = (size_t)s->cfg.batch_size * (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
@@ -229,6 +229,18 @@ static int step_rows(shard_t *s, const Psd__ShardStep *st)
     return 0;
 }
 
+/* A WEIGHTS header of the current version (h's run, rank and sequence to fill). */
+static void weights_header(const shard_t *s, Psd__Header *h, Psd__Weights *wt)
+{
+    psd__header__init(h);
+    psd__weights__init(wt);
+    h->type = PSD__MSG_TYPE__MSG_WEIGHTS;
+    wt->version = s->store.cur->version;
+    wt->step = s->store.steps;
+    h->body_case = PSD__HEADER__BODY_WEIGHTS;
+    h->weights = wt;
+}
+
 /* The current version of this shard's part, to worker w (its ident, rank
  * and sequence). A worker that asked for rows gets
  * those of the table's piece instead of the piece; with the table on psd
@@ -238,17 +250,12 @@ static int step_rows(shard_t *s, const Psd__ShardStep *st)
 static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
 {
     Psd__Header h;
-    Psd__Weights wt = PSD__WEIGHTS__INIT;
+    Psd__Weights wt;
     ps_frame_t fr[PS_MAX_TENSORS];
-    psd__header__init(&h);
-    h.type = PSD__MSG_TYPE__MSG_WEIGHTS;
+    weights_header(s, &h, &wt);
     h.run_id = s->run_id;
     h.rank = rank;
     h.seq = ++w->seq_out;
-    wt.version = s->store.cur->version;
-    wt.step = s->store.steps;
-    h.body_case = PSD__HEADER__BODY_WEIGHTS;
-    h.weights = &wt;
     bool bf16 = s->cfg.wire_weights == PS_WIRE_BF16;
     const uint16_t *w16 = bf16 ? psd_store_current_bf16(&s->store) : NULL;
     if (bf16 && !w16) PS_WARN("out of memory for bfloat16 weights: sending f32");
@@ -292,13 +299,8 @@ static void send_part(shard_t *s, const Psd__ShardFetch *f)
     }
     if (s->opts.break_fetch && fr[n - 1].nbytes > 4) fr[n - 1].nbytes -= 4; /* tests only: a float short */
     Psd__Header h;
-    Psd__Weights wt = PSD__WEIGHTS__INIT;
-    psd__header__init(&h);
-    h.type = PSD__MSG_TYPE__MSG_WEIGHTS;
-    wt.version = s->store.cur->version;
-    wt.step = s->store.steps;
-    h.body_case = PSD__HEADER__BODY_WEIGHTS;
-    h.weights = &wt;
+    Psd__Weights wt;
+    weights_header(s, &h, &wt);
     int rc = to_leader(s, &h, fr, n);
     if (rc < 0) PS_WARN("shard %d cannot send its part of the weights: %s", s->opts.shard, zmq_strerror(-rc));
 }
