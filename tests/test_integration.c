@@ -74,6 +74,21 @@ typedef struct {
 
 static void path(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", dir, name); }
 
+/* The log of the worker that got rank 0 (the one that logs its INFO lines)
+ * among the `workers` of run `tag`; NULL if none. Caller frees. */
+static char *rank0_log(const char *tag, int workers)
+{
+    for (int i = 0; i < workers; i++) {
+        char name[256], wl[512];
+        snprintf(name, sizeof name, "%s-w%d.log", tag, i);
+        path(wl, sizeof wl, name);
+        char *log = slurp(wl);
+        if (log && strstr(log, ": rank 0, run ")) return log;
+        free(log);
+    }
+    return NULL;
+}
+
 /* Start psd with the given extra args (NULL-terminated). */
 static pid_t start_psd(run_t *r, const char *tag, int workers, const char **extra)
 {
@@ -3636,7 +3651,36 @@ Test(short, table_rows_and_whole_table_pushes_give_the_same_weights)
     cr_assert(weights_equal(a.weights, e.weights), "device workers' rows = the CPU's, bit for bit");
     char *me = metrics_last(&e);
     cr_assert_eq(json_num(last_line(me), "table_row_pushes"), 2 * 40, "%s", last_line(me));
+    cr_assert_eq(json_num(last_line(me), "val_loss"), json_num(la, "val_loss"), "%s", last_line(me));
     free(me);
+    /* and its replica crosses the bus by the rows of a step, not whole: up, the rows the batch
+     * reads (ids and values), the MLP and the batch (the whole table only for the 2 validations);
+     * down, the MLP's gradient and the touched rows' (at most 256 x 8 rows of 32 bytes a step) */
+    double up, down, steps;
+    char *dl = rank0_log("rows-dev", 2);
+    const char *dc = dl ? strstr(dl, "device copies: ") : NULL;
+    cr_assert(dc && sscanf(dc, "device copies: %lf bytes up, %lf bytes down; %lf training steps", &up, &down, &steps) == 3,
+              "%s", dl ? dl : "no log");
+    cr_assert(steps == 80 && down > 0 && down < steps * (mlp + 2048 * 32), "down %g in %g steps", down, steps);
+    cr_assert(up > 2 * table && up < 2 * table + steps * (mlp + 4 * 256 + 8 * 256 * 4 + 2048 * 36),
+              "up %g in %g steps (a whole table is %g)", up, steps, table);
+    free(dl);
+    /* on psd's host (shared memory: the whole table in psd's slot, gradients pushed whole): the
+     * same bits, and still only the batch's rows go up */
+    train_wx(&e, "rows-dev-shm", 2, sparse, dev, 300);
+    cr_assert_eq(e.psd_code, 0);
+    cr_assert(weights_equal(a.weights, e.weights), "device workers through shared memory, bit for bit");
+    dl = rank0_log("rows-dev-shm", 2);
+    dc = dl ? strstr(dl, "device copies: ") : NULL;
+    cr_assert(dc && sscanf(dc, "device copies: %lf bytes up, %lf bytes down; %lf training steps", &up, &down, &steps) == 3,
+              "%s", dl ? dl : "no log");
+    cr_assert(steps == 80 && up < 2 * table + steps * (mlp + 4 * 256 + 8 * 256 * 4 + 2048 * 36),
+              "up %g in %g steps (a whole table is %g)", up, steps, table);
+    cr_assert(strstr(dl, "pushed as rows 0 times, whole 80 times"), "%s", dl);
+    free(dl);
+    dl = slurp(e.psd_log);
+    cr_assert(dl && strstr(dl, "rank 0 exchanges tensors with psd through shared memory"), "%s", dl ? dl : "");
+    free(dl);
     train_wx(&e, "onpsd-dev", 2, onpsd, dev, 300);
     cr_assert_eq(e.psd_code, 0);
     cr_assert(weights_equal(c.weights, e.weights), "device workers with the table on psd, bit for bit");

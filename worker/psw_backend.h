@@ -18,6 +18,9 @@ struct psw_backend {
     const char *name; /* "cpu", "cuda" */
     void *ctx;        /* backend private */
     int host_visible; /* 1: device buffers are host memory (CPU backend) */
+    /* bytes copied host -> device (upload) and device -> host (download,
+     * download_async) so far: what a step costs the bus */
+    uint64_t bytes_up, bytes_down;
 
     /* host buffers for the wire: pinned (page-locked) for CUDA, so that
      * copies are asynchronous; plain aligned memory for the CPU backend */
@@ -73,6 +76,13 @@ struct psw_backend {
      * caller zeroes dE first for a fresh gradient. */
     void (*embag_bwd)(psw_backend_t *be, float *dE, const float *dy, const uint32_t *ids, int B, int F, int m,
                       int D, int mean);
+
+    /* Rows of a table E (rows, D) in device memory, ids (n, device memory)
+     * rows of E: scatter_rows sets E[ids[j]] = vals[j] (vals n x D), ids
+     * distinct; gather_rows sets out[j] = E[ids[j]] (out n x D). So a
+     * replica of a table moves by the rows that changed, not whole. */
+    void (*scatter_rows)(psw_backend_t *be, float *E, const uint32_t *ids, const float *vals, size_t n, int D);
+    void (*gather_rows)(psw_backend_t *be, float *out, const float *E, const uint32_t *ids, size_t n, int D);
 
     /* Release everything; be is freed. */
     void (*destroy)(psw_backend_t *be);

@@ -51,9 +51,17 @@ typedef struct {
     int32_t *next_y;            /* and its labels: the next step takes them instead of making them again */
     size_t next_at;             /* 1 + the position of that batch, 0 = none made */
     int next_B;                 /* its size */
-    uint64_t pushes_rows, pushes_whole, repulls;
+    uint64_t pushes_rows, pushes_whole, repulls, steps;
     size_t scores_cap;
     float *grads_host; /* non-host backends: gradients copied here for the wire (pinned) */
+    /* a device backend with a replica of the table: a step uploads the rows
+     * its batch reads (dev_ids, dev_vals: device memory, a batch's rows at
+     * most), and a push as rows downloads the touched rows of the gradient
+     * (gathered to dev_vals, then to rows_host: pinned), not the table */
+    uint32_t *dev_ids;
+    float *dev_vals, *rows_host;
+    size_t dev_nt;    /* rows in dev_ids this step */
+    int dev_rows_dl;  /* this step's table gradient goes down as those rows */
     int split;         /* push tensor by tensor, as each is ready */
     int ready_order[PS_MAX_TENSORS], n_ready, ticket[PS_MAX_TENSORS];
     size_t batch_rows; /* the table on psd: rows of the batch in training (its gradient's rows 0..n-1) */
@@ -186,6 +194,16 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
     w->x = w->ctr ? NULL : malloc((size_t)w->max_batch * (size_t)w->a.sizes[0] * sizeof(float)); /* ctr: bags */
     w->y = malloc((size_t)w->max_batch * sizeof(int32_t));
     if (!w->be->host_visible) w->grads_host = w->be->host_alloc(w->be, w->mlayout.n_params * sizeof(float));
+    if (!w->be->host_visible && w->ctr && !w->on_psd) {
+        size_t per = (size_t)w->max_batch * (size_t)(w->a.ctr.fields * w->a.ctr.per_field);
+        w->dev_ids = w->be->alloc(w->be, per * sizeof *w->dev_ids);
+        w->dev_vals = w->be->alloc(w->be, per * (size_t)w->a.ctr.dim * sizeof *w->dev_vals);
+        w->rows_host = w->be->host_alloc(w->be, per * (size_t)w->a.ctr.dim * sizeof *w->rows_host);
+        if (!w->dev_ids || !w->dev_vals || !w->rows_host) {
+            snprintf(err, errlen, "out of memory for the model");
+            return -1;
+        }
+    }
     if (!w->m || (!w->ctr && !w->x) || !w->y || (!w->be->host_visible && !w->grads_host)) {
         snprintf(err, errlen, "out of memory for the model");
         return -1;
@@ -198,8 +216,9 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
  * psw_client_next), without a copy, and the gradient goes straight to the
  * region psd reads it from when there is one; device backends upload. With
  * the table on psd the event's table is the rows it brought: a training
- * batch's fit the model's table; a validation part's (with_table false) are
- * uploaded batch by batch (val_rows). */
+ * batch's fit the model's table; a validation part's are uploaded batch by
+ * batch (val_rows). With with_table false the table is not uploaded here:
+ * the caller uploads the rows its batches read (val_rows, replica_rows). */
 static int set_weights(wk_t *w, const psw_event_t *ev, bool with_table)
 {
     if (ev->n_tensors != w->layout.n_tensors) return -1;
@@ -211,10 +230,9 @@ static int set_weights(wk_t *w, const psw_event_t *ev, bool with_table)
     }
     float *p = psw_model_params(w->m);
     for (int i = 0; i < ev->n_tensors; i++) {
-        if (w->on_psd && i == w->layout.table) {
-            if (!with_table) continue;                                     /* uploaded batch by batch */
-            if (ev->tensor_numel[i] > w->mlayout.t[i].numel) return -1; /* more rows than a batch reads */
-        }
+        if (i == w->layout.table && !with_table) continue;                                 /* the caller's */
+        if (w->on_psd && i == w->layout.table && ev->tensor_numel[i] > w->mlayout.t[i].numel) return -1; /* more rows
+                                                                                       than a batch reads */
         w->be->upload(w->be, p + w->mlayout.t[i].offset, ev->tensors[i], 4 * ev->tensor_numel[i]);
     }
     return 0;
@@ -293,6 +311,27 @@ static int val_rows(wk_t *w, const psw_event_t *ev, const uint32_t *bags, int B)
     return to_local(bags, (size_t)B * (size_t)(w->gen.fields * w->gen.per_field), w->touched, nt, w->local);
 }
 
+/* A device backend with a replica of the table: the rows ids[0, n) of the
+ * event's table E (whole: the replica, psd's shared slot or a whole frame)
+ * to the model's table, through dev_ids and dev_vals; the others stay as
+ * they were (no batch of this step reads them). The whole table when that
+ * is fewer bytes. */
+static void replica_rows(wk_t *w, const float *E, const uint32_t *ids, size_t n)
+{
+    const int t = w->layout.table;
+    const size_t D = (size_t)w->layout.t[t].cols;
+    float *dst = psw_model_params(w->m) + w->mlayout.t[t].offset;
+    w->dev_nt = n;
+    w->be->upload(w->be, w->dev_ids, ids, n * sizeof *ids); /* also for the gradient's rows (grad_ready) */
+    if (n * (D + 1) >= w->layout.t[t].numel) {
+        w->be->upload(w->be, dst, E, w->layout.t[t].numel * sizeof *E);
+        return;
+    }
+    for (size_t j = 0; j < n; j++) memcpy(w->row_vals + j * D, E + (size_t)ids[j] * D, D * sizeof *E);
+    w->be->upload(w->be, w->dev_vals, w->row_vals, n * D * sizeof *E);
+    w->be->scatter_rows(w->be, dst, w->dev_ids, w->dev_vals, n, (int)D);
+}
+
 /* Backward reached tensor t: start copying its gradient to the wire buffer
  * (device backends) while earlier layers still compute. */
 static void grad_ready(void *ud, int t)
@@ -302,7 +341,13 @@ static void grad_ready(void *ud, int t)
         size_t off = w->mlayout.t[t].offset, numel = w->mlayout.t[t].numel;
         if (w->on_psd && t == w->layout.table) /* only the batch's rows have a gradient */
             numel = w->batch_rows * (size_t)w->mlayout.t[t].cols;
-        w->ticket[t] = w->be->download_async(w->be, w->grads_host + off, psw_model_grads(w->m) + off, 4 * numel);
+        if (w->dev_rows_dl && t == w->layout.table) { /* a replica pushed as rows: those rows down */
+            const int D = w->mlayout.t[t].cols;
+            w->be->gather_rows(w->be, w->dev_vals, psw_model_grads(w->m) + off, w->dev_ids, w->dev_nt, D);
+            w->ticket[t] = w->be->download_async(w->be, w->rows_host, w->dev_vals, w->dev_nt * (size_t)D * 4);
+        } else {
+            w->ticket[t] = w->be->download_async(w->be, w->grads_host + off, psw_model_grads(w->m) + off, 4 * numel);
+        }
     }
     w->ready_order[w->n_ready++] = t;
 }
@@ -323,13 +368,21 @@ static int push_done(wk_t *w)
     return 0;
 }
 
+/* A step whose batch touched nt rows of the table (0: not counted) pushes
+ * the table's gradient as those rows: when they are few, or always with the
+ * table on psd. */
+static bool as_rows(const wk_t *w, size_t nt)
+{
+    return nt > 0 && (w->on_psd || (double)nt < w->a.sparse_threshold * (double)w->layout.t[w->layout.table].rows);
+}
+
 /* One training step on the next batch of the epoch, then push: in one
  * message, or tensor by tensor as each gradient reaches host memory. */
 static int train_step(wk_t *w, const psw_event_t *ev)
 {
     int rc = push_done(w);
     if (rc < 0) return rc;
-    if (set_weights(w, ev, true) != 0) return -EPROTO;
+    if (set_weights(w, ev, !w->dev_ids) != 0) return -EPROTO; /* a device's replica: the batch's rows below */
     int B = (int)(w->n_ids - w->pos < w->a.batch_size ? w->n_ids - w->pos : w->a.batch_size);
     double loss = 0;
     int64_t correct = 0;
@@ -355,13 +408,21 @@ static int train_step(wk_t *w, const psw_event_t *ev)
             to_local(w->bag_ids, (size_t)B * (size_t)(w->gen.fields * w->gen.per_field), w->touched, nt, w->local);
             bags = w->local;
             w->batch_rows = nt;
+        } else if (w->dev_ids || (w->a.sparse_threshold > 0 && psw_client_rows_ok(w->c))) {
+            /* the rows the batch reads: a push as rows sends their gradient, a device's replica
+             * takes this version's values of them (and of no other row) */
+            size_t k = touched_rows(w, w->bag_ids, B, w->touched);
+            if (w->dev_ids) replica_rows(w, ev->tensors[w->layout.table], w->touched, k);
+            if (w->a.sparse_threshold > 0 && psw_client_rows_ok(w->c)) nt = k;
         }
+        w->dev_rows_dl = w->dev_ids && as_rows(w, nt);
         psw_model_train_bags(w->m, bags, w->y, B, &loss, &correct, grad_ready, w);
     } else {
         psw_data_gather(&w->train, w->ids + w->pos, B, w->x, w->y);
         psw_model_train_step(w->m, w->x, w->y, B, &loss, &correct, grad_ready, w);
     }
     w->pos += (size_t)B;
+    w->steps++;
     int last = w->pos >= w->n_ids;
     if (w->o->slow_ms > 0) nanosleep(&(struct timespec){w->o->slow_ms / 1000, (w->o->slow_ms % 1000) * 1000000L}, NULL);
 
@@ -378,18 +439,17 @@ static int train_step(wk_t *w, const psw_event_t *ev)
         rows[k] = w->layout.t[t].rows;
         cols[k] = t % 2 == 0 ? w->layout.t[t].cols : 0;
     }
-    if (!w->on_psd) /* on psd: found above */
-        nt = w->ctr && w->a.sparse_threshold > 0 && psw_client_rows_ok(w->c) ? touched_rows(w, w->bag_ids, B, w->touched)
-                                                                               : 0;
     const double few = nt ? w->a.sparse_threshold * (double)w->layout.t[w->layout.table].rows : 0;
-    const bool as_rows = nt > 0 && ((double)nt < few || w->on_psd);
-    if (!w->be->host_visible && (as_rows || !w->split)) /* read whole from grads_host: every tensor down */
+    const bool rows_push = as_rows(w, nt);
+    if (!w->be->host_visible && (rows_push || !w->split)) /* read whole from grads_host: every tensor down */
         for (int k = 0; k < w->n_ready; k++) w->be->wait(w->be, w->ticket[w->ready_order[k]]);
-    if (as_rows) {
+    if (rows_push) {
         /* few rows of the table touched (or the table on psd): push those (the others' gradient is zero) */
         const int D = w->layout.t[w->layout.table].cols;
         const float *dE = base + w->mlayout.t[w->layout.table].offset, *vals = dE; /* on psd: rows 0..nt-1 */
-        if (!w->on_psd) {
+        if (w->dev_rows_dl) {
+            vals = w->rows_host; /* gathered on the device, downloaded (grad_ready) */
+        } else if (!w->on_psd) {
             for (size_t i = 0; i < nt; i++)
                 memcpy(w->row_vals + i * (size_t)D, dE + (size_t)w->touched[i] * (size_t)D,
                        (size_t)D * sizeof(float));
@@ -406,6 +466,7 @@ static int train_step(wk_t *w, const psw_event_t *ev)
                              numel, rows, cols);
         w->pushes_whole += w->ctr;
     } else {
+        w->pushes_whole += w->ctr;
         for (int k = 0; k < n && rc == 0; k++) {
             w->be->wait(w->be, w->ticket[ids[k]]);
             rc = psw_client_push(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct,
@@ -433,7 +494,7 @@ static int validate(wk_t *w, const psw_event_t *ev)
     }
     int rc = push_done(w); /* a validation batch's rows go where the last push's were */
     if (rc < 0) return rc;
-    if (set_weights(w, ev, false) != 0) return -EPROTO;
+    if (set_weights(w, ev, !w->on_psd) != 0) return -EPROTO; /* the table on psd: batch by batch (val_rows) */
     size_t n = ev->val_end - ev->val_begin;
     if (w->ctr && n > w->scores_cap) {
         float *p = n <= SIZE_MAX / sizeof *p ? realloc(w->scores, n * sizeof *p) : NULL;
@@ -517,6 +578,14 @@ static void wk_deinit(wk_t *w)
 {
     if (w->grads_host && w->be) w->be->host_free(w->be, w->grads_host);
     w->grads_host = NULL;
+    if (w->be) {
+        if (w->rows_host) w->be->host_free(w->be, w->rows_host);
+        if (w->dev_ids) w->be->free(w->be, w->dev_ids);
+        if (w->dev_vals) w->be->free(w->be, w->dev_vals);
+    }
+    w->rows_host = NULL;
+    w->dev_ids = NULL;
+    w->dev_vals = NULL;
     psw_model_destroy(&w->m);
     if (w->be) w->be->destroy(w->be);
     psw_data_deinit(&w->train);
@@ -647,6 +716,10 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
                 PS_INFO("embedding table gradient pushed as rows %llu times, whole %llu times%s",
                         (unsigned long long)w->pushes_rows, (unsigned long long)w->pushes_whole,
                         w->on_psd ? "; the table stayed on psd" : "");
+            if (w->be && !w->be->host_visible)
+                PS_INFO("device copies: %llu bytes up, %llu bytes down; %llu training steps",
+                        (unsigned long long)w->be->bytes_up, (unsigned long long)w->be->bytes_down,
+                        (unsigned long long)w->steps);
             if (w->repulls)
                 PS_INFO("%llu batches asked psd for their table rows again (samples added to the epoch)",
                         (unsigned long long)w->repulls);

@@ -459,6 +459,54 @@ Test(cuda, embag)
     fprintf(stderr, "cuda_ops: embag_fwd/embag_bwd bit for bit against the CPU (B up to 20000, D 37, m 3)\n");
 }
 
+/* scatter_rows and gather_rows: the CPU's bytes, and rows not named stay
+ * as they were; the byte counters count what crossed the bus. */
+Test(cuda, scatter_and_gather_rows)
+{
+    NEED_GPU();
+    const int R = 5000, D = 37;
+    const size_t n = 1234;
+    ps_rng_t r;
+    ps_rng_seed(&r, 77, 5);
+    float *E = fill_uniform(floats((size_t)R * D), (size_t)R * D, -1, 1, &r);
+    float *vals = fill_uniform(floats(n * D), n * D, -1, 1, &r);
+    uint32_t *ids = malloc(n * sizeof *ids);
+    cr_assert(ids);
+    for (size_t j = 0; j < n; j++) ids[j] = (uint32_t)(j * 4 + (j % 3)); /* distinct, spread */
+    float *res[2][2];
+    psw_backend_t *bes[2] = {cpu, gpu};
+    for (int k = 0; k < 2; k++) {
+        psw_backend_t *be = bes[k];
+        uint64_t up = be->bytes_up;
+        gbuf_t gE = gbuf_new(be, E, (size_t)R * D * 4), gv = gbuf_new(be, vals, n * D * 4),
+               gids = gbuf_new(be, ids, n * 4), gout = gbuf_new(be, vals, n * D * 4);
+        cr_expect_eq(be->bytes_up - up, (uint64_t)R * D * 4 + 2 * n * D * 4 + n * 4 + 4 * 2 * GUARD_BYTES,
+                     "%s: bytes up (4 buffers and their guards)", be->name);
+        be->scatter_rows(be, gE.p, gids.p, gv.p, n, D);
+        be->zero(be, gv.p, n * D * 4);
+        be->gather_rows(be, gout.p, gE.p, gids.p, n, D);
+        be->sync(be);
+        res[k][0] = floats((size_t)R * D);
+        res[k][1] = floats(n * D);
+        gbuf_get(&gE, res[k][0], "scatter E");
+        gbuf_get(&gout, res[k][1], "gather out");
+        gbuf_t *all[] = {&gE, &gv, &gids, &gout};
+        for (size_t i = 0; i < 4; i++) gbuf_free(all[i]);
+    }
+    cr_expect(memcmp(res[0][0], res[1][0], (size_t)R * D * 4) == 0, "scatter_rows: not the CPU's bytes");
+    cr_expect(memcmp(res[1][1], vals, n * D * 4) == 0, "gather_rows: not the rows scattered");
+    cr_expect(memcmp(res[1][0] + (size_t)R * D - D, E + (size_t)R * D - D, (size_t)D * 4) == 0,
+              "a row not named changed");
+    for (int k = 0; k < 2; k++) {
+        free(res[k][0]);
+        free(res[k][1]);
+    }
+    free(E);
+    free(vals);
+    free(ids);
+    fprintf(stderr, "cuda_ops: scatter_rows/gather_rows against the CPU (%zu of %d rows, D %d)\n", n, R, D);
+}
+
 /* ---- softmax cross-entropy ---- */
 
 /* Per-sample loss (xent on one row at a time, B = 1): atol 1e-6 * sqrt(C)

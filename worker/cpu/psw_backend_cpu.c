@@ -37,15 +37,15 @@ static void cpu_free(psw_backend_t *be, void *p)
 
 static void cpu_upload(psw_backend_t *be, void *dst, const void *src_host, size_t bytes)
 {
-    (void)be;
     assert((dst && src_host) || bytes == 0);
+    be->bytes_up += bytes;
     if (bytes) memcpy(dst, src_host, bytes);
 }
 
 static void cpu_download(psw_backend_t *be, void *dst_host, const void *src, size_t bytes)
 {
-    (void)be;
     assert((dst_host && src) || bytes == 0);
+    be->bytes_down += bytes;
     if (bytes) memcpy(dst_host, src, bytes);
 }
 
@@ -155,6 +155,18 @@ static void cpu_embag_bwd(psw_backend_t *be, float *dE, const float *dy, const u
     }
 }
 
+static void cpu_scatter_rows(psw_backend_t *be, float *E, const uint32_t *ids, const float *vals, size_t n, int D)
+{
+    (void)be;
+    for (size_t j = 0; j < n; j++) memcpy(E + (size_t)ids[j] * (size_t)D, vals + j * (size_t)D, (size_t)D * sizeof *E);
+}
+
+static void cpu_gather_rows(psw_backend_t *be, float *out, const float *E, const uint32_t *ids, size_t n, int D)
+{
+    (void)be;
+    for (size_t j = 0; j < n; j++) memcpy(out + j * (size_t)D, E + (size_t)ids[j] * (size_t)D, (size_t)D * sizeof *E);
+}
+
 /* logits (B,C), labels (B). Per sample, in float:
  *   m = max_j l_j, s = sum_j exp(l_j - m), loss = log(s) - (l_label - m),
  *   dlogits_j = (exp(l_j - m) / s - [j == label]) * grad_scale. */
@@ -224,6 +236,8 @@ psw_backend_t *psw_backend_cpu_new(int threads)
     be->xent = cpu_xent;
     be->embag_fwd = cpu_embag_fwd;
     be->embag_bwd = cpu_embag_bwd;
+    be->scatter_rows = cpu_scatter_rows;
+    be->gather_rows = cpu_gather_rows;
     be->destroy = cpu_destroy;
     return be;
 }

@@ -241,6 +241,22 @@ static __global__ void embag_bwd_kernel(float *dE, const float *dy, const uint32
     }
 }
 
+/* Rows of a table, one thread per element (row j, column d):
+ * scatter E[ids[j]] = vals[j], gather out[j] = E[ids[j]]. */
+static __global__ void scatter_rows_kernel(float *E, const uint32_t *ids, const float *vals, size_t n, int D)
+{
+    const size_t all = n * (size_t)D, stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < all; i += stride)
+        E[(size_t)ids[i / (size_t)D] * (size_t)D + i % (size_t)D] = vals[i];
+}
+
+static __global__ void gather_rows_kernel(float *out, const float *E, const uint32_t *ids, size_t n, int D)
+{
+    const size_t all = n * (size_t)D, stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < all; i += stride)
+        out[i] = E[(size_t)ids[i / (size_t)D] * (size_t)D + i % (size_t)D];
+}
+
 /* Softmax cross-entropy, one warp per row of logits (B,C); labels (B).
  * Per row, as cpu_xent: m = max_j l_j (arg = first maximum),
  * s = sum_j exp(l_j - m), loss = log(s) - (l_label - m),
@@ -367,6 +383,7 @@ static void cuda_upload(psw_backend_t *be, void *dst, const void *src_host, size
 {
     cuda_ctx_t *c = use(be);
     PSW_ASSERT((dst && src_host) || bytes == 0);
+    be->bytes_up += bytes;
     for (size_t off = 0; off < bytes;) {
         const size_t n = bytes - off < STAGE_BYTES ? bytes - off : STAGE_BYTES;
         stage_t *s = &c->stage[c->stage_next];
@@ -385,6 +402,7 @@ static void cuda_download(psw_backend_t *be, void *dst_host, const void *src, si
     cuda_ctx_t *c = use(be);
     PSW_ASSERT((dst_host && src) || bytes == 0);
     if (!bytes) return;
+    be->bytes_down += bytes;
     CUDA_CHECK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, c->compute));
     CUDA_CHECK(cudaStreamSynchronize(c->compute));
 }
@@ -410,6 +428,7 @@ static int cuda_download_async(psw_backend_t *be, void *dst_host, const void *sr
     }
     ticket_t *t = &c->tickets[k];
     t->busy = 1;
+    be->bytes_down += bytes;
     CUDA_CHECK(cudaEventRecord(t->ready, c->compute));
     CUDA_CHECK(cudaStreamWaitEvent(c->copy, t->ready, 0));
     if (bytes)
@@ -515,6 +534,22 @@ static void cuda_embag_bwd(psw_backend_t *be, float *dE, const float *dy, const 
     const size_t bags = (size_t)B * (size_t)F;
     if (!bags || D < 1 || m < 1) return;
     embag_bwd_kernel<<<(unsigned)((D + 63) / 64), 64, 0, c->compute>>>(dE, dy, ids, bags, m, D, mean);
+    CUDA_LAUNCH_CHECK();
+}
+
+static void cuda_scatter_rows(psw_backend_t *be, float *E, const uint32_t *ids, const float *vals, size_t n, int D)
+{
+    cuda_ctx_t *c = use(be);
+    if (!n || D < 1) return;
+    scatter_rows_kernel<<<elem_blocks(n * (size_t)D), ELEM_THREADS, 0, c->compute>>>(E, ids, vals, n, D);
+    CUDA_LAUNCH_CHECK();
+}
+
+static void cuda_gather_rows(psw_backend_t *be, float *out, const float *E, const uint32_t *ids, size_t n, int D)
+{
+    cuda_ctx_t *c = use(be);
+    if (!n || D < 1) return;
+    gather_rows_kernel<<<elem_blocks(n * (size_t)D), ELEM_THREADS, 0, c->compute>>>(out, E, ids, n, D);
     CUDA_LAUNCH_CHECK();
 }
 
@@ -689,6 +724,8 @@ static psw_backend_t *cuda_backend_new(int dev, char *err, size_t errlen)
     be->zero = cuda_zero;
     be->embag_fwd = cuda_embag_fwd;
     be->embag_bwd = cuda_embag_bwd;
+    be->scatter_rows = cuda_scatter_rows;
+    be->gather_rows = cuda_gather_rows;
     be->destroy = cuda_destroy;
     return be;
 
