@@ -94,6 +94,7 @@ typedef struct {
     uint32_t pid;
     wstate_t state;
     double last_seen;     /* time of its last valid message */
+    double sent_at;       /* time of psd's last message to it (keep_alive) */
     double gone_at;
     uint64_t seq_in, seq_out;
     uint64_t lost_replies;
@@ -397,10 +398,37 @@ static void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type)
 static int send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n)
 {
     int rc = ps_msg_send(s->sock, w->ident, w->ident_len, h, fr, n);
+    w->sent_at = ps_now();
     if (rc < 0)
         PS_WARN("cannot send %s to rank %u (%s pid %u): %s", ps_msg_type_name((int)h->type), w->rank,
                 w->hostname, w->pid, zmq_strerror(-rc));
     return rc;
+}
+
+/* A HEARTBEAT header of this epoch (hb: its body, the caller's). */
+static void heartbeat_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Heartbeat *hb)
+{
+    hdr_for(s, w, h, PSD__MSG_TYPE__MSG_HEARTBEAT);
+    psd__heartbeat__init(hb);
+    hb->epoch = s->epoch;
+    h->body_case = PSD__HEADER__BODY_HEARTBEAT;
+    h->heartbeat = hb;
+}
+
+/* Workers that wait on psd (at their barrier, for the next epoch, for the
+ * reply to a push that waits for slower workers, held back in ssp) hear
+ * from it at least every second, so that a long wait is not taken for a
+ * psd that is gone (the worker gives psd step_timeout_s of silence). */
+static void keep_alive(srv_t *s, double now)
+{
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (w->state < W_READY || w->state > W_VALIDATED || now - w->sent_at < 1.0) continue;
+        Psd__Header h;
+        Psd__Heartbeat hb;
+        heartbeat_hdr(s, w, &h, &hb);
+        send_to(s, w, &h, NULL, 0);
+    }
 }
 
 static void send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code,
@@ -1512,8 +1540,21 @@ static void rows_free(worker_t *w)
     psd_want_free(&w->want);
 }
 
+/* Samples waiting for a worker (the pool) to ready worker w, in training:
+ * true if it took them. */
+static bool take_pool(srv_t *s, worker_t *w)
+{
+    if (s->phase != PHASE_TRAIN || s->n_pool == 0 || w->state != W_READY) return false;
+    PS_INFO("rank %u takes the %zu samples that were waiting for a worker", w->rank, s->n_pool);
+    size_t n = s->n_pool;
+    s->n_pool = 0;
+    if (give_positions(s, w, s->pool, n, false) != 0) finish(s, PSD_EXIT_ERROR, "psd out of memory");
+    return true;
+}
+
 /* A worker is gone (lost, left, failed): its samples and validation parts go
- * to the others, or wait for the next worker to join. */
+ * to the others, or to a worker waiting for the next epoch, or wait for the
+ * next worker to join. */
 static void worker_gone(srv_t *s, worker_t *w)
 {
     wstate_t was = w->state;
@@ -1544,9 +1585,13 @@ static void worker_gone(srv_t *s, worker_t *w)
         } else {
             memcpy(s->pool + s->n_pool, pos, n * sizeof *pos);
             s->n_pool += n;
-            s->orphan_deadline = ps_now() + s->cfg.start_timeout;
-            PS_WARN("no worker left in epoch %u: %zu samples wait up to %.0f s for a worker to join",
-                    s->epoch + 1, s->n_pool, s->cfg.start_timeout);
+            bool taken = false; /* a worker that joined during the epoch and waits for the next one */
+            for (int i = 0; i < s->n && !taken; i++) taken = take_pool(s, &s->w[i]);
+            if (!taken) {
+                s->orphan_deadline = ps_now() + s->cfg.start_timeout;
+                PS_WARN("no worker left in epoch %u: %zu samples wait up to %.0f s for a worker to join",
+                        s->epoch + 1, s->n_pool, s->cfg.start_timeout);
+            }
         }
         free(pos);
         w->assigned = w->consumed;
@@ -1583,7 +1628,9 @@ static void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
         w->push_pull = true;
         return;
     }
-    if (s->st_open) { /* a streamed step is half taken (maybe in place): the version it makes */
+    if (s->st_open || s->stepping) { /* a streamed step is half taken (maybe in place), or psd shards
+                                       * take a step (clipping: waiting for their norms): the version it
+                                       * makes, not the one its push would be stale against */
         w->want_pull = true;
         return;
     }
@@ -2082,6 +2129,7 @@ static void send_assign(srv_t *s, worker_t *w)
     /* how long a worker waits for psd before it registers again */
     a.start_timeout_s = s->cfg.start_timeout + 10;
     a.step_timeout_s = s->silence * 3 + 10;
+    a.silence_s = s->silence;
     a.grad_dtype = s->cfg.wire_gradients == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
     a.weight_dtype = s->cfg.wire_weights == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
     if (s->stream) a.stream_chunk_bytes = (uint64_t)s->store.chunk_bytes;
@@ -2522,13 +2570,7 @@ static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
     }
     /* joining a run under way: take samples waiting for a worker at once,
      * else wait for the next epoch */
-    if (s->phase == PHASE_TRAIN && s->n_pool > 0) {
-        PS_INFO("rank %u takes the %zu samples that were waiting for a worker", w->rank, s->n_pool);
-        size_t n = s->n_pool;
-        s->n_pool = 0;
-        if (give_positions(s, w, s->pool, n, false) != 0) finish(s, PSD_EXIT_ERROR, "psd out of memory");
-        return;
-    }
+    if (take_pool(s, w)) return;
     if (s->phase == PHASE_VALIDATE) {
         give_orphans(s); /* it is the least busy */
         if (w->state == W_VALIDATING) return;
@@ -2915,15 +2957,12 @@ static void on_timer(uv_timer_t *t)
     poll_checkpoint(s, false);
     psd_shm_expire(s->shm, now);
     progress(s, now);
+    if (s->phase != PHASE_DONE) keep_alive(s, now);
     if (sharded(s) && s->phase != PHASE_DONE) {
         if (now - s->shard_hb >= 1.0) { /* they stop when shard 0 falls silent */
             Psd__Header h;
-            Psd__Heartbeat hb = PSD__HEARTBEAT__INIT;
-            psd__header__init(&h);
-            h.type = PSD__MSG_TYPE__MSG_HEARTBEAT;
-            hb.epoch = s->epoch;
-            h.body_case = PSD__HEADER__BODY_HEARTBEAT;
-            h.heartbeat = &hb;
+            Psd__Heartbeat hb;
+            heartbeat_hdr(s, NULL, &h, &hb);
             shards_send_all(s, &h);
             s->shard_hb = now;
         }
@@ -2961,12 +3000,19 @@ static void on_timer(uv_timer_t *t)
     } else if (s->phase == PHASE_TRAIN || s->phase == PHASE_VALIDATE) {
         for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
             worker_t *w = &s->w[i];
-            bool waited_for = (w->state == W_TRAIN && !w->has_push && !w->ssp_wait && !(s->st_open && w->want_pull)) ||
+            bool waited_for = (w->state == W_TRAIN && !w->has_push && !w->ssp_wait && !w->want_pull) ||
                               w->state == W_VALIDATING;
             if (w->own_push && !w->has_push && now - w->own_push_at >= s->silence) {
                 /* a shard never got all of its push: it died between its messages */
                 PS_WARN("rank %u (%s pid %u) lost: psd shards are missing part of its push for %.1f s; going on "
                         "without it", w->rank, w->hostname, w->pid, now - w->own_push_at);
+                worker_gone(s, w);
+                continue;
+            }
+            if (w->state == W_ASSIGNED && now - w->last_seen > s->cfg.start_timeout) {
+                /* registered and never said its data was ready: its slot is not waited for */
+                PS_WARN("rank %u (%s pid %u) registered %.0f s ago and never said it was ready; forgetting it",
+                        w->rank, w->hostname, w->pid, now - w->last_seen);
                 worker_gone(s, w);
                 continue;
             }

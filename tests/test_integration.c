@@ -4809,3 +4809,127 @@ static void full_sync(const char *mode)
 
 Test(long, async_two_workers_reach_088) { full_sync("async"); }
 Test(long, ssp_two_workers_reach_088) { full_sync("ssp"); }
+
+/* ---- waits that are not silences ------------------------------------------ */
+
+/* The last worker training in an epoch is lost while another, which joined
+ * during the epoch, waits for the next one: that worker takes the samples
+ * at once (psd used to keep them for a worker to join, and the waiting one
+ * only came for them when its own wait for psd timed out: start timeout +
+ * 10 s). And when that waiting worker is dead too, psd gives up after its
+ * start timeout (exit 4) instead of waiting for ever. */
+Test(short, the_last_worker_lost_with_one_waiting_for_the_next_epoch)
+{
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=3200", "--worker-timeout", "2",
+                          "--start-timeout", "8", NULL};
+    const char *slowed[] = {"--x-slow-ms", "200", NULL};
+    for (int dead = 0; dead < 2; dead++) { /* the waiting worker alive, then dead */
+        run_t r;
+        const char *tag = dead ? "joinlast-dead" : "joinlast";
+        pid_t p = start_psd(&r, tag, 1, args);
+        pid_t a = start_worker(&r, tag, 0, slowed);
+        wait_log(r.psd_log, "training 1 epoch", 60);
+        pid_t b = start_worker(&r, tag, 1, NULL);
+        wait_log(r.psd_log, "rank 1 joins from epoch 2", 60);
+        if (dead) {
+            kill(b, SIGKILL);
+            cr_assert_eq(proc_wait(b, 10), 128 + SIGKILL);
+        }
+        kill(a, SIGKILL);
+        cr_assert_eq(proc_wait(a, 10), 128 + SIGKILL);
+        if (!dead) {
+            wait_log(r.psd_log, "rank 1 takes the", 5); /* at once, not after b's own timeout */
+            r.psd_code = proc_wait(p, 120);
+            cr_assert_eq(r.psd_code, 0, "psd finished the run");
+            cr_assert_eq(proc_wait(b, 30), 0);
+            char *m = metrics_last(&r);
+            cr_assert_eq(json_num(last_line(m), "train_samples"), 3200, "every sample once: %s", last_line(m));
+            cr_assert_eq(json_num(last_line(m), "val_samples"), 10000, "%s", last_line(m));
+            free(m);
+        } else {
+            /* b takes the samples, is found silent (2 s), and nobody comes within 8 s */
+            r.psd_code = proc_wait(p, 60);
+            cr_assert_eq(r.psd_code, 4, "psd gave up: no worker left (exit %d)", r.psd_code);
+            char *log = slurp(r.psd_log);
+            cr_assert(log && strstr(log, "rank 1 takes the") && strstr(log, "no worker came back within 8 s"),
+                      "%s", log ? log : "");
+            free(log);
+        }
+    }
+}
+
+/* psd and `workers` workers, worker 0 slowed by slow_ms a step, train one
+ * epoch of `samples` to the end with nobody lost, registering again or
+ * giving psd up. */
+static void run_slowed(const char *tag, int workers, const char **args, const char *slow_ms, double samples)
+{
+    run_t r;
+    const char *slowed[] = {"--x-slow-ms", slow_ms, NULL};
+    pid_t p = start_psd(&r, tag, workers, args), w[2];
+    for (int i = 0; i < workers; i++) w[i] = start_worker(&r, tag, i, i == 0 ? slowed : NULL);
+    r.psd_code = proc_wait(p, 180);
+    for (int i = 0; i < workers; i++) r.worker_code[i] = proc_wait(w[i], 30);
+    check_run(&r, workers, 1);
+    char *log = slurp(r.psd_log);
+    cr_assert(log && !strstr(log, "registers again") && !strstr(log, " lost"), "%s", log ? log : "");
+    free(log);
+    for (int i = 0; i < workers; i++) {
+        char name[64], wl[512];
+        snprintf(name, sizeof name, "%s-w%d.log", tag, i);
+        path(wl, sizeof wl, name);
+        char *l = slurp(wl);
+        cr_assert(l && !strstr(l, "sent nothing"), "worker %d gave psd up: %s", i, l ? l : "");
+        free(l);
+    }
+    char *m = metrics_last(&r);
+    cr_assert_eq(json_num(last_line(m), "train_samples"), samples, "%s", last_line(m));
+    free(m);
+}
+
+/* A worker that waits on psd longer than its step timeout (psd's worker
+ * timeout x 3 + 10 s) is not waiting on a psd that is gone: in async, the
+ * fast worker waits at its barrier while the slow one trains its half of
+ * the epoch (about 15 s here, its step timeout about 11.5 s). psd says it
+ * is there every second, and nobody registers again or is lost (the fast
+ * worker used to give psd up, register again and count as lost). */
+Test(short, a_worker_waits_at_its_barrier_longer_than_its_step_timeout)
+{
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=6400", "--set", "train.sync=async",
+                          "--worker-timeout", "0.5", NULL};
+    run_slowed("barrierwait", 2, args, "300", 6400);
+}
+
+/* Steps longer than the worker timeout (1.8 s a step, psd's limit about 1 s
+ * of silence): the worker says it is alive as its layers compute, and the run
+ * goes on (it used to be taken for lost at every step, register again, take
+ * its samples back and be lost again: no step ever counted). */
+Test(short, steps_longer_than_the_worker_timeout_are_not_a_lost_worker)
+{
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=192", "--set", "train.batch_size=64",
+                          "--worker-timeout", "1", NULL};
+    run_slowed("longstep", 1, args, "1800", 192);
+}
+
+/* A peer that registers during training and never says its data is ready
+ * is forgotten after the start timeout (its slot is no longer kept as a
+ * worker to come), and the run goes on. */
+Test(short, a_registration_never_ready_is_forgotten)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=3200", "--start-timeout", "2", NULL};
+    const char *slowed[] = {"--x-slow-ms", "150", NULL};
+    pid_t p = start_psd(&r, "neverready", 1, args);
+    pid_t w = start_worker(&r, "neverready", 0, slowed);
+    wait_log(r.psd_log, "training 1 epoch", 60);
+    void *ctx = zmq_ctx_new(), *d = raw_dealer(ctx, r.endpoint);
+    ps_msg_t m = {0};
+    cr_assert_eq(raw_register(d, &m), 0);
+    cr_assert_eq(m.hdr->type, PSD__MSG_TYPE__MSG_ASSIGN);
+    wait_log(r.psd_log, "never said it was ready; forgetting it", 30);
+    r.psd_code = proc_wait(p, 120);
+    r.worker_code[0] = proc_wait(w, 30);
+    check_run(&r, 1, 1);
+    ps_msg_deinit(&m);
+    zmq_close(d);
+    zmq_ctx_term(ctx);
+}

@@ -521,7 +521,7 @@ Test(model, bag_gradients_match_finite_differences)
 /* ---- (c) ready callback ---- */
 
 typedef struct {
-    int n;
+    int n, forward_at; /* calls; the forward pass's (-1) came after forward_at of them (-1: none) */
     int order[PS_MAX_TENSORS * 2];
     const ps_layout_t *l;
     psw_model_t *m;
@@ -531,6 +531,12 @@ typedef struct {
 static void on_ready(void *ud, int tensor)
 {
     ready_log_t *log = ud;
+    if (tensor < 0) { /* the forward pass is done: once, before any gradient */
+        cr_assert_eq(tensor, -1);
+        cr_assert_eq(log->forward_at, -1, "the forward pass reported twice");
+        log->forward_at = log->n;
+        return;
+    }
     cr_assert_lt(log->n, PS_MAX_TENSORS * 2);
     log->order[log->n++] = tensor;
     const ps_tensor_info_t *t = &log->l->t[tensor];
@@ -594,12 +600,13 @@ Test(model, ready_called_once_per_tensor_last_layer_first)
     float *grads = psw_model_grads(f.m);
     for (size_t i = 0; i < f.l.n_params; i++) grads[i] = NAN;
 
-    ready_log_t log = {.l = &f.l, .m = f.m};
+    ready_log_t log = {.l = &f.l, .m = f.m, .forward_at = -1};
     log.snap = calloc(f.l.n_params, sizeof(float));
     cr_assert_not_null(log.snap);
     psw_model_train_step(f.m, x, y, B, NULL, NULL, on_ready, &log);
 
     cr_assert_eq(log.n, f.l.n_tensors);
+    cr_assert_eq(log.forward_at, 0, "the forward pass is reported before the first gradient");
     for (int i = 0; i < f.l.n_layers; i++) {
         const int layer = f.l.n_layers - 1 - i;
         cr_expect_eq(log.order[2 * i], 2 * layer, "call %d", 2 * i);
@@ -639,13 +646,15 @@ Test(model, bags_report_the_table_last)
     for (int i = 0; i < B * F * M; i++) ids[i] = (uint32_t)(i * 5 % ROWS);
     float *grads = psw_model_grads(m);
     for (size_t i = 0; i < l.n_params; i++) grads[i] = NAN;
-    ready_log_t log = {.l = &l, .m = m};
+    ready_log_t log = {.l = &l, .m = m, .forward_at = -1};
     log.snap = calloc(l.n_params, sizeof(float));
     cr_assert_not_null(log.snap);
     for (int rep = 0; rep < 2; rep++) { /* the second step must not add to the first's dE */
         log.n = 0;
+        log.forward_at = -1;
         psw_model_train_bags(m, ids, y, B, NULL, NULL, on_ready, &log);
         cr_assert_eq(log.n, 5);
+        cr_assert_eq(log.forward_at, 0);
         const int want[5] = {2, 3, 0, 1, 4};
         for (int i = 0; i < 5; i++) cr_expect_eq(log.order[i], want[i], "call %d", i);
         for (size_t j = 0; j < l.t[4].numel; j++)

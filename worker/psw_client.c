@@ -631,6 +631,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         rc = recv_msg(c, deadline, timeout_s, err, errlen);
         if (rc < 0) return rc;
         if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_ASSIGN) break;
+        if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_HEARTBEAT) continue; /* for its last slot, sent before this */
         PS_WARN("dropped an unexpected %s before the assignment", ps_msg_type_name((int)c->cur.hdr->type));
     }
     Psd__Header *ah = c->cur.hdr;
@@ -688,6 +689,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     }
     out->start_timeout_s = a->start_timeout_s;
     out->step_timeout_s = a->step_timeout_s;
+    out->silence_s = a->silence_s;
     if (a->ctr) { /* model.kind ctr: checked as psd checks its config */
         Psd__CtrTask *t = a->ctr;
         out->ctr.fields = (int)t->fields;
@@ -1624,6 +1626,9 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
             }
             if (h->validate->rows) return take_val_rows(c, ev, err, errlen);
             return take_tensors(c, ev, h->validate->shm_slot, h->validate->crc, false, err, errlen);
+        case PSD__MSG_TYPE__MSG_HEARTBEAT: /* psd is there, and this worker waits on it: wait on */
+            deadline = ps_now() + timeout_s;
+            continue;
         case PSD__MSG_TYPE__MSG_SHUTDOWN:
             ev->kind = PSW_EV_SHUTDOWN;
             ev->exit_code = h->shutdown->exit_code;

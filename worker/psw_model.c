@@ -235,6 +235,7 @@ static void train(psw_model_t *m, const float *x_host, const uint32_t *ids_host,
 
     int cur = 0; /* delta[cur] holds d(loss)/d(output of layer i) */
     forward(m, x_host, ids_host, labels_host, B, m->delta[cur], loss_sum, correct);
+    if (ready) ready(ud, -1);
     for (int i = L - 1; i >= 0; i--) {
         float *dx = i > 0 || m->bags.fields ? m->delta[1 - cur] : NULL;
         be->linear_bwd(be, dx, tensor(m->grads, l, 2 * i), tensor(m->grads, l, 2 * i + 1),

@@ -16,7 +16,8 @@ typedef struct psw_model psw_model_t;
 
 /* Called during backward as soon as the gradient of tensor `tensor` (index in
  * the layout) is complete, last layer first. The backend may still be working
- * asynchronously on earlier layers. */
+ * asynchronously on earlier layers. Called once with tensor -1 before, when
+ * the forward pass has been issued (a long step's sign of life). */
 typedef void (*psw_grad_ready_fn)(void *ud, int tensor);
 
 /* Borrow be; batches up to max_batch. Returns NULL on allocation failure.

@@ -62,6 +62,7 @@ typedef struct {
     float *dev_vals, *rows_host;
     size_t dev_nt;    /* rows in dev_ids this step */
     int dev_rows_dl;  /* this step's table gradient goes down as those rows */
+    double beat_at;   /* the step's start, or its last HEARTBEAT to psd */
     int split;         /* push tensor by tensor, as each is ready */
     int ready_order[PS_MAX_TENSORS], n_ready, ticket[PS_MAX_TENSORS];
     size_t batch_rows; /* the table on psd: rows of the batch in training (its gradient's rows 0..n-1) */
@@ -332,11 +333,30 @@ static void replica_rows(wk_t *w, const float *E, const uint32_t *ids, size_t n)
     w->be->scatter_rows(w->be, dst, w->dev_ids, w->dev_vals, n, (int)D);
 }
 
+/* A step that computes for long says it is alive every second, or three
+ * times within psd's silence limit if that is shorter (psd takes a worker
+ * it waits for and hears nothing from for its worker timeout, 5 s by
+ * default, for lost). */
+static void beat(wk_t *w)
+{
+    double now = ps_now(), every = w->a.silence_s > 0 && w->a.silence_s < 3.0 ? w->a.silence_s / 3 : 1.0;
+    if (now - w->beat_at < every) return;
+    psw_client_heartbeat(w->c, w->epoch);
+    w->beat_at = now;
+}
+
 /* Backward reached tensor t: start copying its gradient to the wire buffer
- * (device backends) while earlier layers still compute. */
+ * (device backends) while earlier layers still compute. t = -1: the
+ * forward pass is done. */
 static void grad_ready(void *ud, int t)
 {
     wk_t *w = ud;
+    beat(w);
+    if (t < 0) return;
+    if (w->o->slow_ms > 0) { /* tests: a step that computes slowly, layer by layer (slow_ms in all) */
+        long ns = (long)w->o->slow_ms * 1000000L / w->layout.n_tensors;
+        nanosleep(&(struct timespec){ns / 1000000000L, ns % 1000000000L}, NULL);
+    }
     if (!w->be->host_visible) {
         size_t off = w->mlayout.t[t].offset, numel = w->mlayout.t[t].numel;
         if (w->on_psd && t == w->layout.table) /* only the batch's rows have a gradient */
@@ -382,6 +402,7 @@ static int train_step(wk_t *w, const psw_event_t *ev)
 {
     int rc = push_done(w);
     if (rc < 0) return rc;
+    w->beat_at = ps_now();
     if (set_weights(w, ev, !w->dev_ids) != 0) return -EPROTO; /* a device's replica: the batch's rows below */
     int B = (int)(w->n_ids - w->pos < w->a.batch_size ? w->n_ids - w->pos : w->a.batch_size);
     double loss = 0;
@@ -424,7 +445,6 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     w->pos += (size_t)B;
     w->steps++;
     int last = w->pos >= w->n_ids;
-    if (w->o->slow_ms > 0) nanosleep(&(struct timespec){w->o->slow_ms / 1000, (w->o->slow_ms % 1000) * 1000000L}, NULL);
 
     const float *base = w->be->host_visible ? psw_model_grads(w->m) : w->grads_host; /* laid out as mlayout */
     const float *g[PSW_MAX_TENSORS];

@@ -62,6 +62,7 @@ typedef struct {
     double sparse_threshold;   /* train.sparse_threshold: see psw_client_push_rows */
     double start_timeout_s;    /* how long to wait for the first epoch */
     double step_timeout_s;     /* how long to wait for any later reply */
+    double silence_s;          /* psd takes a worker it waits for and hears nothing from this long for lost */
     int shm;                   /* tensors go through shared memory with psd (same host) */
     int stream;                /* train.stream: pushes and weights go in chunks (psw_client_push splits them) */
     /* model.kind: ctr when ctr.fields > 0 (n_files 0): examples come from the generator of
