@@ -1417,7 +1417,8 @@ Test(short, a_worker_joining_while_psd_shards_write_the_weights_trains_nothing)
 
 /* A shard whose chunk of the final weights does not match what shard 0
  * asked for (test flag: its last frame a float short) ends the run:
- * exit 5, and no weights file, finished or not. */
+ * exit 5, and no weights file, finished or not. Without --save, shard 0
+ * fetches nothing, so the same shard ends well. */
 Test(short, a_broken_chunk_of_the_final_weights_leaves_no_file)
 {
     const char *args0[] = {"--epochs", "1", "--set", "data.train_limit=1000", "--set", "checkpoint.dir=", "--shard",
@@ -1440,6 +1441,21 @@ Test(short, a_broken_chunk_of_the_final_weights_leaves_no_file)
     cr_assert_neq(proc_wait(f, 30), -1, "shard 1 ends with the run");
     proc_wait(w0, 30);
     proc_wait(w1, 30);
+    /* without --save nothing is fetched: the same broken shard, and the run ends well */
+    const char *nosave[] = {"--epochs", "1", "--set", "data.train_limit=1000", "--set", "checkpoint.dir=", "--shard",
+                            "0/2", "--save", "", NULL};
+    p = start_psd(&r, "brokenw-nosave", 2, nosave);
+    f = start_shard(&r, "brokenw-nosave", 1, 2, args1);
+    w0 = start_worker(&r, "brokenw-nosave", 0, NULL), w1 = start_worker(&r, "brokenw-nosave", 1, NULL);
+    code = proc_wait(p, 120);
+    log = slurp(r.psd_log);
+    cr_assert_eq(code, 0, "exit 0 (got %d):\n%s", code, log);
+    cr_assert(!strstr(log, "saved weights") && !strstr(log, "final weights"), "%s", log);
+    free(log);
+    cr_assert(access(r.weights, F_OK) != 0, "no weights file");
+    cr_assert_eq(proc_wait(f, 30), 0, "shard 1 ends with the run");
+    cr_assert_eq(proc_wait(w0, 30), 0);
+    cr_assert_eq(proc_wait(w1, 30), 0);
 }
 
 /* Shards that do not fit the run are refused with a clear message, and
