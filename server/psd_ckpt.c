@@ -152,7 +152,9 @@ static void meta_pack(uint8_t b[CKPT_HDR_LEN], const psd_ckpt_meta_t *m)
     p = put_u64(p, m->n_params);
     p = put_u64(p, m->table_rows);
     p = put_u32(p, m->table_dim);
-    p = put_u32(p, 0);
+    const uint32_t shards = m->shards ? m->shards : 1; /* 0: one psd */
+    PS_ASSERT(shards <= 0xffff && m->shard < shards);
+    p = put_u32(p, shards << 16 | m->shard); /* format 3 */
     PS_ASSERT(p - b == CKPT_HDR_LEN);
 }
 
@@ -162,7 +164,7 @@ static size_t hdr_len(const uint8_t b[8])
     uint32_t format;
     get_u32(b + 4, &format);
     if (memcmp(b, "PSDC", 4) != 0) return 0;
-    return format == PSD_CKPT_FORMAT ? CKPT_HDR_LEN : format == 1 ? CKPT_HDR_LEN_V1 : 0;
+    return format == PSD_CKPT_FORMAT || format == 2 ? CKPT_HDR_LEN : format == 1 ? CKPT_HDR_LEN_V1 : 0;
 }
 
 /* Parse and sanity-check a header (hdr_len(b) bytes). NULL, or the reason it
@@ -202,7 +204,13 @@ static const char *meta_unpack(psd_ckpt_meta_t *m, const uint8_t b[CKPT_HDR_LEN]
         p = get_u32(p, &reserved);
     }
     PS_ASSERT((size_t)(p - b) == hdr_len(b));
-    if (reserved != 0) return "bad reserved field";
+    if (format >= 3) { /* the shard layout */
+        m->shards = reserved >> 16;
+        m->shard = reserved & 0xffff;
+        if (m->shards < 1 || m->shard >= m->shards) return "bad psd shard fields";
+    } else if (reserved != 0) {
+        return "bad reserved field";
+    }
 
     if (n_sizes < 2 || n_sizes > PS_MAX_LAYERS + 1) return "bad layer count";
     for (uint32_t i = 0; i < PS_MAX_LAYERS + 1; i++) {

@@ -25,7 +25,7 @@
 #include "ps_model.h"
 #include "psd_store.h"
 
-#define PSD_CKPT_FORMAT 2u /* 2 adds the embedding table's shape; 1 is still read */
+#define PSD_CKPT_FORMAT 3u /* 3 adds the psd shard layout, 2 the embedding table's shape; 2 and 1 are still read */
 
 typedef struct {
     uint64_t run_id, config_hash, seed;
@@ -48,6 +48,10 @@ typedef struct {
     uint64_t n_params;      /* floats per arena (layout n_params) */
     uint64_t table_rows;    /* embedding table E (model.kind: ctr), 0: none */
     uint32_t table_dim;
+    /* the part of the parameters the file holds: psd shard `shard` of
+     * `shards` (1: one psd, the whole model; a writer's 0 is taken for 1);
+     * read as 0 from files of format 1 and 2, which do not say */
+    uint32_t shard, shards;
 } psd_ckpt_meta_t;
 
 typedef struct psd_ckpt_writer psd_ckpt_writer_t;

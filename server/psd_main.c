@@ -1,9 +1,11 @@
 /* psd - the parameter server daemon: owns the run description, the master
  * weights and the optimizer state; workers connect and are told what to do. */
+#include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ps_config.h"
 #include "ps_log.h"
@@ -286,6 +288,22 @@ int main(int argc, char **argv)
     if (eval_path) {
         code = psd_eval_run(&cfg, eval_path, threads);
         goto out;
+    }
+    if (run.stop_after_epoch > 0 && !cfg.ckpt_dir[0]) {
+        fprintf(stderr, "psd: --stop-after-epoch needs checkpoints to resume from, and checkpoint.dir is empty\n");
+        goto out;
+    }
+    if (run.shard == 0 && cfg.save[0]) { /* found out now, not after the training */
+        char dir[PS_PATH_MAX];
+        snprintf(dir, sizeof dir, "%s", cfg.save);
+        char *slash = strrchr(dir, '/');
+        if (slash == dir) dir[1] = '\0';
+        else if (slash) *slash = '\0';
+        else snprintf(dir, sizeof dir, ".");
+        if (access(dir, W_OK | X_OK) != 0) {
+            fprintf(stderr, "psd: --save %s: cannot write in %s: %s\n", cfg.save, dir, strerror(errno));
+            goto out;
+        }
     }
     ps_early_stop_signals(); /* a stop while loading is acted on once the loop runs */
     code = run.shard > 0 ? psd_shard_run(&cfg, &run) : psd_server_run(&cfg, &run);

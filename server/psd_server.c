@@ -2013,7 +2013,8 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
         .train_s_total = s->train_s_total + (s->phase == PHASE_TRAIN ? ps_now() - s->t_epoch : 0),
         .samples_total = s->samples_total, .lr = s->lr, .train_count = s->train_count,
         .n_sizes = s->layout.n_sizes, .opt_kind = (uint32_t)s->cfg.opt,
-        .n_slots = (uint32_t)psd_optim_slots(&s->store.opt), .n_params = s->layout.n_params};
+        .n_slots = (uint32_t)psd_optim_slots(&s->store.opt), .n_params = s->layout.n_params,
+        .shard = 0, .shards = (uint32_t)s->n_shards};
     memcpy(m.sizes, s->layout.sizes, sizeof m.sizes);
     if (s->layout.table >= 0) {
         m.table_rows = (uint64_t)s->layout.t[s->layout.table].rows;
@@ -2063,12 +2064,18 @@ static void poll_checkpoint(srv_t *s, bool wait)
         s->ckpt_last_t = ps_now();
     }
     if (s->stop_when_written) {
-        finish(s, 0, s->stopping > 0 ? "psd was stopped; checkpoint saved" : "psd stopped as asked; checkpoint saved");
+        if (rc != 0) /* nothing to resume from: say so, and fail */
+            finish(s, PSD_EXIT_ERROR, "psd stopped; its checkpoint failed");
+        else
+            finish(s, 0, s->stopping > 0 ? "psd was stopped; checkpoint saved" : "psd stopped as asked; checkpoint saved");
         return;
     }
     if (s->ckpt_again) {
         s->ckpt_again = false;
-        take_checkpoint(s, false);
+        if (sharded(s) && s->phase == PHASE_DONE) /* the shards have stopped: a part alone is no checkpoint */
+            PS_WARN("the checkpoint asked for while another was written is not taken: the psd shards have stopped");
+        else
+            take_checkpoint(s, false);
     }
 }
 
@@ -3643,6 +3650,12 @@ static int resume(srv_t *s)
         PS_ERROR("cannot resume: %s", err);
         return PSD_EXIT_USAGE;
     }
+    if (m.shards && (m.shard != 0 || m.shards != (uint32_t)s->n_shards)) { /* its other parts are elsewhere */
+        PS_ERROR("cannot resume from %s: it holds the part of psd shard %u of %u, and this psd is shard 0 of %d: "
+                 "resume with the layout it was written with (--shard I/%u)",
+                 path, m.shard, m.shards, s->n_shards, m.shards);
+        goto out;
+    }
     if (m.config_hash != s->config_hash && !s->opts.force_resume) {
         PS_ERROR("cannot resume from %s: it was written with another config (hash %016" PRIx64
                  ", this one %016" PRIx64 "); use --force-resume to resume anyway",
@@ -3653,7 +3666,7 @@ static int resume(srv_t *s)
     if (m.n_params != s->layout.n_params || m.n_sizes != s->layout.n_sizes ||
         memcmp(m.sizes, s->layout.sizes, sizeof m.sizes) != 0 || m.train_count != s->train_count ||
         m.table_rows != rows || (rows && (int)m.table_dim != s->layout.t[s->layout.table].cols) ||
-        m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt)) {
+        m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt) || m.opt_kind != (uint32_t)s->cfg.opt) {
         PS_ERROR("cannot resume from %s: its model, optimizer or data do not match this config", path);
         goto out;
     }
@@ -4035,7 +4048,9 @@ out:
             zmq_end(s, 250);
             _exit(code);
         }
-        poll_checkpoint(s, true);
+        /* the one under way, then the one asked for while it was written
+         * (the run's last, maybe): each waited for */
+        for (int i = 0; i < 3 && s->ckpt; i++) poll_checkpoint(s, true);
     }
     if (loop_ok) {
         psd_http_stop(&s->http);

@@ -469,6 +469,8 @@ static void ckpt_meta(shard_t *s, psd_ckpt_meta_t *m)
     }
     m->opt_kind = (uint32_t)s->cfg.opt;
     m->n_slots = (uint32_t)psd_optim_slots(&s->store.opt);
+    m->shard = (uint32_t)s->opts.shard;
+    m->shards = (uint32_t)s->opts.shards;
     m->n_params = s->layout.n_params;
     m->lr = s->lr;
 }
@@ -521,9 +523,13 @@ static int resume_part(shard_t *s, uint64_t step, uint64_t version)
     uint64_t rows = s->layout.table >= 0 ? (uint64_t)s->layout.t[s->layout.table].rows : 0;
     if (m.version != version || m.n_params != s->layout.n_params || m.table_rows != rows ||
         (rows && (int)m.table_dim != s->layout.t[s->layout.table].cols) ||
-        m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt) || m.run_id != s->run_id) {
+        m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt) || m.opt_kind != (uint32_t)s->cfg.opt ||
+        m.run_id != s->run_id) {
         PS_ERROR("shard %d: %s does not fit the run shard 0 resumed (version, model, optimizer or run)", s->opts.shard,
                  path);
+    } else if (m.shards && (m.shard != (uint32_t)s->opts.shard || m.shards != (uint32_t)s->opts.shards)) {
+        PS_ERROR("shard %d: %s holds the part of psd shard %u of %u, not of shard %d of %d", s->opts.shard, path,
+                 m.shard, m.shards, s->opts.shard, s->opts.shards);
     } else if (m.config_hash != s->config_hash && !s->opts.force_resume) {
         PS_ERROR("shard %d: %s was written with another config; use --force-resume to resume anyway", s->opts.shard,
                  path);

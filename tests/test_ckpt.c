@@ -133,6 +133,8 @@ static void meta_make(psd_ckpt_meta_t *m, const psd_store_t *s, uint64_t step, u
     for (int i = 0; i < s->layout.n_sizes; i++) m->sizes[i] = s->layout.sizes[i];
     m->opt_kind = PS_OPT_ADAM;
     m->n_slots = 2;
+    m->shard = 1; /* psd shard 1 of 3 (format 3) */
+    m->shards = 3;
     m->n_params = s->layout.n_params;
 }
 
@@ -302,6 +304,8 @@ Test(ckpt, roundtrip_every_field, .init = dir_setup, .fini = dir_teardown)
     cr_expect_eq(L.meta.opt_kind, m.opt_kind);
     cr_expect_eq(L.meta.n_slots, m.n_slots);
     cr_expect_eq(L.meta.n_params, m.n_params);
+    cr_expect_eq(L.meta.shard, 1);
+    cr_expect_eq(L.meta.shards, 3);
     cr_expect_eq(memcmp(&L.meta, &m, sizeof m), 0, "whole struct");
     cr_expect_eq(memcmp(L.seen, seen, 126), 0, "seen bitmap");
     cr_expect_eq(memcmp(L.w, s.cur->w, n * 4), 0, "weights");
@@ -368,6 +372,7 @@ Test(ckpt, table_shape_and_format_1, .init = dir_setup, .fini = dir_teardown)
     file_write(p7, v1, len - 16);
     cr_assert_eq(load(&L), 0, "%s", L.err);
     cr_expect_str_eq(L.path, p7);
+    m.shard = m.shards = 0; /* format 1 does not say */
     cr_expect_eq(memcmp(&L.meta, &m, sizeof m), 0, "format 1 header");
     cr_expect_eq(memcmp(L.w, s.cur->w, s.layout.n_params * 4), 0, "format 1 weights");
     cr_expect_eq(memcmp(L.slots[1], s.s1, s.layout.n_params * 4), 0, "format 1 slot 1");

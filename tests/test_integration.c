@@ -1310,6 +1310,15 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
     cr_assert(strstr(l, "nothing to train") && strstr(l, "not written: psd shards write the weights file"), "%s", l);
     free(l);
     cr_assert(access(e.weights, F_OK) != 0, "no weights file of one part");
+    /* a plain psd resuming shard 0's part (the rest of its file is zeros) is refused: the file
+     * says which part of how many shards it holds (checkpoint format 3) */
+    run_t g;
+    p = start_psd(&g, "plain", 2, res);
+    cr_assert_eq(proc_wait(p, 60), 2, "one psd does not resume a shard's part");
+    l = slurp(g.psd_log);
+    cr_assert(strstr(l, "it holds the part of psd shard 0 of 2, and this psd is shard 0 of 1"), "%s", l);
+    free(l);
+    cr_assert(access(g.weights, F_OK) != 0, "no weights file");
 }
 
 /* A shard that dies ends the run with exit 5 and a clear error (its part of
@@ -4952,4 +4961,67 @@ Test(short, a_registration_never_ready_is_forgotten)
     ps_msg_deinit(&m);
     zmq_close(d);
     zmq_ctx_term(ctx);
+}
+
+/* Stops and resumes that could not be what they say are refused up front or
+ * fail loudly: --stop-after-epoch without checkpoints, --save into a
+ * directory that is not there (found at start, not after the training), a
+ * checkpoint resumed with another optimizer of the same slot count (even
+ * forced), and a stop whose checkpoint fails (exit 1, not "checkpoint
+ * saved"). */
+Test(short, stops_and_resumes_that_cannot_work_are_refused)
+{
+    cr_assert_eq(run_cmd("'%s' --stop-after-epoch 1 --set checkpoint.dir= --listen tcp://127.0.0.1:1 > '%s/nock.txt' 2>&1",
+                         psd_bin, dir), 2);
+    char out[512];
+    path(out, sizeof out, "nock.txt");
+    char *t = slurp(out);
+    cr_assert(t && strstr(t, "--stop-after-epoch needs checkpoints"), "%s", t ? t : "");
+    free(t);
+    cr_assert_eq(run_cmd("'%s' --save '%s/no/such/dir/w.bin' --listen tcp://127.0.0.1:1 > '%s/nosave.txt' 2>&1", psd_bin,
+                         dir, dir), 2);
+    path(out, sizeof out, "nosave.txt");
+    t = slurp(out);
+    cr_assert(t && strstr(t, "cannot write in") && strstr(t, "No such file or directory"), "%s", t ? t : "");
+    free(t);
+    /* a checkpoint of SGD with momentum (one slot), resumed as Adagrad (one slot) */
+    char ck[256], arg[300];
+    path(ck, sizeof ck, "optck");
+    snprintf(arg, sizeof arg, "checkpoint.dir=%s", ck);
+    const char *stop[] = {"--epochs", "2", "--set", "data.train_limit=1000", "--set", arg, "--stop-after-epoch", "1",
+                          NULL};
+    run_t a;
+    train(&a, "optstop", 1, stop, 120);
+    cr_assert_eq(a.psd_code, 0);
+    const char *res[] = {"--epochs", "2", "--set", "data.train_limit=1000", "--set", arg, "--resume", ck,
+                         "--force-resume", "--set", "optimizer.name=adagrad", NULL};
+    run_t b;
+    pid_t p = start_psd(&b, "optres", 1, res);
+    cr_assert_eq(proc_wait(p, 60), 2, "another optimizer's state is not resumed");
+    t = slurp(b.psd_log);
+    cr_assert(t && strstr(t, "its model, optimizer or data do not match"), "%s", t ? t : "");
+    free(t);
+    /* the checkpoint of a stop fails (its directory is gone): exit 1, and the workers are told */
+    char ck2[256], arg2[300];
+    path(ck2, sizeof ck2, "goneck");
+    snprintf(arg2, sizeof arg2, "checkpoint.dir=%s", ck2);
+    const char *gone[] = {"--epochs", "2", "--set", "data.train_limit=1000", "--set", arg2, "--stop-after-epoch", "1",
+                          NULL};
+    const char *slowed[] = {"--x-slow-ms", "100", NULL};
+    run_t c;
+    p = start_psd(&c, "goneck", 1, gone);
+    pid_t w = start_worker(&c, "goneck", 0, slowed);
+    wait_log(c.psd_log, "training 2 epochs", 60);
+    cr_assert_eq(run_cmd("rm -rf '%s'", ck2), 0);
+    c.psd_code = proc_wait(p, 120);
+    c.worker_code[0] = proc_wait(w, 30);
+    t = slurp(c.psd_log);
+    cr_assert_eq(c.psd_code, 1, "exit 1 (got %d): %s", c.psd_code, t ? t : "");
+    cr_assert(t && strstr(t, "checkpoint failed") && !strstr(t, "checkpoint saved"), "%s", t ? t : "");
+    free(t);
+    path(out, sizeof out, "goneck-w0.log");
+    t = slurp(out);
+    cr_assert(t && strstr(t, "psd ended the run: psd stopped; its checkpoint failed"), "%s", t ? t : "");
+    free(t);
+    cr_assert_eq(c.worker_code[0], 1, "the worker exits with psd's code");
 }
