@@ -3958,6 +3958,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
                      "and this run has nothing left to train (each shard's checkpoint holds its part)", c->save);
             s->exit_code = PSD_EXIT_ERROR;
         } else {
+            s->epoch--; /* the last epoch trained, as the end of the run writes it */
             save_weights(s);
         }
         code = s->exit_code;

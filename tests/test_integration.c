@@ -3583,6 +3583,15 @@ Test(short, stopped_at_an_epoch_boundary_and_resumed_gives_identical_weights)
     train(&c, "rest", 2, second, 300);
     cr_assert_eq(c.psd_code, 0);
     cr_assert(weights_equal(a.weights, c.weights), "resumed run ends with bit-identical weights");
+    /* resumed once more at its end: nothing to train, and the weights file is the same, its
+     * header (step, last epoch trained) included */
+    run_t d;
+    pid_t p = start_psd(&d, "atend1", 2, second);
+    cr_assert_eq(proc_wait(p, 60), 0);
+    char *l = slurp(d.psd_log);
+    cr_assert(l && strstr(l, "nothing to train"), "%s", l ? l : "");
+    free(l);
+    cr_assert(weights_equal(a.weights, d.weights), "the weights file of a resume at the end = the run's");
     /* and another config is refused */
     cr_assert_eq(run_cmd("'%s' --resume '%s' --set optimizer.lr=0.5 --set '%s' --check-config > /dev/null 2>&1",
                          psd_bin, dirbuf, ck), 2);
