@@ -276,8 +276,13 @@ int main(int argc, char **argv)
         code = ps_config_write_yaml(&cfg, stdout) == 0 ? 0 : 1;
         goto out;
     }
+    if (check && run.resume_dir && run.shard > 0) { /* its part is found at the step shard 0 resumes */
+        fprintf(stderr, "psd: --check-config --resume checks shard 0's checkpoint: run it with --shard 0/%d\n",
+                run.shards);
+        goto out;
+    }
     if (check && run.resume_dir) { /* say which checkpoint a resume would use */
-        code = psd_resume_check(run.resume_dir, &cfg, run.force_resume);
+        code = psd_resume_check(run.resume_dir, &cfg, run.force_resume, run.shards);
         goto out;
     }
     if (check) {

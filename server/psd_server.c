@@ -3632,6 +3632,22 @@ static int resolve_resume_dir(const char *dir, char *out, size_t n)
     return 0;
 }
 
+/* Why checkpoint m cannot be resumed as shard 0 of `shards` with model l and
+ * optimizer o (resume and --check-config --resume alike); NULL if it can.
+ * The data's size is checked by resume only (it needs the data loaded). */
+static const char *ckpt_misfit(const psd_ckpt_meta_t *m, const ps_layout_t *l, const psd_optim_t *o, int shards)
+{
+    if (m->shards && (m->shard != 0 || m->shards != (uint32_t)shards))
+        return "it holds the part of another psd shard layout: resume with the --shard I/N it was written with";
+    uint64_t rows = l->table >= 0 ? (uint64_t)l->t[l->table].rows : 0;
+    if (m->n_params != l->n_params || m->n_sizes != l->n_sizes || memcmp(m->sizes, l->sizes, sizeof m->sizes) != 0 ||
+        m->table_rows != rows || (rows && (int)m->table_dim != l->t[l->table].cols))
+        return "its model does not match this config";
+    if (m->n_slots != (uint32_t)psd_optim_slots(o) || m->opt_kind != (uint32_t)o->kind)
+        return "its optimizer does not match this config";
+    return NULL;
+}
+
 /* --resume DIR: the newest valid checkpoint into the store and the run. */
 static int resume(srv_t *s)
 {
@@ -3656,18 +3672,15 @@ static int resume(srv_t *s)
                  path, m.shard, m.shards, s->n_shards, m.shards);
         goto out;
     }
+    const char *misfit = ckpt_misfit(&m, &s->layout, &s->store.opt, s->n_shards);
     if (m.config_hash != s->config_hash && !s->opts.force_resume) {
         PS_ERROR("cannot resume from %s: it was written with another config (hash %016" PRIx64
                  ", this one %016" PRIx64 "); use --force-resume to resume anyway",
                  path, m.config_hash, s->config_hash);
         goto out;
     }
-    uint64_t rows = s->layout.table >= 0 ? (uint64_t)s->layout.t[s->layout.table].rows : 0;
-    if (m.n_params != s->layout.n_params || m.n_sizes != s->layout.n_sizes ||
-        memcmp(m.sizes, s->layout.sizes, sizeof m.sizes) != 0 || m.train_count != s->train_count ||
-        m.table_rows != rows || (rows && (int)m.table_dim != s->layout.t[s->layout.table].cols) ||
-        m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt) || m.opt_kind != (uint32_t)s->cfg.opt) {
-        PS_ERROR("cannot resume from %s: its model, optimizer or data do not match this config", path);
+    if (misfit || m.train_count != s->train_count) {
+        PS_ERROR("cannot resume from %s: %s", path, misfit ? misfit : "its data does not match this config");
         goto out;
     }
     if (m.config_hash != s->config_hash) PS_WARN("resuming with another config, as forced");
@@ -4106,7 +4119,7 @@ out:
     return code;
 }
 
-int psd_resume_check(const char *dir, const ps_config_t *c, int force)
+int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shards)
 {
     psd_ckpt_meta_t m;
     uint8_t *seen = NULL;
@@ -4130,6 +4143,15 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force)
         fprintf(stderr, "psd: cannot resume from %s: it was written with another config (hash %016" PRIx64
                         ", this one %016" PRIx64 "); use --force-resume to resume anyway\n",
                 path, m.config_hash, h);
+        return PSD_EXIT_USAGE;
+    }
+    ps_layout_t l;
+    psd_optim_t o;
+    psd_optim_from_config(&o, c);
+    const char *misfit = ps_config_layout(c, &l) != 0 ? "this config's model is invalid"
+                                                       : ckpt_misfit(&m, &l, &o, shards > 1 ? shards : 1);
+    if (misfit) {
+        fprintf(stderr, "psd: cannot resume from %s: %s\n", path, misfit);
         return PSD_EXIT_USAGE;
     }
     printf("psd: would resume run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s\n", m.run_id, path, m.step,

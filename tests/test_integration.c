@@ -1318,6 +1318,12 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
     l = slurp(g.psd_log);
     cr_assert(strstr(l, "it holds the part of psd shard 0 of 2, and this psd is shard 0 of 1"), "%s", l);
     free(l);
+    cr_assert_eq(run_cmd("'%s' --resume '%s' --check-config --epochs 2 --set data.train_limit=3000 --seed 3 --set "
+                         "optimizer.name=adam --set optimizer.lr=0.002 --set optimizer.clip_norm=0.5 --set '%s' > "
+                         "/dev/null 2>&1", psd_bin, ck, arg), 2, "--check-config finds it too");
+    cr_assert_eq(run_cmd("'%s' --resume '%s' --check-config --shard 0/2 --epochs 2 --set data.train_limit=3000 --seed 3 "
+                         "--set optimizer.name=adam --set optimizer.lr=0.002 --set optimizer.clip_norm=0.5 --set '%s' > "
+                         "/dev/null 2>&1", psd_bin, ck, arg), 0, "and takes it as shard 0 of 2");
     cr_assert(access(g.weights, F_OK) != 0, "no weights file");
 }
 
@@ -5008,8 +5014,15 @@ Test(short, stops_and_resumes_that_cannot_work_are_refused)
     pid_t p = start_psd(&b, "optres", 1, res);
     cr_assert_eq(proc_wait(p, 60), 2, "another optimizer's state is not resumed");
     t = slurp(b.psd_log);
-    cr_assert(t && strstr(t, "its model, optimizer or data do not match"), "%s", t ? t : "");
+    cr_assert(t && strstr(t, "its optimizer does not match this config"), "%s", t ? t : "");
     free(t);
+    /* --check-config --resume says the same (it checks what a resume checks, but the data) */
+    cr_assert_eq(run_cmd("'%s' --resume '%s' --force-resume --set optimizer.name=adagrad --check-config > /dev/null "
+                         "2>&1", psd_bin, ck), 2);
+    cr_assert_eq(run_cmd("'%s' --resume '%s' --force-resume --set 'model.layers=[784,32,10]' --check-config > "
+                         "/dev/null 2>&1", psd_bin, ck), 2);
+    cr_assert_eq(run_cmd("'%s' --resume '%s' --epochs 2 --set data.train_limit=1000 --set '%s' --check-config > "
+                         "/dev/null 2>&1", psd_bin, ck, arg), 0, "the same config would resume");
     /* the checkpoint of a stop fails (its directory is gone): exit 1, and the workers are told */
     char ck2[256], arg2[300];
     path(ck2, sizeof ck2, "goneck");
