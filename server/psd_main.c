@@ -2,6 +2,7 @@
  * weights and the optimizer state; workers connect and are told what to do. */
 #include <errno.h>
 #include <getopt.h>
+#include <libgen.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -299,12 +300,9 @@ int main(int argc, char **argv)
         goto out;
     }
     if (run.shard == 0 && cfg.save[0]) { /* found out now, not after the training */
-        char dir[PS_PATH_MAX];
-        snprintf(dir, sizeof dir, "%s", cfg.save);
-        char *slash = strrchr(dir, '/');
-        if (slash == dir) dir[1] = '\0';
-        else if (slash) *slash = '\0';
-        else snprintf(dir, sizeof dir, ".");
+        char buf[PS_PATH_MAX];
+        snprintf(buf, sizeof buf, "%s", cfg.save);
+        const char *dir = dirname(buf); /* as ps_atomic_commit finds the directory */
         if (access(dir, W_OK | X_OK) != 0) {
             fprintf(stderr, "psd: --save %s: cannot write in %s: %s\n", cfg.save, dir, strerror(errno));
             goto out;

@@ -2067,7 +2067,8 @@ static void poll_checkpoint(srv_t *s, bool wait)
         if (rc != 0) /* nothing to resume from: say so, and fail */
             finish(s, PSD_EXIT_ERROR, "psd stopped; its checkpoint failed");
         else
-            finish(s, 0, s->stopping > 0 ? "psd was stopped; checkpoint saved" : "psd stopped as asked; checkpoint saved");
+            finish(s, 0,
+                   s->stopping > 0 ? "psd was stopped; checkpoint saved" : "psd stopped as asked; checkpoint saved");
         return;
     }
     if (s->ckpt_again) {
@@ -3633,12 +3634,16 @@ static int resolve_resume_dir(const char *dir, char *out, size_t n)
 }
 
 /* Why checkpoint m cannot be resumed as shard 0 of `shards` with model l and
- * optimizer o (resume and --check-config --resume alike); NULL if it can.
- * The data's size is checked by resume only (it needs the data loaded). */
-static const char *ckpt_misfit(const psd_ckpt_meta_t *m, const ps_layout_t *l, const psd_optim_t *o, int shards)
+ * optimizer o (resume and --check-config --resume alike), in why; NULL if
+ * it can. The data's size is checked by resume only (it needs the data). */
+static const char *ckpt_misfit(const psd_ckpt_meta_t *m, const ps_layout_t *l, const psd_optim_t *o, int shards,
+                               char *why, size_t n)
 {
-    if (m->shards && (m->shard != 0 || m->shards != (uint32_t)shards))
-        return "it holds the part of another psd shard layout: resume with the --shard I/N it was written with";
+    if (m->shards && (m->shard != 0 || m->shards != (uint32_t)shards)) { /* its other parts are elsewhere */
+        snprintf(why, n, "it holds the part of psd shard %u of %u, and this psd is shard 0 of %d: resume with the "
+                 "layout it was written with (--shard I/%u)", m->shard, m->shards, shards, m->shards);
+        return why;
+    }
     uint64_t rows = l->table >= 0 ? (uint64_t)l->t[l->table].rows : 0;
     if (m->n_params != l->n_params || m->n_sizes != l->n_sizes || memcmp(m->sizes, l->sizes, sizeof m->sizes) != 0 ||
         m->table_rows != rows || (rows && (int)m->table_dim != l->t[l->table].cols))
@@ -3666,13 +3671,8 @@ static int resume(srv_t *s)
         PS_ERROR("cannot resume: %s", err);
         return PSD_EXIT_USAGE;
     }
-    if (m.shards && (m.shard != 0 || m.shards != (uint32_t)s->n_shards)) { /* its other parts are elsewhere */
-        PS_ERROR("cannot resume from %s: it holds the part of psd shard %u of %u, and this psd is shard 0 of %d: "
-                 "resume with the layout it was written with (--shard I/%u)",
-                 path, m.shard, m.shards, s->n_shards, m.shards);
-        goto out;
-    }
-    const char *misfit = ckpt_misfit(&m, &s->layout, &s->store.opt, s->n_shards);
+    char why[256];
+    const char *misfit = ckpt_misfit(&m, &s->layout, &s->store.opt, s->n_shards, why, sizeof why);
     if (m.config_hash != s->config_hash && !s->opts.force_resume) {
         PS_ERROR("cannot resume from %s: it was written with another config (hash %016" PRIx64
                  ", this one %016" PRIx64 "); use --force-resume to resume anyway",
@@ -4148,8 +4148,10 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
     ps_layout_t l;
     psd_optim_t o;
     psd_optim_from_config(&o, c);
-    const char *misfit = ps_config_layout(c, &l) != 0 ? "this config's model is invalid"
-                                                       : ckpt_misfit(&m, &l, &o, shards > 1 ? shards : 1);
+    char why[256];
+    const char *misfit = ps_config_layout(c, &l) != 0
+                             ? "this config's model is invalid"
+                             : ckpt_misfit(&m, &l, &o, shards > 1 ? shards : 1, why, sizeof why);
     if (misfit) {
         fprintf(stderr, "psd: cannot resume from %s: %s\n", path, misfit);
         return PSD_EXIT_USAGE;
