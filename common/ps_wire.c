@@ -13,7 +13,8 @@ const char *ps_msg_type_name(int type)
                                   "PULL",     "WEIGHTS",  "PUSH",       "BARRIER",  "VALIDATE",
                                   "VAL_RESULT", "SHUTDOWN", "ERROR",    "HEARTBEAT", "LEAVE",
                                   "SHARD_HELLO", "SHARD_WORKER", "SHARD_HAVE", "SHARD_STEP", "SHARD_NORM",
-                                  "SHARD_APPLY", "SHARD_FETCH", "SHARD_CKPT", "CONTROL", "CONTROL_REPLY"};
+                                  "SHARD_APPLY", "SHARD_FETCH", "SHARD_CKPT", "CONTROL", "CONTROL_REPLY",
+                                  "SHARD_CKPT_DONE", "SHARD_RESUMED", "SHARD_RESUME"};
     if (type < 0 || type >= (int)(sizeof names / sizeof names[0])) return "UNKNOWN";
     return names[type];
 }
@@ -46,6 +47,9 @@ static int body_for_type(int type)
     case PSD__MSG_TYPE__MSG_SHARD_CKPT: return PSD__HEADER__BODY_SHARD_CKPT;
     case PSD__MSG_TYPE__MSG_CONTROL: return PSD__HEADER__BODY_CONTROL;
     case PSD__MSG_TYPE__MSG_CONTROL_REPLY: return PSD__HEADER__BODY_CONTROL_REPLY;
+    case PSD__MSG_TYPE__MSG_SHARD_CKPT_DONE: return PSD__HEADER__BODY_SHARD_CKPT;
+    case PSD__MSG_TYPE__MSG_SHARD_RESUMED: return PSD__HEADER__BODY_SHARD_CKPT;
+    case PSD__MSG_TYPE__MSG_SHARD_RESUME: return PSD__HEADER__BODY_SHARD_HELLO;
     default: return -1;
     }
 }

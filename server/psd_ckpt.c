@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -268,9 +269,9 @@ static int ent_cmp_desc(const void *a, const void *b)
 }
 
 /* The ckpt-*.psdc names in dir, newest (highest step) first; caller frees
- * *ents. With tmp_below, also unlinks .ckpt-*.psdc.tmp files of steps below
- * it (left by a killed writer). 0 or -errno. */
-static int list_ckpts(const char *dir, ckpt_ent_t **ents, size_t *n, const uint64_t *tmp_below)
+ * *ents. With tmp_other, also unlinks .ckpt-*.psdc.tmp files of other
+ * steps than it (left by a killed writer). 0 or -errno. */
+static int list_ckpts(const char *dir, ckpt_ent_t **ents, size_t *n, const uint64_t *tmp_other)
 {
     DIR *d = opendir(dir);
     ckpt_ent_t *v = NULL;
@@ -283,7 +284,7 @@ static int list_ckpts(const char *dir, ckpt_ent_t **ents, size_t *n, const uint6
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
         uint64_t step;
-        if (tmp_below && parse_name(e->d_name, ".ckpt-", ".psdc.tmp", &step) && step < *tmp_below) {
+        if (tmp_other && parse_name(e->d_name, ".ckpt-", ".psdc.tmp", &step) && step != *tmp_other) {
             (void)unlinkat(dirfd(d), e->d_name, 0);
             continue;
         }
@@ -402,18 +403,30 @@ static int write_slot(psd_ckpt_writer_t *wr, ckpt_out_t *o, uint32_t s)
 }
 
 /* Keep the newest `keep` checkpoints (and always the one just written). */
+/* Keep the newest `keep` checkpoints up to the one written. Those of later
+ * steps are from before a resume at an older step (the run left them when
+ * it went back): they are removed, or a later resume would take them. */
 static void prune(psd_ckpt_writer_t *wr, const char *written)
 {
     ckpt_ent_t *ents;
-    size_t n;
+    size_t n, kept = 0;
     if (list_ckpts(wr->dir, &ents, &n, &wr->meta.step) != 0) return;
-    for (size_t i = (size_t)wr->keep; wr->keep > 0 && i < n; i++) {
+    for (size_t i = 0; i < n; i++) {
         char p[PATH_MAX];
         snprintf(p, sizeof p, "%s/%s", wr->dir, ents[i].name);
-        if (strcmp(p, written) != 0) (void)unlink(p);
+        if (strcmp(p, written) == 0 || (ents[i].step < wr->meta.step && kept < (size_t)wr->keep)) {
+            kept++;
+            continue;
+        }
+        if (ents[i].step == wr->meta.step) continue; /* another name of this step: not ours to judge */
+        (void)unlink(p);
     }
     free(ents);
 }
+
+static int test_delay_ms;
+
+void psd_ckpt_test_delay(int ms) { test_delay_ms = ms; }
 
 static void *writer_main(void *arg)
 {
@@ -454,6 +467,10 @@ static void *writer_main(void *arg)
     if (close(fd) != 0) {
         rc = -errno;
         goto out;
+    }
+    if (test_delay_ms > 0) { /* --x-slow-ckpt-ms: a slow disk */
+        struct timespec ts = {test_delay_ms / 1000, (long)(test_delay_ms % 1000) * 1000000L};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
     }
     if (rename(tmp, wr->path) != 0) {
         rc = -errno;
@@ -746,8 +763,8 @@ out:
     return why;
 }
 
-int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, float **weights, float *slots[2],
-                       char *path, size_t pathlen, char *err, size_t errlen)
+int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
+                       float *slots[2], char *path, size_t pathlen, char *err, size_t errlen)
 {
     char p[PATH_MAX], reason[256];
     ckpt_data_t d;
@@ -757,13 +774,25 @@ int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, fl
         ps_set_err(err, errlen, "checkpoint %s: %s", p, why);
         return -1;
     }
-    free(d.seen);
+    if (seen) *seen = d.seen;
+    else free(d.seen);
     *meta = d.meta;
     *weights = d.w;
     slots[0] = d.slots[0];
     slots[1] = d.slots[1];
     if (path && pathlen) snprintf(path, pathlen, "%s", p);
     return 0;
+}
+
+size_t psd_ckpt_steps(const char *dir, uint64_t at_most, uint64_t *steps, size_t max)
+{
+    ckpt_ent_t *ents = NULL;
+    size_t n = 0, k = 0;
+    if (list_ckpts(dir, &ents, &n, NULL) != 0) return 0;
+    for (size_t i = 0; i < n && k < max; i++)
+        if (ents[i].step <= at_most && (k == 0 || steps[k - 1] != ents[i].step)) steps[k++] = ents[i].step;
+    free(ents);
+    return k;
 }
 
 int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,

@@ -96,9 +96,17 @@ int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen,
                          float *slots[2], char *path, size_t pathlen, psd_ckpt_log_fn log, char *err,
                          size_t errlen);
 
-/* Load the checkpoint of exactly `step` in dir (a psd shard resuming where
- * shard 0 did): 0, or -1 with a message (missing, corrupt). */
-int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, float **weights, float *slots[2],
-                       char *path, size_t pathlen, char *err, size_t errlen);
+/* Load the checkpoint of exactly `step` in dir (psd shards resuming at a
+ * step every shard has): 0, or -1 with a message (missing, corrupt). seen
+ * may be NULL (not wanted). */
+int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
+                       float *slots[2], char *path, size_t pathlen, char *err, size_t errlen);
+
+/* The steps of the checkpoint files in dir up to at_most, newest first, at
+ * most max of them (by name: a file is read only when loaded). */
+size_t psd_ckpt_steps(const char *dir, uint64_t at_most, uint64_t *steps, size_t max);
+
+/* Tests (--x-slow-ckpt-ms): every writer waits ms before its rename. */
+void psd_ckpt_test_delay(int ms);
 
 #endif

@@ -13,6 +13,7 @@
 #include "ps_model.h"
 #include "psw_backend.h"
 #include "ps_wire.h"
+#include "psd_ckpt.h"
 #include "psd_eval.h"
 #include "psd_server.h"
 #include "ps_util.h"
@@ -75,7 +76,7 @@ int main(int argc, char **argv)
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
         OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
-        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_XFETCH, OPT_XBREAKFETCH, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
+        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_XFETCH, OPT_XBREAKFETCH, OPT_XSLOWCKPT, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
     };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, OPT_CONFIG},
@@ -103,6 +104,7 @@ int main(int argc, char **argv)
         {"x-verify-weights", no_argument, NULL, OPT_XVERIFY},
         {"x-fetch-floats", required_argument, NULL, OPT_XFETCH},
         {"x-break-fetch", no_argument, NULL, OPT_XBREAKFETCH},
+        {"x-slow-ckpt-ms", required_argument, NULL, OPT_XSLOWCKPT},
         {"shard", required_argument, NULL, OPT_SHARD},
         {"leader", required_argument, NULL, OPT_LEADER},
         {"advertise", required_argument, NULL, OPT_ADVERTISE},
@@ -182,6 +184,16 @@ int main(int argc, char **argv)
         case OPT_XNOZAP: run.no_zap = 1; break; /* tests only */
         case OPT_XVERIFY: run.verify_weights = 1; break; /* tests only */
         case OPT_XBREAKFETCH: run.break_fetch = 1; break; /* tests only */
+        case OPT_XSLOWCKPT: { /* tests only: a slow disk */
+            char *end;
+            long v = strtol(optarg, &end, 10);
+            if (*end || end == optarg || v < 0 || v > 600000) {
+                fprintf(stderr, "psd: --x-slow-ckpt-ms: expected an integer in [0, 600000], got '%s'\n", optarg);
+                goto out;
+            }
+            psd_ckpt_test_delay((int)v);
+            break;
+        }
         case OPT_XFETCH: { /* tests only */
             char *end;
             unsigned long long v = strtoull(optarg, &end, 10);

@@ -185,6 +185,9 @@ typedef struct {
     double last_seen;
     uint64_t seq_out;
     bool norm_in;
+    bool ck_acked;        /* its part of the checkpoint being taken is written, or failed (SHARD_CKPT_DONE) */
+    bool resumed;         /* --resume: it resumed its part (SHARD_RESUMED) at resumed_step */
+    uint64_t resumed_step, resumed_version;
 } shard_t;
 
 typedef struct {
@@ -334,9 +337,23 @@ typedef struct {
     char host_id[128];
     /* checkpoints */
     psd_ckpt_writer_t *ckpt;
+    /* the checkpoint being taken: step, version; with psd shards, shard 0's
+     * part is written (ck_open) and every shard's confirmation awaited */
+    uint64_t ck_step, ck_version;
+    bool ck_open;
+    int ck_rc;            /* shard 0's part: 0 or -errno */
+    char ck_path[PS_PATH_MAX];
+    char ck_fail[400];    /* the first shard's failure to write its part ("": none) */
+    /* --resume with psd shards: the directory resumed from and its steps up to
+     * the one resumed at, newest first: each shard resumes at the newest of
+     * them it has, and all go back to the oldest any shard resumed at */
+    char resume_dir[PS_PATH_MAX];
+    uint64_t resume_steps[64];
+    size_t n_resume_steps;
     bool ckpt_again;      /* another one was asked for while writing */
     int stopping;         /* signal number that asked to stop, or -1 for --stop-after-epoch */
     bool stop_when_written;
+    bool end_when_written; /* psd shards: the run ends once every part of its last checkpoint is written */
     char run_dir[PS_PATH_MAX]; /* checkpoint.dir/run-<run id>: this run's checkpoints */
     /* step intervals, to show what a checkpoint being written costs */
     double last_step_t;
@@ -468,6 +485,16 @@ static int shards_joined(const srv_t *s)
 }
 
 static bool all_shards(const srv_t *s) { return shards_joined(s) == s->n_shards - 1; }
+
+/* Every shard joined and, after a resume, resumed its part at shard 0's step:
+ * workers are sent their ASSIGN (which names every shard) from then on. */
+static bool shards_ready(const srv_t *s)
+{
+    if (!all_shards(s)) return false;
+    for (int i = 1; s->opts.resume_dir && i < s->n_shards; i++)
+        if (!s->shards[i].resumed || s->shards[i].resumed_step != s->store.steps) return false;
+    return true;
+}
 
 /* Bits of the shards 1..n-1 (bit i: shard i). */
 static uint32_t shard_bits(const srv_t *s) { return ((1u << s->n_shards) - 1u) & ~1u; }
@@ -1874,6 +1901,14 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
 /* The last epoch is validated (and every part of the weights is here). */
 static void end_run(srv_t *s)
 {
+    if (sharded(s) && (s->ckpt || s->ck_open)) { /* the shards write their parts of the last checkpoint: they
+                                                   * are told the run is over once each confirmed it */
+        s->end_when_written = true;
+        s->phase = PHASE_WAIT;
+        s->phase_deadline = INFINITY;
+        return;
+    }
+    s->end_when_written = false;
     double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
     double wall = ps_now() - s->t_start;
     if (!sharded(s)) save_weights(s); /* shards: written already (fetch_next) */
@@ -2001,7 +2036,7 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
         s->ckpt_deferred = true;
         return;
     }
-    if (s->ckpt) {
+    if (s->ckpt || s->ck_open) { /* one at a time: with shards, until each confirmed its part */
         s->ckpt_again = true;
         return;
     }
@@ -2020,12 +2055,16 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
         m.table_rows = (uint64_t)s->layout.t[s->layout.table].rows;
         m.table_dim = (uint32_t)s->layout.t[s->layout.table].cols;
     }
-    int rc = psd_ckpt_begin(&s->ckpt, s->run_dir, s->cfg.ckpt_keep, &m, s->seen, &s->store);
+    int rc = psd_ckpt_begin(&s->ckpt, s->run_dir, psd_ckpt_keep(&s->cfg, s->n_shards), &m, s->seen, &s->store);
     if (rc != 0) {
         PS_ERROR("cannot start a checkpoint in %s: %s", s->run_dir, strerror(-rc));
         s->ckpt = NULL;
         return;
     }
+    s->ck_step = m.step;
+    s->ck_version = m.version;
+    s->ck_fail[0] = '\0';
+    for (int i = 1; i < s->n_shards; i++) s->shards[i].ck_acked = false;
     if (sharded(s)) { /* every shard writes its part of the same step */
         Psd__Header h;
         Psd__ShardCkpt ck = PSD__SHARD_CKPT__INIT;
@@ -2039,32 +2078,34 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
     }
 }
 
-/* The writer finished: log, start the next one if asked, stop if asked. */
-static void poll_checkpoint(srv_t *s, bool wait)
+/* The checkpoint is written, or failed: every part of it (shard 0's, then
+ * each shard's confirmation). Answer psctl, stop if asked, start the next
+ * one if asked. `unconfirmed`: psd exits without waiting for the shards. */
+static void ckpt_complete(srv_t *s, bool unconfirmed)
 {
-    if (!s->ckpt) return;
-    if (!wait && !psd_ckpt_done(s->ckpt)) return;
-    char path[PS_PATH_MAX];
-    double secs = 0;
-    uint64_t bytes = 0, peak = 0;
-    int rc = psd_ckpt_end(&s->ckpt, path, sizeof path, &secs, &bytes, &peak);
+    s->ck_open = false;
+    char why[sizeof s->ck_fail];
+    if (s->ck_rc != 0) snprintf(why, sizeof why, "%s", strerror(-s->ck_rc));
+    else snprintf(why, sizeof why, "%s", s->ck_fail);
+    if (!why[0] && unconfirmed)
+        PS_WARN("exiting before every psd shard confirmed its part of checkpoint %" PRIu64 " (each finishes writing it "
+                "before it exits)", s->ck_step);
+    if (!why[0] && sharded(s) && !unconfirmed)
+        PS_INFO("checkpoint of step %" PRIu64 " written by all %d psd shards", s->ck_step, s->n_shards);
     if (!s->ckpt_again && !s->ckpt_deferred) { /* psctl checkpoint: the one they asked for is written */
-        char msg[PS_PATH_MAX + 64];
-        snprintf(msg, sizeof msg, rc == 0 ? "checkpoint written: %s" : "checkpoint failed: %s",
-                 rc == 0 ? path : strerror(-rc));
+        char msg[PS_PATH_MAX + 480];
+        snprintf(msg, sizeof msg, !why[0] ? "checkpoint written: %s" : "checkpoint failed: %s",
+                 !why[0] ? s->ck_path : why);
         for (int i = 0; i < s->n_ctl_wait; i++)
-            control_reply(s, s->ctl_wait[i].ident, s->ctl_wait[i].ident_len, rc == 0, msg, NULL);
+            control_reply(s, s->ctl_wait[i].ident, s->ctl_wait[i].ident_len, !why[0], msg, NULL);
         s->n_ctl_wait = 0;
     }
-    if (rc != 0) PS_ERROR("checkpoint failed: %s", strerror(-rc));
-    else {
-        PS_INFO("checkpoint %s: %.1f MB in %.2f s, peak extra memory %.1f MB", path, (double)bytes / 1e6, secs,
-                (double)peak / 1e6);
+    if (!why[0]) {
         s->ckpts_written++;
         s->ckpt_last_t = ps_now();
     }
     if (s->stop_when_written) {
-        if (rc != 0) /* nothing to resume from: say so, and fail */
+        if (why[0]) /* nothing to resume from: say so, and fail */
             finish(s, PSD_EXIT_ERROR, "psd stopped; its checkpoint failed");
         else
             finish(s, 0,
@@ -2078,6 +2119,48 @@ static void poll_checkpoint(srv_t *s, bool wait)
         else
             take_checkpoint(s, false);
     }
+    if (s->end_when_written && !s->ckpt) end_run(s);
+}
+
+/* The writer finished: log; once every shard confirmed its part (wait:
+ * psd exits, it does not wait for them), the checkpoint is complete. */
+static void poll_checkpoint(srv_t *s, bool wait)
+{
+    if (s->ckpt) {
+        if (!wait && !psd_ckpt_done(s->ckpt)) return;
+        double secs = 0;
+        uint64_t bytes = 0, peak = 0;
+        s->ck_rc = psd_ckpt_end(&s->ckpt, s->ck_path, sizeof s->ck_path, &secs, &bytes, &peak);
+        s->ck_open = true;
+        if (s->ck_rc != 0) PS_ERROR("checkpoint failed: %s", strerror(-s->ck_rc));
+        else
+            PS_INFO("checkpoint %s: %.1f MB in %.2f s, peak extra memory %.1f MB%s", s->ck_path, (double)bytes / 1e6,
+                    secs, (double)peak / 1e6, sharded(s) ? " (shard 0's part)" : "");
+    }
+    if (!s->ck_open) return;
+    bool confirmed = true;
+    for (int i = 1; i < s->n_shards; i++) confirmed &= s->shards[i].ck_acked;
+    if (confirmed || wait) ckpt_complete(s, !confirmed && s->ck_rc == 0);
+}
+
+/* A shard's part of the checkpoint being taken is written, or failed. */
+static void on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m)
+{
+    Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
+    shard_t *sh = &s->shards[i];
+    if ((!s->ckpt && !s->ck_open) || ck->step != s->ck_step || sh->ck_acked) {
+        drop(s, NULL, "CKPT_DONE from shard %d for step %" PRIu64 " (taking %s%" PRIu64 ")", i, ck->step,
+             s->ckpt || s->ck_open ? "" : "none after ", s->ck_step);
+        return;
+    }
+    sh->ck_acked = true;
+    if (ck->error && ck->error[0]) {
+        PS_ERROR("psd shard %d (%s pid %u) could not write its part of checkpoint %" PRIu64 ": %s", i, sh->hostname,
+                 sh->pid, ck->step, ck->error);
+        if (!s->ck_fail[0])
+            snprintf(s->ck_fail, sizeof s->ck_fail, "psd shard %d could not write its part: %.300s", i, ck->error);
+    }
+    poll_checkpoint(s, false);
 }
 
 /* ---- message handlers --------------------------------------------------- */
@@ -2218,10 +2301,12 @@ static void on_register(srv_t *s, ps_msg_t *m)
     PS_INFO("worker registered: rank %u, %s pid %u, %s%s%s%s (%d ready before it)", w->rank, w->hostname, w->pid, dev,
             r->identity_hint && r->identity_hint[0] ? ", task " : "", r->identity_hint ? r->identity_hint : "",
             m->hdr->run_id ? ", rejoining" : "", live_workers(s));
-    if (sharded(s) && !all_shards(s)) { /* its ASSIGN names every shard */
+    if (sharded(s) && !shards_ready(s)) { /* its ASSIGN names every shard */
         w->assign_wait = true;
-        PS_INFO("rank %u waits for %d more psd shard%s", w->rank, s->n_shards - 1 - shards_joined(s),
-                s->n_shards - 1 - shards_joined(s) == 1 ? "" : "s");
+        if (all_shards(s)) PS_INFO("rank %u waits for the psd shards to resume", w->rank);
+        else
+            PS_INFO("rank %u waits for %d more psd shard%s", w->rank, s->n_shards - 1 - shards_joined(s),
+                    s->n_shards - 1 - shards_joined(s) == 1 ? "" : "s");
         return;
     }
     if (sharded(s)) shards_worker(s, w);
@@ -2245,6 +2330,8 @@ static void refuse_shard(srv_t *s, ps_msg_t *m, const char *why)
 
 /* again: the shard said HELLO before and was answered (its answer may have
  * been lost): answer again, without logging a second join */
+static void shards_go(srv_t *s);
+
 static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
 {
     Psd__ShardHello *h = m->hdr->shard_hello;
@@ -2307,6 +2394,11 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
     rb.resume = resumed;
     rb.resume_step = s->store.steps;
     rb.resume_version = s->store.cur->version;
+    if (resumed) { /* it resumes at the newest of shard 0's steps it has */
+        rb.resume_steps = s->resume_steps;
+        rb.n_resume_steps = s->n_resume_steps;
+        sh->resumed = false;
+    }
     r.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     r.shard_hello = &rb;
     send_shard(s, i, &r, NULL, 0);
@@ -2315,7 +2407,14 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
     else
         PS_INFO("psd shard %d/%d joined from %s pid %u; workers reach it at %s", i, s->n_shards, sh->hostname,
                 sh->pid, sh->endpoint);
-    if (!all_shards(s)) return;
+    shards_go(s);
+}
+
+/* Every shard is there (and resumed): the workers that waited get their
+ * ASSIGN. */
+static void shards_go(srv_t *s)
+{
+    if (!shards_ready(s)) return;
     for (int j = 0; j < s->n; j++) { /* the workers that waited for it */
         worker_t *w = &s->w[j];
         if (w->state == W_GONE) continue;
@@ -2326,6 +2425,71 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
             send_assign(s, w);
         }
     }
+}
+
+static int resume_at(srv_t *s, uint64_t at_most);
+
+/* Shard i resumed its part at a step (the newest of shard 0's it has), or
+ * cannot. All go back to the oldest step any shard resumed at. */
+static void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
+{
+    Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
+    shard_t *sh = &s->shards[i];
+    if (!s->opts.resume_dir || sh->resumed || shards_ready(s) || s->phase != PHASE_WAIT) {
+        drop(s, NULL, "RESUMED from shard %d, which psd does not wait for", i);
+        return;
+    }
+    if (ck->error && ck->error[0]) {
+        PS_ERROR("psd shard %d (%s pid %u) cannot resume: %s", i, sh->hostname, sh->pid, ck->error);
+        finish(s, PSD_EXIT_USAGE, "a psd shard cannot resume");
+        return;
+    }
+    if (ck->step > s->store.steps) {
+        drop(s, NULL, "RESUMED from shard %d at step %" PRIu64 ", after shard 0's %" PRIu64, i, ck->step,
+             s->store.steps);
+        return;
+    }
+    sh->resumed = true;
+    sh->resumed_step = ck->step;
+    sh->resumed_version = ck->version;
+    if (ck->step < s->store.steps) { /* it has none as new: shard 0 and the others go back */
+        PS_WARN("psd shard %d has no checkpoint of step %" PRIu64 " (its newest usable one is of step %" PRIu64
+                "): every shard goes back to a step all of them have", i, s->store.steps, ck->step);
+        if (resume_at(s, ck->step) != 0) {
+            finish(s, PSD_EXIT_USAGE, "the psd shards have no checkpoint of one step");
+            return;
+        }
+        Psd__Header h;
+        Psd__ShardHello rb = PSD__SHARD_HELLO__INIT;
+        psd__header__init(&h);
+        h.type = PSD__MSG_TYPE__MSG_SHARD_RESUME;
+        rb.shard = 0;
+        rb.shards = (uint32_t)s->n_shards;
+        rb.resume = true;
+        rb.resume_step = s->store.steps;
+        rb.resume_version = s->store.cur->version;
+        rb.resume_steps = s->resume_steps;
+        rb.n_resume_steps = s->n_resume_steps;
+        h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
+        h.shard_hello = &rb;
+        for (int j = 1; j < s->n_shards; j++) {
+            shard_t *o = &s->shards[j];
+            if (!o->joined || !o->resumed || o->resumed_step == s->store.steps) continue;
+            o->resumed = false;
+            send_shard(s, j, &h, NULL, 0);
+        }
+    }
+    if (!shards_ready(s)) return;
+    for (int j = 1; j < s->n_shards; j++)
+        if (s->shards[j].resumed_version != s->store.cur->version) {
+            PS_ERROR("psd shard %d resumed step %" PRIu64 " at version %" PRIu64 ", shard 0 at %" PRIu64
+                     ": their checkpoints are not of one run", j, s->store.steps, s->shards[j].resumed_version,
+                     s->store.cur->version);
+            finish(s, PSD_EXIT_USAGE, "the psd shards' checkpoints are not of one run");
+            return;
+        }
+    PS_INFO("all %d psd shards resumed at step %" PRIu64, s->n_shards, s->store.steps);
+    shards_go(s);
 }
 
 static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
@@ -2529,6 +2693,8 @@ static void on_shard(srv_t *s, int i, ps_msg_t *m)
     case PSD__MSG_TYPE__MSG_SHARD_HAVE: on_shard_have(s, i, m); break;
     case PSD__MSG_TYPE__MSG_SHARD_NORM: on_shard_norm(s, i, m); break;
     case PSD__MSG_TYPE__MSG_WEIGHTS: on_shard_weights(s, i, m); break;
+    case PSD__MSG_TYPE__MSG_SHARD_CKPT_DONE: on_shard_ckpt_done(s, i, m); break;
+    case PSD__MSG_TYPE__MSG_SHARD_RESUMED: on_shard_resumed(s, i, m); break;
     case PSD__MSG_TYPE__MSG_ERROR:
         PS_ERROR("psd shard %d (%s pid %u) failed: %s", i, sh->hostname, sh->pid,
                  h->error->message ? h->error->message : "(no message)");
@@ -2564,7 +2730,8 @@ static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
         shm_forget(s, w); /* it gave up on its side */
     }
     w->state = W_READY;
-    if (s->stop_when_written || s->wr) return; /* stopping, or writing the weights: nothing more to train */
+    if (s->stop_when_written || s->end_when_written || s->wr)
+        return; /* stopping, writing the weights or the last checkpoint: nothing more to train */
     if (s->phase == PHASE_WAIT) {
         if (live_workers(s) >= s->cfg.workers) {
             if (s->epoch)
@@ -3002,7 +3169,9 @@ static void on_timer(uv_timer_t *t)
             int ready = 0;
             for (int i = 0; i < s->n; i++) ready += s->w[i].state == W_READY;
             PS_ERROR("start timeout: %d of %d workers registered, %d ready after %.0f s%s", s->n, s->cfg.workers,
-                     ready, s->cfg.start_timeout, sharded(s) && !all_shards(s) ? " (not every psd shard joined)" : "");
+                     ready, s->cfg.start_timeout, sharded(s) && !all_shards(s)    ? " (not every psd shard joined)"
+                     : sharded(s) && !shards_ready(s) ? " (not every psd shard resumed)"
+                                                      : "");
             finish(s, PSD_EXIT_START_TIMEOUT, "not all workers came in time");
         }
     } else if (s->phase == PHASE_TRAIN || s->phase == PHASE_VALIDATE) {
@@ -3401,6 +3570,16 @@ static void request_stop(srv_t *s, int signum, const char *what)
     PS_WARN("received %s: writing a checkpoint, then telling the workers to stop (again to exit now)", what);
     s->stopping = signum;
     s->stop_when_written = true;
+    if (sharded(s)) { /* a shard stopped too waits for this checkpoint, however long it takes */
+        Psd__Header h;
+        Psd__ShardCkpt ck = PSD__SHARD_CKPT__INIT;
+        psd__header__init(&h);
+        h.type = PSD__MSG_TYPE__MSG_SHARD_CKPT;
+        ck.stop = true; /* step 0: no checkpoint of its own (take_checkpoint asks for that) */
+        h.body_case = PSD__HEADER__BODY_SHARD_CKPT;
+        h.shard_ckpt = &ck;
+        shards_send_all(s, &h);
+    }
     if (!s->ckpt) take_checkpoint(s, false);
     if (!s->ckpt && !s->ckpt_deferred) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
 }
@@ -3653,68 +3832,108 @@ static const char *ckpt_misfit(const psd_ckpt_meta_t *m, const ps_layout_t *l, c
     return NULL;
 }
 
+/* A checkpoint read (path) into the store and the run, if it fits: 0, or
+ * PSD_EXIT_USAGE after saying why not. */
+static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen, const float *weights,
+                        float *const slots[2], const char *path)
+{
+    char why[256];
+    const char *misfit = ckpt_misfit(m, &s->layout, &s->store.opt, s->n_shards, why, sizeof why);
+    if (m->config_hash != s->config_hash && !s->opts.force_resume) {
+        PS_ERROR("cannot resume from %s: it was written with another config (hash %016" PRIx64
+                 ", this one %016" PRIx64 "); use --force-resume to resume anyway",
+                 path, m->config_hash, s->config_hash);
+        return PSD_EXIT_USAGE;
+    }
+    if (misfit || m->train_count != s->train_count) {
+        PS_ERROR("cannot resume from %s: %s", path, misfit ? misfit : "its data does not match this config");
+        return PSD_EXIT_USAGE;
+    }
+    if (m->config_hash != s->config_hash) PS_WARN("resuming with another config, as forced");
+    memcpy(s->store.cur->w, weights, m->n_params * sizeof(float));
+    if (m->n_slots >= 1) memcpy(s->store.s0, slots[0], m->n_params * sizeof(float));
+    if (m->n_slots >= 2) memcpy(s->store.s1, slots[1], m->n_params * sizeof(float));
+    s->store.steps = m->step;
+    s->store.cur->version = m->version;
+    s->run_id = m->run_id;
+    s->step = m->step;
+    s->lr = m->lr;
+    s->train_s_total = m->train_s_total;
+    s->samples_total = m->samples_total;
+    if (m->epoch_done) {
+        s->epoch = m->epoch + 1;
+        s->resumed_mid_epoch = false;
+    } else {
+        s->epoch = m->epoch;
+        s->epoch_step = m->epoch_step;
+        s->spe = m->steps_per_epoch;
+        s->ep_loss = m->ep_loss;
+        s->ep_correct = m->ep_correct;
+        s->ep_samples = m->ep_samples;
+        memcpy(s->seen, seen, (s->train_count + 7) / 8);
+        s->resumed_mid_epoch = true;
+    }
+    PS_INFO("resuming run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s", s->run_id, path, s->step,
+            s->epoch + 1, s->resumed_mid_epoch ? " (part done)" : "");
+    /* the steps the psd shards may resume at: this one and older */
+    s->n_resume_steps = psd_ckpt_steps(s->resume_dir, m->step, s->resume_steps, 64);
+    return 0;
+}
+
 /* --resume DIR: the newest valid checkpoint into the store and the run. */
 static int resume(srv_t *s)
 {
     psd_ckpt_meta_t m;
     uint8_t *seen = NULL;
     float *weights = NULL, *slots[2] = {NULL, NULL};
-    char path[PS_PATH_MAX], err[512], dir[PS_PATH_MAX];
-    int rc = PSD_EXIT_USAGE;
-    int r = resolve_resume_dir(s->opts.resume_dir, dir, sizeof dir);
+    char path[PS_PATH_MAX], err[512];
+    int r = resolve_resume_dir(s->opts.resume_dir, s->resume_dir, sizeof s->resume_dir);
     if (r != 0) {
         PS_ERROR("cannot resume from %s: %s", s->opts.resume_dir, strerror(-r));
         return PSD_EXIT_USAGE;
     }
-    if (psd_ckpt_load_newest(dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
+    if (psd_ckpt_load_newest(s->resume_dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
                              sizeof err) != 0) {
         PS_ERROR("cannot resume: %s", err);
         return PSD_EXIT_USAGE;
     }
-    char why[256];
-    const char *misfit = ckpt_misfit(&m, &s->layout, &s->store.opt, s->n_shards, why, sizeof why);
-    if (m.config_hash != s->config_hash && !s->opts.force_resume) {
-        PS_ERROR("cannot resume from %s: it was written with another config (hash %016" PRIx64
-                 ", this one %016" PRIx64 "); use --force-resume to resume anyway",
-                 path, m.config_hash, s->config_hash);
-        goto out;
-    }
-    if (misfit || m.train_count != s->train_count) {
-        PS_ERROR("cannot resume from %s: %s", path, misfit ? misfit : "its data does not match this config");
-        goto out;
-    }
-    if (m.config_hash != s->config_hash) PS_WARN("resuming with another config, as forced");
-    memcpy(s->store.cur->w, weights, m.n_params * sizeof(float));
-    if (m.n_slots >= 1) memcpy(s->store.s0, slots[0], m.n_params * sizeof(float));
-    if (m.n_slots >= 2) memcpy(s->store.s1, slots[1], m.n_params * sizeof(float));
-    s->store.steps = m.step;
-    s->store.cur->version = m.version;
-    s->run_id = m.run_id;
-    s->step = m.step;
-    s->lr = m.lr;
-    s->train_s_total = m.train_s_total;
-    s->samples_total = m.samples_total;
-    if (m.epoch_done) {
-        s->epoch = m.epoch + 1;
-    } else {
-        s->epoch = m.epoch;
-        s->epoch_step = m.epoch_step;
-        s->spe = m.steps_per_epoch;
-        s->ep_loss = m.ep_loss;
-        s->ep_correct = m.ep_correct;
-        s->ep_samples = m.ep_samples;
-        memcpy(s->seen, seen, (s->train_count + 7) / 8);
-        s->resumed_mid_epoch = true;
-    }
-    PS_INFO("resuming run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s", s->run_id, path, s->step,
-            s->epoch + 1, s->resumed_mid_epoch ? " (part done)" : "");
-    rc = 0;
-out:
+    int rc = resume_apply(s, &m, seen, weights, slots, path);
     free(seen);
     free(weights);
     free(slots[0]);
     free(slots[1]);
     return rc;
+}
+
+/* psd shards: a shard has no checkpoint as new as the one shard 0 resumed
+ * at. Back to the newest of shard 0's at or before step at_most: 0, or -1
+ * after saying why none. Nothing has trained yet (workers wait for every
+ * shard to resume). */
+static int resume_at(srv_t *s, uint64_t at_most)
+{
+    uint64_t steps[64];
+    size_t n = psd_ckpt_steps(s->resume_dir, at_most, steps, 64);
+    for (size_t k = 0; k < n; k++) {
+        psd_ckpt_meta_t m;
+        uint8_t *seen = NULL;
+        float *weights = NULL, *slots[2] = {NULL, NULL};
+        char path[PS_PATH_MAX], err[PS_PATH_MAX + 300];
+        if (psd_ckpt_load_step(s->resume_dir, steps[k], &m, &seen, &weights, slots, path, sizeof path, err,
+                               sizeof err) != 0) {
+            PS_WARN("%s; trying an older one", err);
+            continue;
+        }
+        int rc = m.run_id == s->run_id ? resume_apply(s, &m, seen, weights, slots, path) : PSD_EXIT_USAGE;
+        if (m.run_id != s->run_id) PS_ERROR("%s is of another run than the one resumed", path);
+        free(seen);
+        free(weights);
+        free(slots[0]);
+        free(slots[1]);
+        return rc == 0 ? 0 : -1;
+    }
+    PS_ERROR("cannot resume: shard 0 has no valid checkpoint in %s of step %" PRIu64 " or older, which every psd shard "
+             "would need", s->resume_dir, at_most);
+    return -1;
 }
 
 /* Close psd's sockets and end its ZeroMQ context, which returns once what
@@ -3744,6 +3963,8 @@ bool psd_table_on_psd(const ps_config_t *c, const ps_layout_t *l, bool lazy)
     return l->table >= 0 && lazy && (double)l->t[l->table].numel * 4.0 / 1048576.0 > c->ctr_worker_table_mb &&
            c->wire_weights == PS_WIRE_F32 && c->wire_gradients == PS_WIRE_F32;
 }
+
+int psd_ckpt_keep(const ps_config_t *c, int shards) { return shards > 1 && c->ckpt_keep < 2 ? 2 : c->ckpt_keep; }
 
 int psd_step_threads(const ps_config_t *c)
 {
@@ -4053,8 +4274,8 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if (s->tty) ps_log_status(NULL);
     code = s->exit_code;
 out:
-    if (s->ckpt) { /* a last checkpoint still being written: let it finish */
-        if (s->stopping > 0 && code >= 128) { /* a second signal: exit at once */
+    if (s->ckpt || s->ck_open) { /* a last checkpoint still being written: let it finish */
+        if (s->stopping > 0 && code >= 128 && s->ckpt) { /* a second signal: exit at once */
             /* the workers' SHUTDOWN (a few bytes each) is queued: end
              * ZeroMQ as at any exit, with a short linger, so that it goes
              * out (or they would wait for a psd that is not coming back),
@@ -4064,7 +4285,7 @@ out:
         }
         /* the one under way, then the one asked for while it was written
          * (the run's last, maybe): each waited for */
-        for (int i = 0; i < 3 && s->ckpt; i++) poll_checkpoint(s, true);
+        for (int i = 0; i < 3 && (s->ckpt || s->ck_open); i++) poll_checkpoint(s, true);
     }
     if (loop_ok) {
         psd_http_stop(&s->http);

@@ -36,6 +36,11 @@ typedef struct {
     const char *advertise;  /* shard i > 0: the endpoint workers reach it at (default: where it listens) */
 } psd_run_opts_t;
 
+/* Checkpoints kept (checkpoint.keep), at least 2 with psd shards: a kill
+ * between the shards' writes of one step leaves the step before on every
+ * shard (shard 0 asks for a checkpoint only once each shard confirmed the
+ * one before). */
+int psd_ckpt_keep(const ps_config_t *c, int shards);
 /* Threads of a step: server.threads, or the cores (at most 16). */
 int psd_step_threads(const ps_config_t *c);
 /* The embedding table of layout l stays on psd (workers hold only their

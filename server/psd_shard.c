@@ -102,7 +102,9 @@ typedef struct {
     int exit_code;
     bool done;
     psd_ckpt_writer_t *ckpt; /* this part's checkpoint being written */
+    uint64_t ckpt_step, ckpt_version;
     char ckpt_dir[PS_PATH_MAX];
+    bool run_ending;         /* shard 0 was stopped: it ends the run once its checkpoint is written */
 } shard_t;
 
 static volatile sig_atomic_t stop_signal, stop_count;
@@ -429,15 +431,39 @@ static void on_apply(shard_t *s, ps_msg_t *m)
 
 /* ---- checkpoints: this part, at the steps shard 0 writes its own ---------- */
 
-static void ckpt_finish(shard_t *s, bool wait)
+/* Tell shard 0 how its part of checkpoint `step` went (error NULL: written):
+ * shard 0 counts the checkpoint written only when every part is. */
+static void ckpt_ack(shard_t *s, int type, uint64_t step, uint64_t version, const char *error)
 {
-    if (!s->ckpt || (!wait && !psd_ckpt_done(s->ckpt))) return;
-    char path[PS_PATH_MAX];
+    Psd__Header h;
+    Psd__ShardCkpt ck = PSD__SHARD_CKPT__INIT;
+    psd__header__init(&h);
+    h.type = type;
+    ck.step = step;
+    ck.version = version;
+    ck.error = (char *)(error ? error : "");
+    h.body_case = PSD__HEADER__BODY_SHARD_CKPT;
+    h.shard_ckpt = &ck;
+    to_leader(s, &h, NULL, 0);
+}
+
+/* The checkpoint being written, if it is finished (wait: once it is):
+ * confirmed to shard 0. -errno if it failed, else 0. */
+static int ckpt_finish(shard_t *s, bool wait)
+{
+    if (!s->ckpt || (!wait && !psd_ckpt_done(s->ckpt))) return 0;
+    char path[PS_PATH_MAX], err[PS_PATH_MAX + 64];
     double secs = 0;
     uint64_t bytes = 0, peak = 0;
     int rc = psd_ckpt_end(&s->ckpt, path, sizeof path, &secs, &bytes, &peak);
-    if (rc != 0) PS_ERROR("shard %d: checkpoint failed: %s", s->opts.shard, strerror(-rc));
-    else PS_DEBUG("shard %d: checkpoint %s: %.1f MB in %.2f s", s->opts.shard, path, (double)bytes / 1e6, secs);
+    if (rc != 0) {
+        snprintf(err, sizeof err, "cannot write its part in %s: %s", s->ckpt_dir, strerror(-rc));
+        PS_ERROR("shard %d: checkpoint failed: %s", s->opts.shard, err);
+    } else {
+        PS_DEBUG("shard %d: checkpoint %s: %.1f MB in %.2f s", s->opts.shard, path, (double)bytes / 1e6, secs);
+    }
+    ckpt_ack(s, PSD__MSG_TYPE__MSG_SHARD_CKPT_DONE, s->ckpt_step, s->ckpt_version, rc != 0 ? err : NULL);
+    return rc;
 }
 
 static int mkdirs(const char *path)
@@ -478,74 +504,116 @@ static void ckpt_meta(shard_t *s, psd_ckpt_meta_t *m)
 static void on_ckpt(shard_t *s, ps_msg_t *m)
 {
     Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
-    if (!s->cfg.ckpt_dir[0]) return;
+    if (ck->stop) { /* shard 0 was stopped: it ends the run when its checkpoint is written, however long that takes */
+        s->run_ending = true;
+        if (ck->step == 0) return;
+    }
     if (ck->step != s->store.steps || ck->version != s->store.cur->version || s->awaiting_apply) {
         fail(s, "CKPT for another step than this shard's");
         return;
     }
-    ckpt_finish(s, true); /* the one before, if still being written */
+    if (!s->cfg.ckpt_dir[0]) {
+        ckpt_ack(s, PSD__MSG_TYPE__MSG_SHARD_CKPT_DONE, ck->step, ck->version, "this shard has no checkpoint.dir");
+        return;
+    }
+    /* shard 0 asks for one only once this shard confirmed the one before
+     * (CKPT_DONE): none is being written; if one were, it is finished first */
+    ckpt_finish(s, true);
     snprintf(s->ckpt_dir, sizeof s->ckpt_dir, "%s/run-%016" PRIx64 "/shard-%d", s->cfg.ckpt_dir, s->run_id,
              s->opts.shard);
     int rc = mkdirs(s->ckpt_dir);
     psd_ckpt_meta_t meta;
     ckpt_meta(s, &meta);
     static const uint8_t none[1];
-    if (rc == 0) rc = psd_ckpt_begin(&s->ckpt, s->ckpt_dir, s->cfg.ckpt_keep, &meta, none, &s->store);
+    s->ckpt_step = ck->step;
+    s->ckpt_version = ck->version;
+    if (rc == 0) rc = psd_ckpt_begin(&s->ckpt, s->ckpt_dir, psd_ckpt_keep(&s->cfg, s->opts.shards), &meta, none,
+                                     &s->store);
     if (rc != 0) {
-        PS_ERROR("shard %d: cannot start a checkpoint in %s: %s", s->opts.shard, s->ckpt_dir, strerror(-rc));
+        char err[PS_PATH_MAX + 64];
+        snprintf(err, sizeof err, "cannot start a checkpoint in %s: %s", s->ckpt_dir, strerror(-rc));
+        PS_ERROR("shard %d: %s", s->opts.shard, err);
         s->ckpt = NULL;
+        ckpt_ack(s, PSD__MSG_TYPE__MSG_SHARD_CKPT_DONE, ck->step, ck->version, err);
     }
 }
 
-/* --resume DIR: this part at the step shard 0 resumed at, from
- * DIR/run-<run id>/shard-<i>, DIR/shard-<i> (DIR a run's directory) or DIR. */
-static int resume_part(shard_t *s, uint64_t step, uint64_t version)
+/* --resume DIR: where this part's checkpoints are: DIR/run-<run id>/shard-<i>,
+ * DIR/shard-<i> (DIR a run's directory) or DIR, the first that holds any */
+static const char *resume_dir(shard_t *s, char *dir, size_t n)
 {
-    char cand[3][PS_PATH_MAX], path[PS_PATH_MAX], err[600];
-    snprintf(cand[0], sizeof cand[0], "%s/run-%016" PRIx64 "/shard-%d", s->opts.resume_dir, s->run_id, s->opts.shard);
-    snprintf(cand[1], sizeof cand[1], "%s/shard-%d", s->opts.resume_dir, s->opts.shard);
-    snprintf(cand[2], sizeof cand[2], "%s", s->opts.resume_dir);
-    psd_ckpt_meta_t m;
-    float *w = NULL, *sl[2] = {NULL, NULL};
-    int rc = -1;
-    for (int i = 0; i < 3 && rc != 0; i++) {
-        struct stat st;
-        if (stat(cand[i], &st) != 0 || !S_ISDIR(st.st_mode)) continue;
-        rc = psd_ckpt_load_step(cand[i], step, &m, &w, sl, path, sizeof path, err, sizeof err);
-        if (rc != 0) PS_WARN("shard %d: %s", s->opts.shard, err);
+    uint64_t any;
+    for (int i = 0; i < 3; i++) {
+        if (i == 0) snprintf(dir, n, "%s/run-%016" PRIx64 "/shard-%d", s->opts.resume_dir, s->run_id, s->opts.shard);
+        else if (i == 1) snprintf(dir, n, "%s/shard-%d", s->opts.resume_dir, s->opts.shard);
+        else snprintf(dir, n, "%s", s->opts.resume_dir);
+        if (psd_ckpt_steps(dir, UINT64_MAX, &any, 1) == 1) return dir;
     }
-    if (rc != 0) {
-        PS_ERROR("shard %d: no checkpoint of step %" PRIu64 " (where shard 0 resumed) under %s", s->opts.shard, step,
-                 s->opts.resume_dir);
-        return -1;
+    return NULL;
+}
+
+/* This part at the newest of the steps shard 0 can resume at (newest first)
+ * that this shard has a valid checkpoint of; answered with SHARD_RESUMED
+ * (the step, or why none). Shard 0 then takes the oldest step a shard
+ * resumed at, and asks the others to go back to it. 0, or -1. */
+static int resume_part(shard_t *s, const uint64_t *steps, size_t n_steps)
+{
+    char dir[PS_PATH_MAX], path[PS_PATH_MAX], err[PS_PATH_MAX + 400];
+    uint64_t have[64];
+    size_t n_have = 0;
+    if (!resume_dir(s, dir, sizeof dir)) {
+        snprintf(err, sizeof err, "no checkpoint of its part under %s (looked in run-%016" PRIx64 "/shard-%d, "
+                 "shard-%d and the directory itself)", s->opts.resume_dir, s->run_id, s->opts.shard, s->opts.shard);
+        goto none;
     }
-    rc = -1;
-    uint64_t rows = s->layout.table >= 0 ? (uint64_t)s->layout.t[s->layout.table].rows : 0;
-    if (m.version != version || m.n_params != s->layout.n_params || m.table_rows != rows ||
-        (rows && (int)m.table_dim != s->layout.t[s->layout.table].cols) ||
-        m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt) || m.opt_kind != (uint32_t)s->cfg.opt ||
-        m.run_id != s->run_id) {
-        PS_ERROR("shard %d: %s does not fit the run shard 0 resumed (version, model, optimizer or run)", s->opts.shard,
-                 path);
-    } else if (m.shards && (m.shard != (uint32_t)s->opts.shard || m.shards != (uint32_t)s->opts.shards)) {
-        PS_ERROR("shard %d: %s holds the part of psd shard %u of %u, not of shard %d of %d", s->opts.shard, path,
-                 m.shard, m.shards, s->opts.shard, s->opts.shards);
-    } else if (m.config_hash != s->config_hash && !s->opts.force_resume) {
-        PS_ERROR("shard %d: %s was written with another config; use --force-resume to resume anyway", s->opts.shard,
-                 path);
-    } else {
-        memcpy(s->store.cur->w, w, m.n_params * sizeof(float));
-        if (m.n_slots >= 1) memcpy(s->store.s0, sl[0], m.n_params * sizeof(float));
-        if (m.n_slots >= 2) memcpy(s->store.s1, sl[1], m.n_params * sizeof(float));
-        s->store.steps = m.step;
-        s->store.cur->version = m.version;
+    n_have = psd_ckpt_steps(dir, UINT64_MAX, have, 64);
+    for (size_t i = 0; i < n_steps; i++) {
+        bool found = false;
+        for (size_t j = 0; j < n_have && !found; j++) found = have[j] == steps[i];
+        if (!found) continue;
+        psd_ckpt_meta_t m;
+        float *w = NULL, *sl[2] = {NULL, NULL};
+        if (psd_ckpt_load_step(dir, steps[i], &m, NULL, &w, sl, path, sizeof path, err, sizeof err) != 0) {
+            PS_WARN("shard %d: %s; trying an older one", s->opts.shard, err);
+            continue;
+        }
+        const char *misfit = NULL;
+        uint64_t rows = s->layout.table >= 0 ? (uint64_t)s->layout.t[s->layout.table].rows : 0;
+        if (m.n_params != s->layout.n_params || m.table_rows != rows ||
+            (rows && (int)m.table_dim != s->layout.t[s->layout.table].cols) ||
+            m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt) || m.opt_kind != (uint32_t)s->cfg.opt ||
+            m.run_id != s->run_id)
+            misfit = "it does not fit the run shard 0 resumed (model, optimizer or run)";
+        else if (m.shards && (m.shard != (uint32_t)s->opts.shard || m.shards != (uint32_t)s->opts.shards))
+            misfit = "it holds the part of another psd shard or shard layout";
+        else if (m.config_hash != s->config_hash && !s->opts.force_resume)
+            misfit = "it was written with another config; use --force-resume to resume anyway";
+        if (!misfit) {
+            memcpy(s->store.cur->w, w, m.n_params * sizeof(float));
+            if (m.n_slots >= 1) memcpy(s->store.s0, sl[0], m.n_params * sizeof(float));
+            if (m.n_slots >= 2) memcpy(s->store.s1, sl[1], m.n_params * sizeof(float));
+            s->store.steps = m.step;
+            s->store.cur->version = m.version;
+        }
+        free(w);
+        free(sl[0]);
+        free(sl[1]);
+        if (misfit) {
+            snprintf(err, sizeof err, "%s: %s", path, misfit);
+            goto none;
+        }
         PS_INFO("shard %d resumed its part from %s: step %" PRIu64, s->opts.shard, path, m.step);
-        rc = 0;
+        ckpt_ack(s, PSD__MSG_TYPE__MSG_SHARD_RESUMED, m.step, m.version, NULL);
+        return 0;
     }
-    free(w);
-    free(sl[0]);
-    free(sl[1]);
-    return rc;
+    snprintf(err, sizeof err, "no valid checkpoint in %s of a step shard 0 can resume at (newest %" PRIu64
+             ", %zu of them)", dir, n_steps ? steps[0] : 0, n_steps);
+none:
+    PS_ERROR("shard %d: cannot resume: %s", s->opts.shard, err);
+    ckpt_ack(s, PSD__MSG_TYPE__MSG_SHARD_RESUMED, 0, 0, err);
+    s->exit_code = PSD_EXIT_USAGE;
+    s->done = true;
+    return -1;
 }
 
 static void on_leader(shard_t *s, ps_msg_t *m)
@@ -566,11 +634,13 @@ static void on_leader(shard_t *s, ps_msg_t *m)
             s->exit_code = PSD_EXIT_USAGE;
             return;
         }
-        if (h->shard_hello->resume && resume_part(s, h->shard_hello->resume_step, h->shard_hello->resume_version) != 0) {
-            fail(s, "cannot resume its part at shard 0's step");
-            s->exit_code = PSD_EXIT_USAGE;
+        if (h->shard_hello->resume && h->shard_hello->n_resume_steps > 64) {
+            fail(s, "shard 0 sent more than 64 steps to resume at");
             return;
         }
+        if (h->shard_hello->resume &&
+            resume_part(s, h->shard_hello->resume_steps, h->shard_hello->n_resume_steps) != 0)
+            return;
         PS_INFO("shard %d/%d joined run %016" PRIx64 "; workers reach it at %s", s->opts.shard, s->opts.shards,
                 s->run_id, s->opts.advertise);
         return;
@@ -597,6 +667,13 @@ static void on_leader(shard_t *s, ps_msg_t *m)
     case PSD__MSG_TYPE__MSG_SHARD_APPLY: on_apply(s, m); break;
     case PSD__MSG_TYPE__MSG_SHARD_FETCH: send_part(s, h->shard_fetch); break;
     case PSD__MSG_TYPE__MSG_SHARD_CKPT: on_ckpt(s, m); break;
+    case PSD__MSG_TYPE__MSG_SHARD_RESUME: /* another shard had no checkpoint as new as this one's: go back */
+        if (!s->opts.resume_dir || s->n_w > 0 || h->shard_hello->n_resume_steps > 64) { /* not once training began */
+            sdrop(s, "SHARD_RESUME to a shard that did not resume");
+            break;
+        }
+        resume_part(s, h->shard_hello->resume_steps, h->shard_hello->n_resume_steps);
+        break;
     case PSD__MSG_TYPE__MSG_SHUTDOWN:
         PS_INFO("shard %d: shard 0 ends the run: %s", s->opts.shard, h->shutdown->reason ? h->shutdown->reason : "");
         PS_INFO("shard %d received: %" PRIu64 " gradient bytes, %" PRIu64 " pushes of table rows (%" PRIu64
@@ -975,13 +1052,15 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     while (!s->done) {
         /* a signal (Ctrl-C, SLURM's preemption) usually reaches every psd:
          * shard 0 checkpoints and ends the run, this one waits for that;
-         * a second signal, or none of that within worker_timeout, stops it */
+         * a second signal, or none of that within worker_timeout, stops it
+         * (once shard 0 says it was stopped too, the wait is as long as its
+         * checkpoint takes: shard 0 falling silent still ends it) */
         if (stop_signal && stop_at == 0) {
             stop_at = ps_now();
             PS_WARN("shard %d received %s: waiting for shard 0 to end the run (again to stop now)", opts->shard,
                     strsignal(stop_signal));
         }
-        if (stop_at > 0 && (stop_count > 1 || !s->joined || ps_now() - stop_at > c->worker_timeout)) {
+        if (stop_at > 0 && (stop_count > 1 || !s->joined || (!s->run_ending && ps_now() - stop_at > c->worker_timeout))) {
             char why[96];
             snprintf(why, sizeof why, "shard %d was stopped (%s)", opts->shard, strsignal(stop_signal));
             fail(s, why);
@@ -1030,7 +1109,8 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     }
     code = s->exit_code;
 out:
-    ckpt_finish(s, true); /* a checkpoint being written is finished first */
+    if (ckpt_finish(s, true) != 0 && code == 0) /* a checkpoint being written is finished first */
+        code = PSD_EXIT_ERROR;                   /* (shard 0 did not wait for it: the run ended) */
     for (int r = 0; s->w && r < SHARD_MAX_WORKERS; r++) {
         release(s, &s->w[r]);
         psd_want_free(&s->w[r].rows_want);

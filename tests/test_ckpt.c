@@ -599,12 +599,15 @@ Test(ckpt, keep_newest, .init = dir_setup, .fini = dir_teardown)
 {
     psd_store_t s;
     store_make(&s, small_sizes, 3);
-    /* a stale temp file of an old step (a killed writer) and one of a newer step */
+    /* a stale temp file of an old step (a killed writer); a temp file and a
+     * checkpoint of a newer step (left when the run resumed at an older one) */
     char p[PATH_MAX];
     snprintf(p, sizeof p, "%s/.ckpt-%012d.psdc.tmp", g_dir, 2);
     file_write(p, "partial", 7);
     snprintf(p, sizeof p, "%s/.ckpt-%012d.psdc.tmp", g_dir, 99);
     file_write(p, "partial", 7);
+    ckpt_name(p, sizeof p, 99);
+    file_write(p, "a step the run went back from", 29);
     snprintf(p, sizeof p, "%s/other-file", g_dir);
     file_write(p, "x", 1);
     for (uint64_t step = 1; step <= 5; step++) {
@@ -617,7 +620,9 @@ Test(ckpt, keep_newest, .init = dir_setup, .fini = dir_teardown)
         ckpt_name(p, sizeof p, step);
         cr_expect_eq(access(p, F_OK) == 0, step >= 3, "step %llu", (unsigned long long)step);
     }
-    cr_expect_eq(count_files(".ckpt-", ".psdc.tmp"), 1, "only the newer step's temp file is left");
+    cr_expect_eq(count_files(".ckpt-", ".psdc.tmp"), 0, "no temp file is left");
+    ckpt_name(p, sizeof p, 99);
+    cr_expect_neq(access(p, F_OK), 0, "the checkpoint above the steps written is gone");
     snprintf(p, sizeof p, "%s/other-file", g_dir);
     cr_expect_eq(access(p, F_OK), 0, "unrelated files are left alone");
     loaded_t L;

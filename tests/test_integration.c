@@ -1327,6 +1327,124 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
     cr_assert(access(g.weights, F_OK) != 0, "no weights file");
 }
 
+/* A kill between the shards' writes of one checkpoint, or a corrupt part:
+ * shard 1's newest checkpoint is unusable. The resume goes back to the
+ * newest step every shard has (each shard keeps at least 2), and training
+ * from there gives the same bits as a run never stopped. Without any step
+ * in common the resume is refused with exit 2. */
+Test(short, a_sharded_resume_goes_back_to_a_step_every_shard_has)
+{
+#define SR_ARGS "--epochs", "3", "--set", "data.train_limit=3000", "--seed", "5", "--set", "optimizer.name=adam", \
+                "--set", "optimizer.lr=0.002"
+    const char *one[] = {SR_ARGS, "--set", "checkpoint.dir=", NULL};
+    const char *wex[] = {"--no-shm", NULL};
+    run_t a, b, c, d;
+    train_sharded(&a, "whole", 1, one, wex);
+    check_run(&a, 2, 3);
+    char ck[256], arg[300];
+    path(ck, sizeof ck, "ck");
+    snprintf(arg, sizeof arg, "checkpoint.dir=%s", ck);
+    const char *stop[] = {SR_ARGS, "--set", arg, "--set", "checkpoint.keep=1", "--stop-after-epoch", "2", NULL};
+    train_sharded(&b, "first", 2, stop, wex);
+    cr_assert_eq(b.psd_code, 0);
+    cr_assert_eq(run_cmd("test $(ls %s/run-*/shard-1/ckpt-*.psdc | wc -l) -eq 2 && test $(ls %s/run-*/ckpt-*.psdc | "
+                         "wc -l) -eq 2", ck, ck), 0, "checkpoint.keep 1 keeps 2 with psd shards");
+    /* shard 1's newest part cut short, as by a full disk */
+    cr_assert_eq(run_cmd("f=$(ls %s/run-*/shard-1/ckpt-*.psdc | sort | tail -1) && truncate -s -8 \"$f\"", ck), 0);
+    const char *res[] = {SR_ARGS, "--set", arg, "--set", "checkpoint.keep=1", "--resume", ck, NULL};
+    /* first with its older part moved away: no step in common, refused */
+    cr_assert_eq(run_cmd("f=$(ls %s/run-*/shard-1/ckpt-*.psdc | sort | head -1) && mkdir %s/older && mv \"$f\" %s/older/",
+                         ck, ck, ck), 0);
+    const char *res0[] = {SR_ARGS, "--set", arg, "--set", "checkpoint.keep=1", "--resume", ck, "--shard", "0/2", NULL};
+    pid_t p = start_psd(&d, "none", 2, res0);
+    pid_t f = start_shard(&d, "none", 1, 2, res);
+    cr_assert_eq(proc_wait(f, 60), 2, "shard 1 has no part to resume: exit 2");
+    cr_assert_eq(proc_wait(p, 60), 2, "and shard 0 says so: exit 2");
+    char *l = slurp(d.psd_log);
+    cr_assert(strstr(l, "psd shard 1") && strstr(l, "cannot resume: no valid checkpoint"), "%s", l);
+    free(l);
+    cr_assert_eq(run_cmd("mv %s/older/* %s/run-*/shard-1/", ck, ck), 0);
+    train_sharded(&c, "second", 2, res, wex);
+    cr_assert_eq(c.psd_code, 0);
+    cr_assert_eq(c.worker_code[0], 0);
+    l = slurp(c.psd_log);
+    cr_assert(strstr(l, "psd shard 1 has no checkpoint of step") && strstr(l, "all 2 psd shards resumed at step"),
+              "%s", l);
+    cr_assert_eq(count_in(l, "resuming run"), 2, "it went back from the end of epoch 2 to that of epoch 1: %s", l);
+    free(l);
+    char sl[300];
+    path(sl, sizeof sl, "second-shard1.log");
+    l = slurp(sl);
+    cr_assert(strstr(l, "trying an older one"), "%s", l);
+    free(l);
+    cr_assert(weights_equal(a.weights, c.weights), "went back a step and trained on: the bits of a run never stopped");
+#undef SR_ARGS
+}
+
+/* A shard that cannot write its part of the checkpoint psd stops with
+ * tells shard 0 (SHARD_CKPT_DONE): psd does not say "saved", and exits 1.
+ * Shard 1 runs where checkpoint.dir (a relative path) is a file. */
+Test(short, a_stop_whose_checkpoint_a_psd_shard_could_not_write_fails)
+{
+    char other[256];
+    path(other, sizeof other, "elsewhere");
+    cr_assert_eq(mkdir(other, 0755), 0);
+    cr_assert_eq(run_cmd("echo not a directory > %s/ckrel", other), 0);
+    const char *args[] = {"--epochs", "2", "--set", "data.train_limit=2000", "--set", "checkpoint.dir=ckrel",
+                          "--stop-after-epoch", "1", "--shard", "0/2", NULL};
+    const char *sargs[] = {"--epochs", "2", "--set", "data.train_limit=2000", "--set", "checkpoint.dir=ckrel", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "ackfail", 2, args);
+    proc_set_cwd(other);
+    pid_t f = start_shard(&r, "ackfail", 1, 2, sargs);
+    proc_set_cwd(dir);
+    pid_t w0 = start_worker(&r, "ackfail", 0, NULL), w1 = start_worker(&r, "ackfail", 1, NULL);
+    cr_assert_eq(proc_wait(p, 120), 1, "the checkpoint to stop with is not whole: exit 1");
+    cr_assert_eq(proc_wait(w0, 30), 1);
+    cr_assert_eq(proc_wait(w1, 30), 1);
+    cr_assert_eq(proc_wait(f, 30), 0, "shard 1 is told the run is over");
+    char *l = slurp(r.psd_log);
+    cr_assert(strstr(l, "psd shard 1") && strstr(l, "could not write its part of checkpoint"), "%s", l);
+    cr_assert_null(strstr(l, "checkpoint saved"), "%s", l);
+    cr_assert_null(strstr(l, "written by all 2 psd shards"), "%s", l);
+    free(l);
+}
+
+/* SIGTERM to every psd shard (Ctrl-C, a scheduler's preemption) while
+ * shard 0's checkpoint takes longer than the worker timeout: shard 1
+ * waits for it (shard 0 told it it was stopped) and the run ends with the
+ * checkpoint saved, exit 0, instead of shard 1 giving up (exit 5). */
+Test(short, psd_shards_stopped_together_wait_for_a_slow_checkpoint)
+{
+    char ck[256], arg[300];
+    path(ck, sizeof ck, "ck");
+    snprintf(arg, sizeof arg, "checkpoint.dir=%s", ck);
+    const char *args[] = {"--epochs", "40", "--set", "data.train_limit=2000", "--set", arg, "--worker-timeout", "2",
+                          "--x-slow-ckpt-ms", "6000", "--shard", "0/2", NULL};
+    const char *sargs[] = {"--epochs", "40", "--set", "data.train_limit=2000", "--set", arg, "--worker-timeout", "2",
+                           NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "sigall", 2, args);
+    pid_t f = start_shard(&r, "sigall", 1, 2, sargs);
+    pid_t w0 = start_worker(&r, "sigall", 0, NULL), w1 = start_worker(&r, "sigall", 1, NULL);
+    wait_metrics(&r, 1);
+    kill(f, SIGTERM);
+    kill(p, SIGTERM);
+    cr_assert_eq(proc_wait(p, 120), 0, "stopped with its checkpoint saved");
+    cr_assert_eq(proc_wait(f, 30), 0, "shard 1 waited for it");
+    cr_assert_eq(proc_wait(w0, 30), 0);
+    cr_assert_eq(proc_wait(w1, 30), 0);
+    char *l = slurp(r.psd_log), sl[300];
+    cr_assert(strstr(l, "written by all 2 psd shards"), "%s", l);
+    free(l);
+    path(sl, sizeof sl, "sigall-shard1.log");
+    l = slurp(sl);
+    cr_assert(strstr(l, "waiting for shard 0 to end the run") && strstr(l, "psd was stopped; checkpoint saved"), "%s",
+              l);
+    cr_assert_null(strstr(l, "was stopped ("), "it did not give up: %s", l);
+    free(l);
+}
+
 /* A shard that dies ends the run with exit 5 and a clear error (its part of
  * the parameters is gone), the workers are told to stop; shard 0 that dies
  * leaves no shard behind. Nothing hangs. */
