@@ -2040,6 +2040,10 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
         s->ckpt_again = true;
         return;
     }
+    if (sharded(s) && !shards_ready(s)) { /* a part alone is no checkpoint, and nothing has trained yet */
+        PS_WARN("no checkpoint taken: not every psd shard has joined (and resumed) yet");
+        return;
+    }
     psd_ckpt_meta_t m = {
         .run_id = s->run_id, .config_hash = s->config_hash, .seed = s->cfg.seed,
         .step = s->store.steps, .version = s->store.cur->version, .epoch = s->epoch,
@@ -3565,6 +3569,12 @@ static void request_stop(srv_t *s, int signum, const char *what)
         if (s->stopping > 0) PS_WARN("received %s again: exiting now", what);
         else PS_WARN("received %s: telling the workers to stop", what);
         finish(s, s->stopping > 0 ? 128 + signum : 0, "psd was stopped");
+        return;
+    }
+    if (sharded(s) && !shards_ready(s)) { /* workers train only once every shard is there */
+        PS_WARN("received %s before every psd shard joined: nothing trained since psd started, nothing to "
+                "checkpoint", what);
+        finish(s, 0, "psd was stopped before training began");
         return;
     }
     PS_WARN("received %s: writing a checkpoint, then telling the workers to stop (again to exit now)", what);

@@ -1445,6 +1445,28 @@ Test(short, psd_shards_stopped_together_wait_for_a_slow_checkpoint)
     free(l);
 }
 
+/* Shard 0 before shard 1 joined: a checkpoint asked for (SIGUSR1) is not
+ * taken (a part alone is none, and it would wait for a confirmation that
+ * never comes), and SIGTERM ends it at once with exit 0: nothing trained. */
+Test(short, psd_shard_0_stopped_before_the_shards_joined_ends_cleanly)
+{
+    char ck[256], arg[300];
+    path(ck, sizeof ck, "ck");
+    snprintf(arg, sizeof arg, "checkpoint.dir=%s", ck);
+    const char *args[] = {"--set", arg, "--shard", "0/2", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "alone", 2, args);
+    wait_log(r.psd_log, "waiting for shards 1..1 to join", 30);
+    kill(p, SIGUSR1);
+    wait_log(r.psd_log, "no checkpoint taken: not every psd shard has joined", 30);
+    kill(p, SIGTERM);
+    cr_assert_eq(proc_wait(p, 30), 0, "stopped before training: exit 0");
+    char *l = slurp(r.psd_log);
+    cr_assert(strstr(l, "nothing trained since psd started"), "%s", l);
+    free(l);
+    cr_assert_neq(run_cmd("ls %s/run-*/ckpt-*.psdc > /dev/null 2>&1", ck), 0, "no part written alone");
+}
+
 /* A shard that dies ends the run with exit 5 and a clear error (its part of
  * the parameters is gone), the workers are told to stop; shard 0 that dies
  * leaves no shard behind. Nothing hangs. */
