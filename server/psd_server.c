@@ -350,6 +350,7 @@ typedef struct {
     char resume_dir[PS_PATH_MAX];
     uint64_t resume_steps[64];
     size_t n_resume_steps;
+    bool resume_agreed;   /* every shard resumed at shard 0's step: training may begin */
     bool ckpt_again;      /* another one was asked for while writing */
     int stopping;         /* signal number that asked to stop, or -1 for --stop-after-epoch */
     bool stop_when_written;
@@ -488,11 +489,14 @@ static bool all_shards(const srv_t *s) { return shards_joined(s) == s->n_shards 
 
 /* Every shard joined and, after a resume, resumed its part at shard 0's step:
  * workers are sent their ASSIGN (which names every shard) from then on. */
-static bool shards_ready(const srv_t *s)
+static bool shards_ready(const srv_t *s) { return all_shards(s) && (!s->opts.resume_dir || s->resume_agreed); }
+
+/* After a resume: every shard resumed its part at shard 0's step. */
+static bool shards_resumed(const srv_t *s)
 {
-    if (!all_shards(s)) return false;
-    for (int i = 1; s->opts.resume_dir && i < s->n_shards; i++)
-        if (!s->shards[i].resumed || s->shards[i].resumed_step != s->store.steps) return false;
+    for (int i = 1; i < s->n_shards; i++)
+        if (!s->shards[i].joined || !s->shards[i].resumed || s->shards[i].resumed_step != s->store.steps)
+            return false;
     return true;
 }
 
@@ -2433,6 +2437,27 @@ static void shards_go(srv_t *s)
 
 static int resume_at(srv_t *s, uint64_t at_most);
 
+/* Ask shard j to resume again, at the newest of shard 0's steps up to the
+ * one it is at now. */
+static void send_resume(srv_t *s, int j)
+{
+    Psd__Header h;
+    Psd__ShardHello rb = PSD__SHARD_HELLO__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_SHARD_RESUME;
+    rb.shard = (uint32_t)j;
+    rb.shards = (uint32_t)s->n_shards;
+    rb.resume = true;
+    rb.resume_step = s->store.steps;
+    rb.resume_version = s->store.cur->version;
+    rb.resume_steps = s->resume_steps;
+    rb.n_resume_steps = s->n_resume_steps;
+    h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
+    h.shard_hello = &rb;
+    s->shards[j].resumed = false;
+    send_shard(s, j, &h, NULL, 0);
+}
+
 /* Shard i resumed its part at a step (the newest of shard 0's it has), or
  * cannot. All go back to the oldest step any shard resumed at. */
 static void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
@@ -2448,9 +2473,10 @@ static void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
         finish(s, PSD_EXIT_USAGE, "a psd shard cannot resume");
         return;
     }
-    if (ck->step > s->store.steps) {
-        drop(s, NULL, "RESUMED from shard %d at step %" PRIu64 ", after shard 0's %" PRIu64, i, ck->step,
-             s->store.steps);
+    if (ck->step > s->store.steps) { /* it chose from a list shard 0 has gone back from since */
+        PS_DEBUG("psd shard %d resumed at step %" PRIu64 "; shard 0 has gone back to %" PRIu64 ": again", i, ck->step,
+                 s->store.steps);
+        send_resume(s, i);
         return;
     }
     sh->resumed = true;
@@ -2463,27 +2489,12 @@ static void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
             finish(s, PSD_EXIT_USAGE, "the psd shards have no checkpoint of one step");
             return;
         }
-        Psd__Header h;
-        Psd__ShardHello rb = PSD__SHARD_HELLO__INIT;
-        psd__header__init(&h);
-        h.type = PSD__MSG_TYPE__MSG_SHARD_RESUME;
-        rb.shard = 0;
-        rb.shards = (uint32_t)s->n_shards;
-        rb.resume = true;
-        rb.resume_step = s->store.steps;
-        rb.resume_version = s->store.cur->version;
-        rb.resume_steps = s->resume_steps;
-        rb.n_resume_steps = s->n_resume_steps;
-        h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
-        h.shard_hello = &rb;
         for (int j = 1; j < s->n_shards; j++) {
             shard_t *o = &s->shards[j];
-            if (!o->joined || !o->resumed || o->resumed_step == s->store.steps) continue;
-            o->resumed = false;
-            send_shard(s, j, &h, NULL, 0);
+            if (o->joined && o->resumed && o->resumed_step != s->store.steps) send_resume(s, j);
         }
     }
-    if (!shards_ready(s)) return;
+    if (!shards_resumed(s)) return;
     for (int j = 1; j < s->n_shards; j++)
         if (s->shards[j].resumed_version != s->store.cur->version) {
             PS_ERROR("psd shard %d resumed step %" PRIu64 " at version %" PRIu64 ", shard 0 at %" PRIu64
@@ -2493,6 +2504,7 @@ static void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
             return;
         }
     PS_INFO("all %d psd shards resumed at step %" PRIu64, s->n_shards, s->store.steps);
+    s->resume_agreed = true;
     shards_go(s);
 }
 

@@ -1371,6 +1371,7 @@ Test(short, a_sharded_resume_goes_back_to_a_step_every_shard_has)
     cr_assert(strstr(l, "psd shard 1 has no checkpoint of step") && strstr(l, "all 2 psd shards resumed at step"),
               "%s", l);
     cr_assert_eq(count_in(l, "resuming run"), 2, "it went back from the end of epoch 2 to that of epoch 1: %s", l);
+    cr_assert(strstr(l, "checkpoint of step 72 written by all 2 psd shards"), "and checkpoints on after it: %s", l);
     free(l);
     char sl[300];
     path(sl, sizeof sl, "second-shard1.log");
@@ -1378,6 +1379,25 @@ Test(short, a_sharded_resume_goes_back_to_a_step_every_shard_has)
     cr_assert(strstr(l, "trying an older one"), "%s", l);
     free(l);
     cr_assert(weights_equal(a.weights, c.weights), "went back a step and trained on: the bits of a run never stopped");
+    /* 3 shards, shard 2's newest part gone (killed before its rename): shard 1 resumes at the
+     * newest step and goes back when asked, whichever answers first */
+    char ck3[256], arg3[300];
+    path(ck3, sizeof ck3, "ck3");
+    snprintf(arg3, sizeof arg3, "checkpoint.dir=%s", ck3);
+    const char *stop3[] = {SR_ARGS, "--set", arg3, "--stop-after-epoch", "2", NULL};
+    const char *res3[] = {SR_ARGS, "--set", arg3, "--resume", ck3, NULL};
+    run_t e, g;
+    train_sharded(&e, "first3", 3, stop3, wex);
+    cr_assert_eq(e.psd_code, 0);
+    cr_assert_eq(run_cmd("f=$(ls %s/run-*/shard-2/ckpt-*.psdc | sort | tail -1) && rm \"$f\"", ck3), 0);
+    train_sharded(&g, "second3", 3, res3, wex);
+    cr_assert_eq(g.psd_code, 0);
+    l = slurp(g.psd_log);
+    cr_assert(strstr(l, "psd shard 2 has no checkpoint of step") && strstr(l, "all 3 psd shards resumed at step"),
+              "%s", l);
+    cr_assert(strstr(l, "checkpoint of step 72 written by all 3 psd shards"), "%s", l);
+    free(l);
+    cr_assert(weights_equal(a.weights, g.weights), "3 shards, back a step: the same bits");
 #undef SR_ARGS
 }
 
