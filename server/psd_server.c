@@ -352,6 +352,11 @@ typedef struct {
     size_t n_resume_steps;
     bool resume_agreed;   /* every shard resumed at shard 0's step: training may begin */
     bool ckpt_again;      /* another one was asked for while writing */
+    /* ... and it was the end of epoch again_epoch, at again_steps steps: an
+     * epoch's end still, if taken before anything trained since */
+    bool again_epoch_done;
+    uint32_t again_epoch;
+    uint64_t again_steps;
     int stopping;         /* signal number that asked to stop, or -1 for --stop-after-epoch */
     bool stop_when_written;
     bool end_when_written; /* psd shards: the run ends once every part of its last checkpoint is written */
@@ -2017,7 +2022,7 @@ static void end_validation(srv_t *s)
     if (stop) {
         PS_INFO("stopping after epoch %u as asked (--stop-after-epoch); resume with --resume %s",
                 s->epoch + 1, s->cfg.ckpt_dir[0] ? s->run_dir : "DIR");
-        if (s->ckpt) {
+        if (s->ckpt || s->ck_open) {
             s->stop_when_written = true;
             s->phase = PHASE_WAIT; /* nothing more to do but write */
             s->phase_deadline = INFINITY;
@@ -2042,6 +2047,11 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
     }
     if (s->ckpt || s->ck_open) { /* one at a time: with shards, until each confirmed its part */
         s->ckpt_again = true;
+        if (epoch_done) {
+            s->again_epoch_done = true;
+            s->again_epoch = s->epoch;
+            s->again_steps = s->store.steps;
+        }
         return;
     }
     if (sharded(s) && !shards_ready(s)) { /* a part alone is no checkpoint, and nothing has trained yet */
@@ -2086,6 +2096,16 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
     }
 }
 
+/* The checkpoint asked for while another was written: now (an epoch's end
+ * if it was one and nothing trained since). */
+static void take_again(srv_t *s)
+{
+    bool epoch_done = s->again_epoch_done && s->again_epoch == s->epoch && s->again_steps == s->store.steps;
+    s->ckpt_again = false;
+    s->again_epoch_done = false;
+    take_checkpoint(s, epoch_done);
+}
+
 /* The checkpoint is written, or failed: every part of it (shard 0's, then
  * each shard's confirmation). Answer psctl, stop if asked, start the next
  * one if asked. `unconfirmed`: psd exits without waiting for the shards. */
@@ -2112,6 +2132,14 @@ static void ckpt_complete(srv_t *s, bool unconfirmed)
         s->ckpts_written++;
         s->ckpt_last_t = ps_now();
     }
+    if (s->stop_when_written && s->ckpt_again && !why[0]) {
+        /* asked for while another was written (the stop itself, or the
+         * epoch's end before --stop-after-epoch): the stop's checkpoint is
+         * of the state now, not of the one written */
+        take_again(s);
+        if (s->ckpt || s->ckpt_deferred) return;
+        snprintf(why, sizeof why, "the checkpoint of the state at the stop could not be started");
+    }
     if (s->stop_when_written) {
         if (why[0]) /* nothing to resume from: say so, and fail */
             finish(s, PSD_EXIT_ERROR, "psd stopped; its checkpoint failed");
@@ -2121,11 +2149,12 @@ static void ckpt_complete(srv_t *s, bool unconfirmed)
         return;
     }
     if (s->ckpt_again) {
-        s->ckpt_again = false;
-        if (sharded(s) && s->phase == PHASE_DONE) /* the shards have stopped: a part alone is no checkpoint */
+        if (sharded(s) && s->phase == PHASE_DONE) { /* the shards have stopped: a part alone is no checkpoint */
+            s->ckpt_again = false;
             PS_WARN("the checkpoint asked for while another was written is not taken: the psd shards have stopped");
-        else
-            take_checkpoint(s, false);
+        } else {
+            take_again(s);
+        }
     }
     if (s->end_when_written && !s->ckpt) end_run(s);
 }
@@ -3592,6 +3621,7 @@ static void request_stop(srv_t *s, int signum, const char *what)
     PS_WARN("received %s: writing a checkpoint, then telling the workers to stop (again to exit now)", what);
     s->stopping = signum;
     s->stop_when_written = true;
+    if (s->ckpt || s->ck_open) s->ckpt_again = true; /* one of the state now, once that one is written */
     if (sharded(s)) { /* a shard stopped too waits for this checkpoint, however long it takes */
         Psd__Header h;
         Psd__ShardCkpt ck = PSD__SHARD_CKPT__INIT;
@@ -3602,7 +3632,8 @@ static void request_stop(srv_t *s, int signum, const char *what)
         h.shard_ckpt = &ck;
         shards_send_all(s, &h);
     }
-    if (!s->ckpt) take_checkpoint(s, false);
+    if (s->ckpt || s->ck_open) return; /* its turn comes when that one is written (ckpt_complete) */
+    take_checkpoint(s, false);
     if (!s->ckpt && !s->ckpt_deferred) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
 }
 

@@ -3749,12 +3749,33 @@ Test(short, stopped_at_an_epoch_boundary_and_resumed_gives_identical_weights)
     train(&c, "rest", 2, second, 300);
     cr_assert_eq(c.psd_code, 0);
     cr_assert(weights_equal(a.weights, c.weights), "resumed run ends with bit-identical weights");
+    /* epoch 1's checkpoint (step 24) still being written (a slow disk) when epoch 2 ends at
+     * step 48: the epoch's end is written after it, and the stop waits for that one (it used
+     * to stop with the one of step 24, and the resume trained epoch 2 again) */
+    char ck2[300], dir2[256];
+    path(dir2, sizeof dir2, "ckpt2");
+    snprintf(ck2, sizeof ck2, "checkpoint.dir=%s", dir2);
+    const char *slow[] = {"--epochs", "3", "--set", "data.train_limit=3000", "--seed", "11", "--set", ck2,
+                          "--x-slow-ckpt-ms", "5000", "--stop-after-epoch", "2", NULL};
+    run_t e, g;
+    train(&e, "slowhalf", 2, slow, 300);
+    cr_assert_eq(e.psd_code, 0);
+    char *l = slurp(e.psd_log);
+    const char *stopping = strstr(l, "stopping after epoch 2"), *c24 = strstr(l, "ckpt-000000000024.psdc: ");
+    cr_assert(stopping && c24 && stopping < c24 && strstr(l, "ckpt-000000000048.psdc: "),
+              "epoch 2 ended while step 24's checkpoint was written, then step 48's was: %s", l);
+    free(l);
+    const char *rest2[] = {"--epochs", "3", "--set", "data.train_limit=3000", "--seed", "11", "--set", ck2,
+                           "--resume", dir2, NULL};
+    train(&g, "slowrest", 2, rest2, 300);
+    cr_assert_eq(g.psd_code, 0);
+    cr_assert(weights_equal(a.weights, g.weights), "resumed from the epoch's end: bit-identical weights");
     /* resumed once more at its end: nothing to train, and the weights file is the same, its
      * header (step, last epoch trained) included */
     run_t d;
     pid_t p = start_psd(&d, "atend1", 2, second);
     cr_assert_eq(proc_wait(p, 60), 0);
-    char *l = slurp(d.psd_log);
+    l = slurp(d.psd_log);
     cr_assert(l && strstr(l, "nothing to train"), "%s", l ? l : "");
     free(l);
     cr_assert(weights_equal(a.weights, d.weights), "the weights file of a resume at the end = the run's");
