@@ -403,9 +403,10 @@ static int write_slot(psd_ckpt_writer_t *wr, ckpt_out_t *o, uint32_t s)
 }
 
 /* Keep the newest `keep` checkpoints (and always the one just written). */
-/* Keep the newest `keep` checkpoints up to the one written. Those of later
- * steps are from before a resume at an older step (the run left them when
- * it went back): they are removed, or a later resume would take them. */
+/* Keep the newest `keep` checkpoints up to the one written, and that of
+ * meta.keep_step. Those of later steps are from before a resume at an
+ * older step (the run went back from them): renamed NAME.superseded, which
+ * a resume does not take (it would), and kept for whoever wants them. */
 static void prune(psd_ckpt_writer_t *wr, const char *written)
 {
     ckpt_ent_t *ents;
@@ -418,8 +419,14 @@ static void prune(psd_ckpt_writer_t *wr, const char *written)
             kept++;
             continue;
         }
-        if (ents[i].step == wr->meta.step) continue; /* another name of this step: not ours to judge */
-        (void)unlink(p);
+        if (ents[i].step == wr->meta.step || ents[i].step == wr->meta.keep_step) continue;
+        if (ents[i].step > wr->meta.step) {
+            char q[PATH_MAX + 16];
+            snprintf(q, sizeof q, "%s.superseded", p);
+            (void)rename(p, q);
+        } else {
+            (void)unlink(p);
+        }
     }
     free(ents);
 }

@@ -52,6 +52,7 @@ typedef struct {
      * `shards` (1: one psd, the whole model; a writer's 0 is taken for 1);
      * read as 0 from files of format 1 and 2, which do not say */
     uint32_t shard, shards;
+    uint64_t keep_step; /* not written: the writer's pruning keeps this step's file too (0: none) */
 } psd_ckpt_meta_t;
 
 typedef struct psd_ckpt_writer psd_ckpt_writer_t;

@@ -344,6 +344,8 @@ typedef struct {
     int ck_rc;            /* shard 0's part: 0 or -errno */
     char ck_path[PS_PATH_MAX];
     char ck_fail[400];    /* the first shard's failure to write its part ("": none) */
+    uint64_t ck_safe;     /* psd shards: the newest step every shard confirmed (or resumed at): its files are
+                           * never pruned, so that a resume always finds a step all have (0: none) */
     /* --resume with psd shards: the directory resumed from and its steps up to
      * the one resumed at, newest first: each shard resumes at the newest of
      * them it has, and all go back to the oldest any shard resumed at */
@@ -1279,7 +1281,8 @@ static void deferred_checkpoint(srv_t *s)
     if (!s->ckpt_deferred) return;
     s->ckpt_deferred = false;
     take_checkpoint(s, false);
-    if (!s->ckpt && s->stop_when_written) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+    if (!s->ckpt && !s->ck_open && s->stop_when_written)
+        finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
 }
 
 
@@ -2067,7 +2070,7 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
         .samples_total = s->samples_total, .lr = s->lr, .train_count = s->train_count,
         .n_sizes = s->layout.n_sizes, .opt_kind = (uint32_t)s->cfg.opt,
         .n_slots = (uint32_t)psd_optim_slots(&s->store.opt), .n_params = s->layout.n_params,
-        .shard = 0, .shards = (uint32_t)s->n_shards};
+        .shard = 0, .shards = (uint32_t)s->n_shards, .keep_step = sharded(s) ? s->ck_safe : 0};
     memcpy(m.sizes, s->layout.sizes, sizeof m.sizes);
     if (s->layout.table >= 0) {
         m.table_rows = (uint64_t)s->layout.t[s->layout.table].rows;
@@ -2090,6 +2093,7 @@ static void take_checkpoint(srv_t *s, bool epoch_done)
         h.type = PSD__MSG_TYPE__MSG_SHARD_CKPT;
         ck.step = s->store.steps;
         ck.version = s->store.cur->version;
+        ck.keep_step = s->ck_safe;
         h.body_case = PSD__HEADER__BODY_SHARD_CKPT;
         h.shard_ckpt = &ck;
         shards_send_all(s, &h);
@@ -2106,31 +2110,35 @@ static void take_again(srv_t *s)
     take_checkpoint(s, epoch_done);
 }
 
+/* psctl checkpoint: answer whoever waits (why "": written). */
+static void ctl_answer(srv_t *s, const char *why)
+{
+    char msg[PS_PATH_MAX + 480];
+    snprintf(msg, sizeof msg, !why[0] ? "checkpoint written: %s" : "checkpoint failed: %s", !why[0] ? s->ck_path : why);
+    for (int i = 0; i < s->n_ctl_wait; i++)
+        control_reply(s, s->ctl_wait[i].ident, s->ctl_wait[i].ident_len, !why[0], msg, NULL);
+    s->n_ctl_wait = 0;
+}
+
 /* The checkpoint is written, or failed: every part of it (shard 0's, then
- * each shard's confirmation). Answer psctl, stop if asked, start the next
- * one if asked. `unconfirmed`: psd exits without waiting for the shards. */
+ * each shard's confirmation). Stop if asked, start the next one if asked,
+ * answer psctl once none is coming. `unconfirmed`: psd exits without
+ * every shard's confirmation (a failure: the parts may be missing). */
 static void ckpt_complete(srv_t *s, bool unconfirmed)
 {
     s->ck_open = false;
     char why[sizeof s->ck_fail];
     if (s->ck_rc != 0) snprintf(why, sizeof why, "%s", strerror(-s->ck_rc));
-    else snprintf(why, sizeof why, "%s", s->ck_fail);
-    if (!why[0] && unconfirmed)
-        PS_WARN("exiting before every psd shard confirmed its part of checkpoint %" PRIu64 " (each finishes writing it "
-                "before it exits)", s->ck_step);
-    if (!why[0] && sharded(s) && !unconfirmed)
-        PS_INFO("checkpoint of step %" PRIu64 " written by all %d psd shards", s->ck_step, s->n_shards);
-    if (!s->ckpt_again && !s->ckpt_deferred) { /* psctl checkpoint: the one they asked for is written */
-        char msg[PS_PATH_MAX + 480];
-        snprintf(msg, sizeof msg, !why[0] ? "checkpoint written: %s" : "checkpoint failed: %s",
-                 !why[0] ? s->ck_path : why);
-        for (int i = 0; i < s->n_ctl_wait; i++)
-            control_reply(s, s->ctl_wait[i].ident, s->ctl_wait[i].ident_len, !why[0], msg, NULL);
-        s->n_ctl_wait = 0;
-    }
+    else if (s->ck_fail[0]) snprintf(why, sizeof why, "%s", s->ck_fail);
+    else if (unconfirmed) snprintf(why, sizeof why, "psd exited before every psd shard confirmed its part");
+    else why[0] = '\0';
+    if (unconfirmed && !s->ck_rc && !s->ck_fail[0])
+        PS_WARN("psd exits before every psd shard confirmed its part of checkpoint %" PRIu64, s->ck_step);
     if (!why[0]) {
+        if (sharded(s)) PS_INFO("checkpoint of step %" PRIu64 " written by all %d psd shards", s->ck_step, s->n_shards);
         s->ckpts_written++;
         s->ckpt_last_t = ps_now();
+        s->ck_safe = s->ck_step;
     }
     if (s->stop_when_written && s->ckpt_again && !why[0]) {
         /* asked for while another was written (the stop itself, or the
@@ -2141,6 +2149,7 @@ static void ckpt_complete(srv_t *s, bool unconfirmed)
         snprintf(why, sizeof why, "the checkpoint of the state at the stop could not be started");
     }
     if (s->stop_when_written) {
+        ctl_answer(s, why);
         if (why[0]) /* nothing to resume from: say so, and fail */
             finish(s, PSD_EXIT_ERROR, "psd stopped; its checkpoint failed");
         else
@@ -2156,7 +2165,8 @@ static void ckpt_complete(srv_t *s, bool unconfirmed)
             take_again(s);
         }
     }
-    if (s->end_when_written && !s->ckpt) end_run(s);
+    if (!s->ckpt && !s->ckpt_deferred) ctl_answer(s, why); /* none coming for them: this was theirs */
+    if (s->end_when_written && !s->ckpt && s->phase != PHASE_DONE) end_run(s);
 }
 
 /* The writer finished: log; once every shard confirmed its part (wait:
@@ -2534,6 +2544,7 @@ static void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
         }
     PS_INFO("all %d psd shards resumed at step %" PRIu64, s->n_shards, s->store.steps);
     s->resume_agreed = true;
+    s->ck_safe = s->store.steps; /* every shard has it */
     shards_go(s);
 }
 
@@ -3535,7 +3546,7 @@ static void on_control(srv_t *s, ps_msg_t *m)
         s->ctl_wait[s->n_ctl_wait++].ident_len = m->ident_len;
         PS_INFO("psctl asks for a checkpoint");
         take_checkpoint(s, false); /* answered when written (poll_checkpoint) */
-        if (!s->ckpt && !s->ckpt_deferred) { /* could not start */
+        if (!s->ckpt && !s->ck_open && !s->ckpt_deferred) { /* could not start (else: started, or queued) */
             s->n_ctl_wait--;
             control_reply(s, m->ident, m->ident_len, false, "the checkpoint could not start (see psd's log)", NULL);
         }

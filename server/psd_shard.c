@@ -524,6 +524,7 @@ static void on_ckpt(shard_t *s, ps_msg_t *m)
     int rc = mkdirs(s->ckpt_dir);
     psd_ckpt_meta_t meta;
     ckpt_meta(s, &meta);
+    meta.keep_step = ck->keep_step;
     static const uint8_t none[1];
     s->ckpt_step = ck->step;
     s->ckpt_version = ck->version;

@@ -595,6 +595,27 @@ Test(ckpt, cow_without_memory_waits, .init = dir_setup, .fini = dir_teardown)
 
 /* ---- pruning ---------------------------------------------------------- */
 
+/* psd shards: the newest step every shard confirmed stays, whatever
+ * `keep` says (a shard failing to write would otherwise leave no step in
+ * common once shard 0 pruned it). */
+Test(ckpt, keep_step_is_never_pruned, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    store_make(&s, small_sizes, 3);
+    for (uint64_t step = 1; step <= 6; step++) {
+        psd_ckpt_meta_t m;
+        meta_make(&m, &s, step, 0);
+        m.keep_step = 2;
+        cr_assert_eq(ckpt_write(&s, &m, NULL, 2, NULL, NULL, NULL, 0), 0);
+    }
+    char p[PATH_MAX];
+    for (uint64_t step = 1; step <= 6; step++) {
+        ckpt_name(p, sizeof p, step);
+        cr_expect_eq(access(p, F_OK) == 0, step == 2 || step >= 5, "step %llu", (unsigned long long)step);
+    }
+    psd_store_deinit(&s);
+}
+
 Test(ckpt, keep_newest, .init = dir_setup, .fini = dir_teardown)
 {
     psd_store_t s;
@@ -622,7 +643,9 @@ Test(ckpt, keep_newest, .init = dir_setup, .fini = dir_teardown)
     }
     cr_expect_eq(count_files(".ckpt-", ".psdc.tmp"), 0, "no temp file is left");
     ckpt_name(p, sizeof p, 99);
-    cr_expect_neq(access(p, F_OK), 0, "the checkpoint above the steps written is gone");
+    cr_expect_neq(access(p, F_OK), 0, "the checkpoint above the steps written is no longer one");
+    strcat(p, ".superseded");
+    cr_expect_eq(access(p, F_OK), 0, "it is kept as NAME.superseded");
     snprintf(p, sizeof p, "%s/other-file", g_dir);
     cr_expect_eq(access(p, F_OK), 0, "unrelated files are left alone");
     loaded_t L;
