@@ -29,20 +29,39 @@
 # (3.3 x this run's raw tcp round trip / 4.07), and against raw ZeroMQ with as
 # many connections round-tripping into one process at once (wire_probe's
 # CLIENTS mode: the most this machine's loopback carried for them, with no
-# step and no barrier). Not a test: nothing here passes or fails on speed.
+# step and no barrier), and against raw ZeroMQ in synchronous rounds as bsp
+# takes them (wire_probe CLIENTS sync: every client's message in, then all
+# answered). Not a test: nothing here passes or fails on speed.
+#
+# Congestion control: psd sets its loopback connections to reno where the
+# kernel's default is bbr (server.tcp_congestion: auto, common/ps_tcp.h);
+# the probes are run the same way (--cc=auto), and once more with the
+# kernel's choice, as is psd with 2 workers (server.tcp_congestion: off).
 set -euo pipefail
 ROUNDS=${1:-800}
 . "$(dirname "$0")/lib.sh"
 bench_setup
 
-PROBE=$("$ROOT/build/wire_probe" 4 1)
+# The probes' tcp connections use the congestion control psd's use
+# (server.tcp_congestion: auto, common/ps_tcp.h: reno instead of bbr over
+# loopback); the kernel's own choice is measured once more for reference.
+PROBE=$("$ROOT/build/wire_probe" --cc=auto 4 1)
 echo "$PROBE"
 MEMCPY=$(awk '/^memcpy/ {print $4}' <<<"$PROBE")
 ZTCP=$(awk '/^zmq_tcp/ {print $4}' <<<"$PROBE")
 ZIPC=$(awk '/^zmq_ipc/ {print $4}' <<<"$PROBE")
+ZTCPK=$("$ROOT/build/wire_probe" 4 1 | tee /dev/stderr | awk '/^zmq_tcp/ {print $4}')
+CCK=$(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo '?')
 # raw ZeroMQ, 2 and 4 connections round-tripping into one process at once
-Z2=$("$ROOT/build/wire_probe" 4 1 2 | tee /dev/stderr | awk '{print $6}')
-Z4=$("$ROOT/build/wire_probe" 4 1 4 | tee /dev/stderr | awk '{print $6}')
+Z2=$("$ROOT/build/wire_probe" --cc=auto 4 1 2 | tee /dev/stderr | awk '{print $6}')
+Z4=$("$ROOT/build/wire_probe" --cc=auto 4 1 4 | tee /dev/stderr | awk '{print $6}')
+# the same clients in synchronous rounds (as bsp: answered once all are in),
+# with nothing and with a one-thread SGD pass between (2 clients: with 4 the
+# raw probe's rounds stall for tens of milliseconds at times, as its 4
+# connections at once do, which psd's 4 workers do not)
+ZS2=$("$ROOT/build/wire_probe" --cc=auto 4 1 2 sync | tee /dev/stderr)
+ZS2N=$(awk '/^zmq_tcp_sync_aggregate/ {print $6}' <<<"$ZS2")
+ZS2S=$(awk '/^zmq_tcp_sync_sgd/ {print $6}' <<<"$ZS2")
 
 # one psd + psbench run: $1 workers, $2 endpoint, $3 psbench flags, $4 psd
 # optimizer flags (default: plain SGD); prints the aggregate GB/s
@@ -85,6 +104,7 @@ T1=$(step_ms 1)
 P1D=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm "--set optimizer.momentum=0.9")
 P2=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm)
 T2=$(step_ms 2)
+P2K=$(run 2 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set server.tcp_congestion=off")
 P4=$(run 4 "tcp://127.0.0.1:$PORT" --no-shm)
 T4=$(step_ms 4)
 S1=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm "$PLAIN --set train.stream=true")
@@ -105,14 +125,15 @@ run 1 "tcp://127.0.0.1:$PORT" "--no-shm --pulls $ROUNDS" >/dev/null
 PLT=$(awk '/^aggregate pull/ {print $3}' "$WORK/psbench-1.txt")
 
 r() { python3 -c "print(f'{$1 / $2:.2f}')"; }
-# ps-lite's 3.3 GB/s aggregate scaled to this run's machine (its VM: raw tcp 4.07)
-PSL=$(python3 -c "print(f'{3.3 * $ZTCP / 4.07:.2f}')")
+# ps-lite's 3.3 GB/s aggregate scaled to this run's machine (its VM: raw tcp
+# 4.07 under the kernel's congestion control, which ps-lite does not change)
+PSL=$(python3 -c "print(f'{3.3 * $ZTCPK / 4.07:.2f}')")
 
 # The 1-worker tcp ratio moves between runs more than anything psd changes:
 # 5 pairs of (raw probe, psd) back to back, and their median ratio.
 PAIRS=""
 for _ in 1 2 3 4 5; do
-    RAW=$("$ROOT/build/wire_probe" 4 0.3 | awk '/^zmq_tcp/ {print $4}')
+    RAW=$("$ROOT/build/wire_probe" --cc=auto 4 0.3 | awk '/^zmq_tcp/ {print $4}')
     PSD=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm 2>/dev/null)
     PAIRS="$PAIRS $(r "$PSD" "$RAW")"
 done
@@ -124,11 +145,14 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 |---|---|---|---|
 | memcpy (one thread) | $MEMCPY | | |
 | raw ZeroMQ round trip, tcp | $ZTCP | | |
+| raw ZeroMQ round trip, tcp, the kernel's congestion control ($CCK) | $ZTCPK | | |
 | raw ZeroMQ round trip, ipc | $ZIPC | | |
 | raw ZeroMQ, 2 / 4 connections into one process at once, tcp (aggregate) | $Z2 / $Z4 | | |
+| raw ZeroMQ, 2 connections in synchronous rounds, tcp (aggregate): nothing / a one-thread SGD pass between | $ZS2N / $ZS2S | | |
 | psd, 1 worker, tcp | $P1 | $(r "$P1" "$ZTCP") x raw tcp | >= 0.85 |
 | psd, 1 worker, tcp, default optimizer | $P1D | $(r "$P1D" "$ZTCP") x raw tcp | |
-| psd, 2 workers, tcp (aggregate) | $P2 | $(r "$P2" 3.3) x ps-lite 3.3; $(r "$P2" "$PSL") x ps-lite scaled ($PSL); $(r "$P2" "$Z2") x raw 2 connections | >= 1.1 x ps-lite |
+| psd, 2 workers, tcp (aggregate) | $P2 | $(r "$P2" 3.3) x ps-lite 3.3; $(r "$P2" "$PSL") x ps-lite scaled ($PSL); $(r "$P2" "$Z2") x raw 2 connections; $(r "$P2" "$ZS2N") x raw synchronous rounds | >= 1.1 x ps-lite |
+| psd, 2 workers, tcp, the kernel's congestion control (aggregate) | $P2K | $(r "$P2K" 3.3) x ps-lite 3.3 | |
 | psd, 4 workers, tcp (aggregate) | $P4 | $(r "$P4" 3.3) x ps-lite 3.3; $(r "$P4" "$PSL") x ps-lite scaled ($PSL); $(r "$P4" "$Z4") x raw 4 connections | >= 1.1 x ps-lite |
 | psd streamed steps (1 MiB chunks), 1 / 2 / 4 workers, tcp | $S1 / $S2 / $S4 | $(r "$S1" "$P1") / $(r "$S2" "$P2") / $(r "$S4" "$P4") x whole steps | |
 | psd async, 2 workers, tcp (aggregate) | $P2A | $(r "$P2A" 3.3) x ps-lite 3.3 | |

@@ -1,7 +1,12 @@
 /* wire_probe - what the machine and ZeroMQ allow, as the yardsticks of psd's
  * communication figures. Not a test.
  *
- *   build/wire_probe [MIB] [SECONDS]
+ *   build/wire_probe [--cc=SETTING] [MIB] [SECONDS]
+ *
+ * --cc: the congestion control of the probe's tcp connections, as psd's
+ *   server.tcp_congestion (common/ps_tcp.h): off (the kernel's, the
+ *   default), auto (what psd does: reno instead of bbr on loopback) or a
+ *   name. Compare psd with the probe under the same setting.
  *
  * memcpy:  bytes copied per second, MIB-sized buffers (one thread).
  * zmq tcp / ipc: a raw ZeroMQ round trip as push+pull does it: a DEALER
@@ -17,7 +22,16 @@
  *   once; GB/s = the clients' rates (bytes sent and received / each one's
  *   time) summed, as psbench's aggregate: what the machine's
  *   loopback carries for CLIENTS connections into one server, the yardstick
- *   of psd's aggregate figures. */
+ *   of psd's aggregate figures.
+ *
+ *   build/wire_probe MIB SECONDS CLIENTS sync
+ *
+ * tcp only: the same CLIENTS, in synchronous rounds as psd's bsp steps
+ *   take them: the server waits until every client's message is in, then
+ *   answers them all; once with no work between (the wire's own cost of the
+ *   barrier), once with one pass of plain SGD over the round's messages on
+ *   the server's critical path (w -= lr * their mean, one thread: the work
+ *   psd's step does there). Prints both. */
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -28,6 +42,7 @@
 #include <zmq.h>
 
 #include "bench_util.h"
+#include "ps_tcp.h"
 #include "ps_util.h"
 
 static double memcpy_gbs(size_t bytes, double seconds)
@@ -49,9 +64,45 @@ static double memcpy_gbs(size_t bytes, double seconds)
     return (double)n * (double)bytes / (t - t0) / 1e9;
 }
 
+/* --cc=SETTING: server.tcp_congestion for the probe's connections (off: the
+ * kernel's congestion control; auto: what psd does by default) */
+static const char *cc = "off";
+
+/* the setting on connection fd, once (the connections are few) */
+static void tune_once(int fd)
+{
+    static __thread int done[64], n_done;
+    if (fd < 0) return;
+    for (int i = 0; i < n_done; i++)
+        if (done[i] == fd) return;
+    if (n_done < 64) done[n_done++] = fd;
+    int last = 0;
+    ps_tcp_cc_conn(&last, fd, cc, false);
+}
+
+/* The synchronous rounds' work: w -= lr * mean of the n messages g[k],
+ * one pass, through a scratch block that stays in L1 (as psd's fused step) */
+#define SGD_BLOCK 2048
+static void sgd_pass(float *w, size_t nf, zmq_msg_t *g, int n)
+{
+    const float *gk[16];
+    for (int k = 0; k < n; k++) gk[k] = zmq_msg_data(&g[k]);
+    const float scale = 0.01f / (float)n;
+    float acc[SGD_BLOCK];
+    for (size_t o = 0; o < nf; o += SGD_BLOCK) {
+        size_t m = nf - o < SGD_BLOCK ? nf - o : SGD_BLOCK;
+        for (size_t i = 0; i < m; i++) acc[i] = gk[0][o + i];
+        for (int k = 1; k < n; k++)
+            for (size_t i = 0; i < m; i++) acc[i] += gk[k][o + i];
+        for (size_t i = 0; i < m; i++) w[o + i] -= scale * acc[i];
+    }
+}
+
 /* child: ROUTER bound to `ep` (tcp://127.0.0.1:* or ipc://), endpoint
- * written to fd; answers every message until `clients` empty ones came */
-static void server(const char *ep, size_t bytes, int fd, int clients)
+ * written to fd; answers every message until `clients` empty ones came.
+ * sync > 0: answers a round's messages once every client still running has
+ * sent one (sync 2: after an SGD pass over them). */
+static void server(const char *ep, size_t bytes, int fd, int clients, int sync)
 {
     void *ctx = zmq_ctx_new();
     int io = clients > 1 ? 2 : 1;
@@ -64,20 +115,43 @@ static void server(const char *ep, size_t bytes, int fd, int clients)
     if (write(fd, last, strlen(last) + 1) < 0) _exit(1);
     close(fd);
     char *reply = malloc(bytes);
-    memset(reply, 3, bytes);
+    memset(reply, 0, bytes);
+    zmq_msg_t ids[16], held[16];
+    int got = 0;
     for (;;) {
         zmq_msg_t id, body, r;
         zmq_msg_init(&id);
         zmq_msg_init(&body);
         if (zmq_msg_recv(&id, s, 0) < 0) break;
         if (zmq_msg_recv(&body, s, 0) < 0) break;
+        tune_once(zmq_msg_get(&body, ZMQ_SRCFD));
         int stop = zmq_msg_size(&body) == 0;
-        zmq_msg_close(&body);
+        if (!sync || stop) zmq_msg_close(&body);
         if (stop) {
             zmq_msg_close(&id);
             if (--clients == 0) break;
+        }
+        if (sync) { /* the round is complete once every client still running is in it */
+            if (!stop) {
+                zmq_msg_init(&ids[got]);
+                zmq_msg_move(&ids[got], &id);
+                zmq_msg_init(&held[got]);
+                zmq_msg_move(&held[got], &body);
+                zmq_msg_close(&id);
+                got++;
+            }
+            if (got == 0 || got < clients) continue;
+            if (sync == 2) sgd_pass((float *)reply, bytes / sizeof(float), held, got);
+            for (int k = 0; k < got; k++) {
+                zmq_msg_send(&ids[k], s, ZMQ_SNDMORE);
+                zmq_msg_init_data(&r, reply, bytes, bench_no_free, NULL);
+                zmq_msg_send(&r, s, 0);
+                zmq_msg_close(&held[k]);
+            }
+            got = 0;
             continue;
         }
+        if (stop) continue;
         zmq_msg_send(&id, s, ZMQ_SNDMORE);
         zmq_msg_init_data(&r, reply, bytes, bench_no_free, NULL);
         zmq_msg_send(&r, s, 0);
@@ -111,6 +185,7 @@ static void *client(void *arg)
         zmq_msg_send(&m, c, 0);
         zmq_msg_init(&r);
         zmq_msg_recv(&r, c, 0);
+        tune_once(zmq_msg_get(&r, ZMQ_SRCFD));
         zmq_msg_close(&r);
         cl->t = ps_now();
         if (i == 2) cl->t0 = cl->t; /* the first rounds set up buffers */
@@ -127,14 +202,14 @@ static void *client(void *arg)
 }
 
 /* GB/s of `clients` connections round-tripping `bytes` each way at once */
-static double zmq_gbs(const char *bind_ep, size_t bytes, double seconds, int clients)
+static double zmq_gbs(const char *bind_ep, size_t bytes, double seconds, int clients, int sync)
 {
     int pfd[2];
     if (pipe(pfd) != 0) return -1;
     pid_t pid = fork();
     if (pid == 0) {
         close(pfd[0]);
-        server(bind_ep, bytes, pfd[1], clients);
+        server(bind_ep, bytes, pfd[1], clients, sync);
     }
     close(pfd[1]);
     char ep[256] = "";
@@ -162,17 +237,42 @@ static double zmq_gbs(const char *bind_ep, size_t bytes, double seconds, int cli
 
 int main(int argc, char **argv)
 {
+    if (argc > 1 && strncmp(argv[1], "--cc=", 5) == 0) {
+        cc = argv[1] + 5;
+        char err[512];
+        if (ps_tcp_cc_check(cc, err, sizeof err) != 0) {
+            fprintf(stderr, "wire_probe: %s\n", err);
+            return 2;
+        }
+        argv++;
+        argc--;
+    }
     double mib = argc > 1 ? atof(argv[1]) : 4;
     double seconds = argc > 2 ? atof(argv[2]) : 1;
     int clients = argc > 3 ? atoi(argv[3]) : 0;
-    if (mib <= 0 || seconds <= 0 || argc > 4 || (argc > 3 && (clients < 1 || clients > 16))) {
-        fprintf(stderr, "usage: wire_probe [MIB] [SECONDS] [CLIENTS (1-16)]\n");
+    int sync = argc > 4 && strcmp(argv[4], "sync") == 0;
+    if (mib <= 0 || seconds <= 0 || argc > 5 || (argc > 3 && (clients < 1 || clients > 16)) || (argc > 4 && !sync)) {
+        fprintf(stderr, "usage: wire_probe [--cc=auto|off|NAME] [MIB] [SECONDS] [CLIENTS (1-16) [sync]]\n");
         return 2;
     }
-    size_t bytes = (size_t)(mib * 1048576);
+    size_t bytes = (size_t)(mib * 1048576) / sizeof(float) * sizeof(float);
+    if (sync) { /* alternating, so that both see the same spells of the machine */
+        double r[2][5];
+        for (int k = 0; k < 5; k++) {
+            r[0][k] = zmq_gbs("tcp://127.0.0.1:*", bytes, seconds, clients, 1);
+            r[1][k] = zmq_gbs("tcp://127.0.0.1:*", bytes, seconds, clients, 2);
+        }
+        const char *name[2] = {"zmq_tcp_sync_aggregate", "zmq_tcp_sync_sgd_aggregate"};
+        for (int i = 0; i < 2; i++) {
+            qsort(r[i], 5, sizeof(double), bench_cmp_double);
+            printf("%s %.2f MiB %d clients: %.3f GB/s (median of 5; min %.3f max %.3f)\n", name[i], mib, clients,
+                   r[i][2], r[i][0], r[i][4]);
+        }
+        return 0;
+    }
     if (clients > 0) {
         double r[5];
-        for (int k = 0; k < 5; k++) r[k] = zmq_gbs("tcp://127.0.0.1:*", bytes, seconds, clients);
+        for (int k = 0; k < 5; k++) r[k] = zmq_gbs("tcp://127.0.0.1:*", bytes, seconds, clients, 0);
         qsort(r, 5, sizeof(double), bench_cmp_double);
         printf("zmq_tcp_roundtrip_aggregate %.2f MiB %d clients: %.3f GB/s (median of 5; min %.3f max %.3f)\n", mib,
                clients, r[2], r[0], r[4]);
@@ -183,8 +283,8 @@ int main(int argc, char **argv)
     double r[3][5];
     for (int k = 0; k < 5; k++) {
         r[0][k] = memcpy_gbs(bytes, seconds);
-        r[1][k] = zmq_gbs("tcp://127.0.0.1:*", bytes, seconds, 1);
-        r[2][k] = zmq_gbs(ipc, bytes, seconds, 1);
+        r[1][k] = zmq_gbs("tcp://127.0.0.1:*", bytes, seconds, 1, 0);
+        r[2][k] = zmq_gbs(ipc, bytes, seconds, 1, 0);
     }
     unlink(ipc + 6);
     const char *name[3] = {"memcpy", "zmq_tcp_roundtrip", "zmq_ipc_roundtrip"};

@@ -117,6 +117,7 @@ typedef struct ps_config {
     bool shared_memory;           /* server.shared_memory: workers on psd's host exchange tensors in shared memory */
     ps_log_format_t log_format;   /* server.log_format: text | json (one object a line) */
     double progress_every;        /* server.progress_every: seconds between progress lines when stderr is not a terminal (0 = none) */
+    char tcp_congestion[16];      /* server.tcp_congestion: auto, off or a name (ps_tcp.h) */
     char http[64];                /* server.http: HOST:PORT of the HTTP endpoint (/metrics, /status, /healthz, /), "" = off */
     char http_token_file[PS_PATH_MAX]; /* server.http_token_file: file whose first line is the bearer token HTTP asks for */
     int io_threads;               /* server.io_threads: ZeroMQ I/O threads, 0 = 2, or cores/4 up to 4 from 12 cores on */

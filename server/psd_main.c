@@ -16,6 +16,7 @@
 #include "psd_ckpt.h"
 #include "psd_eval.h"
 #include "psd_server.h"
+#include "ps_tcp.h"
 #include "ps_util.h"
 #include "ps_auth.h"
 
@@ -271,6 +272,10 @@ int main(int argc, char **argv)
             goto out;
         }
     if (ps_config_validate(&cfg, err, sizeof err) != 0) {
+        fprintf(stderr, "psd: %s%s%s\n", config ? config : "", config ? ": " : "", err);
+        goto out;
+    }
+    if (ps_tcp_cc_check(cfg.tcp_congestion, err, sizeof err) != 0) { /* the kernel's say: found out now */
         fprintf(stderr, "psd: %s%s%s\n", config ? config : "", config ? ": " : "", err);
         goto out;
     }

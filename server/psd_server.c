@@ -54,6 +54,7 @@
 #include "psd_store.h"
 #include "psd_zap.h"
 #include "ps_auth.h"
+#include "ps_tcp.h"
 
 #define MAX_WORKERS 1024
 /* histogram buckets (seconds) of the workers' step times in /metrics */
@@ -97,6 +98,7 @@ typedef struct {
     double sent_at;       /* time of psd's last message to it (keep_alive) */
     double gone_at;
     uint64_t seq_in, seq_out;
+    int tcp_fd;           /* its connection given server.tcp_congestion (fd + 1, 0: none yet) */
     uint64_t lost_replies;
     /* this epoch: positions assigned (ranges, in order) and trained */
     prange_t *ranges;
@@ -188,6 +190,7 @@ typedef struct {
     bool ck_acked;        /* its part of the checkpoint being taken is written, or failed (SHARD_CKPT_DONE) */
     bool resumed;         /* --resume: it resumed its part (SHARD_RESUMED) at resumed_step */
     uint64_t resumed_step, resumed_version;
+    int tcp_fd;           /* its connection given server.tcp_congestion (fd + 1, 0: none yet) */
 } shard_t;
 
 typedef struct {
@@ -2268,6 +2271,7 @@ static void send_assign(srv_t *s, worker_t *w)
     a.start_timeout_s = s->cfg.start_timeout + 10;
     a.step_timeout_s = s->silence * 3 + 10;
     a.silence_s = s->silence;
+    a.tcp_congestion = s->cfg.tcp_congestion;
     a.grad_dtype = s->cfg.wire_gradients == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
     a.weight_dtype = s->cfg.wire_weights == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
     if (s->stream) a.stream_chunk_bytes = (uint64_t)s->store.chunk_bytes;
@@ -2430,6 +2434,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
     sh->pid = h->pid;
     sh->last_seen = ps_now();
     sh->joined = true;
+    sh->tcp_fd = 0; /* a new connection maybe under an fd number the last one had */
     Psd__Header r;
     Psd__ShardHello rb = PSD__SHARD_HELLO__INIT;
     psd__header__init(&r);
@@ -2916,6 +2921,7 @@ static void handle(srv_t *s, ps_msg_t *m)
     }
     int si = sharded(s) ? find_shard(s, m->ident, m->ident_len) : -1;
     if (si > 0 || h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
+        if (si > 0) ps_tcp_cc_conn(&s->shards[si].tcp_fd, m->srcfd, s->cfg.tcp_congestion, true);
         on_shard(s, si, m);
         return;
     }
@@ -2963,6 +2969,7 @@ static void handle(srv_t *s, ps_msg_t *m)
     }
     w->seq_in = h->seq;
     w->last_seen = ps_now();
+    ps_tcp_cc_conn(&w->tcp_fd, m->srcfd, s->cfg.tcp_congestion, true);
     switch (h->type) {
     case PSD__MSG_TYPE__MSG_READY: on_ready(s, w, m); break;
     case PSD__MSG_TYPE__MSG_PULL: on_pull(s, w, m); break;

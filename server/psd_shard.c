@@ -44,6 +44,7 @@
 #include "psd_ckpt.h"
 #include "psd_store.h"
 #include "psd_zap.h"
+#include "ps_tcp.h"
 
 #define SHARD_MAX_WORKERS 1024
 
@@ -68,6 +69,7 @@ typedef struct {
     uint64_t push_version;
     bool complete;
     uint64_t want;             /* answer a pull with a version >= want - 1 (0: none) */
+    int tcp_fd;                /* its connection given server.tcp_congestion (fd + 1, 0: none yet) */
 } fw_t;
 
 typedef struct {
@@ -81,6 +83,7 @@ typedef struct {
     uint64_t run_id, config_hash, seq_out;
     bool joined;
     double leader_seen;
+    int leader_tcp_fd;         /* the connection to shard 0 given server.tcp_congestion (fd + 1) */
     fw_t *w;
     psd_rowbuf_t **sp_free;    /* pooled row gradients (SHARD_MAX_WORKERS room) */
     int n_sp_free;
@@ -724,6 +727,7 @@ static void on_register(shard_t *s, ps_msg_t *m)
                      * shard 0 has been told about it (SHARD_HAVE) and may name it in a STEP */
     memcpy(w->ident, m->ident, m->ident_len);
     w->ident_len = m->ident_len;
+    w->tcp_fd = 0; /* a new connection maybe under an fd number the last one had */
     w->seq_in = h->seq;
     w->want = 0;
     w->rows_want.has = false;
@@ -890,6 +894,7 @@ static void on_worker(shard_t *s, ps_msg_t *m)
         return;
     }
     w->seq_in = h->seq;
+    ps_tcp_cc_conn(&w->tcp_fd, m->srcfd, s->cfg.tcp_congestion, true);
     switch (h->type) {
     case PSD__MSG_TYPE__MSG_PUSH: on_push(s, w, h->rank, m); break;
     case PSD__MSG_TYPE__MSG_PULL:
@@ -939,6 +944,7 @@ static void drain_sock(shard_t *s, void *sock, bool router)
             on_worker(s, &m);
         } else {
             s->leader_seen = ps_now();
+            ps_tcp_cc_conn(&s->leader_tcp_fd, m.srcfd, s->cfg.tcp_congestion, true);
             on_leader(s, &m);
         }
         ps_msg_deinit(&m);

@@ -5228,3 +5228,73 @@ Test(short, stops_and_resumes_that_cannot_work_are_refused)
     free(t);
     cr_assert_eq(c.worker_code[0], 1, "the worker exits with psd's code");
 }
+
+/* The congestion control of the established tcp connections to (sport) and
+ * from (dport) port `port`, as `ss` shows them: how many it listed, and how
+ * many of them use `cc` (the first word of each one's info line). */
+static int conns_using(int port, const char *cc, int *total)
+{
+    char out[256], cmd[512];
+    path(out, sizeof out, "ss.txt");
+    snprintf(cmd, sizeof cmd, "ss -Htin state established '( sport = :%d or dport = :%d )' > '%s' 2>&1", port, port,
+             out);
+    cr_assert_eq(run_cmd("%s", cmd), 0, "ss (iproute2: deploy/setup.sh installs it) failed");
+    char *txt = slurp(out);
+    cr_assert(txt);
+    int n = 0, hits = 0;
+    for (char *line = strtok(txt, "\n"); line; line = strtok(NULL, "\n")) {
+        if (line[0] != ' ' && line[0] != '\t') continue; /* the address line; its info follows, indented */
+        n++;
+        while (*line == ' ' || *line == '\t') line++;
+        size_t k = strlen(cc);
+        if (strncmp(line, cc, k) == 0 && (line[k] == ' ' || line[k] == '\0')) hits++;
+    }
+    free(txt);
+    *total = n;
+    return hits;
+}
+
+/* psd and the worker each set server.tcp_congestion on their side of the
+ * connection (psd from the worker's messages, the worker from ASSIGN):
+ * named (reno), every end uses it; auto: no loopback end is left on bbr
+ * (where the kernel's default is bbr, both ends moved off it). Polled
+ * while the training runs over tcp; psd is then stopped. */
+static void cc_run(const char *tag, const char *setting, const char *want, const char *unwanted)
+{
+    run_t r;
+    char set[64];
+    snprintf(set, sizeof set, "server.tcp_congestion=%s", setting);
+    const char *extra[] = {"--set", "run.epochs=30", "--set", set, "--set", "checkpoint.dir=", NULL};
+    const char *wire[] = {"--no-shm", NULL};
+    pid_t p = start_psd(&r, tag, 1, extra);
+    int port = atoi(strrchr(r.endpoint, ':') + 1);
+    pid_t w = start_worker(&r, tag, 0, wire);
+    int total = 0, good = 0;
+    for (double t0 = ps_now(); ps_now() - t0 < 60; usleep(100000)) {
+        int hits = conns_using(port, want ? want : unwanted, &total);
+        good = want ? hits : total - hits;
+        if (total >= 2 && good == total) break; /* both ends, as wanted */
+    }
+    kill(p, SIGTERM);
+    int pc = proc_wait(p, 60), wc = proc_wait(w, 30);
+    cr_assert_eq(total, 2, "%s: ss shows %d ends of the worker's connection, not 2", tag, total);
+    if (want)
+        cr_assert_eq(good, total, "%s: %d of the %d ends use %s", tag, good, total, want);
+    else
+        cr_assert_eq(good, total, "%s: %d of the %d ends are on %s", tag, total - good, total, unwanted);
+    cr_assert(pc == 0 || pc == 143 || pc == 130, "%s: psd exited %d", tag, pc);
+    cr_assert(wc == 0, "%s: the worker exited %d", tag, wc);
+}
+
+Test(short, tcp_connections_use_the_congestion_control_psd_is_given)
+{
+    cc_run("ccreno", "reno", "reno", NULL);
+    cc_run("ccauto", "auto", NULL, "bbr");
+    char err[512];
+    int rc = run_cmd("%s --set server.tcp_congestion=no_such_cc --check-config > %s/cc.txt 2>&1", psd_bin, dir);
+    cr_assert_eq(rc, 2, "an unusable congestion control is a configuration error (exit %d)", rc);
+    snprintf(err, sizeof err, "%s/cc.txt", dir);
+    char *txt = slurp(err);
+    cr_assert(txt && strstr(txt, "server.tcp_congestion") && strstr(txt, "no_such_cc"), "%s", txt ? txt : "");
+    free(txt);
+}

@@ -19,6 +19,7 @@
 #include "ps_model.h"
 #include "ps_rng.h"
 #include "ps_shm.h"
+#include "ps_tcp.h"
 #include "ps_util.h"
 #include "ps_wire.h"
 
@@ -87,6 +88,10 @@ struct psw_client {
      * tensor t of version sver - 1 (smask: those in; sdone: all were, and
      * returned as an event), scrc is the CRC-32 psd sent for it */
     size_t stream_cf;
+    /* server.tcp_congestion from ASSIGN ("" until then: off), and the
+     * connection to psd (0) and to each shard given it (fd + 1, 0: none) */
+    char tcp_cc[PS_TCP_CC_MAX];
+    int tcp_fd[PS_MAX_SHARDS];
     zmq_msg_t sheld[PS_MAX_TENSORS];
     uint64_t smask;
     int sdone;
@@ -287,6 +292,7 @@ static void shards_close(psw_client_t *c)
             ps_msg_drain(c->ssock[k], 0.05, 0.3);
             zmq_close(c->ssock[k]);
             c->ssock[k] = NULL;
+            c->tcp_fd[k] = 0;
         }
     free(c->wbuf);
     c->wbuf = NULL;
@@ -441,6 +447,7 @@ static int recv_msg(psw_client_t *c, double deadline, double timeout_s, char *er
                 ps_msg_deinit(&c->cur);
                 continue;
             }
+            ps_tcp_cc_conn(&c->tcp_fd[c->from], c->cur.srcfd, c->tcp_cc, false);
             if (h->type == PSD__MSG_TYPE__MSG_ERROR) {
                 snprintf(err, errlen, "psd shard %d refused: %s", c->from,
                          h->error->message && h->error->message[0] ? h->error->message : "(no reason)");
@@ -503,6 +510,7 @@ static int recv_msg(psw_client_t *c, double deadline, double timeout_s, char *er
                     (unsigned long long)h->run_id, (unsigned long long)c->run_id);
             continue;
         }
+        ps_tcp_cc_conn(&c->tcp_fd[0], c->cur.srcfd, c->tcp_cc, false);
         return 0;
     }
 }
@@ -690,6 +698,14 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     out->start_timeout_s = a->start_timeout_s;
     out->step_timeout_s = a->step_timeout_s;
     out->silence_s = a->silence_s;
+    /* this side of the connections sends the pushes: psd's setting, on them too */
+    snprintf(c->tcp_cc, sizeof c->tcp_cc, "%s", a->tcp_congestion ? a->tcp_congestion : "");
+    if (ps_tcp_cc_check(c->tcp_cc, err, errlen) != 0) {
+        PS_WARN("%s: this worker's connections keep the kernel's congestion control", err);
+        c->tcp_cc[0] = '\0';
+    }
+    memset(c->tcp_fd, 0, sizeof c->tcp_fd);
+    ps_tcp_cc_conn(&c->tcp_fd[0], c->cur.srcfd, c->tcp_cc, false);
     if (a->ctr) { /* model.kind ctr: checked as psd checks its config */
         Psd__CtrTask *t = a->ctr;
         out->ctr.fields = (int)t->fields;

@@ -1,0 +1,129 @@
+/* server.tcp_congestion (common/ps_tcp.h): the setting's check, and its
+ * effect on a real loopback tcp connection. */
+#include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "ps_tcp.h"
+
+static int fds[3]; /* listener, client, accepted */
+
+/* a connected pair over 127.0.0.1 */
+static void setup(void)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    fds[0] = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(fds[0] >= 0);
+    cr_assert_eq(bind(fds[0], (struct sockaddr *)&a, sizeof a), 0);
+    cr_assert_eq(listen(fds[0], 1), 0);
+    cr_assert_eq(getsockname(fds[0], (struct sockaddr *)&a, &len), 0);
+    fds[1] = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_eq(connect(fds[1], (struct sockaddr *)&a, sizeof a), 0);
+    fds[2] = accept(fds[0], NULL, NULL);
+    cr_assert(fds[2] >= 0);
+}
+
+static void teardown(void)
+{
+    for (int i = 0; i < 3; i++) close(fds[i]);
+}
+
+static void cc_of(int fd, char *out)
+{
+    char b[PS_TCP_CC_MAX] = "";
+    socklen_t len = sizeof b - 1;
+    cr_assert_eq(getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, b, &len), 0);
+    b[sizeof b - 1] = '\0';
+    strcpy(out, b);
+}
+
+static int set_cc(int fd, const char *name)
+{
+    return setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, (socklen_t)strlen(name));
+}
+
+TestSuite(tcp, .init = setup, .fini = teardown);
+
+Test(tcp, settings_are_checked_with_a_reason)
+{
+    char err[512];
+    cr_assert_eq(ps_tcp_cc_check("auto", err, sizeof err), 0);
+    cr_assert_eq(ps_tcp_cc_check("off", err, sizeof err), 0);
+    cr_assert_eq(ps_tcp_cc_check("reno", err, sizeof err), 0, "reno is always allowed: %s", err);
+    cr_assert_eq(ps_tcp_cc_check("Reno!", err, sizeof err), -1);
+    cr_assert(strstr(err, "server.tcp_congestion") && strstr(err, "not auto, off"), "%s", err);
+    cr_assert_eq(ps_tcp_cc_check("no_such_cc", err, sizeof err), -1);
+    cr_assert(strstr(err, "no_such_cc") && strstr(err, "available: "), "names what is available: %s", err);
+    cr_assert_eq(ps_tcp_cc_check("a_name_far_too_long", err, sizeof err), -1);
+}
+
+Test(tcp, a_name_is_set_and_off_changes_nothing)
+{
+    char before[PS_TCP_CC_MAX], now[PS_TCP_CC_MAX], was[PS_TCP_CC_MAX] = "", to[PS_TCP_CC_MAX] = "";
+    cc_of(fds[1], before);
+    cr_assert_eq(ps_tcp_cc_apply(fds[1], "off", NULL, NULL), 0);
+    cc_of(fds[1], now);
+    cr_assert_str_eq(now, before);
+    int rc = ps_tcp_cc_apply(fds[1], "reno", was, to);
+    cc_of(fds[1], now);
+    cr_assert_str_eq(now, "reno");
+    if (strcmp(before, "reno") == 0) {
+        cr_assert_eq(rc, 0, "nothing to change");
+    } else {
+        cr_assert_eq(rc, 1);
+        cr_assert_str_eq(was, before);
+        cr_assert_str_eq(to, "reno");
+    }
+    cr_assert_eq(ps_tcp_cc_apply(fds[1], "reno", NULL, NULL), 0, "already reno");
+    int u = socket(AF_UNIX, SOCK_STREAM, 0);
+    cr_assert_eq(ps_tcp_cc_apply(u, "reno", NULL, NULL), 0, "not tcp: left alone");
+    close(u);
+}
+
+/* auto: a loopback connection under bbr goes to reno; any other stays */
+Test(tcp, auto_moves_loopback_off_bbr_only)
+{
+    char now[PS_TCP_CC_MAX], was[PS_TCP_CC_MAX];
+    cr_assert_eq(set_cc(fds[2], "reno"), 0);
+    cr_assert_eq(ps_tcp_cc_apply(fds[2], "auto", NULL, NULL), 0);
+    cc_of(fds[2], now);
+    cr_assert_str_eq(now, "reno", "auto leaves a congestion control that does not pace");
+    if (set_cc(fds[2], "bbr") != 0) { /* not on this kernel, or not allowed: nothing more to see */
+        cr_log_warn("bbr cannot be set here (%s): auto's switch from it is not exercised", strerror(errno));
+        return;
+    }
+    cr_assert_eq(ps_tcp_cc_apply(fds[2], "auto", was, NULL), 1);
+    cc_of(fds[2], now);
+    cr_assert_str_eq(now, "reno");
+    cr_assert_str_eq(was, "bbr");
+}
+
+/* once per connection: a connection already given the setting is not
+ * looked at again; a new one (another fd) is */
+Test(tcp, each_connection_once)
+{
+    int last = 0;
+    char now[PS_TCP_CC_MAX];
+    ps_tcp_cc_conn(&last, fds[1], "reno", false);
+    cr_assert_eq(last, fds[1] + 1);
+    cc_of(fds[1], now);
+    cr_assert_str_eq(now, "reno");
+    if (set_cc(fds[1], "bbr") == 0) { /* changed behind its back: not looked at again */
+        ps_tcp_cc_conn(&last, fds[1], "reno", false);
+        cc_of(fds[1], now);
+        cr_assert_str_eq(now, "bbr");
+    }
+    ps_tcp_cc_conn(&last, fds[2], "reno", false);
+    cr_assert_eq(last, fds[2] + 1);
+    cc_of(fds[2], now);
+    cr_assert_str_eq(now, "reno");
+    int before = last;
+    ps_tcp_cc_conn(&last, -1, "reno", false);
+    cr_assert_eq(last, before, "no fd (ZMQ_SRCFD unknown): nothing");
+}
