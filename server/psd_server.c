@@ -395,23 +395,45 @@ static worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len)
     return NULL;
 }
 
-static void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
+/* A message dropped (logged up to 20 times, then every 1000th): from
+ * `who` ("rank 3 (host pid 12)", "psd shard 1 (...)"), or NULL: a peer psd
+ * does not know (its address if libzmq gave one). */
+static void vdrop(srv_t *s, const char *who, const char *fmt, va_list ap)
 {
     s->dropped++;
     s->cur_bad = true;
     if (s->dropped > 20 && s->dropped % 1000 != 0) return;
     char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (w)
-        PS_WARN("dropped a message from rank %u (%s pid %u): %s%s", w->rank, w->hostname, w->pid, msg,
-                s->dropped == 20 ? " (further drops logged every 1000th)" : "");
+    const char *more = s->dropped == 20 ? " (further drops logged every 1000th)" : "";
+    if (who)
+        PS_WARN("dropped a message from %s: %s%s", who, msg, more);
     else
         PS_WARN("dropped a message from an unknown peer%s%s: %s%s", s->cur_peer && s->cur_peer[0] ? " at " : "",
-                s->cur_peer ? s->cur_peer : "", msg, s->dropped == 20 ? " (further drops logged every 1000th)" : "");
+                s->cur_peer ? s->cur_peer : "", msg, more);
+}
+
+static void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
+{
+    char who[128];
+    if (w) snprintf(who, sizeof who, "rank %u (%s pid %u)", w->rank, w->hostname, w->pid);
+    va_list ap;
+    va_start(ap, fmt);
+    vdrop(s, w ? who : NULL, fmt, ap);
+    va_end(ap);
+}
+
+/* the same for a message from psd shard i (> 0) */
+static void drop_shard(srv_t *s, int i, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void drop_shard(srv_t *s, int i, const char *fmt, ...)
+{
+    char who[128];
+    snprintf(who, sizeof who, "psd shard %d (%s pid %u)", i, s->shards[i].hostname, s->shards[i].pid);
+    va_list ap;
+    va_start(ap, fmt);
+    vdrop(s, who, fmt, ap);
+    va_end(ap);
 }
 
 static void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type)
@@ -2199,7 +2221,7 @@ static void on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m)
     Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
     shard_t *sh = &s->shards[i];
     if ((!s->ckpt && !s->ck_open) || ck->step != s->ck_step || sh->ck_acked) {
-        drop(s, NULL, "CKPT_DONE from shard %d for step %" PRIu64 " (taking %s%" PRIu64 ")", i, ck->step,
+        drop_shard(s, i, "CKPT_DONE for step %" PRIu64 " (taking %s%" PRIu64 ")", ck->step,
              s->ckpt || s->ck_open ? "" : "none after ", s->ck_step);
         return;
     }
@@ -2509,7 +2531,7 @@ static void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
     Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
     shard_t *sh = &s->shards[i];
     if (!s->opts.resume_dir || sh->resumed || shards_ready(s) || s->phase != PHASE_WAIT) {
-        drop(s, NULL, "RESUMED from shard %d, which psd does not wait for", i);
+        drop_shard(s, i, "RESUMED, which psd does not wait for");
         return;
     }
     if (ck->error && ck->error[0]) {
@@ -2557,7 +2579,7 @@ static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__ShardNorm *n = m->hdr->shard_norm;
     if (!s->stepping || n->version != s->store.cur->version || s->shards[i].norm_in) {
-        drop(s, NULL, "NORM from shard %d for version %" PRIu64 " (current %" PRIu64 ")", i, n->version,
+        drop_shard(s, i, "NORM for version %" PRIu64 " (current %" PRIu64 ")", n->version,
              s->store.cur->version);
         return;
     }
@@ -2566,12 +2588,12 @@ static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
     size_t want = 0;
     for (int t = 0; t < s->layout.n_tensors; t++) want += (p[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
     if (n->n_block_sq != want) {
-        drop(s, NULL, "NORM from shard %d with %zu blocks, it has %zu", i, n->n_block_sq, want);
+        drop_shard(s, i, "NORM with %zu blocks, it has %zu", n->n_block_sq, want);
         return;
     }
     for (size_t j = 0; j < want; j++)
         if (n->block_sq[j] < 0) { /* sums of squares (NaN or inf: a diverging gradient, as with one psd) */
-            drop(s, NULL, "NORM from shard %d with a negative sum of squares", i);
+            drop_shard(s, i, "NORM with a negative sum of squares");
             return;
         }
     size_t j = 0;
@@ -2679,7 +2701,7 @@ static void fetch_next(srv_t *s)
 static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
 {
     if (!s->wr || i != s->fetch_k || m->hdr->weights->version != s->store.cur->version) {
-        drop(s, NULL, "WEIGHTS from shard %d that psd did not ask for", i);
+        drop_shard(s, i, "WEIGHTS that psd did not ask for");
         return;
     }
     ps_piece_t r[PS_MAX_TENSORS];
@@ -2728,8 +2750,7 @@ static void on_shard(srv_t *s, int i, ps_msg_t *m)
             const Psd__ShardHello *hh = m->hdr->shard_hello;
             again = was && s->shards[i].pid == hh->pid && hh->shard == (uint32_t)i;
             if (was && !again) {
-                drop(s, NULL, "HELLO from shard %d's connection as shard %u pid %u (it is pid %u)", i, hh->shard,
-                     hh->pid, s->shards[i].pid);
+                drop_shard(s, i, "HELLO on its connection as shard %u pid %u", hh->shard, hh->pid);
                 return;
             }
             s->shards[i].joined = false;
@@ -2745,7 +2766,7 @@ static void on_shard(srv_t *s, int i, ps_msg_t *m)
     if (i < 0) return;
     shard_t *sh = &s->shards[i];
     if (h->run_id != s->run_id || h->rank != (uint32_t)i) {
-        drop(s, NULL, "message from shard %d with run %016" PRIx64 " rank %u", i, h->run_id, h->rank);
+        drop_shard(s, i, "run %016" PRIx64 " rank %u", h->run_id, h->rank);
         return;
     }
     sh->last_seen = ps_now();
@@ -2762,7 +2783,7 @@ static void on_shard(srv_t *s, int i, ps_msg_t *m)
         sh->joined = false;
         finish(s, PSD_EXIT_SHARD_LOST, "a psd shard failed");
         break;
-    default: drop(s, NULL, "%s is not a message shards send", ps_msg_type_name((int)h->type));
+    default: drop_shard(s, i, "%s is not a message shards send", ps_msg_type_name((int)h->type));
     }
 }
 
