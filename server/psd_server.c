@@ -395,14 +395,19 @@ static worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len)
     return NULL;
 }
 
-/* A message dropped (logged up to 20 times, then every 1000th): from
- * `who` ("rank 3 (host pid 12)", "psd shard 1 (...)"), or NULL: a peer psd
- * does not know (its address if libzmq gave one). */
-static void vdrop(srv_t *s, const char *who, const char *fmt, va_list ap)
+/* A message dropped: counted; true if it is logged (the first 20, then
+ * every 1000th), so that a flood of bad messages costs no formatting. */
+static bool drop_logged(srv_t *s)
 {
     s->dropped++;
     s->cur_bad = true;
-    if (s->dropped > 20 && s->dropped % 1000 != 0) return;
+    return s->dropped <= 20 || s->dropped % 1000 == 0;
+}
+
+/* Log a dropped message from `who` ("rank 3 (host pid 12)", "psd shard 1
+ * (...)"), or NULL: a peer psd does not know (its address if libzmq gave one). */
+static void vdrop(srv_t *s, const char *who, const char *fmt, va_list ap)
+{
     char msg[512];
     vsnprintf(msg, sizeof msg, fmt, ap);
     const char *more = s->dropped == 20 ? " (further drops logged every 1000th)" : "";
@@ -416,6 +421,7 @@ static void vdrop(srv_t *s, const char *who, const char *fmt, va_list ap)
 static void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
 {
+    if (!drop_logged(s)) return;
     char who[128];
     if (w) snprintf(who, sizeof who, "rank %u (%s pid %u)", w->rank, w->hostname, w->pid);
     va_list ap;
@@ -428,6 +434,7 @@ static void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
 static void drop_shard(srv_t *s, int i, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void drop_shard(srv_t *s, int i, const char *fmt, ...)
 {
+    if (!drop_logged(s)) return;
     char who[128];
     snprintf(who, sizeof who, "psd shard %d (%s pid %u)", i, s->shards[i].hostname, s->shards[i].pid);
     va_list ap;
