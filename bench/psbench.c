@@ -46,13 +46,15 @@ typedef struct {
     /* results */
     int rc;
     uint64_t rounds, bytes;
-    double t_first, t_last;
+    double t_first, t_last;    /* the current epoch's first and last rounds' ends */
+    double t_sum;              /* the earlier epochs' spans (first to last round) */
     double *lat;
     size_t n_lat;
     int pulls;                 /* pull-only rounds first */
     int push_only;             /* async psd: push every batch back to back, no pulls */
     uint64_t pushes, push_bytes;
-    double q_first, q_last;
+    double q_first;            /* the current epoch's first push (0: none open) */
+    double q_sum;              /* push-only spans: first push to psd's validation, per epoch */
     uint32_t sync;             /* psd's train.sync, from ASSIGN */
     uint64_t pull_rounds, pull_bytes;
     double p_first, p_last;
@@ -152,7 +154,10 @@ static void *bench_worker(void *p)
                 psw_client_pull(c, ev.version);
             }
         } else if (ev.kind == PSW_EV_VALIDATE) {
-            if (b->push_only && b->q_first > 0 && b->q_last == 0) b->q_last = ps_now(); /* psd applied them all */
+            if (b->push_only && b->q_first > 0) { /* psd applied them all */
+                b->q_sum += ps_now() - b->q_first;
+                b->q_first = 0;
+            }
             size_t nv = ev.val_end - ev.val_begin;
             float *sc = a.ctr.fields && nv ? calloc(nv, sizeof *sc) : NULL; /* ctr: psd wants scores */
             psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 0, 0, nv, sc);
@@ -174,7 +179,7 @@ static void *bench_worker(void *p)
             /* every batch of the epoch pushed on these weights without waiting (the
              * zero gradient never changes: frames in flight may share it); psd
              * applies each as it comes; the time ends when psd asks to validate */
-            if (b->q_first == 0) b->q_first = ps_now();
+            b->q_first = ps_now();
             for (; pos < n_ids; b->pushes++) {
                 size_t B = n_ids - pos < a.batch_size ? n_ids - pos : a.batch_size;
                 pos += B;
@@ -193,8 +198,9 @@ static void *bench_worker(void *p)
                 b->rounds++;
                 b->bytes += 2 * 4 * l.n_params;
                 b->t_last = now;
-            } else {
-                b->t_first = now;
+            } else { /* an epoch's first weights: the time between epochs (validation) is not counted */
+                if (b->t_last > b->t_first) b->t_sum += b->t_last - b->t_first;
+                b->t_first = b->t_last = now;
             }
             while (!psw_client_push_done(c)) sched_yield();
             size_t B = n_ids - pos < a.batch_size ? n_ids - pos : a.batch_size;
@@ -218,12 +224,12 @@ static void *bench_worker(void *p)
     return NULL;
 }
 
-/* One worker's line: rounds, GB/s over [t0, t1], latency percentiles
+/* One worker's line: rounds, GB/s over dt seconds, latency percentiles
  * (sorts lat). Returns the GB/s. */
-static double report(int i, const char *unit, const char *what, uint64_t rounds, uint64_t bytes, double t0, double t1,
-                     double *lat, size_t n)
+static double report(int i, const char *unit, const char *what, uint64_t rounds, uint64_t bytes, double dt, double *lat,
+                     size_t n)
 {
-    double dt = t1 - t0, gbs = dt > 0 ? (double)bytes / dt / 1e9 : 0;
+    double gbs = dt > 0 ? (double)bytes / dt / 1e9 : 0;
     qsort(lat, n, sizeof(double), bench_cmp_double);
     double p50 = n ? lat[n / 2] : 0, p90 = n ? lat[n * 9 / 10] : 0, p99 = n ? lat[n * 99 / 100] : 0;
     printf("worker %d: %llu %s, %s %.3f GB/s, latency p50 %.3f ms p90 %.3f ms p99 %.3f ms\n", i,
@@ -307,18 +313,19 @@ int main(int argc, char **argv)
     double agg_pp = 0, agg_pull = 0, agg_push = 0;
     if (push_only) {
         for (int i = 0; i < W; i++) {
-            double dt = b[i].q_last - b[i].q_first, gbs = dt > 0 ? (double)b[i].push_bytes / dt / 1e9 : 0;
+            double dt = b[i].q_sum, gbs = dt > 0 ? (double)b[i].push_bytes / dt / 1e9 : 0;
             printf("worker %d: %llu pushes, push %.3f GB/s\n", i, (unsigned long long)b[i].pushes, gbs);
             agg_push += gbs;
         }
         printf("aggregate push: %.3f GB/s (%d workers, %s)\n", agg_push, W, ps_sync_name((ps_sync_t)b[0].sync));
     }
     for (int i = 0; i < W && !push_only; i++)
-        agg_pp += report(i, "rounds", "push+pull", b[i].rounds, b[i].bytes, b[i].t_first, b[i].t_last, b[i].lat, b[i].n_lat);
+        agg_pp += report(i, "rounds", "push+pull", b[i].rounds, b[i].bytes, b[i].t_sum + b[i].t_last - b[i].t_first,
+                         b[i].lat, b[i].n_lat);
     if (!push_only)
         printf("aggregate push+pull: %.3f GB/s (%d workers, %s)\n", agg_pp, W, ps_sync_name((ps_sync_t)b[0].sync));
     for (int i = 0; i < W && pulls > 0; i++)
-        agg_pull += report(i, "pulls", "pull", b[i].pull_rounds, b[i].pull_bytes, b[i].p_first, b[i].p_last, b[i].plat,
+        agg_pull += report(i, "pulls", "pull", b[i].pull_rounds, b[i].pull_bytes, b[i].p_last - b[i].p_first, b[i].plat,
                            b[i].n_plat);
     if (pulls > 0) printf("aggregate pull: %.3f GB/s (%d workers)\n", agg_pull, W);
     for (int i = 0; i < W; i++) free(b[i].lat);

@@ -1,10 +1,27 @@
 /* ps_pool.c - see ps_pool.h. Workers sleep on a condition variable between
- * loops; a loop hands out indices with an atomic counter. */
+ * loops; a loop hands out indices with an atomic counter. The caller, done
+ * with its share, spins a little for the workers' last items before it
+ * sleeps: a wake-up through the kernel costs more than a short item on a
+ * virtual machine (tens of microseconds), and a step is a fraction of a
+ * millisecond. */
 #include "ps_pool.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+
+#include "ps_util.h"
+
+#define SPIN_S 50e-6 /* seconds */
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
 
 struct ps_pool {
     int n_threads;            /* including the caller */
@@ -14,7 +31,7 @@ struct ps_pool {
     /* under mu */
     unsigned long gen;        /* loop number */
     int stop;
-    int busy;                 /* workers inside the current loop */
+    atomic_int busy;          /* workers inside the current loop (changed under mu) */
     /* the current loop */
     void (*fn)(void *, int);
     void *arg;
@@ -43,7 +60,7 @@ static void *worker(void *arg)
         pthread_mutex_unlock(&p->mu);
         run_items(p);
         pthread_mutex_lock(&p->mu);
-        if (--p->busy == 0) pthread_cond_signal(&p->done_cv);
+        if (atomic_fetch_sub_explicit(&p->busy, 1, memory_order_release) == 1) pthread_cond_signal(&p->done_cv);
     }
     pthread_mutex_unlock(&p->mu);
     return NULL;
@@ -101,12 +118,15 @@ void ps_pool_for(ps_pool_t *p, int n, void (*fn)(void *arg, int i), void *arg)
     p->arg = arg;
     p->n = n;
     atomic_store_explicit(&p->next, 0, memory_order_relaxed);
-    p->busy = p->n_threads - 1;
+    atomic_store_explicit(&p->busy, p->n_threads - 1, memory_order_relaxed);
     p->gen++;
     pthread_cond_broadcast(&p->start_cv);
     pthread_mutex_unlock(&p->mu);
     run_items(p);
-    pthread_mutex_lock(&p->mu);
-    while (p->busy > 0) pthread_cond_wait(&p->done_cv, &p->mu);
+    /* the workers' last items: spin for up to SPIN_S, then sleep */
+    for (double t0 = ps_now(); atomic_load_explicit(&p->busy, memory_order_acquire) > 0 && ps_now() - t0 < SPIN_S;)
+        cpu_relax();
+    pthread_mutex_lock(&p->mu); /* the workers' writes are visible once busy is 0 under mu (or acquired above) */
+    while (atomic_load_explicit(&p->busy, memory_order_acquire) > 0) pthread_cond_wait(&p->done_cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
 }

@@ -73,8 +73,19 @@ static void dense_part(psd_store_t *s)
 {
     const ps_layout_t *l = &s->layout;
     s->step_chunks = s->n_chunks;
+    s->step_items = s->n_items;
     if (!s->lazy) return;
     while (s->step_chunks > 0 && s->chunks[s->step_chunks - 1].t == l->table) s->step_chunks--;
+    while (s->step_items > 0 && s->items[s->step_items - 1].t == l->table) s->step_items--;
+}
+
+/* Items of chunk c: floats [o, o + PSD_ITEM_FLOATS) of it, the last shorter. */
+static int chunk_items(const psd_chunk_t *c) { return (int)((c->n + PSD_ITEM_FLOATS - 1) / PSD_ITEM_FLOATS); }
+
+/* floats [o, o + n) of chunk c as a unit of its own (o: whole norm blocks in) */
+static psd_chunk_t sub_chunk(const psd_chunk_t *c, size_t o, size_t n)
+{
+    return (psd_chunk_t){.t = c->t, .off = c->off + o, .n = n, .blk = c->blk + o / PSD_NORM_BLOCK, .rel = c->rel + o};
 }
 
 int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
@@ -94,22 +105,37 @@ int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
         ps_pool_free(&pool);
         return -ENOMEM;
     }
-    int k = 0;
+    int k = 0, ni = 0;
     for (int t = 0; t < l->n_tensors; t++) k = ps_piece_chunks(&s->own[t], cf, pc, k);
     for (int i = 0; i < n; i++) {
         const ps_piece_t *p = &pc[i];
         ch[i] = (psd_chunk_t){.t = p->t, .off = l->t[p->t].offset + p->off, .n = p->n,
                               .blk = ps_layout_first_block(l, p->t) + p->off / PSD_NORM_BLOCK,
                               .rel = p->off - s->own[p->t].off};
+        ni += chunk_items(&ch[i]);
     }
     free(pc);
+    psd_chunk_t *it = calloc((size_t)(ni ? ni : 1), sizeof *it);
+    if (!it) {
+        free(ch);
+        free(bq);
+        ps_pool_free(&pool);
+        return -ENOMEM;
+    }
+    ni = 0;
+    for (int i = 0; i < n; i++)
+        for (size_t o = 0; o < ch[i].n; o += PSD_ITEM_FLOATS)
+            it[ni++] = sub_chunk(&ch[i], o, ch[i].n - o < PSD_ITEM_FLOATS ? ch[i].n - o : PSD_ITEM_FLOATS);
     free(s->chunks);
+    free(s->items);
     free(s->blk_sq);
     ps_pool_free(&s->pool);
     s->threads = threads;
     s->chunk_bytes = chunk_bytes;
     s->chunks = ch;
     s->n_chunks = n;
+    s->items = it;
+    s->n_items = ni;
     s->blk_sq = bq;
     s->n_blk = nb;
     s->pool = pool;
@@ -143,6 +169,7 @@ void psd_store_deinit(psd_store_t *s)
 {
     ps_pool_free(&s->pool);
     free(s->chunks);
+    free(s->items);
     free(s->blk_sq);
     if (s->shm_base) { /* the fds are set only with shm_base */
         munmap(s->shm_base, PSD_MAX_ARENAS * s->shm_slot_floats * sizeof(float));
@@ -327,14 +354,15 @@ PSD_VEC static void reduce_range(const step_t *st, int j, const psd_chunk_t *c, 
     }
 }
 
-/* grad = the reduced gradient over chunk c, and its block norms (clipping) */
-static void reduce_chunk(step_t *st, int j, const psd_chunk_t *c)
+/* grad = the reduced gradient over floats [o, o + n) of chunk c (the j-th
+ * of the work; o: whole norm blocks in), and their block norms (clipping) */
+static void reduce_part(step_t *st, int j, const psd_chunk_t *c, size_t o, size_t n)
 {
     psd_store_t *s = st->s;
     float *acc = s->grad + c->off;
-    reduce_range(st, j, c, 0, c->n, acc);
-    for (size_t o = 0, b = c->blk; o < c->n; o += PSD_NORM_BLOCK, b++)
-        s->blk_sq[b] = psd_sumsq(acc + o, c->n - o < PSD_NORM_BLOCK ? c->n - o : PSD_NORM_BLOCK);
+    reduce_range(st, j, c, o, n, acc + o);
+    for (size_t e = o + n, b = c->blk + o / PSD_NORM_BLOCK; o < e; o += PSD_NORM_BLOCK, b++)
+        s->blk_sq[b] = psd_sumsq(acc + o, e - o < PSD_NORM_BLOCK ? e - o : PSD_NORM_BLOCK);
 }
 
 /* the optimizer over elements [o, o + n) of chunk c, from g: their gradient */
@@ -346,25 +374,25 @@ static void apply_range(const step_t *st, const psd_chunk_t *c, size_t o, size_t
                     s->s0 ? s->s0 + off : NULL, s->s1 ? s->s1 + off : NULL, n, st->lr, s->steps);
 }
 
-/* Without clipping: reduce and apply chunk c (the j-th of the work) in one
- * pass. The sum of a few thousand elements goes through a scratch buffer
- * that stays in the core's L1 cache, not through the gradient array (which
- * would be written and read back from memory); no norm is computed
- * (nothing needs it). */
+/* Without clipping: reduce and apply floats [o, o + n) of chunk c (the j-th
+ * of the work) in one pass. The sum of a few thousand elements goes through
+ * a scratch buffer that stays in the core's L1 cache, not through the
+ * gradient array (which would be written and read back from memory); no
+ * norm is computed (nothing needs it). */
 #define FUSE_FLOATS 2048
-static void fused_chunk(const step_t *st, int j, const psd_chunk_t *c)
+static void fused_part(const step_t *st, int j, const psd_chunk_t *c, size_t o, size_t n)
 {
     if (st->n == 1 && st->weight[0] == 1.0 && !(st->bf16 && st->bf16[0])) {
         /* one f32 contributor of weight 1: its gradient is the sum (1.0f * g
          * is g, bit for bit); applied straight from it */
-        apply_range(st, c, 0, c->n, contrib(st, j, c, 0));
+        apply_range(st, c, o, n, (const float *)contrib(st, j, c, 0) + o);
         return;
     }
     _Alignas(64) float acc[FUSE_FLOATS];
-    for (size_t o = 0; o < c->n; o += FUSE_FLOATS) {
-        size_t n = c->n - o < FUSE_FLOATS ? c->n - o : FUSE_FLOATS;
-        reduce_range(st, j, c, o, n, acc);
-        apply_range(st, c, o, n, acc);
+    for (size_t e = o + n; o < e; o += FUSE_FLOATS) {
+        size_t m = e - o < FUSE_FLOATS ? e - o : FUSE_FLOATS;
+        reduce_range(st, j, c, o, m, acc);
+        apply_range(st, c, o, m, acc);
     }
 }
 
@@ -376,22 +404,25 @@ static void step_run(psd_store_t *s, int n, void (*fn)(void *, int), void *arg)
     s->step_s += ps_now() - t0;
 }
 
+/* the tasks of whole steps: item i of the store (contributors' tensors in grads) */
 static void reduce_task(void *arg, int i)
 {
     step_t *st = arg;
-    fused_chunk(st, i, &st->s->chunks[i]);
+    const psd_chunk_t *c = &st->s->items[i];
+    fused_part(st, i, c, 0, c->n);
 }
 
 static void norm_task(void *arg, int i)
 {
     step_t *st = arg;
-    reduce_chunk(st, i, &st->s->chunks[i]);
+    const psd_chunk_t *c = &st->s->items[i];
+    reduce_part(st, i, c, 0, c->n);
 }
 
 static void apply_task(void *arg, int i)
 {
     step_t *st = arg;
-    const psd_chunk_t *c = &st->s->chunks[i];
+    const psd_chunk_t *c = &st->s->items[i];
     apply_range(st, c, 0, c->n, st->s->grad + c->off);
 }
 
@@ -403,7 +434,7 @@ typedef struct {
 static void bf16_task(void *arg, int i)
 {
     conv_t *cv = arg;
-    const psd_chunk_t *c = &cv->s->chunks[i];
+    const psd_chunk_t *c = &cv->s->items[i];
     ps_f32_to_bf16_n(cv->a->w16 + c->off, cv->a->w + c->off, c->n);
 }
 
@@ -416,7 +447,7 @@ const uint16_t *psd_store_current_bf16(psd_store_t *s)
         if (!a->w16) return NULL;
     }
     conv_t cv = {s, a};
-    ps_pool_for(s->pool, s->n_chunks, bf16_task, &cv);
+    ps_pool_for(s->pool, s->n_items, bf16_task, &cv);
     a->w16_of = a->version + 1;
     return a->w16;
 }
@@ -425,7 +456,7 @@ void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
                       const double *weight)
 {
     step_t st = {.s = s, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f};
-    step_run(s, s->step_chunks, norm_task, &st);
+    step_run(s, s->step_items, norm_task, &st);
 }
 
 /* The lazy table's norm blocks (the piece this store owns) from the merged
@@ -515,7 +546,7 @@ int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr)
     psd_arena_t *next = begin_update(s);
     if (!next) return -1;
     step_t st = {.s = s, .next = next, .scale = clip_norm > 0.0 ? psd_clip_scale(sumsq, clip_norm) : 1.0f, .lr = lr};
-    step_run(s, s->step_chunks, apply_task, &st);
+    step_run(s, s->step_items, apply_task, &st);
     table_apply(s, next, st.scale, lr);
     publish(s, next);
     return 0;
@@ -546,7 +577,7 @@ double psd_store_step_rows(psd_store_t *s, int n, const void *const (*grads)[PS_
     if (!next) return -1;
     step_t st = {.s = s, .next = next, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f,
                  .lr = lr};
-    step_run(s, s->step_chunks, reduce_task, &st);
+    step_run(s, s->step_items, reduce_task, &st);
     table_apply(s, next, 1.0f, lr);
     publish(s, next);
     return 0;
@@ -556,27 +587,43 @@ double psd_store_step_rows(psd_store_t *s, int n, const void *const (*grads)[PS_
 
 psd_arena_t *psd_store_stream_begin(psd_store_t *s) { return begin_update(s); }
 
-static void stream_task(void *arg, int j)
+/* A streamed run's work: item i of the ready chunks (first[j] is the first
+ * item of the j-th), so that even one chunk is shared by the threads. */
+#define STREAM_RUN 64
+typedef struct {
+    step_t st;
+    int m;
+    int first[STREAM_RUN + 1];
+} stream_run_t;
+
+static void stream_task(void *arg, int i)
 {
-    step_t *st = arg;
-    const psd_chunk_t *c = &st->s->chunks[st->ids[j]];
-    if (st->clip) reduce_chunk(st, j, c);
-    else fused_chunk(st, j, c);
+    stream_run_t *r = arg;
+    int j = 0;
+    while (r->first[j + 1] <= i) j++;
+    const psd_chunk_t *c = &r->st.s->chunks[r->st.ids[j]];
+    size_t o = (size_t)(i - r->first[j]) * PSD_ITEM_FLOATS, n = c->n - o < PSD_ITEM_FLOATS ? c->n - o : PSD_ITEM_FLOATS;
+    if (r->st.clip) reduce_part(&r->st, j, c, o, n);
+    else fused_part(&r->st, j, c, o, n);
 }
 
 void psd_store_stream_chunks(psd_store_t *s, psd_arena_t *next, const int *ids, int m, int n,
                              const void *const *src, const uint8_t *bf16, const double *weight, bool clip, double lr)
 {
-    step_t st = {.s = s, .next = next, .n = n, .ids = ids, .src = src, .bf16 = bf16, .weight = weight,
-                 .scale = 1.0f, .lr = lr, .clip = clip};
-    step_run(s, m, stream_task, &st);
+    for (int b = 0; b < m; b += STREAM_RUN) { /* STREAM_RUN chunks a run */
+        stream_run_t r = {.st = {.s = s, .next = next, .n = n, .ids = ids + b, .src = src + (size_t)b * (size_t)n,
+                                 .bf16 = bf16, .weight = weight, .scale = 1.0f, .lr = lr, .clip = clip},
+                          .m = m - b < STREAM_RUN ? m - b : STREAM_RUN};
+        for (int j = 0; j < r.m; j++) r.first[j + 1] = r.first[j] + chunk_items(&s->chunks[ids[b + j]]);
+        step_run(s, r.first[r.m], stream_task, &r);
+    }
 }
 
 double psd_store_stream_apply(psd_store_t *s, psd_arena_t *next, double clip_norm, double lr)
 {
     double sumsq = psd_store_sumsq(s);
     step_t st = {.s = s, .next = next, .scale = psd_clip_scale(sumsq, clip_norm), .lr = lr};
-    step_run(s, s->n_chunks, apply_task, &st);
+    step_run(s, s->n_items, apply_task, &st);
     return sqrt(sumsq);
 }
 

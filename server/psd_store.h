@@ -23,6 +23,7 @@
 
 #define PSD_MAX_ARENAS 8
 #define PSD_NORM_BLOCK PS_NORM_BLOCK
+#define PSD_ITEM_FLOATS (2 * PSD_NORM_BLOCK) /* 128 KiB of a tensor: the step's unit of work on the pool */
 
 struct ps_pool;
 
@@ -65,6 +66,12 @@ typedef struct {
     ps_piece_t own[PS_MAX_TENSORS]; /* the part this store steps (psd --shard): whole tensors by default */
     psd_chunk_t *chunks;
     int n_chunks;
+    /* the chunks cut into the pool's work items (PSD_ITEM_FLOATS at most,
+     * whole norm blocks): a 4 MiB chunk is a few items, so the threads
+     * share even one chunk's work evenly; step_items: those of the
+     * step_chunks */
+    psd_chunk_t *items;
+    int n_items, step_items;
     double *blk_sq;     /* squared norm of each norm block */
     size_t n_blk;
     /* the table stepped row by row (psd_store_lazy_table): the dense step

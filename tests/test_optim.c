@@ -572,3 +572,78 @@ Test(sched, onecycle_degenerate)
     double lr = psd_sched_lr(&c, 0.0, 1);
     cr_expect(isfinite(lr) && lr > 0 && lr <= 0.1, "lr=%g", lr);
 }
+
+/* ---- the store's parallel steps -------------------------------------------- */
+
+#include "psd_store.h"
+
+/* The same steps through a store on `threads` threads with chunks of
+ * chunk_bytes, whole (psd_store_step) or streamed chunk by chunk in reverse
+ * order; its final weights and moments into w (n_params floats). Two
+ * contributors of unequal weight; clip > 0: global-norm clipping. */
+static void store_run(const psd_optim_t *o, int threads, size_t chunk_bytes, bool stream, double clip, float *w,
+                      float *m)
+{
+    static const int sizes[3] = {300, 700, 5}; /* a 210000-float tensor: several work items */
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, sizes, 3), 0);
+    psd_store_t s;
+    cr_assert_eq(psd_store_init(&s, &l, o, 3), 0);
+    cr_assert_eq(psd_store_set_parallel(&s, threads, chunk_bytes), 0);
+    float *g = malloc(2 * l.n_params * sizeof *g);
+    cr_assert_not_null(g);
+    const double wt[2] = {0.625, 0.375};
+    for (uint64_t step = 1; step <= 3; step++) {
+        fill(g, 2 * l.n_params, 300 + step, 0.25f);
+        const void *gt[2][PS_MAX_TENSORS];
+        for (int k = 0; k < 2; k++)
+            for (int t = 0; t < l.n_tensors; t++) gt[k][t] = g + (size_t)k * l.n_params + l.t[t].offset;
+        if (!stream) {
+            cr_assert_geq(psd_store_step(&s, 2, (const void *const(*)[PS_MAX_TENSORS])gt, NULL, wt, clip, 0.05), 0);
+            continue;
+        }
+        psd_arena_t *next = psd_store_stream_begin(&s);
+        cr_assert_not_null(next);
+        for (int c = s.n_chunks - 1; c >= 0; c--) { /* the last chunk first: any order, the same bits */
+            const void *src[2];
+            for (int k = 0; k < 2; k++) src[k] = g + (size_t)k * l.n_params + s.chunks[c].off;
+            psd_store_stream_chunks(&s, next, &c, 1, 2, src, NULL, wt, clip > 0, 0.05);
+        }
+        if (clip > 0) psd_store_stream_apply(&s, next, clip, 0.05);
+        psd_store_stream_end(&s, next);
+    }
+    memcpy(w, s.cur->w, l.n_params * sizeof *w);
+    memcpy(m, s.s0, l.n_params * sizeof *m);
+    free(g);
+    psd_store_deinit(&s);
+}
+
+Test(store, steps_on_threads_in_chunks_and_work_items_give_the_bits_of_one_thread)
+{
+    static const int sizes[3] = {300, 700, 5};
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, sizes, 3), 0);
+    const size_t bytes = l.n_params * sizeof(float);
+    float *w0 = malloc(bytes), *m0 = malloc(bytes), *w1 = malloc(bytes), *m1 = malloc(bytes);
+    cr_assert(w0 && m0 && w1 && m1);
+    const psd_optim_t opts[2] = {make_opt(PS_OPT_SGD, 0.9f, 1, 5e-4f, 0, 0, 0),
+                                 make_opt(PS_OPT_ADAM, 0, 0, 1e-2f, 0.9f, 0.999f, 1e-8f)};
+    const size_t chunk[3] = {(size_t)1 << 40, (size_t)1 << 20, 65536 * 4}; /* per tensor; 1 MiB; 4 chunks of W1 */
+    for (int k = 0; k < 2; k++)
+        for (int ci = 0; ci < 2; ci++) {
+            const double clip = ci ? 1.0 : 0.0; /* the gradients' norm is far above 1: clipped */
+            store_run(&opts[k], 1, chunk[0], false, clip, w0, m0);
+            for (int c = 0; c < 3; c++)
+                for (int st = 0; st < 2; st++) {
+                    if (st && c == 0) continue; /* streams go by chunks */
+                    store_run(&opts[k], 2, chunk[c], st, clip, w1, m1);
+                    cr_expect(memcmp(w0, w1, bytes) == 0 && memcmp(m0, m1, bytes) == 0,
+                              "optimizer %d, clip %g, chunks of %zu bytes%s: not the bits of one thread", k, clip,
+                              chunk[c], st ? ", streamed" : "");
+                }
+        }
+    free(w0);
+    free(m0);
+    free(w1);
+    free(m1);
+}
