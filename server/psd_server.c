@@ -2579,6 +2579,18 @@ static void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
     PS_INFO("all %d psd shards resumed at step %" PRIu64, s->n_shards, s->store.steps);
     s->resume_agreed = true;
     s->ck_safe = s->store.steps; /* every shard has it */
+    if (s->epoch >= (uint32_t)s->cfg.epochs) { /* the end of the run: only the weights file is left to write */
+        PS_INFO("the shards' checkpoints are at the end of the run (%d epochs): nothing to train", s->cfg.epochs);
+        s->epoch--; /* the last epoch trained, as the end of the run writes it */
+        s->t_start = ps_now();
+        if (s->cfg.save[0] && begin_save(s)) { /* the others' parts come for the file, then the run ends */
+            s->phase_deadline = INFINITY;
+            fetch_next(s);
+        } else {
+            end_run(s);
+        }
+        return;
+    }
     shards_go(s);
 }
 
@@ -4284,16 +4296,13 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     }
     if (opts->resume_dir && (code = resume(s)) != 0) goto out;
     code = PSD_EXIT_ERROR;
-    if (s->epoch >= (uint32_t)c->epochs) {
+    if (s->epoch >= (uint32_t)c->epochs && sharded(s)) /* the shards may hold older steps only: they decide */
+        PS_INFO("shard 0's checkpoint is at the end of the run (%d epochs): waiting for the other shards' parts",
+                c->epochs);
+    else if (s->epoch >= (uint32_t)c->epochs) {
         PS_INFO("the checkpoint is at the end of the run (%d epochs): nothing to train", c->epochs);
-        if (sharded(s) && c->save[0]) { /* the file is written from every shard's part as training ends */
-            PS_ERROR("%s not written: psd shards write the weights file from every shard's part as training ends, "
-                     "and this run has nothing left to train (each shard's checkpoint holds its part)", c->save);
-            s->exit_code = PSD_EXIT_ERROR;
-        } else {
-            s->epoch--; /* the last epoch trained, as the end of the run writes it */
-            save_weights(s);
-        }
+        s->epoch--; /* the last epoch trained, as the end of the run writes it */
+        save_weights(s);
         code = s->exit_code;
         goto out;
     }

@@ -1301,15 +1301,34 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
     train_sharded(&c, "second", 2, res, wex);
     cr_assert_eq(c.psd_code, 0);
     cr_assert(weights_equal(a.weights, c.weights), "stopped and resumed on 2 shards = one psd, bit for bit");
-    /* resumed at the end of the run: shard 0 alone cannot write the weights
-     * file (it holds one part), so it says so and exits 1, writing none */
+    /* resumed at the end of the run: nothing to train once every shard has
+     * resumed its part there; the weights file is written from every part
+     * (the bits of the run that ended), and every shard exits 0 at once (no
+     * worker, no timeout waited for) */
     run_t e;
-    p = start_psd(&e, "atend", 2, res0);
-    cr_assert_eq(proc_wait(p, 60), 1, "nothing to train, no weights file to write");
+    const char *end0[] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "3", "--set",
+                          "optimizer.name=adam", "--set", "optimizer.lr=0.002", "--set", "optimizer.clip_norm=0.5",
+                          "--set", arg, "--resume", ck, "--shard", "0/2", NULL};
+    p = start_psd(&e, "atend", 2, end0);
+    f = start_shard(&e, "atend", 1, 2, res);
+    cr_assert_eq(proc_wait(p, 60), 0, "nothing to train: the weights file written, exit 0");
+    cr_assert_eq(proc_wait(f, 30), 0, "shard 1 is told the run is over");
     l = slurp(e.psd_log);
-    cr_assert(strstr(l, "nothing to train") && strstr(l, "not written: psd shards write the weights file"), "%s", l);
+    cr_assert(strstr(l, "the shards' checkpoints are at the end of the run (2 epochs): nothing to train"), "%s", l);
     free(l);
-    cr_assert(access(e.weights, F_OK) != 0, "no weights file of one part");
+    cr_assert(weights_equal(c.weights, e.weights), "the file of every shard's part at the end = the run's own");
+    /* shard 1's part at the end cut short: shard 0, at the end, goes back with it to the end of
+     * epoch 1 and trains epoch 2 again, to the bits of the run never stopped */
+    cr_assert_eq(run_cmd("f=$(ls %s/run-*/shard-1/ckpt-*.psdc | sort | tail -1) && truncate -s -8 \"$f\"", ck), 0);
+    run_t bk;
+    train_sharded(&bk, "back", 2, res, wex);
+    cr_assert_eq(bk.psd_code, 0);
+    l = slurp(bk.psd_log);
+    cr_assert(strstr(l, "waiting for the other shards' parts") && strstr(l, "psd shard 1 has no checkpoint of step") &&
+                  strstr(l, "training epochs 2 to 2"),
+              "%s", l);
+    free(l);
+    cr_assert(weights_equal(a.weights, bk.weights), "went back from the end and trained on: the run's bits");
     /* a plain psd resuming shard 0's part (the rest of its file is zeros) is refused: the file
      * says which part of how many shards it holds (checkpoint format 3) */
     run_t g;
