@@ -8,7 +8,7 @@
 #   bench/wait_bench.sh  the workers' waiting share, shared memory and tcp
 #   bench/mem_bench.sh   psd's memory for Adam with P = 20M, both modes
 # Not a test.
-#   bash bench/all.sh          (about 3 minutes on a 2-core VM)
+#   bash bench/all.sh          (about 8 minutes on a 2-core VM)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(mktemp -d /tmp/psd-bench-all-XXXXXX)
