@@ -3,12 +3,14 @@
  * with its share, spins a little for the workers' last items before it
  * sleeps: a wake-up through the kernel costs more than a short item on a
  * virtual machine (tens of microseconds), and a step is a fraction of a
- * millisecond. */
+ * millisecond. Not when the pool has more threads than the machine has
+ * cores: then the spin would take a core from the items it waits for. */
 #include "ps_pool.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "ps_util.h"
 
@@ -25,6 +27,7 @@ static inline void cpu_relax(void)
 
 struct ps_pool {
     int n_threads;            /* including the caller */
+    int spin;                 /* the caller spins for the last items: no more threads than cores */
     pthread_t *th;
     pthread_mutex_t mu;
     pthread_cond_t start_cv, done_cv;
@@ -84,6 +87,8 @@ ps_pool_t *ps_pool_new(int threads)
         if (pthread_create(&p->th[i - 1], NULL, worker, p) != 0) break;
         p->n_threads++;
     }
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    p->spin = cores > 0 && p->n_threads <= cores; /* else the spin would take a core from the items it waits for */
     return p;
 }
 
@@ -124,7 +129,8 @@ void ps_pool_for(ps_pool_t *p, int n, void (*fn)(void *arg, int i), void *arg)
     pthread_mutex_unlock(&p->mu);
     run_items(p);
     /* the workers' last items: spin for up to SPIN_S, then sleep */
-    for (double t0 = ps_now(); atomic_load_explicit(&p->busy, memory_order_acquire) > 0 && ps_now() - t0 < SPIN_S;)
+    for (double t0 = ps_now();
+         p->spin && atomic_load_explicit(&p->busy, memory_order_acquire) > 0 && ps_now() - t0 < SPIN_S;)
         cpu_relax();
     pthread_mutex_lock(&p->mu); /* the workers' writes are visible once busy is 0 under mu (or acquired above) */
     while (atomic_load_explicit(&p->busy, memory_order_acquire) > 0) pthread_cond_wait(&p->done_cv, &p->mu);

@@ -67,15 +67,13 @@ int psd_store_init_part(psd_store_t *s, const ps_layout_t *l, const psd_optim_t 
     return 0;
 }
 
-/* The chunks of the dense step: all of them, or those before the table's
+/* The items of the dense step: all of them, or those before the table's
  * (the last tensor) when it is stepped lazily. */
 static void dense_part(psd_store_t *s)
 {
     const ps_layout_t *l = &s->layout;
-    s->step_chunks = s->n_chunks;
     s->step_items = s->n_items;
     if (!s->lazy) return;
-    while (s->step_chunks > 0 && s->chunks[s->step_chunks - 1].t == l->table) s->step_chunks--;
     while (s->step_items > 0 && s->items[s->step_items - 1].t == l->table) s->step_items--;
 }
 

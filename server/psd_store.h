@@ -68,18 +68,16 @@ typedef struct {
     int n_chunks;
     /* the chunks cut into the pool's work items (PSD_ITEM_FLOATS at most,
      * whole norm blocks): a 4 MiB chunk is a few items, so the threads
-     * share even one chunk's work evenly; step_items: those of the
-     * step_chunks */
+     * share even one chunk's work evenly */
     psd_chunk_t *items;
     int n_items, step_items;
     double *blk_sq;     /* squared norm of each norm block */
     size_t n_blk;
     /* the table stepped row by row (psd_store_lazy_table): the dense step
-     * runs the first step_chunks chunks (those before the table's); `rows`
+     * runs the first step_items items (those before the table's); `rows`
      * merges the table's rows, whose norm blocks come from them */
     bool lazy;
     psd_rows_t rows;
-    int step_chunks;
     /* shared arenas (psd_store_share): slot i of one memfd is arena i */
     float *shm_base;
     size_t shm_slot_floats;

@@ -578,20 +578,25 @@ Test(sched, onecycle_degenerate)
 #include "psd_store.h"
 
 /* The same steps through a store on `threads` threads with chunks of
- * chunk_bytes, whole (psd_store_step) or streamed chunk by chunk in reverse
- * order; its final weights and moments into w (n_params floats). Two
- * contributors of unequal weight; clip > 0: global-norm clipping. */
-static void store_run(const psd_optim_t *o, int threads, size_t chunk_bytes, bool stream, double clip, float *w,
+ * chunk_bytes: whole (psd_store_step; stream 0), or streamed in reverse
+ * chunk order one chunk a call (stream 1) or every chunk in one call
+ * (stream 2); its final weights and first moments into w and m (n_params
+ * floats). Two contributors of unequal weight; clip > 0: global-norm
+ * clipping. */
+static const int store_sizes[3] = {300, 4000, 5}; /* W1: 1.2M floats, 74 chunks of one norm block */
+
+static void store_run(const psd_optim_t *o, int threads, size_t chunk_bytes, int stream, double clip, float *w,
                       float *m)
 {
-    static const int sizes[3] = {300, 700, 5}; /* a 210000-float tensor: several work items */
     ps_layout_t l;
-    cr_assert_eq(ps_layout_init(&l, sizes, 3), 0);
+    cr_assert_eq(ps_layout_init(&l, store_sizes, 3), 0);
     psd_store_t s;
     cr_assert_eq(psd_store_init(&s, &l, o, 3), 0);
     cr_assert_eq(psd_store_set_parallel(&s, threads, chunk_bytes), 0);
     float *g = malloc(2 * l.n_params * sizeof *g);
-    cr_assert_not_null(g);
+    int *ids = malloc((size_t)s.n_chunks * sizeof *ids);
+    const void **src = malloc(2 * (size_t)s.n_chunks * sizeof *src);
+    cr_assert(g && ids && src);
     const double wt[2] = {0.625, 0.375};
     for (uint64_t step = 1; step <= 3; step++) {
         fill(g, 2 * l.n_params, 300 + step, 0.25f);
@@ -604,43 +609,89 @@ static void store_run(const psd_optim_t *o, int threads, size_t chunk_bytes, boo
         }
         psd_arena_t *next = psd_store_stream_begin(&s);
         cr_assert_not_null(next);
-        for (int c = s.n_chunks - 1; c >= 0; c--) { /* the last chunk first: any order, the same bits */
-            const void *src[2];
-            for (int k = 0; k < 2; k++) src[k] = g + (size_t)k * l.n_params + s.chunks[c].off;
-            psd_store_stream_chunks(&s, next, &c, 1, 2, src, NULL, wt, clip > 0, 0.05);
+        for (int j = 0; j < s.n_chunks; j++) { /* the last chunk first: any order, the same bits */
+            ids[j] = s.n_chunks - 1 - j;
+            for (int k = 0; k < 2; k++) src[2 * j + k] = g + (size_t)k * l.n_params + s.chunks[ids[j]].off;
         }
+        if (stream == 1)
+            for (int j = 0; j < s.n_chunks; j++)
+                psd_store_stream_chunks(&s, next, &ids[j], 1, 2, &src[2 * j], NULL, wt, clip > 0, 0.05);
+        else
+            psd_store_stream_chunks(&s, next, ids, s.n_chunks, 2, src, NULL, wt, clip > 0, 0.05);
         if (clip > 0) psd_store_stream_apply(&s, next, clip, 0.05);
         psd_store_stream_end(&s, next);
     }
     memcpy(w, s.cur->w, l.n_params * sizeof *w);
     memcpy(m, s.s0, l.n_params * sizeof *m);
     free(g);
+    free(ids);
+    free(src);
     psd_store_deinit(&s);
 }
 
-Test(store, steps_on_threads_in_chunks_and_work_items_give_the_bits_of_one_thread)
+/* The reference: one contributor's sum and the optimizer in plain loops
+ * (psd_optim_apply over the whole arena, one call a step): no chunks, no
+ * items, no pool. */
+static void reference_run(const psd_optim_t *o, double clip, float *w, float *m)
 {
-    static const int sizes[3] = {300, 700, 5};
     ps_layout_t l;
-    cr_assert_eq(ps_layout_init(&l, sizes, 3), 0);
+    cr_assert_eq(ps_layout_init(&l, store_sizes, 3), 0);
+    psd_store_t s; /* for its initial weights only */
+    cr_assert_eq(psd_store_init(&s, &l, o, 3), 0);
+    memcpy(w, s.cur->w, l.n_params * sizeof *w);
+    psd_store_deinit(&s);
+    float *g = malloc(2 * l.n_params * sizeof *g), *sum = malloc(l.n_params * sizeof *sum),
+          *m1 = calloc(l.n_params, sizeof *m1);
+    cr_assert(g && sum && m1);
+    memset(m, 0, l.n_params * sizeof *m);
+    for (uint64_t step = 1; step <= 3; step++) {
+        fill(g, 2 * l.n_params, 300 + step, 0.25f);
+        for (size_t i = 0; i < l.n_params; i++) sum[i] = 0.625f * g[i] + 0.375f * g[l.n_params + i];
+        float scale = 1.0f;
+        if (clip > 0) { /* the store's order: norm blocks of each tensor, summed in block order */
+            double sq = 0;
+            for (int t = 0; t < l.n_tensors; t++)
+                for (size_t b = 0; b < l.t[t].numel; b += PSD_NORM_BLOCK)
+                    sq += psd_sumsq(sum + l.t[t].offset + b,
+                                    l.t[t].numel - b < PSD_NORM_BLOCK ? l.t[t].numel - b : PSD_NORM_BLOCK);
+            scale = psd_clip_scale(sq, clip);
+        }
+        for (int t = 0; t < l.n_tensors; t++) {
+            size_t off = l.t[t].offset;
+            psd_optim_apply(o, w + off, w + off, sum + off, scale, m + off, m1 + off, l.t[t].numel, 0.05, step);
+        }
+    }
+    free(g);
+    free(sum);
+    free(m1);
+}
+
+Test(store, steps_on_threads_in_chunks_and_work_items_give_the_bits_of_one_loop)
+{
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, store_sizes, 3), 0);
     const size_t bytes = l.n_params * sizeof(float);
     float *w0 = malloc(bytes), *m0 = malloc(bytes), *w1 = malloc(bytes), *m1 = malloc(bytes);
     cr_assert(w0 && m0 && w1 && m1);
     const psd_optim_t opts[2] = {make_opt(PS_OPT_SGD, 0.9f, 1, 5e-4f, 0, 0, 0),
                                  make_opt(PS_OPT_ADAM, 0, 0, 1e-2f, 0.9f, 0.999f, 1e-8f)};
-    const size_t chunk[3] = {(size_t)1 << 40, (size_t)1 << 20, 65536 * 4}; /* per tensor; 1 MiB; 4 chunks of W1 */
+    /* one chunk per tensor; 3 norm blocks (1.5 items: chunk and item ends differ); one norm
+     * block (74 chunks of W1: streamed in one call, more than a pool run's 64) */
+    const size_t chunk[3] = {(size_t)1 << 40, 3 * PSD_NORM_BLOCK * sizeof(float), PSD_NORM_BLOCK * sizeof(float)};
     for (int k = 0; k < 2; k++)
         for (int ci = 0; ci < 2; ci++) {
             const double clip = ci ? 1.0 : 0.0; /* the gradients' norm is far above 1: clipped */
-            store_run(&opts[k], 1, chunk[0], false, clip, w0, m0);
+            reference_run(&opts[k], clip, w0, m0);
             for (int c = 0; c < 3; c++)
-                for (int st = 0; st < 2; st++) {
-                    if (st && c == 0) continue; /* streams go by chunks */
-                    store_run(&opts[k], 2, chunk[c], st, clip, w1, m1);
-                    cr_expect(memcmp(w0, w1, bytes) == 0 && memcmp(m0, m1, bytes) == 0,
-                              "optimizer %d, clip %g, chunks of %zu bytes%s: not the bits of one thread", k, clip,
-                              chunk[c], st ? ", streamed" : "");
-                }
+                for (int th = 1; th <= 2; th++)
+                    for (int st = 0; st < 3; st++) {
+                        if (st && c == 0) continue; /* streams go by chunks */
+                        store_run(&opts[k], th, chunk[c], st, clip, w1, m1);
+                        cr_expect(memcmp(w0, w1, bytes) == 0 && memcmp(m0, m1, bytes) == 0,
+                                  "optimizer %d, clip %g, chunks of %zu bytes, %d threads, %s: not the bits of one "
+                                  "loop", k, clip, chunk[c], th, st == 0 ? "whole" : st == 1 ? "streamed one by one"
+                                                                                          : "streamed at once");
+                    }
         }
     free(w0);
     free(m0);
