@@ -1956,8 +1956,12 @@ static void end_run(srv_t *s)
     double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
     double wall = ps_now() - s->t_start;
     if (!sharded(s)) save_weights(s); /* shards: written already (fetch_next) */
-    PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s", s->cfg.epochs,
-            s->step, s->val_acc_last, sps, wall);
+    if (s->val_epoch_last)
+        PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s", s->cfg.epochs,
+                s->step, s->val_acc_last, sps, wall);
+    else /* resumed at its end: nothing was trained or validated by this psd */
+        PS_INFO("run finished: %d epochs, %" PRIu64 " steps (all before this resume), %.1f s", s->cfg.epochs, s->step,
+                wall);
     if (s->int_n[1] > 0)
         PS_INFO("step interval %.2f ms over %" PRIu64 " steps without a checkpoint being written, "
                 "%.2f ms over %" PRIu64 " steps while one was",

@@ -1315,6 +1315,8 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
     cr_assert_eq(proc_wait(f, 30), 0, "shard 1 is told the run is over");
     l = slurp(e.psd_log);
     cr_assert(strstr(l, "the shards' checkpoints are at the end of the run (2 epochs): nothing to train"), "%s", l);
+    cr_assert(strstr(l, "steps (all before this resume)") && !strstr(l, "val_acc 0.0000"),
+              "no validation figure of a run that validated nothing: %s", l);
     free(l);
     cr_assert(weights_equal(c.weights, e.weights), "the file of every shard's part at the end = the run's own");
     /* shard 1's part at the end cut short: shard 0, at the end, goes back with it to the end of
