@@ -129,9 +129,9 @@ void ps_pool_for(ps_pool_t *p, int n, void (*fn)(void *arg, int i), void *arg)
     pthread_mutex_unlock(&p->mu);
     run_items(p);
     /* the workers' last items: spin for up to SPIN_S, then sleep */
-    for (double t0 = ps_now();
-         p->spin && atomic_load_explicit(&p->busy, memory_order_acquire) > 0 && ps_now() - t0 < SPIN_S;)
-        cpu_relax();
+    if (p->spin)
+        for (double t0 = ps_now(); atomic_load_explicit(&p->busy, memory_order_acquire) > 0 && ps_now() - t0 < SPIN_S;)
+            cpu_relax();
     pthread_mutex_lock(&p->mu); /* the workers' writes are visible once busy is 0 under mu (or acquired above) */
     while (atomic_load_explicit(&p->busy, memory_order_acquire) > 0) pthread_cond_wait(&p->done_cv, &p->mu);
     pthread_mutex_unlock(&p->mu);

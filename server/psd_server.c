@@ -1975,6 +1975,19 @@ static void end_run(srv_t *s)
 static bool begin_save(srv_t *s);
 static void fetch_next(srv_t *s);
 
+/* The last epoch is done: with psd shards and --save the other shards'
+ * parts come for the weights file first (fetch_next then ends the run). */
+static void run_end(srv_t *s)
+{
+    if (sharded(s) && s->cfg.save[0] && begin_save(s)) {
+        s->phase = PHASE_WAIT; /* nothing to do but wait for them */
+        s->phase_deadline = INFINITY;
+        fetch_next(s);
+        return;
+    }
+    end_run(s);
+}
+
 static void end_validation(srv_t *s)
 {
     if (s->tty) ps_log_status(NULL); /* the epoch's line takes its place */
@@ -2048,14 +2061,8 @@ static void end_validation(srv_t *s)
         s->val_curve[s->n_val_curve].val_loss = (float)val_loss;
         s->val_curve[s->n_val_curve++].val_acc = (float)val_acc;
     }
-    if (last && sharded(s) && s->cfg.save[0] && begin_save(s)) { /* the others' parts then come for the file */
-        s->phase = PHASE_WAIT; /* nothing to do but wait for them */
-        s->phase_deadline = INFINITY;
-        fetch_next(s);
-        return;
-    }
     if (last) {
-        end_run(s);
+        run_end(s);
         return;
     }
     if (stop) {
@@ -2587,12 +2594,7 @@ static void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
         PS_INFO("the shards' checkpoints are at the end of the run (%d epochs): nothing to train", s->cfg.epochs);
         s->epoch--; /* the last epoch trained, as the end of the run writes it */
         s->t_start = ps_now();
-        if (s->cfg.save[0] && begin_save(s)) { /* the others' parts come for the file, then the run ends */
-            s->phase_deadline = INFINITY;
-            fetch_next(s);
-        } else {
-            end_run(s);
-        }
+        run_end(s);
         return;
     }
     shards_go(s);

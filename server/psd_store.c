@@ -80,6 +80,9 @@ static void dense_part(psd_store_t *s)
 /* Items of chunk c: floats [o, o + PSD_ITEM_FLOATS) of it, the last shorter. */
 static int chunk_items(const psd_chunk_t *c) { return (int)((c->n + PSD_ITEM_FLOATS - 1) / PSD_ITEM_FLOATS); }
 
+/* Floats in chunk c's item from float o on: PSD_ITEM_FLOATS, the last shorter. */
+static size_t item_floats(const psd_chunk_t *c, size_t o) { return c->n - o < PSD_ITEM_FLOATS ? c->n - o : PSD_ITEM_FLOATS; }
+
 /* floats [o, o + n) of chunk c as a unit of its own (o: whole norm blocks in) */
 static psd_chunk_t sub_chunk(const psd_chunk_t *c, size_t o, size_t n)
 {
@@ -123,7 +126,7 @@ int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
     ni = 0;
     for (int i = 0; i < n; i++)
         for (size_t o = 0; o < ch[i].n; o += PSD_ITEM_FLOATS)
-            it[ni++] = sub_chunk(&ch[i], o, ch[i].n - o < PSD_ITEM_FLOATS ? ch[i].n - o : PSD_ITEM_FLOATS);
+            it[ni++] = sub_chunk(&ch[i], o, item_floats(&ch[i], o));
     free(s->chunks);
     free(s->items);
     free(s->blk_sq);
@@ -590,7 +593,6 @@ psd_arena_t *psd_store_stream_begin(psd_store_t *s) { return begin_update(s); }
 #define STREAM_RUN 64
 typedef struct {
     step_t st;
-    int m;
     int first[STREAM_RUN + 1];
 } stream_run_t;
 
@@ -600,20 +602,20 @@ static void stream_task(void *arg, int i)
     int j = 0;
     while (r->first[j + 1] <= i) j++;
     const psd_chunk_t *c = &r->st.s->chunks[r->st.ids[j]];
-    size_t o = (size_t)(i - r->first[j]) * PSD_ITEM_FLOATS, n = c->n - o < PSD_ITEM_FLOATS ? c->n - o : PSD_ITEM_FLOATS;
-    if (r->st.clip) reduce_part(&r->st, j, c, o, n);
-    else fused_part(&r->st, j, c, o, n);
+    size_t o = (size_t)(i - r->first[j]) * PSD_ITEM_FLOATS;
+    if (r->st.clip) reduce_part(&r->st, j, c, o, item_floats(c, o));
+    else fused_part(&r->st, j, c, o, item_floats(c, o));
 }
 
 void psd_store_stream_chunks(psd_store_t *s, psd_arena_t *next, const int *ids, int m, int n,
                              const void *const *src, const uint8_t *bf16, const double *weight, bool clip, double lr)
 {
     for (int b = 0; b < m; b += STREAM_RUN) { /* STREAM_RUN chunks a run */
+        const int k = m - b < STREAM_RUN ? m - b : STREAM_RUN;
         stream_run_t r = {.st = {.s = s, .next = next, .n = n, .ids = ids + b, .src = src + (size_t)b * (size_t)n,
-                                 .bf16 = bf16, .weight = weight, .scale = 1.0f, .lr = lr, .clip = clip},
-                          .m = m - b < STREAM_RUN ? m - b : STREAM_RUN};
-        for (int j = 0; j < r.m; j++) r.first[j + 1] = r.first[j] + chunk_items(&s->chunks[ids[b + j]]);
-        step_run(s, r.first[r.m], stream_task, &r);
+                                 .bf16 = bf16, .weight = weight, .scale = 1.0f, .lr = lr, .clip = clip}};
+        for (int j = 0; j < k; j++) r.first[j + 1] = r.first[j] + chunk_items(&s->chunks[ids[b + j]]);
+        step_run(s, r.first[k], stream_task, &r);
     }
 }
 
