@@ -168,20 +168,38 @@ int ps_chunk_find(const ps_layout_t *l, size_t cf, int t, size_t off, size_t n)
     return k + (int)(off / cf);
 }
 
+/* The owner of the block at float p of the arena: where its first float lies */
+static int block_owner(const ps_layout_t *l, size_t p, int n)
+{
+    return n > 1 ? (int)((unsigned long long)p * (unsigned long long)n / (unsigned long long)l->n_params) : 0;
+}
+
 void ps_shard_pieces(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_TENSORS])
 {
     memset(out, 0, PS_MAX_TENSORS * sizeof *out);
     for (int t = 0; t < l->n_tensors; t++) {
-        size_t lo = SIZE_MAX, hi = 0;
-        for (size_t o = 0; o < l->t[t].numel; o += PS_NORM_BLOCK) {
-            /* owner of the block: where its first float lies */
-            unsigned long long p = (unsigned long long)(l->t[t].offset + o);
-            int owner = n > 1 ? (int)(p * (unsigned long long)n / (unsigned long long)l->n_params) : 0;
-            if (owner != k) continue;
-            if (lo == SIZE_MAX) lo = o;
-            hi = o + PS_NORM_BLOCK < l->t[t].numel ? o + PS_NORM_BLOCK : l->t[t].numel;
+        /* owners grow with the block: shard k's blocks are those from the
+         * first owned by k or later to the first owned by k + 1 or later
+         * (binary searches: a forged header must not cost a loop over
+         * 2^30 blocks) */
+        const size_t nb = (l->t[t].numel + PS_NORM_BLOCK - 1) / PS_NORM_BLOCK, at = l->t[t].offset;
+        size_t first[2];
+        for (int e = 0; e < 2; e++) {
+            size_t lo = 0, hi = nb; /* the first block whose owner >= k + e */
+            while (lo < hi) {
+                size_t mid = lo + (hi - lo) / 2;
+                if (block_owner(l, at + mid * PS_NORM_BLOCK, n) >= k + e) hi = mid;
+                else lo = mid + 1;
+            }
+            first[e] = lo;
         }
-        out[t] = (ps_piece_t){.t = t, .off = lo == SIZE_MAX ? 0 : lo, .n = lo == SIZE_MAX ? 0 : hi - lo};
+        if (first[0] >= first[1]) {
+            out[t] = (ps_piece_t){.t = t, .off = 0, .n = 0};
+            continue;
+        }
+        size_t lo = first[0] * PS_NORM_BLOCK, hi = first[1] * PS_NORM_BLOCK;
+        if (hi > l->t[t].numel) hi = l->t[t].numel;
+        out[t] = (ps_piece_t){.t = t, .off = lo, .n = hi - lo};
     }
 }
 

@@ -45,6 +45,35 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "psd_ckpt assumes a li
 
 enum { CHUNK_LIVE = 0, CHUNK_COPIED, CHUNK_SAVED };
 
+/* A run of an arena's floats that the file holds: [off, off + n) */
+typedef struct {
+    uint64_t off, n;
+} span_t;
+
+/* The floats of each arena the file holds, in order (format 4): a psd
+ * shard's pieces of the tensors (ps_shard_pieces), one psd's whole arena;
+ * files of format 1 to 3 hold whole arenas. Returns how many spans, with
+ * *total their floats. */
+static int part_spans(const psd_ckpt_meta_t *m, const ps_layout_t *l, uint32_t format, span_t out[PS_MAX_TENSORS],
+                      uint64_t *total)
+{
+    if (format < 4 || m->shards <= 1) {
+        out[0] = (span_t){0, m->n_params};
+        *total = m->n_params;
+        return 1;
+    }
+    ps_piece_t p[PS_MAX_TENSORS];
+    ps_shard_pieces(l, (int)m->shard, (int)m->shards, p);
+    int k = 0;
+    *total = 0;
+    for (int t = 0; t < l->n_tensors; t++)
+        if (p[t].n) {
+            out[k++] = (span_t){l->t[t].offset + p[t].off, p[t].n};
+            *total += p[t].n;
+        }
+    return k;
+}
+
 struct psd_ckpt_writer {
     char *dir;
     int keep;
@@ -52,6 +81,8 @@ struct psd_ckpt_writer {
     uint8_t *seen;        /* copy, seen_bytes */
     size_t seen_bytes;
     psd_arena_t *arena;   /* referenced weights (n_params floats) */
+    span_t spans[PS_MAX_TENSORS]; /* what of each arena the file holds (part_spans) */
+    int n_spans;
     float *slot[2];       /* the store's live slots (borrowed) */
     psd_store_t *store;   /* whose copy-on-write hook this writer is, until psd_ckpt_end */
     size_t n_chunks;      /* per slot */
@@ -165,12 +196,13 @@ static size_t hdr_len(const uint8_t b[8])
     uint32_t format;
     get_u32(b + 4, &format);
     if (memcmp(b, "PSDC", 4) != 0) return 0;
-    return format == PSD_CKPT_FORMAT || format == 2 ? CKPT_HDR_LEN : format == 1 ? CKPT_HDR_LEN_V1 : 0;
+    return format >= 2 && format <= PSD_CKPT_FORMAT ? CKPT_HDR_LEN : format == 1 ? CKPT_HDR_LEN_V1 : 0;
 }
 
-/* Parse and sanity-check a header (hdr_len(b) bytes). NULL, or the reason it
- * is unusable. */
-static const char *meta_unpack(psd_ckpt_meta_t *m, const uint8_t b[CKPT_HDR_LEN])
+/* Parse and sanity-check a header (hdr_len(b) bytes): its format and model
+ * layout too. NULL, or the reason it is unusable. */
+static const char *meta_unpack(psd_ckpt_meta_t *m, uint32_t *format_out, ps_layout_t *l_out,
+                               const uint8_t b[CKPT_HDR_LEN])
 {
     const uint8_t *p = b + 8;
     uint32_t format, n_sizes, sizes[PS_MAX_LAYERS + 1], reserved = 0;
@@ -208,7 +240,7 @@ static const char *meta_unpack(psd_ckpt_meta_t *m, const uint8_t b[CKPT_HDR_LEN]
     if (format >= 3) { /* the shard layout */
         m->shards = reserved >> 16;
         m->shard = reserved & 0xffff;
-        if (m->shards < 1 || m->shard >= m->shards) return "bad psd shard fields";
+        if (m->shards < 1 || m->shards > PS_MAX_SHARDS || m->shard >= m->shards) return "bad psd shard fields";
     } else if (reserved != 0) {
         return "bad reserved field";
     }
@@ -227,14 +259,16 @@ static const char *meta_unpack(psd_ckpt_meta_t *m, const uint8_t b[CKPT_HDR_LEN]
         return "parameter count does not match the layer sizes";
     if (m->n_slots > 2) return "bad optimizer slot count";
     if (m->train_count > CKPT_MAX_TRAIN) return "bad training set size";
+    *format_out = format;
+    *l_out = l;
     return NULL;
 }
 
-/* File length implied by a (checked) header of hlen bytes. */
-static uint64_t file_len(const psd_ckpt_meta_t *m, size_t hlen)
+/* File length implied by a (checked) header of hlen bytes whose arenas hold
+ * part floats each. */
+static uint64_t file_len(const psd_ckpt_meta_t *m, size_t hlen, uint64_t part)
 {
-    return hlen + (m->train_count + 7) / 8 +
-           (1 + (uint64_t)m->n_slots) * m->n_params * sizeof(float) + CKPT_TRAILER_LEN;
+    return hlen + (m->train_count + 7) / 8 + (1 + (uint64_t)m->n_slots) * part * sizeof(float) + CKPT_TRAILER_LEN;
 }
 
 /* ---- names ------------------------------------------------------------ */
@@ -366,8 +400,31 @@ static void settle(psd_ckpt_writer_t *wr)
     pthread_mutex_unlock(&wr->mu);
 }
 
+/* Write what the file holds of floats [off, off + cnt) of an arena, whose
+ * values are at src: its spans' parts of them, in order. */
+static int write_part(psd_ckpt_writer_t *wr, ckpt_out_t *o, const float *src, uint64_t off, uint64_t cnt)
+{
+    for (int i = 0; i < wr->n_spans; i++) {
+        uint64_t lo = wr->spans[i].off > off ? wr->spans[i].off : off;
+        uint64_t hi = wr->spans[i].off + wr->spans[i].n < off + cnt ? wr->spans[i].off + wr->spans[i].n : off + cnt;
+        int rc = lo < hi ? out_write(o, src + (lo - off), (size_t)(hi - lo) * sizeof(float)) : 0;
+        if (rc != 0) return rc;
+    }
+    return 0;
+}
+
+/* 1 when chunk c holds floats the file holds */
+static int chunk_in_part(const psd_ckpt_writer_t *wr, size_t c)
+{
+    const uint64_t lo = (uint64_t)c * CKPT_CHUNK_FLOATS, hi = lo + CKPT_CHUNK_FLOATS;
+    for (int i = 0; i < wr->n_spans; i++)
+        if (wr->spans[i].off < hi && wr->spans[i].off + wr->spans[i].n > lo) return 1;
+    return 0;
+}
+
 /* Write slot s: each chunk's snapshot values, from its side copy if the main
- * thread made one, else from the live memory through the bounce buffer. */
+ * thread made one, else from the live memory through the bounce buffer.
+ * Chunks outside the part were SAVED from the start. */
 static int write_slot(psd_ckpt_writer_t *wr, ckpt_out_t *o, uint32_t s)
 {
     const size_t n = wr->meta.n_params;
@@ -376,6 +433,12 @@ static int write_slot(psd_ckpt_writer_t *wr, ckpt_out_t *o, uint32_t s)
         size_t cnt = n - off < CKPT_CHUNK_FLOATS ? n - off : CKPT_CHUNK_FLOATS;
         float *src;
         pthread_mutex_lock(&wr->mu);
+        if (wr->state[s][c] == CHUNK_SAVED) { /* not the file's */
+            if (s + 1 == wr->meta.n_slots && c + 1 == wr->n_chunks)
+                atomic_store_explicit(&wr->settled, 1, memory_order_release);
+            pthread_mutex_unlock(&wr->mu);
+            continue;
+        }
         if (wr->state[s][c] == CHUNK_COPIED) {
             src = wr->side[s][c];
             wr->side[s][c] = NULL;
@@ -390,7 +453,7 @@ static int write_slot(psd_ckpt_writer_t *wr, ckpt_out_t *o, uint32_t s)
         pthread_cond_broadcast(&wr->saved_cv);
         pthread_mutex_unlock(&wr->mu);
 
-        int rc = out_write(o, src, cnt * sizeof(float));
+        int rc = write_part(wr, o, src, off, cnt);
         if (src != wr->bounce) {
             free(src);
             pthread_mutex_lock(&wr->mu);
@@ -452,11 +515,9 @@ static void *writer_main(void *arg)
     meta_pack(hdr, &wr->meta);
     if ((rc = out_write(&o, hdr, sizeof hdr)) != 0) goto out;
     if (wr->seen_bytes && (rc = out_write(&o, wr->seen, wr->seen_bytes)) != 0) goto out;
-    for (size_t off = 0; off < wr->meta.n_params; off += CKPT_CHUNK_FLOATS) {
-        size_t cnt = wr->meta.n_params - off;
-        if (cnt > CKPT_CHUNK_FLOATS) cnt = CKPT_CHUNK_FLOATS;
-        if ((rc = out_write(&o, wr->arena->w + off, cnt * sizeof(float))) != 0) goto out;
-    }
+    for (int i = 0; i < wr->n_spans; i++)
+        if ((rc = out_write(&o, wr->arena->w + wr->spans[i].off, (size_t)wr->spans[i].n * sizeof(float))) != 0)
+            goto out;
     for (uint32_t s = 0; s < wr->meta.n_slots; s++)
         if ((rc = write_slot(wr, &o, s)) != 0) goto out;
     /* the CRC covers the length field too: every byte before the CRC */
@@ -523,6 +584,7 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
     ps_layout_t l;
     *out = NULL;
     if (!dir || !meta || !store || meta->n_slots > 2 || meta->train_count > CKPT_MAX_TRAIN ||
+        meta->shards > PS_MAX_SHARDS || (meta->shards > 0 && meta->shard >= meta->shards) ||
         (meta->train_count && !seen) || meta->table_rows > UINT32_MAX || meta->table_dim > 4096 ||
         ps_layout_init_table(&l, meta->sizes, meta->n_sizes, meta->table_rows, (int)meta->table_dim) != 0 ||
         l.n_params != meta->n_params || meta->n_params != store->layout.n_params ||
@@ -544,6 +606,8 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
     wr->meta = *meta;
     wr->seen_bytes = (size_t)((meta->train_count + 7) / 8);
     wr->n_chunks = (meta->n_params + CKPT_CHUNK_FLOATS - 1) / CKPT_CHUNK_FLOATS;
+    uint64_t part;
+    wr->n_spans = part_spans(meta, &l, PSD_CKPT_FORMAT, wr->spans, &part);
     if ((size_t)snprintf(wr->path, sizeof wr->path, "%s/.ckpt-%012llu.psdc.tmp", dir,
                          (unsigned long long)meta->step) >= sizeof wr->path) {
         rc = -ENAMETOOLONG;
@@ -557,6 +621,7 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
     if (wr->seen_bytes) memcpy(wr->seen, seen, wr->seen_bytes);
     wr->slot[0] = store->s0;
     wr->slot[1] = store->s1;
+    size_t live = 0;
     for (uint32_t s = 0; s < meta->n_slots; s++) {
         wr->state[s] = calloc(wr->n_chunks ? wr->n_chunks : 1, 1); /* CHUNK_LIVE */
         wr->side[s] = calloc(wr->n_chunks ? wr->n_chunks : 1, sizeof(float *));
@@ -564,6 +629,9 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
             rc = -ENOMEM;
             goto out;
         }
+        for (size_t c = 0; c < wr->n_chunks; c++) /* a shard's: the rest is not its to save */
+            if (chunk_in_part(wr, c)) live++;
+            else wr->state[s][c] = CHUNK_SAVED;
     }
     if (meta->n_slots > 0) {
         if (!(wr->bounce = malloc(CKPT_CHUNK_BYTES))) {
@@ -572,7 +640,7 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
         }
         wr->extra = wr->peak_extra = CKPT_CHUNK_BYTES;
     }
-    atomic_init(&wr->settled, meta->n_slots == 0 || wr->n_chunks == 0);
+    atomic_init(&wr->settled, live == 0);
     atomic_init(&wr->done, 0);
     if ((rc = -pthread_mutex_init(&wr->mu, NULL)) != 0) goto out;
     if ((rc = -pthread_cond_init(&wr->saved_cv, NULL)) != 0) {
@@ -727,9 +795,14 @@ static const char *load_one(const char *path, ckpt_data_t *d, char *reason_buf, 
     if ((why = in_read(&in, hdr, 8, 1)) != NULL) goto out;
     size_t hlen = hdr_len(hdr);
     if (hlen && (why = in_read(&in, hdr + 8, hlen - 8, 1)) != NULL) goto out;
-    if ((why = meta_unpack(&d->meta, hdr)) != NULL) goto out;
+    uint32_t format;
+    ps_layout_t l;
+    if ((why = meta_unpack(&d->meta, &format, &l, hdr)) != NULL) goto out;
+    span_t spans[PS_MAX_TENSORS];
+    uint64_t part;
+    const int n_spans = part_spans(&d->meta, &l, format, spans, &part);
     /* Before allocating anything: the header must describe this file. */
-    uint64_t want = file_len(&d->meta, hlen);
+    uint64_t want = file_len(&d->meta, hlen, part);
     if ((uint64_t)st.st_size != want) {
         snprintf(reason_buf, reason_len, "%lld bytes, header says %llu (truncated?)",
                  (long long)st.st_size, (unsigned long long)want);
@@ -738,18 +811,22 @@ static const char *load_one(const char *path, ckpt_data_t *d, char *reason_buf, 
     }
     size_t seen_bytes = (size_t)((d->meta.train_count + 7) / 8);
     size_t arena_bytes = (size_t)d->meta.n_params * sizeof(float);
+    /* zeroed where the file holds nothing (another shard's part), and not
+     * resident there either (large callocs are fresh pages) */
     d->seen = malloc(seen_bytes ? seen_bytes : 1);
-    d->w = malloc(arena_bytes);
-    for (uint32_t s = 0; s < d->meta.n_slots; s++) d->slots[s] = malloc(arena_bytes);
+    d->w = calloc(1, arena_bytes);
+    for (uint32_t s = 0; s < d->meta.n_slots; s++) d->slots[s] = calloc(1, arena_bytes);
     if (!d->seen || !d->w || (d->meta.n_slots >= 1 && !d->slots[0]) ||
         (d->meta.n_slots >= 2 && !d->slots[1])) {
         why = "out of memory";
         goto out;
     }
     if ((why = in_read(&in, d->seen, seen_bytes, 1)) != NULL) goto out;
-    if ((why = in_read(&in, d->w, arena_bytes, 1)) != NULL) goto out;
-    for (uint32_t s = 0; s < d->meta.n_slots; s++)
-        if ((why = in_read(&in, d->slots[s], arena_bytes, 1)) != NULL) goto out;
+    for (uint32_t a = 0; a <= d->meta.n_slots; a++) {
+        float *dst = a == 0 ? d->w : d->slots[a - 1];
+        for (int i = 0; i < n_spans; i++)
+            if ((why = in_read(&in, dst + spans[i].off, (size_t)spans[i].n * sizeof(float), 1)) != NULL) goto out;
+    }
     if ((why = in_read(&in, trailer, 8, 1)) != NULL) goto out;
     if ((why = in_read(&in, trailer + 8, 4, 0)) != NULL) goto out;
     uint64_t len;

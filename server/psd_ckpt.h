@@ -4,7 +4,10 @@
  * File DIR/ckpt-<step, 12 digits>.psdc, format 1, little-endian:
  *   "PSDC" u32 format  psd_ckpt_meta_t fields (fixed order, see psd_ckpt.c)
  *   seen bitmap (ceil(train_count/8) bytes)
- *   weights arena, then each optimizer slot arena (n_params floats each)
+ *   weights arena, then each optimizer slot arena: the floats the file holds
+ *   of each (format 4): one psd's whole arena (n_params floats); a psd
+ *   shard's part only, its pieces of the tensors (ps_shard_pieces) one after
+ *   the other (files of format 1 to 3 held whole arenas, shards too)
  *   u64 total length  u32 CRC-32 (zlib) of every byte before it
  * Written to a temp file, fsync'ed, renamed, directory fsync'ed; the newest
  * `keep` files are kept.
@@ -25,7 +28,9 @@
 #include "ps_model.h"
 #include "psd_store.h"
 
-#define PSD_CKPT_FORMAT 3u /* 3 adds the psd shard layout, 2 the embedding table's shape; 2 and 1 are still read */
+/* 4: a psd shard's file holds its part only; 3 added the psd shard layout, 2
+ * the embedding table's shape. Files of 3, 2 and 1 are still read. */
+#define PSD_CKPT_FORMAT 4u
 
 typedef struct {
     uint64_t run_id, config_hash, seed;
@@ -90,7 +95,8 @@ int psd_ckpt_end(psd_ckpt_writer_t **wr, char *path, size_t pathlen, double *sec
  * skipped, each reported through the log callback (one line each, naming the
  * file and the reason). On success returns 0 with new buffers (caller frees
  * with free()): seen (train_count bits), weights and slots (n_params floats
- * each; slots[i] NULL for i >= n_slots), and the chosen file's path.
+ * each, zero where the file holds nothing: another psd shard's part; slots[i]
+ * NULL for i >= n_slots), and the chosen file's path.
  * Returns -1 with a message if no valid checkpoint is there. */
 typedef void (*psd_ckpt_log_fn)(const char *line);
 int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,

@@ -110,6 +110,40 @@ static size_t check_pat(const float *a, size_t n, uint64_t k, int which)
     return n;
 }
 
+/* A store of sizes (3 layers) whose weights and slots hold pattern k */
+static size_t store_filled(psd_store_t *s, const int *sizes, uint64_t k)
+{
+    store_make(s, sizes, 3);
+    size_t n = s->layout.n_params;
+    fill(s->cur->w, n, k, 0);
+    fill(s->s0, n, k, 1);
+    fill(s->s1, n, k, 2);
+    return n;
+}
+
+/* psd shard k of n's part of an arena (ps_shard_pieces): the floats it owns */
+static uint64_t part_floats(const psd_store_t *s, int k, int n, bool *mine)
+{
+    ps_piece_t p[PS_MAX_TENSORS];
+    ps_shard_pieces(&s->layout, k, n, p);
+    memset(mine, 0, s->layout.n_params * sizeof *mine);
+    uint64_t total = 0;
+    for (int t = 0; t < s->layout.n_tensors; t++) {
+        for (size_t i = 0; i < p[t].n; i++) mine[s->layout.t[t].offset + p[t].off + i] = true;
+        total += p[t].n;
+    }
+    return total;
+}
+
+/* First index where a loaded arena is not want inside the part (mine) or
+ * not zero outside it, or n. */
+static size_t check_part(const float *got, const float *want, const bool *mine, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (mine[i] ? memcmp(&got[i], &want[i], sizeof(float)) != 0 : got[i] != 0.0f) return i;
+    return n;
+}
+
 static void meta_make(psd_ckpt_meta_t *m, const psd_store_t *s, uint64_t step, uint64_t train_count)
 {
     memset(m, 0, sizeof *m);
@@ -133,8 +167,8 @@ static void meta_make(psd_ckpt_meta_t *m, const psd_store_t *s, uint64_t step, u
     for (int i = 0; i < s->layout.n_sizes; i++) m->sizes[i] = s->layout.sizes[i];
     m->opt_kind = PS_OPT_ADAM;
     m->n_slots = 2;
-    m->shard = 1; /* psd shard 1 of 3 (format 3) */
-    m->shards = 3;
+    m->shard = 0; /* one psd: the whole arenas (roundtrip_every_field: a shard's part) */
+    m->shards = 1;
     m->n_params = s->layout.n_params;
 }
 
@@ -304,8 +338,8 @@ Test(ckpt, roundtrip_every_field, .init = dir_setup, .fini = dir_teardown)
     cr_expect_eq(L.meta.opt_kind, m.opt_kind);
     cr_expect_eq(L.meta.n_slots, m.n_slots);
     cr_expect_eq(L.meta.n_params, m.n_params);
-    cr_expect_eq(L.meta.shard, 1);
-    cr_expect_eq(L.meta.shards, 3);
+    cr_expect_eq(L.meta.shard, 0);
+    cr_expect_eq(L.meta.shards, 1);
     cr_expect_eq(memcmp(&L.meta, &m, sizeof m), 0, "whole struct");
     cr_expect_eq(memcmp(L.seen, seen, 126), 0, "seen bitmap");
     cr_expect_eq(memcmp(L.w, s.cur->w, n * 4), 0, "weights");
@@ -313,6 +347,72 @@ Test(ckpt, roundtrip_every_field, .init = dir_setup, .fini = dir_teardown)
     cr_expect_eq(memcmp(L.slots[1], s.s1, n * 4), 0, "slot 1");
     loaded_free(&L);
     free(seen);
+    psd_store_deinit(&s);
+}
+
+/* A psd shard's file holds its part only (format 4), pieces of several
+ * tensors one after the other; it loads as whole arenas with the part in
+ * place and zeros elsewhere. A format 3 file of a shard (whole arenas)
+ * still loads. */
+Test(ckpt, a_shard_file_holds_its_part_only, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    size_t n = store_filled(&s, small_sizes, 8);
+    bool *mine = malloc(n * sizeof *mine);
+    cr_assert_not_null(mine);
+    ps_piece_t p[PS_MAX_TENSORS];
+    ps_shard_pieces(&s.layout, 2, 3, p);
+    int spans = 0;
+    for (int t = 0; t < s.layout.n_tensors; t++) spans += p[t].n > 0;
+    cr_assert_eq(spans, 4, "shard 2 of 3 holds pieces of 4 tensors");
+    const uint64_t part = part_floats(&s, 2, 3, mine);
+    cr_assert(part > 0 && part < n / 2);
+    psd_ckpt_meta_t m;
+    meta_make(&m, &s, 8, 1003);
+    m.shard = 2;
+    m.shards = 3;
+    uint8_t *seen = seen_make(1003, 8);
+    char path[PATH_MAX];
+    uint64_t bytes;
+    cr_assert_eq(ckpt_write(&s, &m, seen, 3, NULL, &bytes, path, sizeof path), 0);
+    cr_expect_eq(bytes, HDR_LEN + 126 + 3 * part * 4 + 12, "the part's floats only: %llu bytes",
+                 (unsigned long long)bytes);
+    loaded_t L;
+    cr_assert_eq(load(&L), 0, "%s", L.err);
+    cr_expect_eq(memcmp(&L.meta, &m, sizeof m), 0, "whole struct");
+    cr_expect_eq(memcmp(L.seen, seen, 126), 0, "seen bitmap");
+    size_t iw = check_part(L.w, s.cur->w, mine, n), i0 = check_part(L.slots[0], s.s0, mine, n),
+           i1 = check_part(L.slots[1], s.s1, mine, n);
+    cr_expect(iw == n && i0 == n && i1 == n, "the part in place, zeros elsewhere: first wrong float %zu %zu %zu", iw,
+              i0, i1);
+    loaded_free(&L);
+
+    /* format 3: the same shard's file with whole arenas */
+    m.shard = 0;
+    m.shards = 1;
+    cr_assert_eq(ckpt_write(&s, &m, seen, 3, NULL, NULL, path, sizeof path), 0);
+    size_t len;
+    uint8_t *img = file_read(path, &len);
+    put32(img + 4, 3);
+    put32(img + HDR_LEN - 4, 3u << 16 | 2u);
+    fix_trailer(img, len);
+    file_write(path, img, len);
+    cr_assert_eq(load(&L), 0, "%s", L.err);
+    cr_expect_eq(L.meta.shard, 2);
+    cr_expect_eq(L.meta.shards, 3);
+    cr_expect_eq(memcmp(L.w, s.cur->w, n * 4), 0, "format 3 weights, whole");
+    cr_expect_eq(memcmp(L.slots[1], s.s1, n * 4), 0, "format 3 slot 1, whole");
+    loaded_free(&L);
+    /* the same bytes called format 4 are too long for shard 2's part */
+    put32(img + 4, 4);
+    fix_trailer(img, len);
+    file_write(path, img, len);
+    cr_assert_neq(load(&L), 0, "a whole-arena file taken as a shard's part");
+    cr_expect(log_mentions("header says"), "%s", g_nlog ? g_log[0] : "");
+    loaded_free(&L);
+    free(img);
+    free(seen);
+    free(mine);
     psd_store_deinit(&s);
 }
 
@@ -445,11 +545,7 @@ Test(ckpt, begin_rejects_mismatched_meta, .init = dir_setup, .fini = dir_teardow
 Test(ckpt, cow_snapshot_is_consistent, .init = dir_setup, .fini = dir_teardown)
 {
     psd_store_t s;
-    store_make(&s, big_sizes, 3);
-    size_t n = s.layout.n_params;
-    fill(s.cur->w, n, 1, 0);
-    fill(s.s0, n, 1, 1);
-    fill(s.s1, n, 1, 2);
+    size_t n = store_filled(&s, big_sizes, 1);
     psd_ckpt_meta_t m;
     meta_make(&m, &s, 1, 100);
     uint8_t *seen = seen_make(100, 1);
@@ -485,8 +581,9 @@ Test(ckpt, cow_snapshot_is_consistent, .init = dir_setup, .fini = dir_teardown)
 }
 
 /* The real path: psd_store_step calls the hook per tensor while the writer
- * runs; the file holds the state of the moment of begin. */
-Test(ckpt, store_steps_during_write, .init = dir_setup, .fini = dir_teardown)
+ * runs; the file holds the state of the moment of begin: of one psd, or the
+ * part of a psd shard (the chunks before and after it are not its). */
+static void steps_during_write(int shard, int n_shards)
 {
     psd_store_t s;
     store_make(&s, big_sizes, 3);
@@ -508,6 +605,8 @@ Test(ckpt, store_steps_during_write, .init = dir_setup, .fini = dir_teardown)
 
     psd_ckpt_meta_t m;
     meta_make(&m, &s, 2, 0);
+    m.shard = (uint32_t)shard;
+    m.shards = (uint32_t)n_shards;
     psd_ckpt_writer_t *wr;
     cr_assert_eq(psd_ckpt_begin(&wr, g_dir, 3, &m, NULL, &s), 0);
     s.before_update = psd_ckpt_hook;
@@ -524,18 +623,28 @@ Test(ckpt, store_steps_during_write, .init = dir_setup, .fini = dir_teardown)
     cr_expect_neq(memcmp(s.s0, m0, n * 4), 0, "the steps changed the slots");
     cr_log_info("%d steps during the write, peak extra %llu bytes", steps, (unsigned long long)peak);
 
+    bool *mine = malloc(n * sizeof *mine);
+    cr_assert_not_null(mine);
+    part_floats(&s, shard, n_shards, mine);
+    if (n_shards == 1) /* one psd's file holds the alignment gaps too */
+        for (size_t i = 0; i < n; i++) mine[i] = true;
     loaded_t L;
     cr_assert_eq(load(&L), 0, "%s", L.err);
-    cr_expect_eq(memcmp(L.w, w0, n * 4), 0, "weights of begin");
-    cr_expect_eq(memcmp(L.slots[0], m0, n * 4), 0, "m of begin");
-    cr_expect_eq(memcmp(L.slots[1], v0, n * 4), 0, "v of begin");
+    cr_expect_eq(check_part(L.w, w0, mine, n), n, "weights of begin (shard %d of %d)", shard, n_shards);
+    cr_expect_eq(check_part(L.slots[0], m0, mine, n), n, "m of begin (shard %d of %d)", shard, n_shards);
+    cr_expect_eq(check_part(L.slots[1], v0, mine, n), n, "v of begin (shard %d of %d)", shard, n_shards);
     loaded_free(&L);
+    free(mine);
     free(w0);
     free(m0);
     free(v0);
     free(g);
     psd_store_deinit(&s);
 }
+
+Test(ckpt, store_steps_during_write, .init = dir_setup, .fini = dir_teardown) { steps_during_write(0, 1); }
+
+Test(ckpt, a_shard_steps_during_its_write, .init = dir_setup, .fini = dir_teardown) { steps_during_write(1, 3); }
 
 #if !defined(__SANITIZE_ADDRESS__)
 /* No memory for a side copy: before_update waits for the writer instead.
@@ -832,7 +941,8 @@ Test(ckpt, garbage_files_are_skipped, .init = dir_setup, .fini = dir_teardown)
         {"n_params wrong", OFF_N_PARAMS, 0, 1, 12345},
         {"train_count 2^40", OFF_TRAIN_COUNT, 0, 1, 1ULL << 40},
         {"n_slots 3", OFF_N_PARAMS - 4, 3, 0, 0},
-        {"format 3", 4, 3, 0, 0},
+        {"format 5", 4, 5, 0, 0},
+        {"17 psd shards", OFF_TABLE_DIM + 4, 17u << 16, 0, 0},
         {"table rows without a dim", OFF_TABLE_ROWS, 0, 1, 10},
         {"table dim without rows", OFF_TABLE_DIM, 4, 0, 0},
         {"table dim 5000", OFF_TABLE_DIM, 5000, 0, 0},

@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <glob.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -1283,6 +1284,31 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
     char sub[400];
     snprintf(sub, sizeof sub, "ls %s/run-*/shard-1/ckpt-*.psdc >/dev/null 2>&1", ck);
     cr_assert_eq(run_cmd("%s", sub), 0, "shard 1 wrote its part");
+    { /* each shard's file holds its part only (checkpoint format 4): header, seen bits (shard 0),
+       * the part's weights and two Adam moments, trailer */
+        ps_layout_t l;
+        float *params = NULL;
+        ps_weights_meta_t meta;
+        char err[512];
+        cr_assert_eq(ps_weights_load(a.weights, &l, &params, &meta, err, sizeof err), 0, "%s", err);
+        free(params);
+        for (int i = 0; i < 2; i++) {
+            ps_piece_t pc[PS_MAX_TENSORS];
+            ps_shard_pieces(&l, i, 2, pc);
+            const uint64_t want = 232 + (i == 0 ? (3000 + 7) / 8 : 0) + 3 * ps_part_size(pc, l.n_tensors) * 4 + 12;
+            glob_t g;
+            if (i == 0) snprintf(sub, sizeof sub, "%s/run-*/ckpt-*.psdc", ck); /* shard 0: the run's directory */
+            else snprintf(sub, sizeof sub, "%s/run-*/shard-%d/ckpt-*.psdc", ck, i);
+            cr_assert_eq(glob(sub, 0, NULL, &g), 0, "%s", sub);
+            for (size_t k = 0; k < g.gl_pathc; k++) {
+                struct stat st;
+                cr_assert_eq(stat(g.gl_pathv[k], &st), 0);
+                cr_assert_eq((uint64_t)st.st_size, want, "%s: %lld bytes, its part's are %" PRIu64, g.gl_pathv[k],
+                             (long long)st.st_size, want);
+            }
+            globfree(&g);
+        }
+    }
     /* shard 0 resumed, shard 1 not: refused */
     const char *res0[] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "3", "--set",
                           "optimizer.name=adam", "--set", "optimizer.lr=0.002", "--set", "optimizer.clip_norm=0.5",

@@ -294,6 +294,54 @@ Test(rows, shard_pieces_of_a_table_are_whole_rows_when_its_width_divides_the_blo
     cr_assert_not(ps_piece_rows(&l, &p, &r0, &r1), "a piece of another tensor");
 }
 
+/* ps_shard_pieces finds its pieces by binary search; this is its definition
+ * block by block: the norm blocks whose first float's owner is k. */
+static void pieces_by_blocks(const ps_layout_t *l, int k, int n, ps_piece_t out[PS_MAX_TENSORS])
+{
+    memset(out, 0, PS_MAX_TENSORS * sizeof *out);
+    for (int t = 0; t < l->n_tensors; t++) {
+        size_t lo = SIZE_MAX, hi = 0;
+        for (size_t o = 0; o < l->t[t].numel; o += PS_NORM_BLOCK) {
+            unsigned long long p = (unsigned long long)(l->t[t].offset + o);
+            if ((n > 1 ? (int)(p * (unsigned long long)n / (unsigned long long)l->n_params) : 0) != k) continue;
+            if (lo == SIZE_MAX) lo = o;
+            hi = o + PS_NORM_BLOCK < l->t[t].numel ? o + PS_NORM_BLOCK : l->t[t].numel;
+        }
+        out[t] = (ps_piece_t){.t = t, .off = lo == SIZE_MAX ? 0 : lo, .n = lo == SIZE_MAX ? 0 : hi - lo};
+    }
+}
+
+Test(rows, shard_pieces_are_the_blocks_each_shard_owns)
+{
+    const struct {
+        int sizes[4], n_sizes;
+        uint64_t rows;
+        int dim;
+    } c[] = {{{784, 1338}, 2, 0, 0},         {{784, 256, 128, 10}, 4, 0, 0}, {{3, 2}, 2, 0, 0},
+             {{2000, 2000, 10}, 3, 0, 0},    {{64, 64, 2}, 3, 100003, 8},    {{13, 7, 1}, 3, 5000000, 32},
+             {{4096, 4096, 4096}, 3, 0, 0}};
+    for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
+        ps_layout_t l;
+        cr_assert_eq(ps_layout_init_table(&l, c[i].sizes, c[i].n_sizes, c[i].rows, c[i].dim), 0);
+        for (int n = 1; n <= PS_MAX_SHARDS; n++) {
+            uint64_t total = 0;
+            for (int k = 0; k < n; k++) {
+                ps_piece_t a[PS_MAX_TENSORS], b[PS_MAX_TENSORS];
+                ps_shard_pieces(&l, k, n, a);
+                pieces_by_blocks(&l, k, n, b);
+                for (int t = 0; t < PS_MAX_TENSORS; t++)
+                    cr_assert(a[t].t == b[t].t && a[t].off == b[t].off && a[t].n == b[t].n,
+                              "case %zu, shard %d of %d, tensor %d: [%zu, +%zu) against the blocks' [%zu, +%zu)", i,
+                              k, n, t, a[t].off, a[t].n, b[t].off, b[t].n);
+                total += ps_part_size(a, l.n_tensors);
+            }
+            uint64_t all = 0;
+            for (int t = 0; t < l.n_tensors; t++) all += l.t[t].numel;
+            cr_assert_eq(total, all, "case %zu, %d shards: every float on one shard", i, n);
+        }
+    }
+}
+
 /* A shard's rows: checked inside its piece, gathered for a reply. */
 Test(rows, a_shards_rows_are_checked_and_gathered)
 {

@@ -6,7 +6,7 @@
  *   clang-14 -std=c17 -D_GNU_SOURCE -Icommon -Iserver -Iworker -Ibuild/proto -Itests/fuzz \
  *       tests/fuzz/gen_seeds.c common/ps_weights.c common/ps_model.c common/ps_util.c \
  *       common/ps_config.c common/ps_ctr.c common/ps_pool.c common/ps_shm.c common/ps_wire.c common/ps_log.c \
- *       server/psd_ckpt.c server/psd_store.c server/psd_optim.c \
+ *       server/psd_ckpt.c server/psd_store.c server/psd_optim.c server/psd_rows.c \
  *       build/proto/psd.pb-c.c -lprotobuf-c -lyaml -lz -lzmq -lm -lpthread -o build/fuzz/gen_seeds
  *   build/fuzz/gen_seeds tests/fuzz/corpus
  */
@@ -576,7 +576,7 @@ static void weights_one(const char *name, const int *sizes, int n_sizes, uint64_
 }
 
 static void ckpt_one(const char *name, const int *sizes, int n_sizes, ps_opt_kind_t kind,
-                     float momentum, uint64_t train_count, int edges, uint64_t table_rows)
+                     float momentum, uint64_t train_count, int edges, uint64_t table_rows, uint32_t shards)
 {
     ps_layout_t l;
     if (ps_layout_init_table(&l, sizes, n_sizes, table_rows, 4) != 0) FUZZ_DIE("layout");
@@ -615,6 +615,8 @@ static void ckpt_one(const char *name, const int *sizes, int n_sizes, ps_opt_kin
     m.n_params = l.n_params;
     m.table_rows = table_rows;
     m.table_dim = table_rows ? 4 : 0;
+    m.shards = shards; /* > 1: the last shard's part only (format 4) */
+    m.shard = shards > 1 ? shards - 1 : 0;
     uint8_t seen[64];
     for (size_t i = 0; i < sizeof seen; i++) seen[i] = (uint8_t)(0x55 ^ i);
     psd_ckpt_writer_t *wr;
@@ -675,10 +677,11 @@ int main(int argc, char **argv)
     weights_one("w-5-4-3-2", s4, 4, 3, 0);
     weights_one("w-table-8-4-2", (const int[]){8, 4, 2}, 3, 4, 10);
 
-    ckpt_one("adam-2-slots", s2, 2, PS_OPT_ADAM, 0, 10, 1, 0);
-    ckpt_one("sgd-momentum-1-slot", s3, 3, PS_OPT_SGD, 0.9f, 17, 0, 0);
-    ckpt_one("sgd-0-slots-no-seen", s2, 2, PS_OPT_SGD, 0, 0, 0, 0);
-    ckpt_one("adagrad-table", (const int[]){8, 4, 2}, 3, PS_OPT_ADAGRAD, 0, 20, 0, 12);
+    ckpt_one("adam-2-slots", s2, 2, PS_OPT_ADAM, 0, 10, 1, 0, 1);
+    ckpt_one("sgd-momentum-1-slot", s3, 3, PS_OPT_SGD, 0.9f, 17, 0, 0, 1);
+    ckpt_one("sgd-0-slots-no-seen", s2, 2, PS_OPT_SGD, 0, 0, 0, 0, 1);
+    ckpt_one("adagrad-table", (const int[]){8, 4, 2}, 3, PS_OPT_ADAGRAD, 0, 20, 0, 12, 1);
+    ckpt_one("adam-shard-2-of-2", (const int[]){300, 200, 10}, 3, PS_OPT_ADAM, 0, 10, 0, 0, 2);
     rmdir(g_tmp);
     return 0;
 }
