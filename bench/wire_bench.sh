@@ -133,14 +133,24 @@ PSL=$(python3 -c "print(f'{3.3 * $ZTCPK / 4.07:.2f}')")
 # (these VMs switch between a slow and a fast loopback, raw tcp 7 or 12
 # GB/s, every few minutes, even within a run of this script): PAIRS_N
 # (default 9) pairs of (raw probe, psd) back to back, and their median ratio.
-PAIRS="" PAIRS_GBS=""
+# Each pair also runs the raw probe with a one-thread plain SGD pass over the
+# message between receiving it and answering (wire_probe 4 0.3 1 sync: the
+# math psd's step must do, on the raw probe's critical path): psd against it
+# says what psd adds beyond the wire and that pass.
+PAIRS="" PAIRS_SGD="" PAIRS_GBS=""
 for _ in $(seq "${PAIRS_N:-9}"); do
     RAW=$("$ROOT/build/wire_probe" --cc=auto 4 0.3 | awk '/^zmq_tcp/ {print $4}')
+    RSGD=$("$ROOT/build/wire_probe" --cc=auto 4 0.3 1 sync | awk '/^zmq_tcp_sync_sgd/ {print $6}')
     PSD=$(run 1 "tcp://127.0.0.1:$PORT" --no-shm 2>/dev/null)
     PAIRS="$PAIRS $(r "$PSD" "$RAW")"
-    PAIRS_GBS="$PAIRS_GBS $RAW/$PSD"
+    PAIRS_SGD="$PAIRS_SGD $(r "$PSD" "$RSGD")"
+    PAIRS_GBS="$PAIRS_GBS $RAW/$RSGD/$PSD"
 done
-MED=$(python3 -c "import statistics, sys; print(f'{statistics.median(map(float, sys.argv[1:])):.2f}')" $PAIRS)
+median() { python3 -c "import statistics, sys; print(f'{statistics.median(map(float, sys.argv[1:])):.2f}')" "$@"; }
+# shellcheck disable=SC2086
+MED=$(median $PAIRS)
+# shellcheck disable=SC2086
+MED_SGD=$(median $PAIRS_SGD)
 cat <<EOF
 
 push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
@@ -152,7 +162,7 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 | raw ZeroMQ round trip, ipc | $ZIPC | | |
 | raw ZeroMQ, 2 / 4 connections into one process at once, tcp (aggregate) | $Z2 / $Z4 | | |
 | raw ZeroMQ, 2 connections in synchronous rounds, tcp (aggregate): nothing / a one-thread SGD pass between | $ZS2N / $ZS2S | | |
-| psd, 1 worker, tcp | $P1 | $(r "$P1" "$ZTCP") x raw tcp measured minutes apart; **$MED** median of ${PAIRS_N:-9} back-to-back pairs | >= 0.85 |
+| psd, 1 worker, tcp | $P1 | $(r "$P1" "$ZTCP") x raw tcp measured minutes apart; **$MED** median of ${PAIRS_N:-9} back-to-back pairs; $MED_SGD x raw with a one-thread SGD pass between (same pairs) | >= 0.85 |
 | psd, 1 worker, tcp, default optimizer | $P1D | $(r "$P1D" "$ZTCP") x raw tcp | |
 | psd, 2 workers, tcp (aggregate) | $P2 | $(r "$P2" 3.3) x ps-lite 3.3; $(r "$P2" "$PSL") x ps-lite scaled ($PSL); $(r "$P2" "$Z2") x raw 2 connections; $(r "$P2" "$ZS2N") x raw synchronous rounds | >= 1.1 x ps-lite |
 | psd, 2 workers, tcp, the kernel's congestion control (aggregate) | $P2K | $(r "$P2K" 3.3) x ps-lite 3.3 | |
@@ -171,5 +181,6 @@ push+pull of a 4 MiB tensor, $(date -u +%F), $(nproc) cores, $(grep -m1 'model n
 
 psd's own step (psd_step_ms, plain SGD, tcp): 1 / 2 / 4 workers $T1 / $T2 / $T4 ms
 psd, 1 worker, tcp, ${PAIRS_N:-9} paired runs (raw probe, psd) back to back: ratios$PAIRS; median $MED (target >= 0.85)
-  their GB/s (raw/psd):$PAIRS_GBS
+  against the raw probe with a one-thread SGD pass between, run in the same pair: ratios$PAIRS_SGD; median $MED_SGD
+  their GB/s (raw/raw with the SGD pass/psd):$PAIRS_GBS
 EOF

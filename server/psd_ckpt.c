@@ -584,7 +584,7 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
     ps_layout_t l;
     *out = NULL;
     if (!dir || !meta || !store || meta->n_slots > 2 || meta->train_count > CKPT_MAX_TRAIN ||
-        meta->shards > PS_MAX_SHARDS || (meta->shards > 0 && meta->shard >= meta->shards) ||
+        meta->shards > PS_MAX_SHARDS || meta->shard >= (meta->shards ? meta->shards : 1) ||
         (meta->train_count && !seen) || meta->table_rows > UINT32_MAX || meta->table_dim > 4096 ||
         ps_layout_init_table(&l, meta->sizes, meta->n_sizes, meta->table_rows, (int)meta->table_dim) != 0 ||
         l.n_params != meta->n_params || meta->n_params != store->layout.n_params ||
@@ -801,7 +801,9 @@ static const char *load_one(const char *path, ckpt_data_t *d, char *reason_buf, 
     span_t spans[PS_MAX_TENSORS];
     uint64_t part;
     const int n_spans = part_spans(&d->meta, &l, format, spans, &part);
-    /* Before allocating anything: the header must describe this file. */
+    /* Before allocating anything: the header must describe this file. (A
+     * shard's file holds a part: the whole arenas allocated below are at most
+     * PS_MAX_SHARDS times its floats, only the part's pages touched.) */
     uint64_t want = file_len(&d->meta, hlen, part);
     if ((uint64_t)st.st_size != want) {
         snprintf(reason_buf, reason_len, "%lld bytes, header says %llu (truncated?)",

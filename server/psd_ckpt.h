@@ -1,7 +1,7 @@
 /* psd_ckpt.h - crash-consistent checkpoints of a run, written in the
  * background without doubling psd's memory.
  *
- * File DIR/ckpt-<step, 12 digits>.psdc, format 1, little-endian:
+ * File DIR/ckpt-<step, 12 digits>.psdc, format PSD_CKPT_FORMAT, little-endian:
  *   "PSDC" u32 format  psd_ckpt_meta_t fields (fixed order, see psd_ckpt.c)
  *   seen bitmap (ceil(train_count/8) bytes)
  *   weights arena, then each optimizer slot arena: the floats the file holds

@@ -416,6 +416,44 @@ Test(ckpt, a_shard_file_holds_its_part_only, .init = dir_setup, .fini = dir_tear
     psd_store_deinit(&s);
 }
 
+/* A shard that owns nothing of a tiny model (16 shards of 3-2: 8 floats, one
+ * norm block, all shard 0's): its file is a header, seen bits and trailer;
+ * its writer has nothing to save copy-on-write, and a step during the write
+ * does not wait; it loads as zeros. */
+Test(ckpt, a_shard_that_owns_nothing_writes_an_empty_part, .init = dir_setup, .fini = dir_teardown)
+{
+    psd_store_t s;
+    store_make(&s, (const int[]){3, 2}, 2);
+    size_t n = s.layout.n_params;
+    fill(s.s0, n, 3, 1);
+    fill(s.s1, n, 3, 2);
+    bool *mine = malloc(n * sizeof *mine);
+    cr_assert_not_null(mine);
+    cr_assert_eq(part_floats(&s, 15, 16, mine), 0);
+    psd_ckpt_meta_t m;
+    meta_make(&m, &s, 3, 20);
+    m.shard = 15;
+    m.shards = 16;
+    uint8_t *seen = seen_make(20, 3);
+    psd_ckpt_writer_t *wr;
+    cr_assert_eq(psd_ckpt_begin(&wr, g_dir, 3, &m, seen, &s), 0);
+    psd_ckpt_before_update(wr, 0, n); /* nothing of it is the file's: returns at once */
+    uint64_t bytes, peak;
+    char path[PATH_MAX];
+    while (!psd_ckpt_done(wr)) usleep(1000);
+    cr_assert_eq(psd_ckpt_end(&wr, path, sizeof path, NULL, &bytes, &peak), 0);
+    cr_expect_eq(bytes, HDR_LEN + 3 + 12);
+    loaded_t L;
+    cr_assert_eq(load(&L), 0, "%s", L.err);
+    cr_expect_eq(L.meta.shard, 15);
+    for (size_t i = 0; i < n; i++)
+        cr_assert(L.w[i] == 0.0f && L.slots[0][i] == 0.0f && L.slots[1][i] == 0.0f, "float %zu", i);
+    loaded_free(&L);
+    free(mine);
+    free(seen);
+    psd_store_deinit(&s);
+}
+
 /* A model with an embedding table (format 2 carries its shape), and a
  * format 1 file (no table) written by an older psd still loads. */
 Test(ckpt, table_shape_and_format_1, .init = dir_setup, .fini = dir_teardown)
@@ -526,6 +564,14 @@ Test(ckpt, begin_rejects_mismatched_meta, .init = dir_setup, .fini = dir_teardow
     cr_expect_eq(psd_ckpt_begin(&wr, g_dir, 3, &m, (const uint8_t *)"x", &s), -EINVAL);
     meta_make(&m, &s, 1, 8);
     cr_expect_eq(psd_ckpt_begin(&wr, g_dir, 3, &m, NULL, &s), -EINVAL, "bitmap missing");
+    const uint32_t shard_fields[][2] = {{3, 0}, {1, 1}, {3, 3}, {0, 17}};
+    for (size_t k = 0; k < sizeof shard_fields / sizeof shard_fields[0]; k++) {
+        meta_make(&m, &s, 1, 8);
+        m.shard = shard_fields[k][0];
+        m.shards = shard_fields[k][1];
+        cr_expect_eq(psd_ckpt_begin(&wr, g_dir, 3, &m, (const uint8_t *)"x", &s), -EINVAL, "shard %u of %u",
+                     m.shard, m.shards);
+    }
     cr_expect_eq(atomic_load(&s.cur->refs), 1);
     /* a directory that does not exist: started, fails in the writer */
     meta_make(&m, &s, 1, 8);
