@@ -311,6 +311,16 @@ static int send_frame(zmq_msg_t *m, void *sock, int flags)
     }
 }
 
+void ps_frames_small_first(ps_frame_t *fr, int n)
+{
+    for (int i = 1; i < n; i++) { /* a handful of frames: insertion sort */
+        ps_frame_t f = fr[i];
+        int j = i;
+        for (; j > 0 && fr[j - 1].nbytes > f.nbytes; j--) fr[j] = fr[j - 1];
+        fr[j] = f;
+    }
+}
+
 int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header *hdr,
                 const ps_frame_t *frames, int n_frames)
 {

@@ -16,7 +16,7 @@
 
 #include "psd.pb-c.h"
 
-#define PS_PROTOCOL_VERSION 4u
+#define PS_PROTOCOL_VERSION 5u /* 5: tensor frames in any order (ps_frames_small_first) */
 #define PS_MAX_FRAMES 64         /* tensor frames in one message */
 #define PS_MAX_IDENTITY 255      /* ZeroMQ routing ids are at most 255 bytes */
 #define PS_MAX_HEADER (1u << 20) /* header frame bytes */
@@ -107,6 +107,16 @@ typedef struct {
     uint64_t offset;     /* first element of the frame within the tensor (a piece of it) */
     bool copy;
 } ps_frame_t;
+
+/* Order a weights or gradient message's tensor frames smallest first
+ * (stable; protocol 5: receivers take tensor frames by their descriptor's
+ * id, in any order). ZeroMQ copies small frames into its 8 KiB send batch
+ * together with the start of the next one; a small frame after a large one
+ * costs each message one more send and one more wake-up of the receiver
+ * (psd with one 4 MiB tensor and its 5 KiB bias, 1 worker over tcp: +7%
+ * push+pull). Models with an embedding table keep tensor order: their
+ * table (rows) frames are found by position. */
+void ps_frames_small_first(ps_frame_t *fr, int n);
 
 /* Send header (+frames). hdr->protocol and the tensors list are filled in
  * here. ident: ROUTER peer id or NULL for DEALER. Returns 0 or -errno. On

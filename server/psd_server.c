@@ -605,6 +605,7 @@ static int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot,
     int n = psd_store_frames(&s->store, w16, fr, s->opts.verify_weights && (w16 || sharded(s)) ? crc : NULL);
     for (int i = 0; i < n; i++) s->ep_bytes_out += fr[i].nbytes;
     if (s->opts.verify_weights && !w16 && !sharded(s)) *crc = psd_store_current_crc(&s->store);
+    if (s->layout.table < 0) ps_frames_small_first(fr, n); /* the CRCs are in tensor order */
     return n;
 }
 

@@ -281,6 +281,7 @@ static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
         s->rows_out += nr;
     }
     w->rows_want.has = false;
+    if (l->table < 0) ps_frames_small_first(fr, n); /* the CRC is in tensor order */
     for (int i = 0; i < n; i++) {
         fr[i].copy = s->table_on_psd; /* as psd's send_copied: no reply in flight holds the version */
         s->bytes_out += fr[i].nbytes;

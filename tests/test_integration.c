@@ -2669,14 +2669,19 @@ done:
 /* A fake psd: answers one REGISTER on its ROUTER with an ASSIGN of a ctr
  * model (32 -> 2) carrying task ct (batch sizes `batch` when not 0), then,
  * with wframes > 0, sends WEIGHTS of wframes f32 frames (tensor ids 0, 1,
- * ...) of wnumel floats each; with noise > 0, that many messages no worker
- * expects from psd (PULL), 100 ms apart. */
+ * ...) of wnumel floats each, or with wids, frame i of tensor wids[i], of
+ * wsizes[i] floats of value wids[i] + 1 (the worker's event: the first
+ * float of each tensor in wfirst); with noise > 0, that many messages no
+ * worker expects from psd (PULL), 100 ms apart. */
 typedef struct {
     void *router;
     Psd__CtrTask ct;
     uint32_t batch;
     int wframes;
     size_t wnumel;
+    const uint32_t *wids;
+    const size_t *wsizes;
+    float wfirst[PS_MAX_TENSORS];
     int noise;
 } fake_psd_t;
 
@@ -2703,11 +2708,17 @@ static void *fake_psd(void *p)
     h.assign = &a;
     ps_msg_send(f->router, m.ident, m.ident_len, &h, NULL, 0);
     if (f->wframes > 0) {
-        float *v = calloc(f->wnumel ? f->wnumel : 1, sizeof *v);
+        float *v = calloc(f->wnumel ? f->wnumel : 1, sizeof *v), *vi[PS_MAX_FRAMES] = {NULL};
         ps_frame_t fr[PS_MAX_FRAMES];
-        for (int i = 0; i < f->wframes && i < PS_MAX_FRAMES; i++)
+        for (int i = 0; i < f->wframes && i < PS_MAX_FRAMES; i++) {
             fr[i] = (ps_frame_t){.data = v, .nbytes = f->wnumel * sizeof *v, .id = (uint32_t)i,
                                  .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)f->wnumel};
+            if (!f->wids) continue;
+            vi[i] = malloc(f->wsizes[i] * sizeof *vi[i]);
+            for (size_t j = 0; j < f->wsizes[i]; j++) vi[i][j] = (float)f->wids[i] + 1.0f;
+            fr[i] = (ps_frame_t){.data = vi[i], .nbytes = f->wsizes[i] * sizeof(float), .id = f->wids[i],
+                                 .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)f->wsizes[i], .copy = true};
+        }
         Psd__Header w = fake_hdr(PSD__MSG_TYPE__MSG_WEIGHTS, 2);
         Psd__Weights wt = PSD__WEIGHTS__INIT;
         wt.version = 1;
@@ -2715,6 +2726,7 @@ static void *fake_psd(void *p)
         w.weights = &wt;
         ps_msg_send(f->router, m.ident, m.ident_len, &w, fr, f->wframes < PS_MAX_FRAMES ? f->wframes : PS_MAX_FRAMES);
         free(v);
+        for (int i = 0; i < PS_MAX_FRAMES; i++) free(vi[i]);
     }
     for (int i = 0; i < f->noise; i++) {
         Psd__Header n = fake_hdr(PSD__MSG_TYPE__MSG_PULL, 3 + (uint64_t)i);
@@ -2763,6 +2775,8 @@ static int against_fake_psd(fake_psd_t *f, void *ctx, psw_assign_t *a, char *err
     int rc = psw_client_register(c, a, 10, err, errlen);
     psw_event_t ev;
     if (rc == 0 && f->wframes > 0) rc = psw_client_next(c, &ev, 10, err, errlen);
+    if (rc == 0 && f->wframes > 0 && ev.kind == PSW_EV_WEIGHTS)
+        for (int t = 0; t < ev.n_tensors && t < PS_MAX_TENSORS; t++) f->wfirst[t] = ev.tensor_numel[t] ? ev.tensors[t][0] : -1;
     if (rc == 0 && f->noise > 0) { /* 1 s to wait, which the messages it drops do not prolong */
         double t0 = ps_now();
         rc = psw_client_next(c, &ev, 1, err, errlen);
@@ -2832,6 +2846,19 @@ Test(short, bad_batch_sizes_and_weights_from_psd_are_refused)
     fake_psd_t small = {.ct = ct, .wframes = 3, .wnumel = 2}; /* W and the table too small */
     cr_expect_eq(against_fake_psd(&small, ctx, &a, err, sizeof err), -EPROTO, "short weights frames were taken");
     cr_expect(strstr(err, "invalid weights frame 0"), "%s", err);
+    /* protocol 5: tensor frames in any order, each tensor once (the model: W 64, b 2, the table 400) */
+    const uint32_t rev[3] = {2, 1, 0}, twice[3] = {0, 0, 2}, beyond[3] = {1, 0, 3};
+    const size_t rev_n[3] = {400, 2, 64}, twice_n[3] = {64, 64, 400}, beyond_n[3] = {2, 64, 400};
+    fake_psd_t any = {.ct = ct, .wframes = 3, .wids = rev, .wsizes = rev_n};
+    cr_expect_eq(against_fake_psd(&any, ctx, &a, err, sizeof err), 0, "frames in reverse: %s", err);
+    cr_expect(any.wfirst[0] == 1.0f && any.wfirst[1] == 2.0f && any.wfirst[2] == 3.0f,
+              "each tensor from its frame: %g %g %g", any.wfirst[0], any.wfirst[1], any.wfirst[2]);
+    fake_psd_t two = {.ct = ct, .wframes = 3, .wids = twice, .wsizes = twice_n};
+    cr_expect_eq(against_fake_psd(&two, ctx, &a, err, sizeof err), -EPROTO, "a tensor twice was taken");
+    cr_expect(strstr(err, "not one of each tensor"), "%s", err);
+    fake_psd_t out = {.ct = ct, .wframes = 3, .wids = beyond, .wsizes = beyond_n};
+    cr_expect_eq(against_fake_psd(&out, ctx, &a, err, sizeof err), -EPROTO, "a tensor beyond the model was taken");
+    cr_expect(strstr(err, "not one of each tensor"), "%s", err);
     fake_psd_t ok = {.ct = ct, .batch = 1u << 20};
     cr_expect_eq(against_fake_psd(&ok, ctx, &a, err, sizeof err), 0, "psd's largest batch: %s", err);
     fake_psd_t noisy = {.ct = ct, .noise = 80}; /* 8 s of messages it drops */

@@ -387,6 +387,21 @@ Test(wire, too_many_descriptors_are_refused)
     expect_valid_pull(10);
 }
 
+/* protocol 5: a message's tensor frames go out smallest first, frames of one
+ * size in their order */
+Test(wire, frames_go_out_smallest_first_stably)
+{
+    const size_t sizes[6] = {4194304, 5352, 131072, 512, 5352, 40};
+    const int want[6] = {5, 3, 1, 4, 2, 0}; /* the frames' first places */
+    ps_frame_t fr[6];
+    for (int i = 0; i < 6; i++) fr[i] = (ps_frame_t){.nbytes = sizes[i], .id = (uint32_t)i};
+    ps_frames_small_first(fr, 6);
+    for (int i = 0; i < 6; i++) cr_assert_eq(fr[i].id, (uint32_t)want[i], "place %d: frame %u", i, fr[i].id);
+    ps_frames_small_first(fr, 0);
+    ps_frames_small_first(fr, 1);
+    cr_assert_eq(fr[0].id, 5u);
+}
+
 Test(wire, type_names)
 {
     cr_assert_str_eq(ps_msg_type_name(PSD__MSG_TYPE__MSG_PUSH), "PUSH");

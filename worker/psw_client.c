@@ -902,6 +902,7 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
         if (h->push->want_rows) /* the message's last frame */
             fr[m++] = (ps_frame_t){.data = want + wa, .nbytes = wn * sizeof *want, .id = (uint32_t)c->layout.table,
                                    .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)wn};
+        if (c->layout.table < 0) ps_frames_small_first(fr, m);
         void *so = k ? c->ssock[k] : c->sock;
         int rc;
         if (m > 0) {
@@ -1004,6 +1005,7 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
                              .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)rows[i],
                              .cols = (uint32_t)cols[i]};
     }
+    if (c->layout.table < 0) ps_frames_small_first(fr, n);
     atomic_fetch_add_explicit(&c->push_inflight, n, memory_order_relaxed);
     return ps_msg_send(c->sock, NULL, 0, &h, fr, n);
 }
@@ -1188,6 +1190,21 @@ int psw_client_fail(psw_client_t *c, int data_error, const char *message)
     return send_hdr(c, &h);
 }
 
+/* The frame of each tensor among the first nf frames of m, by their
+ * descriptors' ids (protocol 5: in any order, smallest first): at[t], or -1
+ * for a tensor none holds. 0, or -1 if a frame names no tensor of the model
+ * or one named before. */
+static int frames_by_id(const ps_msg_t *m, int nf, int n_tensors, int at[PS_MAX_TENSORS])
+{
+    for (int t = 0; t < PS_MAX_TENSORS; t++) at[t] = -1;
+    for (int f = 0; f < nf; f++) {
+        uint32_t id = m->hdr->tensors[f]->id;
+        if (id >= (uint32_t)n_tensors || at[id] >= 0) return -1;
+        at[id] = f;
+    }
+    return 0;
+}
+
 /* Tensor frames of a WEIGHTS/VALIDATE message: one per tensor of the
  * model, each of its size (but the table's with `rows`: take_rows checks
  * it), and, when psd sends one (psd --x-verify-weights), matching the CRC-32
@@ -1216,23 +1233,28 @@ static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_
     } else {
         ev->n_tensors = c->cur.n_frames;
     }
-    for (int i = 0; i < c->cur.n_frames; i++) {
+    int at[PS_MAX_TENSORS];
+    if (frames_by_id(&c->cur, c->cur.n_frames, c->layout.n_tensors, at) != 0) {
+        snprintf(err, errlen, "psd sent weights frames that are not one of each tensor");
+        return -EPROTO;
+    }
+    for (int i = 0; i < c->cur.n_frames; i++) { /* tensor i, in frame at[i] */
+        const int f = at[i];
         size_t n = 0;
         const float *p = NULL;
-        const uint16_t *h = c->weight_bf16 ? ps_msg_bf16(&c->cur, i, &n) : NULL;
+        const uint16_t *h = c->weight_bf16 ? ps_msg_bf16(&c->cur, f, &n) : NULL;
         if (h && i < c->layout.n_tensors && n == c->layout.t[i].numel) { /* bfloat16: widened here */
             float *dst = c->wconv + c->layout.t[i].offset;
             ps_bf16_to_f32_n(dst, h, n);
             p = dst;
         } else if (!c->weight_bf16) {
-            p = ps_msg_f32(&c->cur, i, &n);
+            p = ps_msg_f32(&c->cur, f, &n);
         }
-        if (!p || c->cur.hdr->tensors[i]->id != (uint32_t)i || c->cur.hdr->tensors[i]->offset ||
-            (n != c->layout.t[i].numel && !(rows && i == c->layout.table))) {
-            snprintf(err, errlen, "psd sent an invalid weights frame %d", i);
+        if (!p || c->cur.hdr->tensors[f]->offset || (n != c->layout.t[i].numel && !(rows && i == c->layout.table))) {
+            snprintf(err, errlen, "psd sent an invalid weights frame %d", f);
             return -EPROTO;
         }
-        if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[i]), zmq_msg_size(&c->cur.frames[i]));
+        if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[f]), zmq_msg_size(&c->cur.frames[f]));
         ev->tensors[i] = p;
         ev->tensor_numel[i] = n;
     }
@@ -1318,10 +1340,15 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
                      char *err, size_t errlen)
 {
     uLong got = crc32(0L, Z_NULL, 0);
-    int f = 0;
+    int f = 0, at[PS_MAX_TENSORS], taken = 0; /* frame at[t] holds tensor t; f counts them */
+    if (c->layout.table < 0 && frames_by_id(&c->cur, nf, c->layout.n_tensors, at) != 0) {
+        snprintf(err, errlen, "psd shard %d sent weights frames that are not one of each of its pieces", k);
+        return -EPROTO;
+    }
     for (int t = 0; t < c->layout.n_tensors; t++) {
         const ps_piece_t *p = &c->pieces[k][t];
         if (p->n == 0 || (skip_table && t == c->layout.table)) continue;
+        if (c->layout.table < 0) f = at[t] >= 0 ? at[t] : nf; /* in any order; with a table, in tensor order */
         size_t n = 0, r0, r1, wa = 0, want_n = p->n;
         const bool as_rows = rows && t == c->layout.table && ps_piece_rows(&c->layout, p, &r0, &r1);
         const size_t D = as_rows ? (size_t)c->layout.t[t].cols : 0;
@@ -1338,6 +1365,7 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
                      "expected)", k, f, n, t, want_n, as_rows ? "rows' values" : "of its piece");
             return -EPROTO;
         }
+        taken++;
         if (as_rows && c->table_on_psd) {
             if (n) memcpy(c->tbuf + wa * D, h32, n * sizeof(float));
             f++;
@@ -1355,8 +1383,8 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
         if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[f]), zmq_msg_size(&c->cur.frames[f]));
         f++;
     }
-    if (f != nf) {
-        snprintf(err, errlen, "psd shard %d sent %d weights frames, it holds %d pieces", k, nf, f);
+    if (taken != nf) {
+        snprintf(err, errlen, "psd shard %d sent %d weights frames, it holds %d pieces", k, nf, taken);
         return -EPROTO;
     }
     if (crc && (uint32_t)got != crc) {
