@@ -113,7 +113,7 @@ typedef struct {
  * id, in any order). ZeroMQ copies small frames into its 8 KiB send batch
  * together with the start of the next one; a small frame after a large one
  * costs each message one more send and one more wake-up of the receiver
- * (psd with one 4 MiB tensor and its 5 KiB bias, 1 worker over tcp: +7%
+ * (psd with one 4 MiB tensor and its 5 KiB bias, 1 worker over tcp: +8%
  * push+pull). Models with an embedding table keep tensor order: their
  * table (rows) frames are found by position. */
 void ps_frames_small_first(ps_frame_t *fr, int n);

@@ -1251,7 +1251,7 @@ static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_
             p = ps_msg_f32(&c->cur, f, &n);
         }
         if (!p || c->cur.hdr->tensors[f]->offset || (n != c->layout.t[i].numel && !(rows && i == c->layout.table))) {
-            snprintf(err, errlen, "psd sent an invalid weights frame %d", f);
+            snprintf(err, errlen, "psd sent an invalid weights frame %d (tensor %d)", f, i);
             return -EPROTO;
         }
         if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[f]), zmq_msg_size(&c->cur.frames[f]));
@@ -1348,7 +1348,11 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
     for (int t = 0; t < c->layout.n_tensors; t++) {
         const ps_piece_t *p = &c->pieces[k][t];
         if (p->n == 0 || (skip_table && t == c->layout.table)) continue;
-        if (c->layout.table < 0) f = at[t] >= 0 ? at[t] : nf; /* in any order; with a table, in tensor order */
+        if (c->layout.table < 0 && at[t] < 0) {
+            snprintf(err, errlen, "psd shard %d sent no frame of its piece of tensor %d", k, t);
+            return -EPROTO;
+        }
+        if (c->layout.table < 0) f = at[t]; /* in any order; with a table, in tensor order */
         size_t n = 0, r0, r1, wa = 0, want_n = p->n;
         const bool as_rows = rows && t == c->layout.table && ps_piece_rows(&c->layout, p, &r0, &r1);
         const size_t D = as_rows ? (size_t)c->layout.t[t].cols : 0;
