@@ -53,24 +53,25 @@ typedef struct {
 /* The floats of each arena the file holds, in order (format 4): a psd
  * shard's pieces of the tensors (ps_shard_pieces), one psd's whole arena;
  * files of format 1 to 3 hold whole arenas. Returns how many spans, with
- * *total their floats. */
+ * *total their floats (total may be NULL). */
 static int part_spans(const psd_ckpt_meta_t *m, const ps_layout_t *l, uint32_t format, span_t out[PS_MAX_TENSORS],
                       uint64_t *total)
 {
-    if (format < 4 || m->shards <= 1) {
-        out[0] = (span_t){0, m->n_params};
-        *total = m->n_params;
-        return 1;
-    }
-    ps_piece_t p[PS_MAX_TENSORS];
-    ps_shard_pieces(l, (int)m->shard, (int)m->shards, p);
     int k = 0;
-    *total = 0;
-    for (int t = 0; t < l->n_tensors; t++)
-        if (p[t].n) {
-            out[k++] = (span_t){l->t[t].offset + p[t].off, p[t].n};
-            *total += p[t].n;
-        }
+    uint64_t sum = 0;
+    if (format < 4 || m->shards <= 1) {
+        out[k++] = (span_t){0, m->n_params};
+        sum = m->n_params;
+    } else {
+        ps_piece_t p[PS_MAX_TENSORS];
+        ps_shard_pieces(l, (int)m->shard, (int)m->shards, p);
+        for (int t = 0; t < l->n_tensors; t++)
+            if (p[t].n) {
+                out[k++] = (span_t){l->t[t].offset + p[t].off, p[t].n};
+                sum += p[t].n;
+            }
+    }
+    if (total) *total = sum;
     return k;
 }
 
@@ -606,8 +607,7 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
     wr->meta = *meta;
     wr->seen_bytes = (size_t)((meta->train_count + 7) / 8);
     wr->n_chunks = (meta->n_params + CKPT_CHUNK_FLOATS - 1) / CKPT_CHUNK_FLOATS;
-    uint64_t part;
-    wr->n_spans = part_spans(meta, &l, PSD_CKPT_FORMAT, wr->spans, &part);
+    wr->n_spans = part_spans(meta, &l, PSD_CKPT_FORMAT, wr->spans, NULL);
     if ((size_t)snprintf(wr->path, sizeof wr->path, "%s/.ckpt-%012llu.psdc.tmp", dir,
                          (unsigned long long)meta->step) >= sizeof wr->path) {
         rc = -ENAMETOOLONG;

@@ -3968,13 +3968,7 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
         return PSD_EXIT_USAGE;
     }
     if (m->config_hash != s->config_hash) PS_WARN("resuming with another config, as forced");
-    for (int t = 0; t < s->layout.n_tensors; t++) { /* what this psd owns: a shard's part is all it is resident for */
-        const ps_piece_t *p = &s->store.own[t];
-        size_t at = s->layout.t[t].offset + p->off, bytes = p->n * sizeof(float);
-        memcpy(s->store.cur->w + at, weights + at, bytes);
-        if (m->n_slots >= 1) memcpy(s->store.s0 + at, slots[0] + at, bytes);
-        if (m->n_slots >= 2) memcpy(s->store.s1 + at, slots[1] + at, bytes);
-    }
+    psd_store_load_part(&s->store, weights, (const float *const *)slots, m->n_slots); /* a shard: its part only */
     s->store.steps = m->step;
     s->store.cur->version = m->version;
     s->run_id = m->run_id;

@@ -594,14 +594,7 @@ static int resume_part(shard_t *s, const uint64_t *steps, size_t n_steps)
         else if (m.config_hash != s->config_hash && !s->opts.force_resume)
             misfit = "it was written with another config; use --force-resume to resume anyway";
         if (!misfit) { /* this part only: the rest of the arena is never touched (nor resident) */
-            ps_piece_t part[PS_MAX_TENSORS];
-            ps_shard_pieces(&s->layout, s->opts.shard, s->opts.shards, part);
-            for (int t = 0; t < s->layout.n_tensors; t++) {
-                size_t at = s->layout.t[t].offset + part[t].off, bytes = part[t].n * sizeof(float);
-                memcpy(s->store.cur->w + at, w + at, bytes);
-                if (m.n_slots >= 1) memcpy(s->store.s0 + at, sl[0] + at, bytes);
-                if (m.n_slots >= 2) memcpy(s->store.s1 + at, sl[1] + at, bytes);
-            }
+            psd_store_load_part(&s->store, w, (const float *const *)sl, m.n_slots);
             s->store.steps = m.step;
             s->store.cur->version = m.version;
         }

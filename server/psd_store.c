@@ -206,6 +206,16 @@ int psd_store_own(psd_store_t *s, int k, int n)
     return psd_store_set_parallel(s, s->threads > 0 ? s->threads : 1, s->chunk_bytes);
 }
 
+void psd_store_load_part(psd_store_t *s, const float *w, const float *const slots[2], uint32_t n_slots)
+{
+    for (int t = 0; t < s->layout.n_tensors; t++) {
+        size_t at = s->layout.t[t].offset + s->own[t].off, bytes = s->own[t].n * sizeof(float);
+        memcpy(s->cur->w + at, w + at, bytes);
+        if (n_slots >= 1) memcpy(s->s0 + at, slots[0] + at, bytes);
+        if (n_slots >= 2) memcpy(s->s1 + at, slots[1] + at, bytes);
+    }
+}
+
 int psd_store_share(psd_store_t *s)
 {
     if (s->shm_base) return 0;

@@ -105,6 +105,12 @@ int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes);
  * step. 0 or -ENOMEM. */
 int psd_store_own(psd_store_t *s, int k, int n);
 
+/* A checkpoint's state into the current version and the optimizer slots:
+ * the pieces this store owns (own[]) of whole arenas w and slots[0, n_slots)
+ * (n_params floats each); the rest of the store is not touched, nor made
+ * resident. */
+void psd_store_load_part(psd_store_t *s, const float *w, const float *const slots[2], uint32_t n_slots);
+
 /* Move the arenas into one memfd of PSD_MAX_ARENAS page-aligned slots
  * (memory is taken only as slots are used), so that workers on this host
  * can map the versions read-only (s->shm_ro_fd). Call before the first

@@ -1340,19 +1340,19 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
                      char *err, size_t errlen)
 {
     uLong got = crc32(0L, Z_NULL, 0);
-    int f = 0, at[PS_MAX_TENSORS], taken = 0; /* frame at[t] holds tensor t; f counts them */
-    if (c->layout.table < 0 && frames_by_id(&c->cur, nf, c->layout.n_tensors, at) != 0) {
+    int at[PS_MAX_TENSORS], taken = 0; /* frame at[t] holds tensor t (one frame a piece, rows or not) */
+    if (frames_by_id(&c->cur, nf, c->layout.n_tensors, at) != 0) {
         snprintf(err, errlen, "psd shard %d sent weights frames that are not one of each of its pieces", k);
         return -EPROTO;
     }
     for (int t = 0; t < c->layout.n_tensors; t++) {
         const ps_piece_t *p = &c->pieces[k][t];
         if (p->n == 0 || (skip_table && t == c->layout.table)) continue;
-        if (c->layout.table < 0 && at[t] < 0) {
+        const int f = at[t];
+        if (f < 0) {
             snprintf(err, errlen, "psd shard %d sent no frame of its piece of tensor %d", k, t);
             return -EPROTO;
         }
-        if (c->layout.table < 0) f = at[t]; /* in any order; with a table, in tensor order */
         size_t n = 0, r0, r1, wa = 0, want_n = p->n;
         const bool as_rows = rows && t == c->layout.table && ps_piece_rows(&c->layout, p, &r0, &r1);
         const size_t D = as_rows ? (size_t)c->layout.t[t].cols : 0;
@@ -1360,8 +1360,8 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
             wa = first_row_at(c->want, c->n_want, r0);
             want_n = (first_row_at(c->want, c->n_want, r1) - wa) * D;
         }
-        const uint16_t *h16 = c->weight_bf16 && f < nf ? ps_msg_bf16(&c->cur, f, &n) : NULL;
-        const float *h32 = !c->weight_bf16 && f < nf ? ps_msg_f32(&c->cur, f, &n) : NULL;
+        const uint16_t *h16 = c->weight_bf16 ? ps_msg_bf16(&c->cur, f, &n) : NULL;
+        const float *h32 = !c->weight_bf16 ? ps_msg_f32(&c->cur, f, &n) : NULL;
         if ((!h16 && !h32) || c->cur.hdr->tensors[f]->id != (uint32_t)t ||
             c->cur.hdr->tensors[f]->offset != (as_rows ? 0 : p->off) || n != want_n || (as_rows && (h16 || crc)) ||
             (c->table_on_psd && t == c->layout.table && !as_rows)) { /* never the table's piece whole then */
@@ -1372,20 +1372,17 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
         taken++;
         if (as_rows && c->table_on_psd) {
             if (n) memcpy(c->tbuf + wa * D, h32, n * sizeof(float));
-            f++;
             continue;
         }
         if (as_rows) {
             float *E = c->wbuf + c->layout.t[t].offset;
             scatter_rows(E, D, c->want + wa, n / D, h32);
-            f++;
             continue;
         }
         float *dst = c->wbuf + c->layout.t[t].offset + p->off;
         if (h16) ps_bf16_to_f32_n(dst, h16, n);
         else memcpy(dst, h32, n * sizeof(float));
         if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[f]), zmq_msg_size(&c->cur.frames[f]));
-        f++;
     }
     if (taken != nf) {
         snprintf(err, errlen, "psd shard %d sent %d weights frames, it holds %d pieces", k, nf, taken);

@@ -681,7 +681,7 @@ int main(int argc, char **argv)
     ckpt_one("sgd-momentum-1-slot", s3, 3, PS_OPT_SGD, 0.9f, 17, 0, 0, 1);
     ckpt_one("sgd-0-slots-no-seen", s2, 2, PS_OPT_SGD, 0, 0, 0, 0, 1);
     ckpt_one("adagrad-table", (const int[]){8, 4, 2}, 3, PS_OPT_ADAGRAD, 0, 20, 0, 12, 1);
-    ckpt_one("adam-shard-2-of-2", (const int[]){300, 200, 10}, 3, PS_OPT_ADAM, 0, 10, 0, 0, 2);
+    ckpt_one("adam-shard-2-of-2", (const int[]){100, 200, 10}, 3, PS_OPT_ADAM, 0, 10, 0, 0, 2);
     rmdir(g_tmp);
     return 0;
 }
