@@ -87,8 +87,7 @@ ps_pool_t *ps_pool_new(int threads)
         if (pthread_create(&p->th[i - 1], NULL, worker, p) != 0) break;
         p->n_threads++;
     }
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    p->spin = cores > 0 && p->n_threads <= cores; /* else the spin would take a core from the items it waits for */
+    p->spin = p->n_threads <= ps_cpus_usable(NULL); /* else the spin would take a core from the items it waits for */
     return p;
 }
 

@@ -1,6 +1,7 @@
 #include "ps_util.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <fcntl.h>
 #include <libgen.h>
 #include <signal.h>
@@ -17,6 +18,112 @@ double ps_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---- CPUs this process may use ---- */
+
+/* "QUOTA PERIOD" (cgroup v2 cpu.max, or v1's two files joined): whole CPUs
+ * rounded up, 0 for no limit ("max", or v1's -1) or text that is not that */
+static int quota_cpus(const char *text)
+{
+    char q[32];
+    long long period = 0;
+    if (sscanf(text, "%31s %lld", q, &period) != 2 || period <= 0) return 0;
+    char *end;
+    errno = 0;
+    long long quota = strtoll(q, &end, 10);
+    if (errno || *end || quota <= 0) return 0; /* "max", -1 */
+    long long cpus = (quota + period - 1) / period;
+    return cpus > 4096 ? 4096 : (int)cpus;
+}
+
+/* The contents of a small file, NUL-terminated; false if unreadable. */
+static bool read_small(const char *path, char *buf, size_t n)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return false;
+    size_t got = fread(buf, 1, n - 1, f);
+    fclose(f);
+    buf[got] = 0;
+    return got > 0;
+}
+
+/* The smaller of two quotas (0: none). */
+static int min_quota(int a, int b) { return a == 0 ? b : b == 0 ? a : a < b ? a : b; }
+
+int ps_cgroup_cpu_quota(const char *root, const char *self_cgroup)
+{
+    int best = 0;
+    char path[4096], text[128];
+    for (const char *line = self_cgroup; line && *line;) {
+        const char *nl = strchr(line, '\n');
+        size_t len = nl ? (size_t)(nl - line) : strlen(line);
+        /* "0::/path" (v2), or "N:cpu,cpuacct:/path" (v1: the cpu controller's line) */
+        const char *c1 = memchr(line, ':', len), *c2 = c1 ? memchr(c1 + 1, ':', len - (size_t)(c1 + 1 - line)) : NULL;
+        if (c2) {
+            size_t cl = (size_t)(c2 - c1 - 1), pl = len - (size_t)(c2 + 1 - line);
+            char cg[2048];
+            if (pl < sizeof cg) {
+                memcpy(cg, c2 + 1, pl);
+                cg[pl] = 0;
+                bool v2 = cl == 0, v1 = false;
+                for (const char *k = c1 + 1; !v2 && k < c2;) { /* a controller list naming "cpu" */
+                    const char *e = memchr(k, ',', (size_t)(c2 - k));
+                    size_t kl = e ? (size_t)(e - k) : (size_t)(c2 - k);
+                    if (kl == 3 && memcmp(k, "cpu", 3) == 0) v1 = true;
+                    k = e ? e + 1 : c2;
+                }
+                const char *mounts[] = {"cpu", "cpu,cpuacct", "cpuacct,cpu"};
+                for (int m = 0; m < (v2 ? 1 : v1 ? 3 : 0); m++) {
+                    /* the cgroup and each of its ancestors; in a cgroup namespace
+                     * (a container) the path is "/" and the mount is its own */
+                    char at[2048];
+                    snprintf(at, sizeof at, "%s", cg);
+                    for (;;) {
+                        size_t al = strlen(at);
+                        while (al > 1 && at[al - 1] == '/') at[--al] = 0;
+                        const char *sub = strcmp(at, "/") == 0 ? "" : at;
+                        int q = 0;
+                        if (v2) {
+                            snprintf(path, sizeof path, "%s%s/cpu.max", root, sub);
+                            if (read_small(path, text, sizeof text)) q = quota_cpus(text);
+                        } else {
+                            char qt[64], pt[64];
+                            snprintf(path, sizeof path, "%s/%s%s/cpu.cfs_quota_us", root, mounts[m], sub);
+                            bool ok = read_small(path, qt, sizeof qt);
+                            snprintf(path, sizeof path, "%s/%s%s/cpu.cfs_period_us", root, mounts[m], sub);
+                            if (ok && read_small(path, pt, sizeof pt)) {
+                                qt[strcspn(qt, "\n")] = 0;
+                                snprintf(text, sizeof text, "%s %s", qt, pt);
+                                q = quota_cpus(text);
+                            }
+                        }
+                        best = min_quota(best, q);
+                        char *slash = strrchr(at, '/');
+                        if (!slash || strcmp(at, "/") == 0) break;
+                        if (slash == at) at[1] = 0;
+                        else *slash = 0;
+                    }
+                }
+            }
+        }
+        line = nl ? nl + 1 : NULL;
+    }
+    return best;
+}
+
+int ps_cpus_usable(bool *bound)
+{
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    if (online < 1) online = 1;
+    int n = (int)(online > 4096 ? 4096 : online);
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) n = CPU_COUNT(&set);
+    char self[4096];
+    int q = read_small("/proc/self/cgroup", self, sizeof self) ? ps_cgroup_cpu_quota("/sys/fs/cgroup", self) : 0;
+    if (q > 0 && q < n) n = q;
+    if (bound) *bound = n < online;
+    return n < 1 ? 1 : n;
 }
 
 static volatile sig_atomic_t early_signal;

@@ -4082,24 +4082,30 @@ bool psd_table_on_psd(const ps_config_t *c, const ps_layout_t *l, bool lazy)
 
 int psd_ckpt_keep(const ps_config_t *c, int shards) { return shards > 1 && c->ckpt_keep < 2 ? 2 : c->ckpt_keep; }
 
+/* Threads are sized by the CPUs psd may use (ps_cpus_usable: its affinity
+ * mask and cgroup quota), not the host's: psd bound to 4 cores of a 64-core
+ * node runs 4 step threads, not 16. */
 int psd_step_threads(const ps_config_t *c)
 {
     if (c->threads > 0) return c->threads;
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    return cores < 1 ? 1 : cores > 16 ? 16 : (int)cores;
+    int cores = ps_cpus_usable(NULL);
+    return cores > 16 ? 16 : cores;
+}
+
+int psd_io_threads(const ps_config_t *c)
+{
+    /* ZeroMQ's I/O threads receive and send the tensors: with several workers
+     * pushing at once one thread is the bottleneck (2 workers over tcp: 3.0
+     * GB/s with 1, 3.5 with 2 on a 2-core VM) */
+    if (c->io_threads > 0) return c->io_threads;
+    int cores = ps_cpus_usable(NULL);
+    return cores < 2 ? 1 : cores / 4 > 4 ? 4 : cores / 4 < 2 ? 2 : cores / 4;
 }
 
 void *psd_zmq_context(const ps_config_t *c)
 {
     void *ctx = zmq_ctx_new();
-    /* ZeroMQ's I/O threads receive and send the tensors: with several workers
-     * pushing at once one thread is the bottleneck (2 workers over tcp: 3.0
-     * GB/s with 1, 3.5 with 2 on a 2-core VM) */
-    int io = c->io_threads;
-    if (io <= 0) {
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        io = cores < 2 ? 1 : cores / 4 > 4 ? 4 : cores / 4 < 2 ? 2 : (int)(cores / 4);
-    }
+    int io = psd_io_threads(c);
     if (ctx && zmq_ctx_set(ctx, ZMQ_IO_THREADS, io) != 0)
         PS_WARN("zeromq: cannot use %d I/O threads: %s", io, zmq_strerror(zmq_errno()));
     return ctx;
@@ -4339,6 +4345,10 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
             PS_PROTOCOL_VERSION, s->run_id, ep, c->workers);
     PS_INFO("model %zu parameters, %zu training / %zu test samples, optimizer %s, schedule %s",
             s->layout.n_params, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
+    bool bound = false;
+    int usable = ps_cpus_usable(&bound);
+    PS_INFO("threads: %d for the step, %d ZeroMQ I/O; %d usable CPU%s%s", threads, psd_io_threads(c), usable,
+            usable == 1 ? "" : "s", bound ? " (this process's affinity or cgroup quota, not the host's)" : "");
     PS_DEBUG("steps: %d chunks on %d threads", s->store.n_chunks, threads);
     if (s->stream)
         PS_INFO("streamed steps: %d chunks of up to %zu KiB, each stepped as soon as every worker has sent it",

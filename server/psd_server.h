@@ -41,16 +41,20 @@ typedef struct {
  * shard (shard 0 asks for a checkpoint only once each shard confirmed the
  * one before). */
 int psd_ckpt_keep(const ps_config_t *c, int shards);
-/* Threads of a step: server.threads, or the cores (at most 16). */
+/* Threads of a step: server.threads, or the CPUs psd may use
+ * (ps_cpus_usable: affinity mask, cgroup quota; at most 16). */
 int psd_step_threads(const ps_config_t *c);
+/* ZeroMQ I/O threads: server.io_threads, or 1 on one usable CPU, 2, and
+ * usable/4 up to 4 from 12 on. */
+int psd_io_threads(const ps_config_t *c);
 /* The embedding table of layout l stays on psd (workers hold only their
  * batches' rows: CtrTask.table_on_psd): it is larger than
  * ctr.worker_table_mb, stepped by rows (`lazy`: one psd, steps not
  * streamed, or shards whose pieces are whole rows) and f32 both ways.
  * Shard 0 and the other shards decide alike. */
 bool psd_table_on_psd(const ps_config_t *c, const ps_layout_t *l, bool lazy);
-/* A ZeroMQ context with server.io_threads I/O threads (0: 2, or cores/4 up
- * to 4 from 12 cores on). NULL if it cannot be made. */
+/* A ZeroMQ context with psd_io_threads I/O threads. NULL if it cannot be
+ * made. */
 void *psd_zmq_context(const ps_config_t *c);
 
 /* Seconds a message of the whole model (n_params floats) may take on the

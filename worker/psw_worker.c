@@ -125,9 +125,13 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
 {
     int threads = w->o->threads;
     if (threads <= 0) {
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        if (cores < 1) cores = 1;
-        threads = (int)(cores / (workers_on_host ? workers_on_host : 1));
+        /* the CPUs this worker may use; unless it was given a share of the
+         * host (affinity mask or cgroup quota: taskset, SLURM's binding, a
+         * container's --cpus), it shares them with the other workers psd
+         * has on this host */
+        bool bound = false;
+        int cores = ps_cpus_usable(&bound);
+        threads = bound ? cores : cores / (int)(workers_on_host ? workers_on_host : 1);
         if (threads < 1) threads = 1;
     }
     if (w->o->device && strcmp(w->o->device, "cuda") == 0) {

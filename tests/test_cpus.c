@@ -1,0 +1,128 @@
+/* The CPUs a process may use (ps_cpus_usable): its affinity mask, and the
+ * CPU quota of its cgroup read from a cgroup file system (here a tree made
+ * in a temporary directory, with the files the kernel writes), and psd's
+ * thread counts sized by them. */
+#include <criterion/criterion.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ps_config.h"
+#include "ps_util.h"
+#include "psd_server.h"
+
+static char root[64];
+
+static void setup(void)
+{
+    snprintf(root, sizeof root, "/tmp/psd-cpus-XXXXXX");
+    cr_assert(mkdtemp(root) != NULL);
+}
+
+static void teardown(void)
+{
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
+    cr_assert_eq(system(cmd), 0);
+}
+
+TestSuite(cpus, .init = setup, .fini = teardown);
+
+/* root/rel (its directories made), holding text */
+static void put(const char *rel, const char *text)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", root, rel);
+    for (char *p = path + strlen(root) + 1; (p = strchr(p, '/')) != NULL; p++) {
+        *p = 0;
+        mkdir(path, 0755);
+        *p = '/';
+    }
+    FILE *f = fopen(path, "w");
+    cr_assert(f, "%s", path);
+    fputs(text, f);
+    fclose(f);
+}
+
+Test(cpus, v2_quota_is_the_smallest_along_the_path)
+{
+    put("job/cpu.max", "250000 100000\n"); /* 2.5 CPUs: 3 threads' worth */
+    put("job/step/cpu.max", "max 100000\n");
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/job/step\n"), 3);
+    put("job/step/cpu.max", "50000 100000\n");
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/job/step\n"), 1);
+    /* a trailing slash, and a cgroup with no file of its own */
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/job/step/\n"), 1);
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/job/other\n"), 3);
+}
+
+Test(cpus, v2_in_a_container_reads_the_mount_root)
+{
+    /* a cgroup namespace (docker on cgroup v2): the path is "/" and the
+     * mount is the container's own cgroup */
+    put("cpu.max", "200000 100000\n");
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/\n"), 2);
+}
+
+Test(cpus, v1_quota_comes_from_the_cpu_controller)
+{
+    put("cpu,cpuacct/job/cpu.cfs_quota_us", "-1\n");
+    put("cpu,cpuacct/job/cpu.cfs_period_us", "100000\n");
+    put("cpu,cpuacct/cpu.cfs_quota_us", "400000\n");
+    put("cpu,cpuacct/cpu.cfs_period_us", "100000\n");
+    const char *self = "12:memory:/job\n5:cpuacct,cpu:/job\n1:name=systemd:/job\n";
+    cr_assert_eq(ps_cgroup_cpu_quota(root, self), 4);
+    /* only the cpu controller's line counts: not cpuacct alone, not memory */
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "12:memory:/job\n3:cpuacct:/job\n"), 0);
+    put("cpu,cpuacct/job/cpu.cfs_quota_us", "150000\n");
+    cr_assert_eq(ps_cgroup_cpu_quota(root, self), 2);
+}
+
+Test(cpus, no_quota_or_unreadable_text_is_no_limit)
+{
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/none\n"), 0); /* no files */
+    put("a/cpu.max", "max 100000\n");
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/a\n"), 0);
+    const char *bad[] = {"", "garbage\n", "100000\n", "100000 0\n", "-5 100000\n", "12x 100000\n", "100000 -1\n"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        put("a/cpu.max", bad[i]);
+        cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/a\n"), 0, "'%s'", bad[i]);
+    }
+    cr_assert_eq(ps_cgroup_cpu_quota(root, ""), 0);
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "no colons here\n"), 0);
+}
+
+Test(cpus, an_affinity_mask_sizes_psd_threads)
+{
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t was, one;
+    cr_assert_eq(sched_getaffinity(0, sizeof was, &was), 0);
+    if (online < 2 || CPU_COUNT(&was) < 2) cr_skip_test("needs 2 usable CPUs");
+    int first = -1;
+    for (int i = 0; i < CPU_SETSIZE && first < 0; i++)
+        if (CPU_ISSET(i, &was)) first = i;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    cr_assert_eq(sched_setaffinity(0, sizeof one, &one), 0);
+    bool bound = false;
+    int n = ps_cpus_usable(&bound);
+    ps_config_t c;
+    ps_config_defaults(&c);
+    int step = psd_step_threads(&c), io = psd_io_threads(&c);
+    c.threads = 3;
+    c.io_threads = 2;
+    int step_set = psd_step_threads(&c), io_set = psd_io_threads(&c);
+    cr_assert_eq(sched_setaffinity(0, sizeof was, &was), 0);
+    cr_assert_eq(n, 1);
+    cr_assert(bound, "one CPU of %ld is a share of the host", online);
+    cr_assert_eq(step, 1);
+    cr_assert_eq(io, 1);
+    cr_assert_eq(step_set, 3, "server.threads, when set, is taken as it is");
+    cr_assert_eq(io_set, 2);
+    /* back on the whole mask: as many as it holds (unless a quota says less) */
+    n = ps_cpus_usable(&bound);
+    cr_assert(n >= 1 && n <= CPU_COUNT(&was));
+}
