@@ -3,12 +3,14 @@
  * with its share, spins a little for the workers' last items before it
  * sleeps: a wake-up through the kernel costs more than a short item on a
  * virtual machine (tens of microseconds), and a step is a fraction of a
- * millisecond. Not when the pool has more threads than the machine has
- * cores: then the spin would take a core from the items it waits for. */
+ * millisecond. Not when the pool has more threads than this process has
+ * usable CPUs (ps_cpus_usable): then the spin would take a core from the
+ * items it waits for; nor under a CPU quota, which the spin would spend. */
 #include "ps_pool.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -87,7 +89,11 @@ ps_pool_t *ps_pool_new(int threads)
         if (pthread_create(&p->th[i - 1], NULL, worker, p) != 0) break;
         p->n_threads++;
     }
-    p->spin = p->n_threads <= ps_cpus_usable(NULL); /* else the spin would take a core from the items it waits for */
+    /* not with more threads than usable CPUs (the spin would take a core
+     * from the items it waits for), nor under a CPU quota (it would spend
+     * the quota the items need) */
+    bool by_quota = false;
+    p->spin = p->n_threads <= ps_cpus_usable(NULL, &by_quota) && !by_quota;
     return p;
 }
 

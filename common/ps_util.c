@@ -26,14 +26,13 @@ double ps_now(void)
  * rounded up, 0 for no limit ("max", or v1's -1) or text that is not that */
 static int quota_cpus(const char *text)
 {
-    char q[32];
-    long long period = 0;
-    if (sscanf(text, "%31s %lld", q, &period) != 2 || period <= 0) return 0;
-    char *end;
+    char q[32], p[32];
+    if (sscanf(text, "%31s %31s", q, p) != 2) return 0;
+    char *qe, *pe;
     errno = 0;
-    long long quota = strtoll(q, &end, 10);
-    if (errno || *end || quota <= 0) return 0; /* "max", -1 */
-    long long cpus = (quota + period - 1) / period;
+    long long quota = strtoll(q, &qe, 10), period = strtoll(p, &pe, 10);
+    if (errno || *qe || *pe || quota <= 0 || period <= 0) return 0; /* "max", -1 */
+    long long cpus = quota / period + (quota % period != 0);
     return cpus > 4096 ? 4096 : (int)cpus;
 }
 
@@ -73,6 +72,9 @@ int ps_cgroup_cpu_quota(const char *root, const char *self_cgroup)
                     if (kl == 3 && memcmp(k, "cpu", 3) == 0) v1 = true;
                     k = e ? e + 1 : c2;
                 }
+                /* v1: the cpu controller where distributions mount it; one mounted
+                 * together with others (cpu,cpuacct,cpuset) or elsewhere is not
+                 * found, and its quota not seen */
                 const char *mounts[] = {"cpu", "cpu,cpuacct", "cpuacct,cpu"};
                 for (int m = 0; m < (v2 ? 1 : v1 ? 3 : 0); m++) {
                     /* the cgroup and each of its ancestors; in a cgroup namespace
@@ -112,7 +114,7 @@ int ps_cgroup_cpu_quota(const char *root, const char *self_cgroup)
     return best;
 }
 
-int ps_cpus_usable(bool *bound)
+int ps_cpus_usable(bool *bound, bool *by_quota)
 {
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     if (online < 1) online = 1;
@@ -121,6 +123,7 @@ int ps_cpus_usable(bool *bound)
     if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) n = CPU_COUNT(&set);
     char self[4096];
     int q = read_small("/proc/self/cgroup", self, sizeof self) ? ps_cgroup_cpu_quota("/sys/fs/cgroup", self) : 0;
+    if (by_quota) *by_quota = q > 0 && q <= n;
     if (q > 0 && q < n) n = q;
     if (bound) *bound = n < online;
     return n < 1 ? 1 : n;

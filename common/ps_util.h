@@ -56,15 +56,16 @@ size_t ps_sort_unique_u32(uint32_t *a, size_t n);
 ptrdiff_t ps_find_u32(const uint32_t *a, size_t n, uint32_t v);
 
 /* The CPUs this process may use: those of its affinity mask (taskset,
- * docker --cpuset-cpus, SLURM's task binding), or fewer when its cgroup's
- * CPU quota allows less (docker --cpus, systemd CPUQuota, SLURM with
- * ConstrainCores off but a quota: cgroup v2 cpu.max of its cgroup and its
- * ancestors, cgroup v1 cpu.cfs_quota_us), rounded up; at least 1. *bound
- * (may be NULL) is set when either restricts it below the host's online
- * CPUs: the process was given a share of the host. Threads are sized by
- * this, not by the host's cores, which a container or a bound job would
- * oversubscribe. */
-int ps_cpus_usable(bool *bound);
+ * docker --cpuset-cpus, SLURM's cpuset confinement and task binding), or
+ * fewer when its cgroup's CPU quota allows less (docker --cpus, systemd
+ * CPUQuota: cgroup v2 cpu.max of its cgroup and its ancestors, cgroup v1
+ * cpu.cfs_quota_us), rounded up; at least 1. *bound (may be NULL) is set
+ * when either restricts it below the host's online CPUs: the process was
+ * given a share of the host; *by_quota (may be NULL) when a CPU quota is
+ * what limits it (time, not CPUs: a thread that spins spends the quota).
+ * Threads are sized by this, not by the host's cores, which a container or
+ * a bound job would oversubscribe. */
+int ps_cpus_usable(bool *bound, bool *by_quota);
 /* The CPU quota set on the cgroup `self_cgroup` (the contents of
  * /proc/self/cgroup) names, under the cgroup file system mounted at `root`
  * (/sys/fs/cgroup), in whole CPUs rounded up: the smallest along its path

@@ -4088,7 +4088,7 @@ int psd_ckpt_keep(const ps_config_t *c, int shards) { return shards > 1 && c->ck
 int psd_step_threads(const ps_config_t *c)
 {
     if (c->threads > 0) return c->threads;
-    int cores = ps_cpus_usable(NULL);
+    int cores = ps_cpus_usable(NULL, NULL);
     return cores > 16 ? 16 : cores;
 }
 
@@ -4097,10 +4097,10 @@ int psd_io_threads(const ps_config_t *c)
     /* ZeroMQ's I/O threads receive and send the tensors: with several workers
      * pushing at once one thread is the bottleneck (2 workers over tcp: 3.0
      * GB/s with 1, 3.5 with 2 on a 2-core VM) */
-    if (c->io_threads > 0) return c->io_threads;
-    int cores = ps_cpus_usable(NULL);
-    return cores < 2 ? 1 : cores / 4 > 4 ? 4 : cores / 4 < 2 ? 2 : cores / 4;
+    return c->io_threads > 0 ? c->io_threads : psd_io_threads_for(ps_cpus_usable(NULL, NULL));
 }
+
+int psd_io_threads_for(int cores) { return cores < 2 ? 1 : cores / 4 > 4 ? 4 : cores / 4 < 2 ? 2 : cores / 4; }
 
 void *psd_zmq_context(const ps_config_t *c)
 {
@@ -4346,7 +4346,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     PS_INFO("model %zu parameters, %zu training / %zu test samples, optimizer %s, schedule %s",
             s->layout.n_params, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
     bool bound = false;
-    int usable = ps_cpus_usable(&bound);
+    int usable = ps_cpus_usable(&bound, NULL);
     PS_INFO("threads: %d for the step, %d ZeroMQ I/O; %d usable CPU%s%s", threads, psd_io_threads(c), usable,
             usable == 1 ? "" : "s", bound ? " (this process's affinity or cgroup quota, not the host's)" : "");
     PS_DEBUG("steps: %d chunks on %d threads", s->store.n_chunks, threads);

@@ -47,6 +47,8 @@ int psd_step_threads(const ps_config_t *c);
 /* ZeroMQ I/O threads: server.io_threads, or 1 on one usable CPU, 2, and
  * usable/4 up to 4 from 12 on. */
 int psd_io_threads(const ps_config_t *c);
+/* The I/O threads for `cores` usable CPUs (server.io_threads: 0). */
+int psd_io_threads_for(int cores);
 /* The embedding table of layout l stays on psd (workers hold only their
  * batches' rows: CtrTask.table_on_psd): it is larger than
  * ctr.worker_table_mb, stepped by rows (`lazy`: one psd, steps not

@@ -108,7 +108,7 @@ Test(cpus, an_affinity_mask_sizes_psd_threads)
     CPU_SET(first, &one);
     cr_assert_eq(sched_setaffinity(0, sizeof one, &one), 0);
     bool bound = false;
-    int n = ps_cpus_usable(&bound);
+    int n = ps_cpus_usable(&bound, NULL);
     ps_config_t c;
     ps_config_defaults(&c);
     int step = psd_step_threads(&c), io = psd_io_threads(&c);
@@ -122,7 +122,24 @@ Test(cpus, an_affinity_mask_sizes_psd_threads)
     cr_assert_eq(io, 1);
     cr_assert_eq(step_set, 3, "server.threads, when set, is taken as it is");
     cr_assert_eq(io_set, 2);
-    /* back on the whole mask: as many as it holds (unless a quota says less) */
-    n = ps_cpus_usable(&bound);
-    cr_assert(n >= 1 && n <= CPU_COUNT(&was));
+}
+
+Test(cpus, io_threads_follow_the_usable_cpus)
+{
+    const int cores[] = {1, 2, 3, 7, 8, 11, 12, 15, 16, 19, 20, 64};
+    const int io[] = {1, 2, 2, 2, 2, 2, 3, 3, 4, 4, 4, 4};
+    for (size_t i = 0; i < sizeof cores / sizeof *cores; i++)
+        cr_assert_eq(psd_io_threads_for(cores[i]), io[i], "%d CPUs", cores[i]);
+}
+
+Test(cpus, a_quota_is_rounded_up_and_huge_values_do_not_overflow)
+{
+    put("q/cpu.max", "100001 100000\n");
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/q\n"), 2);
+    put("q/cpu.max", "100000 100000\n");
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/q\n"), 1);
+    put("q/cpu.max", "9223372036854775807 100000\n"); /* capped, no overflow (UBSan) */
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/q\n"), 4096);
+    put("q/cpu.max", "100000 99999999999999999999999\n"); /* out of range: not a quota */
+    cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/q\n"), 0);
 }

@@ -125,13 +125,19 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
 {
     int threads = w->o->threads;
     if (threads <= 0) {
-        /* the CPUs this worker may use; unless it was given a share of the
-         * host (affinity mask or cgroup quota: taskset, SLURM's binding, a
-         * container's --cpus), it shares them with the other workers psd
-         * has on this host */
+        /* the CPUs this worker may use, shared with the other workers psd
+         * has on this host; unless it was given a share of the host
+         * (affinity mask or cgroup quota: taskset, SLURM's task binding, a
+         * container's --cpus) and the workers' shares, each as large, fit
+         * in the host: then they are their own (two workers each bound to
+         * 8 of 16 CPUs take 8 each; isolcpus leaving 14 of 16 to every
+         * process: 7 each). Workers that share one restriction that fits
+         * (two in one 8-CPU cpuset of 16) still take 8 each: --threads. */
         bool bound = false;
-        int cores = ps_cpus_usable(&bound);
-        threads = bound ? cores : cores / (int)(workers_on_host ? workers_on_host : 1);
+        int cores = ps_cpus_usable(&bound, NULL);
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        int on_host = (int)(workers_on_host ? workers_on_host : 1);
+        threads = bound && (long)on_host * cores <= online ? cores : cores / on_host;
         if (threads < 1) threads = 1;
     }
     if (w->o->device && strcmp(w->o->device, "cuda") == 0) {
