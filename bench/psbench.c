@@ -125,6 +125,7 @@ static void *bench_worker(void *p)
         free(zero);
         return NULL;
     }
+    psw_client_release_on_push(c, 1); /* it never reads the weights */
     psw_client_ready(c, limit, count[1]);
     size_t n_ids = 0, pos = 0;
     uint32_t epoch = 0;

@@ -278,6 +278,7 @@ typedef struct {
     uint64_t ep_timed;
     double ep_step_s0;    /* store.step_s when the epoch began, and the epoch's steps: psd's own step */
     uint64_t ep_step_n;
+    uint64_t ep_in_place0; /* store.in_place when the epoch began */
     double t_start, t_epoch, train_s_total, phase_deadline, orphan_deadline;
     uint64_t samples_total;
     FILE *metrics;
@@ -946,6 +947,7 @@ static void start_epoch(srv_t *s)
     s->ep_compute_s = s->ep_wait_s = 0;
     s->ep_timed = 0;
     s->ep_step_s0 = s->store.step_s;
+    s->ep_in_place0 = s->store.in_place;
     s->ep_step_n = 0;
     s->bytes_in_done += s->ep_bytes_in;
     s->bytes_out_done += s->ep_bytes_out;
@@ -1911,6 +1913,10 @@ static void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         complete = w->grad_mask == all;
     }
     w->push_pull |= p->pull;
+    if (p->release && w->hold) { /* it reads no more of its slot: the step may update it in place */
+        psd_store_frame_free(NULL, w->hold);
+        w->hold = NULL;
+    }
     if (!w->push_started) {
         w->push_started = true;
         w->push_version = p->version;
@@ -2030,13 +2036,15 @@ static void end_validation(srv_t *s)
                 ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
                 ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g,\"psd_step_ms\":%.6g"
                 ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"sync\":\"%s\""
-                ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64,
+                ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64
+                ",\"psd_steps_in_place\":%" PRIu64,
                 s->run_id, s->epoch + 1, s->step, train_loss, train_acc, s->ep_samples, val_loss,
                 val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr,
                 s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
                 s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
                 s->ep_step_n ? 1e3 * (s->store.step_s - s->ep_step_s0) / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
-                ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max);
+                ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max,
+                s->store.in_place - s->ep_in_place0);
         if (s->cfg.kind == PS_MODEL_CTR)
             fprintf(s->metrics,
                     ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g,\"val_auc\":%.9g,\"optimum_auc\":%.9g"

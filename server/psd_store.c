@@ -517,6 +517,7 @@ static void publish(psd_store_t *s, psd_arena_t *next)
 {
     if (next == s->cur) { /* updated in place */
         next->version++;
+        s->in_place++;
         return;
     }
     next->version = s->cur->version + 1;

@@ -54,6 +54,7 @@ typedef struct {
     float *grad;        /* reduced gradient (n_params) */
     float *s0, *s1;     /* optimizer slots (n_params) or NULL */
     uint64_t steps;     /* optimizer steps applied */
+    uint64_t in_place;  /* versions made by updating the current arena in place (nothing referenced it) */
     double step_s;      /* seconds spent reducing and applying (the step's pool runs), all steps */
     /* called before the optimizer updates slot floats [off, off+n) (a
      * checkpoint being written saves them copy-on-write); may be NULL */

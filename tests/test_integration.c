@@ -2351,6 +2351,78 @@ static void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull
                  0);
 }
 
+/* A worker on shared memory reads its weights in psd's parameter slot.
+ * Until it promises to read no more of them once it pushes
+ * (psw_client_release_on_push), psd's step leaves that slot alone: the next
+ * version goes into another slot and the old one keeps its values. Once it
+ * has promised, each step updates the slot in place (the same slot, new
+ * values, the CRC-32 psd sends for it checked by the client), and the
+ * metrics count those steps; the last push of the epoch asks for nothing,
+ * so it releases nothing. The weights are the same as a wire worker's. */
+Test(short, a_shared_slot_is_stepped_in_place_only_once_released)
+{
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,32,10]",
+                          "--set", "checkpoint.dir=", "--seed", "5", "--x-verify-weights", NULL};
+    ps_layout_t l;
+    float *grad = lib_model(&l, 32);
+    for (size_t i = 0; i < l.n_params; i++) grad[i] = 0.01f * (float)(i % 7) - 0.02f;
+    const size_t n0 = l.t[0].numel;
+    float *copy = malloc(n0 * sizeof *copy);
+    cr_assert(copy);
+    char weights[2][sizeof ((run_t *)0)->weights];
+    for (int mode = 0; mode < 2; mode++) { /* shared memory, then the wire */
+        run_t r;
+        pid_t p = start_psd(&r, mode ? "inplace-wire" : "inplace", 1, args);
+        char err[512];
+        psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = mode};
+        psw_client_t *c = psw_client_new(r.endpoint, &info, err, sizeof err);
+        psw_assign_t a;
+        cr_assert(c && psw_client_register(c, &a, 60, err, sizeof err) == 0, "%s", err);
+        cr_assert_eq(psw_client_ready(c, 384, 10000), 0);
+        cr_assert_eq(psw_client_push_region(c) != NULL, mode == 0, "shared memory only without no_shm");
+        psw_event_t ev;
+        lib_next(c, &ev, PSW_EV_EPOCH);
+        cr_assert_eq(ev.n_samples, 384);
+        psw_client_pull(c, ev.version);
+        lib_next(c, &ev, PSW_EV_WEIGHTS);
+        const float *prev = ev.tensors[0];
+        for (int step = 0; step < 6; step++) {
+            int last = step == 5;
+            memcpy(copy, ev.tensors[0], n0 * sizeof *copy);
+            if (step == 1) psw_client_release_on_push(c, 1);
+            lib_push(c, ev.version, 64, !last, grad, &l);
+            if (last) break;
+            lib_next(c, &ev, PSW_EV_WEIGHTS);
+            if (mode == 1) continue;
+            cr_assert_neq(memcmp(ev.tensors[0], copy, n0 * sizeof *copy), 0, "step %d changed the weights", step);
+            if (step == 0) {
+                cr_assert_neq(ev.tensors[0], prev, "not released: the next version in another slot");
+                cr_assert_eq(memcmp(prev, copy, n0 * sizeof *copy), 0, "not released: the slot read is untouched");
+            } else {
+                cr_assert_eq(ev.tensors[0], prev, "released (step %d): the same slot, updated in place", step);
+            }
+            prev = ev.tensors[0];
+        }
+        psw_client_barrier(c, 0, 384);
+        lib_next(c, &ev, PSW_EV_VALIDATE);
+        cr_assert_eq(psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 0, 0, ev.val_end - ev.val_begin,
+                                           NULL),
+                     0);
+        lib_next(c, &ev, PSW_EV_SHUTDOWN);
+        r.psd_code = proc_wait(p, 30);
+        psw_client_destroy(&c);
+        cr_assert_eq(r.psd_code, 0);
+        char *m = metrics_last(&r);
+        if (mode == 0) /* steps 2 to 5 (the first did not release, the last asked for nothing) */
+            cr_assert_eq(json_num(m, "psd_steps_in_place"), 4, "%s", m);
+        free(m);
+        snprintf(weights[mode], sizeof weights[mode], "%s", r.weights);
+    }
+    cr_assert(weights_equal(weights[0], weights[1]), "in place or not, shared memory or wire: the same weights");
+    free(copy);
+    free(grad);
+}
+
 /* ctr validation results must carry the range's click probabilities (psd
  * reduces them to the AUC): without them, or with one that is no
  * probability, the result is logged and dropped, and the run goes on. A

@@ -53,6 +53,7 @@ struct psw_client {
      * region (read by psd) and psd's parameter slots (read-only) */
     ps_layout_t layout;
     int shm;                /* both regions mapped: tensors go through them */
+    bool release_on_push;   /* psw_client_release_on_push: a pull releases the slot last given */
     float *shm_grad;
     const float *shm_w;
     size_t shm_w_bytes, slot_floats;
@@ -959,6 +960,7 @@ static void push_header(psw_client_t *c, Psd__Header *h, Psd__Push *p, uint64_t 
     p->loss_sum = loss_sum;
     p->correct = correct;
     p->pull = pull != 0;
+    p->release = pull && c->release_on_push && c->shm;
     double now = ps_now();
     p->compute_s = c->t_weights > 0 ? now - c->t_weights : 0;
     p->wait_s = c->wait;
@@ -1009,6 +1011,8 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
     atomic_fetch_add_explicit(&c->push_inflight, n, memory_order_relaxed);
     return ps_msg_send(c->sock, NULL, 0, &h, fr, n);
 }
+
+void psw_client_release_on_push(psw_client_t *c, int on) { c->release_on_push = on != 0; }
 
 int psw_client_rows_ok(const psw_client_t *c)
 {

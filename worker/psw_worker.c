@@ -704,6 +704,10 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
     }
     w->in_epoch = 0;
     w->n_ids = w->pos = w->next_at = 0;
+    /* train_step reads the weights it was given (set_weights) only before
+     * its push; the push that asks for the next ones ends that: psd may
+     * step its shared slot in place */
+    psw_client_release_on_push(w->c, 1);
     psw_client_ready(w->c, w->train.count, w->test.count);
 
     double timeout = w->a.start_timeout_s;
