@@ -3381,6 +3381,9 @@ static void render_metrics(srv_t *s, FILE *f)
     int live = live_workers(s);
     metric(f, "psd_info", "gauge", "psd's run: 1 (labels in /status)", 1);
     metric(f, "psd_steps_total", "counter", "Optimizer steps applied in the run.", (double)s->step);
+    metric(f, "psd_steps_in_place_total", "counter",
+           "Versions made by updating the current parameters in place (nothing referenced them).",
+           (double)s->store.in_place);
     metric(f, "psd_epoch", "gauge", "Epoch in progress, 1-based.", s->epoch + 1);
     metric(f, "psd_epochs", "gauge", "Epochs the run trains.", s->cfg.epochs);
     metric(f, "psd_epoch_progress_ratio", "gauge", "Part of the epoch's steps done.",

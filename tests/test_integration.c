@@ -2413,7 +2413,7 @@ Test(short, a_shared_slot_is_stepped_in_place_only_once_released)
         psw_client_destroy(&c);
         cr_assert_eq(r.psd_code, 0);
         char *m = metrics_last(&r);
-        if (mode == 0) /* steps 2 to 5 (the first did not release, the last asked for nothing) */
+        if (mode == 0) /* the 4 between: the first released nothing, the last asked for nothing */
             cr_assert_eq(json_num(m, "psd_steps_in_place"), 4, "%s", m);
         free(m);
         snprintf(weights[mode], sizeof weights[mode], "%s", r.weights);

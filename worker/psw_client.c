@@ -54,6 +54,7 @@ struct psw_client {
     ps_layout_t layout;
     int shm;                /* both regions mapped: tensors go through them */
     bool release_on_push;   /* psw_client_release_on_push: a pull releases the slot last given */
+    bool weights_due;       /* weights asked for (pull, push with pull) and not yet returned */
     float *shm_grad;
     const float *shm_w;
     size_t shm_w_bytes, slot_floats;
@@ -817,6 +818,7 @@ static int pull_on(psw_client_t *c, void *sock, uint64_t min_version, const uint
 int psw_client_pull(psw_client_t *c, uint64_t min_version)
 {
     c->t_req = ps_now();
+    c->weights_due = true;
     for (int k = 1; k < c->n_shards; k++) { /* and from every other shard */
         int rc = pull_on(c, c->ssock[k], min_version, NULL, 0);
         if (rc < 0) return rc;
@@ -960,7 +962,10 @@ static void push_header(psw_client_t *c, Psd__Header *h, Psd__Push *p, uint64_t 
     p->loss_sum = loss_sum;
     p->correct = correct;
     p->pull = pull != 0;
-    p->release = pull && c->release_on_push && c->shm;
+    /* not while weights it asked for are still to come: psd might step the
+     * slot they name before they are read */
+    p->release = pull && c->release_on_push && c->shm && !c->weights_due;
+    if (pull) c->weights_due = true;
     double now = ps_now();
     p->compute_s = c->t_weights > 0 ? now - c->t_weights : 0;
     p->wait_s = c->wait;
@@ -1068,6 +1073,7 @@ int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *
     int rc = keep_want(c, want, n);
     if (rc < 0) return rc;
     c->t_req = ps_now();
+    c->weights_due = true;
     /* with shards: each one the rows of its piece; a part of this version
      * that came before brought other rows, so every part must come again */
     memset(c->got, 0, sizeof c->got);
@@ -1596,7 +1602,7 @@ static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t err
     return parts_done(c, ev);
 }
 
-int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
+static int next_event(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
 {
     for (double deadline = ps_now() + timeout_s;;) {
         int rc = 0;
@@ -1689,6 +1695,13 @@ int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *er
             continue;
         }
     }
+}
+
+int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
+{
+    int rc = next_event(c, ev, timeout_s, err, errlen);
+    if (rc == 0 && ev->kind == PSW_EV_WEIGHTS) c->weights_due = false; /* what it asked for came */
+    return rc;
 }
 
 void psw_make_identity(uint8_t id[16], uint64_t salt)

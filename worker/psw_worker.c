@@ -224,7 +224,8 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
 
 /* The weights of ev for the model: on the CPU they are used where they
  * arrived (frames, psd's shared slot: valid until the next
- * psw_client_next), without a copy, and the gradient goes straight to the
+ * psw_client_next, a slot only until the push that asks for the next
+ * weights: psw_client_release_on_push), without a copy, and the gradient goes straight to the
  * region psd reads it from when there is one; device backends upload. With
  * the table on psd the event's table is the rows it brought: a training
  * batch's fit the model's table; a validation part's are uploaded batch by

@@ -93,7 +93,8 @@ typedef struct {
     size_t n_samples;
     int append;                /* EPOCH: more samples for the current epoch, after the ones given */
     int n_tensors;
-    const float *tensors[PSW_MAX_TENSORS]; /* borrowed until the next psw_client_next */
+    const float *tensors[PSW_MAX_TENSORS]; /* borrowed until the next psw_client_next (with
+                                            * psw_client_release_on_push: until a push with pull) */
     size_t tensor_numel[PSW_MAX_TENSORS];
     uint64_t val_begin, val_end;
     /* the table on psd (ctr.table_on_psd): tensors[table] holds these rows
@@ -140,13 +141,15 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
                     const size_t *numel, const int *rows, const int *cols);
 int psw_client_push_done(psw_client_t *c);
 /* Promise (on: nonzero) that once a push asks for the next version (pull),
- * the caller no longer reads the tensors of the weights it was last given
- * (a WEIGHTS event's; a VALIDATE's are not concerned: psd answers no pull
- * with them). On psd's host those tensors are psd's shared parameter slot:
- * told so, psd may update that slot in place instead of filling another
- * (a step reads and writes one array instead of three: 1 worker, 4 MiB,
- * 0.24 -> 0.12 ms on the 2-core VM). Off by default: a caller that keeps
- * reading them until the next event must leave it off. */
+ * the caller no longer reads the tensors of the last weights psd sent it
+ * (a WEIGHTS or VALIDATE event's). On psd's host those tensors are psd's
+ * shared parameter slot: told so, psd may update that slot in place
+ * instead of filling another (a step reads two arrays and writes one of
+ * them instead of reading two and filling a third: 1 worker, 4 MiB,
+ * 0.24 -> 0.12 ms on the 2-core VM). A push made while weights it asked
+ * for have not come yet releases nothing (psd might step the slot those
+ * name before the caller reads them). Off by default: a caller that keeps
+ * reading the tensors until the next event must leave it off. */
 void psw_client_release_on_push(psw_client_t *c, int on);
 /* A push whose embedding table (model.kind ctr) goes as rows: tensor
  * layout.table among ids[] is sent as the n_rows row ids (strictly
