@@ -2423,6 +2423,76 @@ Test(short, a_shared_slot_is_stepped_in_place_only_once_released)
     free(grad);
 }
 
+/* Two workers on shared memory read the same slot: one that releases it
+ * with its push does not make psd step it in place while the other still
+ * holds it (another slot, the read one untouched); once both release, the
+ * step is in place. */
+Test(short, a_slot_another_worker_still_reads_is_not_stepped_in_place)
+{
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,32,10]",
+                          "--set", "checkpoint.dir=", "--seed", "6", "--x-verify-weights", NULL};
+    ps_layout_t l;
+    float *grad = lib_model(&l, 32);
+    for (size_t i = 0; i < l.n_params; i++) grad[i] = 0.02f * (float)(i % 5) - 0.04f;
+    const size_t n0 = l.t[0].numel;
+    float *copy = malloc(n0 * sizeof *copy);
+    cr_assert(copy);
+    run_t r;
+    pid_t p = start_psd(&r, "inplace2", 2, args);
+    char err[512];
+    psw_client_t *c[2];
+    psw_event_t ev[2];
+    for (int i = 0; i < 2; i++) {
+        psw_info_t info = {.device = "cpu", .device_index = -1};
+        c[i] = psw_client_new(r.endpoint, &info, err, sizeof err);
+        psw_assign_t a;
+        cr_assert(c[i] && psw_client_register(c[i], &a, 60, err, sizeof err) == 0, "%s", err);
+        cr_assert_eq(psw_client_ready(c[i], 384, 10000), 0);
+        cr_assert_not_null(psw_client_push_region(c[i]), "worker %d on shared memory", i);
+    }
+    psw_client_release_on_push(c[0], 1); /* worker 1 does not promise, at first */
+    for (int i = 0; i < 2; i++) {
+        lib_next(c[i], &ev[i], PSW_EV_EPOCH);
+        cr_assert_eq(ev[i].n_samples, 192);
+        psw_client_pull(c[i], ev[i].version);
+        lib_next(c[i], &ev[i], PSW_EV_WEIGHTS);
+    }
+    /* each client maps psd's slots at its own addresses: each is compared with itself */
+    for (int step = 0; step < 3; step++) {
+        int last = step == 2;
+        const float *prev[2] = {ev[0].tensors[0], ev[1].tensors[0]};
+        memcpy(copy, prev[1], n0 * sizeof *copy);
+        if (step == 1) psw_client_release_on_push(c[1], 1);
+        for (int i = 0; i < 2; i++) lib_push(c[i], ev[i].version, 64, !last, grad, &l);
+        if (last) break;
+        for (int i = 0; i < 2; i++) lib_next(c[i], &ev[i], PSW_EV_WEIGHTS);
+        for (int i = 0; i < 2; i++) {
+            cr_assert_neq(memcmp(ev[i].tensors[0], copy, n0 * sizeof *copy), 0, "step %d changed the weights", step);
+            if (step == 0)
+                cr_assert_neq(ev[i].tensors[0], prev[i], "worker 1 still held the slot: the next version in another");
+            else
+                cr_assert_eq(ev[i].tensors[0], prev[i], "both released: the same slot, updated in place");
+        }
+        if (step == 0) cr_assert_eq(memcmp(prev[1], copy, n0 * sizeof *copy), 0, "the slot worker 1 held is untouched");
+    }
+    for (int i = 0; i < 2; i++) psw_client_barrier(c[i], 0, 192);
+    for (int i = 0; i < 2; i++) {
+        lib_next(c[i], &ev[i], PSW_EV_VALIDATE);
+        cr_assert_eq(psw_client_val_result(c[i], ev[i].epoch, ev[i].version, ev[i].val_begin, 0, 0,
+                                           ev[i].val_end - ev[i].val_begin, NULL),
+                     0);
+    }
+    for (int i = 0; i < 2; i++) lib_next(c[i], &ev[i], PSW_EV_SHUTDOWN);
+    r.psd_code = proc_wait(p, 30);
+    for (int i = 0; i < 2; i++) psw_client_destroy(&c[i]);
+    cr_assert_eq(r.psd_code, 0);
+    char *m = metrics_last(&r);
+    cr_assert_eq(json_num(m, "psd_steps_in_place"), 1, "only the step both released: %s", m);
+    free(m);
+    free(copy);
+    free(grad);
+}
+
 /* ctr validation results must carry the range's click probabilities (psd
  * reduces them to the AUC): without them, or with one that is no
  * probability, the result is logged and dropped, and the run goes on. A
