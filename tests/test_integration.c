@@ -2359,16 +2359,29 @@ static void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull
  * values, the CRC-32 psd sends for it checked by the client), and the
  * metrics count those steps; the last push of the epoch asks for nothing,
  * so it releases nothing. The weights are the same as a wire worker's. */
+/* psd's arguments for the in-place tests (one epoch of 384 samples, model
+ * 784-32-10, CRC-32 of every version), the model's layout, a gradient that
+ * moves every weight, and room for a copy of the first tensor */
+static const char *const inplace_args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set",
+                                           "model.layers=[784,32,10]", "--set", "checkpoint.dir=",
+                                           "--x-verify-weights", NULL};
+
+static float *inplace_model(ps_layout_t *l, float **copy)
+{
+    float *grad = lib_model(l, 32);
+    for (size_t i = 0; i < l->n_params; i++) grad[i] = 0.01f * (float)(i % 7) - 0.02f;
+    *copy = malloc(l->t[0].numel * sizeof **copy);
+    cr_assert(*copy);
+    return grad;
+}
+
 Test(short, a_shared_slot_is_stepped_in_place_only_once_released)
 {
-    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,32,10]",
-                          "--set", "checkpoint.dir=", "--seed", "5", "--x-verify-weights", NULL};
+    const char **args = (const char **)inplace_args;
     ps_layout_t l;
-    float *grad = lib_model(&l, 32);
-    for (size_t i = 0; i < l.n_params; i++) grad[i] = 0.01f * (float)(i % 7) - 0.02f;
+    float *copy;
+    float *grad = inplace_model(&l, &copy);
     const size_t n0 = l.t[0].numel;
-    float *copy = malloc(n0 * sizeof *copy);
-    cr_assert(copy);
     char weights[2][sizeof ((run_t *)0)->weights];
     for (int mode = 0; mode < 2; mode++) { /* shared memory, then the wire */
         run_t r;
@@ -2429,14 +2442,11 @@ Test(short, a_shared_slot_is_stepped_in_place_only_once_released)
  * step is in place. */
 Test(short, a_slot_another_worker_still_reads_is_not_stepped_in_place)
 {
-    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,32,10]",
-                          "--set", "checkpoint.dir=", "--seed", "6", "--x-verify-weights", NULL};
+    const char **args = (const char **)inplace_args;
     ps_layout_t l;
-    float *grad = lib_model(&l, 32);
-    for (size_t i = 0; i < l.n_params; i++) grad[i] = 0.02f * (float)(i % 5) - 0.04f;
+    float *copy;
+    float *grad = inplace_model(&l, &copy);
     const size_t n0 = l.t[0].numel;
-    float *copy = malloc(n0 * sizeof *copy);
-    cr_assert(copy);
     run_t r;
     pid_t p = start_psd(&r, "inplace2", 2, args);
     char err[512];
