@@ -2282,15 +2282,21 @@ Test(short, progress_on_a_terminal_and_off_it)
  * for weights while its last push still waits for the step (a third worker
  * has not pushed yet). psd must answer with the version that step makes:
  * the version its push was computed on would make its next push stale. */
-static psw_client_t *lib_worker(const char *ep, char *err, size_t n)
+
+/* A library worker, registered and ready (384 training samples, 10000
+ * test), through psd's shared memory (shm) or over the wire. */
+static psw_client_t *lib_worker_shm(const char *ep, int shm, char *err, size_t n)
 {
-    psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = 1};
+    psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = !shm};
     psw_client_t *c = psw_client_new(ep, &info, err, n);
     psw_assign_t a;
     cr_assert(c && psw_client_register(c, &a, 60, err, n) == 0, "%s", err);
     cr_assert_eq(psw_client_ready(c, 384, 10000), 0);
     return c;
 }
+
+/* the same over the wire */
+static psw_client_t *lib_worker(const char *ep, char *err, size_t n) { return lib_worker_shm(ep, 0, err, n); }
 
 /* The library workers' model, 784-hidden-10, and a zero gradient for it. */
 static float *lib_model(ps_layout_t *l, int hidden)
@@ -2387,11 +2393,7 @@ Test(short, a_shared_slot_is_stepped_in_place_only_once_released)
         run_t r;
         pid_t p = start_psd(&r, mode ? "inplace-wire" : "inplace", 1, args);
         char err[512];
-        psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = mode};
-        psw_client_t *c = psw_client_new(r.endpoint, &info, err, sizeof err);
-        psw_assign_t a;
-        cr_assert(c && psw_client_register(c, &a, 60, err, sizeof err) == 0, "%s", err);
-        cr_assert_eq(psw_client_ready(c, 384, 10000), 0);
+        psw_client_t *c = lib_worker_shm(r.endpoint, mode == 0, err, sizeof err);
         cr_assert_eq(psw_client_push_region(c) != NULL, mode == 0, "shared memory only without no_shm");
         psw_event_t ev;
         lib_next(c, &ev, PSW_EV_EPOCH);
@@ -2453,11 +2455,7 @@ Test(short, a_slot_another_worker_still_reads_is_not_stepped_in_place)
     psw_client_t *c[2];
     psw_event_t ev[2];
     for (int i = 0; i < 2; i++) {
-        psw_info_t info = {.device = "cpu", .device_index = -1};
-        c[i] = psw_client_new(r.endpoint, &info, err, sizeof err);
-        psw_assign_t a;
-        cr_assert(c[i] && psw_client_register(c[i], &a, 60, err, sizeof err) == 0, "%s", err);
-        cr_assert_eq(psw_client_ready(c[i], 384, 10000), 0);
+        c[i] = lib_worker_shm(r.endpoint, 1, err, sizeof err);
         cr_assert_not_null(psw_client_push_region(c[i]), "worker %d on shared memory", i);
     }
     psw_client_release_on_push(c[0], 1); /* worker 1 does not promise, at first */

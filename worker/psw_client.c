@@ -1372,8 +1372,7 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
         }
         const uint16_t *h16 = c->weight_bf16 ? ps_msg_bf16(&c->cur, f, &n) : NULL;
         const float *h32 = !c->weight_bf16 ? ps_msg_f32(&c->cur, f, &n) : NULL;
-        if ((!h16 && !h32) || c->cur.hdr->tensors[f]->id != (uint32_t)t ||
-            c->cur.hdr->tensors[f]->offset != (as_rows ? 0 : p->off) || n != want_n || (as_rows && (h16 || crc)) ||
+        if ((!h16 && !h32) || c->cur.hdr->tensors[f]->offset != (as_rows ? 0 : p->off) || n != want_n || (as_rows && (h16 || crc)) ||
             (c->table_on_psd && t == c->layout.table && !as_rows)) { /* never the table's piece whole then */
             snprintf(err, errlen, "psd shard %d sent an invalid weights frame %d (%zu values of tensor %d, %zu %s "
                      "expected)", k, f, n, t, want_n, as_rows ? "rows' values" : "of its piece");
