@@ -282,6 +282,10 @@ int main(int argc, char **argv)
         return 2;
     }
     char err[512];
+    if (ps_endpoint_check(ep, PS_EP_CONNECT, err, sizeof err) != 0) {
+        fprintf(stderr, "psbench: --connect: %s\n", err);
+        return 2;
+    }
     ps_keypair_t kp;
     char spub[PS_Z85_LEN];
     if (key && (ps_auth_load_secret(key, &kp, err, sizeof err) != 0 ||

@@ -10,6 +10,7 @@
  * message can name the line of the offending key or value. */
 #include "ps_config.h"
 #include "ps_ctr.h"
+#include "ps_util.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -983,6 +984,11 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
     }
     if (c->stream && c->sync != PS_SYNC_BSP) {
         set_err(err, errlen, "train.stream: true needs train.sync: bsp (async and ssp apply each push whole)");
+        return -1;
+    }
+    char why[400];
+    if (ps_endpoint_check(c->listen, PS_EP_BIND, why, sizeof why) != 0) {
+        set_err(err, errlen, "server.listen: %s", why);
         return -1;
     }
     return 0;

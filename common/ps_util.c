@@ -1,5 +1,6 @@
 #include "ps_util.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <sched.h>
 #include <fcntl.h>
@@ -338,4 +339,81 @@ size_t ps_sort_unique_u32(uint32_t *a, size_t n)
     for (size_t i = 0; i < n; i++)
         if (!k || a[i] != a[k - 1]) a[k++] = a[i];
     return k;
+}
+
+/* ---- endpoints ------------------------------------------------------------ */
+
+#define PS_IPC_PATH_MAX 107 /* sizeof(sockaddr_un.sun_path) - 1 */
+
+/* tcp://HOST:PORT split at the last colon: host [h, h + hl), port text p. */
+static int tcp_split(const char *ep, const char **h, size_t *hl, const char **p)
+{
+    if (strncmp(ep, "tcp://", 6) != 0) return -1;
+    const char *rest = ep + 6, *colon = strrchr(rest, ':');
+    if (!colon) return -1;
+    *h = rest;
+    *hl = (size_t)(colon - rest);
+    *p = colon + 1;
+    return 0;
+}
+
+int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n)
+{
+    if (!ep || !*ep) {
+        snprintf(why, n, "an empty endpoint (tcp://HOST:PORT or ipc://PATH)");
+        return -1;
+    }
+    if (strncmp(ep, "ipc://", 6) == 0) {
+        size_t len = strlen(ep + 6);
+        if (len == 0 || len > PS_IPC_PATH_MAX) {
+            snprintf(why, n, "'%s': an ipc:// path must have 1 to %d bytes", ep, PS_IPC_PATH_MAX);
+            return -1;
+        }
+        return 0;
+    }
+    const char *h, *p;
+    size_t hl;
+    if (strncmp(ep, "tcp://", 6) != 0) {
+        snprintf(why, n, "'%s' is not a tcp:// or ipc:// endpoint", ep);
+        return -1;
+    }
+    if (tcp_split(ep, &h, &hl, &p) != 0 || hl == 0) {
+        snprintf(why, n, "'%s': expected tcp://HOST:PORT", ep);
+        return -1;
+    }
+    if (h[0] == '[' && (hl < 3 || h[hl - 1] != ']')) {
+        snprintf(why, n, "'%s': an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT", ep);
+        return -1;
+    }
+    if (h[0] != '[' && memchr(h, ':', hl)) {
+        snprintf(why, n, "'%s': an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT", ep);
+        return -1;
+    }
+    if (use == PS_EP_CONNECT && hl == 1 && h[0] == '*') {
+        snprintf(why, n, "'%s': * (every interface) is for listening; give the host to connect to", ep);
+        return -1;
+    }
+    if (use == PS_EP_BIND && strcmp(p, "*") == 0) return 0;
+    size_t digits = strspn(p, "0123456789");
+    long port = digits && digits <= 5 && !p[digits] ? strtol(p, NULL, 10) : -1;
+    if (port < (use == PS_EP_BIND ? 0 : 1) || port > 65535) {
+        snprintf(why, n, "'%s': the port must be a number from %d to 65535%s", ep, use == PS_EP_BIND ? 0 : 1,
+                 use == PS_EP_BIND ? " (0 or *: any free port)" : "");
+        return -1;
+    }
+    return 0;
+}
+
+bool ps_endpoint_is_loopback(const char *ep)
+{
+    if (strncmp(ep, "ipc://", 6) == 0 || strncmp(ep, "inproc://", 9) == 0) return true;
+    const char *h, *p;
+    size_t hl;
+    char host[64];
+    if (tcp_split(ep, &h, &hl, &p) != 0 || hl == 0 || hl >= sizeof host) return false;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    if (strcmp(host, "localhost") == 0 || strcmp(host, "[::1]") == 0) return true;
+    struct in_addr a;
+    return inet_pton(AF_INET, host, &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
 }

@@ -72,6 +72,19 @@ int ps_cpus_usable(bool *bound, bool *by_quota);
  * to the root; 0 if none is set or nothing can be read. */
 int ps_cgroup_cpu_quota(const char *root, const char *self_cgroup);
 
+/* ZeroMQ endpoints psd and its workers take: "tcp://HOST:PORT" (HOST a
+ * name, an IPv4 address or a bracketed IPv6 one; PORT 1-65535) or
+ * "ipc://PATH" (at most 107 bytes, a unix socket's limit). To bind, PORT
+ * may also be 0 or * (a free port) and HOST * (every interface). libzmq
+ * itself takes a port above 65535 modulo 65536, which would listen on or
+ * reach another port than the one asked for. 0, or -1 with a reason in
+ * why[n]. */
+typedef enum { PS_EP_CONNECT = 0, PS_EP_BIND = 1 } ps_ep_use_t;
+int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n);
+/* Whether ep reaches this host only: ipc://, inproc://, or tcp:// to
+ * 127.0.0.0/8 (as numbers), [::1] or localhost. */
+bool ps_endpoint_is_loopback(const char *ep);
+
 /* SIGINT/SIGTERM that come before a daemon's own handlers (while it loads
  * its data): the first is remembered for the daemon to act on once its
  * loop runs; a second exits at once with 128+N. ps_early_stop_signal()

@@ -77,6 +77,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "psctl: --server ENDPOINT is required (psd's worker endpoint)\n");
         return 2;
     }
+    char why[400];
+    if (ps_endpoint_check(server, PS_EP_CONNECT, why, sizeof why) != 0) {
+        fprintf(stderr, "psctl: --server: %s\n", why);
+        return 2;
+    }
     if (!key != !skey) {
         fprintf(stderr, "psctl: --key and --server-key go together\n");
         return 2;

@@ -3836,13 +3836,6 @@ static uint64_t make_run_id(void)
     return id ? id : 1;
 }
 
-static bool is_loopback(const char *ep)
-{
-    return strncmp(ep, "ipc://", 6) == 0 || strncmp(ep, "inproc://", 9) == 0 ||
-           strncmp(ep, "tcp://127.", 10) == 0 || strncmp(ep, "tcp://localhost:", 16) == 0 ||
-           strncmp(ep, "tcp://[::1]:", 12) == 0;
-}
-
 static void close_cb(uv_handle_t *h) { (void)h; }
 
 /* A worker's shared-memory hello (psd_shm.c): the worker it names must be
@@ -4188,7 +4181,7 @@ int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no
                      zmq_strerror(zmq_errno()));
             return PSD_EXIT_ERROR;
         }
-    } else if (!is_loopback(listen)) {
+    } else if (!ps_endpoint_is_loopback(listen)) {
         if (!c->insecure) {
             PS_ERROR("refusing to listen on %s without authentication. Make keys: `psd keygen server` and, per "
                      "worker host, `psd keygen worker1`; put worker1.pub in a directory DIR; run `psd --key "

@@ -620,6 +620,13 @@ Test(config, set_flags)
     cr_expect(strstr(err, "server.workers: 0 is out of range") != NULL, "%s", err);
     cr_expect_eq(ps_config_set(&c, "optimizer", "sgd", err, sizeof err), -1);
     cr_expect_eq(ps_config_validate(&c, err, sizeof err), 0, "%s", err);
+    /* an endpoint libzmq would take modulo 65536 */
+    cr_expect_eq(ps_config_set(&c, "server.listen", "tcp://127.0.0.1:99999", err, sizeof err), 0);
+    cr_expect_eq(ps_config_validate(&c, err, sizeof err), -1);
+    cr_expect(strstr(err, "server.listen: 'tcp://127.0.0.1:99999': the port must be a number from 0 to 65535"),
+              "%s", err);
+    cr_expect_eq(ps_config_set(&c, "server.listen", "tcp://127.0.0.1:0", err, sizeof err), 0);
+    cr_expect_eq(ps_config_validate(&c, err, sizeof err), 0, "%s", err);
 }
 
 Test(config, set_layers)

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "ps_tcp.h"
+#include "ps_util.h"
 
 static int fds[3]; /* listener, client, accepted */
 
@@ -126,4 +127,72 @@ Test(tcp, each_connection_once)
     int before = last;
     ps_tcp_cc_conn(&last, -1, "reno", false);
     cr_assert_eq(last, before, "no fd (ZMQ_SRCFD unknown): nothing");
+}
+
+/* Endpoints (ps_endpoint_check): what psd binds and workers, shards,
+ * psctl and psbench connect to. libzmq takes a port above 65535 modulo
+ * 65536 (tcp://127.0.0.1:99999 listens on 34463), so those are refused. */
+static void ep_ok(const char *ep, ps_ep_use_t use)
+{
+    char why[400] = "";
+    cr_expect_eq(ps_endpoint_check(ep, use, why, sizeof why), 0, "%s refused: %s", ep, why);
+}
+
+static void ep_bad(const char *ep, ps_ep_use_t use, const char *part)
+{
+    char why[400] = "";
+    cr_expect_eq(ps_endpoint_check(ep, use, why, sizeof why), -1, "%s taken", ep);
+    cr_expect(strstr(why, part) != NULL, "%s: '%s' lacks '%s'", ep, why, part);
+}
+
+Test(endpoints, ports_hosts_and_paths)
+{
+    ep_ok("tcp://127.0.0.1:5555", PS_EP_CONNECT);
+    ep_ok("tcp://node-7.cluster:65535", PS_EP_CONNECT);
+    ep_ok("tcp://[::1]:1", PS_EP_CONNECT);
+    ep_ok("ipc:///tmp/psd.sock", PS_EP_CONNECT);
+    ep_ok("ipc://@psd-abstract", PS_EP_CONNECT);
+    ep_ok("tcp://0.0.0.0:0", PS_EP_BIND);
+    ep_ok("tcp://*:*", PS_EP_BIND);
+    ep_ok("tcp://eth0:5555", PS_EP_BIND);
+    ep_bad("tcp://127.0.0.1:99999", PS_EP_BIND, "from 0 to 65535");
+    ep_bad("tcp://127.0.0.1:65536", PS_EP_CONNECT, "from 1 to 65535");
+    ep_bad("tcp://127.0.0.1:0", PS_EP_CONNECT, "from 1 to 65535");
+    ep_bad("tcp://127.0.0.1:*", PS_EP_CONNECT, "from 1 to 65535");
+    ep_bad("tcp://127.0.0.1:-1", PS_EP_BIND, "port");
+    ep_bad("tcp://127.0.0.1:55x", PS_EP_BIND, "port");
+    ep_bad("tcp://127.0.0.1:000005555", PS_EP_BIND, "port");
+    ep_bad("tcp://127.0.0.1:", PS_EP_BIND, "port");
+    ep_bad("tcp://127.0.0.1", PS_EP_CONNECT, "tcp://HOST:PORT");
+    ep_bad("tcp://:5555", PS_EP_BIND, "tcp://HOST:PORT");
+    ep_bad("tcp://::1:5555", PS_EP_CONNECT, "brackets");
+    ep_bad("tcp://[::1:5555", PS_EP_CONNECT, "brackets");
+    ep_bad("tcp://*:5555", PS_EP_CONNECT, "for listening");
+    ep_bad("udp://127.0.0.1:5555", PS_EP_CONNECT, "not a tcp:// or ipc://");
+    ep_bad("127.0.0.1:5555", PS_EP_CONNECT, "not a tcp:// or ipc://");
+    ep_bad("", PS_EP_CONNECT, "empty");
+    ep_bad("ipc://", PS_EP_BIND, "1 to 107 bytes");
+    char longp[160] = "ipc:///";
+    memset(longp + 7, 'a', 106); /* "/" and 106 more: 107 bytes of path, the most a unix socket takes */
+    ep_ok(longp, PS_EP_BIND);
+    longp[113] = 'a';
+    ep_bad(longp, PS_EP_BIND, "1 to 107 bytes");
+}
+
+/* Listening beyond loopback needs keys or --insecure: only numeric
+ * 127.0.0.0/8, [::1], localhost and ipc:// count as this host. */
+Test(endpoints, loopback_is_numeric_or_localhost)
+{
+    cr_expect(ps_endpoint_is_loopback("tcp://127.0.0.1:5555"));
+    cr_expect(ps_endpoint_is_loopback("tcp://127.1.2.3:0"));
+    cr_expect(ps_endpoint_is_loopback("tcp://localhost:5555"));
+    cr_expect(ps_endpoint_is_loopback("tcp://[::1]:5555"));
+    cr_expect(ps_endpoint_is_loopback("ipc:///tmp/x"));
+    cr_expect(!ps_endpoint_is_loopback("tcp://127.attacker.example:5555"), "a name that begins with 127.");
+    cr_expect(!ps_endpoint_is_loopback("tcp://127.0.0.1.nip.io:5555"));
+    cr_expect(!ps_endpoint_is_loopback("tcp://0.0.0.0:5555"));
+    cr_expect(!ps_endpoint_is_loopback("tcp://*:5555"));
+    cr_expect(!ps_endpoint_is_loopback("tcp://10.0.0.1:5555"));
+    cr_expect(!ps_endpoint_is_loopback("tcp://[::]:5555"));
+    cr_expect(!ps_endpoint_is_loopback("tcp://eth0:5555"));
 }

@@ -545,6 +545,11 @@ static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, cha
     memcpy(token, a->shard_token.data, sizeof token);
     for (int k = 1; k < c->n_shards; k++) {
         const char *ep = a->shard_endpoints[k - 1];
+        char why[400];
+        if (ps_endpoint_check(ep, PS_EP_CONNECT, why, sizeof why) != 0) {
+            snprintf(err, errlen, "psd's ASSIGN names psd shard %d at %s", k, why);
+            return -EPROTO;
+        }
         void *so = zmq_socket(c->ctx, ZMQ_DEALER);
         if (!so) {
             snprintf(err, errlen, "zeromq: %s", zmq_strerror(zmq_errno()));

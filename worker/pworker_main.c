@@ -17,6 +17,7 @@
 
 #include "cuda/psw_cuda.h"
 #include "ps_log.h"
+#include "ps_util.h"
 #include "ps_wire.h"
 #include "psw_backend.h"
 #include "psw_worker.h"
@@ -310,8 +311,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "pworker: --connect tcp://HOST:PORT is required (see --help)\n");
         return 2;
     }
-    if (strncmp(o.connect, "tcp://", 6) != 0 && strncmp(o.connect, "ipc://", 6) != 0) {
-        fprintf(stderr, "pworker: --connect: '%s' is not a tcp:// or ipc:// endpoint\n", o.connect);
+    char why[400];
+    if (ps_endpoint_check(o.connect, PS_EP_CONNECT, why, sizeof why) != 0) {
+        fprintf(stderr, "pworker: --connect: %s\n", why);
         return 2;
     }
     device_t dev[MAX_DEVICES];
