@@ -381,12 +381,8 @@ int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n)
         snprintf(why, n, "'%s': expected tcp://HOST:PORT", ep);
         return -1;
     }
-    if (h[0] == '[' && (hl < 3 || h[hl - 1] != ']')) {
-        snprintf(why, n, "'%s': an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT", ep);
-        return -1;
-    }
-    if (h[0] != '[' && memchr(h, ':', hl)) {
-        snprintf(why, n, "'%s': an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT", ep);
+    if (h[0] == '[' || memchr(h, ':', hl)) { /* psd's sockets do not set ZMQ_IPV6 */
+        snprintf(why, n, "'%s': IPv6 addresses are not supported; give an IPv4 address or a host name", ep);
         return -1;
     }
     if (use == PS_EP_CONNECT && hl == 1 && h[0] == '*') {
@@ -413,7 +409,7 @@ bool ps_endpoint_is_loopback(const char *ep)
     if (tcp_split(ep, &h, &hl, &p) != 0 || hl == 0 || hl >= sizeof host) return false;
     memcpy(host, h, hl);
     host[hl] = '\0';
-    if (strcmp(host, "localhost") == 0 || strcmp(host, "[::1]") == 0) return true;
+    if (strcmp(host, "localhost") == 0) return true;
     struct in_addr a;
     return inet_pton(AF_INET, host, &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
 }

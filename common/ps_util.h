@@ -73,7 +73,7 @@ int ps_cpus_usable(bool *bound, bool *by_quota);
 int ps_cgroup_cpu_quota(const char *root, const char *self_cgroup);
 
 /* ZeroMQ endpoints psd and its workers take: "tcp://HOST:PORT" (HOST a
- * name, an IPv4 address or a bracketed IPv6 one; PORT 1-65535) or
+ * name or an IPv4 address: no socket sets ZMQ_IPV6; PORT 1-65535) or
  * "ipc://PATH" (at most 107 bytes, a unix socket's limit). To bind, PORT
  * may also be 0 or * (a free port) and HOST * (every interface). libzmq
  * itself takes a port above 65535 modulo 65536, which would listen on or
@@ -82,7 +82,7 @@ int ps_cgroup_cpu_quota(const char *root, const char *self_cgroup);
 typedef enum { PS_EP_CONNECT = 0, PS_EP_BIND = 1 } ps_ep_use_t;
 int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n);
 /* Whether ep reaches this host only: ipc://, inproc://, or tcp:// to
- * 127.0.0.0/8 (as numbers), [::1] or localhost. */
+ * 127.0.0.0/8 (as numbers) or localhost. */
 bool ps_endpoint_is_loopback(const char *ep);
 
 /* SIGINT/SIGTERM that come before a daemon's own handlers (while it loads
