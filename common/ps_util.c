@@ -1,6 +1,7 @@
 #include "ps_util.h"
 
 #include <arpa/inet.h>
+#include <net/if.h>
 #include <errno.h>
 #include <sched.h>
 #include <fcntl.h>
@@ -387,6 +388,21 @@ int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n)
     }
     if (use == PS_EP_CONNECT && hl == 1 && h[0] == '*') {
         snprintf(why, n, "'%s': * (every interface) is for listening; give the host to connect to", ep);
+        return -1;
+    }
+    char host[IF_NAMESIZE + 1];
+    struct in_addr a4;
+    if (use == PS_EP_BIND && !(hl == 1 && h[0] == '*') && hl < sizeof host) {
+        memcpy(host, h, hl);
+        host[hl] = '\0';
+    }
+    if (use == PS_EP_BIND && !(hl == 1 && h[0] == '*') &&
+        (hl >= sizeof host || (inet_pton(AF_INET, host, &a4) != 1 && if_nametoindex(host) == 0))) {
+        snprintf(why, n,
+                 "'%s': no interface or IPv4 address of that name here (ZeroMQ listens on an interface or an "
+                 "address, not a host name: tcp://0.0.0.0:PORT for every interface, tcp://127.0.0.1:PORT for "
+                 "this host only)",
+                 ep);
         return -1;
     }
     if (use == PS_EP_BIND && strcmp(p, "*") == 0) return 0;

@@ -153,7 +153,10 @@ Test(endpoints, ports_hosts_and_paths)
     ep_ok("ipc://@psd-abstract", PS_EP_CONNECT);
     ep_ok("tcp://0.0.0.0:0", PS_EP_BIND);
     ep_ok("tcp://*:*", PS_EP_BIND);
-    ep_ok("tcp://eth0:5555", PS_EP_BIND);
+    ep_ok("tcp://lo:5555", PS_EP_BIND); /* an interface */
+    ep_bad("tcp://localhost:5555", PS_EP_BIND, "not a host name"); /* libzmq: "No such device" */
+    ep_bad("tcp://no-such-if0:5555", PS_EP_BIND, "no interface or IPv4 address of that name");
+    ep_bad("tcp://a-host-name-longer-than-an-interface-name:5555", PS_EP_BIND, "no interface");
     ep_bad("tcp://127.0.0.1:99999", PS_EP_BIND, "from 0 to 65535");
     ep_bad("tcp://127.0.0.1:65536", PS_EP_CONNECT, "from 1 to 65535");
     ep_bad("tcp://127.0.0.1:0", PS_EP_CONNECT, "from 1 to 65535");
@@ -164,6 +167,7 @@ Test(endpoints, ports_hosts_and_paths)
     ep_bad("tcp://127.0.0.1:", PS_EP_BIND, "port");
     ep_bad("tcp://127.0.0.1", PS_EP_CONNECT, "tcp://HOST:PORT");
     ep_bad("tcp://:5555", PS_EP_BIND, "tcp://HOST:PORT");
+    ep_ok("tcp://localhost:5555", PS_EP_CONNECT);
     ep_bad("tcp://::1:5555", PS_EP_CONNECT, "IPv6 addresses are not supported");
     ep_bad("tcp://[::1]:5555", PS_EP_BIND, "IPv6 addresses are not supported");
     ep_bad("tcp://*:5555", PS_EP_CONNECT, "for listening");
