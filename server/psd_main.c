@@ -71,13 +71,27 @@ typedef struct {
     const char *key, *value;
 } override_t;
 
+/* --FLAG's integer in [lo, hi] into *out: 0, or -1 with a message. */
+static int int_opt(const char *flag, const char *arg, long lo, long hi, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(arg, &end, 10);
+    if (*end || end == arg || errno || v < lo || v > hi) {
+        fprintf(stderr, "psd: --%s: expected an integer in [%ld, %ld], got '%s'\n", flag, lo, hi, arg);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     enum {
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
         OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
-        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_XFETCH, OPT_XBREAKFETCH, OPT_XSLOWCKPT, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
+        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_XFETCH, OPT_XBREAKFETCH, OPT_XSLOWCKPT, OPT_XMAXW, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
     };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, OPT_CONFIG},
@@ -106,6 +120,7 @@ int main(int argc, char **argv)
         {"x-fetch-floats", required_argument, NULL, OPT_XFETCH},
         {"x-break-fetch", no_argument, NULL, OPT_XBREAKFETCH},
         {"x-slow-ckpt-ms", required_argument, NULL, OPT_XSLOWCKPT},
+        {"x-max-workers", required_argument, NULL, OPT_XMAXW},
         {"shard", required_argument, NULL, OPT_SHARD},
         {"leader", required_argument, NULL, OPT_LEADER},
         {"advertise", required_argument, NULL, OPT_ADVERTISE},
@@ -170,31 +185,23 @@ int main(int argc, char **argv)
             printf("psd %s (protocol %u, commit %s)\n", PSD_VERSION, PS_PROTOCOL_VERSION, PSD_GIT_COMMIT);
             code = 0;
             goto out;
-        case OPT_THREADS: {
-            char *end;
-            long v = strtol(optarg, &end, 10);
-            if (*end || v < 1 || v > 1024) {
-                fprintf(stderr, "psd: --threads: expected an integer in [1, 1024], got '%s'\n", optarg);
-                goto out;
-            }
-            threads = (int)v;
+        case OPT_THREADS:
+            if (int_opt("threads", optarg, 1, 1024, &threads) != 0) goto out;
             break;
-        }
         case OPT_RESUME: run.resume_dir = optarg; break;
         case OPT_INSECURE: over[n_over++] = (override_t){"server.insecure", "true"}; break;
         case OPT_XNOZAP: run.no_zap = 1; break; /* tests only */
         case OPT_XVERIFY: run.verify_weights = 1; break; /* tests only */
         case OPT_XBREAKFETCH: run.break_fetch = 1; break; /* tests only */
         case OPT_XSLOWCKPT: { /* tests only: a slow disk */
-            char *end;
-            long v = strtol(optarg, &end, 10);
-            if (*end || end == optarg || v < 0 || v > 600000) {
-                fprintf(stderr, "psd: --x-slow-ckpt-ms: expected an integer in [0, 600000], got '%s'\n", optarg);
-                goto out;
-            }
-            psd_ckpt_test_delay((int)v);
+            int ms;
+            if (int_opt("x-slow-ckpt-ms", optarg, 0, 600000, &ms) != 0) goto out;
+            psd_ckpt_test_delay(ms);
             break;
         }
+        case OPT_XMAXW: /* tests only: few worker slots, to see them reused */
+            if (int_opt("x-max-workers", optarg, 1, 1024, &run.max_workers) != 0) goto out;
+            break;
         case OPT_XFETCH: { /* tests only */
             char *end;
             unsigned long long v = strtoull(optarg, &end, 10);

@@ -90,7 +90,7 @@ typedef struct {
 typedef struct {
     uint8_t ident[PS_MAX_IDENTITY];
     size_t ident_len;
-    uint32_t rank;        /* = its slot; never reused */
+    uint32_t rank;        /* = its slot (reused once every slot was taken: free_slot) */
     char hostname[64], host_id[128], device[32];
     uint32_t pid;
     wstate_t state;
@@ -247,6 +247,8 @@ typedef struct {
     void *mon;            /* PAIR with the ROUTER's handshake failures (authentication on) */
     uint64_t hs_failed;
     worker_t *w;          /* MAX_WORKERS slots */
+    int max_workers;      /* slots taken before gone ones are reused (MAX_WORKERS; tests: --x-max-workers) */
+    uint64_t registrations;
     int n;                /* slots used */
     phase_t phase;
     int exit_code;
@@ -2342,6 +2344,30 @@ static void send_assign(srv_t *s, worker_t *w)
     send_to(s, w, &h, NULL, 0);
 }
 
+/* A slot for a new worker: the next one never used, or once all
+ * max_workers were taken, the one gone longest whose worker has given psd
+ * up and that holds nothing: no push or chunks of one, no parameter slot,
+ * no shared region, no validation part. A worker waits s->silence * 3 + 10
+ * s for psd (ASSIGN's step timeout), then registers again; one that wakes
+ * up after its slot was given away is not told it was lost: its messages
+ * are dropped as a stranger's until it does. NULL: none. */
+static worker_t *free_slot(srv_t *s)
+{
+    if (s->n < s->max_workers) return &s->w[s->n];
+    const double now = ps_now(), after = s->silence * 3 + 10;
+    worker_t *best = NULL;
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (w->state != W_GONE || now - w->gone_at < after || w->has_push || w->push_started || w->st_member ||
+            w->n_gch || w->grad_mask || w->hold || w->shm_grad || w->val_pending)
+            continue;
+        bool part = false;
+        for (int j = 0; j < s->n_parts && !part; j++) part = !s->parts[j].done && s->parts[j].worker == i;
+        if (!part && (!best || w->gone_at < best->gone_at)) best = w;
+    }
+    return best;
+}
+
 static void on_register(srv_t *s, ps_msg_t *m)
 {
     Psd__Register *r = m->hdr->reg;
@@ -2355,30 +2381,50 @@ static void on_register(srv_t *s, ps_msg_t *m)
         PS_WARN("rank %u (%s pid %u) registers again; taking it as a new worker", w->rank, w->hostname, w->pid);
         worker_gone(s, w);
     }
-    if (s->phase == PHASE_DONE || s->n >= MAX_WORKERS) {
+    w = s->phase == PHASE_DONE ? NULL : free_slot(s);
+    if (!w) {
         PS_WARN("refused a worker from %s pid %u: %s", host, r->pid,
-                s->n >= MAX_WORKERS ? "no free worker slot" : "the run is over");
+                s->phase != PHASE_DONE ? "no free worker slot" : "the run is over");
         send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED,
-                         s->n >= MAX_WORKERS ? "psd has no free worker slot" : "the run is over");
+                         s->phase != PHASE_DONE ? "psd has no free worker slot" : "the run is over");
         return;
     }
-    w = &s->w[s->n];
-    memset(w, 0, sizeof *w);
+    const bool reused = w < s->w + s->n;
+    const double gone_for = ps_now() - w->gone_at;
+    { /* a reused slot's buffers are kept for the new worker, emptied */
+        prange_t *ranges = w->ranges;
+        zmq_msg_t *gch = w->gch;
+        uint8_t *gch_in = w->gch_in;
+        int cap_ranges = w->cap_ranges, n_gch_cap = w->n_gch_cap;
+        memset(w, 0, sizeof *w);
+        w->ranges = ranges;
+        w->cap_ranges = cap_ranges;
+        w->gch = gch;
+        w->gch_in = gch_in;
+        w->n_gch_cap = n_gch_cap;
+        if (gch_in) memset(gch_in, 0, (size_t)n_gch_cap);
+    }
+    for (int i = 0; i < s->n; i++) /* a gone slot of the same identity (a worker that registers again) is
+                                    * forgotten: its messages are this one's now, wherever the slots lie */
+        if (&s->w[i] != w && s->w[i].ident_len == m->ident_len && memcmp(s->w[i].ident, m->ident, m->ident_len) == 0)
+            s->w[i].ident_len = 0;
     memcpy(w->ident, m->ident, m->ident_len);
     w->ident_len = m->ident_len;
-    w->rank = (uint32_t)s->n;
+    w->rank = (uint32_t)(w - s->w);
     snprintf(w->hostname, sizeof w->hostname, "%s", host);
     snprintf(w->host_id, sizeof w->host_id, "%s", r->host_id && r->host_id[0] ? r->host_id : host);
     snprintf(w->device, sizeof w->device, "%s", r->device && r->device[0] ? r->device : "cpu");
     w->pid = r->pid;
-    if (s->stream) { /* its chunks of a step (made once per worker slot) */
+    if (s->stream && !w->gch) { /* its chunks of a step (made once per worker slot) */
         w->gch = calloc((size_t)s->st_nc, sizeof *w->gch);
         w->gch_in = calloc((size_t)s->st_nc, 1);
         w->n_gch_cap = s->st_nc;
         if (!w->gch || !w->gch_in) {
             free(w->gch);
             free(w->gch_in);
+            free(w->ranges);
             memset(w, 0, sizeof *w);
+            if (reused) w->state = W_GONE; /* free again, with nothing */
             PS_WARN("refused a worker from %s pid %u: out of memory", host, r->pid);
             send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, "psd is out of memory");
             return;
@@ -2394,7 +2440,12 @@ static void on_register(srv_t *s, ps_msg_t *m)
     }
     w->last_seen = ps_now();
     w->seq_in = m->hdr->seq;
-    s->n++;
+    if (!reused) s->n++;
+    s->registrations++;
+    if (reused)
+        PS_INFO("rank %u is given to a new worker: every one of psd's %d worker slots was taken, and its last "
+                "worker was lost %.0f s ago (%" PRIu64 " registrations this run)",
+                w->rank, s->max_workers, gone_for, s->registrations);
     char dev[48];
     if (r->device_index >= 0) snprintf(dev, sizeof dev, "%s:%d", w->device, r->device_index);
     else snprintf(dev, sizeof dev, "%s", w->device);
@@ -4231,6 +4282,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->config_hash = ps_config_hash(c);
     s->run_id = make_run_id();
     s->w = calloc(MAX_WORKERS, sizeof *s->w);
+    s->max_workers = opts->max_workers > 0 && opts->max_workers < MAX_WORKERS ? opts->max_workers : MAX_WORKERS;
     if (!s->w) goto out;
     if (ps_config_layout(c, &s->layout) != 0) {
         PS_ERROR("invalid model.layers");

@@ -31,6 +31,7 @@ typedef struct {
     uint64_t fetch_floats;  /* tests only: floats per chunk of a shard's part fetched for --save
                              * (0: PSD_FETCH_FLOATS) */
     int break_fetch;        /* tests only: a shard answers SHARD_FETCH with its last frame a float short */
+    int max_workers;        /* tests only: worker slots before gone ones are reused (0: all 1024) */
     int shard, shards;      /* --shard i/n: this psd holds part i of n (shards 0: one psd) */
     const char *leader;     /* shard i > 0: shard 0's endpoint */
     const char *advertise;  /* shard i > 0: the endpoint workers reach it at (default: where it listens) */

@@ -661,6 +661,16 @@ static void on_leader(shard_t *s, ps_msg_t *m)
             break;
         }
         fw_t *w = &s->w[sw->rank];
+        if (w->known && memcmp(w->token, sw->token.data, PS_SHM_TOKEN) != 0) {
+            /* shard 0 gave the rank of a worker long gone to a new one
+             * (every slot taken): nothing of the old one stays */
+            release(s, w);
+            w->ident_len = 0;
+            w->seq_in = w->seq_out = 0;
+            w->push_version = w->want = 0;
+            w->rows_want.has = false;
+            w->tcp_fd = 0;
+        }
         w->known = true;
         if ((int)sw->rank >= s->n_w) s->n_w = (int)sw->rank + 1;
         memcpy(w->token, sw->token.data, PS_SHM_TOKEN);

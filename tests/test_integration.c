@@ -1930,6 +1930,55 @@ Test(short, a_psd_shard_keeps_pushes_across_registrations_and_refuses_repeated_r
     fake_lead_end(&f);
 }
 
+/* Shard 0 gives the rank of a worker long gone to a new one (every worker
+ * slot taken: worker_slots_are_reused_once_every_one_was_taken): a
+ * SHARD_WORKER with another token. The shard forgets all of the old
+ * worker, also its complete push that shard 0 never stepped (the old one
+ * was gone); the new worker's push of that version is taken, not dropped
+ * as a second one, and stepped. */
+Test(short, a_psd_shard_forgets_a_rank_given_to_a_new_worker)
+{
+    const char *extra[] = {"--set", "model.layers=[784,4]", "--set", "optimizer.momentum=0", "--set",
+                           "optimizer.weight_decay=0", "--set", "data.train_limit=1000", NULL};
+    fake_lead_t f;
+    fake_lead_start(&f, "fakelead-reuse.log", extra);
+    ps_msg_t m;
+    shard_push(f.w, 0, &f.seq); /* the old worker's push, complete here */
+    cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE");
+    ps_msg_deinit(&m);
+    static const uint8_t token2[PS_SHM_TOKEN] = {9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 2};
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_WORKER, 0);
+    Psd__ShardWorker sw = PSD__SHARD_WORKER__INIT;
+    sw.token.data = (uint8_t *)token2;
+    sw.token.len = PS_SHM_TOKEN;
+    h.body_case = PSD__HEADER__BODY_SHARD_WORKER;
+    h.shard_worker = &sw;
+    fake_lead_send(&f, &h);
+    uint64_t seq2 = 0;
+    void *w2 = shard_register(f.ctx, f.wep, token2, &seq2);
+    shard_push(w2, 0, &seq2);
+    cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0,
+                 "no SHARD_HAVE for the new worker's push: dropped as a second one (log %s)", f.log);
+    ps_msg_deinit(&m);
+    uint32_t one[1] = {0};
+    shard_step(f.lead, f.ident, f.ilen, 0, one, 1, ++f.lseq);
+    cr_assert_eq(recv_type(w2, false, PSD__MSG_TYPE__MSG_WEIGHTS, &m, 30), 0, "no version 1 for the new worker");
+    size_t n = 0;
+    const float *b = m.n_frames == 1 ? ps_msg_f32(&m, 0, &n) : NULL;
+    cr_assert(b && n == 4 && m.hdr->weights->version == 1, "weights of the shard's part");
+    for (int i = 0; i < 4; i++) cr_expect_float_eq(b[i], -0.5f, 1e-6, "bias %d: 0 - 0.5 x 1 (its push, once)", i);
+    ps_msg_deinit(&m);
+    h = fake_hdr(PSD__MSG_TYPE__MSG_SHUTDOWN, 0);
+    Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
+    sd.reason = "test over";
+    h.body_case = PSD__HEADER__BODY_SHUTDOWN;
+    h.shutdown = &sd;
+    fake_lead_send(&f, &h);
+    cr_expect_eq(proc_wait(f.sh, 30), 0, "the shard exits 0 at SHUTDOWN");
+    zmq_close(w2);
+    fake_lead_end(&f);
+}
+
 /* A PUSH of table rows to rank 0's shard connection d for version v: the
  * ids frame (n ids) and a values frame of nv rows of 8 floats (val), or
  * none when nv < 0; then, with want, the n_want rows the reply is to bring
@@ -3123,6 +3172,40 @@ Test(short, streamed_steps_give_the_same_weights_as_whole_steps)
     }
 }
 
+/* A library worker with `left` of its `assigned` samples of epoch 1 to
+ * train (weights asked for) trains until psd's SHUTDOWN in batches of 64,
+ * taking the samples psd adds (appended: as an EPOCH that adds to the
+ * epoch under way, else one that starts it: it then asks for weights),
+ * and answers validations. Returns the samples it trained. */
+static uint64_t lib_train_to_end(psw_client_t *c, uint64_t left, uint64_t assigned, bool appended, const float *zero,
+                                 const ps_layout_t *l)
+{
+    char err[512];
+    psw_event_t ev;
+    uint64_t trained = 0;
+    for (;;) {
+        int rc = psw_client_next(c, &ev, 30, err, sizeof err);
+        cr_assert_eq(rc, 0, "%s", err);
+        if (ev.kind == PSW_EV_SHUTDOWN) return trained;
+        if (ev.kind == PSW_EV_EPOCH) {
+            cr_assert_eq(ev.append, appended);
+            left += ev.n_samples;
+            assigned += ev.n_samples;
+            if (!appended) psw_client_pull(c, ev.version);
+        } else if (ev.kind == PSW_EV_WEIGHTS) {
+            cr_assert_gt(left, 0);
+            uint32_t batch = left < 64 ? (uint32_t)left : 64;
+            left -= batch;
+            trained += batch;
+            lib_push(c, ev.version, batch, left > 0, zero, l);
+            if (left == 0) psw_client_barrier(c, 0, assigned);
+        } else if (ev.kind == PSW_EV_VALIDATE) {
+            psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 0.1 * (double)(ev.val_end - ev.val_begin), 0,
+                                  ev.val_end - ev.val_begin, NULL);
+        }
+    }
+}
+
 /* train.stream: a worker lost after some of its chunks were stepped. Its
  * gradient cannot be taken out of them again, so its batch counts as
  * trained and the rest of the step goes on with the other worker's alone;
@@ -3136,7 +3219,6 @@ Test(short, a_worker_lost_in_the_middle_of_a_streamed_step)
                           "--set", "server.chunk_bytes=65536", "--set", "train.stream=true", "--worker-timeout", "1",
                           "--set", "checkpoint.dir=", NULL};
     pid_t p = start_psd(&r, "stlost", 2, args);
-    char err[512];
     psw_event_t ev;
     ps_layout_t l;
     float *zero = lib_model(&l, 64);
@@ -3156,29 +3238,77 @@ Test(short, a_worker_lost_in_the_middle_of_a_streamed_step)
     wait_log(r.psd_log, "lost in the middle of a streamed step: its gradient is in 4 of 7 chunks", 30);
     psw_client_destroy(&B);
     /* A trains the rest: its own 128 samples and B's 128 */
-    uint64_t left = 128, trained = 64, assigned = 192;
-    for (;;) {
-        int rc = psw_client_next(A, &ev, 30, err, sizeof err);
-        cr_assert_eq(rc, 0, "%s", err);
-        if (ev.kind == PSW_EV_SHUTDOWN) break;
-        if (ev.kind == PSW_EV_EPOCH) {
-            cr_assert(ev.append);
-            left += ev.n_samples;
-            assigned += ev.n_samples;
-        } else if (ev.kind == PSW_EV_WEIGHTS) {
-            cr_assert_gt(left, 0);
-            uint32_t batch = left < 64 ? (uint32_t)left : 64;
-            left -= batch;
-            trained += batch;
-            lib_push(A, ev.version, batch, left > 0, zero, &l);
-            if (left == 0) psw_client_barrier(A, 0, assigned);
-        } else if (ev.kind == PSW_EV_VALIDATE) {
-            psw_client_val_result(A, ev.epoch, ev.version, ev.val_begin, 0.1 * (double)(ev.val_end - ev.val_begin), 0,
-                                  ev.val_end - ev.val_begin, NULL);
-        }
-    }
+    uint64_t trained = 64 + lib_train_to_end(A, 128, 192, true, zero, &l);
     cr_assert_eq(trained, 320, "A trained its 192 samples and B's 128 not yet trained");
     psw_client_destroy(&A);
+    free(zero);
+    r.psd_code = proc_wait(p, 60);
+    cr_assert_eq(r.psd_code, 0, "psd finished the run");
+    char *m = metrics_last(&r);
+    cr_assert_eq(json_num(last_line(m), "train_samples"), 384, "every sample trained once: %s", last_line(m));
+    free(m);
+}
+
+/* Worker slots (1024 a run; 2 here with --x-max-workers): once every one
+ * was taken, a new worker is refused with the reason until a gone worker's
+ * slot is older than a worker's patience with psd (3 x its silence limit +
+ * 10 s: it has registered again, or is dead); then it gets that slot and
+ * its rank. Library workers: A (rank 0) registers and leaves; B (rank 1)
+ * takes A's samples and falls silent (lost). B registers again with its
+ * identity (as pworker does): refused, it retries, gets A's slot (gone
+ * longest) and trains the epoch as rank 0; its old slot still names its
+ * identity, and must not take its messages. */
+Test(short, worker_slots_are_reused_once_every_one_was_taken)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]",
+                          "--worker-timeout", "0.3", "--x-max-workers", "2", "--set", "checkpoint.dir=",
+                          "--start-timeout", "60", NULL};
+    pid_t p = start_psd(&r, "slots", 1, args);
+    char err[512];
+    psw_event_t ev;
+    ps_layout_t l;
+    float *zero = lib_model(&l, 64);
+    psw_client_t *a[1];
+    lib_start(r.endpoint, a, 1, 384);
+    psw_client_leave(a[0], "test");
+    psw_client_destroy(&a[0]);
+    wait_log(r.psd_log, "rank 0 (", 10);
+    wait_log(r.psd_log, "left the run", 10);
+    double gone = ps_now();
+    static const char bid[] = "worker-b-identity";
+    psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = 1, .identity = bid, .identity_len = sizeof bid};
+    psw_assign_t as;
+    psw_client_t *b = psw_client_new(r.endpoint, &info, err, sizeof err); /* rank 1 takes the samples A left */
+    cr_assert(b && psw_client_register(b, &as, 30, err, sizeof err) == 0, "%s", err);
+    cr_assert_eq(as.rank, 1);
+    cr_assert_eq(psw_client_ready(b, 384, 10000), 0);
+    lib_next(b, &ev, PSW_EV_EPOCH);
+    wait_log(r.psd_log, "lost: nothing from it", 10); /* B: silent while training */
+    psw_client_destroy(&b);
+    psw_client_t *c = NULL;
+    int refused = 0;
+    for (;;) { /* refused until A's slot is free again */
+        c = psw_client_new(r.endpoint, &info, err, sizeof err);
+        cr_assert_not_null(c, "%s", err);
+        if (psw_client_register(c, &as, 30, err, sizeof err) == 0) break;
+        cr_assert(strstr(err, "psd refused: psd has no free worker slot"), "%s", err);
+        psw_client_destroy(&c);
+        refused++;
+        cr_assert_lt(ps_now() - gone, 40, "a slot comes free within 3 x silence + 10 s");
+        usleep(500000);
+    }
+    double waited = ps_now() - gone;
+    cr_assert_gt(refused, 0, "refused while both slots were taken");
+    cr_assert_gt(waited, 9.0, "A's slot was given after a worker's patience (%.1f s)", waited);
+    cr_assert_eq(as.rank, 0, "the slot gone longest: A's");
+    char *log = slurp(r.psd_log);
+    cr_assert(strstr(log, "refused a worker from") && strstr(log, "no free worker slot"), "%s", log);
+    cr_assert(strstr(log, "rank 0 is given to a new worker: every one of psd's 2 worker slots was taken"), "%s", log);
+    free(log);
+    cr_assert_eq(psw_client_ready(c, 384, 10000), 0);
+    cr_assert_eq(lib_train_to_end(c, 0, 0, false, zero, &l), 384, "the reused slot's worker trained the epoch");
+    psw_client_destroy(&c);
     free(zero);
     r.psd_code = proc_wait(p, 60);
     cr_assert_eq(r.psd_code, 0, "psd finished the run");
