@@ -382,27 +382,14 @@ int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n)
         snprintf(why, n, "'%s': expected tcp://HOST:PORT", ep);
         return -1;
     }
-    if (h[0] == '[' || memchr(h, ':', hl)) { /* psd's sockets do not set ZMQ_IPV6 */
-        snprintf(why, n, "'%s': IPv6 addresses are not supported; give an IPv4 address or a host name", ep);
+    /* psd's sockets do not set ZMQ_IPV6; to listen, eth0:1 is an interface's alias */
+    if (h[0] == '[' || (use == PS_EP_CONNECT && memchr(h, ':', hl))) {
+        snprintf(why, n, "'%s': IPv6 addresses are not supported; give %s", ep,
+                 use == PS_EP_BIND ? "an IPv4 address, an interface name or *" : "an IPv4 address or a host name");
         return -1;
     }
     if (use == PS_EP_CONNECT && hl == 1 && h[0] == '*') {
         snprintf(why, n, "'%s': * (every interface) is for listening; give the host to connect to", ep);
-        return -1;
-    }
-    char host[IF_NAMESIZE + 1];
-    struct in_addr a4;
-    if (use == PS_EP_BIND && !(hl == 1 && h[0] == '*') && hl < sizeof host) {
-        memcpy(host, h, hl);
-        host[hl] = '\0';
-    }
-    if (use == PS_EP_BIND && !(hl == 1 && h[0] == '*') &&
-        (hl >= sizeof host || (inet_pton(AF_INET, host, &a4) != 1 && if_nametoindex(host) == 0))) {
-        snprintf(why, n,
-                 "'%s': no interface or IPv4 address of that name here (ZeroMQ listens on an interface or an "
-                 "address, not a host name: tcp://0.0.0.0:PORT for every interface, tcp://127.0.0.1:PORT for "
-                 "this host only)",
-                 ep);
         return -1;
     }
     if (use == PS_EP_BIND && strcmp(p, "*") == 0) return 0;
@@ -416,6 +403,25 @@ int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n)
     return 0;
 }
 
+int ps_endpoint_bindable(const char *ep, char *why, size_t n)
+{
+    const char *h, *p;
+    size_t hl;
+    char host[IF_NAMESIZE + 1];
+    struct in_addr a;
+    if (tcp_split(ep, &h, &hl, &p) != 0 || (hl == 1 && h[0] == '*')) return 0; /* ipc://, or every interface */
+    if (hl < sizeof host) {
+        memcpy(host, h, hl);
+        host[hl] = '\0';
+        if (inet_aton(host, &a) || if_nametoindex(host) != 0) return 0;
+    }
+    snprintf(why, n,
+             "'%s': no interface or IPv4 address of that name here (ZeroMQ listens on an interface or an address, "
+             "not a host name: tcp://0.0.0.0:PORT for every interface, tcp://127.0.0.1:PORT for this host only)",
+             ep);
+    return -1;
+}
+
 bool ps_endpoint_is_loopback(const char *ep)
 {
     if (strncmp(ep, "ipc://", 6) == 0 || strncmp(ep, "inproc://", 9) == 0) return true;
@@ -427,5 +433,5 @@ bool ps_endpoint_is_loopback(const char *ep)
     host[hl] = '\0';
     if (strcmp(host, "localhost") == 0) return true;
     struct in_addr a;
-    return inet_pton(AF_INET, host, &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
+    return inet_aton(host, &a) && (ntohl(a.s_addr) >> 24) == 127;
 }

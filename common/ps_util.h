@@ -81,6 +81,11 @@ int ps_cgroup_cpu_quota(const char *root, const char *self_cgroup);
  * why[n]. */
 typedef enum { PS_EP_CONNECT = 0, PS_EP_BIND = 1 } ps_ep_use_t;
 int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n);
+/* A checked endpoint to listen on names an interface or an IPv4 address
+ * of this host (libzmq resolves no host names to bind: "No such device").
+ * Apart from the syntax, as the host that listens is not always the one
+ * that checks a config. 0, or -1 with a reason. */
+int ps_endpoint_bindable(const char *ep, char *why, size_t n);
 /* Whether ep reaches this host only: ipc://, inproc://, or tcp:// to
  * 127.0.0.0/8 (as numbers) or localhost. */
 bool ps_endpoint_is_loopback(const char *ep);

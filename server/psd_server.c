@@ -249,6 +249,7 @@ typedef struct {
     worker_t *w;          /* MAX_WORKERS slots */
     int max_workers;      /* slots taken before gone ones are reused (MAX_WORKERS; tests: --x-max-workers) */
     uint64_t registrations;
+    double stranger_reply_t; /* the last ERR_LOST to a peer of this run psd does not know */
     int n;                /* slots used */
     phase_t phase;
     int exit_code;
@@ -389,8 +390,9 @@ static int live_workers(const srv_t *s)
     return n;
 }
 
-/* Slot of a peer: the newest slot with that identity (a worker that rejoins
- * keeps its identity and gets a new slot). */
+/* Slot of a peer: the one with that identity. A worker that rejoins keeps
+ * its identity and gets another slot (or its own back); on_register makes
+ * any other slot forget the identity, so that there is one. */
 static worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len)
 {
     for (int i = s->n - 1; i >= 0; i--)
@@ -2348,22 +2350,30 @@ static void send_assign(srv_t *s, worker_t *w)
  * max_workers were taken, the one gone longest whose worker has given psd
  * up and that holds nothing: no push or chunks of one, no parameter slot,
  * no shared region, no validation part. A worker waits s->silence * 3 + 10
- * s for psd (ASSIGN's step timeout), then registers again; one that wakes
- * up after its slot was given away is not told it was lost: its messages
- * are dropped as a stranger's until it does. NULL: none. */
-static worker_t *free_slot(srv_t *s)
+ * s for psd while it trains (ASSIGN's step timeout), then registers again;
+ * one that sends after its slot was given away is told to register again
+ * as a stranger of this run (handle). The gone slot of the registering
+ * worker's own identity (`own`, maybe NULL) is taken first, whatever its
+ * age: that worker is the one registering. NULL: none. */
+static bool slot_holds_nothing(const srv_t *s, const worker_t *w)
+{
+    if (w->state != W_GONE || w->has_push || w->push_started || w->st_member || w->n_gch || w->grad_mask ||
+        w->hold || w->shm_grad || w->val_pending)
+        return false;
+    for (int j = 0; j < s->n_parts; j++)
+        if (!s->parts[j].done && s->parts[j].worker == (int)(w - s->w)) return false;
+    return true;
+}
+
+static worker_t *free_slot(srv_t *s, worker_t *own)
 {
     if (s->n < s->max_workers) return &s->w[s->n];
+    if (own && slot_holds_nothing(s, own)) return own;
     const double now = ps_now(), after = s->silence * 3 + 10;
     worker_t *best = NULL;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
-        if (w->state != W_GONE || now - w->gone_at < after || w->has_push || w->push_started || w->st_member ||
-            w->n_gch || w->grad_mask || w->hold || w->shm_grad || w->val_pending)
-            continue;
-        bool part = false;
-        for (int j = 0; j < s->n_parts && !part; j++) part = !s->parts[j].done && s->parts[j].worker == i;
-        if (!part && (!best || w->gone_at < best->gone_at)) best = w;
+        if (now - w->gone_at >= after && slot_holds_nothing(s, w) && (!best || w->gone_at < best->gone_at)) best = w;
     }
     return best;
 }
@@ -2381,7 +2391,8 @@ static void on_register(srv_t *s, ps_msg_t *m)
         PS_WARN("rank %u (%s pid %u) registers again; taking it as a new worker", w->rank, w->hostname, w->pid);
         worker_gone(s, w);
     }
-    w = s->phase == PHASE_DONE ? NULL : free_slot(s);
+    worker_t *const own = w; /* its gone slot, if it had one */
+    w = s->phase == PHASE_DONE ? NULL : free_slot(s, w);
     if (!w) {
         PS_WARN("refused a worker from %s pid %u: %s", host, r->pid,
                 s->phase != PHASE_DONE ? "no free worker slot" : "the run is over");
@@ -2424,7 +2435,10 @@ static void on_register(srv_t *s, ps_msg_t *m)
             free(w->gch_in);
             free(w->ranges);
             memset(w, 0, sizeof *w);
-            if (reused) w->state = W_GONE; /* free again, with nothing */
+            if (reused) { /* free again, with nothing */
+                w->state = W_GONE;
+                w->gone_at = ps_now();
+            }
             PS_WARN("refused a worker from %s pid %u: out of memory", host, r->pid);
             send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, "psd is out of memory");
             return;
@@ -2442,7 +2456,11 @@ static void on_register(srv_t *s, ps_msg_t *m)
     w->seq_in = m->hdr->seq;
     if (!reused) s->n++;
     s->registrations++;
-    if (reused)
+    if (reused && w == own)
+        PS_INFO("rank %u registers again in its own slot: every one of psd's %d worker slots was taken (%" PRIu64
+                " registrations this run)",
+                w->rank, s->max_workers, s->registrations);
+    else if (reused)
         PS_INFO("rank %u is given to a new worker: every one of psd's %d worker slots was taken, and its last "
                 "worker was lost %.0f s ago (%" PRIu64 " registrations this run)",
                 w->rank, s->max_workers, gone_for, s->registrations);
@@ -2883,7 +2901,10 @@ static void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
         PS_ERROR("rank %u (%s pid %u) loaded %" PRIu64 "/%" PRIu64 " samples, psd has %zu/%zu; not using it",
                  w->rank, w->hostname, w->pid, r->train_count, r->test_count, s->train_count, s->test_count);
         send_shutdown(s, w, 2, "data differs from psd's");
+        shm_forget(s, w); /* its region, if it sent its hello: unmapped, and the slot free for reuse */
+        rows_free(w);
         w->state = W_GONE;
+        w->gone_at = ps_now();
         return;
     }
     if (r->shm && !w->shm_grad) {
@@ -3047,6 +3068,16 @@ static void handle(srv_t *s, ps_msg_t *m)
     worker_t *w = find_worker(s, m->ident, m->ident_len);
     if (!w) {
         drop(s, NULL, "%s from a peer that never registered", ps_msg_type_name((int)h->type));
+        /* a worker of this run whose slot went to another (free_slot), or
+         * from before a restart: told to register again (at most 10 a
+         * second: a stranger's messages cost no more than one reply) */
+        const double now = ps_now();
+        if (h->run_id == s->run_id && h->type != PSD__MSG_TYPE__MSG_ERROR && h->type != PSD__MSG_TYPE__MSG_LEAVE &&
+            now - s->stranger_reply_t >= 0.1) {
+            s->stranger_reply_t = now;
+            send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_LOST,
+                             "psd does not know this worker (lost, its slot given to another); register again");
+        }
         return;
     }
     if (w->state == W_GONE) {
@@ -4184,6 +4215,12 @@ double psd_silence_limit(const ps_config_t *c, size_t n_params)
 int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no_zap, size_t n_params, bool allow_self,
                     void **sockp, psd_zap_t **zapp, void **monp)
 {
+    char why[400];
+    *sockp = NULL;
+    if (ps_endpoint_bindable(listen, why, sizeof why) != 0) { /* before keys: the first thing to fix */
+        PS_ERROR("cannot listen on %s", why);
+        return PSD_EXIT_USAGE;
+    }
     *sockp = zctx ? zmq_socket(zctx, ZMQ_ROUTER) : NULL;
     if (!*sockp) {
         PS_ERROR("zeromq: %s", zmq_strerror(zmq_errno()));

@@ -84,6 +84,7 @@ typedef struct {
     bool joined;
     double leader_seen;
     int leader_tcp_fd;         /* the connection to shard 0 given server.tcp_congestion (fd + 1) */
+    char bound[256];           /* the endpoint it listens on, its port found (ZMQ_LAST_ENDPOINT) */
     fw_t *w;
     psd_rowbuf_t **sp_free;    /* pooled row gradients (SHARD_MAX_WORKERS room) */
     int n_sp_free;
@@ -1015,13 +1016,19 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         goto out;
     const double silence = psd_silence_limit(c, s->layout.n_params);
     code = PSD_EXIT_ERROR;
-    char ep[256] = "";
-    size_t eplen = sizeof ep;
+    char *ep = s->bound, bad[400];
+    size_t eplen = sizeof s->bound;
     zmq_getsockopt(s->router, ZMQ_LAST_ENDPOINT, ep, &eplen);
-    if (!s->opts.advertise || !s->opts.advertise[0]) s->opts.advertise = c->listen;
+    /* by default where it listens, with the port it got for :0 or :* */
+    if (!s->opts.advertise || !s->opts.advertise[0]) s->opts.advertise = ep[0] ? ep : c->listen;
     if (strstr(s->opts.advertise, "://*") || strstr(s->opts.advertise, "://0.0.0.0")) {
         PS_ERROR("shard %d listens on %s: give the address workers reach it at with --advertise ENDPOINT",
                  opts->shard, s->opts.advertise);
+        code = PSD_EXIT_USAGE;
+        goto out;
+    }
+    if (ps_endpoint_check(s->opts.advertise, PS_EP_CONNECT, bad, sizeof bad) != 0) {
+        PS_ERROR("shard %d: workers could not reach it at %s", opts->shard, bad);
         code = PSD_EXIT_USAGE;
         goto out;
     }

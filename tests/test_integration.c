@@ -3253,16 +3253,17 @@ Test(short, a_worker_lost_in_the_middle_of_a_streamed_step)
  * was taken, a new worker is refused with the reason until a gone worker's
  * slot is older than a worker's patience with psd (3 x its silence limit +
  * 10 s: it has registered again, or is dead); then it gets that slot and
- * its rank. Library workers: A (rank 0) registers and leaves; B (rank 1)
- * takes A's samples and falls silent (lost). B registers again with its
- * identity (as pworker does): refused, it retries, gets A's slot (gone
- * longest) and trains the epoch as rank 0; its old slot still names its
- * identity, and must not take its messages. */
+ * its rank. A worker that registers again with its identity (as pworker
+ * does) gets its own gone slot at once. Library workers: A (rank 0)
+ * registers and leaves; B (rank 1) takes A's samples and falls silent
+ * (lost), registers again with its identity (rank 1 again, at once) and
+ * leaves; C is refused, retries, gets A's slot (gone longest) and trains
+ * the epoch as rank 0. */
 Test(short, worker_slots_are_reused_once_every_one_was_taken)
 {
     run_t r;
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]",
-                          "--worker-timeout", "0.3", "--x-max-workers", "2", "--set", "checkpoint.dir=",
+                          "--worker-timeout", "1", "--x-max-workers", "2", "--set", "checkpoint.dir=",
                           "--start-timeout", "60", NULL};
     pid_t p = start_psd(&r, "slots", 1, args);
     char err[512];
@@ -3286,6 +3287,16 @@ Test(short, worker_slots_are_reused_once_every_one_was_taken)
     lib_next(b, &ev, PSW_EV_EPOCH);
     wait_log(r.psd_log, "lost: nothing from it", 10); /* B: silent while training */
     psw_client_destroy(&b);
+    b = psw_client_new(r.endpoint, &info, err, sizeof err); /* B again: its own slot */
+    cr_assert(b && psw_client_register(b, &as, 30, err, sizeof err) == 0, "%s", err);
+    cr_assert_eq(as.rank, 1, "its own slot");
+    cr_assert_lt(ps_now() - gone, 9.0, "at once, not after a worker's patience");
+    psw_client_leave(b, "test");
+    psw_client_destroy(&b);
+    wait_log(r.psd_log, "rank 1 registers again in its own slot: every one of psd's 2 worker slots was taken", 10);
+    static const char cid[] = "worker-c-identity";
+    info.identity = cid;
+    info.identity_len = sizeof cid;
     psw_client_t *c = NULL;
     int refused = 0;
     for (;;) { /* refused until A's slot is free again */
@@ -3407,6 +3418,41 @@ static void raw_start(void *d, ps_msg_t *m, uint64_t *run, uint64_t *seq, uint32
     raw_send(d, seq, *run, *rank, &h, NULL, 0);
     raw_expect(d, m, PSD__MSG_TYPE__MSG_WEIGHTS);
     cr_assert_eq(m->hdr->weights->version, 0);
+}
+
+/* A message with this run's id from a peer psd does not know (a worker
+ * whose slot went to another, or one from before a restart) is dropped and
+ * answered with ERR_LOST, so that the worker registers again at once; a
+ * stranger with another run id gets nothing. */
+Test(short, a_stranger_of_this_run_is_told_to_register_again)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]",
+                          "--set", "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "stranger", 1, args);
+    void *ctx = zmq_ctx_new(), *d = raw_dealer(ctx, r.endpoint), *x = raw_dealer(ctx, r.endpoint);
+    ps_msg_t m = {0};
+    uint64_t run, seq, xseq = 0;
+    uint32_t rank;
+    raw_start(d, &m, &run, &seq, &rank, 384, 10000);
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Pull pl = PSD__PULL__INIT;
+    h.type = PSD__MSG_TYPE__MSG_PULL;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &pl;
+    raw_send(x, &xseq, run + 1, 0, &h, NULL, 0); /* another run's */
+    zmq_pollitem_t it = {x, 0, ZMQ_POLLIN, 0};
+    cr_assert_eq(zmq_poll(&it, 1, 500), 0, "no answer to a stranger of another run");
+    raw_send(x, &xseq, run, 0, &h, NULL, 0);
+    raw_expect(x, &m, PSD__MSG_TYPE__MSG_ERROR);
+    cr_assert_eq(m.hdr->error->code, PSD__ERR_CODE__ERR_LOST);
+    cr_assert(strstr(m.hdr->error->message, "register again"), "%s", m.hdr->error->message);
+    ps_msg_deinit(&m);
+    zmq_close(x);
+    zmq_close(d);
+    zmq_ctx_term(ctx);
+    kill(p, SIGTERM);
+    cr_assert_neq(proc_wait(p, 60), -1, "psd ended");
 }
 
 Test(short, malformed_streamed_pushes_are_dropped)
