@@ -403,18 +403,25 @@ int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n)
     return 0;
 }
 
-int ps_endpoint_bindable(const char *ep, char *why, size_t n)
+/* A tcp:// endpoint's host into host[n]: 0, or -1 (not tcp://, or too long). */
+static int tcp_host(const char *ep, char *host, size_t n)
 {
     const char *h, *p;
     size_t hl;
+    if (tcp_split(ep, &h, &hl, &p) != 0 || hl >= n) return -1;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    return 0;
+}
+
+int ps_endpoint_bindable(const char *ep, char *why, size_t n)
+{
     char host[IF_NAMESIZE + 1];
     struct in_addr a;
-    if (tcp_split(ep, &h, &hl, &p) != 0 || (hl == 1 && h[0] == '*')) return 0; /* ipc://, or every interface */
-    if (hl < sizeof host) {
-        memcpy(host, h, hl);
-        host[hl] = '\0';
-        if (inet_aton(host, &a) || if_nametoindex(host) != 0) return 0;
-    }
+    if (strncmp(ep, "tcp://", 6) != 0) return 0; /* ipc:// */
+    if (tcp_host(ep, host, sizeof host) == 0 &&
+        (strcmp(host, "*") == 0 || inet_aton(host, &a) || if_nametoindex(host) != 0))
+        return 0;
     snprintf(why, n,
              "'%s': no interface or IPv4 address of that name here (ZeroMQ listens on an interface or an address, "
              "not a host name: tcp://0.0.0.0:PORT for every interface, tcp://127.0.0.1:PORT for this host only)",
@@ -425,13 +432,8 @@ int ps_endpoint_bindable(const char *ep, char *why, size_t n)
 bool ps_endpoint_is_loopback(const char *ep)
 {
     if (strncmp(ep, "ipc://", 6) == 0 || strncmp(ep, "inproc://", 9) == 0) return true;
-    const char *h, *p;
-    size_t hl;
     char host[64];
-    if (tcp_split(ep, &h, &hl, &p) != 0 || hl == 0 || hl >= sizeof host) return false;
-    memcpy(host, h, hl);
-    host[hl] = '\0';
-    if (strcmp(host, "localhost") == 0) return true;
     struct in_addr a;
-    return inet_aton(host, &a) && (ntohl(a.s_addr) >> 24) == 127;
+    if (tcp_host(ep, host, sizeof host) != 0) return false;
+    return strcmp(host, "localhost") == 0 || (inet_aton(host, &a) && (ntohl(a.s_addr) >> 24) == 127);
 }

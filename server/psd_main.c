@@ -267,14 +267,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: --leader and --advertise are for shards 1..N-1 (--shard I/N)\n");
         goto out;
     }
-    const char *bad_ep = run.leader && ps_endpoint_check(run.leader, PS_EP_CONNECT, err, sizeof err) != 0 ? "leader"
-                         : run.advertise && ps_endpoint_check(run.advertise, PS_EP_CONNECT, err, sizeof err) != 0
-                             ? "advertise"
-                             : NULL;
-    if (bad_ep) {
-        fprintf(stderr, "psd: --%s: %s\n", bad_ep, err);
-        goto out;
-    }
+    const struct { const char *flag, *ep; } eps[] = {{"leader", run.leader}, {"advertise", run.advertise}};
+    for (size_t i = 0; i < sizeof eps / sizeof eps[0]; i++)
+        if (eps[i].ep && ps_endpoint_check(eps[i].ep, PS_EP_CONNECT, err, sizeof err) != 0) {
+            fprintf(stderr, "psd: --%s: %s\n", eps[i].flag, err);
+            goto out;
+        }
     ps_config_t cfg;
     ps_config_defaults(&cfg);
     if (config && ps_config_load_file(&cfg, config, err, sizeof err) != 0) {

@@ -664,13 +664,10 @@ static void on_leader(shard_t *s, ps_msg_t *m)
         fw_t *w = &s->w[sw->rank];
         if (w->known && memcmp(w->token, sw->token.data, PS_SHM_TOKEN) != 0) {
             /* shard 0 gave the rank of a worker long gone to a new one
-             * (every slot taken): nothing of the old one stays */
+             * (every slot taken): none of the old one's pieces stay, nor
+             * its connection (on_register sets the rest for the new one) */
             release(s, w);
             w->ident_len = 0;
-            w->seq_in = w->seq_out = 0;
-            w->push_version = w->want = 0;
-            w->rows_want.has = false;
-            w->tcp_fd = 0;
         }
         w->known = true;
         if ((int)sw->rank >= s->n_w) s->n_w = (int)sw->rank + 1;
