@@ -317,6 +317,7 @@ typedef struct {
     const void **st_src;  /* their gradients: ST_BATCH x MAX_WORKERS */
     int *st_mem, st_k;    /* contributors (slots) */
     bool st_open;
+    bool st_void;         /* every contributor left before any chunk was stepped: no step (step_done) */
     psd_arena_t *st_next;
     /* progress: a live line on a terminal, else a plain line every progress_every s */
     bool tty;
@@ -1156,9 +1157,12 @@ static void account_step(srv_t *s, uint64_t total, const worker_t *only)
     s->last_loss = step_loss / (double)total;
 }
 
-/* The new version is current: count the step, answer the pulls. */
-static void step_done(srv_t *s)
+/* The new version is current: count the step, answer the pulls. A streamed
+ * step that every contributor left before any chunk took it (void) is no
+ * step: not counted, only answered. */
+static void step_done(srv_t *s, bool taken)
 {
+    if (!taken) goto answer;
     s->ep_step_n++;
     s->step++;
     s->epoch_step++;
@@ -1181,6 +1185,7 @@ static void step_done(srv_t *s)
             s->curve[s->n_curve++].loss = (float)s->last_loss;
         }
     }
+answer:
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
         w->shard_have = 0; /* HAVEs name a version: none of them counts for the next (a non-contributor's) */
@@ -1190,7 +1195,8 @@ static void step_done(srv_t *s)
         }
         w->want_pull = false;
     }
-    if (s->cfg.ckpt_every_steps > 0 && s->step % (uint64_t)s->cfg.ckpt_every_steps == 0) take_checkpoint(s, false);
+    if (taken && s->cfg.ckpt_every_steps > 0 && s->step % (uint64_t)s->cfg.ckpt_every_steps == 0)
+        take_checkpoint(s, false);
 }
 
 /* Tell the shards to take the same step: contributors, weights, rate. */
@@ -1307,7 +1313,7 @@ static void take_step(srv_t *s, worker_t *only)
         only->clock++;
     }
     account_step(s, total, only);
-    step_done(s);
+    step_done(s, true);
 }
 
 /* ---- streamed steps (train.stream) ---------------------------------------- */
@@ -1415,6 +1421,10 @@ static void stream_progress(srv_t *s)
         s->st_rescan = false;
     }
     if (s->st_open && s->st_k == 0) { /* every contributor was lost: the rest take no step */
+        if (clip || s->st_n_done == 0) { /* nor did any chunk */
+            psd_store_stream_void(&s->store);
+            s->st_void = true;
+        }
         for (int c = 0; c < s->st_nc; c++) {
             if (s->st_done[c] && !clip) continue;
             psd_store_stream_keep(&s->store, s->st_next, c);
@@ -1474,7 +1484,8 @@ static void stream_progress(srv_t *s)
     s->st_rq_head = s->st_rq_tail = 0;
     memset(s->st_tmade, 0, sizeof s->st_tmade);
     if (total > 0) account_step(s, total, NULL); /* none: every contributor was lost (counted then) */
-    step_done(s);
+    step_done(s, !s->st_void);
+    s->st_void = false;
     deferred_checkpoint(s);
 }
 
@@ -1482,17 +1493,27 @@ static void stream_progress(srv_t *s)
  * contributor of the step under way, its gradient is in the chunks stepped
  * already and cannot be taken out again (the optimizer state has moved):
  * its batch counts as trained, and the remaining chunks are stepped with
- * the other contributors' gradients, weighted among themselves. */
+ * the other contributors' gradients, weighted among themselves. Unless it
+ * was the last contributor and no chunk has taken the step yet (with
+ * clipping none does before the end): then the step is void
+ * (stream_progress) and its batch is still to be trained, as a gradient
+ * lost before a whole step. */
 static void stream_forget(srv_t *s, worker_t *w)
 {
     if (!w->gch) return;
     for (int c = 0; c < s->st_nc; c++)
         if ((w->gch_in[c] == 1 || w->gch_in[c] == 2) && !s->st_done[c]) s->st_have[c]--;
     if (!w->st_member) return;
-    PS_WARN("rank %u was lost in the middle of a streamed step: its gradient is in %d of %d chunks, the others "
-            "are stepped without it; its batch of %u counts as trained", w->rank, s->st_n_done, s->st_nc,
-            w->push_batch);
-    account_batch(s, w);
+    if (s->st_k == 1 && (s->cfg.clip_norm > 0 || s->st_n_done == 0))
+        PS_WARN("rank %u, the last contributor of a streamed step, was lost in the middle of it, before any chunk "
+                "took the step: no step is taken, and its batch of %u is still to be trained", w->rank,
+                w->push_batch);
+    else {
+        PS_WARN("rank %u was lost in the middle of a streamed step: its gradient is in %d of %d chunks, the others "
+                "are stepped without it; its batch of %u counts as trained", w->rank, s->st_n_done, s->st_nc,
+                w->push_batch);
+        account_batch(s, w);
+    }
     int k = 0;
     for (int j = 0; j < s->st_k; j++)
         if (&s->w[s->st_mem[j]] != w) s->st_mem[k++] = s->st_mem[j];
@@ -2724,7 +2745,7 @@ static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;
     }
-    step_done(s);
+    step_done(s, true);
     deferred_checkpoint(s);
     maybe_step(s);
 }

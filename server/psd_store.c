@@ -644,6 +644,8 @@ void psd_store_stream_keep(psd_store_t *s, psd_arena_t *next, int c)
     if (next != s->cur) memcpy(next->w + ch->off, s->cur->w + ch->off, ch->n * sizeof(float));
 }
 
+void psd_store_stream_void(psd_store_t *s) { s->steps--; }
+
 void psd_store_stream_end(psd_store_t *s, psd_arena_t *next) { publish(s, next); }
 
 void psd_store_tensor_frame(psd_store_t *s, psd_arena_t *a, int t, ps_frame_t *fr)

@@ -204,12 +204,16 @@ int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr);
  * (with their block norms); stream_apply then applies every chunk with
  * the global norm (returned). stream_keep: chunk c takes no step (its
  * contributors were lost), the new version keeps its current values.
- * tensor_frame: a frame of tensor t of arena a (a reference on a). */
+ * stream_void: no chunk of the step took one (every contributor was lost
+ * before any chunk was applied: with clipping, always): it is not counted
+ * as an optimizer step (Adam's bias correction goes on from the last real
+ * one). tensor_frame: a frame of tensor t of arena a (a reference on a). */
 psd_arena_t *psd_store_stream_begin(psd_store_t *s);
 void psd_store_stream_chunks(psd_store_t *s, psd_arena_t *next, const int *ids, int m, int n,
                              const void *const *src, const uint8_t *bf16, const double *weight, bool clip, double lr);
 double psd_store_stream_apply(psd_store_t *s, psd_arena_t *next, double clip_norm, double lr);
 void psd_store_stream_keep(psd_store_t *s, psd_arena_t *next, int c);
+void psd_store_stream_void(psd_store_t *s);
 void psd_store_stream_end(psd_store_t *s, psd_arena_t *next);
 void psd_store_tensor_frame(psd_store_t *s, psd_arena_t *a, int t, ps_frame_t *fr);
 

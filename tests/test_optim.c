@@ -698,3 +698,47 @@ Test(store, steps_on_threads_in_chunks_and_work_items_give_the_bits_of_one_loop)
     free(w1);
     free(m1);
 }
+
+/* A streamed step whose contributors were all lost before any chunk took it
+ * (with clipping: always) is no optimizer step: Adam's bias correction goes
+ * on from the last real one, so the weights and moments after it are those
+ * of a store that never began it; only the version moves on. */
+Test(store, a_streamed_step_with_every_contributor_lost_is_no_step)
+{
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, store_sizes, 3), 0);
+    const psd_optim_t o = make_opt(PS_OPT_ADAM, 0, 0, 1e-2f, 0.9f, 0.999f, 1e-8f);
+    psd_store_t a, b;
+    cr_assert_eq(psd_store_init(&a, &l, &o, 3), 0);
+    cr_assert_eq(psd_store_init(&b, &l, &o, 3), 0);
+    cr_assert_eq(psd_store_set_parallel(&a, 2, PSD_NORM_BLOCK * sizeof(float)), 0);
+    cr_assert_eq(psd_store_set_parallel(&b, 2, PSD_NORM_BLOCK * sizeof(float)), 0);
+    float *g = malloc(l.n_params * sizeof *g);
+    cr_assert(g);
+    const double wt = 1.0;
+    for (int step = 1; step <= 2; step++) {
+        fill(g, l.n_params, 500 + (uint64_t)step, 0.25f);
+        const void *gt[1][PS_MAX_TENSORS];
+        for (int t = 0; t < l.n_tensors; t++) gt[0][t] = g + l.t[t].offset;
+        for (psd_store_t *s = &a; s; s = s == &a ? &b : NULL)
+            cr_assert_geq(psd_store_step(s, 1, (const void *const(*)[PS_MAX_TENSORS])gt, NULL, &wt, 1.0, 0.05), 0);
+        if (step == 2) break;
+        const uint64_t v = a.cur->version;
+        psd_arena_t *next = psd_store_stream_begin(&a); /* begun, then every contributor lost */
+        cr_assert_not_null(next);
+        for (int c = 0; c < a.n_chunks; c++) psd_store_stream_keep(&a, next, c);
+        psd_store_stream_void(&a);
+        psd_store_stream_end(&a, next);
+        cr_assert_eq(a.cur->version, v + 1);
+        cr_assert_eq(a.steps, b.steps);
+        cr_assert(memcmp(a.cur->w, b.cur->w, l.n_params * sizeof(float)) == 0, "the void step changed weights");
+    }
+    cr_expect_eq(a.steps, 2);
+    cr_expect(memcmp(a.cur->w, b.cur->w, l.n_params * sizeof(float)) == 0 &&
+                  memcmp(a.s0, b.s0, l.n_params * sizeof(float)) == 0 &&
+                  memcmp(a.s1, b.s1, l.n_params * sizeof(float)) == 0,
+              "the step after a void streamed step is not the step of a store that never began it");
+    free(g);
+    psd_store_deinit(&a);
+    psd_store_deinit(&b);
+}
