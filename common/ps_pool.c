@@ -5,10 +5,19 @@
  * virtual machine (tens of microseconds), and a step is a fraction of a
  * millisecond. Not when the pool has more threads than this process has
  * usable CPUs (ps_cpus_usable): then the spin would take a core from the
- * items it waits for; nor under a CPU quota, which the spin would spend. */
+ * items it waits for; nor under a CPU quota, which the spin would spend.
+ *
+ * The workers are kept off the caller's CPU (steer): woken onto it, as the
+ * scheduler sometimes places them, a worker only time-shares that core with
+ * the caller while another is idle, and the loop takes as long as on one
+ * thread, or longer. Before a loop the caller looks up its CPU (no system
+ * call) and, when it has moved since the last loop, sets the workers'
+ * affinity to its own allowed CPUs less that one. Only where the workers
+ * then still have a CPU each. */
 #include "ps_pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -30,6 +39,8 @@ static inline void cpu_relax(void)
 struct ps_pool {
     int n_threads;            /* including the caller */
     int spin;                 /* the caller spins for the last items: no more threads than cores */
+    int steer;                /* the workers are kept off the caller's CPU */
+    int avoid;                /* the CPU they are kept off now (-1: none yet) */
     pthread_t *th;
     pthread_mutex_t mu;
     pthread_cond_t start_cv, done_cv;
@@ -94,7 +105,28 @@ ps_pool_t *ps_pool_new(int threads)
      * the quota the items need) */
     bool by_quota = false;
     p->spin = p->n_threads <= ps_cpus_usable(NULL, &by_quota) && !by_quota;
+    cpu_set_t own;
+    p->steer = p->n_threads > 1 && sched_getaffinity(0, sizeof own, &own) == 0 && CPU_COUNT(&own) >= p->n_threads;
+    p->avoid = -1;
     return p;
+}
+
+/* The workers onto the caller's allowed CPUs less its own, if it has moved
+ * (or on the first loop). Best effort: a failure leaves them where they
+ * were. */
+static void steer_workers(ps_pool_t *p)
+{
+    int cpu = sched_getcpu();
+    if (cpu < 0 || cpu == p->avoid || cpu >= CPU_SETSIZE) return;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) != 0) return;
+    CPU_CLR(cpu, &set);
+    if (CPU_COUNT(&set) < p->n_threads - 1) { /* no CPU each besides the caller's: leave them */
+        p->avoid = cpu;
+        return;
+    }
+    for (int i = 0; i < p->n_threads - 1; i++) pthread_setaffinity_np(p->th[i], sizeof set, &set);
+    p->avoid = cpu;
 }
 
 void ps_pool_free(ps_pool_t **pp)
@@ -123,6 +155,7 @@ void ps_pool_for(ps_pool_t *p, int n, void (*fn)(void *arg, int i), void *arg)
         for (int i = 0; i < n; i++) fn(arg, i);
         return;
     }
+    if (p->steer) steer_workers(p);
     pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->arg = arg;

@@ -3,7 +3,9 @@
  * in a temporary directory, with the files the kernel writes), and psd's
  * thread counts sized by them. */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -142,4 +144,56 @@ Test(cpus, a_quota_is_rounded_up_and_huge_values_do_not_overflow)
     cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/q\n"), 4096);
     put("q/cpu.max", "100000 99999999999999999999999\n"); /* out of range: not a quota */
     cr_assert_eq(ps_cgroup_cpu_quota(root, "0::/q\n"), 0);
+}
+
+/* ps_pool keeps its workers off the CPU the caller is on when a loop
+ * starts: each worker that runs an item is allowed every CPU the caller is
+ * allowed but that one (on a 2-CPU machine: the other CPU). Retried until
+ * the caller stayed on one CPU across the loop (the scheduler may move it). */
+#include "ps_pool.h"
+
+typedef struct {
+    pthread_t caller;
+    int caller_cpu;           /* where the caller ran its first item */
+    cpu_set_t seen;           /* a worker's affinity, as it ran an item */
+    atomic_int n_worker_items;
+    atomic_int recorded;
+} steer_t;
+
+static void steer_item(void *arg, int i)
+{
+    steer_t *t = arg;
+    volatile double x = 0;
+    for (int k = 0; k < 20000; k++) x += k * 1e-9; /* some microseconds, so that the worker takes items */
+    (void)i;
+    if (pthread_equal(pthread_self(), t->caller)) {
+        if (t->caller_cpu < 0) t->caller_cpu = sched_getcpu();
+        return;
+    }
+    atomic_fetch_add(&t->n_worker_items, 1);
+    if (atomic_exchange(&t->recorded, 1) == 0) sched_getaffinity(0, sizeof t->seen, &t->seen);
+}
+
+Test(cpus, a_pool_keeps_its_workers_off_the_callers_cpu)
+{
+    cpu_set_t own;
+    cr_assert_eq(sched_getaffinity(0, sizeof own, &own), 0);
+    if (CPU_COUNT(&own) < 2) cr_skip_test("needs 2 usable CPUs");
+    ps_pool_t *p = ps_pool_new(2);
+    cr_assert_not_null(p);
+    bool checked = false;
+    for (int attempt = 0; attempt < 200 && !checked; attempt++) {
+        steer_t t = {.caller = pthread_self(), .caller_cpu = -1};
+        int before = sched_getcpu();
+        ps_pool_for(p, 400, steer_item, &t);
+        int after = sched_getcpu();
+        if (before != after || t.caller_cpu != before || !atomic_load(&t.recorded)) continue;
+        cpu_set_t want = own;
+        CPU_CLR(before, &want);
+        cr_assert(CPU_EQUAL(&t.seen, &want), "a worker may run on the caller's CPU %d (%d of its CPUs allowed)",
+                  before, CPU_COUNT(&t.seen));
+        checked = true;
+    }
+    ps_pool_free(&p);
+    cr_assert(checked, "the caller never stayed on one CPU through a loop a worker took part in");
 }
