@@ -1432,6 +1432,7 @@ static void stream_progress(srv_t *s)
             stream_made(s, c);
         }
         s->st_n_done = s->st_nc;
+        s->st_rq_head = s->st_rq_tail = 0; /* kept: none of them is stepped (with no contributor) */
     }
     for (;;) {
         int m = 0;

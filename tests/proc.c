@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -34,9 +35,13 @@ static void remember(pid_t pid)
 
 pid_t proc_spawn(const char *const *argv, const char *log)
 {
+    pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) return -1;
     if (pid == 0) {
+        /* killed with the test process, also when Criterion kills that on a
+         * timeout or it crashes (its teardown then never ends what it started) */
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(125);
         if (proc_cwd[0] && chdir(proc_cwd) != 0) _exit(126);
         int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
         if (fd >= 0) {

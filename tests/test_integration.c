@@ -3249,19 +3249,17 @@ Test(short, a_worker_lost_in_the_middle_of_a_streamed_step)
     free(m);
 }
 
-/* train.stream with clipping: chunks take the step only once the global
- * norm is known, so a step whose only contributor is lost in the middle of
- * it takes none (the chunks keep their values, Adam's count stays) and the
- * batch is still to be trained, as a gradient lost before a whole step. One
- * worker (B) sends its first tensor's chunks and falls silent; C, joining,
- * is given the whole epoch and trains it in 6 steps, the run's only ones. */
-Test(short, a_streamed_step_whose_only_contributor_is_lost_is_no_step)
+/* train.stream, one worker (B) that sends its first tensor's chunks and
+ * falls silent: psd logs `said`, and C, joining, is given `left` samples
+ * and trains them; every sample is trained once, in 6 steps in all. */
+static void lose_the_only_streamed_contributor(const char *tag, bool clip, const char *said, uint64_t left)
 {
     run_t r;
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]",
-                          "--set", "server.chunk_bytes=65536", "--set", "train.stream=true", "--set",
-                          "optimizer.clip_norm=1", "--worker-timeout", "1", "--set", "checkpoint.dir=", NULL};
-    pid_t p = start_psd(&r, "stvoid", 1, args);
+                          "--set", "server.chunk_bytes=65536", "--set", "train.stream=true", "--worker-timeout", "1",
+                          "--set", "checkpoint.dir=", "--set", clip ? "optimizer.clip_norm=1" : "optimizer.clip_norm=0",
+                          NULL};
+    pid_t p = start_psd(&r, tag, 1, args);
     psw_event_t ev;
     ps_layout_t l;
     float *zero = lib_model(&l, 64);
@@ -3273,20 +3271,41 @@ Test(short, a_streamed_step_whose_only_contributor_is_lost_is_no_step)
     int id0 = 0, rows0 = l.t[0].rows, cols0 = l.t[0].cols;
     cr_assert_eq(psw_client_push(b[0], 0, 64, 32.0, 0, 1, 1, &id0, &g0, &n0, &rows0, &cols0), 0); /* W0's 4 chunks */
     while (!psw_client_push_done(b[0])) sched_yield();
-    wait_log(r.psd_log, "before any chunk took the step: no step is taken, and its batch of 64 is still to be trained",
-             30);
+    wait_log(r.psd_log, said, 30);
     psw_client_destroy(&b[0]);
-    lib_start(r.endpoint, c, 1, 384); /* the whole epoch: B's batch too */
-    uint64_t trained = lib_train_to_end(c[0], 384, 384, true, zero, &l);
-    cr_assert_eq(trained, 384);
+    lib_start(r.endpoint, c, 1, left);
+    uint64_t trained = lib_train_to_end(c[0], left, left, true, zero, &l);
+    cr_assert_eq(trained, left);
     psw_client_destroy(&c[0]);
     free(zero);
     r.psd_code = proc_wait(p, 60);
     cr_assert_eq(r.psd_code, 0, "psd finished the run");
     char *m = metrics_last(&r);
     cr_assert_eq(json_num(last_line(m), "train_samples"), 384, "every sample trained once: %s", last_line(m));
-    cr_assert_eq(json_num(last_line(m), "step"), 6, "C's 6 steps, and no other: %s", last_line(m));
+    cr_assert_eq(json_num(last_line(m), "step"), 6, "6 steps in all: %s", last_line(m));
     free(m);
+}
+
+/* With clipping chunks take the step only once the global norm is known,
+ * so the step whose only contributor is lost in the middle of it takes
+ * none (the chunks keep their values, Adam's count stays) and its batch is
+ * still to be trained, as a gradient lost before a whole step: C is given
+ * the whole epoch, and its 6 steps are the run's only ones. */
+Test(short, a_streamed_step_whose_only_contributor_is_lost_is_no_step)
+{
+    lose_the_only_streamed_contributor(
+        "stvoid", true, "before any chunk took the step: no step is taken, and its batch of 64 is still to be trained",
+        384);
+}
+
+/* Without clipping B's first tensor took the step before B was lost: its
+ * batch counts as trained and the step ends with the other chunks as they
+ * were (it never ended: psd then stepped those chunks again with no
+ * contributor and waited for them forever); C is given the other 320
+ * samples (5 steps after B's). */
+Test(short, a_streamed_step_whose_only_contributor_is_lost_after_some_chunks_ends)
+{
+    lose_the_only_streamed_contributor("stlast", false, "its batch of 64 counts as trained", 320);
 }
 
 /* Worker slots (1024 a run; 2 here with --x-max-workers): once every one
