@@ -156,7 +156,6 @@ typedef struct {
     pthread_t caller;
     int caller_cpu;           /* where the caller ran its first item */
     cpu_set_t seen;           /* a worker's affinity, as it ran an item */
-    atomic_int n_worker_items;
     atomic_int recorded;
 } steer_t;
 
@@ -170,7 +169,6 @@ static void steer_item(void *arg, int i)
         if (t->caller_cpu < 0) t->caller_cpu = sched_getcpu();
         return;
     }
-    atomic_fetch_add(&t->n_worker_items, 1);
     if (atomic_exchange(&t->recorded, 1) == 0) sched_getaffinity(0, sizeof t->seen, &t->seen);
 }
 
