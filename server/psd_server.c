@@ -1157,12 +1157,9 @@ static void account_step(srv_t *s, uint64_t total, const worker_t *only)
     s->last_loss = step_loss / (double)total;
 }
 
-/* The new version is current: count the step, answer the pulls. A streamed
- * step that every contributor left before any chunk took it (void) is no
- * step: not counted, only answered. */
-static void step_done(srv_t *s, bool taken)
+/* A step taken: its count, timing and loss curve. */
+static void count_step(srv_t *s)
 {
-    if (!taken) goto answer;
     s->ep_step_n++;
     s->step++;
     s->epoch_step++;
@@ -1185,7 +1182,14 @@ static void step_done(srv_t *s, bool taken)
             s->curve[s->n_curve++].loss = (float)s->last_loss;
         }
     }
-answer:
+}
+
+/* The new version is current: count the step, answer the pulls. A streamed
+ * step that every contributor left before any chunk took it (void) is no
+ * step: not counted, only answered. */
+static void step_done(srv_t *s, bool taken)
+{
+    if (taken) count_step(s);
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
         w->shard_have = 0; /* HAVEs name a version: none of them counts for the next (a non-contributor's) */
@@ -1398,6 +1402,10 @@ static bool stream_open(srv_t *s)
     return true;
 }
 
+/* No chunk of the streamed step under way has taken it yet: with clipping
+ * none does before the whole gradient's norm is known. */
+static bool stream_none_applied(const srv_t *s) { return s->cfg.clip_norm > 0 || s->st_n_done == 0; }
+
 /* Step every chunk that every contributor has sent; send the new values to
  * the workers waiting for them; once all are made, the version is current
  * and the step done. */
@@ -1421,7 +1429,7 @@ static void stream_progress(srv_t *s)
         s->st_rescan = false;
     }
     if (s->st_open && s->st_k == 0) { /* every contributor was lost: the rest take no step */
-        if (clip || s->st_n_done == 0) { /* nor did any chunk */
+        if (stream_none_applied(s)) { /* nor did any chunk */
             psd_store_stream_void(&s->store);
             s->st_void = true;
         }
@@ -1505,7 +1513,7 @@ static void stream_forget(srv_t *s, worker_t *w)
     for (int c = 0; c < s->st_nc; c++)
         if ((w->gch_in[c] == 1 || w->gch_in[c] == 2) && !s->st_done[c]) s->st_have[c]--;
     if (!w->st_member) return;
-    if (s->st_k == 1 && (s->cfg.clip_norm > 0 || s->st_n_done == 0))
+    if (s->st_k == 1 && stream_none_applied(s))
         PS_WARN("rank %u, the last contributor of a streamed step, was lost in the middle of it, before any chunk "
                 "took the step: no step is taken, and its batch of %u is still to be trained", w->rank,
                 w->push_batch);

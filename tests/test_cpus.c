@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "ps_config.h"
+#include "ps_pool.h"
 #include "ps_util.h"
 #include "psd_server.h"
 
@@ -150,7 +151,6 @@ Test(cpus, a_quota_is_rounded_up_and_huge_values_do_not_overflow)
  * starts: each worker that runs an item is allowed every CPU the caller is
  * allowed but that one (on a 2-CPU machine: the other CPU). Retried until
  * the caller stayed on one CPU across the loop (the scheduler may move it). */
-#include "ps_pool.h"
 
 typedef struct {
     pthread_t caller;

@@ -180,9 +180,6 @@ Test(endpoints, ports_hosts_and_paths)
     ep_bad(longp, PS_EP_BIND, "1 to 107 bytes");
 }
 
-/* To listen, an interface or an IPv4 address of this host: libzmq binds no
- * host name ("No such device"); checked where psd starts, not with the
- * config (ps_endpoint_bindable). */
 /* ps_endpoint_bindable(ep): 0 (part NULL), or -1 with part in its reason */
 static void bindable(const char *ep, const char *part)
 {
@@ -192,6 +189,9 @@ static void bindable(const char *ep, const char *part)
     if (part) cr_expect(strstr(why, part) != NULL, "%s: '%s' lacks '%s'", ep, why, part);
 }
 
+/* To listen, an interface or an IPv4 address of this host: libzmq binds no
+ * host name ("No such device"); checked where psd starts, not with the
+ * config (ps_endpoint_bindable). */
 Test(endpoints, listening_needs_an_interface_or_an_address)
 {
     const char *ok[] = {"tcp://lo:5555", "tcp://127.0.0.1:0", "tcp://127.1:0", "tcp://0.0.0.0:5555", "tcp://*:*",
