@@ -318,6 +318,13 @@ typedef struct {
     int *st_mem, st_k;    /* contributors (slots) */
     bool st_open;
     bool st_void;         /* every contributor left before any chunk was stepped: no step (step_done) */
+    /* the batches of contributors lost before any chunk took the step: they
+     * count as trained once it is taken, and are handed out again if it is
+     * void (stream_settle_lost) */
+    uint64_t *st_lost_pos;
+    size_t st_lost_n, st_lost_cap;
+    double st_lost_loss;
+    uint64_t st_lost_correct;
     psd_arena_t *st_next;
     /* progress: a live line on a terminal, else a plain line every progress_every s */
     bool tty;
@@ -1406,6 +1413,50 @@ static bool stream_open(srv_t *s)
  * none does before the whole gradient's norm is known. */
 static bool stream_none_applied(const srv_t *s) { return s->cfg.clip_norm > 0 || s->st_n_done == 0; }
 
+static void hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what);
+
+/* w, a contributor lost before any chunk took the step, with others left:
+ * whether its batch is trained depends on whether the step is taken, so it
+ * is set aside (its samples are not handed out with the rest of w's).
+ * 0, or -1 out of memory. */
+static int stream_set_lost_aside(srv_t *s, worker_t *w)
+{
+    size_t need = s->st_lost_n + w->push_batch;
+    if (need > s->st_lost_cap) { /* only when a contributor is lost: never per step */
+        uint64_t *p = realloc(s->st_lost_pos, need * sizeof *p);
+        if (!p) return -1;
+        s->st_lost_pos = p;
+        s->st_lost_cap = need;
+    }
+    collect_t c = {s->st_lost_pos + s->st_lost_n, 0};
+    walk_positions(w, w->consumed, w->push_batch, collect_pos, &c);
+    s->st_lost_n += c.n;
+    w->consumed += w->push_batch;
+    s->st_lost_loss += w->push_loss;
+    s->st_lost_correct += w->push_correct;
+    return 0;
+}
+
+/* The streamed step has ended: the batches set aside count as trained if it
+ * was taken (their gradients are in it), else they are handed out again. */
+static void stream_settle_lost(srv_t *s)
+{
+    if (s->st_lost_n == 0) return;
+    if (s->st_void) {
+        PS_WARN("the streamed step took no step: the %zu samples of the contributors lost in it are trained again",
+                s->st_lost_n);
+        hand_out(s, s->st_lost_pos, s->st_lost_n, "the lost contributors'");
+    } else {
+        for (size_t i = 0; i < s->st_lost_n; i++) mark_seen(s, s->st_lost_pos[i]);
+        s->ep_loss += s->st_lost_loss;
+        s->ep_correct += s->st_lost_correct;
+        s->ep_samples += s->st_lost_n;
+    }
+    s->st_lost_n = 0;
+    s->st_lost_loss = 0;
+    s->st_lost_correct = 0;
+}
+
 /* Step every chunk that every contributor has sent; send the new values to
  * the workers waiting for them; once all are made, the version is current
  * and the step done. */
@@ -1492,6 +1543,7 @@ static void stream_progress(srv_t *s)
     s->st_n_done = s->st_n_made = s->st_n_tord = 0;
     s->st_rq_head = s->st_rq_tail = 0;
     memset(s->st_tmade, 0, sizeof s->st_tmade);
+    stream_settle_lost(s);
     if (total > 0) account_step(s, total, NULL); /* none: every contributor was lost (counted then) */
     step_done(s, !s->st_void);
     s->st_void = false;
@@ -1500,13 +1552,15 @@ static void stream_progress(srv_t *s)
 
 /* w is gone: its chunks of the step no longer count. If it was a
  * contributor of the step under way, its gradient is in the chunks stepped
- * already and cannot be taken out again (the optimizer state has moved):
- * its batch counts as trained, and the remaining chunks are stepped with
- * the other contributors' gradients, weighted among themselves. Unless it
- * was the last contributor and no chunk has taken the step yet (with
- * clipping none does before the end): then the step is void
- * (stream_progress) and its batch is still to be trained, as a gradient
- * lost before a whole step. */
+ * (or, with clipping, reduced) already and cannot be taken out again: the
+ * remaining chunks are stepped with the other contributors' gradients,
+ * weighted among themselves, and its batch counts as trained. With
+ * clipping (no chunk takes the step before the end) that holds only if the
+ * step is taken: its batch is set aside until the step ends
+ * (stream_settle_lost). If it was the last contributor and no chunk has
+ * taken the step, the step is void (stream_progress) and its batch is
+ * still to be trained, as a gradient lost before a whole step. (A
+ * contributor is one from the step's first chunks on: it is in some.) */
 static void stream_forget(srv_t *s, worker_t *w)
 {
     if (!w->gch) return;
@@ -1517,7 +1571,12 @@ static void stream_forget(srv_t *s, worker_t *w)
         PS_WARN("rank %u, the last contributor of a streamed step, was lost in the middle of it, before any chunk "
                 "took the step: no step is taken, and its batch of %u is still to be trained", w->rank,
                 w->push_batch);
-    else {
+    else if (stream_none_applied(s)) { /* reduced into some chunks, applied only if the step is taken */
+        PS_WARN("rank %u was lost in the middle of a streamed step, before any chunk took the step: its gradient is in "
+                "%d of %d chunks, the others go on without it; its batch of %u counts as trained if the step is taken, "
+                "else it is trained again", w->rank, s->st_n_done, s->st_nc, w->push_batch);
+        if (stream_set_lost_aside(s, w) != 0) finish(s, PSD_EXIT_ERROR, "psd out of memory");
+    } else {
         PS_WARN("rank %u was lost in the middle of a streamed step: its gradient is in %d of %d chunks, the others "
                 "are stepped without it; its batch of %u counts as trained", w->rank, s->st_n_done, s->st_nc,
                 w->push_batch);
@@ -1660,6 +1719,32 @@ static bool take_pool(srv_t *s, worker_t *w)
     return true;
 }
 
+/* Untrained samples of the epoch (positions pos[0..n), `what` for the log)
+ * to the workers training or at their barrier, else to a worker that
+ * joined during the epoch and waits for the next one, else they wait for a
+ * worker to join. */
+static void hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what)
+{
+    worker_t *to[MAX_WORKERS];
+    int k = 0;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].state == W_TRAIN || s->w[i].state == W_BARRIER) to[k++] = &s->w[i];
+    if (k > 0) {
+        PS_INFO("%s %zu samples of epoch %u go to %d other worker%s", what, n, s->epoch + 1, k, k == 1 ? "" : "s");
+        spread(s, pos, n, to, k, true);
+        return;
+    }
+    memcpy(s->pool + s->n_pool, pos, n * sizeof *pos);
+    s->n_pool += n;
+    bool taken = false;
+    for (int i = 0; i < s->n && !taken; i++) taken = take_pool(s, &s->w[i]);
+    if (!taken) {
+        s->orphan_deadline = ps_now() + s->cfg.start_timeout;
+        PS_WARN("no worker left in epoch %u: %zu samples wait up to %.0f s for a worker to join", s->epoch + 1,
+                s->n_pool, s->cfg.start_timeout);
+    }
+}
+
 /* A worker is gone (lost, left, failed): its samples and validation parts go
  * to the others, or to a worker waiting for the next epoch, or wait for the
  * next worker to join. */
@@ -1682,25 +1767,7 @@ static void worker_gone(srv_t *s, worker_t *w)
         }
         collect_t c = {pos, 0};
         walk_positions(w, w->consumed, n, collect_pos, &c);
-        worker_t *to[MAX_WORKERS];
-        int k = 0;
-        for (int i = 0; i < s->n; i++)
-            if (s->w[i].state == W_TRAIN || s->w[i].state == W_BARRIER) to[k++] = &s->w[i];
-        if (k > 0) {
-            PS_INFO("its %zu remaining samples of epoch %u go to %d other worker%s", n, s->epoch + 1, k,
-                    k == 1 ? "" : "s");
-            spread(s, pos, n, to, k, true);
-        } else {
-            memcpy(s->pool + s->n_pool, pos, n * sizeof *pos);
-            s->n_pool += n;
-            bool taken = false; /* a worker that joined during the epoch and waits for the next one */
-            for (int i = 0; i < s->n && !taken; i++) taken = take_pool(s, &s->w[i]);
-            if (!taken) {
-                s->orphan_deadline = ps_now() + s->cfg.start_timeout;
-                PS_WARN("no worker left in epoch %u: %zu samples wait up to %.0f s for a worker to join",
-                        s->epoch + 1, s->n_pool, s->cfg.start_timeout);
-            }
-        }
+        hand_out(s, pos, n, "its remaining");
         free(pos);
         w->assigned = w->consumed;
         maybe_step(s);
@@ -4575,6 +4642,7 @@ out:
     free(s->st_rq);
     free(s->st_src);
     free(s->st_mem);
+    free(s->st_lost_pos);
     if (s->rx_arena.fallbacks)
         PS_DEBUG("%" PRIu64 " decoded headers did not fit the receive arena", s->rx_arena.fallbacks);
     free(s->pool);

@@ -3235,19 +3235,21 @@ static uint64_t lib_train_to_end(psw_client_t *c, uint64_t left, uint64_t assign
     }
 }
 
-/* train.stream: a worker lost after some of its chunks were stepped. Its
- * gradient cannot be taken out of them again, so its batch counts as
- * trained and the rest of the step goes on with the other worker's alone;
- * its other samples go to that worker; every sample is trained once and
- * nothing hangs. Two library workers: B sends only its first tensor's
- * chunks, then falls silent. */
-Test(short, a_worker_lost_in_the_middle_of_a_streamed_step)
+/* train.stream: a worker lost after some of its chunks were stepped (with
+ * clipping: reduced, to be applied once the norm is known). Its gradient
+ * cannot be taken out of them again, so its batch counts as trained (with
+ * clipping: once the step is taken) and the rest of the step goes on with
+ * the other worker's alone; its other samples go to that worker; every
+ * sample is trained once and nothing hangs. Two library workers: B sends
+ * only its first tensor's chunks, then falls silent. */
+static void lose_one_streamed_contributor(const char *tag, bool clip)
 {
     run_t r;
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]",
                           "--set", "server.chunk_bytes=65536", "--set", "train.stream=true", "--worker-timeout", "1",
-                          "--set", "checkpoint.dir=", NULL};
-    pid_t p = start_psd(&r, "stlost", 2, args);
+                          "--set", "checkpoint.dir=", "--set", clip ? "optimizer.clip_norm=1" : "optimizer.clip_norm=0",
+                          NULL};
+    pid_t p = start_psd(&r, tag, 2, args);
     psw_event_t ev;
     ps_layout_t l;
     float *zero = lib_model(&l, 64);
@@ -3264,7 +3266,7 @@ Test(short, a_worker_lost_in_the_middle_of_a_streamed_step)
     int id0 = 0, rows0 = l.t[0].rows, cols0 = l.t[0].cols;
     cr_assert_eq(psw_client_push(B, 0, 64, 32.0, 0, 1, 1, &id0, &g0, &n0, &rows0, &cols0), 0); /* W0's 4 chunks */
     while (!psw_client_push_done(B)) sched_yield();
-    wait_log(r.psd_log, "lost in the middle of a streamed step: its gradient is in 4 of 7 chunks", 30);
+    wait_log(r.psd_log, "its gradient is in 4 of 7 chunks", 30);
     psw_client_destroy(&B);
     /* A trains the rest: its own 128 samples and B's 128 */
     uint64_t trained = 64 + lib_train_to_end(A, 128, 192, true, zero, &l);
@@ -3278,30 +3280,41 @@ Test(short, a_worker_lost_in_the_middle_of_a_streamed_step)
     free(m);
 }
 
-/* train.stream, one worker (B) that sends its first tensor's chunks and
- * falls silent: psd logs `said`, and C, joining, is given `left` samples
- * and trains them; every sample is trained once, in 6 steps in all. */
-static void lose_the_only_streamed_contributor(const char *tag, bool clip, const char *said, uint64_t left)
+Test(short, a_worker_lost_in_the_middle_of_a_streamed_step) { lose_one_streamed_contributor("stlost", false); }
+
+Test(short, a_worker_lost_in_the_middle_of_a_streamed_step_with_clipping)
+{
+    lose_one_streamed_contributor("stlostc", true);
+}
+
+/* train.stream, n workers that each send their first tensor's chunks and
+ * fall silent: psd logs `said` (once the last is lost), and C, joining, is
+ * given `left` samples and trains them; every sample is trained once, in 6
+ * steps in all. */
+static void lose_every_streamed_contributor(const char *tag, int n, bool clip, const char *said, uint64_t left)
 {
     run_t r;
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]",
                           "--set", "server.chunk_bytes=65536", "--set", "train.stream=true", "--worker-timeout", "1",
                           "--set", "checkpoint.dir=", "--set", clip ? "optimizer.clip_norm=1" : "optimizer.clip_norm=0",
                           NULL};
-    pid_t p = start_psd(&r, tag, 1, args);
+    pid_t p = start_psd(&r, tag, n, args);
     psw_event_t ev;
     ps_layout_t l;
     float *zero = lib_model(&l, 64);
-    psw_client_t *b[1], *c[1];
-    lib_start(r.endpoint, b, 1, 384);
-    lib_next(b[0], &ev, PSW_EV_WEIGHTS);
+    psw_client_t *b[2], *c[1];
+    cr_assert(n >= 1 && n <= 2);
+    lib_start(r.endpoint, b, n, 384 / (size_t)n);
     const float *g0 = zero;
     size_t n0 = l.t[0].numel;
     int id0 = 0, rows0 = l.t[0].rows, cols0 = l.t[0].cols;
-    cr_assert_eq(psw_client_push(b[0], 0, 64, 32.0, 0, 1, 1, &id0, &g0, &n0, &rows0, &cols0), 0); /* W0's 4 chunks */
-    while (!psw_client_push_done(b[0])) sched_yield();
+    for (int i = 0; i < n; i++) {
+        lib_next(b[i], &ev, PSW_EV_WEIGHTS);
+        cr_assert_eq(psw_client_push(b[i], 0, 64, 32.0, 0, 1, 1, &id0, &g0, &n0, &rows0, &cols0), 0); /* W0's 4 chunks */
+        while (!psw_client_push_done(b[i])) sched_yield();
+    }
     wait_log(r.psd_log, said, 30);
-    psw_client_destroy(&b[0]);
+    for (int i = 0; i < n; i++) psw_client_destroy(&b[i]);
     lib_start(r.endpoint, c, 1, left);
     uint64_t trained = lib_train_to_end(c[0], left, left, true, zero, &l);
     cr_assert_eq(trained, left);
@@ -3322,9 +3335,20 @@ static void lose_the_only_streamed_contributor(const char *tag, bool clip, const
  * the whole epoch, and its 6 steps are the run's only ones. */
 Test(short, a_streamed_step_whose_only_contributor_is_lost_is_no_step)
 {
-    lose_the_only_streamed_contributor(
-        "stvoid", true, "before any chunk took the step: no step is taken, and its batch of 64 is still to be trained",
+    lose_every_streamed_contributor(
+        "stvoid", 1, true, "before any chunk took the step: no step is taken, and its batch of 64 is still to be trained",
         384);
+}
+
+/* The same with two contributors lost one by one: the first one's gradient
+ * is in the chunks reduced so far, so its batch would count as trained had
+ * the step been taken; it was not, so that batch is trained again too (it
+ * was lost for the epoch: C was given 320 samples, and the run took 5
+ * steps). */
+Test(short, a_streamed_step_whose_contributors_are_all_lost_is_no_step)
+{
+    lose_every_streamed_contributor("stvoid2", 2, true, "no step is taken, and its batch of 64 is still to be trained",
+                                    384);
 }
 
 /* Without clipping B's first tensor took the step before B was lost: its
@@ -3334,7 +3358,7 @@ Test(short, a_streamed_step_whose_only_contributor_is_lost_is_no_step)
  * samples (5 steps after B's). */
 Test(short, a_streamed_step_whose_only_contributor_is_lost_after_some_chunks_ends)
 {
-    lose_the_only_streamed_contributor("stlast", false, "its batch of 64 counts as trained", 320);
+    lose_every_streamed_contributor("stlast", 1, false, "its batch of 64 counts as trained", 320);
 }
 
 /* Worker slots (1024 a run; 2 here with --x-max-workers): once every one
