@@ -13,11 +13,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(mktemp -d /tmp/psd-bench-all-XXXXXX)
 trap 'rm -rf "$OUT"' EXIT
-bash bench/wire_bench.sh >"$OUT/wire.txt" 2>"$OUT/wire.err"
-bash bench/bench_mlp.sh >"$OUT/mlp.txt" 2>&1
-bash bench/wait_bench.sh >"$OUT/wait.txt" 2>&1
-bash bench/mem_bench.sh >"$OUT/mem-shm.txt" 2>&1
-bash bench/mem_bench.sh 300 --no-shm >"$OUT/mem-tcp.txt" 2>&1
+# one benchmark, its output into $OUT/$1.txt (and .err); if it fails, what it
+# printed last goes to stderr before all.sh exits with its status
+stage() {
+    local name=$1
+    shift
+    local rc=0
+    "$@" >"$OUT/$name.txt" 2>"$OUT/$name.err" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        echo "bench/all.sh: '$*' failed (exit $rc); its last output:" >&2
+        tail -n 30 "$OUT/$name.txt" "$OUT/$name.err" >&2
+        exit "$rc"
+    fi
+}
+stage wire bash bench/wire_bench.sh
+stage mlp bash bench/bench_mlp.sh
+stage wait bash bench/wait_bench.sh
+stage mem-shm bash bench/mem_bench.sh
+stage mem-tcp bash bench/mem_bench.sh 300 --no-shm
 sed -n '/^push+pull of a 4 MiB/,$p' "$OUT/wire.txt"
 echo
 grep -E '^(psd \+ 2|pytorch|ratio)' "$OUT/mlp.txt"
