@@ -2412,7 +2412,8 @@ static void lib_start(const char *ep, psw_client_t **w, int n, size_t samples)
     for (int i = 0; i < n; i++) w[i] = lib_worker(ep, err, sizeof err);
     for (int i = 0; i < n; i++) {
         lib_next(w[i], &ev, PSW_EV_EPOCH);
-        cr_assert_eq(ev.n_samples, samples);
+        cr_assert_eq(ev.n_samples, samples, "worker %d was given %" PRIu64 " samples, not %zu", i,
+                     (uint64_t)ev.n_samples, samples);
         psw_client_pull(w[i], ev.version);
     }
 }
@@ -3343,8 +3344,7 @@ Test(short, a_streamed_step_whose_only_contributor_is_lost_is_no_step)
 /* The same with two contributors lost one by one: the first one's gradient
  * is in the chunks reduced so far, so its batch would count as trained had
  * the step been taken; it was not, so that batch is trained again too (it
- * was lost for the epoch: C was given 320 samples, and the run took 5
- * steps). */
+ * was lost for the epoch: C was given 320 samples). */
 Test(short, a_streamed_step_whose_contributors_are_all_lost_is_no_step)
 {
     lose_every_streamed_contributor("stvoid2", 2, true, "no step is taken, and its batch of 64 is still to be trained",
