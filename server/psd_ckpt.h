@@ -109,6 +109,10 @@ int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen,
 int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
                        float *slots[2], char *path, size_t pathlen, char *err, size_t errlen);
 
+/* The most checkpoint steps psd shards compare when they resume: more than
+ * a run keeps (checkpoint.keep is at most 1000), so every file counts. */
+#define PSD_RESUME_STEPS_MAX 1024
+
 /* The steps of the checkpoint files in dir up to at_most, newest first, at
  * most max of them (by name: a file is read only when loaded). */
 size_t psd_ckpt_steps(const char *dir, uint64_t at_most, uint64_t *steps, size_t max);

@@ -365,7 +365,7 @@ typedef struct {
      * the one resumed at, newest first: each shard resumes at the newest of
      * them it has, and all go back to the oldest any shard resumed at */
     char resume_dir[PS_PATH_MAX];
-    uint64_t resume_steps[64];
+    uint64_t resume_steps[PSD_RESUME_STEPS_MAX];
     size_t n_resume_steps;
     bool resume_agreed;   /* every shard resumed at shard 0's step: training may begin */
     bool ckpt_again;      /* another one was asked for while writing */
@@ -4175,7 +4175,7 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
     PS_INFO("resuming run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s", s->run_id, path, s->step,
             s->epoch + 1, s->resumed_mid_epoch ? " (part done)" : "");
     /* the steps the psd shards may resume at: this one and older */
-    s->n_resume_steps = psd_ckpt_steps(s->resume_dir, m->step, s->resume_steps, 64);
+    s->n_resume_steps = psd_ckpt_steps(s->resume_dir, m->step, s->resume_steps, PSD_RESUME_STEPS_MAX);
     return 0;
 }
 
@@ -4210,8 +4210,8 @@ static int resume(srv_t *s)
  * shard to resume). */
 static int resume_at(srv_t *s, uint64_t at_most)
 {
-    uint64_t steps[64];
-    size_t n = psd_ckpt_steps(s->resume_dir, at_most, steps, 64);
+    uint64_t steps[PSD_RESUME_STEPS_MAX];
+    size_t n = psd_ckpt_steps(s->resume_dir, at_most, steps, PSD_RESUME_STEPS_MAX);
     for (size_t k = 0; k < n; k++) {
         psd_ckpt_meta_t m;
         uint8_t *seen = NULL;

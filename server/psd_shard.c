@@ -565,14 +565,14 @@ static const char *resume_dir(shard_t *s, char *dir, size_t n)
 static int resume_part(shard_t *s, const uint64_t *steps, size_t n_steps)
 {
     char dir[PS_PATH_MAX], path[PS_PATH_MAX], err[PS_PATH_MAX + 400];
-    uint64_t have[64];
+    uint64_t have[PSD_RESUME_STEPS_MAX];
     size_t n_have = 0;
     if (!resume_dir(s, dir, sizeof dir)) {
         snprintf(err, sizeof err, "no checkpoint of its part under %s (looked in run-%016" PRIx64 "/shard-%d, "
                  "shard-%d and the directory itself)", s->opts.resume_dir, s->run_id, s->opts.shard, s->opts.shard);
         goto none;
     }
-    n_have = psd_ckpt_steps(dir, UINT64_MAX, have, 64);
+    n_have = psd_ckpt_steps(dir, UINT64_MAX, have, PSD_RESUME_STEPS_MAX);
     for (size_t i = 0; i < n_steps; i++) {
         bool found = false;
         for (size_t j = 0; j < n_have && !found; j++) found = have[j] == steps[i];
@@ -638,8 +638,8 @@ static void on_leader(shard_t *s, ps_msg_t *m)
             s->exit_code = PSD_EXIT_USAGE;
             return;
         }
-        if (h->shard_hello->resume && h->shard_hello->n_resume_steps > 64) {
-            fail(s, "shard 0 sent more than 64 steps to resume at");
+        if (h->shard_hello->resume && h->shard_hello->n_resume_steps > PSD_RESUME_STEPS_MAX) {
+            fail(s, "shard 0 sent more steps to resume at than a run keeps");
             return;
         }
         if (h->shard_hello->resume &&
@@ -679,7 +679,7 @@ static void on_leader(shard_t *s, ps_msg_t *m)
     case PSD__MSG_TYPE__MSG_SHARD_FETCH: send_part(s, h->shard_fetch); break;
     case PSD__MSG_TYPE__MSG_SHARD_CKPT: on_ckpt(s, m); break;
     case PSD__MSG_TYPE__MSG_SHARD_RESUME: /* another shard had no checkpoint as new as this one's: go back */
-        if (!s->opts.resume_dir || s->n_w > 0 || h->shard_hello->n_resume_steps > 64) { /* not once training began */
+        if (!s->opts.resume_dir || s->n_w > 0 || h->shard_hello->n_resume_steps > PSD_RESUME_STEPS_MAX) { /* not once training began */
             sdrop(s, "SHARD_RESUME to a shard that did not resume");
             break;
         }

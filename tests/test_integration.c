@@ -1487,6 +1487,49 @@ Test(short, a_sharded_resume_goes_back_to_a_step_every_shard_has)
 #undef SR_ARGS
 }
 
+/* More checkpoints than 64 (one at nearly every step: workers that take 50
+ * ms a step; 96 steps): shard 1 keeps only its 6 oldest, so the newest step
+ * every shard has is older than shard 0's 64 newest. The shards compare
+ * every file a run keeps (they looked at 64: no step in common, exit 2),
+ * resume at that step and train on to the bits of a run never stopped. */
+Test(short, a_sharded_resume_finds_a_step_older_than_the_64_newest)
+{
+#define SR_ARGS "--epochs", "4", "--set", "data.train_limit=3000", "--seed", "9", "--set", "model.layers=[784,32,10]", \
+                "--set", "optimizer.name=adam", "--set", "optimizer.lr=0.002"
+    const char *one[] = {SR_ARGS, "--set", "checkpoint.dir=", NULL};
+    const char *wex[] = {"--no-shm", NULL}, *slow[] = {"--no-shm", "--x-slow-ms", "50", NULL};
+    run_t a, b, c;
+    train_sharded(&a, "whole", 1, one, wex);
+    check_run(&a, 2, 4);
+    char ck[256], arg[300], out[64];
+    path(ck, sizeof ck, "ck");
+    snprintf(arg, sizeof arg, "checkpoint.dir=%s", ck);
+    const char *every[] = {SR_ARGS, "--set", arg, "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep=1000",
+                           NULL};
+    train_sharded(&b, "first", 2, every, slow);
+    cr_assert_eq(b.psd_code, 0);
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "ls %s/run-*/shard-1/ckpt-*.psdc | wc -l", ck);
+    run_cmd_out(cmd, out, sizeof out);
+    cr_assert_geq(atoi(out), 71, "a checkpoint of nearly every one of the 96 steps: %s", out);
+    /* shard 1's 6 oldest stay: the newest of them is the step to go back to */
+    snprintf(cmd, sizeof cmd, "ls %s/run-*/shard-1/ckpt-*.psdc | sort | sed -n 6p | sed 's/.*ckpt-0*//; s/.psdc$//'", ck);
+    run_cmd_out(cmd, out, sizeof out);
+    out[strcspn(out, "\n")] = '\0';
+    cr_assert_eq(run_cmd("ls %s/run-*/shard-1/ckpt-*.psdc | sort | tail -n +7 | xargs rm", ck), 0);
+    const char *res[] = {SR_ARGS, "--set", arg, "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep=1000",
+                         "--resume", ck, NULL};
+    train_sharded(&c, "second", 2, res, wex);
+    cr_assert_eq(c.psd_code, 0);
+    char *l = slurp(c.psd_log), want[96];
+    snprintf(want, sizeof want, "all 2 psd shards resumed at step %s\n", out);
+    cr_assert(strstr(l, want), "%s:\n%s", want, l);
+    free(l);
+    cr_assert(weights_equal(a.weights, c.weights), "back to step %s and trained on: the bits of a run never stopped",
+              out);
+#undef SR_ARGS
+}
+
 /* A shard that cannot write its part of the checkpoint psd stops with
  * tells shard 0 (SHARD_CKPT_DONE): psd does not say "saved", and exits 1.
  * Shard 1 runs where checkpoint.dir (a relative path) is a file. */
