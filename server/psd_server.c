@@ -1138,18 +1138,24 @@ static void start_validation(srv_t *s)
     }
 }
 
-/* The statistics of the step's contributors, their pushes released; those
- * that asked get the new version once it is made (step_done). */
+/* samples trained this epoch, with their summed loss and correct count */
+static void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct)
+{
+    s->ep_samples += samples;
+    s->ep_loss += loss;
+    s->ep_correct += correct;
+}
+
 /* w's batch is trained: its samples seen, its statistics counted */
 static void account_batch(srv_t *s, worker_t *w)
 {
     walk_positions(w, w->consumed, w->push_batch, mark_seen, s);
     w->consumed += w->push_batch;
-    s->ep_loss += w->push_loss;
-    s->ep_correct += w->push_correct;
-    s->ep_samples += w->push_batch;
+    count_trained(s, w->push_batch, w->push_loss, w->push_correct);
 }
 
+/* The statistics of the step's contributors, their pushes released; those
+ * that asked get the new version once it is made (step_done). */
 static void account_step(srv_t *s, uint64_t total, const worker_t *only)
 {
     double step_loss = 0;
@@ -1448,9 +1454,7 @@ static void stream_settle_lost(srv_t *s)
         hand_out(s, s->st_lost_pos, s->st_lost_n, "the lost contributors'");
     } else {
         for (size_t i = 0; i < s->st_lost_n; i++) mark_seen(s, s->st_lost_pos[i]);
-        s->ep_loss += s->st_lost_loss;
-        s->ep_correct += s->st_lost_correct;
-        s->ep_samples += s->st_lost_n;
+        count_trained(s, s->st_lost_n, s->st_lost_loss, s->st_lost_correct);
     }
     s->st_lost_n = 0;
     s->st_lost_loss = 0;

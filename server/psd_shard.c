@@ -679,7 +679,8 @@ static void on_leader(shard_t *s, ps_msg_t *m)
     case PSD__MSG_TYPE__MSG_SHARD_FETCH: send_part(s, h->shard_fetch); break;
     case PSD__MSG_TYPE__MSG_SHARD_CKPT: on_ckpt(s, m); break;
     case PSD__MSG_TYPE__MSG_SHARD_RESUME: /* another shard had no checkpoint as new as this one's: go back */
-        if (!s->opts.resume_dir || s->n_w > 0 || h->shard_hello->n_resume_steps > PSD_RESUME_STEPS_MAX) { /* not once training began */
+        /* not once training began */
+        if (!s->opts.resume_dir || s->n_w > 0 || h->shard_hello->n_resume_steps > PSD_RESUME_STEPS_MAX) {
             sdrop(s, "SHARD_RESUME to a shard that did not resume");
             break;
         }

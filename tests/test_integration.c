@@ -3279,6 +3279,13 @@ static uint64_t lib_train_to_end(psw_client_t *c, uint64_t left, uint64_t assign
     }
 }
 
+/* psd for the streamed-loss tests: 384 samples, 7 chunks of 64 KiB, a
+ * worker lost after 1 s of silence, clipping or not */
+#define STREAM_LOSS_ARGS(clip)                                                                                        \
+    "--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]", "--set",                  \
+        "server.chunk_bytes=65536", "--set", "train.stream=true", "--worker-timeout", "1", "--set", "checkpoint.dir=", \
+        "--set", (clip) ? "optimizer.clip_norm=1" : "optimizer.clip_norm=0"
+
 /* train.stream: a worker lost after some of its chunks were stepped (with
  * clipping: reduced, to be applied once the norm is known). Its gradient
  * cannot be taken out of them again, so its batch counts as trained (with
@@ -3289,10 +3296,7 @@ static uint64_t lib_train_to_end(psw_client_t *c, uint64_t left, uint64_t assign
 static void lose_one_streamed_contributor(const char *tag, bool clip)
 {
     run_t r;
-    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]",
-                          "--set", "server.chunk_bytes=65536", "--set", "train.stream=true", "--worker-timeout", "1",
-                          "--set", "checkpoint.dir=", "--set", clip ? "optimizer.clip_norm=1" : "optimizer.clip_norm=0",
-                          NULL};
+    const char *args[] = {STREAM_LOSS_ARGS(clip), NULL};
     pid_t p = start_psd(&r, tag, 2, args);
     psw_event_t ev;
     ps_layout_t l;
@@ -3338,10 +3342,7 @@ Test(short, a_worker_lost_in_the_middle_of_a_streamed_step_with_clipping)
 static void lose_every_streamed_contributor(const char *tag, int n, bool clip, const char *said, uint64_t left)
 {
     run_t r;
-    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]",
-                          "--set", "server.chunk_bytes=65536", "--set", "train.stream=true", "--worker-timeout", "1",
-                          "--set", "checkpoint.dir=", "--set", clip ? "optimizer.clip_norm=1" : "optimizer.clip_norm=0",
-                          NULL};
+    const char *args[] = {STREAM_LOSS_ARGS(clip), NULL};
     pid_t p = start_psd(&r, tag, n, args);
     psw_event_t ev;
     ps_layout_t l;
