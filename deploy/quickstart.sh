@@ -40,7 +40,7 @@ train)
     "$ROOT/build/psd" eval psd-weights.bin
     ;;
 test)
-    meson test -C build --print-errorlogs --suite unit --suite integration --suite long --suite gpu \
+    meson test -C build --print-errorlogs --suite unit --suite integration --suite long --suite gpu --suite emu \
         --suite deploy
     ;;
 *)

@@ -215,7 +215,12 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
             return -1;
         }
     }
-    if (!w->m || (!w->ctr && !w->x) || !w->y || (!w->be->host_visible && !w->grads_host)) {
+    if (!w->m) { /* the weights, gradients and activations on the backend */
+        snprintf(err, errlen, "out of %s memory for the model (%.1f MiB of parameters, batches of %d)",
+                 w->be->host_visible ? "host" : "device", (double)w->mlayout.n_params * 4 / (1 << 20), w->max_batch);
+        return -1;
+    }
+    if ((!w->ctr && !w->x) || !w->y || (!w->be->host_visible && !w->grads_host)) {
         snprintf(err, errlen, "out of memory for the model");
         return -1;
     }

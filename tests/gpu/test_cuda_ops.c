@@ -4,7 +4,9 @@
  * checks on every GPU output, guard regions around every buffer, one full
  * training step of an MLP, and the upload / download_async paths.
  *
- * Without the plugin or a GPU every test is skipped ("no CUDA device: ...").
+ * Without the plugin or a GPU every test is skipped ("no CUDA device: ..."),
+ * or fails where PSW_TEST_NEED_DEVICE=1 (the suite `emu`, against
+ * libpsw_cuda_emu.so: tests/cuda_emu, always there).
  * The plugin is found as pworker finds it ($PSW_CUDA_PLUGIN, or next to the
  * executable). A one-line summary per op with the largest errors seen goes
  * to stderr ("cuda_ops: ..."), so a GPU run's log shows the numbers.
@@ -62,9 +64,22 @@ static void teardown(void)
     gpu = cpu = NULL;
 }
 
+/* Where a device must be there (PSW_TEST_NEED_DEVICE=1), its absence fails. */
+static bool need_device(void)
+{
+    const char *v = getenv("PSW_TEST_NEED_DEVICE");
+    return v && strcmp(v, "1") == 0;
+}
+
+#define SKIP_NO_GPU(...)                                                                       \
+    do {                                                                                       \
+        if (need_device()) cr_assert_fail(__VA_ARGS__);                                        \
+        cr_skip_test(__VA_ARGS__);                                                             \
+    } while (0)
+
 #define NEED_GPU()                                                                             \
     do {                                                                                       \
-        if (!gpu) cr_skip_test("no CUDA device: %s", no_gpu_why);                              \
+        if (!gpu) SKIP_NO_GPU("no CUDA device: %s", no_gpu_why);                               \
     } while (0)
 
 TestSuite(cuda, .init = setup, .fini = teardown);
@@ -743,7 +758,7 @@ Test(cuda_fatal, xent_bad_label_exits_1)
     close(fd[0]);
     int st = 0;
     cr_assert_eq(waitpid(pid, &st, 0), pid);
-    if (WIFEXITED(st) && WEXITSTATUS(st) == 77) cr_skip_test("no CUDA device: %s", msg);
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 77) SKIP_NO_GPU("no CUDA device: %s", msg);
     cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 1, "child: status 0x%x, stderr: %s", st, msg);
     cr_expect(strstr(msg, "psw_cuda: ") && strstr(msg, "out of range"), "message: %s", msg);
     fprintf(stderr, "cuda_ops: bad label -> exit 1: %s", msg);

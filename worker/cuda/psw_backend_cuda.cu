@@ -101,6 +101,14 @@ extern "C" {
         }                                                                                      \
     } while (0)
 
+/* A kernel launch: PSW_LAUNCH(kernel, grid, block, stream)(args...). With
+ * nvcc, the usual triple chevrons; tests/cuda_emu/cuda_runtime.h (the CPU
+ * emulation this file is also compiled against, as libpsw_cuda_emu.so)
+ * defines its own. */
+#ifndef PSW_LAUNCH
+#define PSW_LAUNCH(kernel, grid, block, stream) kernel<<<(grid), (block), 0, (stream)>>>
+#endif
+
 /* ---- backend state ---- */
 
 #define N_TICKETS 64             /* download_async copies in flight at most */
@@ -462,7 +470,7 @@ static void cuda_linear_fwd(psw_backend_t *be, float *y, const float *x, const f
     PSW_ASSERT(y && x && W && b);
     PSW_ASSERT(B >= 1 && in >= 1 && out >= 1);
     const size_t n = (size_t)B * (size_t)out;
-    bias_broadcast_kernel<<<elem_blocks(n), ELEM_THREADS, 0, c->compute>>>(y, b, n, out);
+    PSW_LAUNCH(bias_broadcast_kernel, elem_blocks(n), ELEM_THREADS, c->compute)(y, b, n, out);
     CUDA_LAUNCH_CHECK();
     const float one = 1.0f;
     CUBLAS_CHECK(cublasSgemm(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, B, in, &one, W, in, x, in,
@@ -486,7 +494,7 @@ static void cuda_linear_bwd(psw_backend_t *be, float *dx, float *dW, float *db, 
                              &zero, dW, in));
     const dim3 block(DB_COLS, DB_ROWS);
     const unsigned grid = (unsigned)((out + DB_COLS - 1) / DB_COLS);
-    colsum_kernel<<<grid, block, 0, c->compute>>>(db, dy, B, out);
+    PSW_LAUNCH(colsum_kernel, grid, block, c->compute)(db, dy, B, out);
     CUDA_LAUNCH_CHECK();
     if (dx)
         CUBLAS_CHECK(cublasSgemm(c->blas, CUBLAS_OP_N, CUBLAS_OP_N, in, B, out, &one, W, in, dy,
@@ -498,7 +506,7 @@ static void cuda_relu_fwd(psw_backend_t *be, float *y, const float *x, size_t n)
     cuda_ctx_t *c = use(be);
     PSW_ASSERT((y && x) || n == 0);
     if (!n) return;
-    relu_fwd_kernel<<<elem_blocks(n), ELEM_THREADS, 0, c->compute>>>(y, x, n);
+    PSW_LAUNCH(relu_fwd_kernel, elem_blocks(n), ELEM_THREADS, c->compute)(y, x, n);
     CUDA_LAUNCH_CHECK();
 }
 
@@ -507,7 +515,7 @@ static void cuda_relu_bwd(psw_backend_t *be, float *dx, const float *dy, const f
     cuda_ctx_t *c = use(be);
     PSW_ASSERT((dx && dy && y) || n == 0);
     if (!n) return;
-    relu_bwd_kernel<<<elem_blocks(n), ELEM_THREADS, 0, c->compute>>>(dx, dy, y, n);
+    PSW_LAUNCH(relu_bwd_kernel, elem_blocks(n), ELEM_THREADS, c->compute)(dx, dy, y, n);
     CUDA_LAUNCH_CHECK();
 }
 
@@ -523,7 +531,7 @@ static void cuda_embag_fwd(psw_backend_t *be, float *y, const float *E, const ui
     cuda_ctx_t *c = use(be);
     const size_t bags = (size_t)B * (size_t)F;
     if (!bags || D < 1 || m < 1) return;
-    embag_fwd_kernel<<<elem_blocks(bags * (size_t)D), ELEM_THREADS, 0, c->compute>>>(y, E, ids, bags, m, D, mean);
+    PSW_LAUNCH(embag_fwd_kernel, elem_blocks(bags * (size_t)D), ELEM_THREADS, c->compute)(y, E, ids, bags, m, D, mean);
     CUDA_LAUNCH_CHECK();
 }
 
@@ -533,7 +541,7 @@ static void cuda_embag_bwd(psw_backend_t *be, float *dE, const float *dy, const 
     cuda_ctx_t *c = use(be);
     const size_t bags = (size_t)B * (size_t)F;
     if (!bags || D < 1 || m < 1) return;
-    embag_bwd_kernel<<<(unsigned)((D + 63) / 64), 64, 0, c->compute>>>(dE, dy, ids, bags, m, D, mean);
+    PSW_LAUNCH(embag_bwd_kernel, (unsigned)((D + 63) / 64), 64, c->compute)(dE, dy, ids, bags, m, D, mean);
     CUDA_LAUNCH_CHECK();
 }
 
@@ -541,7 +549,7 @@ static void cuda_scatter_rows(psw_backend_t *be, float *E, const uint32_t *ids, 
 {
     cuda_ctx_t *c = use(be);
     if (!n || D < 1) return;
-    scatter_rows_kernel<<<elem_blocks(n * (size_t)D), ELEM_THREADS, 0, c->compute>>>(E, ids, vals, n, D);
+    PSW_LAUNCH(scatter_rows_kernel, elem_blocks(n * (size_t)D), ELEM_THREADS, c->compute)(E, ids, vals, n, D);
     CUDA_LAUNCH_CHECK();
 }
 
@@ -549,7 +557,7 @@ static void cuda_gather_rows(psw_backend_t *be, float *out, const float *E, cons
 {
     cuda_ctx_t *c = use(be);
     if (!n || D < 1) return;
-    gather_rows_kernel<<<elem_blocks(n * (size_t)D), ELEM_THREADS, 0, c->compute>>>(out, E, ids, n, D);
+    PSW_LAUNCH(gather_rows_kernel, elem_blocks(n * (size_t)D), ELEM_THREADS, c->compute)(out, E, ids, n, D);
     CUDA_LAUNCH_CHECK();
 }
 
@@ -583,7 +591,7 @@ static void cuda_xent(psw_backend_t *be, float *dlogits, const float *logits,
     float *loss_d = (float *)c->xent_dev;
     int32_t *status_d = (int32_t *)(loss_d + B);
     const unsigned grid = (unsigned)((B + XENT_ROWS_PER_BLOCK - 1) / XENT_ROWS_PER_BLOCK);
-    xent_kernel<<<grid, 32 * XENT_ROWS_PER_BLOCK, 0, c->compute>>>(dlogits, loss_d, status_d,
+    PSW_LAUNCH(xent_kernel, grid, 32 * XENT_ROWS_PER_BLOCK, c->compute)(dlogits, loss_d, status_d,
                                                                    logits, labels, B, C,
                                                                    grad_scale);
     CUDA_LAUNCH_CHECK();
