@@ -131,12 +131,27 @@ int ps_cpus_usable(bool *bound, bool *by_quota)
     return n < 1 ? 1 : n;
 }
 
+static int stop_first, stop_count;
+static double stop_first_at;
+
+int ps_stop_signal_note(int sig)
+{
+    double now = ps_now(); /* clock_gettime: async-signal-safe */
+    if (stop_count == 1 && sig == stop_first && now - stop_first_at < PS_SIGNAL_ECHO_S) return 0;
+    if (stop_count++ == 0) {
+        stop_first = sig;
+        stop_first_at = now;
+    }
+    return stop_count;
+}
+
 static volatile sig_atomic_t early_signal;
 
 static void on_early_signal(int sig)
 {
-    if (early_signal) _exit(128 + sig);
-    early_signal = sig;
+    int n = ps_stop_signal_note(sig);
+    if (n > 1) _exit(128 + sig);
+    if (n == 1) early_signal = sig;
 }
 
 void ps_early_stop_signals(void)
@@ -145,6 +160,8 @@ void ps_early_stop_signals(void)
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_early_signal;
     sigemptyset(&sa.sa_mask);
+    sigaddset(&sa.sa_mask, SIGINT); /* one handler at a time (ps_stop_signal_note) */
+    sigaddset(&sa.sa_mask, SIGTERM);
     sa.sa_flags = SA_RESTART;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);

@@ -96,5 +96,14 @@ bool ps_endpoint_is_loopback(const char *ep);
  * returns the first one (0 if none). */
 void ps_early_stop_signals(void);
 int ps_early_stop_signal(void);
+/* Counts the requests SIGINT/SIGTERM make of a daemon (the first: stop
+ * cleanly; another: exit now) and returns how many there were with this one,
+ * or 0 when it is an echo of the first: the same signal within
+ * PS_SIGNAL_ECHO_S of it. timeout(1), and kill of a process group, send it to
+ * the command and to its group: the daemon gets it twice at once, which is
+ * one request. Async-signal-safe; one caller at a time (handlers block both
+ * signals). */
+#define PS_SIGNAL_ECHO_S 0.1
+int ps_stop_signal_note(int sig);
 
 #endif

@@ -3911,6 +3911,11 @@ static void on_signal(uv_signal_t *h, int signum)
         drain(s);
         return;
     }
+    if (ps_stop_signal_note(signum) == 0) { /* the first one again at once: one request */
+        PS_INFO("received %s again at once: the same request (timeout(1) signals a command and its process group)",
+                strsignal(signum));
+        return;
+    }
     request_stop(s, signum, strsignal(signum));
     drain(s);
 }
@@ -4583,9 +4588,9 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
              strcmp(getenv("TERM"), "dumb") != 0;
     s->phase = PHASE_WAIT;
     s->phase_deadline = ps_now() + c->start_timeout;
-    /* one that came while psd loaded: sent again, now to libuv's handler,
-     * so it goes the way of any other (on_signal, in the loop) */
-    if (ps_early_stop_signal()) raise(ps_early_stop_signal());
+    /* one that came while psd loaded (counted then): acted on now, as
+     * on_signal would have */
+    if (ps_early_stop_signal()) request_stop(s, ps_early_stop_signal(), strsignal(ps_early_stop_signal()));
     drain(s);
     if (s->phase != PHASE_DONE) uv_run(&s->loop, UV_RUN_DEFAULT);
     if (s->tty) ps_log_status(NULL);

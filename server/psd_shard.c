@@ -114,8 +114,10 @@ typedef struct {
 static volatile sig_atomic_t stop_signal, stop_count;
 static void on_stop(int sig)
 {
+    int n = ps_stop_signal_note(sig); /* 0: the first one again at once (timeout(1)) */
+    if (n == 0) return;
     stop_signal = sig;
-    stop_count++;
+    stop_count = n;
 }
 
 static void sdrop(shard_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -1062,6 +1064,8 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop;
+    sigaddset(&sa.sa_mask, SIGINT); /* one handler at a time (ps_stop_signal_note) */
+    sigaddset(&sa.sa_mask, SIGTERM);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     if (ps_early_stop_signal() && !stop_signal) { /* one that came while this shard loaded */

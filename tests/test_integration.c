@@ -4112,6 +4112,36 @@ Test(short, ctr_gpu_workers_train_like_cpu_workers_on_the_cuda_emulator)
     }
 }
 
+/* A GPU that fails mid-run (the emulator's 200th kernel launch on device 1
+ * faults, as a kernel that reads a bad address does): its worker tells psd
+ * which device and why before it exits 1, and psd goes on with the other at
+ * once (not after worker_timeout): every sample trained once, every test
+ * sample validated. */
+Test(short, a_gpu_that_fails_mid_run_is_reported_and_the_run_goes_on)
+{
+    use_cuda_emu(2, 4096);
+    setenv("PSW_CUDA_EMU_FAIL", "1:200", 1);
+    run_t r;
+    int sup;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=4000", "--worker-timeout", "120", NULL};
+    double t0 = ps_now();
+    cr_assert_eq(train_devices(&r, "gfail", 2, args, "0,1", NULL, &sup), 0, "psd finishes with the other worker");
+    double took = ps_now() - t0;
+    cr_assert_eq(sup, 1, "pworker exits with its failed worker's status");
+    char *log = slurp(r.psd_log);
+    cr_assert(log && strstr(log, "failed: device cuda:1 failed: psw_cuda: ") &&
+                  strstr(log, "unspecified launch failure"),
+              "psd names the device and the error: %s", log);
+    cr_assert_null(strstr(log, "nothing from it"), "told, not timed out: %s", log);
+    free(log);
+    cr_assert(took < 100, "psd went on at once (%.0f s; its worker_timeout is 120 s)", took);
+    char *m = metrics_last(&r);
+    const char *l = last_line(m);
+    cr_assert_eq(json_num(l, "train_samples"), 4000, "%s", l);
+    cr_assert_eq(json_num(l, "val_samples"), 10000, "%s", l);
+    free(m);
+}
+
 Test(short, a_gpu_beyond_the_visible_ones_is_an_error)
 {
     use_cuda_emu(2, 4096);
@@ -4950,8 +4980,11 @@ Test(short, a_second_sigint_exits_at_once)
     zmq_poll(NULL, 0, 300);
     kill(p, SIGINT);
     /* two signals sent close together can reach psd as one (standard signals
-     * do not queue): the second goes once psd has taken the first */
+     * do not queue), or as an echo of one (the same within PS_SIGNAL_ECHO_S,
+     * as timeout(1) sends it): the second goes once psd has taken the first,
+     * and 0.2 s after it */
     wait_log(r.psd_log, "writing a checkpoint", 30);
+    zmq_poll(NULL, 0, 200);
     kill(p, SIGINT);
     int code = proc_wait(p, 30);
     cr_assert_eq(code, 128 + SIGINT, "the second SIGINT exits at once, during the 240 MB checkpoint (%d)", code);
@@ -5177,10 +5210,12 @@ Test(short, no_keys_no_listening_beyond_loopback)
 
 /* SIGTERM while psd still builds a large table (before its loop and its
  * own handlers): remembered, acted on once the loop runs (exit 0, the
- * workers told); a second one exits at once with 128+15. */
+ * workers told); a second one exits at once with 128+15, but not the first
+ * one again at once (twice == 2: as timeout(1) sends it), which is one
+ * request. */
 Test(short, a_stop_while_psd_loads_is_a_clean_stop)
 {
-    for (int twice = 0; twice < 2; twice++) {
+    for (int twice = 0; twice < 3; twice++) {
         char log[256], ep[64];
         snprintf(log, sizeof log, "%s/load-stop%d.log", dir, twice);
         snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
@@ -5193,13 +5228,13 @@ Test(short, a_stop_while_psd_loads_is_a_clean_stop)
         wait_log(log, "ctr task:", 60); /* logged before the table is built */
         kill(p, SIGTERM);
         if (twice) {
-            zmq_poll(NULL, 0, 20);
+            if (twice == 1) zmq_poll(NULL, 0, 250); /* past PS_SIGNAL_ECHO_S */
             kill(p, SIGTERM);
         }
         int rc = proc_wait(p, 60);
         char *t = slurp(log);
         cr_assert(t, "psd's log");
-        if (twice) {
+        if (twice == 1) {
             cr_assert_eq(rc, 128 + SIGTERM, "a second signal exits at once: %d\n%s", rc, t);
             cr_assert_null(strstr(t, "listening on"), "it did not go on loading: %s", t);
         } else {
@@ -5209,6 +5244,24 @@ Test(short, a_stop_while_psd_loads_is_a_clean_stop)
         }
         free(t);
     }
+}
+
+/* timeout(1) sends its signal to psd and to its process group: twice at
+ * once. One request: a checkpoint, the workers told, exit 0 (before, the
+ * second copy made psd exit at once with 143). */
+Test(short, psd_under_timeout_stops_cleanly)
+{
+    char log[256], ck[256];
+    path(log, sizeof log, "timeout-psd.log");
+    path(ck, sizeof ck, "timeout-ck");
+    int rc = run_cmd("timeout -k 30 --preserve-status 2 '%s' --listen tcp://127.0.0.1:%d --workers 1 --set "
+                     "checkpoint.dir='%s' --metrics '' --start-timeout 60 > '%s' 2>&1",
+                     psd_bin, free_port(), ck, log);
+    char *t = slurp(log);
+    cr_assert_eq(rc, 0, "psd's exit status: %d\n%s", rc, t);
+    cr_assert(strstr(t, "received Terminated: writing a checkpoint"), "%s", t);
+    cr_assert_null(strstr(t, "exiting now"), "%s", t);
+    free(t);
 }
 
 /* ---- soak: training while hostile connections pound psd ----------------- */

@@ -121,6 +121,19 @@ static int load_data(wk_t *w, char *err, size_t errlen)
     return 0;
 }
 
+/* The GPU failed inside an op (the CUDA plugin exits the process after
+ * this): psd is told which device and why, and the connection closed, which
+ * sends that before the exit; psd goes on without this worker at once. */
+static void on_device_failure(const char *message, void *ctx)
+{
+    wk_t *w = ctx;
+    if (!w->c) return;
+    char msg[1024];
+    snprintf(msg, sizeof msg, "device cuda:%d failed: %s", w->o->device_index, message);
+    psw_client_fail(w->c, 0, msg);
+    psw_client_destroy(&w->c);
+}
+
 static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errlen)
 {
     int threads = w->o->threads;
@@ -145,6 +158,7 @@ static int make_model(wk_t *w, unsigned workers_on_host, char *err, size_t errle
         if (!p) return -1;
         w->be = p->backend_new(w->o->device_index, err, errlen);
         if (!w->be) return -1;
+        p->set_fatal_hook(on_device_failure, w);
         char name[128] = "?";
         p->device_name(w->o->device_index, name, sizeof name);
         PS_INFO("backend cuda: device %d (%s)", w->o->device_index, name);

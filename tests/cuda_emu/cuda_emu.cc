@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <deque>
 #include <map>
 #include <memory>
@@ -29,6 +30,25 @@ static cudaError_t fail(cudaError_t e)
 {
     last_error = e;
     return e;
+}
+
+/* PSW_CUDA_EMU_FAIL=DEV:N: the device, and the launch on it, that fails */
+static int fail_dev = -1;
+static long fail_launch;
+static std::atomic<long> launches[16];
+static std::atomic<bool> broken[16]; /* a launch failed: sticky */
+
+static void fail_init(void)
+{
+    static std::once_flag once;
+    std::call_once(once, [] {
+        const char *s = getenv("PSW_CUDA_EMU_FAIL");
+        if (s && (sscanf(s, "%d:%ld", &fail_dev, &fail_launch) != 2 || fail_dev < 0 || fail_dev >= 16 ||
+                  fail_launch < 1)) {
+            fprintf(stderr, "cuda_emu: PSW_CUDA_EMU_FAIL=%s: expected DEV:N (N >= 1)\n", s);
+            abort();
+        }
+    });
 }
 
 [[noreturn]] static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -61,9 +81,17 @@ const char *cudaGetErrorString(cudaError_t e)
     case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
     }
     return "unknown error";
 }
+
+/* a kernel on dev faulted (PSW_CUDA_EMU_FAIL): every call fails from now on */
+static bool is_broken(int dev) { return dev >= 0 && dev < 16 && broken[dev]; }
+#define FAIL_IF_BROKEN(dev)                                                                    \
+    do {                                                                                       \
+        if (is_broken(dev)) return fail(cudaErrorLaunchFailure);                               \
+    } while (0)
 
 /* ---- devices ---- */
 
@@ -225,6 +253,7 @@ static void sync_device(int dev);
 
 cudaError_t cudaMalloc(void **p, size_t bytes)
 {
+    FAIL_IF_BROKEN(cur_dev);
     if (!p) return fail(cudaErrorInvalidValue);
     *p = nullptr;
     if (!bytes) return cudaSuccess; /* as CUDA: NULL, no error */
@@ -247,6 +276,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes)
 
 cudaError_t cudaFree(void *p)
 {
+    FAIL_IF_BROKEN(cur_dev);
     if (!p) return cudaSuccess;
     sync_device(cur_dev); /* as CUDA's: waits for the device */
     std::lock_guard<std::mutex> g(mu);
@@ -368,6 +398,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s)
 {
+    FAIL_IF_BROKEN(s ? s->dev : cur_dev);
     if (s) run_until(s, s->queued);
     return cudaSuccess;
 }
@@ -387,6 +418,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t e)
 
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
 {
+    FAIL_IF_BROKEN(s ? s->dev : cur_dev);
     if (!e || !s) return fail(cudaErrorInvalidValue);
     enqueue(s, [] {});
     e->s = s;
@@ -396,6 +428,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
 
 cudaError_t cudaEventSynchronize(cudaEvent_t e)
 {
+    FAIL_IF_BROKEN(e && e->s ? e->s->dev : cur_dev);
     if (!e) return fail(cudaErrorInvalidValue);
     if (e->s) run_until(e->s, e->seq);
     return cudaSuccess;
@@ -403,6 +436,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e)
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)
 {
+    FAIL_IF_BROKEN(s ? s->dev : cur_dev);
     (void)flags;
     if (!e) return fail(cudaErrorInvalidValue);
     cudaStream_t on = e->s;
@@ -415,6 +449,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind)
 {
+    FAIL_IF_BROKEN(cur_dev);
     if (!bytes) return cudaSuccess;
     check_copy(dst, src, bytes, kind, "cudaMemcpy");
     enqueue(nullptr, [=] { memcpy(dst, src, bytes); });
@@ -423,6 +458,7 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind 
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s)
 {
+    FAIL_IF_BROKEN(s ? s->dev : cur_dev);
     if (!bytes) return cudaSuccess;
     check_copy(dst, src, bytes, kind, "cudaMemcpyAsync");
     enqueue(s, [=] { memcpy(dst, src, bytes); });
@@ -431,6 +467,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s)
 {
+    FAIL_IF_BROKEN(s ? s->dev : cur_dev);
     if (!bytes) return cudaSuccess;
     psw_emu::check_ptr(p, bytes, true, "cudaMemsetAsync", 1);
     enqueue(s, [=] { memset(p, value, bytes); });
@@ -620,6 +657,16 @@ void psw_emu::launch(const char *name, dim3 g, dim3 b, cudaStream_t s, std::func
     const unsigned long long threads = (unsigned long long)b.x * b.y * b.z;
     if (!g.x || !g.y || !g.z || !threads || threads > 1024 || b.z > 64 || g.y > 65535 || g.z > 65535) {
         last_error = cudaErrorInvalidConfiguration;
+        return;
+    }
+    fail_init();
+    const int dev = s ? s->dev : cur_dev;
+    if (is_broken(dev)) {
+        last_error = cudaErrorLaunchFailure;
+        return;
+    }
+    if (dev == fail_dev && ++launches[dev] == fail_launch) { /* this kernel faults: not run */
+        broken[dev] = true;
         return;
     }
     enqueue(s, [name, g, b, fn = std::move(fn)] { run_grid(name, g, b, fn); });

@@ -37,6 +37,10 @@
  *
  * Devices: PSW_CUDA_EMU_DEVICES (default 1) of PSW_CUDA_EMU_MIB MiB each
  * (default 4096; cudaMalloc beyond it fails with cudaErrorMemoryAllocation).
+ * A failing GPU: PSW_CUDA_EMU_FAIL=DEV:N makes the N-th kernel launch on
+ * device DEV (counted from 1 in this process) fail as a kernel that faults
+ * does: cudaErrorLaunchFailure from the next synchronisation, and from every
+ * call after it (a CUDA context does not recover).
  *
  * What it cannot check: real concurrency between streams and with the host,
  * the GPU's memory model, timing, and anything of the driver. */
@@ -71,6 +75,7 @@ enum cudaError_t {
     cudaErrorInvalidMemcpyDirection = 21,
     cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
+    cudaErrorLaunchFailure = 719,
 };
 
 enum cudaMemcpyKind {

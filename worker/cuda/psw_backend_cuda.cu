@@ -25,13 +25,15 @@
  * entry point makes the backend's device current.
  *
  * Errors: any CUDA or cuBLAS failure inside an op is fatal (message with
- * file:line, exit(1)): a worker cannot go on with a broken device, and psd
- * carries on without it. device_count, device_name and backend_new return
+ * file:line, exit(1)): a worker cannot go on with a broken device. The
+ * worker's hook (set_fatal_hook) tells psd first, which carries on without
+ * it at once. device_count, device_name and backend_new return
  * errors instead; alloc and host_alloc return NULL when out of memory. */
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,24 +46,44 @@ extern "C" {
 
 /* ---- checks ---- */
 
+static void (*fatal_hook)(const char *message, void *ctx);
+static void *fatal_ctx;
+
+/* A failure inside an op: the message to stderr and to the worker's hook
+ * (which tells psd), then exit 1. */
+[[noreturn]] static void fatal(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void fatal(const char *fmt, ...)
+{
+    char msg[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "%s\n", msg);
+    void (*hook)(const char *, void *) = fatal_hook;
+    fatal_hook = NULL; /* once: a failure inside the hook exits at once */
+    if (hook) hook(msg, fatal_ctx);
+    exit(1);
+}
+
+static void cuda_set_fatal_hook(void (*hook)(const char *message, void *ctx), void *ctx)
+{
+    fatal_hook = hook;
+    fatal_ctx = ctx;
+}
+
 #define CUDA_CHECK(call)                                                                       \
     do {                                                                                       \
         cudaError_t err_ = (call);                                                             \
-        if (err_ != cudaSuccess) {                                                             \
-            fprintf(stderr, "psw_cuda: %s:%d: %s: %s\n", __FILE__, __LINE__, #call,            \
-                    cudaGetErrorString(err_));                                                 \
-            exit(1);                                                                           \
-        }                                                                                      \
+        if (err_ != cudaSuccess)                                                               \
+            fatal("psw_cuda: %s:%d: %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
     } while (0)
 
 #define CUBLAS_CHECK(call)                                                                     \
     do {                                                                                       \
         cublasStatus_t st_ = (call);                                                           \
-        if (st_ != CUBLAS_STATUS_SUCCESS) {                                                    \
-            fprintf(stderr, "psw_cuda: %s:%d: %s: %s\n", __FILE__, __LINE__, #call,            \
-                    cublasGetStatusString(st_));                                               \
-            exit(1);                                                                           \
-        }                                                                                      \
+        if (st_ != CUBLAS_STATUS_SUCCESS)                                                      \
+            fatal("psw_cuda: %s:%d: %s: %s", __FILE__, __LINE__, #call, cublasGetStatusString(st_)); \
     } while (0)
 
 /* After every kernel launch: catches bad launch configurations at once
@@ -607,10 +629,8 @@ static void cuda_xent(psw_backend_t *be, float *dlogits, const float *logits,
         if (status_h[i] < 0) {
             int32_t y = 0;
             CUDA_CHECK(cudaMemcpy(&y, labels + i, sizeof y, cudaMemcpyDeviceToHost));
-            fprintf(stderr,
-                    "psw_cuda: %s:%d: xent: label %d of sample %d is out of range [0, %d)\n",
-                    __FILE__, __LINE__, (int)y, i, C);
-            exit(1);
+            fatal("psw_cuda: %s:%d: xent: label %d of sample %d is out of range [0, %d)", __FILE__, __LINE__,
+                  (int)y, i, C);
         }
         loss += (double)loss_h[i];
         correct += status_h[i];
@@ -748,6 +768,7 @@ static const psw_cuda_plugin_t plugin = {
     cuda_device_count,
     cuda_device_name,
     cuda_backend_new,
+    cuda_set_fatal_hook,
 };
 
 extern "C" __attribute__((visibility("default"))) const psw_cuda_plugin_t *psw_cuda_plugin(void)

@@ -12,7 +12,7 @@
 
 #include "psw_backend.h"
 
-#define PSW_CUDA_ABI 1
+#define PSW_CUDA_ABI 2
 #define PSW_CUDA_SYMBOL "psw_cuda_plugin"
 
 typedef struct {
@@ -26,6 +26,11 @@ typedef struct {
     /* A backend on device dev (cudaSetDevice, stream, cuBLAS handle). NULL
      * with a message on failure. The caller owns it (be->destroy(be)). */
     psw_backend_t *(*backend_new)(int dev, char *err, size_t errlen);
+    /* A CUDA or cuBLAS failure inside an op ends the process (exit 1): hook
+     * is called first, once, with the message the plugin printed, so that
+     * the worker can tell psd (and close its connection, which sends it).
+     * NULL: none. */
+    void (*set_fatal_hook)(void (*hook)(const char *message, void *ctx), void *ctx);
 } psw_cuda_plugin_t;
 
 /* Exported by the plugin under PSW_CUDA_SYMBOL. */
