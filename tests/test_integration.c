@@ -4167,6 +4167,7 @@ Test(short, a_gpu_without_memory_for_the_model_fails_and_does_not_fall_back)
     const char *extra[] = {"--devices", "0", NULL};
     pid_t sup = start_worker(&r, "oom", 0, extra);
     cr_assert_eq(proc_wait(sup, 60), 1, "the worker fails");
+    wait_log(r.psd_log, "failed: out of device memory for the model", 30); /* psd was told */
     kill(p, SIGTERM);
     proc_wait(p, 30);
     char wl[256];

@@ -553,7 +553,8 @@ static void cuda_embag_fwd(psw_backend_t *be, float *y, const float *E, const ui
     cuda_ctx_t *c = use(be);
     const size_t bags = (size_t)B * (size_t)F;
     if (!bags || D < 1 || m < 1) return;
-    PSW_LAUNCH(embag_fwd_kernel, elem_blocks(bags * (size_t)D), ELEM_THREADS, c->compute)(y, E, ids, bags, m, D, mean);
+    PSW_LAUNCH(embag_fwd_kernel, elem_blocks(bags * (size_t)D), ELEM_THREADS, c->compute)(y, E, ids, bags, m, D,
+                                                                                           mean);
     CUDA_LAUNCH_CHECK();
 }
 
@@ -613,9 +614,8 @@ static void cuda_xent(psw_backend_t *be, float *dlogits, const float *logits,
     float *loss_d = (float *)c->xent_dev;
     int32_t *status_d = (int32_t *)(loss_d + B);
     const unsigned grid = (unsigned)((B + XENT_ROWS_PER_BLOCK - 1) / XENT_ROWS_PER_BLOCK);
-    PSW_LAUNCH(xent_kernel, grid, 32 * XENT_ROWS_PER_BLOCK, c->compute)(dlogits, loss_d, status_d,
-                                                                   logits, labels, B, C,
-                                                                   grad_scale);
+    PSW_LAUNCH(xent_kernel, grid, 32 * XENT_ROWS_PER_BLOCK, c->compute)(dlogits, loss_d, status_d, logits, labels, B,
+                                                                        C, grad_scale);
     CUDA_LAUNCH_CHECK();
     CUDA_CHECK(cudaMemcpyAsync(c->xent_host, c->xent_dev, (size_t)B * 8, cudaMemcpyDeviceToHost,
                                c->compute));
