@@ -189,7 +189,7 @@ static const key_spec_t keys[] = {
     K_STRING("checkpoint.dir", ckpt_dir, 0, "psd-checkpoints"),
     K_INT("checkpoint.every_epochs", ckpt_every_epochs, 0, 1000000, "1"),
     K_INT64("checkpoint.every_steps", ckpt_every_steps, 0, INT64_MAX, "0"),
-    K_INT("checkpoint.keep", ckpt_keep, 1, 1000, "3"),
+    K_INT("checkpoint.keep", ckpt_keep, 1, PS_CKPT_KEEP_MAX, "3"),
 };
 
 #define N_KEYS (sizeof keys / sizeof keys[0])

@@ -32,6 +32,10 @@ typedef enum { PS_SYNC_BSP = 0, PS_SYNC_ASYNC, PS_SYNC_SSP } ps_sync_t; /* consi
 typedef enum { PS_LOG_ERROR = 0, PS_LOG_WARN, PS_LOG_INFO, PS_LOG_DEBUG } ps_log_level_t;
 typedef enum { PS_LOG_TEXT = 0, PS_LOG_JSON } ps_log_format_t;
 
+/* checkpoint.keep's largest value (psd_ckpt.h: shards resuming compare
+ * every file a run keeps) */
+#define PS_CKPT_KEEP_MAX 1000
+
 typedef struct ps_config {
     /* run: */
     uint64_t seed;  /* run.seed: weights init and data order */
@@ -126,7 +130,7 @@ typedef struct ps_config {
     char ckpt_dir[PS_PATH_MAX]; /* checkpoint.dir: "" = no checkpoints */
     int ckpt_every_epochs;      /* checkpoint.every_epochs: 0 = not by epoch */
     int64_t ckpt_every_steps;   /* checkpoint.every_steps: 0 = not by step */
-    int ckpt_keep;              /* checkpoint.keep: newest files kept */
+    int ckpt_keep;              /* checkpoint.keep: newest files kept (1-PS_CKPT_KEEP_MAX) */
 } ps_config_t;
 
 /* Fill with the built-in defaults: Fashion-MNIST MLP that reaches >= 89%. */

@@ -25,6 +25,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ps_config.h"
 #include "ps_model.h"
 #include "psd_store.h"
 
@@ -110,8 +111,10 @@ int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, ui
                        float *slots[2], char *path, size_t pathlen, char *err, size_t errlen);
 
 /* The most checkpoint steps psd shards compare when they resume: more than
- * a run keeps (checkpoint.keep is at most 1000), so every file counts. */
+ * a run keeps (checkpoint.keep, and the newest step every shard has), so
+ * every file counts. */
 #define PSD_RESUME_STEPS_MAX 1024
+_Static_assert(PSD_RESUME_STEPS_MAX > PS_CKPT_KEEP_MAX + 1, "shards resuming must see every checkpoint a run keeps");
 
 /* The steps of the checkpoint files in dir up to at_most, newest first, at
  * most max of them (by name: a file is read only when loaded). */
