@@ -375,6 +375,17 @@ static int tcp_split(const char *ep, const char **h, size_t *hl, const char **p)
     return 0;
 }
 
+/* host [h, h + hl) is "[ADDR]", ADDR an IPv6 address (into *a if not NULL) */
+static bool ipv6_literal(const char *h, size_t hl, struct in6_addr *a)
+{
+    char t[INET6_ADDRSTRLEN];
+    struct in6_addr x;
+    if (hl < 3 || h[0] != '[' || h[hl - 1] != ']' || hl - 2 >= sizeof t) return false;
+    memcpy(t, h + 1, hl - 2);
+    t[hl - 2] = '\0';
+    return inet_pton(AF_INET6, t, a ? a : &x) == 1;
+}
+
 int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n)
 {
     if (!ep || !*ep) {
@@ -399,10 +410,10 @@ int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n)
         snprintf(why, n, "'%s': expected tcp://HOST:PORT", ep);
         return -1;
     }
-    /* psd's sockets do not set ZMQ_IPV6; to listen, eth0:1 is an interface's alias */
-    if (h[0] == '[' || (use == PS_EP_CONNECT && memchr(h, ':', hl))) {
-        snprintf(why, n, "'%s': IPv6 addresses are not supported; give %s", ep,
-                 use == PS_EP_BIND ? "an IPv4 address, an interface name or *" : "an IPv4 address or a host name");
+    /* IPv6 addresses in brackets (ps_zmq_endpoint_opts sets ZMQ_IPV6 for
+     * them); to listen, eth0:1 is an interface's alias */
+    if (h[0] == '[' ? !ipv6_literal(h, hl, NULL) : use == PS_EP_CONNECT && memchr(h, ':', hl) != NULL) {
+        snprintf(why, n, "'%s': an IPv6 address goes in brackets: tcp://[ADDR]:PORT, as tcp://[::1]:5555", ep);
         return -1;
     }
     if (use == PS_EP_CONNECT && hl == 1 && h[0] == '*') {
@@ -436,12 +447,15 @@ int ps_endpoint_bindable(const char *ep, char *why, size_t n)
     char host[IF_NAMESIZE + 1];
     struct in_addr a;
     if (strncmp(ep, "tcp://", 6) != 0) return 0; /* ipc:// */
+    char host6[INET6_ADDRSTRLEN + 2];
+    if (tcp_host(ep, host6, sizeof host6) == 0 && ipv6_literal(host6, strlen(host6), NULL)) return 0;
     if (tcp_host(ep, host, sizeof host) == 0 &&
         (strcmp(host, "*") == 0 || inet_aton(host, &a) || if_nametoindex(host) != 0))
         return 0;
     snprintf(why, n,
-             "'%s': no interface or IPv4 address of that name here (ZeroMQ listens on an interface or an address, "
-             "not a host name: tcp://0.0.0.0:PORT for every interface, tcp://127.0.0.1:PORT for this host only)",
+             "'%s': no interface or IP address of that name here (ZeroMQ listens on an interface or an address, "
+             "not a host name: tcp://0.0.0.0:PORT for every interface, tcp://127.0.0.1:PORT or tcp://[::1]:PORT "
+             "for this host only)",
              ep);
     return -1;
 }
@@ -451,6 +465,15 @@ bool ps_endpoint_is_loopback(const char *ep)
     if (strncmp(ep, "ipc://", 6) == 0 || strncmp(ep, "inproc://", 9) == 0) return true;
     char host[64];
     struct in_addr a;
+    struct in6_addr a6;
     if (tcp_host(ep, host, sizeof host) != 0) return false;
+    if (ipv6_literal(host, strlen(host), &a6)) /* ::1, or 127.0.0.0/8 mapped */
+        return IN6_IS_ADDR_LOOPBACK(&a6) || (IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127);
     return strcmp(host, "localhost") == 0 || (inet_aton(host, &a) && (ntohl(a.s_addr) >> 24) == 127);
+}
+
+bool ps_endpoint_is_ipv6(const char *ep)
+{
+    char host[INET6_ADDRSTRLEN + 2];
+    return tcp_host(ep, host, sizeof host) == 0 && ipv6_literal(host, strlen(host), NULL);
 }

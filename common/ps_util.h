@@ -73,7 +73,7 @@ int ps_cpus_usable(bool *bound, bool *by_quota);
 int ps_cgroup_cpu_quota(const char *root, const char *self_cgroup);
 
 /* ZeroMQ endpoints psd and its workers take: "tcp://HOST:PORT" (HOST a
- * name or an IPv4 address: no socket sets ZMQ_IPV6; PORT 1-65535) or
+ * name, an IPv4 address or an IPv6 address in brackets, [::1]; PORT 1-65535) or
  * "ipc://PATH" (at most 107 bytes, a unix socket's limit). To bind, PORT
  * may also be 0 or * (a free port) and HOST * (every interface). libzmq
  * itself takes a port above 65535 modulo 65536, which would listen on or
@@ -81,14 +81,17 @@ int ps_cgroup_cpu_quota(const char *root, const char *self_cgroup);
  * why[n]. */
 typedef enum { PS_EP_CONNECT = 0, PS_EP_BIND = 1 } ps_ep_use_t;
 int ps_endpoint_check(const char *ep, ps_ep_use_t use, char *why, size_t n);
-/* A checked endpoint to listen on names an interface or an IPv4 address
- * of this host (libzmq resolves no host names to bind: "No such device").
+/* A checked endpoint to listen on names an interface, an IPv4 address or
+ * an IPv6 address of this host (libzmq resolves no host names to bind: "No such device").
  * Apart from the syntax, as the host that listens is not always the one
  * that checks a config. 0, or -1 with a reason. */
 int ps_endpoint_bindable(const char *ep, char *why, size_t n);
 /* Whether ep reaches this host only: ipc://, inproc://, or tcp:// to
- * 127.0.0.0/8 (as numbers) or localhost. */
+ * 127.0.0.0/8 (as numbers, or mapped into IPv6), [::1] or localhost. */
 bool ps_endpoint_is_loopback(const char *ep);
+/* Whether ep is tcp:// to an IPv6 address ([ADDR]): its socket needs
+ * ZMQ_IPV6 (ps_zmq_endpoint_opts, ps_wire.h). */
+bool ps_endpoint_is_ipv6(const char *ep);
 
 /* SIGINT/SIGTERM that come before a daemon's own handlers (while it loads
  * its data): the first is remembered for the daemon to act on once its

@@ -129,6 +129,9 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
  * quiet_s (at most max_s): called before closing a socket, because libzmq
  * 4.3 does not always free unread messages at close. */
 void ps_msg_drain(void *sock, double quiet_s, double max_s);
+/* What a socket needs before it binds or connects to ep: ZMQ_IPV6 for an
+ * IPv6 address (ps_endpoint_is_ipv6). */
+void ps_zmq_endpoint_opts(void *sock, const char *ep);
 
 /* Short name of a message type for logs ("PUSH"). */
 const char *ps_msg_type_name(int type);

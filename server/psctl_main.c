@@ -107,6 +107,7 @@ int main(int argc, char **argv)
         zmq_setsockopt(sock, ZMQ_CURVE_SECRETKEY, kp.secret_z85, 40);
         memset(&kp, 0, sizeof kp);
     }
+    ps_zmq_endpoint_opts(sock, server);
     if (zmq_connect(sock, server) != 0) {
         fprintf(stderr, "psctl: cannot connect to '%s': %s\n", server, zmq_strerror(zmq_errno()));
         code = 2;

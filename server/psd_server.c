@@ -4407,6 +4407,7 @@ int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no
     int64_t maxmsg = (int64_t)(4 * n_params + (size_t)(4 << 20));
     if (c->kind == PS_MODEL_CTR) maxmsg += 4 * c->ctr_test; /* a VAL_RESULT's scores */
     zmq_setsockopt(*sockp, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    ps_zmq_endpoint_opts(*sockp, listen);
     if (zmq_bind(*sockp, listen) != 0) {
         PS_ERROR("cannot listen on '%s': %s", listen, zmq_strerror(zmq_errno()));
         return PSD_EXIT_USAGE;

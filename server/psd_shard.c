@@ -1051,6 +1051,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         zmq_setsockopt(s->leader, ZMQ_CURVE_SECRETKEY, kp.secret_z85, 40);
         memset(&kp, 0, sizeof kp);
     }
+    ps_zmq_endpoint_opts(s->leader, opts->leader);
     if (zmq_connect(s->leader, opts->leader) != 0) {
         PS_ERROR("cannot connect to shard 0 at '%s': %s", opts->leader, zmq_strerror(zmq_errno()));
         code = PSD_EXIT_USAGE;

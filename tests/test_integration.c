@@ -5567,6 +5567,43 @@ Test(short, http_token_and_loopback_rule)
                  "HTTP beyond loopback without a token is refused");
 }
 
+/* psd, its workers and psctl over IPv6 loopback (tcp://[::1]:PORT; the
+ * workers on the wire, --no-shm): a run like any other, and loopback (no
+ * keys needed). Skipped where this host has no IPv6 loopback. */
+Test(short, a_run_over_ipv6_loopback)
+{
+    int fd = socket(AF_INET6, SOCK_STREAM, 0);
+    struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_LOOPBACK_INIT};
+    socklen_t len = sizeof a;
+    bool have = fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+                getsockname(fd, (struct sockaddr *)&a, &len) == 0;
+    if (fd >= 0) close(fd);
+    if (!have) cr_skip_test("no IPv6 loopback on this host");
+    char ep[64];
+    snprintf(ep, sizeof ep, "tcp://[::1]:%d", ntohs(a.sin6_port));
+    const char *args[] = {"--epochs", "4", "--set", "data.train_limit=4000", "--listen", ep, NULL};
+    const char *wex[] = {"--no-shm", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "v6", 2, args); /* its --listen is the last */
+    snprintf(r.endpoint, sizeof r.endpoint, "%s", ep);
+    pid_t w0 = start_worker(&r, "v6", 0, wex), w1 = start_worker(&r, "v6", 1, wex);
+    wait_log(r.psd_log, "2 workers ready", 120);
+    const char *psctl = getenv("PSCTL_BIN");
+    cr_assert_not_null(psctl, "PSCTL_BIN is set by meson");
+    char out[256];
+    path(out, sizeof out, "v6-psctl.txt");
+    int ctl = run_cmd("'%s' status --server '%s' > '%s' 2>&1", psctl, ep, out);
+    r.psd_code = proc_wait(p, 300);
+    r.worker_code[0] = proc_wait(w0, 30);
+    r.worker_code[1] = proc_wait(w1, 30);
+    check_run(&r, 2, 4);
+    char *log = slurp(r.psd_log), *t = slurp(out);
+    cr_assert(log && strstr(log, ep) && !strstr(log, "exchanges tensors with psd through shared memory"), "%s", log);
+    cr_assert(ctl == 0 && t && strstr(t, "workers 2 live"), "psctl over IPv6: %d %s", ctl, t ? t : "");
+    free(log);
+    free(t);
+}
+
 /* psctl: status and workers (text and --json) of a running psd; a
  * checkpoint asked for during training is written and is the one
  * `psd --check-config --resume` would resume from; stop ends the run

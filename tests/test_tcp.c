@@ -166,8 +166,16 @@ Test(endpoints, ports_hosts_and_paths)
     ep_bad("tcp://127.0.0.1", PS_EP_CONNECT, "tcp://HOST:PORT");
     ep_bad("tcp://:5555", PS_EP_BIND, "tcp://HOST:PORT");
     ep_ok("tcp://localhost:5555", PS_EP_CONNECT);
-    ep_bad("tcp://::1:5555", PS_EP_CONNECT, "IPv6 addresses are not supported; give an IPv4 address or a host");
-    ep_bad("tcp://[::1]:5555", PS_EP_BIND, "IPv6 addresses are not supported; give an IPv4 address, an interface");
+    ep_ok("tcp://[::1]:5555", PS_EP_CONNECT);
+    ep_ok("tcp://[::1]:0", PS_EP_BIND);
+    ep_ok("tcp://[2001:db8::7]:5555", PS_EP_CONNECT);
+    ep_ok("tcp://[::ffff:10.0.0.1]:5555", PS_EP_CONNECT);
+    ep_bad("tcp://::1:5555", PS_EP_CONNECT, "an IPv6 address goes in brackets: tcp://[ADDR]:PORT");
+    ep_bad("tcp://[::1]", PS_EP_CONNECT, "in brackets");
+    ep_bad("tcp://[::1:5555", PS_EP_CONNECT, "in brackets");
+    ep_bad("tcp://[node7]:5555", PS_EP_CONNECT, "in brackets");
+    ep_bad("tcp://[]:5555", PS_EP_BIND, "in brackets");
+    ep_bad("tcp://[::1]:65536", PS_EP_CONNECT, "from 1 to 65535");
     ep_bad("tcp://*:5555", PS_EP_CONNECT, "for listening");
     ep_bad("udp://127.0.0.1:5555", PS_EP_CONNECT, "not a tcp:// or ipc://");
     ep_bad("127.0.0.1:5555", PS_EP_CONNECT, "not a tcp:// or ipc://");
@@ -189,17 +197,17 @@ static void bindable(const char *ep, const char *part)
     if (part) cr_expect(strstr(why, part) != NULL, "%s: '%s' lacks '%s'", ep, why, part);
 }
 
-/* To listen, an interface or an IPv4 address of this host: libzmq binds no
+/* To listen, an interface or an IP address of this host: libzmq binds no
  * host name ("No such device"); checked where psd starts, not with the
  * config (ps_endpoint_bindable). */
 Test(endpoints, listening_needs_an_interface_or_an_address)
 {
     const char *ok[] = {"tcp://lo:5555", "tcp://127.0.0.1:0", "tcp://127.1:0", "tcp://0.0.0.0:5555", "tcp://*:*",
-                        "ipc:///tmp/x"};
+                        "ipc:///tmp/x", "tcp://[::1]:0", "tcp://[::]:5555"};
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) bindable(ok[i], NULL);
     bindable("tcp://localhost:5555", "not a host name");
-    bindable("tcp://no-such-if0:5555", "no interface or IPv4 address of that name here");
-    bindable("tcp://a-host-name-longer-than-an-interface-name:5555", "no interface or IPv4 address of that name");
+    bindable("tcp://no-such-if0:5555", "no interface or IP address of that name here");
+    bindable("tcp://a-host-name-longer-than-an-interface-name:5555", "no interface or IP address of that name");
 }
 
 /* Listening beyond loopback needs keys or --insecure: only numeric
@@ -218,4 +226,20 @@ Test(endpoints, loopback_is_numeric_or_localhost)
     cr_expect(!ps_endpoint_is_loopback("tcp://10.0.0.1:5555"));
     cr_expect(!ps_endpoint_is_loopback("tcp://[::]:5555"));
     cr_expect(!ps_endpoint_is_loopback("tcp://eth0:5555"));
+    cr_expect(ps_endpoint_is_loopback("tcp://[::1]:5555"));
+    cr_expect(ps_endpoint_is_loopback("tcp://[::ffff:127.0.0.1]:5555"), "127.0.0.1 mapped into IPv6");
+    cr_expect(!ps_endpoint_is_loopback("tcp://[::ffff:10.0.0.1]:5555"));
+    cr_expect(!ps_endpoint_is_loopback("tcp://[2001:db8::1]:5555"));
+    cr_expect(!ps_endpoint_is_loopback("tcp://[::2]:5555"));
+}
+
+/* A tcp:// endpoint to an IPv6 address: its socket needs ZMQ_IPV6. */
+Test(endpoints, ipv6_addresses_are_in_brackets)
+{
+    cr_expect(ps_endpoint_is_ipv6("tcp://[::1]:5555"));
+    cr_expect(ps_endpoint_is_ipv6("tcp://[fe80::1]:0"));
+    cr_expect(!ps_endpoint_is_ipv6("tcp://127.0.0.1:5555"));
+    cr_expect(!ps_endpoint_is_ipv6("tcp://eth0:1:5555"), "an interface's alias");
+    cr_expect(!ps_endpoint_is_ipv6("ipc:///tmp/[::1]:5"));
+    cr_expect(!ps_endpoint_is_ipv6("tcp://[node]:5"));
 }

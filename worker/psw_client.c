@@ -275,6 +275,7 @@ psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char 
             c->mon = NULL;
         }
     }
+    ps_zmq_endpoint_opts(c->sock, endpoint);
     if (zmq_connect(c->sock, endpoint) != 0) {
         snprintf(err, errlen, "cannot connect to '%s': %s", endpoint, zmq_strerror(zmq_errno()));
         goto fail;
@@ -569,6 +570,7 @@ static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, cha
             snprintf(err, errlen, "cannot set up CURVE: %s", zmq_strerror(zmq_errno()));
             return -EINVAL;
         }
+        ps_zmq_endpoint_opts(so, ep);
         if (zmq_connect(so, ep) != 0) {
             snprintf(err, errlen, "cannot connect to psd shard %d at '%s': %s", k, ep, zmq_strerror(zmq_errno()));
             return -EINVAL;
