@@ -447,8 +447,7 @@ int ps_endpoint_bindable(const char *ep, char *why, size_t n)
     char host[IF_NAMESIZE + 1];
     struct in_addr a;
     if (strncmp(ep, "tcp://", 6) != 0) return 0; /* ipc:// */
-    char host6[INET6_ADDRSTRLEN + 2];
-    if (tcp_host(ep, host6, sizeof host6) == 0 && ipv6_literal(host6, strlen(host6), NULL)) return 0;
+    if (ps_endpoint_is_ipv6(ep)) return 0;
     if (tcp_host(ep, host, sizeof host) == 0 &&
         (strcmp(host, "*") == 0 || inet_aton(host, &a) || if_nametoindex(host) != 0))
         return 0;
