@@ -4591,7 +4591,8 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->phase_deadline = ps_now() + c->start_timeout;
     /* one that came while psd loaded (counted then): acted on now, as
      * on_signal would have */
-    if (ps_early_stop_signal()) request_stop(s, ps_early_stop_signal(), strsignal(ps_early_stop_signal()));
+    int early = ps_early_stop_signal();
+    if (early) request_stop(s, early, strsignal(early));
     drain(s);
     if (s->phase != PHASE_DONE) uv_run(&s->loop, UV_RUN_DEFAULT);
     if (s->tty) ps_log_status(NULL);
