@@ -8,6 +8,8 @@
 
 #include <errno.h>
 #include <http_parser.h>
+#include <netinet/in.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -281,34 +283,55 @@ static void on_tick(uv_timer_t *t)
         if (!c->closing && now - c->started > PSD_HTTP_IDLE_S) conn_close(c);
 }
 
-/* "HOST:PORT" (HOST an IPv4 address or localhost). */
-static int parse_addr(const char *addr, struct sockaddr_in *sa)
+/* "HOST:PORT": HOST an IPv4 address, localhost, or an IPv6 address in
+ * brackets ([::1]:9100); PORT 0-65535 (0: any free port). */
+static int parse_addr(const char *addr, struct sockaddr_storage *sa)
 {
-    char host[64];
+    char host[INET6_ADDRSTRLEN + 2];
     const char *colon = strrchr(addr, ':');
     if (!colon || colon == addr || (size_t)(colon - addr) >= sizeof host) return -EINVAL;
     memcpy(host, addr, (size_t)(colon - addr));
     host[colon - addr] = '\0';
-    if (strcmp(host, "localhost") == 0) snprintf(host, sizeof host, "127.0.0.1");
-    char *end;
-    long port = strtol(colon + 1, &end, 10);
-    if (*end || port < 0 || port > 65535) return -EINVAL;
-    return uv_ip4_addr(host, (int)port, sa) == 0 ? 0 : -EINVAL;
+    bool v6 = host[0] == '[';
+    if (v6) {
+        size_t hl = strlen(host);
+        if (hl < 3 || host[hl - 1] != ']') return -EINVAL;
+        memmove(host, host + 1, hl - 2);
+        host[hl - 2] = '\0';
+    } else if (strcmp(host, "localhost") == 0) {
+        snprintf(host, sizeof host, "127.0.0.1");
+    }
+    size_t digits = strspn(colon + 1, "0123456789");
+    if (digits == 0 || digits > 5 || colon[1 + digits]) return -EINVAL;
+    int port = atoi(colon + 1);
+    if (port > 65535) return -EINVAL;
+    memset(sa, 0, sizeof *sa);
+    return (v6 ? uv_ip6_addr(host, port, (struct sockaddr_in6 *)sa) : uv_ip4_addr(host, port, (struct sockaddr_in *)sa)) == 0
+               ? 0
+               : -EINVAL;
 }
 
-bool psd_http_is_loopback(const char *addr)
+#define ADDR_FORMS "an IPv4 address, localhost, or an IPv6 address in brackets: [::1]:9100"
+
+int psd_http_check(const char *addr, bool *loopback, char *err, size_t errlen)
 {
-    struct sockaddr_in sa;
-    return parse_addr(addr, &sa) == 0 && (ntohl(sa.sin_addr.s_addr) >> 24) == 127;
+    struct sockaddr_storage sa;
+    char ep[128];
+    if (parse_addr(addr, &sa) != 0 || snprintf(ep, sizeof ep, "tcp://%s", addr) >= (int)sizeof ep) {
+        snprintf(err, errlen, "server.http: expected HOST:PORT (" ADDR_FORMS "), got '%s'", addr);
+        return -EINVAL;
+    }
+    *loopback = ps_endpoint_is_loopback(ep); /* the rule psd's own endpoint follows */
+    return 0;
 }
 
 int psd_http_start(psd_http_t **out, uv_loop_t *loop, const char *addr, const char *token, psd_http_render_fn render,
                    void *ud, char *err, size_t errlen)
 {
-    struct sockaddr_in sa;
+    struct sockaddr_storage sa;
     *out = NULL;
     if (parse_addr(addr, &sa) != 0) {
-        snprintf(err, errlen, "server.http: expected HOST:PORT (an IPv4 address), got '%s'", addr);
+        snprintf(err, errlen, "server.http: expected HOST:PORT (" ADDR_FORMS "), got '%s'", addr);
         return -EINVAL;
     }
     psd_http_t *h = calloc(1, sizeof *h);
@@ -343,10 +366,10 @@ int psd_http_start(psd_http_t **out, uv_loop_t *loop, const char *addr, const ch
 
 int psd_http_port(const psd_http_t *h)
 {
-    struct sockaddr_in sa;
+    struct sockaddr_storage sa;
     int len = sizeof sa;
     if (!h || uv_tcp_getsockname(&h->server, (struct sockaddr *)&sa, &len) != 0) return -1;
-    return ntohs(sa.sin_port);
+    return ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port : ((struct sockaddr_in *)&sa)->sin_port);
 }
 
 static void handle_closed(uv_handle_t *hd) { ((psd_http_t *)hd->data)->handles--; }

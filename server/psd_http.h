@@ -16,14 +16,17 @@ typedef struct psd_http psd_http_t;
  * may stay NULL) of *len bytes and its content type. */
 typedef int (*psd_http_render_fn)(void *ud, const char *path, char **body, size_t *len, const char **ctype);
 
-/* Listen on addr ("HOST:PORT", IPv4) on loop. 0, or -errno with a message. */
+/* Listen on addr ("HOST:PORT": an IPv4 address, localhost, or an IPv6
+ * address in brackets, [::1]:9100) on loop. 0, or -errno with a message. */
 int psd_http_start(psd_http_t **h, uv_loop_t *loop, const char *addr, const char *token, psd_http_render_fn render,
                    void *ud, char *err, size_t errlen);
 /* The port it listens on (useful with port 0), or -1. */
 int psd_http_port(const psd_http_t *h);
 /* Close every connection and the listener (runs the loop until they are). */
 void psd_http_stop(psd_http_t **h);
-/* addr is 127.x.x.x or localhost. */
-bool psd_http_is_loopback(const char *addr);
+/* Whether addr is a HOST:PORT psd_http_start takes: 0, *loopback set
+ * (127.x.x.x, localhost, [::1] or 127.x.x.x mapped into IPv6), or -EINVAL
+ * with a message. */
+int psd_http_check(const char *addr, bool *loopback, char *err, size_t errlen);
 
 #endif

@@ -99,6 +99,8 @@ typedef struct {
     double gone_at;
     uint64_t seq_in, seq_out;
     int tcp_fd;           /* its connection given server.tcp_congestion (fd + 1, 0: none yet) */
+    int conn;             /* the connection its messages come on (fd + 1, 0: not known) */
+    bool conn_closed;     /* that connection closed (the ROUTER's monitor): lost at the next tick */
     uint64_t lost_replies;
     /* this epoch: positions assigned (ranges, in order) and trained */
     prange_t *ranges;
@@ -244,7 +246,7 @@ typedef struct {
     uv_timer_t timer;
     uv_signal_t sigint, sigterm, sigusr1, sighup;
     psd_zap_t *zap;       /* authentication handler, NULL without keys */
-    void *mon;            /* PAIR with the ROUTER's handshake failures (authentication on) */
+    void *mon;            /* PAIR with the ROUTER's events: closed connections, failed handshakes */
     uint64_t hs_failed;
     worker_t *w;          /* MAX_WORKERS slots */
     int max_workers;      /* slots taken before gone ones are reused (MAX_WORKERS; tests: --x-max-workers) */
@@ -2466,6 +2468,50 @@ static bool slot_holds_nothing(const srv_t *s, const worker_t *w)
     return true;
 }
 
+/* A connection of the ROUTER closed (its monitor's event): the workers
+ * whose messages came on it are lost at the next tick (reap_closed), not
+ * here: this runs inside a message's handling too (note_conn). */
+static void conn_closed(void *arg, int fd)
+{
+    srv_t *s = arg;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].conn == fd + 1 && s->w[i].state != W_GONE) {
+            s->w[i].conn = 0;
+            s->w[i].conn_closed = true;
+        }
+}
+
+static void poll_monitor(srv_t *s) { psd_router_monitor(s->mon, &s->hs_failed, conn_closed, s); }
+
+/* The connection w's message m came on. A new one (its first message, or
+ * it reconnected) is taken once the monitor's events so far are read: an
+ * event about an fd number is then about a connection that held it before,
+ * whose close the monitor reported before this one could open. */
+static void note_conn(srv_t *s, worker_t *w, const ps_msg_t *m)
+{
+    if (m->srcfd < 0 || w->conn == m->srcfd + 1) return;
+    if (s->mon) poll_monitor(s);
+    w->conn = m->srcfd + 1;
+}
+
+/* A worker whose connection closed is lost at once (a process that ends,
+ * killed or crashed, has its connections closed by its kernel): nobody
+ * waits worker_timeout for it. One still alive reconnects, is told it was
+ * declared lost, and registers again, as after a timeout. */
+static void reap_closed(srv_t *s, double now)
+{
+    for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
+        worker_t *w = &s->w[i];
+        if (!w->conn_closed) continue;
+        w->conn_closed = false;
+        if (w->state == W_GONE) continue;
+        PS_WARN("rank %u (%s pid %u) lost: its connection closed, %.1f s after its last message, while %s; going "
+                "on without it",
+                w->rank, w->hostname, w->pid, now - w->last_seen, wstate_name[w->state]);
+        worker_gone(s, w);
+    }
+}
+
 static worker_t *free_slot(srv_t *s, worker_t *own)
 {
     if (s->n < s->max_workers) return &s->w[s->n];
@@ -2555,6 +2601,7 @@ static void on_register(srv_t *s, ps_msg_t *m)
     }
     w->last_seen = ps_now();
     w->seq_in = m->hdr->seq;
+    note_conn(s, w, m);
     if (!reused) s->n++;
     s->registrations++;
     if (reused && w == own)
@@ -3207,6 +3254,7 @@ static void handle(srv_t *s, ps_msg_t *m)
     }
     w->seq_in = h->seq;
     w->last_seen = ps_now();
+    note_conn(s, w, m);
     ps_tcp_cc_conn(&w->tcp_fd, m->srcfd, s->cfg.tcp_congestion, true);
     switch (h->type) {
     case PSD__MSG_TYPE__MSG_READY: on_ready(s, w, m); break;
@@ -3337,36 +3385,6 @@ static void on_poll(uv_poll_t *p, int status, int events)
     drain(p->data);
 }
 
-/* Log handshakes the ROUTER refused (rate-limited). libzmq 4.3 does not
- * say which peer: the ZAP handler logs address and key of those it sees. */
-static void poll_monitor(srv_t *s)
-{
-    for (;;) {
-        zmq_msg_t ev, ep;
-        zmq_msg_init(&ev);
-        if (zmq_msg_recv(&ev, s->mon, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&ev);
-            return;
-        }
-        uint16_t event = 0;
-        uint32_t value = 0;
-        if (zmq_msg_size(&ev) >= 6) {
-            memcpy(&event, zmq_msg_data(&ev), 2);
-            memcpy(&value, (char *)zmq_msg_data(&ev) + 2, 4);
-        }
-        zmq_msg_close(&ev);
-        zmq_msg_init(&ep);
-        zmq_msg_recv(&ep, s->mon, 0);
-        zmq_msg_close(&ep);
-        s->hs_failed++;
-        if (s->hs_failed <= 20 || s->hs_failed % 1000 == 0)
-            PS_WARN("refused a connection: %s handshake failed (code 0x%x): a client without encryption, or "
-                    "with the wrong server key%s",
-                    event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ? "CURVE" : "the", value,
-                    s->hs_failed == 20 ? " (further ones logged every 1000th)" : "");
-    }
-}
-
 static void fmt_duration(char *out, size_t n, double s)
 {
     long t = s > 0 && s < 1e7 ? (long)(s + 0.5) : 0;
@@ -3430,6 +3448,7 @@ static void on_timer(uv_timer_t *t)
     srv_t *s = t->data;
     double now = ps_now();
     if (s->mon) poll_monitor(s);
+    reap_closed(s, now);
     poll_checkpoint(s, false);
     psd_shm_expire(s->shm, now);
     progress(s, now);
@@ -3843,7 +3862,12 @@ static int start_http(srv_t *s)
             return PSD_EXIT_USAGE;
         }
     }
-    if (!psd_http_is_loopback(c->http) && !s->http_token[0]) {
+    bool loopback = false;
+    if (psd_http_check(c->http, &loopback, err, sizeof err) != 0) {
+        PS_ERROR("%s", err);
+        return PSD_EXIT_USAGE;
+    }
+    if (!loopback && !s->http_token[0]) {
         if (!c->insecure) {
             PS_ERROR("refusing HTTP on %s without a token: set server.http_token_file (requests then need "
                      "\"Authorization: Bearer <token>\"), use a loopback address, or --insecure",
@@ -4319,9 +4343,10 @@ double psd_silence_limit(const ps_config_t *c, size_t n_params)
  * allow_self: also let in psd's own key (psd shards). 0, or the exit code
  * (logged). */
 int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no_zap, size_t n_params, bool allow_self,
-                    void **sockp, psd_zap_t **zapp, void **monp)
+                    bool watch_closed, void **sockp, psd_zap_t **zapp, void **monp)
 {
     char why[400];
+    int mon_events = watch_closed ? ZMQ_EVENT_DISCONNECTED : 0;
     *sockp = NULL;
     if (ps_endpoint_bindable(listen, why, sizeof why) != 0) { /* before keys: the first thing to fix */
         PS_ERROR("cannot listen on %s", why);
@@ -4362,14 +4387,7 @@ int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no
         memset(&kp, 0, sizeof kp);
         /* handshakes that fail before the ZAP handler sees them (a client
          * without encryption, or with the wrong server key) are logged too */
-        if (zmq_socket_monitor(*sockp, "inproc://psd-monitor",
-                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) == 0) {
-            *monp = zmq_socket(zctx, ZMQ_PAIR);
-            if (*monp && zmq_connect(*monp, "inproc://psd-monitor") != 0) {
-                zmq_close(*monp);
-                *monp = NULL;
-            }
-        }
+        mon_events |= ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL;
         if (enforce != 0) { /* fail closed: without it a missing handler would let everyone in */
             PS_ERROR("this libzmq cannot enforce authentication (ZMQ_ZAP_ENFORCE_DOMAIN: %s); refusing to run",
                      zmq_strerror(zmq_errno()));
@@ -4408,11 +4426,50 @@ int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no
     if (c->kind == PS_MODEL_CTR) maxmsg += 4 * c->ctr_test; /* a VAL_RESULT's scores */
     zmq_setsockopt(*sockp, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     ps_zmq_endpoint_opts(*sockp, listen);
+    if (mon_events && zmq_socket_monitor(*sockp, "inproc://psd-monitor", mon_events) == 0) {
+        *monp = zmq_socket(zctx, ZMQ_PAIR);
+        if (*monp && zmq_connect(*monp, "inproc://psd-monitor") != 0) {
+            zmq_close(*monp);
+            *monp = NULL;
+        }
+    }
     if (zmq_bind(*sockp, listen) != 0) {
         PS_ERROR("cannot listen on '%s': %s", listen, zmq_strerror(zmq_errno()));
         return PSD_EXIT_USAGE;
     }
     return 0;
+}
+
+void psd_router_monitor(void *mon, uint64_t *refused, void (*on_closed)(void *arg, int fd), void *arg)
+{
+    for (;;) {
+        zmq_msg_t ev, ep;
+        zmq_msg_init(&ev);
+        if (zmq_msg_recv(&ev, mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&ev);
+            return;
+        }
+        uint16_t event = 0;
+        uint32_t value = 0;
+        if (zmq_msg_size(&ev) >= 6) {
+            memcpy(&event, zmq_msg_data(&ev), 2);
+            memcpy(&value, (char *)zmq_msg_data(&ev) + 2, 4);
+        }
+        zmq_msg_close(&ev);
+        zmq_msg_init(&ep);
+        zmq_msg_recv(&ep, mon, 0); /* second frame: the endpoint */
+        zmq_msg_close(&ep);
+        if (event == ZMQ_EVENT_DISCONNECTED) {
+            if (on_closed) on_closed(arg, (int)value);
+            continue;
+        }
+        ++*refused;
+        if (*refused <= 20 || *refused % 1000 == 0)
+            PS_WARN("refused a connection: %s handshake failed (code 0x%x): a client without encryption, or "
+                    "with the wrong server key%s",
+                    event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ? "CURVE" : "the", value,
+                    *refused == 20 ? " (further ones logged every 1000th)" : "");
+    }
 }
 
 int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
@@ -4533,7 +4590,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         }
     }
     s->zctx = psd_zmq_context(c);
-    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, sharded(s), &s->sock, &s->zap,
+    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, sharded(s), true, &s->sock, &s->zap,
                                 &s->mon)) != 0)
         goto out;
     s->silence = psd_silence_limit(c, s->layout.n_params);

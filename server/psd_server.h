@@ -73,10 +73,17 @@ double psd_silence_limit(const ps_config_t *c, size_t n_params);
 struct psd_zap;
 /* psd's ROUTER socket on `listen`: CURVE with the allow-list (failing
  * closed) when the config has a key, else the loopback rule; options; bind.
- * allow_self: also let in psd's own key (shards connect with it). 0, or the
- * exit code (logged); *sockp, *zapp, *monp are the caller's to close. */
+ * allow_self: also let in psd's own key (shards connect with it).
+ * *monp: a PAIR with the socket's events (psd_router_monitor), when there
+ * are any to watch: failed handshakes (with a key), closed connections
+ * (watch_closed). 0, or the exit code (logged); *sockp, *zapp, *monp are
+ * the caller's to close. */
 int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no_zap, size_t n_params, bool allow_self,
-                    void **sockp, struct psd_zap **zapp, void **monp);
+                    bool watch_closed, void **sockp, struct psd_zap **zapp, void **monp);
+/* Read the events waiting on mon (psd_router_open's *monp): each refused
+ * handshake counts in *refused and is logged (the first 20, then every
+ * 1000th); each closed connection's fd goes to on_closed (may be NULL). */
+void psd_router_monitor(void *mon, uint64_t *refused, void (*on_closed)(void *arg, int fd), void *arg);
 
 /* psd --shard i/n with i > 0 (psd_shard.c): hold part i of the parameters
  * and their optimizer state for the run shard 0 coordinates. Exit code. */

@@ -78,8 +78,9 @@ typedef struct {
     ps_layout_t layout;
     psd_store_t store;
     uint64_t all;              /* tensors with a piece here */
-    void *zctx, *router, *leader, *mon;
+    void *zctx, *router, *leader, *mon; /* mon: its ROUTER's failed handshakes (with keys) */
     psd_zap_t *zap;
+    uint64_t hs_failed;
     uint64_t run_id, config_hash, seq_out;
     bool joined;
     double leader_seen;
@@ -1011,7 +1012,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         s->table_on_psd = psd_table_on_psd(c, &s->layout, true); /* as shard 0 decides */
     }
     s->zctx = psd_zmq_context(c);
-    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, false, &s->router, &s->zap,
+    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, false, false, &s->router, &s->zap,
                                 &s->mon)) != 0)
         goto out;
     const double silence = psd_silence_limit(c, s->layout.n_params);
@@ -1073,7 +1074,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         stop_signal = ps_early_stop_signal();
         stop_count = 1;
     }
-    double start = ps_now(), last_hello = 0, last_hb = 0, stop_at = 0;
+    double start = ps_now(), last_hello = 0, last_hb = 0, last_mon = 0, stop_at = 0;
     s->leader_seen = start;
     while (!s->done) {
         /* a signal (Ctrl-C, SLURM's preemption) usually reaches every psd:
@@ -1094,6 +1095,10 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
             break;
         }
         double now = ps_now();
+        if (s->mon && now - last_mon >= 0.1) {
+            psd_router_monitor(s->mon, &s->hs_failed, NULL, NULL);
+            last_mon = now;
+        }
         if (!s->joined) {
             if (now - start > c->start_timeout) {
                 PS_ERROR("shard %d: shard 0 at %s did not answer in %.0f s", opts->shard, opts->leader,
