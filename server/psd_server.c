@@ -1077,7 +1077,7 @@ static worker_t *least_busy(srv_t *s)
     worker_t *best = NULL;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
-        if (w->state < W_READY || w->state > W_VALIDATED) continue;
+        if (w->state < W_READY || w->state > W_VALIDATED || w->conn_closed) continue;
         if (!best || w->val_pending < best->val_pending) best = w;
     }
     return best;
@@ -1717,7 +1717,7 @@ static void rows_free(worker_t *w)
  * true if it took them. */
 static bool take_pool(srv_t *s, worker_t *w)
 {
-    if (s->phase != PHASE_TRAIN || s->n_pool == 0 || w->state != W_READY) return false;
+    if (s->phase != PHASE_TRAIN || s->n_pool == 0 || w->state != W_READY || w->conn_closed) return false;
     PS_INFO("rank %u takes the %zu samples that were waiting for a worker", w->rank, s->n_pool);
     size_t n = s->n_pool;
     s->n_pool = 0;
@@ -1734,7 +1734,7 @@ static void hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what)
     worker_t *to[MAX_WORKERS];
     int k = 0;
     for (int i = 0; i < s->n; i++)
-        if (s->w[i].state == W_TRAIN || s->w[i].state == W_BARRIER) to[k++] = &s->w[i];
+        if ((s->w[i].state == W_TRAIN || s->w[i].state == W_BARRIER) && !s->w[i].conn_closed) to[k++] = &s->w[i];
     if (k > 0) {
         PS_INFO("%s %zu samples of epoch %u go to %d other worker%s", what, n, s->epoch + 1, k, k == 1 ? "" : "s");
         spread(s, pos, n, to, k, true);
@@ -2497,7 +2497,9 @@ static void note_conn(srv_t *s, worker_t *w, const ps_msg_t *m)
 /* A worker whose connection closed is lost at once (a process that ends,
  * killed or crashed, has its connections closed by its kernel): nobody
  * waits worker_timeout for it. One still alive reconnects, is told it was
- * declared lost, and registers again, as after a timeout. */
+ * declared lost, and registers again, as after a timeout. Workers lost in
+ * the same tick are given nothing of each other's (hand_out, take_pool and
+ * least_busy pass over conn_closed). */
 static void reap_closed(srv_t *s, double now)
 {
     for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {

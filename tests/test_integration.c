@@ -5922,8 +5922,9 @@ Test(long, ssp_two_workers_reach_088) { full_sync("ssp"); }
  * during the epoch, waits for the next one: that worker takes the samples
  * at once (psd used to keep them for a worker to join, and the waiting one
  * only came for them when its own wait for psd timed out: start timeout +
- * 10 s). And when that waiting worker is dead too, psd gives up after its
- * start timeout (exit 4) instead of waiting for ever. */
+ * 10 s). And when that waiting worker is dead too (lost at once: its
+ * connection closed), psd gives up after its start timeout (exit 4)
+ * instead of waiting for ever. */
 Test(short, the_last_worker_lost_with_one_waiting_for_the_next_epoch)
 {
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=3200", "--worker-timeout", "2",
@@ -5953,11 +5954,15 @@ Test(short, the_last_worker_lost_with_one_waiting_for_the_next_epoch)
             cr_assert_eq(json_num(last_line(m), "val_samples"), 10000, "%s", last_line(m));
             free(m);
         } else {
-            /* b takes the samples, is found silent (2 s), and nobody comes within 8 s */
+            /* b's connection closed with it: lost at once, before a's samples
+             * could go to it; nobody comes within 8 s */
             r.psd_code = proc_wait(p, 60);
             cr_assert_eq(r.psd_code, 4, "psd gave up: no worker left (exit %d)", r.psd_code);
             char *log = slurp(r.psd_log);
-            cr_assert(log && strstr(log, "rank 1 takes the") && strstr(log, "no worker came back within 8 s"),
+            const char *bl = log ? strstr(log, "rank 1 (") : NULL, *lost = bl ? strstr(bl, ") lost: ") : NULL;
+            cr_assert(lost && !memchr(bl, '\n', (size_t)(lost - bl)) &&
+                          strncmp(lost, ") lost: its connection closed", 29) == 0 && !strstr(log, "rank 1 takes the") &&
+                          strstr(log, "no worker came back within 8 s"),
                       "%s", log ? log : "");
             free(log);
         }
