@@ -82,7 +82,9 @@ int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no
                     bool watch_closed, void **sockp, struct psd_zap **zapp, void **monp);
 /* Read the events waiting on mon (psd_router_open's *monp): each refused
  * handshake counts in *refused and is logged (the first 20, then every
- * 1000th); each closed connection's fd goes to on_closed (may be NULL). */
+ * 1000th; libzmq 4.3 does not say which peer: the ZAP handler logs address
+ * and key of those it sees); each closed connection's fd goes to on_closed
+ * (may be NULL). */
 void psd_router_monitor(void *mon, uint64_t *refused, void (*on_closed)(void *arg, int fd), void *arg);
 
 /* psd --shard i/n with i > 0 (psd_shard.c): hold part i of the parameters
