@@ -436,3 +436,16 @@ void ps_zmq_endpoint_opts(void *sock, const char *ep)
     int on = ps_endpoint_is_ipv6(ep);
     zmq_setsockopt(sock, ZMQ_IPV6, &on, sizeof on);
 }
+
+void ps_zmq_close_monitored(void *sock, void *mon)
+{
+    if (sock) {
+        if (mon) zmq_socket_monitor(sock, NULL, 0);
+        zmq_close(sock);
+    }
+    if (mon) {
+        int zero = 0;
+        zmq_setsockopt(mon, ZMQ_LINGER, &zero, sizeof zero);
+        zmq_close(mon);
+    }
+}

@@ -132,6 +132,10 @@ void ps_msg_drain(void *sock, double quiet_s, double max_s);
 /* What a socket needs before it binds or connects to ep: ZMQ_IPV6 for an
  * IPv6 address (ps_endpoint_is_ipv6). */
 void ps_zmq_endpoint_opts(void *sock, const char *ep);
+/* Close sock (stopping its monitor, if mon) and mon, the PAIR its monitor
+ * reports to (linger 0: its events are of no use any more); either may be
+ * NULL. */
+void ps_zmq_close_monitored(void *sock, void *mon);
 
 /* Short name of a message type for logs ("PUSH"). */
 const char *ps_msg_type_name(int type);

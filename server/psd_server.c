@@ -193,6 +193,8 @@ typedef struct {
     bool resumed;         /* --resume: it resumed its part (SHARD_RESUMED) at resumed_step */
     uint64_t resumed_step, resumed_version;
     int tcp_fd;           /* its connection given server.tcp_congestion (fd + 1, 0: none yet) */
+    int conn;             /* the connection its messages come on (fd + 1, 0: not known) */
+    bool conn_closed;     /* that connection closed: the run stops at the next tick */
 } shard_t;
 
 typedef struct {
@@ -2479,29 +2481,54 @@ static void conn_closed(void *arg, int fd)
             s->w[i].conn = 0;
             s->w[i].conn_closed = true;
         }
+    for (int i = 1; i < s->n_shards; i++)
+        if (s->shards[i].conn == fd + 1 && s->shards[i].joined) {
+            s->shards[i].conn = 0;
+            s->shards[i].conn_closed = true;
+        }
 }
 
 static void poll_monitor(srv_t *s) { psd_router_monitor(s->mon, &s->hs_failed, conn_closed, s); }
 
-/* The connection w's message m came on. A new one (its first message, or
- * it reconnected) is taken once the monitor's events so far are read: an
- * event about an fd number is then about a connection that held it before,
- * whose close the monitor reported before this one could open. */
-static void note_conn(srv_t *s, worker_t *w, const ps_msg_t *m)
+/* The connection a peer's (a worker's, a shard's) message m came on, into
+ * *conn. A new one (its first message, or it reconnected) is taken once the
+ * monitor's events so far are read: an event about an fd number is then
+ * about a connection that held it before, whose close the monitor reported
+ * before this one could open. */
+static void note_conn(srv_t *s, int *conn, const ps_msg_t *m)
 {
-    if (m->srcfd < 0 || w->conn == m->srcfd + 1) return;
+    if (m->srcfd < 0 || *conn == m->srcfd + 1) return;
     if (s->mon) poll_monitor(s);
-    w->conn = m->srcfd + 1;
+    *conn = m->srcfd + 1;
 }
+
+static void drain(srv_t *s);
 
 /* A worker whose connection closed is lost at once (a process that ends,
  * killed or crashed, has its connections closed by its kernel): nobody
- * waits worker_timeout for it. One still alive reconnects, is told it was
+ * waits worker_timeout for it; a psd shard's closed connection ends the
+ * run at once, as its silence would. One still alive reconnects, is told it was
  * declared lost, and registers again, as after a timeout. Workers lost in
  * the same tick are given nothing of each other's (hand_out, take_pool and
  * least_busy pass over conn_closed). */
 static void reap_closed(srv_t *s, double now)
 {
+    bool any = false;
+    for (int i = 0; i < s->n; i++) any |= s->w[i].conn_closed;
+    for (int i = 1; i < s->n_shards; i++) any |= s->shards[i].conn_closed;
+    if (!any) return;
+    drain(s); /* their last words first (a LEAVE, an ERROR): queued before their connection closed */
+    for (int i = 1; i < s->n_shards && s->phase != PHASE_DONE; i++) {
+        shard_t *sh = &s->shards[i];
+        if (!sh->conn_closed) continue;
+        sh->conn_closed = false;
+        if (!sh->joined) continue;
+        PS_ERROR("psd shard %d (%s pid %u) lost: its connection closed, %.1f s after its last message; its part of "
+                 "the parameters is gone, so the run stops", i, sh->hostname, sh->pid, now - sh->last_seen);
+        sh->joined = false;
+        finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was lost");
+        return;
+    }
     for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
         worker_t *w = &s->w[i];
         if (!w->conn_closed) continue;
@@ -2603,7 +2630,7 @@ static void on_register(srv_t *s, ps_msg_t *m)
     }
     w->last_seen = ps_now();
     w->seq_in = m->hdr->seq;
-    note_conn(s, w, m);
+    note_conn(s, &w->conn, m);
     if (!reused) s->n++;
     s->registrations++;
     if (reused && w == own)
@@ -2703,6 +2730,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
     sh->last_seen = ps_now();
     sh->joined = true;
     sh->tcp_fd = 0; /* a new connection maybe under an fd number the last one had */
+    note_conn(s, &sh->conn, m);
     Psd__Header r;
     Psd__ShardHello rb = PSD__SHARD_HELLO__INIT;
     psd__header__init(&r);
@@ -3198,7 +3226,10 @@ static void handle(srv_t *s, ps_msg_t *m)
     }
     int si = sharded(s) ? find_shard(s, m->ident, m->ident_len) : -1;
     if (si > 0 || h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
-        if (si > 0) ps_tcp_cc_conn(&s->shards[si].tcp_fd, m->srcfd, s->cfg.tcp_congestion, true);
+        if (si > 0) {
+            note_conn(s, &s->shards[si].conn, m);
+            ps_tcp_cc_conn(&s->shards[si].tcp_fd, m->srcfd, s->cfg.tcp_congestion, true);
+        }
         on_shard(s, si, m);
         return;
     }
@@ -3256,7 +3287,7 @@ static void handle(srv_t *s, ps_msg_t *m)
     }
     w->seq_in = h->seq;
     w->last_seen = ps_now();
-    note_conn(s, w, m);
+    note_conn(s, &w->conn, m);
     ps_tcp_cc_conn(&w->tcp_fd, m->srcfd, s->cfg.tcp_congestion, true);
     switch (h->type) {
     case PSD__MSG_TYPE__MSG_READY: on_ready(s, w, m); break;
@@ -4275,18 +4306,9 @@ static int resume_at(srv_t *s, uint64_t at_most)
  * linger: linger_ms, or -1 for the one set when it was opened (1 s). */
 static void zmq_end(srv_t *s, int linger_ms)
 {
-    int zero = 0;
-    if (s->sock) {
-        if (linger_ms >= 0) zmq_setsockopt(s->sock, ZMQ_LINGER, &linger_ms, sizeof linger_ms);
-        if (s->mon) zmq_socket_monitor(s->sock, NULL, 0);
-        zmq_close(s->sock);
-        s->sock = NULL;
-    }
-    if (s->mon) {
-        zmq_setsockopt(s->mon, ZMQ_LINGER, &zero, sizeof zero);
-        zmq_close(s->mon);
-        s->mon = NULL;
-    }
+    if (s->sock && linger_ms >= 0) zmq_setsockopt(s->sock, ZMQ_LINGER, &linger_ms, sizeof linger_ms);
+    ps_zmq_close_monitored(s->sock, s->mon);
+    s->sock = s->mon = NULL;
     psd_zap_stop(&s->zap);
     if (s->zctx) zmq_ctx_term(s->zctx);
     s->zctx = NULL;

@@ -80,7 +80,8 @@ struct psd_zap;
  * the caller's to close. */
 int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no_zap, size_t n_params, bool allow_self,
                     bool watch_closed, void **sockp, struct psd_zap **zapp, void **monp);
-/* Read the events waiting on mon (psd_router_open's *monp): each refused
+/* Read the events waiting on mon (psd_router_open's *monp, or a monitor of
+ * another socket with these events): each refused
  * handshake counts in *refused and is logged (the first 20, then every
  * 1000th; libzmq 4.3 does not say which peer: the ZAP handler logs address
  * and key of those it sees); each closed connection's fd goes to on_closed

@@ -79,6 +79,8 @@ typedef struct {
     psd_store_t store;
     uint64_t all;              /* tensors with a piece here */
     void *zctx, *router, *leader, *mon; /* mon: its ROUTER's failed handshakes (with keys) */
+    void *lmon;                /* PAIR with the connection to shard 0 closing */
+    bool leader_closed;        /* it did: shard 0 is gone */
     psd_zap_t *zap;
     uint64_t hs_failed;
     uint64_t run_id, config_hash, seq_out;
@@ -957,6 +959,15 @@ static void drain_sock(shard_t *s, void *sock, bool router)
     }
 }
 
+/* psd_router_monitor's on_closed for the connection to shard 0 (once
+ * joined, a closed one is shard 0 gone: nothing reconnects to a run) */
+static void on_leader_closed(void *arg, int fd)
+{
+    (void)fd;
+    shard_t *s = arg;
+    if (s->joined) s->leader_closed = true;
+}
+
 int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
 {
     shard_t *s = calloc(1, sizeof *s);
@@ -1053,6 +1064,15 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         memset(&kp, 0, sizeof kp);
     }
     ps_zmq_endpoint_opts(s->leader, opts->leader);
+    /* shard 0 killed: its kernel closes the connection, and this shard
+     * stops at once rather than after the silence limit */
+    if (zmq_socket_monitor(s->leader, "inproc://psd-shard-leader", ZMQ_EVENT_DISCONNECTED) == 0) {
+        s->lmon = zmq_socket(s->zctx, ZMQ_PAIR);
+        if (s->lmon && zmq_connect(s->lmon, "inproc://psd-shard-leader") != 0) {
+            zmq_close(s->lmon);
+            s->lmon = NULL;
+        }
+    }
     if (zmq_connect(s->leader, opts->leader) != 0) {
         PS_ERROR("cannot connect to shard 0 at '%s': %s", opts->leader, zmq_strerror(zmq_errno()));
         code = PSD_EXIT_USAGE;
@@ -1095,8 +1115,9 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
             break;
         }
         double now = ps_now();
-        if (s->mon && now - last_mon >= 0.1) {
-            psd_router_monitor(s->mon, &s->hs_failed, NULL, NULL);
+        if (now - last_mon >= 0.1) {
+            if (s->mon) psd_router_monitor(s->mon, &s->hs_failed, NULL, NULL);
+            if (s->lmon) psd_router_monitor(s->lmon, &s->hs_failed, on_leader_closed, s);
             last_mon = now;
         }
         if (!s->joined) {
@@ -1111,9 +1132,15 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
                 last_hello = now;
             }
         } else {
-            if (now - s->leader_seen > silence) {
-                PS_ERROR("shard %d: nothing from shard 0 for %.1f s: it is gone; stopping", opts->shard,
-                         now - s->leader_seen);
+            if (s->leader_closed) drain_sock(s, s->leader, false); /* its last words first (SHUTDOWN) */
+            if (s->done) break;
+            if (now - s->leader_seen > silence || s->leader_closed) {
+                if (s->leader_closed)
+                    PS_ERROR("shard %d: the connection to shard 0 closed, %.1f s after its last message: it is "
+                             "gone; stopping", opts->shard, now - s->leader_seen);
+                else
+                    PS_ERROR("shard %d: nothing from shard 0 for %.1f s: it is gone; stopping", opts->shard,
+                             now - s->leader_seen);
                 s->exit_code = PSD_EXIT_SHARD_LOST;
                 break;
             }
@@ -1153,17 +1180,9 @@ out:
     free(s->sp_free);
     free(s->rg);
     free(s->norm_blk);
-    if (s->router) {
-        ps_msg_drain(s->router, 0.05, 0.5);
-        if (s->mon) zmq_socket_monitor(s->router, NULL, 0);
-        zmq_close(s->router);
-    }
-    if (s->mon) {
-        int z = 0;
-        zmq_setsockopt(s->mon, ZMQ_LINGER, &z, sizeof z);
-        zmq_close(s->mon);
-    }
-    if (s->leader) zmq_close(s->leader);
+    if (s->router) ps_msg_drain(s->router, 0.05, 0.5);
+    ps_zmq_close_monitored(s->router, s->mon);
+    ps_zmq_close_monitored(s->leader, s->lmon);
     psd_zap_stop(&s->zap);
     if (s->zctx) zmq_ctx_term(s->zctx);
     psd_store_deinit(&s->store);

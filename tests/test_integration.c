@@ -1618,12 +1618,13 @@ Test(short, psd_shard_0_stopped_before_the_shards_joined_ends_cleanly)
 
 /* A shard that dies ends the run with exit 5 and a clear error (its part of
  * the parameters is gone), the workers are told to stop; shard 0 that dies
- * leaves no shard behind. Nothing hangs. */
+ * leaves no shard behind. Nothing hangs, and nobody waits worker_timeout
+ * (60 s here) for a killed process: its connection closes with it. */
 Test(short, a_lost_psd_shard_ends_the_run_and_nothing_hangs)
 {
     const char *args[] = {"--epochs", "50", "--set", "data.train_limit=3000", "--set", "checkpoint.dir=",
-                          "--worker-timeout", "3", "--shard", "0/2", NULL};
-    const char *fargs[] = {"--set", "data.train_limit=3000", "--set", "checkpoint.dir=", "--worker-timeout", "3",
+                          "--worker-timeout", "60", "--shard", "0/2", NULL};
+    const char *fargs[] = {"--set", "data.train_limit=3000", "--set", "checkpoint.dir=", "--worker-timeout", "60",
                            "--epochs", "50", NULL};
     run_t r;
     pid_t p = start_psd(&r, "lost", 2, args);
@@ -1632,10 +1633,10 @@ Test(short, a_lost_psd_shard_ends_the_run_and_nothing_hangs)
     wait_log(r.psd_log, "epoch 1/50", 120);
     kill(f, SIGKILL);
     cr_assert_eq(proc_wait(f, 10), 128 + SIGKILL);
-    int code = proc_wait(p, 60);
+    int code = proc_wait(p, 30);
     char *log = slurp(r.psd_log);
     cr_assert_eq(code, 5, "psd exits 5 when a shard is lost (got %d):\n%s", code, log);
-    cr_assert(strstr(log, "psd shard 1") && strstr(log, "lost"), "%s", log);
+    cr_assert(strstr(log, "psd shard 1") && strstr(log, "lost: its connection closed"), "%s", log);
     free(log);
     for (int i = 0; i < 2; i++) {
         if (proc_wait(i ? w1 : w0, 30) != -1) continue;
@@ -1653,7 +1654,12 @@ Test(short, a_lost_psd_shard_ends_the_run_and_nothing_hangs)
     wait_log(q.psd_log, "epoch 1/50", 120);
     kill(p, SIGKILL);
     cr_assert_eq(proc_wait(p, 10), 128 + SIGKILL);
-    cr_assert_eq(proc_wait(f, 60), 5, "the shard stops when shard 0 is gone");
+    cr_assert_eq(proc_wait(f, 30), 5, "the shard stops when shard 0 is gone");
+    char flog[256];
+    path(flog, sizeof flog, "lost0-shard1.log");
+    char *fl = slurp(flog);
+    cr_assert(fl && strstr(fl, "the connection to shard 0 closed"), "%s", fl ? fl : "");
+    free(fl);
     proc_wait(w0, 1);
     proc_wait(w1, 1);
 
@@ -1675,7 +1681,7 @@ Test(short, a_lost_psd_shard_ends_the_run_and_nothing_hangs)
     cr_assert_lt(t, 120, "shard 0 began %s", tmp);
     kill(f, SIGKILL);
     cr_assert_eq(proc_wait(f, 10), 128 + SIGKILL);
-    code = proc_wait(p, 60);
+    code = proc_wait(p, 30);
     log = slurp(z.psd_log);
     cr_assert_eq(code, 5, "psd exits 5 when a shard is lost while it writes the weights (got %d):\n%s", code, log);
     cr_assert(strstr(log, "psd shard 1") && !strstr(log, "saved weights"), "%s", log);

@@ -328,16 +328,8 @@ void psw_client_destroy(psw_client_t **cp)
     free(c->wconv);
     free(c->want);
     free(c->replica);
-    if (c->sock) {
-        ps_msg_drain(c->sock, 0.05, 0.3); /* weights psd sent before we left */
-        zmq_socket_monitor(c->sock, NULL, 0);
-    }
-    if (c->mon) {
-        int zero = 0;
-        zmq_setsockopt(c->mon, ZMQ_LINGER, &zero, sizeof zero);
-        zmq_close(c->mon);
-    }
-    if (c->sock) zmq_close(c->sock);
+    if (c->sock) ps_msg_drain(c->sock, 0.05, 0.3); /* weights psd sent before we left */
+    ps_zmq_close_monitored(c->sock, c->mon);
     if (c->ctx) zmq_ctx_term(c->ctx);
     free(c);
     *cp = NULL;
