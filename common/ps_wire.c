@@ -437,6 +437,18 @@ void ps_zmq_endpoint_opts(void *sock, const char *ep)
     zmq_setsockopt(sock, ZMQ_IPV6, &on, sizeof on);
 }
 
+void *ps_zmq_monitor(void *ctx, void *sock, const char *ep, int events)
+{
+    if (zmq_socket_monitor(sock, ep, events) != 0) return NULL;
+    void *mon = zmq_socket(ctx, ZMQ_PAIR);
+    if (!mon || zmq_connect(mon, ep) != 0) {
+        if (mon) zmq_close(mon);
+        zmq_socket_monitor(sock, NULL, 0);
+        return NULL;
+    }
+    return mon;
+}
+
 void ps_zmq_close_monitored(void *sock, void *mon)
 {
     if (sock) {

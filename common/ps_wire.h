@@ -132,6 +132,11 @@ void ps_msg_drain(void *sock, double quiet_s, double max_s);
 /* What a socket needs before it binds or connects to ep: ZMQ_IPV6 for an
  * IPv6 address (ps_endpoint_is_ipv6). */
 void ps_zmq_endpoint_opts(void *sock, const char *ep);
+/* A PAIR socket of ctx receiving sock's monitor events (the mask `events`)
+ * through the inproc endpoint `ep` (unique in ctx): set before sock binds or
+ * connects, so that no event is missed. NULL if libzmq refused (the caller
+ * goes without its events). */
+void *ps_zmq_monitor(void *ctx, void *sock, const char *ep, int events);
 /* Close sock (stopping its monitor, if mon) and mon, the PAIR its monitor
  * reports to (linger 0: its events are of no use any more); either may be
  * NULL. */

@@ -4450,13 +4450,7 @@ int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no
     if (c->kind == PS_MODEL_CTR) maxmsg += 4 * c->ctr_test; /* a VAL_RESULT's scores */
     zmq_setsockopt(*sockp, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     ps_zmq_endpoint_opts(*sockp, listen);
-    if (mon_events && zmq_socket_monitor(*sockp, "inproc://psd-monitor", mon_events) == 0) {
-        *monp = zmq_socket(zctx, ZMQ_PAIR);
-        if (*monp && zmq_connect(*monp, "inproc://psd-monitor") != 0) {
-            zmq_close(*monp);
-            *monp = NULL;
-        }
-    }
+    if (mon_events) *monp = ps_zmq_monitor(zctx, *sockp, "inproc://psd-monitor", mon_events);
     if (zmq_bind(*sockp, listen) != 0) {
         PS_ERROR("cannot listen on '%s': %s", listen, zmq_strerror(zmq_errno()));
         return PSD_EXIT_USAGE;

@@ -1066,13 +1066,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     ps_zmq_endpoint_opts(s->leader, opts->leader);
     /* shard 0 killed: its kernel closes the connection, and this shard
      * stops at once rather than after the silence limit */
-    if (zmq_socket_monitor(s->leader, "inproc://psd-shard-leader", ZMQ_EVENT_DISCONNECTED) == 0) {
-        s->lmon = zmq_socket(s->zctx, ZMQ_PAIR);
-        if (s->lmon && zmq_connect(s->lmon, "inproc://psd-shard-leader") != 0) {
-            zmq_close(s->lmon);
-            s->lmon = NULL;
-        }
-    }
+    s->lmon = ps_zmq_monitor(s->zctx, s->leader, "inproc://psd-shard-leader", ZMQ_EVENT_DISCONNECTED);
     if (zmq_connect(s->leader, opts->leader) != 0) {
         PS_ERROR("cannot connect to shard 0 at '%s': %s", opts->leader, zmq_strerror(zmq_errno()));
         code = PSD_EXIT_USAGE;

@@ -265,16 +265,10 @@ psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char 
      * psd refuses us (authentication) */
     char mon_ep[64];
     snprintf(mon_ep, sizeof mon_ep, "inproc://psw-monitor-%p", (void *)c);
-    if (zmq_socket_monitor(c->sock, mon_ep,
-                           ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED |
-                               ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                               ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) == 0) {
-        c->mon = zmq_socket(c->ctx, ZMQ_PAIR);
-        if (c->mon && zmq_connect(c->mon, mon_ep) != 0) {
-            zmq_close(c->mon);
-            c->mon = NULL;
-        }
-    }
+    c->mon = ps_zmq_monitor(c->ctx, c->sock, mon_ep,
+                            ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED |
+                                ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL);
     ps_zmq_endpoint_opts(c->sock, endpoint);
     if (zmq_connect(c->sock, endpoint) != 0) {
         snprintf(err, errlen, "cannot connect to '%s': %s", endpoint, zmq_strerror(zmq_errno()));
