@@ -449,6 +449,27 @@ void *ps_zmq_monitor(void *ctx, void *sock, const char *ep, int events)
     return mon;
 }
 
+int ps_zmq_monitor_event(void *mon, uint16_t *event, uint32_t *value)
+{
+    zmq_msg_t ev, ep;
+    zmq_msg_init(&ev);
+    if (zmq_msg_recv(&ev, mon, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&ev);
+        return -1;
+    }
+    *event = 0;
+    *value = 0;
+    if (zmq_msg_size(&ev) >= 6) {
+        memcpy(event, zmq_msg_data(&ev), 2);
+        memcpy(value, (char *)zmq_msg_data(&ev) + 2, 4);
+    }
+    zmq_msg_close(&ev);
+    zmq_msg_init(&ep);
+    zmq_msg_recv(&ep, mon, 0); /* second frame: the endpoint */
+    zmq_msg_close(&ep);
+    return 0;
+}
+
 void ps_zmq_close_monitored(void *sock, void *mon)
 {
     if (sock) {

@@ -137,6 +137,10 @@ void ps_zmq_endpoint_opts(void *sock, const char *ep);
  * connects, so that no event is missed. NULL if libzmq refused (the caller
  * goes without its events). */
 void *ps_zmq_monitor(void *ctx, void *sock, const char *ep, int events);
+/* The next event waiting on mon (ps_zmq_monitor's PAIR), without waiting:
+ * 0 with its number (ZMQ_EVENT_*) and value (an fd, an error code), or -1
+ * if none is waiting. */
+int ps_zmq_monitor_event(void *mon, uint16_t *event, uint32_t *value);
 /* Close sock (stopping its monitor, if mon) and mon, the PAIR its monitor
  * reports to (linger 0: its events are of no use any more); either may be
  * NULL. */

@@ -98,8 +98,8 @@ typedef struct {
     double sent_at;       /* time of psd's last message to it (keep_alive) */
     double gone_at;
     uint64_t seq_in, seq_out;
-    int tcp_fd;           /* its connection given server.tcp_congestion (fd + 1, 0: none yet) */
-    int conn;             /* the connection its messages come on (fd + 1, 0: not known) */
+    int conn;             /* the connection its messages come on (fd + 1, 0: not known), given
+                           * server.tcp_congestion when first seen (note_conn) */
     bool conn_closed;     /* that connection closed (the ROUTER's monitor): lost at the next tick */
     uint64_t lost_replies;
     /* this epoch: positions assigned (ranges, in order) and trained */
@@ -192,8 +192,7 @@ typedef struct {
     bool ck_acked;        /* its part of the checkpoint being taken is written, or failed (SHARD_CKPT_DONE) */
     bool resumed;         /* --resume: it resumed its part (SHARD_RESUMED) at resumed_step */
     uint64_t resumed_step, resumed_version;
-    int tcp_fd;           /* its connection given server.tcp_congestion (fd + 1, 0: none yet) */
-    int conn;             /* the connection its messages come on (fd + 1, 0: not known) */
+    int conn;             /* the connection its messages come on (as a worker's) */
     bool conn_closed;     /* that connection closed: the run stops at the next tick */
 } shard_t;
 
@@ -2494,11 +2493,12 @@ static void poll_monitor(srv_t *s) { psd_router_monitor(s->mon, &s->hs_failed, c
  * *conn. A new one (its first message, or it reconnected) is taken once the
  * monitor's events so far are read: an event about an fd number is then
  * about a connection that held it before, whose close the monitor reported
- * before this one could open. */
+ * before this one could open. It gets server.tcp_congestion then. */
 static void note_conn(srv_t *s, int *conn, const ps_msg_t *m)
 {
     if (m->srcfd < 0 || *conn == m->srcfd + 1) return;
     if (s->mon) poll_monitor(s);
+    ps_tcp_cc_conn(conn, m->srcfd, s->cfg.tcp_congestion, true); /* sets *conn unless the setting is off */
     *conn = m->srcfd + 1;
 }
 
@@ -2729,7 +2729,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
     sh->pid = h->pid;
     sh->last_seen = ps_now();
     sh->joined = true;
-    sh->tcp_fd = 0; /* a new connection maybe under an fd number the last one had */
+    sh->conn = 0; /* a new connection maybe under an fd number the last one had */
     note_conn(s, &sh->conn, m);
     Psd__Header r;
     Psd__ShardHello rb = PSD__SHARD_HELLO__INIT;
@@ -3226,10 +3226,7 @@ static void handle(srv_t *s, ps_msg_t *m)
     }
     int si = sharded(s) ? find_shard(s, m->ident, m->ident_len) : -1;
     if (si > 0 || h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
-        if (si > 0) {
-            note_conn(s, &s->shards[si].conn, m);
-            ps_tcp_cc_conn(&s->shards[si].tcp_fd, m->srcfd, s->cfg.tcp_congestion, true);
-        }
+        if (si > 0) note_conn(s, &s->shards[si].conn, m);
         on_shard(s, si, m);
         return;
     }
@@ -3288,7 +3285,6 @@ static void handle(srv_t *s, ps_msg_t *m)
     w->seq_in = h->seq;
     w->last_seen = ps_now();
     note_conn(s, &w->conn, m);
-    ps_tcp_cc_conn(&w->tcp_fd, m->srcfd, s->cfg.tcp_congestion, true);
     switch (h->type) {
     case PSD__MSG_TYPE__MSG_READY: on_ready(s, w, m); break;
     case PSD__MSG_TYPE__MSG_PULL: on_pull(s, w, m); break;
@@ -4460,23 +4456,9 @@ int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no
 
 void psd_router_monitor(void *mon, uint64_t *refused, void (*on_closed)(void *arg, int fd), void *arg)
 {
-    for (;;) {
-        zmq_msg_t ev, ep;
-        zmq_msg_init(&ev);
-        if (zmq_msg_recv(&ev, mon, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&ev);
-            return;
-        }
-        uint16_t event = 0;
-        uint32_t value = 0;
-        if (zmq_msg_size(&ev) >= 6) {
-            memcpy(&event, zmq_msg_data(&ev), 2);
-            memcpy(&value, (char *)zmq_msg_data(&ev) + 2, 4);
-        }
-        zmq_msg_close(&ev);
-        zmq_msg_init(&ep);
-        zmq_msg_recv(&ep, mon, 0); /* second frame: the endpoint */
-        zmq_msg_close(&ep);
+    uint16_t event;
+    uint32_t value;
+    while (ps_zmq_monitor_event(mon, &event, &value) == 0) {
         if (event == ZMQ_EVENT_DISCONNECTED) {
             if (on_closed) on_closed(arg, (int)value);
             continue;

@@ -335,19 +335,9 @@ uint64_t psw_client_run_id(const psw_client_t *c) { return c->run_id; }
  * to psd dropped. */
 static int check_monitor(psw_client_t *c)
 {
-    for (;;) {
-        zmq_msg_t ev, addr;
-        zmq_msg_init(&ev);
-        if (zmq_msg_recv(&ev, c->mon, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&ev);
-            return 0;
-        }
-        uint16_t event = 0;
-        if (zmq_msg_size(&ev) >= 2) memcpy(&event, zmq_msg_data(&ev), 2);
-        zmq_msg_close(&ev);
-        zmq_msg_init(&addr);
-        zmq_msg_recv(&addr, c->mon, 0); /* second frame: the endpoint */
-        zmq_msg_close(&addr);
+    uint16_t event;
+    uint32_t value;
+    while (ps_zmq_monitor_event(c->mon, &event, &value) == 0) {
         if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) c->connected = 1;
         if (event == ZMQ_EVENT_DISCONNECTED && c->connected) return -ECONNRESET;
         if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH || event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
@@ -360,6 +350,7 @@ static int check_monitor(psw_client_t *c)
          * same: the message names both. */
         if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && !c->connected && ++c->hs_failed >= 3) return -EACCES;
     }
+    return 0;
 }
 
 uint32_t psw_client_rank(const psw_client_t *c) { return c->rank; }
