@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <net/if.h>
+#include <netdb.h>
 #include <errno.h>
 #include <sched.h>
 #include <fcntl.h>
@@ -475,4 +476,24 @@ bool ps_endpoint_is_ipv6(const char *ep)
 {
     char host[INET6_ADDRSTRLEN + 2];
     return tcp_host(ep, host, sizeof host) == 0 && ipv6_literal(host, strlen(host), NULL);
+}
+
+bool ps_endpoint_wants_ipv6(const char *ep)
+{
+    char host[256];
+    struct in_addr a4;
+    if (strncmp(ep, "tcp://", 6) != 0 || tcp_host(ep, host, sizeof host) != 0) return false;
+    if (ipv6_literal(host, strlen(host), NULL)) return true;
+    if (strcmp(host, "*") == 0 || inet_aton(host, &a4) || memchr(host, ';', strlen(host)) ||
+        if_nametoindex(host) != 0) /* an interface to listen on: no lookup */
+        return false;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    if (getaddrinfo(host, NULL, &hints, &res) != 0) return false; /* unknown now: IPv4, as before */
+    bool v4 = false, v6 = false;
+    for (const struct addrinfo *i = res; i; i = i->ai_next) {
+        v4 |= i->ai_family == AF_INET;
+        v6 |= i->ai_family == AF_INET6;
+    }
+    freeaddrinfo(res);
+    return v6 && !v4;
 }

@@ -92,6 +92,11 @@ bool ps_endpoint_is_loopback(const char *ep);
 /* Whether ep is tcp:// to an IPv6 address ([ADDR]): its socket needs
  * ZMQ_IPV6 (ps_zmq_endpoint_opts, ps_wire.h). */
 bool ps_endpoint_is_ipv6(const char *ep);
+/* Whether a socket for ep needs ZMQ_IPV6: an IPv6 address, or a host name
+ * whose addresses (getaddrinfo, at the call) are all IPv6 (without the
+ * option libzmq looks a name up for IPv4 only; a name with an IPv4 address
+ * keeps IPv4, as libzmq with the option would try its IPv6 one first). */
+bool ps_endpoint_wants_ipv6(const char *ep);
 
 /* SIGINT/SIGTERM that come before a daemon's own handlers (while it loads
  * its data): the first is remembered for the daemon to act on once its

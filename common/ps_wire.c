@@ -433,7 +433,7 @@ void ps_bf16_to_f32_n(float *dst, const uint16_t *src, size_t n)
 
 void ps_zmq_endpoint_opts(void *sock, const char *ep)
 {
-    int on = ps_endpoint_is_ipv6(ep);
+    int on = ps_endpoint_wants_ipv6(ep);
     zmq_setsockopt(sock, ZMQ_IPV6, &on, sizeof on);
 }
 

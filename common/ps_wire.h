@@ -130,7 +130,8 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
  * 4.3 does not always free unread messages at close. */
 void ps_msg_drain(void *sock, double quiet_s, double max_s);
 /* What a socket needs before it binds or connects to ep: ZMQ_IPV6 for an
- * IPv6 address (ps_endpoint_is_ipv6). */
+ * IPv6 address or a host name with IPv6 addresses only
+ * (ps_endpoint_wants_ipv6). */
 void ps_zmq_endpoint_opts(void *sock, const char *ep);
 /* A PAIR socket of ctx receiving sock's monitor events (the mask `events`)
  * through the inproc endpoint `ep` (unique in ctx): set before sock binds or

@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <glob.h>
 #include <fcntl.h>
@@ -5638,8 +5639,11 @@ Test(short, http_token_and_loopback_rule)
 /* psd, its workers and psctl over IPv6 loopback (tcp://[::1]:PORT; the
  * workers on the wire, --no-shm), and psd's HTTP endpoint on [::1]: a run
  * like any other, and loopback (no keys, no HTTP token needed); HTTP on
- * every IPv6 interface ([::]) without a token is refused. Skipped where
- * this host has no IPv6 loopback. */
+ * every IPv6 interface ([::]) without a token is refused. Worker 1 and
+ * psctl reach psd by a host name whose only address is ::1 (a hosts file
+ * of their own through nss_wrapper): without ZMQ_IPV6 libzmq would look it
+ * up for IPv4 and find nothing. Skipped where this host has no IPv6
+ * loopback. */
 Test(short, a_run_over_ipv6_loopback)
 {
     int fd = socket(AF_INET6, SOCK_STREAM, 0);
@@ -5656,10 +5660,32 @@ Test(short, a_run_over_ipv6_loopback)
     snprintf(http, sizeof http, "[::1]:%d", hport);
     const char *args[] = {"--epochs", "4", "--set", "data.train_limit=4000", "--http", http, "--listen", ep, NULL};
     const char *wex[] = {"--no-shm", NULL};
+    void *nss = dlopen("libnss_wrapper.so", RTLD_NOW);
+    cr_assert_not_null(nss, "libnss_wrapper.so: %s (deploy/setup.sh installs libnss-wrapper)", dlerror());
+    dlclose(nss);
+    char hosts[256], ep_name[64], asan[512], asan_was[480] = "";
+    path(hosts, sizeof hosts, "v6-hosts");
+    FILE *hf = fopen(hosts, "w");
+    cr_assert(hf && fputs("::1 psd-v6-only.test\n", hf) >= 0 && fclose(hf) == 0);
+    snprintf(ep_name, sizeof ep_name, "tcp://psd-v6-only.test:%d", ntohs(a.sin6_port));
+    /* under the sanitizers their runtime must come first, unless told otherwise */
+    const bool had_asan = getenv("ASAN_OPTIONS") != NULL;
+    if (had_asan) snprintf(asan_was, sizeof asan_was, "%s", getenv("ASAN_OPTIONS"));
+    snprintf(asan, sizeof asan, "%s%sverify_asan_link_order=0", asan_was, had_asan ? ":" : "");
     run_t r;
     pid_t p = start_psd(&r, "v6", 2, args); /* its --listen is the last */
     snprintf(r.endpoint, sizeof r.endpoint, "%s", ep);
-    pid_t w0 = start_worker(&r, "v6", 0, wex), w1 = start_worker(&r, "v6", 1, wex);
+    pid_t w0 = start_worker(&r, "v6", 0, wex);
+    snprintf(r.endpoint, sizeof r.endpoint, "%s", ep_name);
+    setenv("LD_PRELOAD", "libnss_wrapper.so", 1);
+    setenv("NSS_WRAPPER_HOSTS", hosts, 1);
+    setenv("NSS_WRAPPER_DISABLE_DEEPBIND", "1", 1); /* its RTLD_DEEPBIND and the sanitizers exclude each other */
+    setenv("ASAN_OPTIONS", asan, 1);
+    pid_t w1 = start_worker(&r, "v6", 1, wex);
+    unsetenv("LD_PRELOAD");
+    if (had_asan) setenv("ASAN_OPTIONS", asan_was, 1);
+    else unsetenv("ASAN_OPTIONS");
+    snprintf(r.endpoint, sizeof r.endpoint, "%s", ep);
     wait_log(r.psd_log, "2 workers ready", 120);
     static const char req[] = "GET /metrics HTTP/1.1\r\nHost: [::1]\r\nConnection: close\r\n\r\n";
     static char page[1 << 16];
@@ -5670,14 +5696,18 @@ Test(short, a_run_over_ipv6_loopback)
     cr_assert_not_null(psctl, "PSCTL_BIN is set by meson");
     char out[256];
     path(out, sizeof out, "v6-psctl.txt");
-    int ctl = run_cmd("'%s' status --server '%s' > '%s' 2>&1", psctl, ep, out);
+    int ctl = run_cmd("ASAN_OPTIONS='%s' LD_PRELOAD=libnss_wrapper.so '%s' status --server '%s' > '%s' 2>&1", asan,
+                      psctl, ep_name, out);
+    unsetenv("NSS_WRAPPER_HOSTS");
+    unsetenv("NSS_WRAPPER_DISABLE_DEEPBIND");
     r.psd_code = proc_wait(p, 300);
     r.worker_code[0] = proc_wait(w0, 30);
     r.worker_code[1] = proc_wait(w1, 30);
     check_run(&r, 2, 4);
     char *log = slurp(r.psd_log), *t = slurp(out);
     cr_assert(log && strstr(log, ep) && !strstr(log, "exchanges tensors with psd through shared memory"), "%s", log);
-    cr_assert(ctl == 0 && t && strstr(t, "workers 2 live"), "psctl over IPv6: %d %s", ctl, t ? t : "");
+    cr_assert(ctl == 0 && t && strstr(t, "workers 2 live"), "psctl over IPv6, by a host name: %d %s", ctl,
+              t ? t : "");
     free(log);
     free(t);
     cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:%d --http '[::]:%d' --start-timeout 1 --set checkpoint.dir= "

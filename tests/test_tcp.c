@@ -243,3 +243,17 @@ Test(endpoints, ipv6_addresses_are_in_brackets)
     cr_expect(!ps_endpoint_is_ipv6("ipc:///tmp/[::1]:5"));
     cr_expect(!ps_endpoint_is_ipv6("tcp://[node]:5"));
 }
+
+/* ZMQ_IPV6 for IPv6 addresses, and for host names whose addresses are all
+ * IPv6 (such a name is tested end to end in test_integration's
+ * a_run_over_ipv6_loopback); everything else keeps libzmq's IPv4 lookup. */
+Test(endpoints, ipv6_for_addresses_and_ipv6_only_names)
+{
+    cr_expect(ps_endpoint_wants_ipv6("tcp://[::1]:5555"));
+    cr_expect(ps_endpoint_wants_ipv6("tcp://[2001:db8::1]:5555"));
+    cr_expect(!ps_endpoint_wants_ipv6("tcp://127.0.0.1:5555"));
+    cr_expect(!ps_endpoint_wants_ipv6("tcp://*:5555"));
+    cr_expect(!ps_endpoint_wants_ipv6("tcp://localhost:5555"), "localhost has 127.0.0.1 (IPv4 kept)");
+    cr_expect(!ps_endpoint_wants_ipv6("tcp://no-such-host.invalid:5555"), "an unknown name keeps IPv4");
+    cr_expect(!ps_endpoint_wants_ipv6("ipc:///tmp/[::1]:5"));
+}
