@@ -443,15 +443,20 @@ static int tcp_host(const char *ep, char *host, size_t n)
     return 0;
 }
 
+/* Whether host is *, an IPv4 address or an interface of this host: no name
+ * to look up. */
+static bool host_is_address_or_interface(const char *host)
+{
+    struct in_addr a;
+    return strcmp(host, "*") == 0 || inet_aton(host, &a) || if_nametoindex(host) != 0;
+}
+
 int ps_endpoint_bindable(const char *ep, char *why, size_t n)
 {
     char host[IF_NAMESIZE + 1];
-    struct in_addr a;
     if (strncmp(ep, "tcp://", 6) != 0) return 0; /* ipc:// */
     if (ps_endpoint_is_ipv6(ep)) return 0;
-    if (tcp_host(ep, host, sizeof host) == 0 &&
-        (strcmp(host, "*") == 0 || inet_aton(host, &a) || if_nametoindex(host) != 0))
-        return 0;
+    if (tcp_host(ep, host, sizeof host) == 0 && host_is_address_or_interface(host)) return 0;
     snprintf(why, n,
              "'%s': no interface or IP address of that name here (ZeroMQ listens on an interface or an address, "
              "not a host name: tcp://0.0.0.0:PORT for every interface, tcp://127.0.0.1:PORT or tcp://[::1]:PORT "
@@ -481,12 +486,9 @@ bool ps_endpoint_is_ipv6(const char *ep)
 bool ps_endpoint_wants_ipv6(const char *ep)
 {
     char host[256];
-    struct in_addr a4;
     if (strncmp(ep, "tcp://", 6) != 0 || tcp_host(ep, host, sizeof host) != 0) return false;
     if (ipv6_literal(host, strlen(host), NULL)) return true;
-    if (strcmp(host, "*") == 0 || inet_aton(host, &a4) || memchr(host, ';', strlen(host)) ||
-        if_nametoindex(host) != 0) /* an interface to listen on: no lookup */
-        return false;
+    if (host_is_address_or_interface(host) || strchr(host, ';')) return false;
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
     if (getaddrinfo(host, NULL, &hints, &res) != 0) return false; /* unknown now: IPv4, as before */
     bool v4 = false, v6 = false;
