@@ -238,6 +238,8 @@ typedef struct {
     int n_val_curve;
     double shard_hb;      /* when shard 0 last sent them a heartbeat */
     double silence;       /* a peer psd waits for is lost after this (psd_silence_limit) */
+    double tick_at;       /* the event loop's last timer tick (on_timer) */
+    double listen_since;  /* psd has been reading its socket since: silence counts from here at the earliest */
     ps_layout_t layout;
     psd_store_t store;
     uint64_t run_id, config_hash;
@@ -3472,10 +3474,27 @@ static void progress(srv_t *s, double now)
     PS_INFO("%s", line);
 }
 
+/* Silence is counted only over time psd was there to hear: after its event
+ * loop was held up (psd stopped or descheduled, a host or VM paused, a long
+ * load on the loop), peers' messages may be waiting unread in its queue, and
+ * libuv runs the overdue timer before it reads them. So when a tick comes
+ * half the silence limit or more after the one before, psd counts again from
+ * now. (Shorter hold-ups cannot make a worker look lost: it says it is alive
+ * every third of the limit. Only hold-ups that long, on every tick, would
+ * delay a silent worker's loss: psd stepping for that long each time.) */
+static double heard_at(const srv_t *s, double last) { return last > s->listen_since ? last : s->listen_since; }
+
 static void on_timer(uv_timer_t *t)
 {
     srv_t *s = t->data;
     double now = ps_now();
+    if (s->tick_at > 0 && now - s->tick_at >= s->silence / 2) {
+        if (now - s->tick_at >= s->silence) /* long enough to have lost everyone it waits for */
+            PS_WARN("psd's event loop was held up for %.1f s; nobody is taken for lost for silence before %.1f s "
+                    "from now", now - s->tick_at, s->silence);
+        s->listen_since = now;
+    }
+    s->tick_at = now;
     if (s->mon) poll_monitor(s);
     reap_closed(s, now);
     poll_checkpoint(s, false);
@@ -3499,13 +3518,13 @@ static void on_timer(uv_timer_t *t)
                 owed = "its part of the gradient's norm", since = s->stepping_since;
             else if (s->wr && i == s->fetch_k)
                 owed = "its part of the final weights", since = s->fetching_since;
-            if (owed && now - since >= s->silence) {
+            if (owed && now - heard_at(s, since) >= s->silence) {
                 PS_ERROR("psd shard %d (%s pid %u) did not send %s in %.1f s; the run stops", i, sh->hostname, sh->pid,
                          owed, now - since);
                 finish(s, PSD_EXIT_SHARD_LOST, "a psd shard stopped answering");
                 return;
             }
-            if (!sh->joined || now - sh->last_seen < s->silence) continue;
+            if (!sh->joined || now - heard_at(s, sh->last_seen) < s->silence) continue;
             PS_ERROR("psd shard %d (%s pid %u) lost: nothing from it for %.1f s; its part of the parameters is "
                      "gone, so the run stops", i, sh->hostname, sh->pid, now - sh->last_seen);
             sh->joined = false;
@@ -3528,7 +3547,7 @@ static void on_timer(uv_timer_t *t)
             worker_t *w = &s->w[i];
             bool waited_for = (w->state == W_TRAIN && !w->has_push && !w->ssp_wait && !w->want_pull) ||
                               w->state == W_VALIDATING;
-            if (w->own_push && !w->has_push && now - w->own_push_at >= s->silence) {
+            if (w->own_push && !w->has_push && now - heard_at(s, w->own_push_at) >= s->silence) {
                 /* a shard never got all of its push: it died between its messages */
                 PS_WARN("rank %u (%s pid %u) lost: psd shards are missing part of its push for %.1f s; going on "
                         "without it", w->rank, w->hostname, w->pid, now - w->own_push_at);
@@ -3542,7 +3561,7 @@ static void on_timer(uv_timer_t *t)
                 worker_gone(s, w);
                 continue;
             }
-            if (!waited_for || now - w->last_seen < s->silence) continue;
+            if (!waited_for || now - heard_at(s, w->last_seen) < s->silence) continue;
             time_t last = time(NULL) - (time_t)(now - w->last_seen);
             struct tm tm;
             char when[32];

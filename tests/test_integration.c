@@ -4386,6 +4386,31 @@ Test(short, a_worker_that_dies_before_the_start_is_not_waited_for)
     check_every_epoch(&r, 2, 12000);
 }
 
+/* psd itself held up (SIGSTOP) past its silence limit while it waits for
+ * the workers: their messages wait unread in its queue, and the overdue timer
+ * runs before they are read. Nobody is lost for that (psd used to take every
+ * worker it waited for for lost and go on without them). */
+Test(short, a_psd_held_up_past_its_silence_limit_loses_nobody)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "3", "--set", "data.train_limit=30000", "--worker-timeout", "1", "--set",
+                          "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "held", 2, args);
+    pid_t w0 = start_worker(&r, "held", 0, NULL), w1 = start_worker(&r, "held", 1, NULL);
+    wait_metrics(&r, 1); /* epoch 2 under way: psd waits for the workers' pushes */
+    kill(p, SIGSTOP);
+    zmq_poll(NULL, 0, 2500); /* the silence limit is about 1 s */
+    kill(p, SIGCONT);
+    r.psd_code = proc_wait(p, 300);
+    r.worker_code[0] = proc_wait(w0, 30);
+    r.worker_code[1] = proc_wait(w1, 30);
+    check_run(&r, 2, 3);
+    char *log = slurp(r.psd_log);
+    cr_assert(log && strstr(log, "event loop was held up") && !strstr(log, ") lost: ") && !strstr(log, "registers again"),
+              "%s", log ? log : "");
+    free(log);
+}
+
 Test(short, frozen_worker_is_dropped_then_rejoins_cleanly)
 {
     fault_seed();
