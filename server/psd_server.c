@@ -102,6 +102,7 @@ typedef struct {
                            * server.tcp_congestion when first seen (note_conn) */
     bool conn_closed;     /* that connection closed (the ROUTER's monitor): lost at the next tick */
     uint64_t lost_replies;
+    bool lost_silent;     /* gone for its silence: it may be alive and connected (told when the run ends) */
     /* this epoch: positions assigned (ranges, in order) and trained */
     prange_t *ranges;
     int n_ranges, cap_ranges;
@@ -519,15 +520,21 @@ static void send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__Er
     ps_msg_send(s->sock, ident, len, &h, NULL, 0);
 }
 
+/* A SHUTDOWN header for w (sd: its body, the caller's). */
+static void shutdown_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Shutdown *sd, int code, const char *reason)
+{
+    hdr_for(s, w, h, PSD__MSG_TYPE__MSG_SHUTDOWN);
+    sd->exit_code = code;
+    sd->reason = (char *)reason;
+    h->body_case = PSD__HEADER__BODY_SHUTDOWN;
+    h->shutdown = sd;
+}
+
 static void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason)
 {
     Psd__Header h;
     Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
-    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_SHUTDOWN);
-    sd.exit_code = code;
-    sd.reason = (char *)reason;
-    h.body_case = PSD__HEADER__BODY_SHUTDOWN;
-    h.shutdown = &sd;
+    shutdown_hdr(s, w, &h, &sd, code, reason);
     send_to(s, w, &h, NULL, 0);
 }
 
@@ -781,13 +788,26 @@ static void release_push(worker_t *w)
     w->shard_have = 0;
 }
 
-/* End the run: tell every live worker, stop the loop. */
+/* End the run: tell every live worker, stop the loop. Workers lost for
+ * their silence that have not registered again (their identity is still
+ * their slot's) are told too, where their connection still stands (no
+ * complaint where it does not): one that was only frozen or slow would
+ * otherwise wait for a psd that is gone for its whole --retry-for. */
 static void finish(srv_t *s, int code, const char *reason)
 {
     if (s->phase == PHASE_DONE) return;
     if (s->tty) ps_log_status(NULL);
-    for (int i = 0; i < s->n; i++)
-        if (s->w[i].state != W_GONE) send_shutdown(s, &s->w[i], code, reason);
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (w->state != W_GONE) {
+            send_shutdown(s, w, code, reason);
+        } else if (w->lost_silent && w->ident_len > 0) {
+            Psd__Header h;
+            Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
+            shutdown_hdr(s, w, &h, &sd, code, reason);
+            ps_msg_send(s->sock, w->ident, w->ident_len, &h, NULL, 0);
+        }
+    }
     if (sharded(s)) {
         Psd__Header h;
         Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
@@ -3552,6 +3572,7 @@ static void on_timer(uv_timer_t *t)
                 PS_WARN("rank %u (%s pid %u) lost: psd shards are missing part of its push for %.1f s; going on "
                         "without it", w->rank, w->hostname, w->pid, now - w->own_push_at);
                 worker_gone(s, w);
+                w->lost_silent = true;
                 continue;
             }
             if (w->state == W_ASSIGNED && now - w->last_seen > s->cfg.start_timeout) {
@@ -3559,6 +3580,7 @@ static void on_timer(uv_timer_t *t)
                 PS_WARN("rank %u (%s pid %u) registered %.0f s ago and never said it was ready; forgetting it",
                         w->rank, w->hostname, w->pid, now - w->last_seen);
                 worker_gone(s, w);
+                w->lost_silent = true;
                 continue;
             }
             if (!waited_for || now - heard_at(s, w->last_seen) < s->silence) continue;
@@ -3571,6 +3593,7 @@ static void on_timer(uv_timer_t *t)
                     "going on without it",
                     w->rank, w->hostname, w->pid, now - w->last_seen, when, wstate_name[w->state]);
             worker_gone(s, w);
+            w->lost_silent = true;
         }
         bool waiting = s->n_pool > 0 && live_workers(s) == 0, orphans = false;
         for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++)

@@ -2961,8 +2961,12 @@ done:
  * ...) of wnumel floats each, or with wids, frame i of tensor wids[i], of
  * wsizes[i] floats of value wids[i] + 1 (the worker's event: the first
  * float of each tensor in wfirst); with noise > 0, that many messages no
- * worker expects from psd (PULL), 100 ms apart. */
+ * worker expects from psd (PULL), 100 ms apart. With shutdown, it answers
+ * the REGISTER with a SHUTDOWN of exit code shutdown_code instead (the
+ * worker library's psw_client_shutdown_code() then: got_code). */
 typedef struct {
+    bool shutdown;
+    int shutdown_code, got_code;
     void *router;
     Psd__CtrTask ct;
     uint32_t batch;
@@ -2980,6 +2984,17 @@ static void *fake_psd(void *p)
     ps_msg_t m = {0};
     char err[256];
     if (ps_msg_recv(f->router, &m, true, 0, err, sizeof err) != 0) return NULL;
+    if (f->shutdown) {
+        Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHUTDOWN, 1);
+        Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
+        sd.exit_code = f->shutdown_code;
+        sd.reason = (char *)"training finished";
+        h.body_case = PSD__HEADER__BODY_SHUTDOWN;
+        h.shutdown = &sd;
+        ps_msg_send(f->router, m.ident, m.ident_len, &h, NULL, 0);
+        ps_msg_deinit(&m);
+        return NULL;
+    }
     Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_ASSIGN, 1);
     Psd__Assign a = PSD__ASSIGN__INIT;
     Psd__Hyper hy = PSD__HYPER__INIT;
@@ -3073,11 +3088,31 @@ static int against_fake_psd(fake_psd_t *f, void *ctx, psw_assign_t *a, char *err
                      ps_now() - t0, f->noise);
     }
     pthread_join(th, NULL);
+    f->got_code = psw_client_shutdown_code(c);
     psw_client_destroy(&c);
     int linger = 0;
     zmq_setsockopt(f->router, ZMQ_LINGER, &linger, sizeof linger);
     zmq_close(f->router);
     return rc;
+}
+
+/* psd ends the run while a worker registers (again, after psd declared it
+ * lost): the SHUTDOWN that comes instead of the assignment ends the
+ * registration at once with psd's exit code (it was dropped, and the worker
+ * waited for an assignment that never came). */
+Test(short, a_shutdown_instead_of_the_assignment_ends_the_registration)
+{
+    void *ctx = zmq_ctx_new();
+    fake_psd_t f = {.shutdown = true, .shutdown_code = 3};
+    char err[512] = "";
+    psw_assign_t a;
+    double t0 = ps_now();
+    int rc = against_fake_psd(&f, ctx, &a, err, sizeof err);
+    cr_expect_eq(rc, -ESHUTDOWN, "rc %d: %s", rc, err);
+    cr_expect_eq(f.got_code, 3);
+    cr_expect(strstr(err, "psd ended the run: training finished"), "%s", err);
+    cr_expect_lt(ps_now() - t0, 5.0, "the registration waited for its timeout (10 s)");
+    zmq_ctx_term(ctx);
 }
 
 /* The worker checks the ctr task psd sends as psd checks its config: a task
@@ -4411,13 +4446,39 @@ Test(short, a_psd_held_up_past_its_silence_limit_loses_nobody)
     free(log);
 }
 
+/* A worker frozen (SIGSTOP) past psd's silence limit is declared lost, and
+ * psd is stopped (SIGINT) before it wakes: psd's SHUTDOWN waits for it on its
+ * connection, and once woken it ends at once with psd's code (it used to wait
+ * for a psd that was gone for its whole --retry-for, 120 s by default). */
+Test(short, a_worker_lost_while_frozen_is_told_that_the_run_ended)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "50", "--set", "data.train_limit=6000", "--worker-timeout", "1", "--set",
+                          "checkpoint.dir=", NULL};
+    pid_t p = start_psd(&r, "told", 2, args);
+    pid_t w0 = start_worker(&r, "told", 0, NULL), w1 = start_worker(&r, "told", 1, NULL);
+    wait_metrics(&r, 1);
+    kill(w1, SIGSTOP);
+    wait_log(r.psd_log, ") lost: nothing from it", 30); /* before ZeroMQ's heartbeat closes its connection (3 s) */
+    kill(p, SIGINT);
+    cr_assert_eq(proc_wait(p, 60), 0, "psd stopped");
+    double t0 = ps_now();
+    kill(w1, SIGCONT);
+    int code = proc_wait(w1, 20);
+    cr_assert_eq(code, 0, "the woken worker ended with psd's code (exit %d after %.1f s)", code, ps_now() - t0);
+    cr_assert_eq(proc_wait(w0, 30), 0);
+    char *l = slurp(r.psd_log);
+    cr_assert(l && !strstr(l, ") lost: its connection closed"), "%s", l ? l : "");
+    free(l);
+}
+
 Test(short, frozen_worker_is_dropped_then_rejoins_cleanly)
 {
     fault_seed();
     run_t r;
     /* 8 epochs: after the 2-3 s to detect it and 0.5 s frozen, the worker must find the run
-     * still going (with 3 the others sometimes finished first: it then waited for a psd that
-     * was gone, past the 60 s below) */
+     * still going, to rejoin (with 3 the others sometimes finished first; a worker lost and
+     * still frozen when the run ends: a_worker_lost_while_frozen_is_told_that_the_run_ended) */
     const char *args[] = {"--epochs", "8", "--set", "data.train_limit=12000", "--worker-timeout", "2", "--set",
                           "checkpoint.dir=", NULL};
     pid_t p = start_psd(&r, "stop", 2, args);

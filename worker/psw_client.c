@@ -41,6 +41,7 @@ struct psw_client {
     psw_info_t info;
     unsigned protocol;
     uint64_t run_id;
+    int shutdown_code;      /* a SHUTDOWN that came instead of the assignment: psd's exit code */
     uint32_t rank;
     uint64_t seq;
     ps_msg_t cur;           /* last received message (event data borrowed from it) */
@@ -330,6 +331,8 @@ void psw_client_destroy(psw_client_t **cp)
 }
 
 uint64_t psw_client_run_id(const psw_client_t *c) { return c->run_id; }
+
+int psw_client_shutdown_code(const psw_client_t *c) { return c->shutdown_code; }
 
 /* Read pending socket events; -ECONNRESET once an established connection
  * to psd dropped. */
@@ -626,6 +629,13 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         if (rc < 0) return rc;
         if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_ASSIGN) break;
         if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_HEARTBEAT) continue; /* for its last slot, sent before this */
+        if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_SHUTDOWN && c->cur.hdr->shutdown) {
+            /* the run ended: psd told this worker's identity so (it had declared it lost) */
+            const Psd__Shutdown *sd = c->cur.hdr->shutdown;
+            snprintf(err, errlen, "psd ended the run: %s", sd->reason && sd->reason[0] ? sd->reason : "done");
+            c->shutdown_code = sd->exit_code;
+            return -ESHUTDOWN;
+        }
         PS_WARN("dropped an unexpected %s before the assignment", ps_msg_type_name((int)c->cur.hdr->type));
     }
     Psd__Header *ah = c->cur.hdr;

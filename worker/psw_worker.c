@@ -654,6 +654,9 @@ static void wk_deinit(wk_t *w)
     psw_client_destroy(&w->c);
 }
 
+/* This worker's exit code for the one psd ended the run with. */
+static int exit_code_of(int psd_code) { return psd_code < 0 || psd_code > 125 ? PSW_EXIT_ERROR : psd_code; }
+
 static volatile sig_atomic_t leave_signal;
 static void on_leave_signal(int sig) { leave_signal = sig; }
 
@@ -674,6 +677,12 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
     if (rc == -EACCES) {
         PS_ERROR("%s", err);
         return PSW_EXIT_USAGE;
+    }
+    if (rc == -ESHUTDOWN) { /* psd ended the run while this worker registered again */
+        int code = psw_client_shutdown_code(w->c);
+        if (code != 0) PS_ERROR("%s", err);
+        else PS_INFO("%s", err);
+        return exit_code_of(code);
     }
     if (rc == -ETIMEDOUT || rc == -ECONNRESET || rc == -ENOLINK) {
         if (!w->registered) PS_ERROR("%s", err);
@@ -779,7 +788,7 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
                         (unsigned long long)w->repulls);
             if (ev.exit_code != 0) PS_ERROR("psd ended the run: %s", ev.message);
             else PS_INFO("psd ended the run: %s", ev.message[0] ? ev.message : "done");
-            return ev.exit_code < 0 || ev.exit_code > 125 ? PSW_EXIT_ERROR : ev.exit_code;
+            return exit_code_of(ev.exit_code);
         }
         if (rc == -ENODEV) return PSW_EXIT_ERROR; /* no backend: logged and told to psd already */
         if (rc == -EPROTO) {

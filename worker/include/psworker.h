@@ -112,8 +112,12 @@ typedef struct {
 psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char *err, size_t errlen);
 void psw_client_destroy(psw_client_t **c);
 
-/* Register and wait up to timeout_s for the assignment. */
+/* Register and wait up to timeout_s for the assignment. -ESHUTDOWN (err
+ * says why) when psd ended the run instead (a worker registering again after
+ * psd declared it lost, as the run ends): psw_client_shutdown_code() is the
+ * exit code psd gave. */
 int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, char *err, size_t errlen);
+int psw_client_shutdown_code(const psw_client_t *c);
 
 /* Data checked; ready to train. */
 int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count);
