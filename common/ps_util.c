@@ -132,6 +132,16 @@ int ps_cpus_usable(bool *bound, bool *by_quota)
     return n < 1 ? 1 : n;
 }
 
+double ps_hearing_tick(ps_hearing_t *h, double now, double silence)
+{
+    double held = h->tick > 0 && now - h->tick >= silence / 2 ? now - h->tick : 0;
+    if (held > 0) h->listen_since = now;
+    h->tick = now;
+    return held;
+}
+
+double ps_heard_at(const ps_hearing_t *h, double last) { return last > h->listen_since ? last : h->listen_since; }
+
 static int stop_first, stop_count;
 static double stop_first_at;
 

@@ -9,6 +9,22 @@
 /* Monotonic seconds. */
 double ps_now(void);
 
+/* Silence counted only over time a process was there to hear it. A loop
+ * that checks peers' deadlines calls ps_hearing_tick on each pass; a pass
+ * that comes half the silence limit or more after the one before (the
+ * process stopped, descheduled or paused, or a long load on its loop: the
+ * peers' messages of that time may still be unread) starts every deadline
+ * again from now. A peer is silent since ps_heard_at(h, its last message).
+ * Shorter hold-ups cannot make a live peer look lost: it speaks every third
+ * of the limit. */
+typedef struct {
+    double tick;         /* the last pass (0: none yet) */
+    double listen_since; /* deadlines count from here at the earliest */
+} ps_hearing_t;
+/* Returns how long the loop was held up when that restarted the deadlines, else 0. */
+double ps_hearing_tick(ps_hearing_t *h, double now, double silence);
+double ps_heard_at(const ps_hearing_t *h, double last);
+
 /* FNV-1a 64 of a byte range; chain by passing the previous value as h
  * (start with PS_FNV_INIT). */
 #define PS_FNV_INIT 0xcbf29ce484222325ULL

@@ -239,8 +239,7 @@ typedef struct {
     int n_val_curve;
     double shard_hb;      /* when shard 0 last sent them a heartbeat */
     double silence;       /* a peer psd waits for is lost after this (psd_silence_limit) */
-    double tick_at;       /* the event loop's last timer tick (on_timer) */
-    double listen_since;  /* psd has been reading its socket since: silence counts from here at the earliest */
+    ps_hearing_t hearing; /* silence counts only while the event loop ran (on_timer's ticks) */
     ps_layout_t layout;
     psd_store_t store;
     uint64_t run_id, config_hash;
@@ -3494,27 +3493,21 @@ static void progress(srv_t *s, double now)
     PS_INFO("%s", line);
 }
 
-/* Silence is counted only over time psd was there to hear: after its event
- * loop was held up (psd stopped or descheduled, a host or VM paused, a long
- * load on the loop), peers' messages may be waiting unread in its queue, and
- * libuv runs the overdue timer before it reads them. So when a tick comes
- * half the silence limit or more after the one before, psd counts again from
- * now. (Shorter hold-ups cannot make a worker look lost: it says it is alive
- * every third of the limit. Only hold-ups that long, on every tick, would
- * delay a silent worker's loss: psd stepping for that long each time.) */
-static double heard_at(const srv_t *s, double last) { return last > s->listen_since ? last : s->listen_since; }
+/* Silence is counted only over time psd was there to hear (ps_hearing_t):
+ * after its event loop was held up, peers' messages may wait unread in its
+ * queue, and libuv runs the overdue timer before it reads them. (Only
+ * hold-ups of half the limit on every tick, psd stepping that long each
+ * time, would delay a silent worker's loss.) */
+static double heard_at(const srv_t *s, double last) { return ps_heard_at(&s->hearing, last); }
 
 static void on_timer(uv_timer_t *t)
 {
     srv_t *s = t->data;
     double now = ps_now();
-    if (s->tick_at > 0 && now - s->tick_at >= s->silence / 2) {
-        if (now - s->tick_at >= s->silence) /* long enough to have lost everyone it waits for */
-            PS_WARN("psd's event loop was held up for %.1f s; nobody is taken for lost for silence before %.1f s "
-                    "from now", now - s->tick_at, s->silence);
-        s->listen_since = now;
-    }
-    s->tick_at = now;
+    double held = ps_hearing_tick(&s->hearing, now, s->silence);
+    if (held >= s->silence) /* long enough to have lost everyone it waits for */
+        PS_WARN("psd's event loop was held up for %.1f s; nobody is taken for lost for silence before %.1f s "
+                "from now", held, s->silence);
     if (s->mon) poll_monitor(s);
     reap_closed(s, now);
     poll_checkpoint(s, false);

@@ -1089,10 +1089,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         stop_count = 1;
     }
     double start = ps_now(), last_hello = 0, last_hb = 0, last_mon = 0, stop_at = 0;
-    /* silence counts only over time this shard was reading (as psd's on_timer): a
-     * pass of the loop that comes half the limit after the one before (the
-     * process stopped, descheduled or paused) starts it again */
-    double tick = 0, listen_since = 0;
+    ps_hearing_t hearing = {0}; /* shard 0's silence counts only while this loop ran */
     s->leader_seen = start;
     while (!s->done) {
         /* a signal (Ctrl-C, SLURM's preemption) usually reaches every psd:
@@ -1113,8 +1110,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
             break;
         }
         double now = ps_now();
-        if (tick > 0 && now - tick >= silence / 2) listen_since = now;
-        tick = now;
+        ps_hearing_tick(&hearing, now, silence);
         if (now - last_mon >= 0.1) {
             if (s->mon) psd_router_monitor(s->mon, &s->hs_failed, NULL, NULL);
             if (s->lmon) psd_router_monitor(s->lmon, &s->hs_failed, on_leader_closed, s);
@@ -1134,7 +1130,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         } else {
             if (s->leader_closed) drain_sock(s, s->leader, false); /* its last words first (SHUTDOWN) */
             if (s->done) break;
-            if (now - (s->leader_seen > listen_since ? s->leader_seen : listen_since) > silence || s->leader_closed) {
+            if (now - ps_heard_at(&hearing, s->leader_seen) > silence || s->leader_closed) {
                 if (s->leader_closed)
                     PS_ERROR("shard %d: the connection to shard 0 closed, %.1f s after its last message: it is "
                              "gone; stopping", opts->shard, now - s->leader_seen);
