@@ -146,6 +146,7 @@ static const key_spec_t keys[] = {
     K_ENUM("train.sync", sync, ps_sync_t, sync_names, "bsp"),
     K_INT("train.staleness", staleness, 0, 1000000, "2"),
     K_BOOL("train.stream", stream, "false"),
+    K_BOOLF("train.rebalance", rebalance, F_UNHASHED, "true"),
     K_DOUBLE("train.sparse_threshold", sparse_threshold, 0.0, 1.0, F_UNHASHED, "0.3"),
 
     K_ENUM("optimizer.name", opt, ps_opt_kind_t, opt_names, "sgd"),

@@ -81,6 +81,8 @@ typedef struct ps_config {
     ps_sync_t sync;                 /* train.sync: bsp | async | ssp */
     int staleness;                  /* train.staleness: ssp's bound k (steps ahead of the slowest) */
     bool stream;                    /* train.stream: gradients and weights in chunks, each stepped as it comes */
+    bool rebalance;                 /* train.rebalance: async/ssp: a worker done with its samples takes some
+                                     * of a slower one's */
     double sparse_threshold;        /* train.sparse_threshold: an embedding table's gradient goes as (ids, rows)
                                      * when a batch touches fewer than this fraction of its rows; 0 = always whole */
 

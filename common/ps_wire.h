@@ -16,7 +16,7 @@
 
 #include "psd.pb-c.h"
 
-#define PS_PROTOCOL_VERSION 5u /* 5: tensor frames in any order (ps_frames_small_first) */
+#define PS_PROTOCOL_VERSION 6u /* 5: tensor frames in any order (ps_frames_small_first); 6: EPOCH keep */
 #define PS_MAX_FRAMES 64         /* tensor frames in one message */
 #define PS_MAX_IDENTITY 255      /* ZeroMQ routing ids are at most 255 bytes */
 #define PS_MAX_HEADER (1u << 20) /* header frame bytes */

@@ -268,6 +268,7 @@ typedef struct {
     uint32_t *auc_order;  /* ps_auc's scratch */
     uint32_t *perm;       /* this epoch's permutation of the training set */
     uint8_t *seen;        /* positions of the epoch trained (bitmap) */
+    uint64_t ep_twice;    /* positions trained when already seen this epoch (never: a bug) */
     uint64_t *pool;       /* positions waiting for a worker */
     size_t n_pool;
     vpart_t *parts;       /* validation parts of this epoch */
@@ -301,6 +302,7 @@ typedef struct {
      * and ssp's largest lead (steps ahead of the slowest) a worker was let
      * train at */
     uint64_t ep_stale_sum, ep_stale_n, ep_stale_max, ep_lead_max;
+    uint64_t ep_moved; /* async and ssp: samples moved to workers done with theirs (rebalance) */
     /* streamed steps (train.stream, bsp, one psd): the store's chunks
      * travel one by one and each is stepped once every contributor's copy
      * is here. The step opens (st_open) with its first chunk: its
@@ -711,6 +713,8 @@ static bool ssp_held(const srv_t *s, const worker_t *w, uint64_t m)
     return s->cfg.sync == PS_SYNC_SSP && m != UINT64_MAX && w->clock > m + (uint64_t)s->cfg.staleness;
 }
 
+static void rebalance(srv_t *s, worker_t *w);
+
 /* w asked for weights to train on: send them, or with ssp hold them back
  * while it is too far ahead (ssp_release answers it later) */
 static void answer_pull(srv_t *s, worker_t *w)
@@ -725,6 +729,7 @@ static void answer_pull(srv_t *s, worker_t *w)
         if (lead > s->ep_lead_max) s->ep_lead_max = lead;
     }
     w->ssp_wait = false;
+    rebalance(s, w); /* before the weights: w has not begun its next batch */
     send_weights(s, w);
 }
 
@@ -864,7 +869,9 @@ static void walk_positions(const worker_t *w, uint64_t from, uint64_t count, voi
 static void mark_seen(void *ud, uint64_t p)
 {
     srv_t *s = ud;
-    s->seen[p / 8] |= (uint8_t)(1u << (p % 8));
+    const uint8_t bit = (uint8_t)(1u << (p % 8));
+    s->ep_twice += (s->seen[p / 8] & bit) != 0;
+    s->seen[p / 8] |= bit;
 }
 
 typedef struct {
@@ -928,9 +935,10 @@ static int give_positions(srv_t *s, worker_t *w, const uint64_t *pos, size_t n, 
     h.epoch = &ep;
     ps_frame_t fr = {.data = ids, .nbytes = 4 * n, .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n};
     if (!append) w->clock = 0; /* ssp's clocks start again each epoch */
-    else if (w->state != W_TRAIN) { /* (re)joining the epoch: not behind the others, so nobody waits for it */
+    else if (w->state != W_TRAIN) { /* (re)joining the epoch: level with the slowest, so nobody waits for
+                                     * it, nor it (back from its barrier) for them */
         uint64_t m = min_clock(s);
-        if (m != UINT64_MAX && w->clock < m) w->clock = m;
+        if (m != UINT64_MAX) w->clock = m;
     }
     w->state = w->consumed < w->assigned || !append ? W_TRAIN : w->state;
     w->last_seen = ps_now();
@@ -953,6 +961,91 @@ static void spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k
             return;
         }
     }
+}
+
+/* ---- async and ssp: samples of slower workers to those done with theirs -- */
+
+/* Cut w's positions of the epoch to the first keep (0 < keep <= assigned). */
+static void ranges_trim(worker_t *w, uint64_t keep)
+{
+    uint64_t have = 0;
+    int i = 0;
+    while (i < w->n_ranges) {
+        uint64_t len = w->ranges[i].end - w->ranges[i].begin;
+        if (have + len >= keep) {
+            w->ranges[i].end = w->ranges[i].begin + (keep - have);
+            i++;
+            break;
+        }
+        have += len;
+        i++;
+    }
+    w->n_ranges = i;
+    w->assigned = keep;
+}
+
+/* async and ssp (train.rebalance): w is about to get the weights of its next
+ * batch and has more than that batch left, while other workers wait at their
+ * barrier with nothing to train. The samples after its next batch are shared
+ * among w and them in proportion to their speeds (batches a second from
+ * their compute times), in whole batches: the epoch ends when the slowest
+ * finishes, and no fast worker waits for it with nothing to do. w learns of
+ * its shorter share (EPOCH keep) before the weights, so it never begins a
+ * batch it no longer has; the others get theirs as lost workers' samples
+ * are given (EPOCH append). */
+static void rebalance(srv_t *s, worker_t *w)
+{
+    if (s->cfg.sync == PS_SYNC_BSP || !s->cfg.rebalance || s->phase != PHASE_TRAIN || w->state != W_TRAIN)
+        return;
+    const uint64_t B = (uint64_t)s->cfg.batch_size, left = w->assigned - w->consumed;
+    if (left <= B) return; /* nothing to spare after its next batch */
+    worker_t *to[MAX_WORKERS];
+    int k = 0;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].state == W_BARRIER && !s->w[i].conn_closed && &s->w[i] != w) to[k++] = &s->w[i];
+    if (k == 0) return;
+    bool timed = w->compute_ewma > 0;
+    for (int i = 0; i < k; i++) timed = timed && to[i]->compute_ewma > 0;
+    double rate[MAX_WORKERS], sum = timed ? 1.0 / w->compute_ewma : 1.0;
+    for (int i = 0; i < k; i++) sum += rate[i] = timed ? 1.0 / to[i]->compute_ewma : 1.0;
+    const uint64_t spare = left - B;
+    uint64_t give[MAX_WORKERS], moved = 0;
+    for (int i = 0; i < k; i++) {
+        give[i] = (uint64_t)((double)spare * rate[i] / sum / (double)B) * B;
+        if (moved + give[i] > spare) give[i] = spare - moved;
+        moved += give[i];
+    }
+    if (moved == 0) return;
+    uint64_t *pos = malloc(moved * sizeof *pos);
+    if (!pos) {
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    const uint64_t keep = w->assigned - moved;
+    collect_t c = {pos, 0};
+    walk_positions(w, keep, moved, collect_pos, &c);
+    ranges_trim(w, keep);
+    Psd__Header h;
+    Psd__Epoch ep = PSD__EPOCH__INIT;
+    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_EPOCH);
+    ep.epoch = s->epoch;
+    ep.world = (uint32_t)live_workers(s);
+    ep.version = s->store.cur->version;
+    ep.append = true;
+    ep.keep = keep;
+    h.body_case = PSD__HEADER__BODY_EPOCH;
+    h.epoch = &ep;
+    send_to(s, w, &h, NULL, 0);
+    PS_DEBUG("rank %u gives %" PRIu64 " of its %" PRIu64 " samples left in epoch %u to %d worker%s done with theirs",
+             w->rank, moved, left, s->epoch + 1, k, k == 1 ? "" : "s");
+    uint64_t off = 0;
+    for (int i = 0; i < k && s->phase == PHASE_TRAIN; i++) {
+        if (give[i] && give_positions(s, to[i], pos + off, (size_t)give[i], true) != 0)
+            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        off += give[i];
+    }
+    s->ep_moved += moved;
+    free(pos);
 }
 
 /* ---- epochs, steps, validation ------------------------------------------ */
@@ -996,6 +1089,8 @@ static void start_epoch(srv_t *s)
     if (s->cfg.sync != PS_SYNC_BSP) s->spe *= k ? k : 1; /* a step per push, not per round of pushes */
     if (s->spe < 1) s->spe = 1;
     s->ep_stale_sum = s->ep_stale_n = s->ep_stale_max = s->ep_lead_max = 0;
+    s->ep_moved = 0;
+    s->ep_twice = 0;
     s->phase = PHASE_TRAIN;
     s->t_epoch = ps_now();
     s->n_pool = 0;
@@ -1126,6 +1221,11 @@ static void give_orphans(srv_t *s)
 
 static void start_validation(srv_t *s)
 {
+    uint64_t unseen = 0; /* every position trained once: the bookkeeping of samples moved between workers */
+    for (uint64_t p = 0; p < s->train_count; p++) unseen += !(s->seen[p / 8] & (1u << (p % 8)));
+    if (unseen || s->ep_twice)
+        PS_ERROR("epoch %u: %" PRIu64 " training samples were trained twice and %" PRIu64 " not at all (a bug in "
+                 "psd's bookkeeping)", s->epoch + 1, s->ep_twice, unseen);
     double dt = ps_now() - s->t_epoch;
     s->train_s_total += dt;
     s->samples_total += s->ep_samples;
@@ -2156,6 +2256,16 @@ static void end_validation(srv_t *s)
                      s->ep_lead_max, s->cfg.staleness);
         PS_INFO("epoch %u: %s, staleness of the %" PRIu64 " gradients applied: max %" PRIu64 " mean %.2f versions%s",
                 s->epoch + 1, ps_sync_name(s->cfg.sync), s->ep_stale_n, s->ep_stale_max, stale_mean(s), lead);
+        if (s->ep_moved > 0) {
+            char who[512];
+            size_t at = 0;
+            for (int i = 0; i < s->n && at < sizeof who; i++)
+                if (s->w[i].state != W_GONE)
+                    at += (size_t)snprintf(who + at, sizeof who - at, "%s rank %u %" PRIu64, at ? "," : "",
+                                           s->w[i].rank, s->w[i].consumed);
+            PS_INFO("epoch %u: %" PRIu64 " samples moved from slower workers to those done with theirs; trained:%s",
+                    s->epoch + 1, s->ep_moved, who);
+        }
     }
     if (s->metrics) {
         fprintf(s->metrics,
@@ -2166,14 +2276,14 @@ static void end_validation(srv_t *s)
                 ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g,\"psd_step_ms\":%.6g"
                 ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"sync\":\"%s\""
                 ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64
-                ",\"psd_steps_in_place\":%" PRIu64,
+                ",\"psd_steps_in_place\":%" PRIu64 ",\"samples_moved\":%" PRIu64,
                 s->run_id, s->epoch + 1, s->step, train_loss, train_acc, s->ep_samples, val_loss,
                 val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr,
                 s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
                 s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
                 s->ep_step_n ? 1e3 * (s->store.step_s - s->ep_step_s0) / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
                 ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max,
-                s->store.in_place - s->ep_in_place0);
+                s->store.in_place - s->ep_in_place0, s->ep_moved);
         if (s->cfg.kind == PS_MODEL_CTR)
             fprintf(s->metrics,
                     ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g,\"val_auc\":%.9g,\"optimum_auc\":%.9g"

@@ -169,6 +169,8 @@ static void check_run(const run_t *r, int workers, int epochs)
     size_t len = log ? strlen(log) : 0; /* Criterion drops long messages: the tail */
     cr_assert_eq(r->psd_code, 0, "psd exit %d; end of its log:\n%s", r->psd_code,
                  log ? log + (len > 1500 ? len - 1500 : 0) : "");
+    cr_assert(!strstr(log, "psd's bookkeeping"), "every training sample trained once an epoch: %s",
+              strstr(log, "trained twice"));
     for (int i = 0; i < workers; i++) cr_assert_eq(r->worker_code[i], 0, "worker %d exit %d", i, r->worker_code[i]);
     char *m = metrics_last(r);
     cr_assert_eq(count_lines(m), epochs, "one metrics line per epoch");
@@ -6035,6 +6037,72 @@ static void full_sync(const char *mode)
     free(m);
 }
 
+/* async, worker 0 slowed down (40 ms a step), 2 epochs: the fast worker
+ * finishes its half, then takes over most of what the slow one has left
+ * (train.rebalance, on by default), and trains most of the epoch; every
+ * sample is trained once (psd's own check, in check_run, and the counts).
+ * With train.rebalance=false each trains its half, the fast one waiting at
+ * its barrier. The counts come from psd's log: "trained: rank 0 N, rank 1 M". */
+static void trained_counts(const run_t *r, int epoch, uint64_t *moved, uint64_t n[2])
+{
+    char *log = slurp(r->psd_log), want[64];
+    snprintf(want, sizeof want, "epoch %d: ", epoch);
+    *moved = n[0] = n[1] = 0;
+    for (const char *at = log; (at = strstr(at, want)) != NULL; at++) {
+        unsigned long long mv, a, b;
+        unsigned ra, rb;
+        if (sscanf(at + strlen(want), "%llu samples moved from slower workers to those done with theirs; trained: "
+                                      "rank %u %llu, rank %u %llu", &mv, &ra, &a, &rb, &b) == 5) {
+            cr_assert(ra < 2 && rb < 2 && ra != rb, "%s", at);
+            *moved = mv;
+            n[ra] = a;
+            n[rb] = b;
+        }
+    }
+    free(log);
+}
+
+Test(short, async_gives_a_slow_workers_samples_to_the_fast_one)
+{
+    int slow = sanitized() ? 150 : 40;
+    char slow_ms[16];
+    snprintf(slow_ms, sizeof slow_ms, "%d", slow);
+    const char *slowed[] = {"--x-slow-ms", slow_ms, NULL};
+    for (int rebalance = 1; rebalance >= 0; rebalance--) {
+        run_t r;
+        const char *tag = rebalance ? "rebal" : "norebal";
+        const char *args[] = {"--epochs", "2", "--set", "data.train_limit=3200", "--set", "train.sync=async",
+                              "--set", rebalance ? "train.rebalance=true" : "train.rebalance=false", "--set",
+                              "optimizer.lr=0.05", NULL};
+        pid_t p = start_psd(&r, tag, 2, args);
+        pid_t w0 = start_worker(&r, tag, 0, slowed), w1 = start_worker(&r, tag, 1, NULL);
+        r.psd_code = proc_wait(p, 300);
+        r.worker_code[0] = proc_wait(w0, 30);
+        r.worker_code[1] = proc_wait(w1, 30);
+        check_run(&r, 2, 2);
+        char *m = metrics_last(&r);
+        for (char *line = m, *nl; line && *line; line = nl ? nl + 1 : NULL) {
+            nl = strchr(line, '\n');
+            cr_assert_eq(json_num(line, "train_samples"), 3200, "every sample trained once an epoch: %.300s", line);
+            cr_assert_eq(json_num(line, "samples_moved") > 0, rebalance, "%.600s", line);
+        }
+        free(m);
+        for (int e = 1; e <= 2; e++) {
+            uint64_t moved, n[2];
+            trained_counts(&r, e, &moved, n);
+            if (!rebalance) {
+                cr_assert_eq(moved, 0, "nothing moved without train.rebalance");
+                continue;
+            }
+            cr_assert_gt(moved, 0, "epoch %d: samples moved (psd's log %s)", e, r.psd_log);
+            cr_assert_eq(n[0] + n[1], 3200, "epoch %d: %" PRIu64 " + %" PRIu64, e, n[0], n[1]);
+            uint64_t lo = n[0] < n[1] ? n[0] : n[1], hi = n[0] + n[1] - lo;
+            cr_assert_geq(hi, 2 * lo, "epoch %d: the fast worker trained most of the epoch (%" PRIu64 " / %" PRIu64 ")",
+                          e, n[0], n[1]);
+        }
+    }
+}
+
 Test(long, async_two_workers_reach_088) { full_sync("async"); }
 Test(long, ssp_two_workers_reach_088) { full_sync("ssp"); }
 
@@ -6120,15 +6188,16 @@ static void run_slowed(const char *tag, int workers, const char **args, const ch
 }
 
 /* A worker that waits on psd longer than its step timeout (psd's worker
- * timeout x 3 + 10 s) is not waiting on a psd that is gone: in async, the
- * fast worker waits at its barrier while the slow one trains its half of
- * the epoch (about 15 s here, its step timeout about 11.5 s). psd says it
- * is there every second, and nobody registers again or is lost (the fast
- * worker used to give psd up, register again and count as lost). */
+ * timeout x 3 + 10 s) is not waiting on a psd that is gone: in async
+ * without rebalancing, the fast worker waits at its barrier while the slow
+ * one trains its half of the epoch (about 15 s here, its step timeout about
+ * 11.5 s). psd says it is there every second, and nobody registers again or
+ * is lost (the fast worker used to give psd up, register again and count as
+ * lost). */
 Test(short, a_worker_waits_at_its_barrier_longer_than_its_step_timeout)
 {
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=6400", "--set", "train.sync=async",
-                          "--worker-timeout", "0.5", NULL};
+                          "--set", "train.rebalance=false", "--worker-timeout", "0.5", NULL};
     run_slowed("barrierwait", 2, args, "300", 6400);
 }
 

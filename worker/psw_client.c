@@ -1634,6 +1634,11 @@ static int next_event(psw_client_t *c, psw_event_t *ev, double timeout_s, char *
             ev->samples = ids;
             ev->n_samples = ids ? n : 0;
             ev->append = h->epoch->append;
+            ev->keep = h->epoch->keep;
+            if (ev->keep > 0 && (!ev->append || ev->n_samples > 0)) {
+                snprintf(err, errlen, "psd sent an invalid epoch message (keep without append, or with samples)");
+                return -EPROTO;
+            }
             return 0;
         }
         case PSD__MSG_TYPE__MSG_WEIGHTS:

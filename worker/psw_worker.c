@@ -599,6 +599,16 @@ static int start_epoch(wk_t *w, const psw_event_t *ev)
     for (size_t i = 0; i < ev->n_samples; i++)
         if (ev->samples[i] >= w->train.count) return -EPROTO;
     if (ev->append && ev->epoch != w->epoch) return -EPROTO;
+    if (ev->keep > 0) { /* fewer: psd gave the rest to workers done with theirs, before this batch's weights */
+        if (ev->keep < w->pos + (w->pos < w->n_ids) || ev->keep > w->n_ids || !w->in_epoch) {
+            PS_ERROR("psd cut this worker's epoch to %llu samples, but it has %zu of which %zu are trained",
+                     (unsigned long long)ev->keep, w->n_ids, w->pos);
+            return -EPROTO;
+        }
+        PS_DEBUG("epoch %u: %llu of %zu samples kept", ev->epoch, (unsigned long long)ev->keep, w->n_ids);
+        w->n_ids = (size_t)ev->keep;
+        return 0;
+    }
     size_t keep = ev->append ? w->n_ids : 0;
     if (keep + ev->n_samples > w->ids_cap) {
         uint32_t *p = realloc(w->ids, (keep + ev->n_samples) * sizeof *p);

@@ -92,6 +92,8 @@ typedef struct {
     const uint32_t *samples;   /* borrowed until the next psw_client_next */
     size_t n_samples;
     int append;                /* EPOCH: more samples for the current epoch, after the ones given */
+    uint64_t keep;             /* EPOCH with append: > 0: the current epoch's samples end after the first
+                                * keep (async/ssp: psd gave the rest to workers done with theirs) */
     int n_tensors;
     const float *tensors[PSW_MAX_TENSORS]; /* borrowed until the next psw_client_next (with
                                             * psw_client_release_on_push: until a push with pull) */
