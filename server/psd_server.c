@@ -2260,9 +2260,10 @@ static void end_validation(srv_t *s)
             char who[512];
             size_t at = 0;
             for (int i = 0; i < s->n && at < sizeof who; i++)
-                if (s->w[i].state != W_GONE)
-                    at += (size_t)snprintf(who + at, sizeof who - at, "%s rank %u %" PRIu64, at ? "," : "",
-                                           s->w[i].rank, s->w[i].consumed);
+                if (s->w[i].state != W_GONE || s->w[i].consumed > 0)
+                    at += (size_t)snprintf(who + at, sizeof who - at, "%s rank %u %" PRIu64 "%s", at ? "," : "",
+                                           s->w[i].rank, s->w[i].consumed,
+                                           s->w[i].state == W_GONE ? " (lost)" : "");
             PS_INFO("epoch %u: %" PRIu64 " samples moved from slower workers to those done with theirs; trained:%s",
                     s->epoch + 1, s->ep_moved, who);
         }

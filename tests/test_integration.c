@@ -4685,6 +4685,43 @@ static void assert_table_stayed(const char *tag, const char *also)
     }
 }
 
+/* The click-through model trained with SGD (plain, and with momentum), its
+ * table's gradient pushed as rows and forced whole (train.sparse_threshold=0):
+ * the same weights, bit for bit, and only the rows' bytes on the wire. */
+Test(short, sparse_and_dense_table_pushes_give_the_same_weights_with_sgd)
+{
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
+    const char *mom[] = {"optimizer.momentum=0", "optimizer.momentum=0.9"};
+    const char *wex[] = {"--no-shm", NULL};
+    for (int o = 0; o < 2; o++) {
+        const char *args[24] = {"--config", cfg, "--epochs", "2", "--set", "ctr.train=20000", "--set", "ctr.test=2000",
+                                "--set", "checkpoint.dir=", "--set", "optimizer.name=sgd", "--set",
+                                "optimizer.lr=0.1", "--set", "optimizer.weight_decay=0", "--set", mom[o]};
+        int n = 18;
+        run_t a, b;
+        char ta[16], tb[16];
+        snprintf(ta, sizeof ta, "sgdrows%d", o);
+        snprintf(tb, sizeof tb, "sgdwhole%d", o);
+        args[n] = NULL;
+        train_wx(&a, ta, 2, args, wex, 300);
+        args[n] = "--set";
+        args[n + 1] = "train.sparse_threshold=0";
+        args[n + 2] = NULL;
+        train_wx(&b, tb, 2, args, wex, 300);
+        cr_assert(a.psd_code == 0 && b.psd_code == 0, "psd exit %d / %d", a.psd_code, b.psd_code);
+        cr_assert(weights_equal(a.weights, b.weights), "%s: rows = whole table, bit for bit", mom[o]);
+        char *ma = metrics_last(&a), *mb = metrics_last(&b);
+        const char *la = last_line(ma), *lb = last_line(mb);
+        cr_assert_eq(json_num(la, "table_row_pushes"), 2 * 40, "every push as rows: %s", la);
+        cr_assert_eq(json_num(lb, "table_row_pushes"), 0, "%s", lb);
+        cr_assert_lt(json_num(la, "wire_bytes_in") * 10, json_num(lb, "wire_bytes_in"), "rows: %s\nwhole: %s", la, lb);
+        cr_assert_eq(json_num(la, "val_loss"), json_num(lb, "val_loss"));
+        free(ma);
+        free(mb);
+    }
+}
+
 /* The embedding table's gradient goes as the rows a batch touched when
  * they are few (train.sparse_threshold, default 0.3 of the table), and the
  * reply brings only the rows the next batch reads: the weights are bit for
@@ -6101,6 +6138,32 @@ Test(short, async_gives_a_slow_workers_samples_to_the_fast_one)
                           e, n[0], n[1]);
         }
     }
+}
+
+/* async with rebalancing: the fast worker takes over most of the slow one's
+ * samples, then is killed; what it had not trained goes back to the slow one,
+ * and every sample of the epoch is trained once. */
+Test(short, a_worker_killed_after_taking_over_samples_gives_them_back)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=3200", "--set", "train.sync=async",
+                          "--set", "optimizer.lr=0.05", "--log-level", "debug", NULL};
+    pid_t p = start_psd(&r, "rebalkill", 2, args);
+    const char *slow[] = {"--x-slow-ms", "300", NULL}, *fast[] = {"--x-slow-ms", "30", NULL};
+    pid_t w0 = start_worker(&r, "rebalkill", 0, slow), w1 = start_worker(&r, "rebalkill", 1, fast);
+    wait_log(r.psd_log, "to 1 worker done with theirs", 60);
+    kill(w1, SIGKILL);
+    cr_assert_eq(proc_wait(w1, 10), 128 + SIGKILL);
+    r.psd_code = proc_wait(p, 120);
+    r.worker_code[0] = proc_wait(w0, 30);
+    check_run(&r, 1, 1);
+    char *m = metrics_last(&r);
+    cr_assert_eq(json_num(last_line(m), "train_samples"), 3200, "every sample trained once: %s", last_line(m));
+    cr_assert_gt(json_num(last_line(m), "samples_moved"), 0, "%s", last_line(m));
+    free(m);
+    char *log = slurp(r.psd_log);
+    cr_assert(strstr(log, "lost"), "the fast worker was lost: %s", log);
+    free(log);
 }
 
 Test(long, async_two_workers_reach_088) { full_sync("async"); }
