@@ -885,6 +885,29 @@ static void collect_pos(void *ud, uint64_t p)
     c->out[c->n++] = p;
 }
 
+/* Positions [from, from+n) of w's assignment, in a new array (NULL: out of memory). */
+static uint64_t *positions_of(const worker_t *w, uint64_t from, size_t n)
+{
+    uint64_t *pos = malloc((n ? n : 1) * sizeof *pos);
+    if (!pos) return NULL;
+    collect_t c = {pos, 0};
+    walk_positions(w, from, n, collect_pos, &c);
+    return pos;
+}
+
+/* An EPOCH header for w in the current epoch (ep: its body, the caller's, initialised here). */
+static void epoch_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Epoch *ep, bool append)
+{
+    psd__epoch__init(ep);
+    hdr_for(s, w, h, PSD__MSG_TYPE__MSG_EPOCH);
+    ep->epoch = s->epoch;
+    ep->world = (uint32_t)live_workers(s);
+    ep->version = s->store.cur->version;
+    ep->append = append;
+    h->body_case = PSD__HEADER__BODY_EPOCH;
+    h->epoch = ep;
+}
+
 /* Give positions pos[0..n) (sorted or not) to w: EPOCH message (append:
  * more for the current epoch) with the ranges and the sample ids. */
 static int give_positions(srv_t *s, worker_t *w, const uint64_t *pos, size_t n, bool append)
@@ -907,7 +930,7 @@ static int give_positions(srv_t *s, worker_t *w, const uint64_t *pos, size_t n, 
     for (int j = 0; j < s->n; j++)
         on_host += s->w[j].state != W_GONE && strcmp(s->w[j].host_id, w->host_id) == 0;
     Psd__Header h;
-    Psd__Epoch ep = PSD__EPOCH__INIT;
+    Psd__Epoch ep;
     int nr = w->n_ranges - first_range;
     Psd__Range *rs = calloc((size_t)(nr > 0 ? nr : 1), sizeof *rs);
     Psd__Range **rp = calloc((size_t)(nr > 0 ? nr : 1), sizeof *rp);
@@ -923,16 +946,10 @@ static int give_positions(srv_t *s, worker_t *w, const uint64_t *pos, size_t n, 
         rs[i].end = w->ranges[first_range + i].end;
         rp[i] = &rs[i];
     }
-    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_EPOCH);
-    ep.epoch = s->epoch;
-    ep.world = (uint32_t)live_workers(s);
+    epoch_hdr(s, w, &h, &ep, append);
     ep.workers_on_host = on_host;
-    ep.version = s->store.cur->version;
     ep.ranges = rp;
     ep.n_ranges = (size_t)nr;
-    ep.append = append;
-    h.body_case = PSD__HEADER__BODY_EPOCH;
-    h.epoch = &ep;
     ps_frame_t fr = {.data = ids, .nbytes = 4 * n, .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n};
     if (!append) w->clock = 0; /* ssp's clocks start again each epoch */
     else if (w->state != W_TRAIN) { /* (re)joining the epoch: level with the slowest, so nobody waits for
@@ -969,18 +986,15 @@ static void spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k
 static void ranges_trim(worker_t *w, uint64_t keep)
 {
     uint64_t have = 0;
-    int i = 0;
-    while (i < w->n_ranges) {
+    for (int i = 0; i < w->n_ranges; i++) {
         uint64_t len = w->ranges[i].end - w->ranges[i].begin;
         if (have + len >= keep) {
             w->ranges[i].end = w->ranges[i].begin + (keep - have);
-            i++;
+            w->n_ranges = i + 1;
             break;
         }
         have += len;
-        i++;
     }
-    w->n_ranges = i;
     w->assigned = keep;
 }
 
@@ -1011,30 +1025,21 @@ static void rebalance(srv_t *s, worker_t *w)
     const uint64_t spare = left - B;
     uint64_t give[MAX_WORKERS], moved = 0;
     for (int i = 0; i < k; i++) {
-        give[i] = (uint64_t)((double)spare * rate[i] / sum / (double)B) * B;
-        if (moved + give[i] > spare) give[i] = spare - moved;
+        give[i] = (uint64_t)((double)spare * rate[i] / sum / (double)B) * B; /* sum of them <= spare */
         moved += give[i];
     }
     if (moved == 0) return;
-    uint64_t *pos = malloc(moved * sizeof *pos);
+    const uint64_t keep = w->assigned - moved;
+    uint64_t *pos = positions_of(w, keep, (size_t)moved);
     if (!pos) {
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;
     }
-    const uint64_t keep = w->assigned - moved;
-    collect_t c = {pos, 0};
-    walk_positions(w, keep, moved, collect_pos, &c);
     ranges_trim(w, keep);
     Psd__Header h;
-    Psd__Epoch ep = PSD__EPOCH__INIT;
-    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_EPOCH);
-    ep.epoch = s->epoch;
-    ep.world = (uint32_t)live_workers(s);
-    ep.version = s->store.cur->version;
-    ep.append = true;
+    Psd__Epoch ep;
+    epoch_hdr(s, w, &h, &ep, true);
     ep.keep = keep;
-    h.body_case = PSD__HEADER__BODY_EPOCH;
-    h.epoch = &ep;
     send_to(s, w, &h, NULL, 0);
     PS_DEBUG("rank %u gives %" PRIu64 " of its %" PRIu64 " samples left in epoch %u to %d worker%s done with theirs",
              w->rank, moved, left, s->epoch + 1, k, k == 1 ? "" : "s");
@@ -1888,13 +1893,11 @@ static void worker_gone(srv_t *s, worker_t *w)
     w->gone_at = ps_now();
     if (s->phase == PHASE_TRAIN && (was == W_TRAIN || was == W_BARRIER) && w->consumed < w->assigned) {
         size_t n = (size_t)(w->assigned - w->consumed);
-        uint64_t *pos = malloc(n * sizeof *pos);
+        uint64_t *pos = positions_of(w, w->consumed, n);
         if (!pos) {
             finish(s, PSD_EXIT_ERROR, "psd out of memory");
             return;
         }
-        collect_t c = {pos, 0};
-        walk_positions(w, w->consumed, n, collect_pos, &c);
         hand_out(s, pos, n, "its remaining");
         free(pos);
         w->assigned = w->consumed;

@@ -600,7 +600,7 @@ static int start_epoch(wk_t *w, const psw_event_t *ev)
         if (ev->samples[i] >= w->train.count) return -EPROTO;
     if (ev->append && ev->epoch != w->epoch) return -EPROTO;
     if (ev->keep > 0) { /* fewer: psd gave the rest to workers done with theirs, before this batch's weights */
-        if (ev->keep < w->pos + (w->pos < w->n_ids) || ev->keep > w->n_ids || !w->in_epoch) {
+        if (!w->in_epoch || ev->keep <= w->pos || ev->keep > w->n_ids) { /* its next batch at least */
             PS_ERROR("psd cut this worker's epoch to %llu samples, but it has %zu of which %zu are trained",
                      (unsigned long long)ev->keep, w->n_ids, w->pos);
             return -EPROTO;
