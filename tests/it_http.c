@@ -1,0 +1,5 @@
+/* it_http.c - integration tests (see itest.h). */
+#include <criterion/criterion.h>
+
+#include "itest.h"
+#include "proc.h"
