@@ -35,6 +35,7 @@ _Static_assert(sizeof(ps_log_level_t) == sizeof(int), "enum size");
 
 #define MAX_LAYER_SIZE (1 << 20)
 #define MAX_FILE_BYTES (16u << 20) /* a config file; anything bigger is a mistake */
+#define MAX_NORM_INPUT 1e6         /* the largest input magnitude data.normalize_* may make */
 #define SHOW "%.80s"               /* how much of an offending value a message quotes */
 
 /* ---------------------------------------------------------------- table */
@@ -56,6 +57,7 @@ enum {
     F_NONEMPTY = 1u << 2, /* KT_STRING: "" is not allowed */
     F_UNHASHED = 1u << 3, /* not part of the config hash: changes how, not what, is trained */
     F_CTR = 1u << 4,      /* part of the hash only with model.kind ctr (an MLP's hash stays what it was) */
+    F_OFF = 1u << 5,      /* KT_DOUBLE: "off" is also a value, stored as 0 (and written as off) */
 };
 
 typedef struct {
@@ -148,6 +150,9 @@ static const key_spec_t keys[] = {
     K_BOOL("train.stream", stream, "false"),
     K_BOOLF("train.rebalance", rebalance, F_UNHASHED, "true"),
     K_DOUBLE("train.sparse_threshold", sparse_threshold, 0.0, 1.0, F_UNHASHED, "0.3"),
+    /* whether a run is let go on, not what it trains: not in the hash (a run
+     * stopped by it can be resumed with another) */
+    K_DOUBLE("train.divergence.factor", divergence_factor, 1.0, INFINITY, F_OPEN_MIN | F_OFF | F_UNHASHED, "10"),
 
     K_ENUM("optimizer.name", opt, ps_opt_kind_t, opt_names, "sgd"),
     K_DOUBLE("optimizer.lr", lr, 0.0, INFINITY, F_OPEN_MIN, "0.1"),
@@ -247,7 +252,7 @@ static void describe_type(const key_spec_t *e, char *buf, size_t n)
     case KT_INT:
     case KT_INT64:
     case KT_UINT64: snprintf(buf, n, "an integer"); return;
-    case KT_DOUBLE: snprintf(buf, n, "a number"); return;
+    case KT_DOUBLE: snprintf(buf, n, e->flags & F_OFF ? "a number or off" : "a number"); return;
     case KT_BOOL: snprintf(buf, n, "true or false"); return;
     case KT_STRING: snprintf(buf, n, "a string"); return;
     case KT_LAYERS: snprintf(buf, n, "a list of layer sizes"); return;
@@ -280,12 +285,13 @@ static void describe_range(const key_spec_t *e, char *buf, size_t n)
         fmt_double(e->dmax, hi, sizeof hi);
         const bool has_lo = isfinite(e->dmin), has_hi = isfinite(e->dmax);
         const bool olo = e->flags & F_OPEN_MIN, ohi = e->flags & F_OPEN_MAX;
+        const char *off = e->flags & F_OFF ? ", or off" : "";
         if (has_lo && has_hi)
-            snprintf(buf, n, " (must be in %c%s, %s%c)", olo ? '(' : '[', lo, hi, ohi ? ')' : ']');
+            snprintf(buf, n, " (must be in %c%s, %s%c%s)", olo ? '(' : '[', lo, hi, ohi ? ')' : ']', off);
         else if (has_lo)
-            snprintf(buf, n, " (must be %s %s)", olo ? ">" : ">=", lo);
+            snprintf(buf, n, " (must be %s %s%s)", olo ? ">" : ">=", lo, off);
         else if (has_hi)
-            snprintf(buf, n, " (must be %s %s)", ohi ? "<" : "<=", hi);
+            snprintf(buf, n, " (must be %s %s%s)", ohi ? "<" : "<=", hi, off);
     } else if (e->type == KT_INT || e->type == KT_INT64 || e->type == KT_LAYERS) {
         if (e->imax == INT64_MAX)
             snprintf(buf, n, " (must be >= %lld)", (long long)e->imin);
@@ -298,6 +304,7 @@ static void describe_range(const key_spec_t *e, char *buf, size_t n)
 static bool double_in_range(const key_spec_t *e, double v)
 {
     if (!isfinite(v)) return false;
+    if ((e->flags & F_OFF) && v == 0.0) return true; /* off */
     if (e->flags & F_OPEN_MIN ? v <= e->dmin : v < e->dmin) return false;
     if (e->flags & F_OPEN_MAX ? v >= e->dmax : v > e->dmax) return false;
     return true;
@@ -466,7 +473,7 @@ static int parse_value(const key_spec_t *e, const char *text, ps_config_t *c, ch
     }
     case KT_DOUBLE: {
         double v;
-        int rc = parse_double(text, &v);
+        int rc = (e->flags & F_OFF) && strcmp(text, "off") == 0 ? (v = 0.0, 0) : parse_double(text, &v);
         if (rc == -1) break;
         if (rc == -2) {
             set_err(msg, n, "%s: expected a finite number, got '" SHOW "'", e->key, text);
@@ -983,6 +990,23 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
             return -1;
         }
     }
+    if (c->kind == PS_MODEL_MLP) {
+        /* a pixel p in [0, 1] goes in as (p - mean) / std, in f32: beyond
+         * this the first layer's sums and gradients swamp (or overflow)
+         * f32 and the model cannot learn */
+        const double in_max = fmax(fabs(c->norm_mean), fabs(1.0 - c->norm_mean)) / c->norm_std;
+        if (!(in_max <= MAX_NORM_INPUT)) {
+            char mean[32];
+            fmt_double(c->norm_std, num, sizeof num);
+            fmt_double(c->norm_mean, mean, sizeof mean);
+            set_err(err, errlen,
+                    "data.normalize_std: %s (with data.normalize_mean %s) makes the inputs (pixel/255 - mean) / std "
+                    "as large as %.3g, and f32 training cannot learn from inputs beyond 1e6; the pixels' std is about "
+                    "0.35 (0.3530 for Fashion-MNIST, 0.3081 for MNIST)",
+                    num, mean, in_max);
+            return -1;
+        }
+    }
     if (c->stream && c->sync != PS_SYNC_BSP) {
         set_err(err, errlen, "train.stream: true needs train.sync: bsp (async and ssp apply each push whole)");
         return -1;
@@ -1057,6 +1081,10 @@ static void write_value(FILE *f, const ps_config_t *c, const key_spec_t *e)
     case KT_DOUBLE: {
         double v;
         memcpy(&v, src, sizeof v);
+        if ((e->flags & F_OFF) && v == 0.0) {
+            fputs("off", f);
+            return;
+        }
         fmt_double(v, num, sizeof num);
         fputs(num, f);
         return;

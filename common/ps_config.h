@@ -85,6 +85,9 @@ typedef struct ps_config {
                                      * of a slower one's */
     double sparse_threshold;        /* train.sparse_threshold: an embedding table's gradient goes as (ids, rows)
                                      * when a batch touches fewer than this fraction of its rows; 0 = always whole */
+    double divergence_factor;       /* train.divergence.factor: the run stops as diverged when the mean loss of
+                                     * its last steps is over this many times its first steps' (> 1; 0 = off:
+                                     * only NaN and infinities stop it; psd_diverge.h) */
 
     /* optimizer: (server side) */
     ps_opt_kind_t opt;   /* optimizer.name: sgd | adam | adamw */

@@ -2,8 +2,10 @@
  *
  * One request per connection (HTTP/1.0 style: the answer closes it), parsed
  * by Debian's http-parser; requests and answers are bounded, slow or idle
- * clients are cut after PSD_HTTP_IDLE_S, at most PSD_HTTP_MAX_CONN at once
- * (more are closed at once). Everything runs on psd's loop thread. */
+ * clients are cut after PSD_HTTP_IDLE_S. At most PSD_HTTP_MAX_CONN at once:
+ * a newcomer beyond that closes the oldest connection still waiting for its
+ * request (idle ones cannot keep a health check out), or is closed itself
+ * when every one is being answered. Everything runs on psd's loop thread. */
 #include "psd_http.h"
 
 #include <errno.h>
@@ -17,15 +19,19 @@
 #include "ps_log.h"
 #include "ps_util.h"
 
-#define PSD_HTTP_MAX_CONN 32
+/* 256 connections: well under a 1024 file-descriptor soft limit with psd's
+ * own; an idle one holds no request buffer (it is allocated on the first
+ * bytes), about 1.3 KiB. */
+#define PSD_HTTP_MAX_CONN 256
 #define PSD_HTTP_MAX_REQ (16 << 10) /* request line + headers */
 #define PSD_HTTP_IDLE_S 5.0
+#define PSD_HTTP_BACKLOG 512 /* a burst of connections waits in the kernel, not refused */
 
 typedef struct conn {
     uv_tcp_t tcp;
     psd_http_t *h;
     http_parser parser;
-    char req[PSD_HTTP_MAX_REQ];
+    char *req;            /* PSD_HTTP_MAX_REQ bytes once something came; NULL before */
     size_t req_len;
     char url[512];
     size_t url_len;
@@ -48,9 +54,10 @@ struct psd_http {
     psd_http_render_fn render;
     void *ud;
     char token[256];      /* "" = no token asked for */
-    conn_t *conns;
-    int n_conns, handles; /* server and timer, until their close callbacks ran */
-    uint64_t served, refused;
+    conn_t *conns;        /* newest first */
+    int n_conns, n_open;  /* in the list; of them not closing */
+    int handles;          /* server and timer, until their close callbacks ran */
+    uint64_t served, refused, evicted;
     http_parser_settings settings;
 };
 
@@ -64,6 +71,7 @@ static void conn_closed(uv_handle_t *hd)
             break;
         }
     h->n_conns--;
+    free(c->req);
     free(c->out);
     free(c);
 }
@@ -72,6 +80,7 @@ static void conn_close(conn_t *c)
 {
     if (c->closing) return;
     c->closing = true;
+    c->h->n_open--;
     uv_close((uv_handle_t *)&c->tcp, conn_closed);
 }
 
@@ -227,8 +236,9 @@ static void alloc_cb(uv_handle_t *hd, size_t suggested, uv_buf_t *buf)
 {
     (void)suggested;
     conn_t *c = hd->data;
-    size_t room = sizeof c->req - c->req_len;
-    *buf = uv_buf_init(c->req + c->req_len, (unsigned)room);
+    if (!c->req) c->req = malloc(PSD_HTTP_MAX_REQ);
+    /* none: an empty buffer, read_cb gets UV_ENOBUFS and closes it */
+    *buf = c->req ? uv_buf_init(c->req + c->req_len, (unsigned)(PSD_HTTP_MAX_REQ - c->req_len)) : uv_buf_init(NULL, 0);
 }
 
 static void read_cb(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
@@ -246,11 +256,21 @@ static void read_cb(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
         serve(c);
         return;
     }
-    if (c->too_long || c->req_len >= sizeof c->req) {
+    if (c->too_long || c->req_len >= PSD_HTTP_MAX_REQ) {
         answer_text(c, 431, "request too large\n");
         return;
     }
     if (HTTP_PARSER_ERRNO(&c->parser) != HPE_OK || got != (size_t)n) answer_text(c, 400, "bad request\n");
+}
+
+/* The oldest open connection still waiting for (the rest of) its request,
+ * or NULL: every one is being answered. */
+static conn_t *oldest_waiting(psd_http_t *h)
+{
+    conn_t *old = NULL;
+    for (conn_t *c = h->conns; c; c = c->next)
+        if (!c->closing && !c->out) old = c; /* newest first: the last one found is the oldest */
+    return old;
 }
 
 static void on_connection(uv_stream_t *server, int status)
@@ -265,9 +285,20 @@ static void on_connection(uv_stream_t *server, int status)
     c->next = h->conns;
     h->conns = c;
     h->n_conns++;
-    if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0 || h->n_conns > PSD_HTTP_MAX_CONN) {
+    h->n_open++;
+    if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) {
         conn_close(c);
         return;
+    }
+    if (h->n_open > PSD_HTTP_MAX_CONN) { /* make room: the one waiting longest for its request goes */
+        conn_t *old = oldest_waiting(h);
+        if (old == c) old = NULL; /* not itself: all the others are being answered */
+        if (old && h->evicted++ == 0) /* once */
+            PS_WARN("HTTP: %d connections open, the limit: each new one closes the oldest still without its "
+                    "request (a client that opens connections and sends nothing?)",
+                    PSD_HTTP_MAX_CONN);
+        conn_close(old ? old : c);
+        if (!old) return;
     }
     http_parser_init(&c->parser, HTTP_REQUEST);
     c->parser.data = c;
@@ -348,7 +379,7 @@ int psd_http_start(psd_http_t **out, uv_loop_t *loop, const char *addr, const ch
     uv_tcp_init(loop, &h->server);
     h->server.data = h;
     int rc = uv_tcp_bind(&h->server, (const struct sockaddr *)&sa, 0);
-    if (rc == 0) rc = uv_listen((uv_stream_t *)&h->server, 64, on_connection);
+    if (rc == 0) rc = uv_listen((uv_stream_t *)&h->server, PSD_HTTP_BACKLOG, on_connection);
     if (rc != 0) {
         snprintf(err, errlen, "server.http: cannot listen on %s: %s", addr, uv_strerror(rc));
         uv_close((uv_handle_t *)&h->server, NULL);

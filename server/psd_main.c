@@ -3,9 +3,11 @@
 #include <errno.h>
 #include <getopt.h>
 #include <libgen.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "ps_config.h"
@@ -15,6 +17,7 @@
 #include "ps_wire.h"
 #include "psd_ckpt.h"
 #include "psd_eval.h"
+#include "psd_http.h"
 #include "psd_server.h"
 #include "ps_tcp.h"
 #include "ps_util.h"
@@ -63,7 +66,9 @@ static void usage(FILE *f)
             "  --version            version, protocol version and git commit\n"
             "\n"
             "exit codes: 0 done, 1 runtime error, 2 bad flags/config/data, 3 start timeout,\n"
-            "4 no worker left to finish the run, 128+N stopped at once by a second signal N\n"
+            "4 no worker left to finish the run, 5 a psd shard was lost or failed, 6 the run\n"
+            "finished but its metrics file is incomplete (a write failed; see the log),\n"
+            "128+N stopped at once by a second signal N\n"
             "SIGINT/SIGTERM: checkpoint, stop the workers, exit 0; SIGUSR1: checkpoint and go on\n");
 }
 
@@ -85,13 +90,118 @@ static int int_opt(const char *flag, const char *arg, long lo, long hi, int *out
     return 0;
 }
 
+/* A file psd writes (what: how the user named it), created anew beside it
+ * and renamed over it (save), or appended to (metrics): no directory; its
+ * directory is there and psd may write in it, unless it is appended to and
+ * is there, writable. 0, or -1 with a message. */
+static int check_out_file(const char *what, const char *file, bool append, char *err, size_t errlen)
+{
+    struct stat st;
+    bool there = stat(file, &st) == 0;
+    if (there && S_ISDIR(st.st_mode)) {
+        snprintf(err, errlen, "%s %s: is a directory, not a file", what, file);
+        return -1;
+    }
+    if (there && append) {
+        if (access(file, W_OK) == 0) return 0;
+        snprintf(err, errlen, "%s %s: cannot append to it: %s", what, file, strerror(errno));
+        return -1;
+    }
+    char buf[PS_PATH_MAX];
+    snprintf(buf, sizeof buf, "%s", file);
+    const char *dir = dirname(buf); /* as ps_atomic_commit finds the directory */
+    if (access(dir, W_OK | X_OK) != 0) {
+        snprintf(err, errlen, "%s %s: cannot write in %s: %s", what, file, dir, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+/* checkpoint.dir d: a directory psd may write in, or one it can create:
+ * psd (shard 0) makes d itself (its parent must be there), other shards
+ * make every missing directory of the path (the nearest one there must be
+ * writable). 0, or -1 with a message. */
+static int check_ckpt_dir(const char *d, bool make_parents, char *err, size_t errlen)
+{
+    struct stat st;
+    if (stat(d, &st) == 0) {
+        if (!S_ISDIR(st.st_mode)) {
+            snprintf(err, errlen, "checkpoint.dir %s: not a directory", d);
+            return -1;
+        }
+        if (access(d, W_OK | X_OK) != 0) {
+            snprintf(err, errlen, "checkpoint.dir %s: cannot write in it: %s", d, strerror(errno));
+            return -1;
+        }
+        return 0;
+    }
+    if (errno != ENOENT) {
+        snprintf(err, errlen, "checkpoint.dir %s: %s", d, strerror(errno));
+        return -1;
+    }
+    char buf[PS_PATH_MAX];
+    snprintf(buf, sizeof buf, "%s", d);
+    const char *up = dirname(buf); /* dirname ends at "/" or "." */
+    while (make_parents && stat(up, &st) != 0 && errno == ENOENT && strcmp(up, "/") != 0 && strcmp(up, ".") != 0)
+        up = dirname(buf);
+    int e = stat(up, &st) != 0 ? errno : !S_ISDIR(st.st_mode) ? ENOTDIR : access(up, W_OK | X_OK) != 0 ? errno : 0;
+    if (e) {
+        snprintf(err, errlen, "checkpoint.dir %s: cannot create it in %s: %s", d, up, strerror(e));
+        return -1;
+    }
+    return 0;
+}
+
+/* What the start would refuse in the outputs and the HTTP endpoint, found
+ * without binding or writing anything: the same check for --check-config
+ * and before the start. Shards 1..N-1 write checkpoints only. 0, or -1
+ * with a message. */
+static int check_outputs(const ps_config_t *c, const psd_run_opts_t *run, char *err, size_t errlen)
+{
+    if (c->ckpt_dir[0] && check_ckpt_dir(c->ckpt_dir, run->shard > 0, err, errlen) != 0) return -1;
+    if (run->shard > 0) return 0;
+    if (c->save[0] && check_out_file("--save (server.save)", c->save, false, err, errlen) != 0) return -1;
+    if (c->metrics[0] && check_out_file("--metrics (server.metrics)", c->metrics, true, err, errlen) != 0) return -1;
+    if (!c->http[0]) return 0;
+    bool loopback = false;
+    if (psd_http_check(c->http, &loopback, err, errlen) != 0) return -1;
+    if (c->http_token_file[0]) { /* as psd_server.c reads it */
+        char tok[256] = "";
+        struct stat st;
+        FILE *f = fopen(c->http_token_file, "r");
+        if (!f || fstat(fileno(f), &st) != 0) {
+            snprintf(err, errlen, "server.http_token_file %s: %s", c->http_token_file, strerror(errno));
+            if (f) fclose(f);
+            return -1;
+        }
+        if (!fgets(tok, sizeof tok, f)) tok[0] = '\0';
+        fclose(f);
+        tok[strcspn(tok, "\r\n")] = '\0';
+        if (st.st_mode & 077) {
+            snprintf(err, errlen, "server.http_token_file %s is readable by others (mode %03o): chmod 600 it",
+                     c->http_token_file, (unsigned)(st.st_mode & 0777));
+            return -1;
+        }
+        if (strlen(tok) < 16) {
+            snprintf(err, errlen, "server.http_token_file %s: the token (its first line) must have at least 16 "
+                     "characters", c->http_token_file);
+            return -1;
+        }
+    } else if (!loopback && !c->insecure) {
+        snprintf(err, errlen, "refusing HTTP on %s without a token: set server.http_token_file (requests then need "
+                 "\"Authorization: Bearer <token>\"), use a loopback address, or --insecure", c->http);
+        return -1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     enum {
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
         OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
-        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_XFETCH, OPT_XBREAKFETCH, OPT_XSLOWCKPT, OPT_XMAXW, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
+        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_XFETCH, OPT_XBREAKFETCH, OPT_XSLOWCKPT, OPT_XMAXW, OPT_XDIEMETRICS, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
     };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, OPT_CONFIG},
@@ -121,6 +231,7 @@ int main(int argc, char **argv)
         {"x-break-fetch", no_argument, NULL, OPT_XBREAKFETCH},
         {"x-slow-ckpt-ms", required_argument, NULL, OPT_XSLOWCKPT},
         {"x-max-workers", required_argument, NULL, OPT_XMAXW},
+        {"x-die-after-metrics", required_argument, NULL, OPT_XDIEMETRICS},
         {"shard", required_argument, NULL, OPT_SHARD},
         {"leader", required_argument, NULL, OPT_LEADER},
         {"advertise", required_argument, NULL, OPT_ADVERTISE},
@@ -199,6 +310,9 @@ int main(int argc, char **argv)
             psd_ckpt_test_delay(ms);
             break;
         }
+        case OPT_XDIEMETRICS: /* tests only: killed between an epoch's metrics line and its checkpoint */
+            if (int_opt("x-die-after-metrics", optarg, 1, 1000000, &run.die_after_metrics) != 0) goto out;
+            break;
         case OPT_XMAXW: /* tests only: few worker slots, to see them reused */
             if (int_opt("x-max-workers", optarg, 1, 1024, &run.max_workers) != 0) goto out;
             break;
@@ -307,6 +421,14 @@ int main(int argc, char **argv)
         code = ps_config_write_yaml(&cfg, stdout) == 0 ? 0 : 1;
         goto out;
     }
+    if (!eval_path && run.stop_after_epoch > 0 && !cfg.ckpt_dir[0]) {
+        fprintf(stderr, "psd: --stop-after-epoch needs checkpoints to resume from, and checkpoint.dir is empty\n");
+        goto out;
+    }
+    if (!eval_path && check_outputs(&cfg, &run, err, sizeof err) != 0) { /* found out now, not after the training */
+        fprintf(stderr, "psd: %s\n", err);
+        goto out;
+    }
     if (check && run.resume_dir && run.shard > 0) { /* its part is found at the step shard 0 resumes */
         fprintf(stderr, "psd: --check-config --resume checks shard 0's checkpoint: run it with --shard 0/%d\n",
                 run.shards);
@@ -324,19 +446,6 @@ int main(int argc, char **argv)
     if (eval_path) {
         code = psd_eval_run(&cfg, eval_path, threads);
         goto out;
-    }
-    if (run.stop_after_epoch > 0 && !cfg.ckpt_dir[0]) {
-        fprintf(stderr, "psd: --stop-after-epoch needs checkpoints to resume from, and checkpoint.dir is empty\n");
-        goto out;
-    }
-    if (run.shard == 0 && cfg.save[0]) { /* found out now, not after the training */
-        char buf[PS_PATH_MAX];
-        snprintf(buf, sizeof buf, "%s", cfg.save);
-        const char *dir = dirname(buf); /* as ps_atomic_commit finds the directory */
-        if (access(dir, W_OK | X_OK) != 0) {
-            fprintf(stderr, "psd: --save %s: cannot write in %s: %s\n", cfg.save, dir, strerror(errno));
-            goto out;
-        }
     }
     ps_early_stop_signals(); /* a stop while loading is acted on once the loop runs */
     code = run.shard > 0 ? psd_shard_run(&cfg, &run) : psd_server_run(&cfg, &run);

@@ -1,14 +1,16 @@
 /* psd_optim.c - server-side optimizers, LR schedules and global-norm clipping.
  *
  * Per-element math is in float, one simple loop per optimizer branch with no
- * cross-element dependence, so gcc can vectorise it and any split of the
- * arrays into chunks gives bit-identical results. Scalars that depend only on
- * the step (bias corrections, decay factors) are computed once in double. */
+ * cross-element dependence (but the integer maxima of psd_amax_t, the same in
+ * any order), so gcc can vectorise it and any split of the arrays into chunks
+ * gives bit-identical results. Scalars that depend only on the step (bias
+ * corrections, decay factors) are computed once in double. */
 #include "psd_optim.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "ps_assert.h"
 
@@ -39,38 +41,64 @@ int psd_optim_slots(const psd_optim_t *o)
     return 0;
 }
 
+/* |x| as bits (psd_amax_t): an integer max of these is the largest magnitude,
+ * exact in any order, and vectorises (a float max or sum would not, without
+ * reassociating). */
+static inline uint32_t abs_bits(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    return b & 0x7fffffffu;
+}
+
+static inline uint32_t max_u32(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
 /* w_new may alias w_old, so no restrict on the weights; gcc versions the
- * loops with a runtime overlap check. */
+ * loops with a runtime overlap check. Each loop also takes the largest
+ * magnitude of the gradient it reads (ga) and of the weights it writes (wa):
+ * two integer maxima in registers, the same bits of everything else. */
 PSD_VEC static void sgd_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
-                      float gscale, float *buf, size_t n, float lr)
+                      float gscale, float *buf, size_t n, float lr, psd_amax_t *am)
 {
     const float wd = o->weight_decay, mu = o->momentum;
+    uint32_t ga = 0, wa = 0;
     if (mu > 0.0f && o->nesterov) {
         for (size_t i = 0; i < n; i++) {
             float gp = gscale * g[i] + wd * w_old[i];
             float b = mu * buf[i] + gp;
             buf[i] = b;
-            w_new[i] = w_old[i] - lr * (gp + mu * b);
+            float wn = w_old[i] - lr * (gp + mu * b);
+            w_new[i] = wn;
+            ga = max_u32(ga, abs_bits(g[i]));
+            wa = max_u32(wa, abs_bits(wn));
         }
     } else if (mu > 0.0f) {
         for (size_t i = 0; i < n; i++) {
             float gp = gscale * g[i] + wd * w_old[i];
             float b = mu * buf[i] + gp;
             buf[i] = b;
-            w_new[i] = w_old[i] - lr * b;
+            float wn = w_old[i] - lr * b;
+            w_new[i] = wn;
+            ga = max_u32(ga, abs_bits(g[i]));
+            wa = max_u32(wa, abs_bits(wn));
         }
     } else {
         for (size_t i = 0; i < n; i++) {
             float gp = gscale * g[i] + wd * w_old[i];
-            w_new[i] = w_old[i] - lr * gp;
+            float wn = w_old[i] - lr * gp;
+            w_new[i] = wn;
+            ga = max_u32(ga, abs_bits(g[i]));
+            wa = max_u32(wa, abs_bits(wn));
         }
     }
+    am->g = max_u32(am->g, ga);
+    am->w = max_u32(am->w, wa);
 }
 
 /* Adam (L2 weight decay folded into the gradient) and AdamW (decoupled:
  * w' = w * (1 - lr*wd) before the Adam step). */
 PSD_VEC static void adam_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
-                       float gscale, float *m, float *v, size_t n, double lr, uint64_t t)
+                       float gscale, float *m, float *v, size_t n, double lr, uint64_t t, psd_amax_t *am)
 {
     const int decoupled = o->kind == PS_OPT_ADAMW;
     const float b1 = o->beta1, b2 = o->beta2, eps = o->eps;
@@ -82,6 +110,7 @@ PSD_VEC static void adam_apply(const psd_optim_t *o, const float *w_old, float *
     const float inv_bc1 = (float)(1.0 / bc1);
     const float inv_bc2 = (float)(1.0 / bc2);
     const float lrf = (float)lr;
+    uint32_t ga = 0, wa = 0;
 
     if (decoupled) {
         const float decay = (float)(1.0 - lr * (double)o->weight_decay);
@@ -92,7 +121,10 @@ PSD_VEC static void adam_apply(const psd_optim_t *o, const float *w_old, float *
             m[i] = mi;
             v[i] = vi;
             float mhat = mi * inv_bc1, vhat = vi * inv_bc2;
-            w_new[i] = w_old[i] * decay - lrf * mhat / (sqrtf(vhat) + eps);
+            float wn = w_old[i] * decay - lrf * mhat / (sqrtf(vhat) + eps);
+            w_new[i] = wn;
+            ga = max_u32(ga, abs_bits(g[i]));
+            wa = max_u32(wa, abs_bits(wn));
         }
     } else {
         const float wd = o->weight_decay;
@@ -103,48 +135,81 @@ PSD_VEC static void adam_apply(const psd_optim_t *o, const float *w_old, float *
             m[i] = mi;
             v[i] = vi;
             float mhat = mi * inv_bc1, vhat = vi * inv_bc2;
-            w_new[i] = w_old[i] - lrf * mhat / (sqrtf(vhat) + eps);
+            float wn = w_old[i] - lrf * mhat / (sqrtf(vhat) + eps);
+            w_new[i] = wn;
+            ga = max_u32(ga, abs_bits(g[i]));
+            wa = max_u32(wa, abs_bits(wn));
         }
     }
+    am->g = max_u32(am->g, ga);
+    am->w = max_u32(am->w, wa);
 }
 
 /* Adagrad (PyTorch's, lr_decay 0, initial accumulator 0): the sum of the
  * squared gradients scales each element's step. A zero gradient leaves the
  * element and its sum exactly as they were (the sparse rows rely on it). */
 PSD_VEC static void adagrad_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
-                          float gscale, float *sum, size_t n, float lr)
+                          float gscale, float *sum, size_t n, float lr, psd_amax_t *am)
 {
     const float wd = o->weight_decay, eps = o->eps;
+    uint32_t ga = 0, wa = 0;
     for (size_t i = 0; i < n; i++) {
         float gp = gscale * g[i] + wd * w_old[i];
         float si = sum[i] + gp * gp;
         sum[i] = si;
-        w_new[i] = w_old[i] - lr * gp / (sqrtf(si) + eps);
+        float wn = w_old[i] - lr * gp / (sqrtf(si) + eps);
+        w_new[i] = wn;
+        ga = max_u32(ga, abs_bits(g[i]));
+        wa = max_u32(wa, abs_bits(wn));
     }
+    am->g = max_u32(am->g, ga);
+    am->w = max_u32(am->w, wa);
 }
 
-void psd_optim_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
-                     float gscale, float *s0, float *s1, size_t n, double lr, uint64_t t)
+void psd_optim_apply_amax(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
+                          float gscale, float *s0, float *s1, size_t n, double lr, uint64_t t, psd_amax_t *amax)
 {
-    PSD_ASSERT(o);
+    PSD_ASSERT(o && amax);
     if (n == 0) return;
     PSD_ASSERT(w_old && w_new && g);
     switch (o->kind) {
     case PS_OPT_SGD:
         PSD_ASSERT(o->momentum <= 0.0f || s0);
-        sgd_apply(o, w_old, w_new, g, gscale, s0, n, (float)lr);
+        sgd_apply(o, w_old, w_new, g, gscale, s0, n, (float)lr, amax);
         return;
     case PS_OPT_ADAM:
     case PS_OPT_ADAMW:
         PSD_ASSERT(s0 && s1 && t >= 1);
-        adam_apply(o, w_old, w_new, g, gscale, s0, s1, n, lr, t);
+        adam_apply(o, w_old, w_new, g, gscale, s0, s1, n, lr, t, amax);
         return;
     case PS_OPT_ADAGRAD:
         PSD_ASSERT(s0);
-        adagrad_apply(o, w_old, w_new, g, gscale, s0, n, (float)lr);
+        adagrad_apply(o, w_old, w_new, g, gscale, s0, n, (float)lr, amax);
         return;
     }
     PSD_ASSERT(!"unknown optimizer kind");
+}
+
+void psd_optim_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
+                     float gscale, float *s0, float *s1, size_t n, double lr, uint64_t t)
+{
+    psd_amax_t am = {0, 0};
+    psd_optim_apply_amax(o, w_old, w_new, g, gscale, s0, s1, n, lr, t, &am);
+}
+
+PSD_VEC uint32_t psd_amax_bits(const float *x, size_t n)
+{
+    PSD_ASSERT(x || n == 0);
+    uint32_t a = 0;
+    for (size_t i = 0; i < n; i++) a = max_u32(a, abs_bits(x[i]));
+    return a;
+}
+
+float psd_amax_value(uint32_t bits)
+{
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
 }
 
 /* Sixteen partial sums (element i goes to lane i % 16), added up in a fixed

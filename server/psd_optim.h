@@ -51,6 +51,27 @@ int psd_optim_slots(const psd_optim_t *o);
 void psd_optim_apply(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
                      float gscale, float *s0, float *s1, size_t n, double lr, uint64_t t);
 
+/* The largest magnitudes a step met: max |g| of the gradient it read and
+ * max |w| of the weights it wrote (the L-infinity norms), as the bits of
+ * the float |x| (psd_amax_value turns them back into it): integer maxima,
+ * exact in any order, so the same for any split of the work. Bits above
+ * 0x7f800000 (+inf) are NaN: the norm is finite iff the bits are below it. */
+typedef struct {
+    uint32_t g, w;
+} psd_amax_t;
+#define PSD_AMAX_INF 0x7f800000u
+
+/* psd_optim_apply that also takes the largest magnitudes of g (as read,
+ * before gscale) and of w_new into *amax (each the max of what it held
+ * and this call's): folded into the update's loop, the update's bits are
+ * those of psd_optim_apply. */
+void psd_optim_apply_amax(const psd_optim_t *o, const float *w_old, float *w_new, const float *g,
+                          float gscale, float *s0, float *s1, size_t n, double lr, uint64_t t, psd_amax_t *amax);
+
+/* max |x[i]| over n floats as psd_amax_t bits (0 for n == 0), and the float those bits are. */
+uint32_t psd_amax_bits(const float *x, size_t n);
+float psd_amax_value(uint32_t bits);
+
 /* Sum of squares in double precision: element i goes to partial sum
  * (lane) i % PSD_SUMSQ_LANES, and the lanes are added up in a fixed tree
  * (psd_sumsq_lanes), so the result depends only on the values and their

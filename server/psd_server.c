@@ -48,8 +48,11 @@
 #include "ps_weights.h"
 #include "ps_wire.h"
 #include "psd_ckpt.h"
+#include "psd_diverge.h"
 #include "psd_optim.h"
 #include "psd_http.h"
+#include "psd_lock.h"
+#include "psd_metrics.h"
 #include "psd_shm.h"
 #include "psd_store.h"
 #include "psd_zap.h"
@@ -290,7 +293,10 @@ typedef struct {
     uint64_t ep_in_place0; /* store.in_place when the epoch began */
     double t_start, t_epoch, train_s_total, phase_deadline, orphan_deadline;
     uint64_t samples_total;
-    FILE *metrics;
+    psd_metrics_t metrics; /* the metrics file (psd_metrics.h) */
+    psd_locks_t locks;     /* this run's hold on its files (psd_lock.h) */
+    uint64_t resumed_step; /* the step a --resume continued from, for the metrics lines; 0: none */
+    bool resumed;
     uint64_t dropped;     /* bad messages, for rate-limited logging */
     const void *(*step_g)[PS_MAX_TENSORS]; /* a step's gradients, MAX_WORKERS rows */
     uint8_t *step_bf16;   /* and whether each row is bfloat16 */
@@ -337,6 +343,7 @@ typedef struct {
     bool tty;
     double progress_next;
     double last_loss;     /* mean training loss of the last step */
+    psd_diverge_t dv;     /* the steps' losses and norms, checked for divergence (step_done) */
     double *step_wt;      /* and their weights */
     psd_rowgrad_t *step_rows; /* and their table rows (lazy tables) */
     bool table_on_psd;    /* ctr.worker_table_mb: workers hold only their batches' rows (CtrTask.table_on_psd) */
@@ -1326,12 +1333,32 @@ static void count_step(srv_t *s)
     }
 }
 
+/* The step just counted diverged (psd_diverge.h: its loss against the
+ * run's first steps, the norms of its gradient and new weights, this psd's
+ * part): the run ends with the reason (exit 1), no weights saved and no
+ * checkpoint of it taken. */
+static bool diverged(srv_t *s)
+{
+    psd_amax_t am = psd_store_step_amax(&s->store);
+    psd_diverge_verdict_t v = psd_diverge_step(&s->dv, s->cfg.divergence_factor, s->step, s->last_loss,
+                                               psd_amax_value(am.g), psd_amax_value(am.w));
+    if (v == PSD_DIVERGE_OK) return false;
+    char why[512];
+    psd_diverge_message(&s->dv, v, s->epoch + 1, why, sizeof why);
+    PS_ERROR("%s", why);
+    s->ckpt_deferred = false;
+    finish(s, PSD_EXIT_ERROR, v == PSD_DIVERGE_RISE ? "training diverged (the loss rose far above its start)"
+                                                    : "training diverged (a norm or the loss is not finite)");
+    return true;
+}
+
 /* The new version is current: count the step, answer the pulls. A streamed
  * step that every contributor left before any chunk took it (void) is no
  * step: not counted, only answered. */
 static void step_done(srv_t *s, bool taken)
 {
     if (taken) count_step(s);
+    if (taken && diverged(s)) return;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
         w->shard_have = 0; /* HAVEs name a version: none of them counts for the next (a non-contributor's) */
@@ -2195,9 +2222,10 @@ static void end_run(srv_t *s)
     double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
     double wall = ps_now() - s->t_start;
     if (!sharded(s)) save_weights(s); /* shards: written already (fetch_next) */
+    const char *partial = psd_metrics_incomplete(&s->metrics) ? " (its metrics file is INCOMPLETE)" : "";
     if (s->val_epoch_last)
-        PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s", s->cfg.epochs,
-                s->step, s->val_acc_last, sps, wall);
+        PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s%s", s->cfg.epochs,
+                s->step, s->val_acc_last, sps, wall, partial);
     else /* resumed at its end: nothing was trained or validated by this psd */
         PS_INFO("run finished: %d epochs, %" PRIu64 " steps (all before this resume), %.1f s", s->cfg.epochs, s->step,
                 wall);
@@ -2225,6 +2253,60 @@ static void run_end(srv_t *s)
         return;
     }
     end_run(s);
+}
+
+/* An epoch's figures, for its metrics line. */
+typedef struct {
+    double train_loss, train_acc, val_loss, val_acc, sps, ep_sps, wall, auc;
+    uint64_t correct, count;
+    int workers;
+} epoch_stats_t;
+
+/* The epoch's line of the metrics file (README "Metrics file", schema 2):
+ * built whole, then written and synced in one go (psd_metrics.h). */
+static void write_metrics_line(srv_t *s, const epoch_stats_t *e)
+{
+    char *line = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&line, &len);
+    if (!f) {
+        psd_metrics_failed(&s->metrics, errno, "build");
+        return;
+    }
+    fprintf(f,
+            "{\"schema\":2,\"run_id\":\"%016" PRIx64 "\",\"epoch\":%u,\"step\":%" PRIu64
+            ",\"train_loss\":%.9g,\"train_acc\":%.9g,\"train_samples\":%" PRIu64
+            ",\"val_loss\":%.9g,\"val_acc\":%.9g,\"val_correct\":%" PRIu64 ",\"val_samples\":%" PRIu64
+            ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
+            ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g,\"psd_step_ms\":%.6g"
+            ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"sync\":\"%s\""
+            ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64
+            ",\"psd_steps_in_place\":%" PRIu64 ",\"samples_moved\":%" PRIu64,
+            s->run_id, s->epoch + 1, s->step, e->train_loss, e->train_acc, s->ep_samples, e->val_loss,
+            e->val_acc, e->correct, e->count, e->sps, e->ep_sps, s->train_s_total, e->wall, e->workers, s->lr,
+            s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
+            s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
+            s->ep_step_n ? 1e3 * (s->store.step_s - s->ep_step_s0) / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
+            ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max,
+            s->store.in_place - s->ep_in_place0, s->ep_moved);
+    if (s->cfg.kind == PS_MODEL_CTR)
+        fprintf(f,
+                ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g,\"val_auc\":%.9g,\"optimum_auc\":%.9g"
+                ",\"table_rows_in\":%" PRIu64 ",\"table_row_pushes\":%" PRIu64 ",\"table_rows_out\":%" PRIu64
+                ",\"table_row_replies\":%" PRIu64,
+                s->ctr_opt_loss, s->ctr_const_loss, e->auc, s->ctr_opt_auc, s->ep_rows_in, s->ep_rows_pushes,
+                s->ep_rows_out, s->ep_rows_replies);
+    if (s->resumed) fprintf(f, ",\"resumed_from_step\":%" PRIu64, s->resumed_step);
+    fputs("}\n", f);
+    if (fclose(f) != 0 || !line) {
+        free(line);
+        psd_metrics_failed(&s->metrics, ENOMEM, "build");
+        return;
+    }
+    psd_metrics_write(&s->metrics, line, len);
+    free(line);
+    if (s->opts.die_after_metrics > 0 && s->epoch + 1 == (uint32_t)s->opts.die_after_metrics)
+        raise(SIGKILL); /* tests only: killed between an epoch's metrics line and its checkpoint */
 }
 
 static void end_validation(srv_t *s)
@@ -2271,32 +2353,11 @@ static void end_validation(srv_t *s)
                     s->epoch + 1, s->ep_moved, who);
         }
     }
-    if (s->metrics) {
-        fprintf(s->metrics,
-                "{\"schema\":1,\"run_id\":\"%016" PRIx64 "\",\"epoch\":%u,\"step\":%" PRIu64
-                ",\"train_loss\":%.9g,\"train_acc\":%.9g,\"train_samples\":%" PRIu64
-                ",\"val_loss\":%.9g,\"val_acc\":%.9g,\"val_correct\":%" PRIu64 ",\"val_samples\":%" PRIu64
-                ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
-                ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g,\"psd_step_ms\":%.6g"
-                ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"sync\":\"%s\""
-                ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64
-                ",\"psd_steps_in_place\":%" PRIu64 ",\"samples_moved\":%" PRIu64,
-                s->run_id, s->epoch + 1, s->step, train_loss, train_acc, s->ep_samples, val_loss,
-                val_acc, correct, count, sps, ep_sps, s->train_s_total, wall, workers, s->lr,
-                s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
-                s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
-                s->ep_step_n ? 1e3 * (s->store.step_s - s->ep_step_s0) / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
-                ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max,
-                s->store.in_place - s->ep_in_place0, s->ep_moved);
-        if (s->cfg.kind == PS_MODEL_CTR)
-            fprintf(s->metrics,
-                    ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g,\"val_auc\":%.9g,\"optimum_auc\":%.9g"
-                    ",\"table_rows_in\":%" PRIu64 ",\"table_row_pushes\":%" PRIu64 ",\"table_rows_out\":%" PRIu64
-                    ",\"table_row_replies\":%" PRIu64,
-                    s->ctr_opt_loss, s->ctr_const_loss, auc, s->ctr_opt_auc, s->ep_rows_in, s->ep_rows_pushes,
-                    s->ep_rows_out, s->ep_rows_replies);
-        fputs("}\n", s->metrics);
-        fflush(s->metrics);
+    if (s->metrics.fd >= 0) {
+        epoch_stats_t e = {.train_loss = train_loss, .train_acc = train_acc, .val_loss = val_loss, .val_acc = val_acc,
+                           .sps = sps, .ep_sps = ep_sps, .wall = wall, .auc = auc, .correct = correct, .count = count,
+                           .workers = workers};
+        write_metrics_line(s, &e);
     }
     bool last = s->epoch + 1 >= (uint32_t)s->cfg.epochs;
     bool stop = s->opts.stop_after_epoch > 0 && s->epoch + 1 == (uint32_t)s->opts.stop_after_epoch && !last;
@@ -4385,8 +4446,31 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
     }
     PS_INFO("resuming run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s", s->run_id, path, s->step,
             s->epoch + 1, s->resumed_mid_epoch ? " (part done)" : "");
+    /* epochs logged after that checkpoint are trained and logged again: the
+     * metrics file keeps each epoch once */
+    char err[PS_PATH_MAX + 200];
+    if (s->cfg.metrics[0] && psd_metrics_trim(&s->metrics, s->cfg.metrics, s->run_id, s->epoch, err, sizeof err) < 0) {
+        PS_ERROR("cannot resume: %s", err);
+        return PSD_EXIT_USAGE;
+    }
+    s->resumed = true;
+    s->resumed_step = m->step;
     /* the steps the psd shards may resume at: this one and older */
     s->n_resume_steps = psd_ckpt_steps(s->resume_dir, m->step, s->resume_steps, PSD_RESUME_STEPS_MAX);
+    return 0;
+}
+
+/* This run's weights and metrics files are its own (psd_lock.h): 0, or
+ * PSD_EXIT_USAGE after saying which file another psd holds. */
+static int hold_outputs(srv_t *s)
+{
+    char err[PS_PATH_MAX + 400];
+    const char *files[] = {s->cfg.save, s->cfg.metrics};
+    for (int i = 0; i < 2; i++)
+        if (files[i][0] && psd_lock_beside(&s->locks, files[i], err, sizeof err) != 0) {
+            PS_ERROR("%s", err);
+            return PSD_EXIT_USAGE;
+        }
     return 0;
 }
 
@@ -4400,6 +4484,12 @@ static int resume(srv_t *s)
     int r = resolve_resume_dir(s->opts.resume_dir, s->resume_dir, sizeof s->resume_dir);
     if (r != 0) {
         PS_ERROR("cannot resume from %s: %s", s->opts.resume_dir, strerror(-r));
+        return PSD_EXIT_USAGE;
+    }
+    /* a run still going writes there: refused. One only read (a copy on a
+     * read-only disk) cannot be locked, and needs not be */
+    if ((r = psd_lock_dir(&s->locks, s->resume_dir, err, sizeof err)) == -EWOULDBLOCK) {
+        PS_ERROR("cannot resume from %s: %s", s->resume_dir, err);
         return PSD_EXIT_USAGE;
     }
     if (psd_ckpt_load_newest(s->resume_dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
@@ -4512,7 +4602,7 @@ double psd_silence_limit(const ps_config_t *c, size_t n_params)
  * allow_self: also let in psd's own key (psd shards). 0, or the exit code
  * (logged). */
 int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no_zap, size_t n_params, bool allow_self,
-                    bool watch_closed, void **sockp, psd_zap_t **zapp, void **monp)
+                    bool watch_closed, psd_locks_t *locks, void **sockp, psd_zap_t **zapp, void **monp)
 {
     char why[400];
     int mon_events = watch_closed ? ZMQ_EVENT_DISCONNECTED : 0;
@@ -4596,6 +4686,13 @@ int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no
     zmq_setsockopt(*sockp, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     ps_zmq_endpoint_opts(*sockp, listen);
     if (mon_events) *monp = ps_zmq_monitor(zctx, *sockp, "inproc://psd-monitor", mon_events);
+    /* ZeroMQ would take over an ipc:// path another psd listens on (it
+     * removes the socket file): refused as tcp's "address in use" is */
+    char lerr[PS_PATH_MAX + 400];
+    if (strncmp(listen, "ipc://", 6) == 0 && psd_lock_beside(locks, listen + 6, lerr, sizeof lerr) != 0) {
+        PS_ERROR("cannot listen on '%s': %s", listen, lerr);
+        return PSD_EXIT_USAGE;
+    }
     if (zmq_bind(*sockp, listen) != 0) {
         PS_ERROR("cannot listen on '%s': %s", listen, zmq_strerror(zmq_errno()));
         return PSD_EXIT_USAGE;
@@ -4629,6 +4726,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     bool loop_ok = false;
     s->cfg = *c;
     s->opts = *opts;
+    psd_metrics_init(&s->metrics);
     s->config_hash = ps_config_hash(c);
     s->run_id = make_run_id();
     s->w = calloc(MAX_WORKERS, sizeof *s->w);
@@ -4711,7 +4809,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
             goto out;
         }
     }
-    if (opts->resume_dir && (code = resume(s)) != 0) goto out;
+    if ((code = hold_outputs(s)) != 0 || (opts->resume_dir && (code = resume(s)) != 0)) goto out;
     code = PSD_EXIT_ERROR;
     if (s->epoch >= (uint32_t)c->epochs && sharded(s)) /* the shards may hold older steps only: they decide */
         PS_INFO("shard 0's checkpoint is at the end of the run (%d epochs): waiting for the other shards' parts",
@@ -4730,16 +4828,15 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         code = PSD_EXIT_USAGE;
         goto out;
     }
-    if (c->metrics[0]) {
-        s->metrics = fopen(c->metrics, "a");
-        if (!s->metrics) {
-            PS_ERROR("metrics file %s: %s", c->metrics, strerror(errno));
-            code = PSD_EXIT_USAGE;
-            goto out;
-        }
+    char err[PS_PATH_MAX + 400];
+    if ((c->ckpt_dir[0] && psd_lock_dir(&s->locks, s->run_dir, err, sizeof err) != 0) ||
+        (c->metrics[0] && psd_metrics_open(&s->metrics, c->metrics, err, sizeof err) != 0)) {
+        PS_ERROR("%s", err);
+        code = PSD_EXIT_USAGE;
+        goto out;
     }
     s->zctx = psd_zmq_context(c);
-    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, sharded(s), true, &s->sock, &s->zap,
+    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, sharded(s), true, &s->locks, &s->sock, &s->zap,
                                 &s->mon)) != 0)
         goto out;
     s->silence = psd_silence_limit(c, s->layout.n_params);
@@ -4843,7 +4940,14 @@ out:
         }
     if (s->sock) ps_msg_drain(s->sock, 0.1, 1.0); /* what workers sent before they saw SHUTDOWN */
     zmq_end(s, -1);
-    if (s->metrics) fclose(s->metrics);
+    psd_metrics_close(&s->metrics);
+    if (psd_metrics_incomplete(&s->metrics) && code == PSD_EXIT_OK) {
+        PS_ERROR("exit %d: the run's metrics file %s is incomplete: %u epoch line%s not written (%s)",
+                 PSD_EXIT_METRICS, s->cfg.metrics, s->metrics.lost, s->metrics.lost == 1 ? "" : "s",
+                 strerror(s->metrics.err));
+        code = PSD_EXIT_METRICS;
+    }
+    psd_locks_release(&s->locks);
     psd_store_deinit(&s->store);
     free(s->perm);
     free(s->val_scores);

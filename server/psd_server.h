@@ -16,6 +16,7 @@ enum {
     PSD_EXIT_START_TIMEOUT = 3, /* not all workers registered in time */
     PSD_EXIT_WORKER_LOST = 4,   /* a worker went silent past worker_timeout */
     PSD_EXIT_SHARD_LOST = 5,    /* a psd shard went silent, failed or refused the run */
+    PSD_EXIT_METRICS = 6,       /* the run finished, but a write to its metrics file failed */
 };
 
 /* Floats of a psd shard's part shard 0 asks for at a time at the end of a
@@ -31,6 +32,7 @@ typedef struct {
     uint64_t fetch_floats;  /* tests only: floats per chunk of a shard's part fetched for --save
                              * (0: PSD_FETCH_FLOATS) */
     int break_fetch;        /* tests only: a shard answers SHARD_FETCH with its last frame a float short */
+    int die_after_metrics;  /* tests only: SIGKILL itself right after epoch E's metrics line (0: never) */
     int max_workers;        /* tests only: worker slots before gone ones are reused (0: all 1024) */
     int shard, shards;      /* --shard i/n: this psd holds part i of n (shards 0: one psd) */
     const char *leader;     /* shard i > 0: shard 0's endpoint */
@@ -71,15 +73,17 @@ double psd_transfer_s(size_t n_params);
 double psd_silence_limit(const ps_config_t *c, size_t n_params);
 
 struct psd_zap;
+struct psd_locks;
 /* psd's ROUTER socket on `listen`: CURVE with the allow-list (failing
  * closed) when the config has a key, else the loopback rule; options; bind.
  * allow_self: also let in psd's own key (shards connect with it).
  * *monp: a PAIR with the socket's events (psd_router_monitor), when there
  * are any to watch: failed handshakes (with a key), closed connections
- * (watch_closed). 0, or the exit code (logged); *sockp, *zapp, *monp are
- * the caller's to close. */
+ * (watch_closed). An ipc:// path is locked first (its <path>.lock, into
+ * locks): a second psd on it is refused. 0, or the exit code (logged);
+ * *sockp, *zapp, *monp are the caller's to close. */
 int psd_router_open(void *zctx, const ps_config_t *c, const char *listen, int no_zap, size_t n_params, bool allow_self,
-                    bool watch_closed, void **sockp, struct psd_zap **zapp, void **monp);
+                    bool watch_closed, struct psd_locks *locks, void **sockp, struct psd_zap **zapp, void **monp);
 /* Read the events waiting on mon (psd_router_open's *monp, or a monitor of
  * another socket with these events): each refused
  * handshake counts in *refused and is logged (the first 20, then every

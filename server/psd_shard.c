@@ -42,6 +42,7 @@
 #include "ps_util.h"
 #include "ps_wire.h"
 #include "psd_ckpt.h"
+#include "psd_lock.h"
 #include "psd_store.h"
 #include "psd_zap.h"
 #include "ps_tcp.h"
@@ -111,6 +112,7 @@ typedef struct {
     psd_ckpt_writer_t *ckpt; /* this part's checkpoint being written */
     uint64_t ckpt_step, ckpt_version;
     char ckpt_dir[PS_PATH_MAX];
+    psd_locks_t locks;       /* this shard's hold on its checkpoint directory and ipc socket (psd_lock.h) */
     bool run_ending;         /* shard 0 was stopped: it ends the run once its checkpoint is written */
 } shard_t;
 
@@ -532,6 +534,12 @@ static void on_ckpt(shard_t *s, ps_msg_t *m)
     snprintf(s->ckpt_dir, sizeof s->ckpt_dir, "%s/run-%016" PRIx64 "/shard-%d", s->cfg.ckpt_dir, s->run_id,
              s->opts.shard);
     int rc = mkdirs(s->ckpt_dir);
+    char why[PS_PATH_MAX + 400];
+    if (rc == 0 && (rc = psd_lock_dir(&s->locks, s->ckpt_dir, why, sizeof why)) == -EWOULDBLOCK) {
+        fail(s, why); /* another psd writes this part's checkpoints */
+        s->exit_code = PSD_EXIT_USAGE;
+        return;
+    }
     psd_ckpt_meta_t meta;
     ckpt_meta(s, &meta);
     meta.keep_step = ck->keep_step;
@@ -576,6 +584,11 @@ static int resume_part(shard_t *s, const uint64_t *steps, size_t n_steps)
         snprintf(err, sizeof err, "no checkpoint of its part under %s (looked in run-%016" PRIx64 "/shard-%d, "
                  "shard-%d and the directory itself)", s->opts.resume_dir, s->run_id, s->opts.shard, s->opts.shard);
         goto none;
+    }
+    if (psd_lock_dir(&s->locks, dir, err, sizeof err) == -EWOULDBLOCK) { /* a shard still running writes there */
+        fail(s, err);
+        s->exit_code = PSD_EXIT_USAGE;
+        return -1;
     }
     n_have = psd_ckpt_steps(dir, UINT64_MAX, have, PSD_RESUME_STEPS_MAX);
     for (size_t i = 0; i < n_steps; i++) {
@@ -1023,7 +1036,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         s->table_on_psd = psd_table_on_psd(c, &s->layout, true); /* as shard 0 decides */
     }
     s->zctx = psd_zmq_context(c);
-    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, false, false, &s->router, &s->zap,
+    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, false, false, &s->locks, &s->router, &s->zap,
                                 &s->mon)) != 0)
         goto out;
     const double silence = psd_silence_limit(c, s->layout.n_params);
@@ -1181,6 +1194,7 @@ out:
     ps_zmq_close_monitored(s->leader, s->lmon);
     psd_zap_stop(&s->zap);
     if (s->zctx) zmq_ctx_term(s->zctx);
+    psd_locks_release(&s->locks);
     psd_store_deinit(&s->store);
     free(s->w);
     free(s->g);

@@ -376,13 +376,30 @@ static void reduce_part(step_t *st, int j, const psd_chunk_t *c, size_t o, size_
         s->blk_sq[b] = psd_sumsq(acc + o, e - o < PSD_NORM_BLOCK ? e - o : PSD_NORM_BLOCK);
 }
 
-/* the optimizer over elements [o, o + n) of chunk c, from g: their gradient */
-static void apply_range(const step_t *st, const psd_chunk_t *c, size_t o, size_t n, const float *g)
+/* the optimizer over elements [o, o + n) of chunk c, from g: their
+ * gradient; the largest magnitudes met go into *am */
+static void apply_range(const step_t *st, const psd_chunk_t *c, size_t o, size_t n, const float *g, psd_amax_t *am)
 {
     psd_store_t *s = st->s;
     const size_t off = c->off + o;
-    psd_optim_apply(&s->opt, s->cur->w + off, st->next->w + off, g, st->scale,
-                    s->s0 ? s->s0 + off : NULL, s->s1 ? s->s1 + off : NULL, n, st->lr, s->steps);
+    psd_optim_apply_amax(&s->opt, s->cur->w + off, st->next->w + off, g, st->scale,
+                         s->s0 ? s->s0 + off : NULL, s->s1 ? s->s1 + off : NULL, n, st->lr, s->steps, am);
+}
+
+/* A task's largest magnitudes into the step's (any thread; once per work
+ * item: a max is the same in any order) */
+static void amax_merge(_Atomic uint32_t *to, uint32_t v)
+{
+    uint32_t cur = atomic_load_explicit(to, memory_order_relaxed);
+    while (v > cur && !atomic_compare_exchange_weak_explicit(to, &cur, v, memory_order_relaxed, memory_order_relaxed)) {
+        /* cur is what another thread put there: try again while v is larger */
+    }
+}
+
+static void amax_add(psd_store_t *s, const psd_amax_t *am)
+{
+    amax_merge(&s->amax_g, am->g);
+    amax_merge(&s->amax_w, am->w);
 }
 
 /* Without clipping: reduce and apply floats [o, o + n) of chunk c (the j-th
@@ -393,18 +410,21 @@ static void apply_range(const step_t *st, const psd_chunk_t *c, size_t o, size_t
 #define FUSE_FLOATS 2048
 static void fused_part(const step_t *st, int j, const psd_chunk_t *c, size_t o, size_t n)
 {
+    psd_amax_t am = {0, 0};
     if (st->n == 1 && st->weight[0] == 1.0 && !(st->bf16 && st->bf16[0])) {
         /* one f32 contributor of weight 1: its gradient is the sum (1.0f * g
          * is g, bit for bit); applied straight from it */
-        apply_range(st, c, o, n, (const float *)contrib(st, j, c, 0) + o);
+        apply_range(st, c, o, n, (const float *)contrib(st, j, c, 0) + o, &am);
+        amax_add(st->s, &am);
         return;
     }
     _Alignas(64) float acc[FUSE_FLOATS];
     for (size_t e = o + n; o < e; o += FUSE_FLOATS) {
         size_t m = e - o < FUSE_FLOATS ? e - o : FUSE_FLOATS;
         reduce_range(st, j, c, o, m, acc);
-        apply_range(st, c, o, m, acc);
+        apply_range(st, c, o, m, acc, &am);
     }
+    amax_add(st->s, &am);
 }
 
 /* A pool run of the step's work (reduce, apply), its time counted in step_s. */
@@ -434,7 +454,9 @@ static void apply_task(void *arg, int i)
 {
     step_t *st = arg;
     const psd_chunk_t *c = &st->s->items[i];
-    apply_range(st, c, 0, c->n, st->s->grad + c->off);
+    psd_amax_t am = {0, 0};
+    apply_range(st, c, 0, c->n, st->s->grad + c->off, &am);
+    amax_add(st->s, &am);
 }
 
 typedef struct {
@@ -535,6 +557,8 @@ static psd_arena_t *begin_update(psd_store_t *s)
     psd_arena_t *next = next_arena(s);
     if (!next) return NULL;
     s->steps++;
+    atomic_store_explicit(&s->amax_g, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->amax_w, 0, memory_order_relaxed);
     if (s->before_update) s->before_update(s->before_update_ud, 0, s->layout.n_params);
     return next;
 }
@@ -551,6 +575,14 @@ static void table_apply(psd_store_t *s, psd_arena_t *next, float scale, double l
         memcpy(next->w + e->offset + own->off, s->cur->w + e->offset + own->off, own->n * sizeof(float));
     psd_rows_apply(&s->rows, &s->opt, next->w + e->offset, s->s0 ? s->s0 + e->offset : NULL,
                    s->s1 ? s->s1 + e->offset : NULL, scale, lr, s->steps);
+    /* the rows stepped, just written (in cache): a pass of their own */
+    const size_t dim = s->rows.dim;
+    psd_amax_t am = {psd_amax_bits(s->rows.sum, s->rows.n_ids * dim), 0};
+    for (size_t i = 0; i < s->rows.n_ids; i++) {
+        uint32_t a = psd_amax_bits(next->w + e->offset + (size_t)s->rows.ids[i] * dim, dim);
+        if (a > am.w) am.w = a;
+    }
+    amax_add(s, &am);
 }
 
 int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr)
@@ -647,6 +679,12 @@ void psd_store_stream_keep(psd_store_t *s, psd_arena_t *next, int c)
 void psd_store_stream_void(psd_store_t *s) { s->steps--; }
 
 void psd_store_stream_end(psd_store_t *s, psd_arena_t *next) { publish(s, next); }
+
+psd_amax_t psd_store_step_amax(const psd_store_t *s)
+{
+    return (psd_amax_t){atomic_load_explicit(&s->amax_g, memory_order_relaxed),
+                        atomic_load_explicit(&s->amax_w, memory_order_relaxed)};
+}
 
 void psd_store_tensor_frame(psd_store_t *s, psd_arena_t *a, int t, ps_frame_t *fr)
 {

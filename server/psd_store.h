@@ -56,6 +56,10 @@ typedef struct {
     uint64_t steps;     /* optimizer steps applied */
     uint64_t in_place;  /* versions made by updating the current arena in place (nothing referenced it) */
     double step_s;      /* seconds spent reducing and applying (the step's pool runs), all steps */
+    /* the last step's largest magnitudes (psd_amax_t bits) of the gradient
+     * applied and of the weights written, the parts this store stepped:
+     * taken in the optimizer's loop, merged once per work item */
+    _Atomic uint32_t amax_g, amax_w;
     /* called before the optimizer updates slot floats [off, off+n) (a
      * checkpoint being written saves them copy-on-write); may be NULL */
     void (*before_update)(void *ud, size_t off, size_t n);
@@ -216,5 +220,13 @@ void psd_store_stream_keep(psd_store_t *s, psd_arena_t *next, int c);
 void psd_store_stream_void(psd_store_t *s);
 void psd_store_stream_end(psd_store_t *s, psd_arena_t *next);
 void psd_store_tensor_frame(psd_store_t *s, psd_arena_t *a, int t, ps_frame_t *fr);
+
+/* The last step's L-infinity norms (psd_amax_t bits; psd_optim.h) over what
+ * it stepped (the owned part: dense items, and a lazy table's touched
+ * rows): max |g| of the averaged gradient before clipping and max |w| of
+ * the new weights. From psd_store_step, _step_rows, _apply and
+ * psd_store_stream_begin on (chunks kept by stream_keep are not stepped,
+ * nor counted). Not finite (>= PSD_AMAX_INF): a NaN or infinity there. */
+psd_amax_t psd_store_step_amax(const psd_store_t *s);
 
 #endif

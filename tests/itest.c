@@ -3,6 +3,8 @@
 
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stdarg.h>
+#include <sys/wait.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -234,4 +236,15 @@ void wait_log(const char *file, const char *text, double timeout_s)
         zmq_poll(NULL, 0, 50);
     }
     cr_assert_fail("'%s' did not appear in %s within %.0f s", text, file, timeout_s);
+}
+
+int run_cmd(const char *fmt, ...)
+{
+    char cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }

@@ -23,7 +23,7 @@ typedef struct {
 } run_t;
 
 /* The metrics schema psd writes (README "Metrics file"). */
-#define IT_METRICS_SCHEMA 1
+#define IT_METRICS_SCHEMA 2
 
 extern const char *slice[]; /* 1 epoch of 4000 training samples */
 
@@ -57,6 +57,8 @@ int weights_equal(const char *a, const char *b);
 void wait_metrics(const run_t *r, int n);
 /* Wait until text appears in file, or fail the test. */
 void wait_log(const char *file, const char *text, double timeout_s);
+/* A shell command's exit code (128: it did not exit). */
+int run_cmd(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Occurrences of what in text. */
 int count_in(const char *text, const char *what);
 

@@ -72,6 +72,7 @@ static void expect_same(const ps_config_t *a, const ps_config_t *b)
     cr_expect_eq(a->beta2, b->beta2);
     cr_expect_eq(a->eps, b->eps);
     cr_expect_eq(a->clip_norm, b->clip_norm);
+    cr_expect_eq(a->divergence_factor, b->divergence_factor);
     cr_expect_eq(a->sched, b->sched);
     cr_expect_eq(a->warmup_epochs, b->warmup_epochs);
     cr_expect_eq(a->step_epochs, b->step_epochs);
@@ -732,6 +733,81 @@ Test(config, validate_rejects_bad_structs)
     cr_expect_eq(ps_config_validate(&c, err, sizeof err), 0, "%s", err);
 }
 
+/* train.divergence.factor: a number over 1, or off (0): when a run counts
+ * as diverged (psd_diverge.h), not what it trains. */
+Test(config, divergence_factor_is_a_number_over_1_or_off)
+{
+    ps_config_t c;
+    ps_config_defaults(&c);
+    cr_expect_eq(c.divergence_factor, 10.0);
+    cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "off", err, sizeof err), 0, "%s", err);
+    cr_expect_eq(c.divergence_factor, 0.0);
+    cr_expect_eq(ps_config_validate(&c, err, sizeof err), 0, "%s", err);
+    char *text = write_to_string(&c);
+    cr_expect(strstr(text, "train:\n") && strstr(text, "\n  divergence.factor: off\n"), "%s", text);
+    free(text);
+    expect_round_trip(&c);
+    cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "2.5", err, sizeof err), 0, "%s", err);
+    cr_expect_eq(c.divergence_factor, 2.5);
+    expect_round_trip(&c);
+    cr_expect_eq(load(&c, "train:\n  divergence.factor: off\n"), 0, "%s", err);
+    cr_expect_eq(c.divergence_factor, 0.0);
+    cr_expect_eq(load(&c, "train:\n  divergence.factor: 1e3\n"), 0, "%s", err);
+    cr_expect_eq(c.divergence_factor, 1000.0);
+
+    ps_config_defaults(&c);
+    cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "1", err, sizeof err), -1);
+    cr_expect_str_eq(err, "train.divergence.factor: 1 is out of range (must be > 1, or off)");
+    cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "-3", err, sizeof err), -1);
+    cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "Off", err, sizeof err), -1);
+    cr_expect_str_eq(err, "train.divergence.factor: expected a number or off, got 'Off'");
+    cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "inf", err, sizeof err), -1);
+    cr_expect_eq(c.divergence_factor, 10.0, "unchanged by the errors");
+    cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "0", err, sizeof err), 0, "0 is off: %s", err);
+    cr_expect_eq(c.divergence_factor, 0.0);
+    expect_load_error("train:\n  divergence.factor: 0.5\n", "test.yaml:2", "must be > 1, or off");
+    expect_load_error("train:\n  divergence:\n    factor: 5\n", "train.divergence", NULL);
+    /* "off" is a value of this key only */
+    cr_expect_eq(ps_config_set(&c, "optimizer.clip_norm", "off", err, sizeof err), -1);
+
+    c.divergence_factor = 0.5; /* a struct set by hand */
+    expect_invalid(&c, "train.divergence.factor: 0.5 is out of range (must be > 1, or off)");
+    c.divergence_factor = NAN;
+    expect_invalid(&c, "train.divergence.factor");
+
+    /* not in the hash: a run stopped by it resumes with another */
+    ps_config_t a;
+    ps_config_defaults(&a);
+    ps_config_defaults(&c);
+    c.divergence_factor = 0.0;
+    cr_expect_eq(ps_config_hash(&c), ps_config_hash(&a));
+}
+
+/* data.normalize_*: inputs (pixel/255 - mean) / std that f32 training
+ * cannot learn from are refused, with why; a ctr model has no pixels. */
+Test(config, normalization_that_cannot_learn_is_refused)
+{
+    ps_config_t c;
+    ps_config_defaults(&c);
+    cr_expect_eq(ps_config_set(&c, "data.normalize_std", "1e-300", err, sizeof err), 0, "%s", err);
+    expect_invalid(&c, "data.normalize_std: 1e-300 (with data.normalize_mean 0.286) makes the inputs "
+                       "(pixel/255 - mean) / std as large as 7.14e+299, and f32 training cannot learn from inputs "
+                       "beyond 1e6");
+    c.norm_std = 1e-7;
+    expect_invalid(&c, "data.normalize_std: 1e-07 (with data.normalize_mean 0.286) makes the inputs (pixel/255 - mean) "
+                       "/ std as large as 7.14e+06");
+    c.norm_std = 1e-6; /* 0.714 / 1e-6: under 1e6 */
+    cr_expect_eq(ps_config_validate(&c, err, sizeof err), 0, "%s", err);
+    c.norm_std = 1.0, c.norm_mean = 2e6;
+    expect_invalid(&c, "data.normalize_mean 2000000");
+    c.norm_mean = -1e6 + 1, c.norm_std = 1.0;
+    cr_expect_eq(ps_config_validate(&c, err, sizeof err), 0, "%s", err);
+    c.norm_std = 1e-300, c.kind = PS_MODEL_CTR, c.sizes[0] = c.ctr_fields * c.ctr_dim, c.sizes[c.n_sizes - 1] = 2;
+    cr_expect_eq(ps_config_validate(&c, err, sizeof err), 0, "ctr: no pixels to normalize: %s", err);
+    cr_expect_eq(load(&c, "data:\n  normalize_std: 1e-300\n"), 0, "loading is not checking: %s", err);
+    cr_expect_eq(ps_config_validate(&c, err, sizeof err), -1);
+}
+
 /* ------------------------------------------------------------ output */
 
 Test(config, round_trip_defaults)
@@ -794,6 +870,8 @@ Test(config, hash_ignores_server_section)
     b.log_level = PS_LOG_DEBUG;
     b.worker_timeout = 5.0;
     cr_expect_eq(ps_config_hash(&b), h, "server keys must not change the hash");
+    b = a, b.divergence_factor = 3.0;
+    cr_expect_eq(ps_config_hash(&b), h, "train.divergence.factor does not change the hash");
 
     b = a, b.lr = 0.1000001;
     cr_expect_neq(ps_config_hash(&b), h);

@@ -290,18 +290,6 @@ Test(short, eval_of_saved_weights_matches_validation)
     free(txt);
 }
 
-static int run_cmd(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int run_cmd(const char *fmt, ...)
-{
-    char cmd[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof cmd, fmt, ap);
-    va_end(ap);
-    int st = system(cmd);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-}
-
 Test(short, bad_config_and_flags_exit_2_with_one_line)
 {
     char cfg[256], out[256];
@@ -1338,7 +1326,6 @@ Test(short, a_stop_whose_checkpoint_a_psd_shard_could_not_write_fails)
     char other[256];
     path(other, sizeof other, "elsewhere");
     cr_assert_eq(mkdir(other, 0755), 0);
-    cr_assert_eq(run_cmd("echo not a directory > %s/ckrel", other), 0);
     const char *args[] = {"--epochs", "2", "--set", "data.train_limit=2000", "--set", "checkpoint.dir=ckrel",
                           "--stop-after-epoch", "1", "--shard", "0/2", NULL};
     const char *sargs[] = {"--epochs", "2", "--set", "data.train_limit=2000", "--set", "checkpoint.dir=ckrel", NULL};
@@ -1347,6 +1334,11 @@ Test(short, a_stop_whose_checkpoint_a_psd_shard_could_not_write_fails)
     proc_set_cwd(other);
     pid_t f = start_shard(&r, "ackfail", 1, 2, sargs);
     proc_set_cwd(dir);
+    /* its checkpoint.dir becomes a file once it started (at the start it is refused) */
+    char slog[256];
+    path(slog, sizeof slog, "ackfail-shard1.log");
+    wait_log(slog, "shard 1/2 joined run", 60);
+    cr_assert_eq(run_cmd("echo not a directory > %s/ckrel", other), 0);
     pid_t w0 = start_worker(&r, "ackfail", 0, NULL), w1 = start_worker(&r, "ackfail", 1, NULL);
     cr_assert_eq(proc_wait(p, 120), 1, "the checkpoint to stop with is not whole: exit 1");
     cr_assert_eq(proc_wait(w0, 30), 1);

@@ -388,6 +388,86 @@ Test(optim, chunked_equals_whole)
     }
 }
 
+/* max |x[i]| in float (the reference for psd_amax_t) */
+static float max_abs(const float *x, size_t n)
+{
+    float m = 0;
+    for (size_t i = 0; i < n; i++) m = fabsf(x[i]) > m ? fabsf(x[i]) : m;
+    return m;
+}
+
+/* The largest magnitudes folded into the update's loop: those of the
+ * gradient read and the weights written, in any split, with the update's
+ * bits unchanged. */
+Test(optim, amax_is_the_largest_magnitude_and_changes_no_bit)
+{
+    static const size_t pieces[] = {1, 7, 16, 3, 100, 513, 2, 0, 395};
+    int n_opts;
+    const psd_optim_t *opts = all_opts(&n_opts);
+    for (int k = 0; k < n_opts; k++) {
+        const psd_optim_t *o = &opts[k];
+        static float wa[N_BIG], wb[N_BIG], wnew[N_BIG], g[N_BIG];
+        static float sa0[N_BIG], sa1[N_BIG], sb0[N_BIG], sb1[N_BIG];
+        fill(wa, N_BIG, 3, 1.0f);
+        memcpy(wb, wa, sizeof wa);
+        memset(sa0, 0, sizeof sa0); memset(sa1, 0, sizeof sa1);
+        memset(sb0, 0, sizeof sb0); memset(sb1, 0, sizeof sb1);
+        for (uint64_t t = 1; t <= 3; t++) {
+            fill(g, N_BIG, 400 + t, 0.3f);
+            g[N_BIG - 1 - t] = -0.75f; /* the largest, negative, somewhere else each step */
+            psd_optim_apply(o, wa, wa, g, 0.9f, sa0, sa1, N_BIG, 0.01, t);
+            psd_amax_t am = {0, 0};
+            size_t off = 0;
+            for (size_t i = 0; i < sizeof pieces / sizeof pieces[0]; i++) {
+                psd_optim_apply_amax(o, wb + off, wnew + off, g + off, 0.9f, sb0 + off, sb1 + off, pieces[i], 0.01, t,
+                                     &am);
+                off += pieces[i];
+            }
+            memcpy(wb, wnew, sizeof wb);
+            cr_expect_eq(psd_amax_value(am.g), 0.75f, "opt %d step %lu: max |g|", k, t);
+            cr_expect_eq(psd_amax_value(am.w), max_abs(wb, N_BIG), "opt %d step %lu: max |w|", k, t);
+            cr_expect_eq(am.w, psd_amax_bits(wb, N_BIG));
+        }
+        cr_expect(memcmp(wa, wb, sizeof wa) == 0, "opt %d: the weights' bits changed", k);
+        cr_expect(memcmp(sa0, sb0, sizeof sa0) == 0 && memcmp(sa1, sb1, sizeof sa1) == 0, "opt %d: the state", k);
+    }
+    cr_expect_eq(psd_amax_bits(NULL, 0), 0u);
+    cr_expect_eq(psd_amax_bits((const float[]){-0.0f, 0.0f}, 2), 0u);
+}
+
+/* A NaN or an infinity anywhere in the gradient (either sign; with the
+ * scale of a clipped infinite norm, 0, too) is seen in it, and makes a
+ * weight that is not finite with every optimizer; an update that overflows
+ * from a finite gradient is seen in the weights only. */
+Test(optim, amax_sees_nan_and_infinities)
+{
+    const float bad[4] = {NAN, -NAN, INFINITY, -INFINITY};
+    const float scale[2] = {0.9f, 0.0f};
+    int n_opts;
+    const psd_optim_t *opts = all_opts(&n_opts);
+    for (int k = 0; k < n_opts; k++)
+        for (int b = 0; b < 4; b++)
+            for (int sc = 0; sc < 2; sc++) {
+                static float w[N_BIG], g[N_BIG], s0[N_BIG], s1[N_BIG];
+                fill(w, N_BIG, 5, 1.0f);
+                fill(g, N_BIG, 6, 0.3f);
+                memset(s0, 0, sizeof s0);
+                memset(s1, 0, sizeof s1);
+                g[517] = bad[b];
+                psd_amax_t am = {0, 0};
+                psd_optim_apply_amax(&opts[k], w, w, g, scale[sc], s0, s1, N_BIG, 0.01, 1, &am);
+                cr_expect_geq(am.g, PSD_AMAX_INF, "opt %d, %g, scale %g: the gradient's", k, bad[b], scale[sc]);
+                cr_expect_geq(am.w, PSD_AMAX_INF, "opt %d, %g, scale %g: and so the weights'", k, bad[b], scale[sc]);
+                cr_expect_eq(am.g == PSD_AMAX_INF, isinf(bad[b]) != 0, "inf is 0x7f800000, NaN above");
+            }
+    psd_optim_t sgd = make_opt(PS_OPT_SGD, 0, 0, 0, 0, 0, 0);
+    float w[3] = {-3e38f, 1.0f, 2.0f}, g[3] = {1.0f, 1.0f, 1.0f};
+    psd_amax_t am = {0, 0};
+    psd_optim_apply_amax(&sgd, w, w, g, 1.0f, NULL, NULL, 3, 1e38, 1, &am);
+    cr_expect_lt(am.g, PSD_AMAX_INF);
+    cr_expect_eq(am.w, PSD_AMAX_INF, "-3e38 - 1e38 overflows to -inf");
+}
+
 Test(optim, zero_length_is_noop)
 {
     psd_optim_t o = make_opt(PS_OPT_ADAM, 0, 0, 0, 0.9f, 0.999f, 1e-8f);
@@ -697,6 +777,126 @@ Test(store, steps_on_threads_in_chunks_and_work_items_give_the_bits_of_one_loop)
     free(m0);
     free(w1);
     free(m1);
+}
+
+/* After each step the store's largest magnitudes are those of the reduced
+ * gradient and of the new weights (its whole part), for any threads,
+ * chunks, streaming and clipping; a NaN in one contributor's gradient is
+ * seen, as is one in a lazy table's rows. */
+static void expect_step_amax(const psd_store_t *s, const float *sum, const char *what)
+{
+    const ps_layout_t *l = &s->layout;
+    float mg = 0, mw = 0;
+    for (int t = 0; t < l->n_tensors; t++) {
+        float a = max_abs(sum + l->t[t].offset, l->t[t].numel), b = max_abs(s->cur->w + l->t[t].offset, l->t[t].numel);
+        mg = a > mg ? a : mg;
+        mw = b > mw ? b : mw;
+    }
+    psd_amax_t am = psd_store_step_amax(s);
+    cr_expect_eq(psd_amax_value(am.g), mg, "%s: max |g|", what);
+    cr_expect_eq(psd_amax_value(am.w), mw, "%s: max |w|", what);
+}
+
+Test(store, a_steps_largest_magnitudes_are_its_gradients_and_new_weights)
+{
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, store_sizes, 3), 0);
+    const psd_optim_t o = make_opt(PS_OPT_ADAM, 0, 0, 1e-2f, 0.9f, 0.999f, 1e-8f);
+    float *g = malloc(2 * l.n_params * sizeof *g), *sum = malloc(l.n_params * sizeof *sum);
+    int *ids = malloc(1024 * sizeof *ids);
+    const void **src = malloc(2 * 1024 * sizeof *src);
+    cr_assert(g && sum && ids && src);
+    const double wt[2] = {0.625, 0.375}, one = 1.0;
+    for (int th = 1; th <= 2; th++)
+        for (int stream = 0; stream < 2; stream++)
+            for (int ci = 0; ci < 2; ci++) {
+                const double clip = ci ? 1.0 : 0.0;
+                psd_store_t s;
+                cr_assert_eq(psd_store_init(&s, &l, &o, 3), 0);
+                cr_assert_eq(psd_store_set_parallel(&s, th, 3 * PSD_NORM_BLOCK * sizeof(float)), 0);
+                cr_assert_leq(s.n_chunks, 1024);
+                char what[96];
+                for (uint64_t step = 1; step <= 4; step++) {
+                    snprintf(what, sizeof what, "%d threads, %s, clip %g, step %lu", th, stream ? "streamed" : "whole",
+                             clip, step);
+                    fill(g, 2 * l.n_params, 600 + step, 0.25f);
+                    const int K = step == 3 ? 1 : 2; /* step 3: one contributor of weight 1 (applied from it) */
+                    if (step == 4) g[l.n_params + l.t[2].offset + 77] = NAN; /* contributor 1's W1 */
+                    for (size_t i = 0; i < l.n_params; i++)
+                        sum[i] = K == 1 ? g[i] : 0.625f * g[i] + 0.375f * g[l.n_params + i];
+                    const void *gt[2][PS_MAX_TENSORS];
+                    for (int k = 0; k < 2; k++)
+                        for (int t = 0; t < l.n_tensors; t++) gt[k][t] = g + (size_t)k * l.n_params + l.t[t].offset;
+                    const double *w = K == 1 ? &one : wt;
+                    if (!stream) {
+                        double norm =
+                            psd_store_step(&s, K, (const void *const(*)[PS_MAX_TENSORS])gt, NULL, w, clip, 0.05);
+                        cr_assert(!(norm < 0), "%s: a step (the norm returned is NaN at step 4, clipped)", what);
+                    } else {
+                        psd_arena_t *next = psd_store_stream_begin(&s);
+                        cr_assert_not_null(next);
+                        for (int j = 0; j < s.n_chunks; j++) {
+                            ids[j] = j;
+                            for (int k = 0; k < K; k++) src[K * j + k] = g + (size_t)k * l.n_params + s.chunks[j].off;
+                        }
+                        psd_store_stream_chunks(&s, next, ids, s.n_chunks, K, src, NULL, w, clip > 0, 0.05);
+                        if (clip > 0) psd_store_stream_apply(&s, next, clip, 0.05);
+                        psd_store_stream_end(&s, next);
+                    }
+                    if (step < 4) {
+                        expect_step_amax(&s, sum, what);
+                        continue;
+                    }
+                    psd_amax_t am = psd_store_step_amax(&s);
+                    cr_expect(am.g > PSD_AMAX_INF && am.w > PSD_AMAX_INF, "%s: a NaN in the gradient is seen (%x %x)",
+                              what, am.g, am.w);
+                }
+                psd_store_deinit(&s);
+            }
+    free(g);
+    free(sum);
+    free(ids);
+    free(src);
+}
+
+Test(store, a_lazy_tables_rows_count_in_the_steps_largest_magnitudes)
+{
+    static const int sizes[3] = {6, 5, 3};
+    enum { ROWS = 100, DIM = 8 };
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init_table(&l, sizes, 3, ROWS, DIM), 0);
+    const psd_optim_t o = make_opt(PS_OPT_ADAGRAD, 0, 0, 0, 0, 0, 1e-10f);
+    psd_store_t s;
+    cr_assert_eq(psd_store_init(&s, &l, &o, 11), 0);
+    cr_assert_eq(psd_store_lazy_table(&s, 16, 1), 0);
+    static float dense[64], rows[2 * DIM];
+    static const uint32_t ids[2] = {3, 50};
+    fill(dense, 64, 7, 0.1f);
+    fill(rows, 2 * DIM, 8, 0.5f);
+    rows[DIM + 2] = -0.9f;
+    const void *g[1][PS_MAX_TENSORS] = {{0}};
+    for (int t = 0; t < l.n_tensors; t++) g[0][t] = t == l.table ? NULL : dense;
+    const psd_rowgrad_t rg = {ids, rows, 2};
+    const double one = 1.0;
+    cr_assert_geq(psd_store_step_rows(&s, 1, (const void *const(*)[PS_MAX_TENSORS])g, NULL, &one, &rg, 0, 0.01), 0);
+    psd_amax_t am = psd_store_step_amax(&s);
+    cr_expect_eq(psd_amax_value(am.g), 0.9f, "the rows' largest");
+    float mw = 0;
+    for (int t = 0; t < l.n_tensors; t++) {
+        if (t == l.table) continue;
+        float m = max_abs(s.cur->w + l.t[t].offset, l.t[t].numel);
+        mw = m > mw ? m : mw;
+    }
+    for (int r = 0; r < 2; r++) {
+        float m = max_abs(s.cur->w + l.t[l.table].offset + ids[r] * DIM, DIM);
+        mw = m > mw ? m : mw;
+    }
+    cr_expect_eq(psd_amax_value(am.w), mw, "the dense part's and the rows' stepped");
+    rows[5] = NAN;
+    cr_assert_geq(psd_store_step_rows(&s, 1, (const void *const(*)[PS_MAX_TENSORS])g, NULL, &one, &rg, 0, 0.01), 0);
+    am = psd_store_step_amax(&s);
+    cr_expect(am.g > PSD_AMAX_INF && am.w > PSD_AMAX_INF, "a NaN in a row is seen");
+    psd_store_deinit(&s);
 }
 
 /* A streamed step whose contributors were all lost before any chunk took it

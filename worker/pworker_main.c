@@ -133,7 +133,7 @@ static int resolve_devices(const char *spec, device_t *dev, int *n_dev)
     if (strcmp(spec, "auto") == 0) {
         int count = probe_gpus(why, sizeof why);
         if (count <= 0) {
-            PS_WARN("no GPU found (%s); training on the CPU", count == 0 ? "no CUDA device visible" : why);
+            PS_WARN("no GPU found: %s; training on the CPU", count == 0 ? "no CUDA device visible" : why);
             dev[(*n_dev)++] = (device_t){0, -1};
             return 0;
         }

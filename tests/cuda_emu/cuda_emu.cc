@@ -77,6 +77,7 @@ const char *cudaGetErrorString(cudaError_t e)
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInsufficientDriver: return "CUDA driver version is insufficient for CUDA runtime version";
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
@@ -124,8 +125,26 @@ static size_t device_bytes(void) { return (size_t)env_int("PSW_CUDA_EMU_MIB", 40
 
 static thread_local int cur_dev = 0;
 
+/* PSW_CUDA_EMU_RUNTIME and PSW_CUDA_EMU_DRIVER: CUDA versions (12040 = 12.4) */
+static int runtime_version(void) { return env_int("PSW_CUDA_EMU_RUNTIME", 12040, 1000, 99990); }
+static int driver_version(void) { return env_int("PSW_CUDA_EMU_DRIVER", runtime_version(), 0, 99990); }
+
+cudaError_t cudaDriverGetVersion(int *version)
+{
+    *version = driver_version(); /* 0: no driver, as CUDA says it */
+    return cudaSuccess;
+}
+
+cudaError_t cudaRuntimeGetVersion(int *version)
+{
+    *version = runtime_version();
+    return cudaSuccess;
+}
+
 cudaError_t cudaGetDeviceCount(int *n)
 {
+    *n = 0;
+    if (driver_version() < runtime_version()) return fail(cudaErrorInsufficientDriver); /* none, or too old */
     *n = n_devices();
     return *n ? cudaSuccess : fail(cudaErrorNoDevice);
 }

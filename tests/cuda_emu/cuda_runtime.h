@@ -41,6 +41,11 @@
  * device DEV (counted from 1 in this process) fail as a kernel that faults
  * does: cudaErrorLaunchFailure from the next synchronisation, and from every
  * call after it (a CUDA context does not recover).
+ * The driver: PSW_CUDA_EMU_DRIVER is its CUDA version as CUDA gives it
+ * (12040 for 12.4; default: the runtime's, PSW_CUDA_EMU_RUNTIME, 12040); 0
+ * emulates a machine without one. Without one, or with one older than the
+ * runtime, cudaGetDeviceCount fails as CUDA's does
+ * (cudaErrorInsufficientDriver).
  *
  * What it cannot check: real concurrency between streams and with the host,
  * the GPU's memory model, timing, and anything of the driver. */
@@ -71,6 +76,7 @@ enum cudaError_t {
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
     cudaErrorInvalidConfiguration = 9,
+    cudaErrorInsufficientDriver = 35,
     cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
     cudaErrorLaunchFailure = 719,
@@ -97,6 +103,8 @@ struct cudaDeviceProp {
 
 /* ---- runtime API ---- */
 
+cudaError_t cudaDriverGetVersion(int *version);
+cudaError_t cudaRuntimeGetVersion(int *version);
 cudaError_t cudaGetDeviceCount(int *n);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int dev);
 cudaError_t cudaSetDevice(int dev);

@@ -672,18 +672,41 @@ static void cuda_destroy(psw_backend_t *be)
     free(be);
 }
 
-/* Without a GPU or driver this is the expected way out (error 35, "CUDA
- * driver version is insufficient"), so the message is short: no file:line. */
+/* "12.4" from CUDA's 12040. */
+static void cuda_version(char *out, size_t len, int v)
+{
+    snprintf(out, len, "%d.%d", v / 1000, v % 1000 / 10);
+}
+
+/* Without a GPU or driver this is the expected way out, so the message
+ * says what it means, short, no file:line: no driver at all (CUDA's "driver
+ * version is insufficient", error 35, with a driver version of 0), a driver
+ * older than the runtime this plugin was built with (35 too), no device
+ * (error 100). */
 static int cuda_device_count(char *err, size_t errlen)
 {
-    int n = 0;
+    int n = 0, drv = 0, rt = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess) {
+    if (e == cudaSuccess) return n;
+    (void)cudaGetLastError();
+    if (cudaDriverGetVersion(&drv) != cudaSuccess) drv = -1; /* not known */
+    if (cudaRuntimeGetVersion(&rt) != cudaSuccess) rt = 0;
+    (void)cudaGetLastError();
+    char dv[16], rv[16];
+    cuda_version(dv, sizeof dv, drv);
+    cuda_version(rv, sizeof rv, rt);
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    if (drv == 0)
+        snprintf(err, errlen, "no NVIDIA driver on this machine");
+    else if (e == cudaErrorInsufficientDriver && drv > 0 && rt > 0)
+        snprintf(err, errlen, "the NVIDIA driver (CUDA %s) is too old for this build's CUDA runtime (CUDA %s)", dv, rv);
+    else if (e == cudaErrorNoDevice && vis)
+        snprintf(err, errlen, "no CUDA device visible with CUDA_VISIBLE_DEVICES='%s'", vis);
+    else if (e == cudaErrorNoDevice)
+        snprintf(err, errlen, "the NVIDIA driver finds no CUDA device");
+    else
         snprintf(err, errlen, "cudaGetDeviceCount: %s (error %d)", cudaGetErrorString(e), (int)e);
-        (void)cudaGetLastError();
-        return -1;
-    }
-    return n;
+    return -1;
 }
 
 static int cuda_device_name(int dev, char *name, size_t len)

@@ -19,7 +19,8 @@ typedef struct {
     int abi; /* PSW_CUDA_ABI */
     /* Visible devices (after CUDA_VISIBLE_DEVICES). Any CUDA error (e.g. 35,
      * insufficient driver, on machines without a GPU) means no GPU: returns
-     * -1 with the CUDA error text in err. */
+     * -1 with what it means in err (no NVIDIA driver, a driver too old for
+     * the runtime, no device; else the CUDA error). */
     int (*device_count)(char *err, size_t errlen);
     /* Name and memory of device dev, for logs. 0 or -1. */
     int (*device_name)(int dev, char *name, size_t n);
