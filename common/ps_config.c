@@ -152,7 +152,7 @@ static const key_spec_t keys[] = {
     K_DOUBLE("train.sparse_threshold", sparse_threshold, 0.0, 1.0, F_UNHASHED, "0.3"),
     /* whether a run is let go on, not what it trains: not in the hash (a run
      * stopped by it can be resumed with another) */
-    K_DOUBLE("train.divergence.factor", divergence_factor, 1.0, INFINITY, F_OPEN_MIN | F_OFF | F_UNHASHED, "10"),
+    K_DOUBLE("train.divergence.factor", divergence_factor, 1.0, INFINITY, F_OPEN_MIN | F_OFF | F_UNHASHED, "100"),
 
     K_ENUM("optimizer.name", opt, ps_opt_kind_t, opt_names, "sgd"),
     K_DOUBLE("optimizer.lr", lr, 0.0, INFINITY, F_OPEN_MIN, "0.1"),

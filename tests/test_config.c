@@ -739,7 +739,7 @@ Test(config, divergence_factor_is_a_number_over_1_or_off)
 {
     ps_config_t c;
     ps_config_defaults(&c);
-    cr_expect_eq(c.divergence_factor, 10.0);
+    cr_expect_eq(c.divergence_factor, 100.0);
     cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "off", err, sizeof err), 0, "%s", err);
     cr_expect_eq(c.divergence_factor, 0.0);
     cr_expect_eq(ps_config_validate(&c, err, sizeof err), 0, "%s", err);
@@ -762,7 +762,7 @@ Test(config, divergence_factor_is_a_number_over_1_or_off)
     cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "Off", err, sizeof err), -1);
     cr_expect_str_eq(err, "train.divergence.factor: expected a number or off, got 'Off'");
     cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "inf", err, sizeof err), -1);
-    cr_expect_eq(c.divergence_factor, 10.0, "unchanged by the errors");
+    cr_expect_eq(c.divergence_factor, 100.0, "unchanged by the errors");
     cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "0", err, sizeof err), 0, "0 is off: %s", err);
     cr_expect_eq(c.divergence_factor, 0.0);
     expect_load_error("train:\n  divergence.factor: 0.5\n", "test.yaml:2", "must be > 1, or off");
