@@ -12,9 +12,10 @@ bench_setup() { # [--bench]
     PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 }
 
-# TAG1 TAG2: the weights files $WORK/w-TAG.bin agree but for the run id and the CRC
+# TAG1 TAG2: the weights files $WORK/w-TAG.bin hold the same model, the run id
+# aside (build/tests/weights_cmp: the tests' comparison, ps_weights_same)
 same() {
-    if cmp -s <(head -c -4 "$WORK/w-$1.bin" | tail -c +41) <(head -c -4 "$WORK/w-$2.bin" | tail -c +41); then
+    if "$ROOT/build/tests/weights_cmp" "$WORK/w-$1.bin" "$WORK/w-$2.bin" >/dev/null 2>&1; then
         echo "$1 = $2: same weights"
     else
         echo "$1 != $2: the weights differ (a bug)"

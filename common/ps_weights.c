@@ -273,3 +273,44 @@ out:
     free(arena);
     return rc;
 }
+
+int ps_weights_same(const char *a, const char *b, char *why, size_t n)
+{
+    ps_layout_t la, lb;
+    float *pa = NULL, *pb = NULL;
+    ps_weights_meta_t ma, mb;
+    int same = -1;
+    if (ps_weights_load(a, &la, &pa, &ma, why, n) != 0 || ps_weights_load(b, &lb, &pb, &mb, why, n) != 0) goto out;
+    same = 0;
+    if (la.n_tensors != lb.n_tensors || la.n_params != lb.n_params || la.n_sizes != lb.n_sizes ||
+        memcmp(la.sizes, lb.sizes, sizeof la.sizes) != 0 || la.table != lb.table) {
+        snprintf(why, n, "other models: %zu and %zu parameters in %d and %d tensors", la.n_params, lb.n_params,
+                 la.n_tensors, lb.n_tensors);
+        goto out;
+    }
+    if (ma.step != mb.step || ma.epoch != mb.epoch) {
+        snprintf(why, n, "other points of a run: step %llu epoch %u and step %llu epoch %u",
+                 (unsigned long long)ma.step, ma.epoch, (unsigned long long)mb.step, mb.epoch);
+        goto out;
+    }
+    for (int t = 0; t < la.n_tensors; t++) {
+        const ps_tensor_info_t *ti = &la.t[t];
+        if (ti->rows != lb.t[t].rows || ti->cols != lb.t[t].cols) {
+            snprintf(why, n, "tensor %s: %dx%d and %dx%d", ti->name, ti->rows, ti->cols, lb.t[t].rows, lb.t[t].cols);
+            goto out;
+        }
+        const float *x = pa + ti->offset, *y = pb + ti->offset;
+        if (memcmp(x, y, ti->numel * sizeof(float)) != 0) {
+            size_t i = 0;
+            while (memcmp(&x[i], &y[i], sizeof(float)) == 0) i++;
+            snprintf(why, n, "tensor %s differs first at element %zu: %.9g and %.9g", ti->name, i, (double)x[i],
+                     (double)y[i]);
+            goto out;
+        }
+    }
+    same = 1;
+out:
+    free(pa);
+    free(pb);
+    return same;
+}

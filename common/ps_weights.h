@@ -49,4 +49,11 @@ void ps_weights_abort(ps_weights_writer_t *w);
 int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights_meta_t *meta,
                     char *err, size_t errlen);
 
+/* Two weights files hold the same model: the same layout, step and epoch,
+ * and every byte of every tensor (the run id aside: two runs of one config
+ * differ in it only). 1 same, 0 not (why names the first difference), -1
+ * when one cannot be read (why says so). The comparison the tests and
+ * bench/same_weights.sh use. */
+int ps_weights_same(const char *a, const char *b, char *why, size_t n);
+
 #endif

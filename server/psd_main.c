@@ -19,6 +19,7 @@
 #include "psd_eval.h"
 #include "psd_http.h"
 #include "psd_server.h"
+#include "psd_shard.h"
 #include "ps_tcp.h"
 #include "ps_util.h"
 #include "ps_auth.h"

@@ -22,7 +22,6 @@
  * the weights are the same bits as with one psd. Shard 0 silent past
  * worker_timeout (it sends a heartbeat every second; plus the time a message of
  * the whole model may take each way, psd_silence_limit): exit 5. */
-#include "psd_server.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -43,6 +42,9 @@
 #include "ps_wire.h"
 #include "psd_ckpt.h"
 #include "psd_lock.h"
+#include "psd_net.h"
+#include "psd_opts.h"
+#include "psd_shard.h"
 #include "psd_store.h"
 #include "psd_zap.h"
 #include "ps_tcp.h"

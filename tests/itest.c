@@ -14,6 +14,7 @@
 
 #include "proc.h"
 #include "ps_util.h"
+#include "ps_weights.h"
 
 char dir[128];
 const char *psd_bin, *pworker_bin;
@@ -162,41 +163,13 @@ void check_run(const run_t *r, int workers, int epochs)
     free(log);
 }
 
-int files_equal(const char *a, const char *b)
-{
-    FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
-    int eq = fa && fb;
-    while (eq) {
-        int ca = fgetc(fa), cb = fgetc(fb);
-        if (ca != cb) eq = 0;
-        if (ca == EOF || cb == EOF) break;
-    }
-    if (fa) fclose(fa);
-    if (fb) fclose(fb);
-    return eq;
-}
-
-/* Weights from byte 48 on (after the header with run id, step, epoch). */
+/* The same model, run id aside (ps_weights_same, as bench/same_weights.sh). */
 int weights_equal(const char *a, const char *b)
 {
-    char *x = slurp(a), *y = slurp(b);
-    FILE *fa = fopen(a, "rb");
-    fseek(fa, 0, SEEK_END);
-    long na = ftell(fa);
-    fclose(fa);
-    FILE *fb = fopen(b, "rb");
-    fseek(fb, 0, SEEK_END);
-    long nb = ftell(fb);
-    fclose(fb);
-    /* header: magic, format, n_sizes, sizes[n_sizes], activation, run id, step, epoch, reserved */
-    uint32_t n_sizes = 0;
-    if (x && na >= 12) memcpy(&n_sizes, x + 8, 4);
-    long hdr = 4 + 4 + 4 + 4 * (long)(n_sizes < 32 ? n_sizes : 0) + 4, off = hdr + 8; /* skip the run id */
-    int eq = x && y && na == nb && na > off + 4 && memcmp(x, y, (size_t)hdr) == 0 &&
-             memcmp(x + off, y + off, (size_t)(na - off - 4)) == 0;
-    free(x);
-    free(y);
-    return eq;
+    char why[512];
+    int same = ps_weights_same(a, b, why, sizeof why);
+    if (same != 1) cr_log_info("weights %s and %s: %s", a, b, why);
+    return same == 1;
 }
 
 int count_in(const char *text, const char *what)

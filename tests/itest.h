@@ -50,7 +50,6 @@ bool sanitized(void);
 void assert_validated_all(const run_t *r);
 /* psd and every worker exited 0, one metrics line an epoch, the last one whole. */
 void check_run(const run_t *r, int workers, int epochs);
-int files_equal(const char *a, const char *b);
 /* Weights files equal but for the header's run id. */
 int weights_equal(const char *a, const char *b);
 /* Wait until psd's metrics file has at least n lines (60 s for each new one). */

@@ -15,7 +15,8 @@
 #include "ps_config.h"
 #include "ps_pool.h"
 #include "ps_util.h"
-#include "psd_server.h"
+#include "psd_net.h"
+#include "psd_opts.h"
 
 static char root[64];
 

@@ -1,0 +1,524 @@
+/* psd_core.h - the coordinator's state (srv_t) and the functions its files
+ * share. The coordinator (shard 0, or the one psd) is these files:
+ *   psd_server.c   the shell: set-up and teardown, the loop (timer,
+ *                  signals, socket), message dispatch (handle), peers,
+ *                  registration, psctl
+ *   psd_run.c      the run's phases: ready, barrier, leave, lost; epochs,
+ *                  validation, the end of the run, checkpoints, resume
+ *   psd_step.c     push intake, pull answers (bsp, async, ssp), the step,
+ *                  weights replies
+ *   psd_stream.c   streamed steps (train.stream)
+ *   psd_samples.c  the positions of an epoch: ranges, pool, hand-out,
+ *                  rebalancing
+ *   psd_shard0.c   shard 0's side of the psd shard protocol
+ *   psd_status.c   /metrics, /status, psctl text, the progress line (reads
+ *                  srv_t only)
+ * Below them: psd_net.c (sockets), psd_store.c (parameters and optimizer
+ * state), psd_ckpt.c, psd_metrics.c, psd_lock.c, psd_diverge.c, psd_http.c.
+ * Not yet layered: the first six still call each other (a step that ends
+ * the epoch starts the validation, ...): `bash tests/layers.sh` prints the
+ * file graph and its circles (docs/design.md, "The coordinator's files").
+ *
+ * Ownership: one srv_t per psd process, made and freed by psd_server_run;
+ * everything in it belongs to the loop thread. */
+#ifndef PSD_CORE_H
+#define PSD_CORE_H
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dirent.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <uv.h>
+#include <zlib.h>
+
+#include "ps_ctr.h"
+#include "ps_idx.h"
+#include "ps_log.h"
+#include "ps_rng.h"
+#include "ps_util.h"
+#include "ps_weights.h"
+#include "ps_wire.h"
+#include "psd_ckpt.h"
+#include "psd_diverge.h"
+#include "psd_optim.h"
+#include "psd_http.h"
+#include "psd_lock.h"
+#include "psd_metrics.h"
+#include "psd_net.h"
+#include "psd_shm.h"
+#include "psd_store.h"
+#include "psd_zap.h"
+#include "ps_auth.h"
+#include "ps_tcp.h"
+
+#include "psd_server.h"
+
+#define MAX_WORKERS 1024
+#define ST_BATCH 64 /* streamed steps: chunks stepped in one pool run */
+/* histogram buckets (seconds) of the workers' step times in /metrics */
+#define PSD_HIST_N 12
+/* the live page's curves: at most this many (step, loss) points, thinned
+ * by half (and recorded half as often) whenever full */
+#define PSD_CURVE_MAX 2048
+extern const char *const psd_page_html;
+extern const size_t psd_page_html_len;
+extern const double hist_le[PSD_HIST_N]; /* its buckets' upper bounds */
+
+
+typedef enum {
+    W_ASSIGNED = 0, /* registered, checking its data */
+    W_READY,        /* data checked, waiting for an epoch */
+    W_TRAIN,        /* has samples left in this epoch */
+    W_BARRIER,      /* its samples of the epoch are done */
+    W_VALIDATING,   /* evaluating parts of the test set */
+    W_VALIDATED,    /* its parts are done */
+    W_GONE,         /* lost, left or failed; never waited for */
+} wstate_t;
+
+extern const char *const wstate_name[]; /* a wstate_t's name, for logs and /status */
+
+typedef struct {
+    uint64_t begin, end; /* positions in the epoch's permutation */
+} prange_t;
+
+typedef struct {
+    uint8_t ident[PS_MAX_IDENTITY];
+    size_t ident_len;
+    uint32_t rank;        /* = its slot (reused once every slot was taken: free_slot) */
+    char hostname[64], host_id[128], device[32];
+    uint32_t pid;
+    wstate_t state;
+    double last_seen;     /* time of its last valid message */
+    double sent_at;       /* time of psd's last message to it (keep_alive) */
+    double gone_at;
+    uint64_t seq_in, seq_out;
+    int conn;             /* the connection its messages come on (fd + 1, 0: not known), given
+                           * server.tcp_congestion when first seen (note_conn) */
+    bool conn_closed;     /* that connection closed (the ROUTER's monitor): lost at the next tick */
+    uint64_t lost_replies;
+    bool lost_silent;     /* gone for its silence: it may be alive and connected (told when the run ends) */
+    /* this epoch: positions assigned (ranges, in order) and trained */
+    prange_t *ranges;
+    int n_ranges, cap_ranges;
+    uint64_t assigned, consumed;
+    /* the push of the step in progress: its tensors may come in several
+     * PUSH messages (a GPU worker sends each layer's gradient as soon as its
+     * backward is done); the frames are kept as received until the step */
+    bool has_push, push_pull, push_started;
+    zmq_msg_t grad[PS_MAX_TENSORS];
+    uint64_t grad_mask;
+    uint32_t push_batch;
+    double push_loss;
+    uint64_t push_correct;
+    int val_pending;      /* validation parts given and not answered */
+    double compute_ewma;  /* its compute time per step (from its pushes), for "slowest worker" */
+    /* same host (psd_shm.h): its gradient region, mapped read-only, and the
+     * parameter slot it reads from, held until it is sent a newer one */
+    uint8_t shm_token[PS_SHM_TOKEN];
+    const float *shm_grad; /* NULL: no region */
+    bool shm;             /* READY confirmed: tensors go through shared memory */
+    uint64_t grad_shm;    /* tensors of the push in progress that are in shm_grad */
+    /* its table gradient as rows (the table is stepped lazily: store.lazy),
+     * pushed as rows (grad_rows) or gathered at the step from the nonzero
+     * rows of the table (its piece on a psd shard) pushed whole */
+    bool grad_rows;
+    int sp_table;
+    psd_want_t want;      /* the rows its next batch reads (Push.want_rows): the reply brings only those */
+    psd_rowbuf_t sp;
+    psd_arena_t *hold;
+    /* psd shards: the token it presents to shards 1..n-1, which of them
+     * have its whole push for the current version (bit i), and whether its
+     * ASSIGN waits for every shard to join */
+    uint8_t shard_token[PS_SHM_TOKEN];
+    uint32_t shard_have;  /* shards that have its push for the current version (cleared at each step) */
+    bool own_push;        /* this shard's part of its push is complete */
+    double own_push_at;
+    bool want_pull;       /* send it the version the step in progress makes */
+    bool assign_wait;
+    /* async and ssp (train.sync): the version its push was computed on, its
+     * pushes applied this epoch (ssp's clock), and whether psd holds back its
+     * weights because it is train.staleness steps ahead of the slowest */
+    uint64_t push_version;
+    uint64_t clock;
+    bool ssp_wait;
+    /* streamed steps (train.stream): the chunks of its push for the step
+     * in progress (gch_in: 0 not here, 1 a frame in gch, 2 in its shared
+     * region, 3 stepped and let go), whether it is one of the step's
+     * contributors, whether it asked for the step's version (each tensor
+     * goes to it once made: st_sent of s->st_tord so far) */
+    zmq_msg_t *gch;
+    uint8_t *gch_in;
+    int n_gch, n_gch_cap;
+    bool st_member, st_req;
+    int st_sent;
+    /* for /metrics: its step times (from its pushes) as histograms, and
+     * the time it waited at barriers */
+    uint64_t h_wait[PSD_HIST_N + 1], h_compute[PSD_HIST_N + 1];
+    double h_wait_sum, h_compute_sum;
+    double barrier_at, barrier_wait_s;
+} worker_t;
+
+typedef struct {
+    uint64_t begin, end;  /* test samples */
+    int worker;           /* slot it is given to, -1 if waiting for one */
+    bool done;
+    double loss;
+    uint64_t correct, count;
+} vpart_t;
+
+typedef enum { PHASE_WAIT = 0, PHASE_TRAIN, PHASE_VALIDATE, PHASE_DONE } phase_t;
+
+typedef struct {
+    char role[16];
+    char path[PS_PATH_MAX];
+    uint64_t size, hash;
+} datafile_t;
+
+/* A psd shard i > 0, as shard 0 sees it. */
+typedef struct {
+    uint8_t ident[PS_MAX_IDENTITY];
+    size_t ident_len;
+    bool joined;
+    char endpoint[256], hostname[64];
+    uint32_t pid;
+    double last_seen;
+    uint64_t seq_out;
+    bool norm_in;
+    bool ck_acked;        /* its part of the checkpoint being taken is written, or failed (SHARD_CKPT_DONE) */
+    bool resumed;         /* --resume: it resumed its part (SHARD_RESUMED) at resumed_step */
+    uint64_t resumed_step, resumed_version;
+    int conn;             /* the connection its messages come on (as a worker's) */
+    bool conn_closed;     /* that connection closed: the run stops at the next tick */
+} shard_t;
+
+typedef struct {
+    ps_config_t cfg;
+    psd_run_opts_t opts;
+    /* psd shards (--shard 0/n): this psd coordinates, shards 1..n-1 hold
+     * the other parts of the parameters */
+    int n_shards;         /* 1: one psd */
+    shard_t shards[PS_MAX_SHARDS];
+    bool stepping;        /* with clipping: waiting for the shards' block norms */
+    bool ckpt_deferred;   /* a checkpoint asked for while stepping: taken once the step is applied */
+    double stepping_since;
+    /* end of the run with --save: the weights file (wr; not NULL while it is
+     * written) is written as the other shards' parts come, PSD_FETCH_FLOATS at
+     * a time from shard fetch_k, whose part is fetch_part (never the whole
+     * model in memory) */
+    ps_weights_writer_t *wr;
+    double fetching_since; /* the last chunk asked for */
+    int fetch_k;
+    ps_piece_t fetch_part[PS_MAX_TENSORS];
+    uint64_t fetch_size, fetch_from, fetch_count, fetch_chunks;
+    /* HTTP endpoint (server.http) and what /metrics and /status report
+     * beyond the state above */
+    psd_http_t *http;
+    char http_token[256];
+    uint64_t bytes_in_done, bytes_out_done; /* of the epochs before this one */
+    double val_acc_last, val_loss_last;
+    uint32_t val_epoch_last;              /* epochs validated (0: none yet) */
+    uint64_t ckpts_written, workers_lost;
+    double ckpt_last_t, t_boot;
+    /* psctl checkpoint: who waits for the checkpoint being written */
+    struct {
+        uint8_t ident[PS_MAX_IDENTITY];
+        size_t ident_len;
+    } ctl_wait[8];
+    int n_ctl_wait;
+    /* curves for the live page (/history) */
+    struct { uint64_t step; float loss; } curve[PSD_CURVE_MAX];
+    int n_curve;
+    uint64_t curve_every;                 /* record every curve_every-th step */
+    struct { uint32_t epoch; uint64_t step; float train_loss, val_loss, val_acc; } *val_curve;
+    int n_val_curve;
+    double shard_hb;      /* when shard 0 last sent them a heartbeat */
+    double silence;       /* a peer psd waits for is lost after this (psd_silence_limit) */
+    ps_hearing_t hearing; /* silence counts only while the event loop ran (on_timer's ticks) */
+    ps_layout_t layout;
+    psd_store_t store;
+    uint64_t run_id, config_hash;
+    void *zctx, *sock;
+    uv_loop_t loop;
+    uv_poll_t poll;
+    uv_timer_t timer;
+    uv_signal_t sigint, sigterm, sigusr1, sighup;
+    psd_zap_t *zap;       /* authentication handler, NULL without keys */
+    void *mon;            /* PAIR with the ROUTER's events: closed connections, failed handshakes */
+    uint64_t hs_failed;
+    worker_t *w;          /* MAX_WORKERS slots */
+    int max_workers;      /* slots taken before gone ones are reused (MAX_WORKERS; tests: --x-max-workers) */
+    uint64_t registrations;
+    double stranger_reply_t; /* the last ERR_LOST to a peer of this run psd does not know */
+    int n;                /* slots used */
+    phase_t phase;
+    int exit_code;
+    datafile_t files[4];
+    size_t train_count, test_count;
+    double ctr_opt_loss;  /* model.kind ctr: the planted model's log-loss on the test examples */
+    double ctr_const_loss; /* and the best constant's (the test click rate) */
+    double ctr_opt_auc;   /* the planted probabilities' AUC on the test examples */
+    float *val_scores;    /* ctr: the workers' click probabilities of the test examples (VAL_RESULT) */
+    uint8_t *test_labels; /* ctr: the test examples' clicks */
+    uint32_t *auc_order;  /* ps_auc's scratch */
+    uint32_t *perm;       /* this epoch's permutation of the training set */
+    uint8_t *seen;        /* positions of the epoch trained (bitmap) */
+    uint64_t ep_twice;    /* positions trained when already seen this epoch (never: a bug) */
+    uint64_t *pool;       /* positions waiting for a worker */
+    size_t n_pool;
+    vpart_t *parts;       /* validation parts of this epoch */
+    int n_parts;
+    /* progress */
+    uint32_t epoch;       /* 0-based */
+    uint64_t step;        /* optimizer steps in the run */
+    uint64_t epoch_step;  /* steps in this epoch */
+    double spe;           /* steps per epoch (schedule position) */
+    double lr;
+    bool resumed_mid_epoch;
+    /* epoch statistics */
+    double ep_loss;
+    uint64_t ep_correct, ep_samples;
+    double ep_compute_s, ep_wait_s; /* workers' step times this epoch (from their pushes) */
+    uint64_t ep_timed;
+    double ep_step_s0;    /* store.step_s when the epoch began, and the epoch's steps: psd's own step */
+    uint64_t ep_step_n;
+    uint64_t ep_in_place0; /* store.in_place when the epoch began */
+    double t_start, t_epoch, train_s_total, phase_deadline, orphan_deadline;
+    uint64_t samples_total;
+    psd_metrics_t metrics; /* the metrics file (psd_metrics.h) */
+    psd_locks_t locks;     /* this run's hold on its files (psd_lock.h) */
+    uint64_t resumed_step; /* the step a --resume continued from, for the metrics lines; 0: none */
+    bool resumed;
+    uint64_t dropped;     /* bad messages, for rate-limited logging */
+    const void *(*step_g)[PS_MAX_TENSORS]; /* a step's gradients, MAX_WORKERS rows */
+    uint8_t *step_bf16;   /* and whether each row is bfloat16 */
+    uint64_t ep_bytes_in, ep_bytes_out; /* tensor bytes received / sent on the wire this epoch */
+    uint64_t ep_rows_in, ep_rows_pushes; /* table rows received in row-sparse pushes, and those pushes */
+    uint64_t ep_rows_out, ep_rows_replies; /* table rows sent in replies that carry only the rows asked for */
+    /* async and ssp: staleness of the gradients applied this epoch (versions
+     * between the one a push was computed on and the one it was applied to),
+     * and ssp's largest lead (steps ahead of the slowest) a worker was let
+     * train at */
+    uint64_t ep_stale_sum, ep_stale_n, ep_stale_max, ep_lead_max;
+    uint64_t ep_moved; /* async and ssp: samples moved to workers done with theirs (rebalance) */
+    /* streamed steps (train.stream, bsp, one psd): the store's chunks
+     * travel one by one and each is stepped once every contributor's copy
+     * is here. The step opens (st_open) with its first chunk: its
+     * contributors (st_mem, rank order) are then fixed and its next version
+     * is built in st_next. */
+    bool stream;
+    size_t st_cf;         /* floats per chunk (ps_chunk_floats) */
+    int st_nc;            /* chunks (store.n_chunks) */
+    int *st_have;         /* per chunk: contributors whose copy is here */
+    uint8_t *st_done;     /* per chunk: stepped (reduced, with clipping) */
+    int st_n_done, st_n_made; /* chunks stepped, chunks whose new values are made */
+    int st_tchunks[PS_MAX_TENSORS]; /* chunks of each tensor */
+    int st_tfirst[PS_MAX_TENSORS];  /* and the index of its first */
+    int st_tmade[PS_MAX_TENSORS];   /* of which made */
+    int st_tord[PS_MAX_TENSORS], st_n_tord; /* tensors made, in that order (replies go in it) */
+    int *st_ready;        /* chunks to step now (ST_BATCH) */
+    int *st_rq, st_rq_head, st_rq_tail; /* chunks every contributor has, in the order they became so */
+    bool st_rescan;       /* the contributors changed: find the ready chunks again */
+    const void **st_src;  /* their gradients: ST_BATCH x MAX_WORKERS */
+    int *st_mem, st_k;    /* contributors (slots) */
+    bool st_open;
+    bool st_void;         /* every contributor left before any chunk was stepped: no step (step_done) */
+    /* the batches of contributors lost before any chunk took the step: they
+     * count as trained once it is taken, and are handed out again if it is
+     * void (stream_settle_lost) */
+    uint64_t *st_lost_pos;
+    size_t st_lost_n, st_lost_cap;
+    double st_lost_loss;
+    uint64_t st_lost_correct;
+    psd_arena_t *st_next;
+    /* progress: a live line on a terminal, else a plain line every progress_every s */
+    bool tty;
+    double progress_next;
+    double last_loss;     /* mean training loss of the last step */
+    psd_diverge_t dv;     /* the steps' losses and norms, checked for divergence (step_done) */
+    double *step_wt;      /* and their weights */
+    psd_rowgrad_t *step_rows; /* and their table rows (lazy tables) */
+    bool table_on_psd;    /* ctr.worker_table_mb: workers hold only their batches' rows (CtrTask.table_on_psd) */
+    ps_arena_t rx_arena;  /* decoded headers of received messages (one at a time) */
+    uint8_t rx_buf[64 << 10];
+    bool cur_bad;         /* the message being handled was dropped */
+    const char *cur_peer; /* its sender's address, for the log */
+    /* connections that sent bad messages in a row (see bad_peer) */
+    struct {
+        uint8_t ident[PS_MAX_IDENTITY];
+        size_t ident_len;
+        uint32_t bad;
+        double cut_at;    /* when psd cut its connection, 0 = not yet */
+    } bad[32];
+    int n_bad;
+    uint64_t cut;         /* connections psd closed for bad messages */
+    /* same-host transport: NULL when off or unavailable */
+    psd_shm_t *shm;
+    char shm_name[64];
+    char host_id[128];
+    /* checkpoints */
+    psd_ckpt_writer_t *ckpt;
+    /* the checkpoint being taken: step, version; with psd shards, shard 0's
+     * part is written (ck_open) and every shard's confirmation awaited */
+    uint64_t ck_step, ck_version;
+    bool ck_open;
+    int ck_rc;            /* shard 0's part: 0 or -errno */
+    char ck_path[PS_PATH_MAX];
+    char ck_fail[400];    /* the first shard's failure to write its part ("": none) */
+    uint64_t ck_safe;     /* psd shards: the newest step every shard confirmed (or resumed at): its files are
+                           * never pruned, so that a resume always finds a step all have (0: none) */
+    /* --resume with psd shards: the directory resumed from and its steps up to
+     * the one resumed at, newest first: each shard resumes at the newest of
+     * them it has, and all go back to the oldest any shard resumed at */
+    char resume_dir[PS_PATH_MAX];
+    uint64_t resume_steps[PSD_RESUME_STEPS_MAX];
+    size_t n_resume_steps;
+    bool resume_agreed;   /* every shard resumed at shard 0's step: training may begin */
+    bool ckpt_again;      /* another one was asked for while writing */
+    /* ... and it was the end of epoch again_epoch, at again_steps steps: an
+     * epoch's end still, if taken before anything trained since */
+    bool again_epoch_done;
+    uint32_t again_epoch;
+    uint64_t again_steps;
+    int stopping;         /* signal number that asked to stop, or -1 for --stop-after-epoch */
+    bool stop_when_written;
+    bool end_when_written; /* psd shards: the run ends once every part of its last checkpoint is written */
+    char run_dir[PS_PATH_MAX]; /* checkpoint.dir/run-<run id>: this run's checkpoints */
+    /* step intervals, to show what a checkpoint being written costs */
+    double last_step_t;
+    double int_sum[2];    /* [0] no checkpoint being written, [1] while one is */
+    uint64_t int_n[2];
+} srv_t;
+
+/* Workers in the run now: ready, training, at the barrier or validating. */
+static inline int live_workers(const srv_t *s)
+{
+    int n = 0;
+    for (int i = 0; i < s->n; i++) n += s->w[i].state >= W_READY && s->w[i].state <= W_VALIDATED;
+    return n;
+}
+
+/* async and ssp: mean staleness of the gradients applied this epoch */
+static inline double stale_mean(const srv_t *s) { return s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0; }
+
+static inline bool sharded(const srv_t *s) { return s->n_shards > 1; }
+
+static inline int shards_joined(const srv_t *s)
+{
+    int n = 0;
+    for (int i = 1; i < s->n_shards; i++) n += s->shards[i].joined;
+    return n;
+}
+
+static inline bool all_shards(const srv_t *s) { return shards_joined(s) == s->n_shards - 1; }
+
+/* Every shard joined and, after a resume, resumed its part at shard 0's step:
+ * workers are sent their ASSIGN (which names every shard) from then on. */
+static inline bool shards_ready(const srv_t *s) { return all_shards(s) && (!s->opts.resume_dir || s->resume_agreed); }
+
+/* Bits of the shards 1..n-1 (bit i: shard i). */
+static inline uint32_t shard_bits(const srv_t *s) { return ((1u << s->n_shards) - 1u) & ~1u; }
+
+typedef struct {
+    uint64_t *out;
+    size_t n;
+} collect_t;
+
+/* ---- functions shared by the files of the run (psd_core.h) ---- */
+
+/* psd_server.c: the shell: messages, peers, the loop, set-up */
+int send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n);
+void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json);
+void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void drop_shard(srv_t *s, int i, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void finish(srv_t *s, int code, const char *reason);
+void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type);
+void note_conn(srv_t *s, int *conn, const ps_msg_t *m);
+void rows_free(worker_t *w);
+void send_assign(srv_t *s, worker_t *w);
+void send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg);
+void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason);
+void shm_forget(srv_t *s, worker_t *w);
+
+/* psd_run.c: the run's phases, checkpoints, resume */
+int hold_outputs(srv_t *s);
+int resume(srv_t *s);
+int resume_at(srv_t *s, uint64_t at_most);
+void deferred_checkpoint(srv_t *s);
+void end_run(srv_t *s);
+void end_validation(srv_t *s);
+void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m);
+void on_leave(srv_t *s, worker_t *w, ps_msg_t *m);
+void on_ready(srv_t *s, worker_t *w, ps_msg_t *m);
+void on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m);
+void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m);
+void on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m);
+void poll_checkpoint(srv_t *s, bool wait);
+void run_end(srv_t *s);
+void save_weights(srv_t *s);
+void start_validation(srv_t *s);
+void take_checkpoint(srv_t *s, bool epoch_done);
+void worker_gone(srv_t *s, worker_t *w);
+worker_t *least_busy(srv_t *s);
+
+/* psd_step.c: push intake, pull answers, the step, weights replies */
+int want_take(srv_t *s, worker_t *w, ps_msg_t *m);
+size_t batch_rows(const srv_t *s);
+void on_push(srv_t *s, worker_t *w, ps_msg_t *m);
+bool push_check(const srv_t *s, worker_t *w);
+bool wire_bf16(const srv_t *s, const worker_t *w);
+int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32_t *crc);
+uint64_t min_clock(const srv_t *s);
+void account_batch(srv_t *s, worker_t *w);
+void account_step(srv_t *s, uint64_t total, const worker_t *only);
+void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct);
+void maybe_step(srv_t *s);
+void on_pull(srv_t *s, worker_t *w, ps_msg_t *m);
+void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n);
+void release_push(worker_t *w);
+void send_weights(srv_t *s, worker_t *w);
+void step_done(srv_t *s, bool taken);
+void step_lr(srv_t *s);
+
+/* psd_stream.c: streamed steps */
+int stream_take(srv_t *s, worker_t *w, ps_msg_t *m);
+void stream_forget(srv_t *s, worker_t *w);
+void stream_progress(srv_t *s);
+
+/* psd_samples.c: the positions of an epoch */
+bool take_pool(srv_t *s, worker_t *w);
+uint64_t *positions_of(const worker_t *w, uint64_t from, size_t n);
+void collect_pos(void *ud, uint64_t p);
+void hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what);
+void mark_seen(void *ud, uint64_t p);
+void rebalance(srv_t *s, worker_t *w);
+void spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k, bool append);
+void walk_positions(const worker_t *w, uint64_t from, uint64_t count, void (*fn)(void *, uint64_t),
+                           void *ud);
+
+/* psd_shard0.c: shard 0's side of the shard protocol */
+bool begin_save(srv_t *s);
+bool shards_resumed(const srv_t *s);
+int find_shard(const srv_t *s, const uint8_t *ident, size_t len);
+int send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n);
+void fetch_next(srv_t *s);
+void on_shard(srv_t *s, int i, ps_msg_t *m);
+void shards_go(srv_t *s);
+void shards_send_all(srv_t *s, Psd__Header *h);
+void shards_worker(srv_t *s, const worker_t *w);
+
+#endif

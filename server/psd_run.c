@@ -1,0 +1,934 @@
+/* psd_run.c - the run's phases: workers ready, at the barrier, leaving
+ * or lost; epochs, validation and its exact reduction, the end of the run
+ * (weights, metrics line), checkpoint scheduling, and --resume. */
+#include "psd_core.h"
+#include "psd_status.h"
+
+/* Validation parts a worker holds at once: its own and one more, so that it
+ * has the next at hand when it answers. The parts of workers that left wait
+ * on psd (bounded by the parts) rather than pile up on one worker. */
+#define PSD_VAL_PENDING_MAX 2
+
+/* An epoch's figures, for its metrics line. */
+typedef struct {
+    double train_loss, train_acc, val_loss, val_acc, sps, ep_sps, wall, auc;
+    uint64_t correct, count;
+    int workers;
+} epoch_stats_t;
+
+/* One psd's weights file, from the current version (psd shards write theirs
+ * as the parts come: begin_save, fetch_next). */
+void save_weights(srv_t *s)
+{
+    if (!s->cfg.save[0]) return;
+    char err[512];
+    ps_weights_meta_t meta = {.run_id = s->run_id, .step = s->step, .epoch = s->epoch};
+    if (ps_weights_save(s->cfg.save, &s->layout, s->store.cur->w, &meta, err, sizeof err) != 0) {
+        PS_ERROR("%s", err);
+        s->exit_code = PSD_EXIT_ERROR;
+        return;
+    }
+    PS_INFO("saved weights (version %" PRIu64 ") to %s", s->store.cur->version, s->cfg.save);
+}
+
+static void start_epoch(srv_t *s)
+{
+    uint64_t T = s->train_count;
+    ps_rng_permutation(s->perm, T, s->cfg.seed, 1000 + s->epoch);
+    worker_t *to[MAX_WORKERS];
+    int k = 0;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].state >= W_READY && s->w[i].state <= W_VALIDATED) to[k++] = &s->w[i];
+    /* positions not trained yet: all of them, or what a resumed epoch has left */
+    uint64_t *pos = malloc((T ? T : 1) * sizeof *pos);
+    if (!pos) {
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    size_t n = 0;
+    if (!s->resumed_mid_epoch) memset(s->seen, 0, (T + 7) / 8);
+    for (uint64_t p = 0; p < T; p++)
+        if (!(s->seen[p / 8] & (1u << (p % 8)))) pos[n++] = p;
+    if (!s->resumed_mid_epoch) {
+        s->epoch_step = 0;
+        s->ep_loss = 0;
+        s->ep_correct = s->ep_samples = 0;
+    }
+    s->ep_compute_s = s->ep_wait_s = 0;
+    s->ep_timed = 0;
+    s->ep_step_s0 = s->store.step_s;
+    s->ep_in_place0 = s->store.in_place;
+    s->ep_step_n = 0;
+    s->bytes_in_done += s->ep_bytes_in;
+    s->bytes_out_done += s->ep_bytes_out;
+    s->ep_bytes_in = s->ep_bytes_out = 0;
+    s->ep_rows_in = s->ep_rows_pushes = 0;
+    s->ep_rows_out = s->ep_rows_replies = 0;
+    s->resumed_mid_epoch = false;
+    uint64_t longest = k ? (T + (uint64_t)k - 1) / (uint64_t)k : T;
+    s->spe = (double)((longest + (uint64_t)s->cfg.batch_size - 1) / (uint64_t)s->cfg.batch_size);
+    if (s->cfg.sync != PS_SYNC_BSP) s->spe *= k ? k : 1; /* a step per push, not per round of pushes */
+    if (s->spe < 1) s->spe = 1;
+    s->ep_stale_sum = s->ep_stale_n = s->ep_stale_max = s->ep_lead_max = 0;
+    s->ep_moved = 0;
+    s->ep_twice = 0;
+    s->phase = PHASE_TRAIN;
+    s->t_epoch = ps_now();
+    s->n_pool = 0;
+    for (int i = 0; i < s->n; i++) s->w[i].n_ranges = 0, s->w[i].assigned = s->w[i].consumed = 0;
+    if (k == 0) { /* everyone left: the next worker to come takes them all */
+        memcpy(s->pool, pos, n * sizeof *pos);
+        s->n_pool = n;
+        s->orphan_deadline = ps_now() + s->cfg.start_timeout;
+        PS_WARN("no workers for epoch %u; waiting up to %.0f s for one to join", s->epoch + 1,
+                s->cfg.start_timeout);
+    } else {
+        spread(s, pos, n, to, k, false);
+    }
+    free(pos);
+    if (n == 0) maybe_step(s); /* nothing left to train (resumed at the end of an epoch) */
+}
+
+static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
+{
+    Psd__Header h;
+    Psd__Validate v = PSD__VALIDATE__INIT;
+    ps_frame_t fr[PS_MAX_TENSORS + 1]; /* the table on psd: its rows' ids too */
+    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_VALIDATE);
+    v.epoch = s->epoch;
+    v.version = s->store.cur->version;
+    v.begin = p->begin;
+    v.end = p->end;
+    h.body_case = PSD__HEADER__BODY_VALIDATE;
+    h.validate = &v;
+    p->worker = (int)(w - s->w);
+    w->val_pending++;
+    w->state = W_VALIDATING;
+    w->last_seen = ps_now();
+    int n = weights_frames(s, w, fr, &v.shm_slot, &v.crc);
+    if (s->table_on_psd) {
+        range_rows_send(s, w, &h, fr, n);
+        return;
+    }
+    send_to(s, w, &h, fr, n);
+}
+
+/* The live worker with the fewest validation parts pending, or NULL. */
+worker_t *least_busy(srv_t *s)
+{
+    worker_t *best = NULL;
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (w->state < W_READY || w->state > W_VALIDATED || w->conn_closed) continue;
+        if (!best || w->val_pending < best->val_pending) best = w;
+    }
+    return best;
+}
+
+/* The parts no worker holds (their worker left or died) to the least busy
+ * live workers, up to PSD_VAL_PENDING_MAX each; the rest wait for an
+ * answer or a worker joining. */
+static void give_orphans(srv_t *s)
+{
+    for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++) {
+        vpart_t *p = &s->parts[i];
+        if (p->done || p->worker >= 0) continue;
+        worker_t *to = least_busy(s);
+        if (!to || to->val_pending >= PSD_VAL_PENDING_MAX) return;
+        send_validate(s, to, p);
+    }
+}
+
+void start_validation(srv_t *s)
+{
+    uint64_t unseen = 0; /* every position trained once: the bookkeeping of samples moved between workers */
+    for (uint64_t p = 0; p < s->train_count; p++) unseen += !(s->seen[p / 8] & (1u << (p % 8)));
+    if (unseen || s->ep_twice)
+        PS_ERROR("epoch %u: %" PRIu64 " training samples were trained twice and %" PRIu64 " not at all (a bug in "
+                 "psd's bookkeeping)", s->epoch + 1, s->ep_twice, unseen);
+    double dt = ps_now() - s->t_epoch;
+    s->train_s_total += dt;
+    s->samples_total += s->ep_samples;
+    s->phase = PHASE_VALIDATE;
+    s->t_epoch = dt; /* the epoch's training time, for the metrics */
+    worker_t *to[MAX_WORKERS];
+    int k = 0;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].state >= W_READY && s->w[i].state <= W_VALIDATED) to[k++] = &s->w[i];
+    int parts = k > 0 ? k : 1;
+    free(s->parts);
+    s->parts = calloc((size_t)parts, sizeof *s->parts);
+    if (!s->parts) {
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    s->n_parts = parts;
+    uint64_t T = s->test_count;
+    for (int i = 0; i < parts; i++) {
+        s->parts[i] = (vpart_t){.begin = T * (uint64_t)i / (uint64_t)parts,
+                                .end = T * (uint64_t)(i + 1) / (uint64_t)parts, .worker = -1};
+    }
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        w->val_pending = 0;
+        if (w->state == W_BARRIER && w->barrier_at > 0) w->barrier_wait_s += ps_now() - w->barrier_at;
+        w->barrier_at = 0;
+    }
+    for (int i = 0; i < k; i++) send_validate(s, to[i], &s->parts[i]);
+    if (k == 0) {
+        s->orphan_deadline = ps_now() + s->cfg.start_timeout;
+        PS_WARN("no workers to validate epoch %u; waiting up to %.0f s for one to join", s->epoch + 1,
+                s->cfg.start_timeout);
+    }
+}
+
+/* The checkpoint asked for while a step was half taken: now. */
+void deferred_checkpoint(srv_t *s)
+{
+    if (!s->ckpt_deferred) return;
+    s->ckpt_deferred = false;
+    take_checkpoint(s, false);
+    if (!s->ckpt && !s->ck_open && s->stop_when_written)
+        finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+}
+
+/* A worker is gone (lost, left, failed): its samples and validation parts go
+ * to the others, or to a worker waiting for the next epoch, or wait for the
+ * next worker to join. */
+void worker_gone(srv_t *s, worker_t *w)
+{
+    wstate_t was = w->state;
+    if (was != W_GONE) s->workers_lost++;
+    if (s->stream) stream_forget(s, w);
+    release_push(w); /* a gradient from a worker declared gone is never applied (streamed: see stream_forget) */
+    shm_forget(s, w);
+    rows_free(w); /* the rows sent were copied at send */
+    w->state = W_GONE;
+    w->gone_at = ps_now();
+    if (s->phase == PHASE_TRAIN && (was == W_TRAIN || was == W_BARRIER) && w->consumed < w->assigned) {
+        size_t n = (size_t)(w->assigned - w->consumed);
+        uint64_t *pos = positions_of(w, w->consumed, n);
+        if (!pos) {
+            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+            return;
+        }
+        hand_out(s, pos, n, "its remaining");
+        free(pos);
+        w->assigned = w->consumed;
+        maybe_step(s);
+    } else if (s->phase == PHASE_VALIDATE && w->val_pending > 0) {
+        w->val_pending = 0;
+        for (int i = 0; i < s->n_parts; i++)
+            if (!s->parts[i].done && s->parts[i].worker == (int)(w - s->w)) s->parts[i].worker = -1;
+        give_orphans(s);
+        if (!least_busy(s)) s->orphan_deadline = ps_now() + s->cfg.start_timeout;
+    } else if (s->phase == PHASE_TRAIN) {
+        maybe_step(s);
+    }
+}
+
+/* The last epoch is validated (and every part of the weights is here). */
+void end_run(srv_t *s)
+{
+    if (sharded(s) && (s->ckpt || s->ck_open)) { /* the shards write their parts of the last checkpoint: they
+                                                   * are told the run is over once each confirmed it */
+        s->end_when_written = true;
+        s->phase = PHASE_WAIT;
+        s->phase_deadline = INFINITY;
+        return;
+    }
+    s->end_when_written = false;
+    double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
+    double wall = ps_now() - s->t_start;
+    if (!sharded(s)) save_weights(s); /* shards: written already (fetch_next) */
+    const char *partial = psd_metrics_incomplete(&s->metrics) ? " (its metrics file is INCOMPLETE)" : "";
+    if (s->val_epoch_last)
+        PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s%s", s->cfg.epochs,
+                s->step, s->val_acc_last, sps, wall, partial);
+    else /* resumed at its end: nothing was trained or validated by this psd */
+        PS_INFO("run finished: %d epochs, %" PRIu64 " steps (all before this resume), %.1f s", s->cfg.epochs, s->step,
+                wall);
+    if (s->int_n[1] > 0)
+        PS_INFO("step interval %.2f ms over %" PRIu64 " steps without a checkpoint being written, "
+                "%.2f ms over %" PRIu64 " steps while one was",
+                1e3 * s->int_sum[0] / (double)(s->int_n[0] ? s->int_n[0] : 1), s->int_n[0],
+                1e3 * s->int_sum[1] / (double)s->int_n[1], s->int_n[1]);
+    int code = s->exit_code;
+    finish(s, 0, "training finished");
+    s->exit_code = code;
+}
+
+/* The last epoch is done: with psd shards and --save the other shards'
+ * parts come for the weights file first (fetch_next then ends the run). */
+void run_end(srv_t *s)
+{
+    if (sharded(s) && s->cfg.save[0] && begin_save(s)) {
+        s->phase = PHASE_WAIT; /* nothing to do but wait for them */
+        s->phase_deadline = INFINITY;
+        fetch_next(s);
+        return;
+    }
+    end_run(s);
+}
+
+/* The epoch's line of the metrics file (README "Metrics file", schema 2):
+ * built whole, then written and synced in one go (psd_metrics.h). */
+static void write_metrics_line(srv_t *s, const epoch_stats_t *e)
+{
+    char *line = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&line, &len);
+    if (!f) {
+        psd_metrics_failed(&s->metrics, errno, "build");
+        return;
+    }
+    fprintf(f,
+            "{\"schema\":2,\"run_id\":\"%016" PRIx64 "\",\"epoch\":%u,\"step\":%" PRIu64
+            ",\"train_loss\":%.9g,\"train_acc\":%.9g,\"train_samples\":%" PRIu64
+            ",\"val_loss\":%.9g,\"val_acc\":%.9g,\"val_correct\":%" PRIu64 ",\"val_samples\":%" PRIu64
+            ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
+            ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g,\"psd_step_ms\":%.6g"
+            ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"sync\":\"%s\""
+            ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64
+            ",\"psd_steps_in_place\":%" PRIu64 ",\"samples_moved\":%" PRIu64,
+            s->run_id, s->epoch + 1, s->step, e->train_loss, e->train_acc, s->ep_samples, e->val_loss,
+            e->val_acc, e->correct, e->count, e->sps, e->ep_sps, s->train_s_total, e->wall, e->workers, s->lr,
+            s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
+            s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
+            s->ep_step_n ? 1e3 * (s->store.step_s - s->ep_step_s0) / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
+            ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max,
+            s->store.in_place - s->ep_in_place0, s->ep_moved);
+    if (s->cfg.kind == PS_MODEL_CTR)
+        fprintf(f,
+                ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g,\"val_auc\":%.9g,\"optimum_auc\":%.9g"
+                ",\"table_rows_in\":%" PRIu64 ",\"table_row_pushes\":%" PRIu64 ",\"table_rows_out\":%" PRIu64
+                ",\"table_row_replies\":%" PRIu64,
+                s->ctr_opt_loss, s->ctr_const_loss, e->auc, s->ctr_opt_auc, s->ep_rows_in, s->ep_rows_pushes,
+                s->ep_rows_out, s->ep_rows_replies);
+    if (s->resumed) fprintf(f, ",\"resumed_from_step\":%" PRIu64, s->resumed_step);
+    fputs("}\n", f);
+    if (fclose(f) != 0 || !line) {
+        free(line);
+        psd_metrics_failed(&s->metrics, ENOMEM, "build");
+        return;
+    }
+    psd_metrics_write(&s->metrics, line, len);
+    free(line);
+    if (s->opts.die_after_metrics > 0 && s->epoch + 1 == (uint32_t)s->opts.die_after_metrics)
+        raise(SIGKILL); /* tests only: killed between an epoch's metrics line and its checkpoint */
+}
+
+void end_validation(srv_t *s)
+{
+    if (s->tty) ps_log_status(NULL); /* the epoch's line takes its place */
+    double loss = 0;
+    uint64_t correct = 0, count = 0;
+    for (int i = 0; i < s->n_parts; i++) { /* part order: the same sums every run */
+        loss += s->parts[i].loss;
+        correct += s->parts[i].correct;
+        count += s->parts[i].count;
+    }
+    double val_loss = count ? loss / (double)count : 0, val_acc = count ? (double)correct / (double)count : 0;
+    double train_loss = s->ep_samples ? s->ep_loss / (double)s->ep_samples : 0;
+    double train_acc = s->ep_samples ? (double)s->ep_correct / (double)s->ep_samples : 0;
+    double ep_sps = s->t_epoch > 0 ? (double)s->ep_samples / s->t_epoch : 0;
+    double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
+    double wall = ps_now() - s->t_start;
+    int workers = live_workers(s);
+    PS_INFO("epoch %u/%d step %" PRIu64 " train_loss %.4f train_acc %.4f val_loss %.4f val_acc %.4f "
+            "(%" PRIu64 "/%" PRIu64 ") %.0f samples/s lr %.5g",
+            s->epoch + 1, s->cfg.epochs, s->step, train_loss, train_acc, val_loss, val_acc, correct,
+            count, ep_sps, s->lr);
+    double auc = s->cfg.kind == PS_MODEL_CTR ? ps_auc(s->val_scores, s->test_labels, s->test_count, s->auc_order) : 0;
+    if (s->cfg.kind == PS_MODEL_CTR)
+        PS_INFO("epoch %u: val log-loss %.4f, %.4f above the planted model's %.4f; AUC %.4f (planted %.4f)",
+                s->epoch + 1, val_loss, val_loss - s->ctr_opt_loss, s->ctr_opt_loss, auc, s->ctr_opt_auc);
+    if (s->cfg.sync != PS_SYNC_BSP) {
+        char lead[128] = "";
+        if (s->cfg.sync == PS_SYNC_SSP)
+            snprintf(lead, sizeof lead, "; workers trained at most %" PRIu64 " steps ahead of the slowest (bound %d)",
+                     s->ep_lead_max, s->cfg.staleness);
+        PS_INFO("epoch %u: %s, staleness of the %" PRIu64 " gradients applied: max %" PRIu64 " mean %.2f versions%s",
+                s->epoch + 1, ps_sync_name(s->cfg.sync), s->ep_stale_n, s->ep_stale_max, stale_mean(s), lead);
+        if (s->ep_moved > 0) {
+            char who[512];
+            size_t at = 0;
+            for (int i = 0; i < s->n && at < sizeof who; i++)
+                if (s->w[i].state != W_GONE || s->w[i].consumed > 0)
+                    at += (size_t)snprintf(who + at, sizeof who - at, "%s rank %u %" PRIu64 "%s", at ? "," : "",
+                                           s->w[i].rank, s->w[i].consumed,
+                                           s->w[i].state == W_GONE ? " (lost)" : "");
+            PS_INFO("epoch %u: %" PRIu64 " samples moved from slower workers to those done with theirs; trained:%s",
+                    s->epoch + 1, s->ep_moved, who);
+        }
+    }
+    if (s->metrics.fd >= 0) {
+        epoch_stats_t e = {.train_loss = train_loss, .train_acc = train_acc, .val_loss = val_loss, .val_acc = val_acc,
+                           .sps = sps, .ep_sps = ep_sps, .wall = wall, .auc = auc, .correct = correct, .count = count,
+                           .workers = workers};
+        write_metrics_line(s, &e);
+    }
+    bool last = s->epoch + 1 >= (uint32_t)s->cfg.epochs;
+    bool stop = s->opts.stop_after_epoch > 0 && s->epoch + 1 == (uint32_t)s->opts.stop_after_epoch && !last;
+    if (s->cfg.ckpt_dir[0] && (last || stop || (s->cfg.ckpt_every_epochs > 0 &&
+                                                 (s->epoch + 1) % (uint32_t)s->cfg.ckpt_every_epochs == 0)))
+        take_checkpoint(s, true);
+    s->val_acc_last = val_acc;
+    s->val_loss_last = val_loss;
+    s->val_epoch_last = s->epoch + 1;
+    if (s->val_curve && s->n_val_curve < s->cfg.epochs) {
+        s->val_curve[s->n_val_curve].epoch = s->epoch + 1;
+        s->val_curve[s->n_val_curve].step = s->step;
+        s->val_curve[s->n_val_curve].train_loss = (float)train_loss;
+        s->val_curve[s->n_val_curve].val_loss = (float)val_loss;
+        s->val_curve[s->n_val_curve++].val_acc = (float)val_acc;
+    }
+    if (last) {
+        run_end(s);
+        return;
+    }
+    if (stop) {
+        PS_INFO("stopping after epoch %u as asked (--stop-after-epoch); resume with --resume %s",
+                s->epoch + 1, s->cfg.ckpt_dir[0] ? s->run_dir : "DIR");
+        if (s->ckpt || s->ck_open) {
+            s->stop_when_written = true;
+            s->phase = PHASE_WAIT; /* nothing more to do but write */
+            s->phase_deadline = INFINITY;
+        } else {
+            finish(s, 0, "psd stopped after the epoch it was asked to");
+        }
+        return;
+    }
+    s->epoch++;
+    start_epoch(s);
+}
+
+void take_checkpoint(srv_t *s, bool epoch_done)
+{
+    if (!s->cfg.ckpt_dir[0]) return;
+    if (s->stepping || s->st_open) { /* between a sharded step's halves (every shard checkpoints the same
+                                      * step after it), or in a streamed step: once the step is taken */
+        s->ckpt_deferred = true;
+        return;
+    }
+    if (s->ckpt || s->ck_open) { /* one at a time: with shards, until each confirmed its part */
+        s->ckpt_again = true;
+        if (epoch_done) {
+            s->again_epoch_done = true;
+            s->again_epoch = s->epoch;
+            s->again_steps = s->store.steps;
+        }
+        return;
+    }
+    if (sharded(s) && !shards_ready(s)) { /* a part alone is no checkpoint, and nothing has trained yet */
+        PS_WARN("no checkpoint taken: not every psd shard has joined (and resumed) yet");
+        return;
+    }
+    psd_ckpt_meta_t m = {
+        .run_id = s->run_id, .config_hash = s->config_hash, .seed = s->cfg.seed,
+        .step = s->store.steps, .version = s->store.cur->version, .epoch = s->epoch,
+        .epoch_done = epoch_done, .epoch_step = s->epoch_step, .steps_per_epoch = s->spe,
+        .ep_loss = s->ep_loss, .ep_correct = s->ep_correct, .ep_samples = s->ep_samples,
+        .train_s_total = s->train_s_total + (s->phase == PHASE_TRAIN ? ps_now() - s->t_epoch : 0),
+        .samples_total = s->samples_total, .lr = s->lr, .train_count = s->train_count,
+        .n_sizes = s->layout.n_sizes, .opt_kind = (uint32_t)s->cfg.opt,
+        .n_slots = (uint32_t)psd_optim_slots(&s->store.opt), .n_params = s->layout.n_params,
+        .shard = 0, .shards = (uint32_t)s->n_shards, .keep_step = sharded(s) ? s->ck_safe : 0};
+    memcpy(m.sizes, s->layout.sizes, sizeof m.sizes);
+    if (s->layout.table >= 0) {
+        m.table_rows = (uint64_t)s->layout.t[s->layout.table].rows;
+        m.table_dim = (uint32_t)s->layout.t[s->layout.table].cols;
+    }
+    int rc = psd_ckpt_begin(&s->ckpt, s->run_dir, psd_ckpt_keep(&s->cfg, s->n_shards), &m, s->seen, &s->store);
+    if (rc != 0) {
+        PS_ERROR("cannot start a checkpoint in %s: %s", s->run_dir, strerror(-rc));
+        s->ckpt = NULL;
+        return;
+    }
+    s->ck_step = m.step;
+    s->ck_version = m.version;
+    s->ck_fail[0] = '\0';
+    for (int i = 1; i < s->n_shards; i++) s->shards[i].ck_acked = false;
+    if (sharded(s)) { /* every shard writes its part of the same step */
+        Psd__Header h;
+        Psd__ShardCkpt ck = PSD__SHARD_CKPT__INIT;
+        psd__header__init(&h);
+        h.type = PSD__MSG_TYPE__MSG_SHARD_CKPT;
+        ck.step = s->store.steps;
+        ck.version = s->store.cur->version;
+        ck.keep_step = s->ck_safe;
+        h.body_case = PSD__HEADER__BODY_SHARD_CKPT;
+        h.shard_ckpt = &ck;
+        shards_send_all(s, &h);
+    }
+}
+
+/* The checkpoint asked for while another was written: now (an epoch's end
+ * if it was one and nothing trained since). */
+static void take_again(srv_t *s)
+{
+    bool epoch_done = s->again_epoch_done && s->again_epoch == s->epoch && s->again_steps == s->store.steps;
+    s->ckpt_again = false;
+    s->again_epoch_done = false;
+    take_checkpoint(s, epoch_done);
+}
+
+/* psctl checkpoint: answer whoever waits (why "": written). */
+static void ctl_answer(srv_t *s, const char *why)
+{
+    char msg[PS_PATH_MAX + 480];
+    snprintf(msg, sizeof msg, !why[0] ? "checkpoint written: %s" : "checkpoint failed: %s", !why[0] ? s->ck_path : why);
+    for (int i = 0; i < s->n_ctl_wait; i++)
+        control_reply(s, s->ctl_wait[i].ident, s->ctl_wait[i].ident_len, !why[0], msg, NULL);
+    s->n_ctl_wait = 0;
+}
+
+/* The checkpoint is written, or failed: every part of it (shard 0's, then
+ * each shard's confirmation). Stop if asked, start the next one if asked,
+ * answer psctl once none is coming. `unconfirmed`: psd exits without
+ * every shard's confirmation (a failure: the parts may be missing). */
+static void ckpt_complete(srv_t *s, bool unconfirmed)
+{
+    s->ck_open = false;
+    char why[sizeof s->ck_fail];
+    if (s->ck_rc != 0) snprintf(why, sizeof why, "%s", strerror(-s->ck_rc));
+    else if (s->ck_fail[0]) snprintf(why, sizeof why, "%s", s->ck_fail);
+    else if (unconfirmed) snprintf(why, sizeof why, "psd exited before every psd shard confirmed its part");
+    else why[0] = '\0';
+    if (unconfirmed && !s->ck_rc && !s->ck_fail[0])
+        PS_WARN("psd exits before every psd shard confirmed its part of checkpoint %" PRIu64, s->ck_step);
+    if (!why[0]) {
+        if (sharded(s)) PS_INFO("checkpoint of step %" PRIu64 " written by all %d psd shards", s->ck_step, s->n_shards);
+        s->ckpts_written++;
+        s->ckpt_last_t = ps_now();
+        s->ck_safe = s->ck_step;
+    }
+    if (s->stop_when_written && s->ckpt_again && !why[0]) {
+        /* asked for while another was written (the stop itself, or the
+         * epoch's end before --stop-after-epoch): the stop's checkpoint is
+         * of the state now, not of the one written */
+        take_again(s);
+        if (s->ckpt || s->ckpt_deferred) return;
+        snprintf(why, sizeof why, "the checkpoint of the state at the stop could not be started");
+    }
+    if (s->stop_when_written) {
+        ctl_answer(s, why);
+        if (why[0]) /* nothing to resume from: say so, and fail */
+            finish(s, PSD_EXIT_ERROR, "psd stopped; its checkpoint failed");
+        else
+            finish(s, 0,
+                   s->stopping > 0 ? "psd was stopped; checkpoint saved" : "psd stopped as asked; checkpoint saved");
+        return;
+    }
+    if (s->ckpt_again) {
+        if (sharded(s) && s->phase == PHASE_DONE) { /* the shards have stopped: a part alone is no checkpoint */
+            s->ckpt_again = false;
+            PS_WARN("the checkpoint asked for while another was written is not taken: the psd shards have stopped");
+        } else {
+            take_again(s);
+        }
+    }
+    if (!s->ckpt && !s->ckpt_deferred) ctl_answer(s, why); /* none coming for them: this was theirs */
+    if (s->end_when_written && !s->ckpt && s->phase != PHASE_DONE) end_run(s);
+}
+
+/* The writer finished: log; once every shard confirmed its part (wait:
+ * psd exits, it does not wait for them), the checkpoint is complete. */
+void poll_checkpoint(srv_t *s, bool wait)
+{
+    if (s->ckpt) {
+        if (!wait && !psd_ckpt_done(s->ckpt)) return;
+        double secs = 0;
+        uint64_t bytes = 0, peak = 0;
+        s->ck_rc = psd_ckpt_end(&s->ckpt, s->ck_path, sizeof s->ck_path, &secs, &bytes, &peak);
+        s->ck_open = true;
+        if (s->ck_rc != 0) PS_ERROR("checkpoint failed: %s", strerror(-s->ck_rc));
+        else
+            PS_INFO("checkpoint %s: %.1f MB in %.2f s, peak extra memory %.1f MB%s", s->ck_path, (double)bytes / 1e6,
+                    secs, (double)peak / 1e6, sharded(s) ? " (shard 0's part)" : "");
+    }
+    if (!s->ck_open) return;
+    bool confirmed = true;
+    for (int i = 1; i < s->n_shards; i++) confirmed &= s->shards[i].ck_acked;
+    if (confirmed || wait) ckpt_complete(s, !confirmed && s->ck_rc == 0);
+}
+
+/* A shard's part of the checkpoint being taken is written, or failed. */
+void on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m)
+{
+    Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
+    shard_t *sh = &s->shards[i];
+    if ((!s->ckpt && !s->ck_open) || ck->step != s->ck_step || sh->ck_acked) {
+        drop_shard(s, i, "CKPT_DONE for step %" PRIu64 " (taking %s%" PRIu64 ")", ck->step,
+             s->ckpt || s->ck_open ? "" : "none after ", s->ck_step);
+        return;
+    }
+    sh->ck_acked = true;
+    if (ck->error && ck->error[0]) {
+        PS_ERROR("psd shard %d (%s pid %u) could not write its part of checkpoint %" PRIu64 ": %s", i, sh->hostname,
+                 sh->pid, ck->step, ck->error);
+        if (!s->ck_fail[0])
+            snprintf(s->ck_fail, sizeof s->ck_fail, "psd shard %d could not write its part: %.300s", i, ck->error);
+    }
+    poll_checkpoint(s, false);
+}
+
+void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    if (w->state != W_ASSIGNED) {
+        drop(s, w, "READY while %s", wstate_name[w->state]);
+        return;
+    }
+    Psd__Ready *r = m->hdr->ready;
+    if (r->train_count != s->train_count || r->test_count != s->test_count) {
+        PS_ERROR("rank %u (%s pid %u) loaded %" PRIu64 "/%" PRIu64 " samples, psd has %zu/%zu; not using it",
+                 w->rank, w->hostname, w->pid, r->train_count, r->test_count, s->train_count, s->test_count);
+        send_shutdown(s, w, 2, "data differs from psd's");
+        shm_forget(s, w); /* its region, if it sent its hello: unmapped, and the slot free for reuse */
+        rows_free(w);
+        w->state = W_GONE;
+        w->gone_at = ps_now();
+        return;
+    }
+    if (r->shm && !w->shm_grad) {
+        drop(s, w, "READY with shared memory psd did not set up");
+        return;
+    }
+    if (r->shm) {
+        w->shm = true;
+        PS_INFO("rank %u exchanges tensors with psd through shared memory", w->rank);
+    } else if (w->shm_grad) {
+        shm_forget(s, w); /* it gave up on its side */
+    }
+    w->state = W_READY;
+    if (s->stop_when_written || s->end_when_written || s->wr)
+        return; /* stopping, writing the weights or the last checkpoint: nothing more to train */
+    if (s->phase == PHASE_WAIT) {
+        if (live_workers(s) >= s->cfg.workers) {
+            if (s->epoch)
+                PS_INFO("%d workers ready; training epochs %u to %d", live_workers(s), s->epoch + 1, s->cfg.epochs);
+            else
+                PS_INFO("%d workers ready; training %d epochs", live_workers(s), s->cfg.epochs);
+            s->t_start = ps_now();
+            start_epoch(s);
+        }
+        return;
+    }
+    /* joining a run under way: take samples waiting for a worker at once,
+     * else wait for the next epoch */
+    if (take_pool(s, w)) return;
+    if (s->phase == PHASE_VALIDATE) {
+        give_orphans(s); /* it is the least busy */
+        if (w->state == W_VALIDATING) return;
+    }
+    PS_INFO("rank %u joins from epoch %u", w->rank, s->epoch + 2);
+}
+
+void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    Psd__Barrier *b = m->hdr->barrier;
+    if (b->epoch != s->epoch || (w->state != W_TRAIN && w->state != W_BARRIER)) {
+        drop(s, w, "BARRIER for epoch %u while %s in epoch %u", b->epoch, wstate_name[w->state], s->epoch + 1);
+        return;
+    }
+    if (b->samples < w->assigned) return; /* sent before it got more samples: it will come again */
+    uint64_t done = w->consumed + (w->own_push ? w->push_batch : 0);
+    if (b->samples != w->assigned || done != w->assigned) {
+        drop(s, w, "BARRIER after %" PRIu64 " samples, psd counted %" PRIu64 " of %" PRIu64, b->samples, done,
+             w->assigned);
+        return;
+    }
+    if (w->state == W_TRAIN) {
+        w->state = W_BARRIER;
+        w->barrier_at = ps_now();
+        maybe_step(s);
+    }
+}
+
+void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    Psd__ValResult *v = m->hdr->val_result;
+    vpart_t *p = NULL;
+    for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++)
+        if (s->parts[i].begin == v->begin && s->parts[i].worker == (int)(w - s->w) && !s->parts[i].done)
+            p = &s->parts[i];
+    if (!p || w->state != W_VALIDATING || v->epoch != s->epoch || v->version != s->store.cur->version) {
+        drop(s, w, "VAL_RESULT for epoch %u version %" PRIu64 " from %" PRIu64 " while %s", v->epoch + 1,
+             v->version, v->begin, wstate_name[w->state]);
+        return;
+    }
+    if (v->count != p->end - p->begin || v->correct > v->count || !isfinite(v->loss_sum) || v->loss_sum < 0) {
+        drop(s, w, "VAL_RESULT with invalid sums (count %" PRIu64 ", expected %" PRIu64 ")", v->count,
+             p->end - p->begin);
+        return;
+    }
+    if (s->cfg.kind == PS_MODEL_CTR && v->count > 0) { /* the click probabilities of the range, for the AUC */
+        size_t n = 0;
+        const float *sc = m->n_frames == 1 ? ps_msg_f32(m, 0, &n) : NULL;
+        bool ok = sc && n == v->count;
+        for (size_t i = 0; ok && i < n; i++) ok = sc[i] >= 0 && sc[i] <= 1; /* NaN fails too */
+        if (!ok) {
+            drop(s, w, "VAL_RESULT without the range's %" PRIu64 " scores in [0, 1]", v->count);
+            return;
+        }
+        memcpy(s->val_scores + p->begin, sc, n * sizeof *sc);
+    }
+    p->loss = v->loss_sum;
+    p->correct = v->correct;
+    p->count = v->count;
+    p->done = true;
+    if (--w->val_pending == 0) w->state = W_VALIDATED;
+    give_orphans(s);
+    for (int i = 0; i < s->n_parts; i++)
+        if (!s->parts[i].done) return;
+    end_validation(s);
+}
+
+void on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    Psd__Error *e = m->hdr->error;
+    PS_ERROR("rank %u (%s pid %u) failed: %s", w->rank, w->hostname, w->pid,
+             e->message ? e->message : "(no message)");
+    worker_gone(s, w);
+}
+
+void on_leave(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    Psd__Leave *l = m->hdr->leave;
+    PS_INFO("rank %u (%s pid %u) left the run: %s", w->rank, w->hostname, w->pid,
+            l->reason && l->reason[0] ? l->reason : "planned departure");
+    worker_gone(s, w);
+}
+
+static void log_line(const char *line) { PS_WARN("%s", line); }
+
+/* Checkpoints live in DIR/run-<run id>/, so that a new run in the same DIR
+ * never mixes with (or prunes) another run's. --resume takes a run
+ * directory, or DIR itself: then the run whose newest checkpoint is newest. */
+static int resolve_resume_dir(const char *dir, char *out, size_t n)
+{
+    DIR *d = opendir(dir);
+    if (!d) return -errno;
+    struct dirent *e;
+    double best_t = -1;
+    bool has_ckpt = false;
+    char best[PS_PATH_MAX] = "";
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, "ckpt-", 5) == 0) has_ckpt = true;
+        if (strncmp(e->d_name, "run-", 4) != 0) continue;
+        char sub[PS_PATH_MAX];
+        snprintf(sub, sizeof sub, "%s/%s", dir, e->d_name);
+        DIR *sd = opendir(sub);
+        if (!sd) continue;
+        struct dirent *f;
+        while ((f = readdir(sd)) != NULL) {
+            if (strncmp(f->d_name, "ckpt-", 5) != 0) continue;
+            char fp[PS_PATH_MAX + 300];
+            struct stat st;
+            snprintf(fp, sizeof fp, "%s/%s", sub, f->d_name);
+            if (stat(fp, &st) != 0) continue;
+            double t = (double)st.st_mtim.tv_sec + 1e-9 * (double)st.st_mtim.tv_nsec;
+            if (t > best_t) {
+                best_t = t;
+                snprintf(best, sizeof best, "%s", sub);
+            }
+        }
+        closedir(sd);
+    }
+    closedir(d);
+    snprintf(out, n, "%s", has_ckpt || !best[0] ? dir : best);
+    return 0;
+}
+
+/* Why checkpoint m cannot be resumed as shard 0 of `shards` with model l and
+ * optimizer o (resume and --check-config --resume alike), in why; NULL if
+ * it can. The data's size is checked by resume only (it needs the data). */
+static const char *ckpt_misfit(const psd_ckpt_meta_t *m, const ps_layout_t *l, const psd_optim_t *o, int shards,
+                               char *why, size_t n)
+{
+    if (m->shards && (m->shard != 0 || m->shards != (uint32_t)shards)) { /* its other parts are elsewhere */
+        snprintf(why, n, "it holds the part of psd shard %u of %u, and this psd is shard 0 of %d: resume with the "
+                 "layout it was written with (--shard I/%u)", m->shard, m->shards, shards, m->shards);
+        return why;
+    }
+    uint64_t rows = l->table >= 0 ? (uint64_t)l->t[l->table].rows : 0;
+    if (m->n_params != l->n_params || m->n_sizes != l->n_sizes || memcmp(m->sizes, l->sizes, sizeof m->sizes) != 0 ||
+        m->table_rows != rows || (rows && (int)m->table_dim != l->t[l->table].cols))
+        return "its model does not match this config";
+    if (m->n_slots != (uint32_t)psd_optim_slots(o) || m->opt_kind != (uint32_t)o->kind)
+        return "its optimizer does not match this config";
+    return NULL;
+}
+
+/* A checkpoint read (path) into the store and the run, if it fits: 0, or
+ * PSD_EXIT_USAGE after saying why not. */
+static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen, const float *weights,
+                        float *const slots[2], const char *path)
+{
+    char why[256];
+    const char *misfit = ckpt_misfit(m, &s->layout, &s->store.opt, s->n_shards, why, sizeof why);
+    if (m->config_hash != s->config_hash && !s->opts.force_resume) {
+        PS_ERROR("cannot resume from %s: it was written with another config (hash %016" PRIx64
+                 ", this one %016" PRIx64 "); use --force-resume to resume anyway",
+                 path, m->config_hash, s->config_hash);
+        return PSD_EXIT_USAGE;
+    }
+    if (misfit || m->train_count != s->train_count) {
+        PS_ERROR("cannot resume from %s: %s", path, misfit ? misfit : "its data does not match this config");
+        return PSD_EXIT_USAGE;
+    }
+    if (m->config_hash != s->config_hash) PS_WARN("resuming with another config, as forced");
+    psd_store_load_part(&s->store, weights, (const float *const *)slots, m->n_slots); /* a shard: its part only */
+    s->store.steps = m->step;
+    s->store.cur->version = m->version;
+    s->run_id = m->run_id;
+    s->step = m->step;
+    s->lr = m->lr;
+    s->train_s_total = m->train_s_total;
+    s->samples_total = m->samples_total;
+    if (m->epoch_done) {
+        s->epoch = m->epoch + 1;
+        s->resumed_mid_epoch = false;
+    } else {
+        s->epoch = m->epoch;
+        s->epoch_step = m->epoch_step;
+        s->spe = m->steps_per_epoch;
+        s->ep_loss = m->ep_loss;
+        s->ep_correct = m->ep_correct;
+        s->ep_samples = m->ep_samples;
+        memcpy(s->seen, seen, (s->train_count + 7) / 8);
+        s->resumed_mid_epoch = true;
+    }
+    PS_INFO("resuming run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s", s->run_id, path, s->step,
+            s->epoch + 1, s->resumed_mid_epoch ? " (part done)" : "");
+    /* epochs logged after that checkpoint are trained and logged again: the
+     * metrics file keeps each epoch once */
+    char err[PS_PATH_MAX + 200];
+    if (s->cfg.metrics[0] && psd_metrics_trim(&s->metrics, s->cfg.metrics, s->run_id, s->epoch, err, sizeof err) < 0) {
+        PS_ERROR("cannot resume: %s", err);
+        return PSD_EXIT_USAGE;
+    }
+    s->resumed = true;
+    s->resumed_step = m->step;
+    /* the steps the psd shards may resume at: this one and older */
+    s->n_resume_steps = psd_ckpt_steps(s->resume_dir, m->step, s->resume_steps, PSD_RESUME_STEPS_MAX);
+    return 0;
+}
+
+/* This run's weights and metrics files are its own (psd_lock.h): 0, or
+ * PSD_EXIT_USAGE after saying which file another psd holds. */
+int hold_outputs(srv_t *s)
+{
+    char err[PS_PATH_MAX + 400];
+    const char *files[] = {s->cfg.save, s->cfg.metrics};
+    for (int i = 0; i < 2; i++)
+        if (files[i][0] && psd_lock_beside(&s->locks, files[i], err, sizeof err) != 0) {
+            PS_ERROR("%s", err);
+            return PSD_EXIT_USAGE;
+        }
+    return 0;
+}
+
+/* --resume DIR: the newest valid checkpoint into the store and the run. */
+int resume(srv_t *s)
+{
+    psd_ckpt_meta_t m;
+    uint8_t *seen = NULL;
+    float *weights = NULL, *slots[2] = {NULL, NULL};
+    char path[PS_PATH_MAX], err[512];
+    int r = resolve_resume_dir(s->opts.resume_dir, s->resume_dir, sizeof s->resume_dir);
+    if (r != 0) {
+        PS_ERROR("cannot resume from %s: %s", s->opts.resume_dir, strerror(-r));
+        return PSD_EXIT_USAGE;
+    }
+    /* a run still going writes there: refused. One only read (a copy on a
+     * read-only disk) cannot be locked, and needs not be */
+    if ((r = psd_lock_dir(&s->locks, s->resume_dir, err, sizeof err)) == -EWOULDBLOCK) {
+        PS_ERROR("cannot resume from %s: %s", s->resume_dir, err);
+        return PSD_EXIT_USAGE;
+    }
+    if (psd_ckpt_load_newest(s->resume_dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
+                             sizeof err) != 0) {
+        PS_ERROR("cannot resume: %s", err);
+        return PSD_EXIT_USAGE;
+    }
+    int rc = resume_apply(s, &m, seen, weights, slots, path);
+    free(seen);
+    free(weights);
+    free(slots[0]);
+    free(slots[1]);
+    return rc;
+}
+
+/* psd shards: a shard has no checkpoint as new as the one shard 0 resumed
+ * at. Back to the newest of shard 0's at or before step at_most: 0, or -1
+ * after saying why none. Nothing has trained yet (workers wait for every
+ * shard to resume). */
+int resume_at(srv_t *s, uint64_t at_most)
+{
+    uint64_t steps[PSD_RESUME_STEPS_MAX];
+    size_t n = psd_ckpt_steps(s->resume_dir, at_most, steps, PSD_RESUME_STEPS_MAX);
+    for (size_t k = 0; k < n; k++) {
+        psd_ckpt_meta_t m;
+        uint8_t *seen = NULL;
+        float *weights = NULL, *slots[2] = {NULL, NULL};
+        char path[PS_PATH_MAX], err[PS_PATH_MAX + 300];
+        if (psd_ckpt_load_step(s->resume_dir, steps[k], &m, &seen, &weights, slots, path, sizeof path, err,
+                               sizeof err) != 0) {
+            PS_WARN("%s; trying an older one", err);
+            continue;
+        }
+        int rc = m.run_id == s->run_id ? resume_apply(s, &m, seen, weights, slots, path) : PSD_EXIT_USAGE;
+        if (m.run_id != s->run_id) PS_ERROR("%s is of another run than the one resumed", path);
+        free(seen);
+        free(weights);
+        free(slots[0]);
+        free(slots[1]);
+        return rc == 0 ? 0 : -1;
+    }
+    PS_ERROR("cannot resume: shard 0 has no valid checkpoint in %s of step %" PRIu64 " or older, which every psd shard "
+             "would need", s->resume_dir, at_most);
+    return -1;
+}
+
+int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shards)
+{
+    psd_ckpt_meta_t m;
+    uint8_t *seen = NULL;
+    float *weights = NULL, *slots[2] = {NULL, NULL};
+    char path[PS_PATH_MAX], err[512], rdir[PS_PATH_MAX];
+    int r = resolve_resume_dir(dir, rdir, sizeof rdir);
+    if (r != 0) {
+        fprintf(stderr, "psd: cannot resume from %s: %s\n", dir, strerror(-r));
+        return PSD_EXIT_USAGE;
+    }
+    if (psd_ckpt_load_newest(rdir, &m, &seen, &weights, slots, path, sizeof path, log_line, err, sizeof err) != 0) {
+        fprintf(stderr, "psd: cannot resume: %s\n", err);
+        return PSD_EXIT_USAGE;
+    }
+    free(seen);
+    free(weights);
+    free(slots[0]);
+    free(slots[1]);
+    uint64_t h = ps_config_hash(c);
+    if (m.config_hash != h && !force) {
+        fprintf(stderr, "psd: cannot resume from %s: it was written with another config (hash %016" PRIx64
+                        ", this one %016" PRIx64 "); use --force-resume to resume anyway\n",
+                path, m.config_hash, h);
+        return PSD_EXIT_USAGE;
+    }
+    ps_layout_t l;
+    psd_optim_t o;
+    psd_optim_from_config(&o, c);
+    char why[256];
+    const char *misfit = ps_config_layout(c, &l) != 0
+                             ? "this config's model is invalid"
+                             : ckpt_misfit(&m, &l, &o, shards > 1 ? shards : 1, why, sizeof why);
+    if (misfit) {
+        fprintf(stderr, "psd: cannot resume from %s: %s\n", path, misfit);
+        return PSD_EXIT_USAGE;
+    }
+    printf("psd: would resume run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s\n", m.run_id, path, m.step,
+           m.epoch + 1, m.epoch_done ? " done" : " in progress");
+    return 0;
+}

@@ -1,0 +1,742 @@
+/* psd_step.c - the steps: push intake (whole, in parts, rows of the
+ * table), pull answers (bsp, async, ssp's hold-back), the reduction and the
+ * optimizer step over psd's part of the parameters, and the weights
+ * replies. */
+#include "psd_core.h"
+
+/* ssp: the clock (pushes applied this epoch) of the slowest worker still
+ * training, UINT64_MAX if none is */
+uint64_t min_clock(const srv_t *s)
+{
+    uint64_t m = UINT64_MAX;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].state == W_TRAIN && s->w[i].clock < m) m = s->w[i].clock;
+    return m;
+}
+
+/* ssp: w may not train its next step before the slowest (clock m) catches
+ * up: it has already done train.staleness steps more */
+static bool ssp_held(const srv_t *s, const worker_t *w, uint64_t m)
+{
+    return s->cfg.sync == PS_SYNC_SSP && m != UINT64_MAX && w->clock > m + (uint64_t)s->cfg.staleness;
+}
+
+/* w asked for weights to train on: send them, or with ssp hold them back
+ * while it is too far ahead (ssp_release answers it later) */
+static void answer_pull(srv_t *s, worker_t *w)
+{
+    if (s->cfg.sync == PS_SYNC_SSP) {
+        uint64_t m = min_clock(s);
+        if (ssp_held(s, w, m)) {
+            w->ssp_wait = true;
+            return;
+        }
+        uint64_t lead = m != UINT64_MAX && w->clock > m ? w->clock - m : 0;
+        if (lead > s->ep_lead_max) s->ep_lead_max = lead;
+    }
+    w->ssp_wait = false;
+    rebalance(s, w); /* before the weights: w has not begun its next batch */
+    send_weights(s, w);
+}
+
+/* ssp: answer the workers held back that the slowest has come close enough
+ * to (it pushed, reached its barrier, or was lost). psd's own waiting is not
+ * the worker's silence: its timeout counts from here. */
+static void ssp_release(srv_t *s)
+{
+    if (s->cfg.sync != PS_SYNC_SSP) return;
+    uint64_t m = min_clock(s); /* answering a worker moves no clock */
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (!w->ssp_wait) continue;
+        if (w->state != W_TRAIN) {
+            w->ssp_wait = false;
+            continue;
+        }
+        if (ssp_held(s, w, m)) continue;
+        w->last_seen = ps_now();
+        answer_pull(s, w);
+    }
+}
+
+/* Its gradients come as bfloat16: on the wire with train.wire_gradients: bf16. */
+bool wire_bf16(const srv_t *s, const worker_t *w)
+{
+    return !w->shm && s->cfg.wire_gradients == PS_WIRE_BF16;
+}
+
+void release_push(worker_t *w)
+{
+    for (int t = 0; t < PS_MAX_TENSORS; t++)
+        if ((w->grad_mask & ~w->grad_shm) & (1ull << t) && !(w->grad_rows && t == w->sp_table)) zmq_msg_close(&w->grad[t]);
+    w->grad_mask = w->grad_shm = 0;
+    w->grad_rows = false;
+    if (w->n_gch > 0) {
+        for (int c = 0; c < w->n_gch_cap; c++)
+            if (w->gch_in[c] == 1) zmq_msg_close(&w->gch[c]);
+        memset(w->gch_in, 0, (size_t)w->n_gch_cap);
+    }
+    w->n_gch = 0;
+    w->st_member = w->st_req = false;
+    w->st_sent = 0;
+    w->has_push = w->push_started = w->push_pull = w->own_push = false;
+    w->shard_have = 0;
+}
+
+/* samples trained this epoch, with their summed loss and correct count */
+void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct)
+{
+    s->ep_samples += samples;
+    s->ep_loss += loss;
+    s->ep_correct += correct;
+}
+
+/* w's batch is trained: its samples seen, its statistics counted */
+void account_batch(srv_t *s, worker_t *w)
+{
+    walk_positions(w, w->consumed, w->push_batch, mark_seen, s);
+    w->consumed += w->push_batch;
+    count_trained(s, w->push_batch, w->push_loss, w->push_correct);
+}
+
+/* The statistics of the step's contributors, their pushes released; those
+ * that asked get the new version once it is made (step_done). */
+void account_step(srv_t *s, uint64_t total, const worker_t *only)
+{
+    double step_loss = 0;
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (!w->has_push || (only && w != only)) continue;
+        account_batch(s, w);
+        step_loss += w->push_loss;
+        w->want_pull = w->push_pull && !w->st_req; /* a streamed reply has gone out already */
+        release_push(w);
+    }
+    s->last_loss = step_loss / (double)total;
+}
+
+/* A step taken: its count, timing and loss curve. */
+static void count_step(srv_t *s)
+{
+    s->ep_step_n++;
+    s->step++;
+    s->epoch_step++;
+    double now = ps_now();
+    if (s->last_step_t > 0 && s->epoch_step > 1) {
+        int during = s->ckpt != NULL;
+        s->int_sum[during] += now - s->last_step_t;
+        s->int_n[during]++;
+    }
+    s->last_step_t = now;
+    if (s->curve_every == 0) s->curve_every = 1;
+    if (s->step % s->curve_every == 0) {
+        if (s->n_curve == PSD_CURVE_MAX) { /* keep every other point, record half as often */
+            for (int i = 0; i < PSD_CURVE_MAX / 2; i++) s->curve[i] = s->curve[2 * i + 1];
+            s->n_curve = PSD_CURVE_MAX / 2;
+            s->curve_every *= 2;
+        }
+        if (s->step % s->curve_every == 0) {
+            s->curve[s->n_curve].step = s->step;
+            s->curve[s->n_curve++].loss = (float)s->last_loss;
+        }
+    }
+}
+
+/* The step just counted diverged (psd_diverge.h: its loss against the
+ * run's first steps, the norms of its gradient and new weights, this psd's
+ * part): the run ends with the reason (exit 1), no weights saved and no
+ * checkpoint of it taken. */
+static bool diverged(srv_t *s)
+{
+    psd_amax_t am = psd_store_step_amax(&s->store);
+    psd_diverge_verdict_t v = psd_diverge_step(&s->dv, s->cfg.divergence_factor, s->step, s->last_loss,
+                                               psd_amax_value(am.g), psd_amax_value(am.w));
+    if (v == PSD_DIVERGE_OK) return false;
+    char why[512];
+    psd_diverge_message(&s->dv, v, s->epoch + 1, why, sizeof why);
+    PS_ERROR("%s", why);
+    s->ckpt_deferred = false;
+    finish(s, PSD_EXIT_ERROR, v == PSD_DIVERGE_RISE ? "training diverged (the loss rose far above its start)"
+                                                    : "training diverged (a norm or the loss is not finite)");
+    return true;
+}
+
+/* The new version is current: count the step, answer the pulls. A streamed
+ * step that every contributor left before any chunk took it (void) is no
+ * step: not counted, only answered. */
+void step_done(srv_t *s, bool taken)
+{
+    if (taken) count_step(s);
+    if (taken && diverged(s)) return;
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        w->shard_have = 0; /* HAVEs name a version: none of them counts for the next (a non-contributor's) */
+        if (w->want_pull && w->state == W_TRAIN) {
+            w->last_seen = ps_now(); /* psd's own waiting (a deferred pull) is not its silence */
+            answer_pull(s, w);
+        }
+        w->want_pull = false;
+    }
+    if (taken && s->cfg.ckpt_every_steps > 0 && s->step % (uint64_t)s->cfg.ckpt_every_steps == 0)
+        take_checkpoint(s, false);
+}
+
+/* Tell the shards to take the same step: contributors, weights, rate. */
+static void shards_step(srv_t *s, int k, const double *wt)
+{
+    uint32_t ranks[MAX_WORKERS];
+    int j = 0;
+    for (int i = 0; i < s->n && j < k; i++)
+        if (s->w[i].has_push) ranks[j++] = s->w[i].rank;
+    Psd__Header h;
+    Psd__ShardStep st = PSD__SHARD_STEP__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_SHARD_STEP;
+    st.version = s->store.cur->version;
+    st.ranks = ranks;
+    st.n_ranks = (size_t)j;
+    st.weights = (double *)wt;
+    st.n_weights = (size_t)k;
+    st.lr = s->lr;
+    st.clip_norm = s->cfg.clip_norm;
+    st.step = s->store.steps;
+    h.body_case = PSD__HEADER__BODY_SHARD_STEP;
+    h.shard_step = &st;
+    shards_send_all(s, &h);
+}
+
+/* The learning rate of the step about to be taken. */
+void step_lr(srv_t *s)
+{
+    double frac = (double)s->epoch_step / s->spe;
+    if (frac > 0.999999) frac = 0.999999; /* a redistributed epoch may take a few more steps */
+    s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
+}
+
+/* Contributor w's table gradient as rows (lazy tables): pushed as rows, or
+ * the nonzero rows of the table (this shard's piece of it) it pushed whole
+ * (g[table], which the dense step then skips). 0, or -1 (out of memory). */
+static int lazy_rows(srv_t *s, worker_t *w, const void **g, bool bf16, psd_rowgrad_t *r)
+{
+    const int t = s->layout.table;
+    const size_t D = (size_t)s->layout.t[t].cols;
+    const ps_piece_t *own = &s->store.own[t];
+    if (!w->grad_rows && g[t] && psd_rowbuf_dense(&w->sp, g[t], bf16, own->off / D, own->n / D, D) != 0) return -1;
+    if (!w->grad_rows && !g[t]) w->sp.n = 0;
+    g[t] = NULL;
+    *r = psd_rowbuf_grad(&w->sp);
+    return 0;
+}
+
+/* Reduce the pushes held (every one, or only `only`'s: async and ssp apply
+ * each push on its own), apply the optimizer, answer the pulls. Returns
+ * with s->stepping set when shards must send their norms first, or with
+ * the run ended if no arena was free. */
+static void take_step(srv_t *s, worker_t *only)
+{
+    uint64_t total = 0;
+    int k = 0; /* contributors in rank order: the same sums every run */
+    const void *(*g)[PS_MAX_TENSORS] = s->step_g; /* made once: no allocation per step */
+    double *wt = s->step_wt;
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].has_push && (!only || &s->w[i] == only)) total += s->w[i].push_batch;
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (!w->has_push || (only && w != only)) continue;
+        for (int t = 0; t < s->layout.n_tensors; t++)
+            g[k][t] = w->grad_shm & (1ull << t) ? (const void *)(w->shm_grad + s->layout.t[t].offset)
+                      : w->grad_rows && t == s->layout.table ? NULL /* its rows: lazy_rows */
+                      : w->grad_mask & (1ull << t) ? (const void *)zmq_msg_data(&w->grad[t])
+                                                   : NULL;
+        s->step_bf16[k] = wire_bf16(s, w);
+        wt[k] = (double)w->push_batch / (double)total;
+        if (s->store.lazy && lazy_rows(s, w, g[k], s->step_bf16[k], &s->step_rows[k]) != 0) {
+            PS_ERROR("out of memory for the table rows of a step");
+            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+            return;
+        }
+        k++;
+    }
+    step_lr(s);
+    if (s->store.lazy && psd_store_rows_room(&s->store, k, s->step_rows, MAX_WORKERS) != 0) {
+        PS_ERROR("out of memory for the table rows of a step");
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    if (sharded(s)) shards_step(s, k, wt);
+    if (sharded(s) && s->cfg.clip_norm > 0) {
+        /* the whole gradient's norm first: this part's blocks now, the
+         * other shards' in their NORM messages (on_shard_norm) */
+        if (psd_store_reduce_rows(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
+                                  s->store.lazy ? s->step_rows : NULL) != 0) {
+            PS_ERROR("more table rows in a step than psd made room for");
+            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+            return;
+        }
+        account_step(s, total, NULL);
+        s->stepping = true;
+        s->stepping_since = ps_now();
+        for (int i = 1; i < s->n_shards; i++) s->shards[i].norm_in = false;
+        return;
+    }
+    uint64_t computed_on = only ? only->push_version : s->store.cur->version;
+    double norm = psd_store_step_rows(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
+                                      s->store.lazy ? s->step_rows : NULL, s->cfg.clip_norm, s->lr);
+    if (norm < 0) {
+        PS_ERROR("no free parameter arena (too many pull replies in flight)");
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    if (only) { /* versions applied since the one it was computed on */
+        uint64_t stale = s->store.cur->version - 1 - computed_on;
+        s->ep_stale_sum += stale;
+        s->ep_stale_n++;
+        if (stale > s->ep_stale_max) s->ep_stale_max = stale;
+        only->clock++;
+    }
+    account_step(s, total, only);
+    step_done(s, true);
+}
+
+/* bsp: once every worker still training has pushed for this version,
+ * reduce and apply. async and ssp: apply each push as it completes. */
+void maybe_step(srv_t *s)
+{
+    if (s->phase != PHASE_TRAIN || s->stepping) return;
+    if (s->cfg.sync != PS_SYNC_BSP) {
+        for (int i = 0; i < s->n && s->phase == PHASE_TRAIN; i++)
+            if (s->w[i].has_push) take_step(s, &s->w[i]);
+        if (s->phase != PHASE_TRAIN) return;
+        ssp_release(s);
+    } else if (s->stream) {
+        stream_progress(s);
+        if (s->phase != PHASE_TRAIN || s->st_open) return;
+        for (int i = 0; i < s->n; i++)
+            if (s->w[i].push_started) return; /* the step waits for a worker to begin its push */
+    } else {
+        int pending = 0;
+        for (int i = 0; i < s->n; i++) {
+            worker_t *w = &s->w[i];
+            if (w->state == W_TRAIN && !w->has_push) return; /* still waiting for it */
+            if (w->own_push && !w->has_push) return;        /* or for a shard to have all of its push */
+            pending += w->has_push;
+        }
+        if (pending > 0) take_step(s, NULL);
+        if (s->phase != PHASE_TRAIN || s->stepping) return;
+    }
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].state == W_TRAIN) return;
+    if (s->n_pool > 0) return; /* samples wait for a worker to join */
+    start_validation(s);
+}
+
+void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    if (w->state != W_TRAIN) {
+        drop(s, w, "PULL while %s", wstate_name[w->state]);
+        return;
+    }
+    uint64_t v = m->hdr->pull->min_version;
+    if (v > s->store.cur->version) {
+        drop(s, w, "PULL of version %" PRIu64 ", current is %" PRIu64, v, s->store.cur->version);
+        return;
+    }
+    if (m->hdr->pull->want_rows && want_take(s, w, m) != 0) return;
+    if (w->own_push) { /* its last push still waits for the step (it was given more samples since, or
+                        * with shards, this asks for the step's version after a push's last part):
+                        * answer with the version that step makes; its gradient, in flight or in
+                        * its shared region, must not be overwritten before */
+        w->push_pull = true;
+        return;
+    }
+    if (s->st_open || s->stepping) { /* a streamed step is half taken (maybe in place), or psd shards
+                                       * take a step (clipping: waiting for their norms): the version it
+                                       * makes, not the one its push would be stale against */
+        w->want_pull = true;
+        return;
+    }
+    answer_pull(s, w);
+}
+
+/* The most table rows one batch can read: min(rows, batch x fields x values). */
+size_t batch_rows(const srv_t *s)
+{
+    size_t n = (size_t)s->cfg.batch_size * (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
+    size_t R = (size_t)s->layout.t[s->layout.table].rows;
+    return n < R ? n : R;
+}
+
+/* ids[0..n) are rows of the table, strictly increasing, n >= 1 */
+static bool table_ids(const srv_t *s, const uint32_t *ids, size_t n)
+{
+    return ps_rows_valid(ids, n, (uint64_t)s->layout.t[s->layout.table].rows);
+}
+
+/* Frames i (u32 ids) and i + 1 (f32 rows) of a PUSH are rows of the
+ * table's gradient: ids strictly increasing and below its row count, rows
+ * of its width, f32 gradients; on a psd shard, rows of its piece of the
+ * table (whole rows), none maybe. The table is stepped by rows. 0, or -1. */
+static int rows_check(const srv_t *s, const worker_t *w, const ps_msg_t *m, int i)
+{
+    if (wire_bf16(s, w) || !s->store.lazy) return -1; /* its step reads bfloat16, or the table whole */
+    const ps_layout_t *l = &s->layout;
+    const uint32_t *ids;
+    size_t n = 0, nv = 0;
+    return l->table >= 0 && (int)m->hdr->tensors[i]->id == l->table && ps_msg_rows(m, i, &ids, &n, &nv) &&
+                   psd_rows_fit(l, &s->store.own[l->table], ids, n, nv, sharded(s))
+               ? 0
+               : -1;
+}
+
+/* Keep the checked rows (frames i, i + 1) for the step, which merges them.
+ * Allocates only the first time (room for any batch's rows) and when a
+ * push has more rows than any before. 0, or -1 (dropped, logged). */
+static int rows_take(srv_t *s, worker_t *w, ps_msg_t *m, int i)
+{
+    const ps_layout_t *l = &s->layout;
+    const size_t D = (size_t)l->t[l->table].cols;
+    size_t n = 0, nv = 0;
+    const uint32_t *ids = ps_msg_u32(m, i, &n);
+    const float *v = ps_msg_f32(m, i + 1, &nv);
+    if (psd_rowbuf_set(&w->sp, ids, v, n, D, batch_rows(s)) != 0) {
+        drop(s, w, "PUSH of table rows: out of memory");
+        return -1;
+    }
+    w->sp_table = l->table;
+    w->grad_rows = true;
+    s->ep_rows_in += n;
+    s->ep_rows_pushes++;
+    return 0;
+}
+
+/* The last frame of a PUSH with want_rows: the table rows the worker's
+ * next batch reads (strictly increasing, below the table's rows), kept for
+ * the reply. 0, or -1 (dropped, logged). Allocates only when a list is
+ * longer than any before. */
+int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    const ps_layout_t *l = &s->layout;
+    size_t n = 0;
+    const uint32_t *ids = m->n_frames > 0 && l->table >= 0 &&
+                                  m->hdr->tensors[m->n_frames - 1]->id == (uint32_t)l->table
+                              ? ps_msg_u32(m, m->n_frames - 1, &n)
+                              : NULL;
+    const bool push = m->hdr->body_case == PSD__HEADER__BODY_PUSH;
+    const char *what = push ? "PUSH" : "PULL";
+    size_t r0 = 0, r1 = 0; /* a shard: rows of its piece, none maybe */
+    bool rows_ok = ids && (sharded(s) ? ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) && r0 < r1 &&
+                                            psd_rows_in(ids, n, r0, r1)
+                                      : table_ids(s, ids, n));
+    if (!rows_ok || n > batch_rows(s) || (push && !m->hdr->push->pull)) {
+        drop(s, w, "%s asking for table rows that are not rows of the table (strictly increasing ids below its "
+                   "row count, of this shard's piece, at most a batch's, in its last frame) or without asking for "
+                   "the next version", what);
+        return -1;
+    }
+    if (psd_want_keep(&w->want, ids, n, batch_rows(s), (size_t)l->t[l->table].cols) != 0) {
+        drop(s, w, "%s asking for table rows: out of memory", what);
+        return -1;
+    }
+    return 0;
+}
+
+void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    Psd__Push *p = m->hdr->push;
+    const ps_layout_t *l = &s->layout;
+    if (w->state != W_TRAIN) {
+        drop(s, w, "PUSH while %s", wstate_name[w->state]);
+        return;
+    }
+    if (w->has_push) {
+        drop(s, w, "second PUSH for version %" PRIu64, p->version);
+        return;
+    }
+    if (s->cfg.sync == PS_SYNC_BSP ? p->version != s->store.cur->version : p->version > s->store.cur->version) {
+        drop(s, w, "PUSH computed on version %" PRIu64 ", current is %" PRIu64, p->version,
+             s->store.cur->version);
+        return;
+    }
+    uint64_t left = w->assigned - w->consumed;
+    if (p->batch == 0 || p->batch > (uint32_t)s->cfg.batch_size || p->batch > left) {
+        drop(s, w, "PUSH of a batch of %u (batch size %d, %" PRIu64 " samples left)", p->batch,
+             s->cfg.batch_size, left);
+        return;
+    }
+    if (!isfinite(p->loss_sum)) {
+        /* not a bad message: the model diverged. Dropping it would only get
+         * the workers declared lost one after the other. */
+        PS_ERROR("training diverged at step %" PRIu64 " (epoch %u): rank %u's batch loss is %s; lower "
+                 "optimizer.lr, add warm-up (schedule.warmup_epochs) or clip (optimizer.clip_norm)",
+                 s->step + 1, s->epoch + 1, w->rank, isnan(p->loss_sum) ? "NaN" : "infinite");
+        finish(s, PSD_EXIT_ERROR, "training diverged (loss not finite)");
+        return;
+    }
+    if (p->loss_sum < 0 || p->correct > p->batch) {
+        drop(s, w, "PUSH with invalid statistics");
+        return;
+    }
+    if (w->push_started && (p->batch != w->push_batch || p->correct != w->push_correct ||
+                            p->loss_sum != w->push_loss || p->version != w->push_version)) {
+        drop(s, w, "PUSH part for another batch than the parts before it");
+        return;
+    }
+    if (m->n_frames < 1 && p->n_shm_tensors < 1) {
+        drop(s, w, "PUSH without tensors");
+        return;
+    }
+    if (p->n_shm_tensors > 0 && !w->shm) {
+        drop(s, w, "PUSH of tensors in shared memory psd does not share with it");
+        return;
+    }
+    bool complete;
+    if (s->stream) {
+        if (stream_take(s, w, m) != 0) return;
+        complete = w->n_gch == s->st_nc;
+    } else {
+        uint64_t mask = 0, in_shm = 0;
+        for (size_t i = 0; i < p->n_shm_tensors; i++) {
+            uint32_t t = p->shm_tensors[i];
+            if (t >= (uint32_t)l->n_tensors || ((w->grad_mask | in_shm) & (1ull << t))) {
+                drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
+                return;
+            }
+            in_shm |= 1ull << t;
+        }
+        mask = in_shm;
+        const int nf = m->n_frames - (p->want_rows && m->n_frames > 0); /* gradient frames; then the rows wanted */
+        int rows_at = -1; /* the table's gradient as rows: frames rows_at (ids) and rows_at + 1 */
+        for (int i = 0; i < nf; i++) {
+            size_t n = 0;
+            const Psd__TensorDesc *d = m->hdr->tensors[i];
+            uint32_t t = d->id;
+            if (t >= (uint32_t)l->n_tensors || ((w->grad_mask | mask) & (1ull << t))) {
+                drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
+                return;
+            }
+            if (d->dtype == PSD__DTYPE__DT_U32) {
+                if (rows_check(s, w, m, i) != 0) {
+                    drop(s, w, "PUSH of rows of tensor %u that are not rows of the table (strictly increasing "
+                               "ids below its row count, of this shard's piece, then their f32 rows)", t);
+                    return;
+                }
+                rows_at = i++;
+                mask |= 1ull << t;
+                continue;
+            }
+            /* in the worker's wire type: f32, or bf16 with train.wire_gradients: bf16 */
+            bool bf16 = wire_bf16(s, w);
+            bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
+            const ps_piece_t *pc = &s->store.own[t];
+            if (!ok || d->offset != pc->off || n != pc->n || pc->n == 0) {
+                drop(s, w, "PUSH tensor %u does not match %s (%zu %s at %" PRIu64 ", want %zu %s at %zu)", t,
+                     sharded(s) ? "this shard's part" : "the model", n,
+                     d->dtype == PSD__DTYPE__DT_BF16 ? "bf16" : "elements", d->offset, pc->n, bf16 ? "bf16" : "f32",
+                     pc->off);
+                return;
+            }
+            mask |= 1ull << t;
+        }
+        if (p->want_rows && want_take(s, w, m) != 0) return;
+        if (rows_at >= 0 && rows_take(s, w, m, rows_at) != 0) {
+            w->want.n = 0;
+            w->want.has = false;
+            return;
+        }
+        /* keep the frames without copying: reduced in rank order once everyone has pushed */
+        for (int i = 0; i < m->n_frames; i++) {
+            uint32_t t = m->hdr->tensors[i]->id;
+            s->ep_bytes_in += zmq_msg_size(&m->frames[i]);
+            if (i >= nf) continue; /* the rows wanted: kept by want_take */
+            if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* copied by rows_take */
+            zmq_msg_init(&w->grad[t]);
+            zmq_msg_move(&w->grad[t], &m->frames[i]);
+        }
+        w->grad_mask |= mask;
+        w->grad_shm |= in_shm;
+        uint64_t all = 0;
+        for (int t = 0; t < l->n_tensors; t++)
+            if (s->store.own[t].n) all |= 1ull << t;
+        complete = w->grad_mask == all;
+    }
+    w->push_pull |= p->pull;
+    if (p->release && w->hold) { /* it reads no more of its slot: the step may update it in place */
+        psd_store_frame_free(NULL, w->hold);
+        w->hold = NULL;
+    }
+    if (!w->push_started) {
+        w->push_started = true;
+        w->push_version = p->version;
+        w->push_batch = p->batch;
+        w->push_loss = p->loss_sum;
+        w->push_correct = p->correct;
+    }
+    if (!complete) { /* more parts to come */
+        if (s->stream) maybe_step(s); /* its chunks may complete some */
+        return;
+    }
+    w->own_push = true;
+    w->own_push_at = ps_now();
+    push_check(s, w);
+    /* the worker's step time, from the part that completes the push */
+    if (isfinite(p->compute_s) && isfinite(p->wait_s) && p->compute_s >= 0 && p->wait_s >= 0 &&
+        p->compute_s < 1e6 && p->wait_s < 1e6) {
+        s->ep_compute_s += p->compute_s;
+        s->ep_wait_s += p->wait_s;
+        s->ep_timed++;
+        w->compute_ewma = w->compute_ewma > 0 ? 0.9 * w->compute_ewma + 0.1 * p->compute_s : p->compute_s;
+        int bw = 0, bc = 0;
+        while (bw < PSD_HIST_N && p->wait_s > hist_le[bw]) bw++;
+        while (bc < PSD_HIST_N && p->compute_s > hist_le[bc]) bc++;
+        w->h_wait[bw]++;
+        w->h_compute[bc]++;
+        w->h_wait_sum += p->wait_s;
+        w->h_compute_sum += p->compute_s;
+    }
+    if (w->has_push) maybe_step(s);
+}
+
+/* Weights frames of the current version, sent without copying (as f32, or
+ * from the version's bfloat16 copy with train.wire_weights: bf16); for a
+ * worker on shared memory none: *slot (1-based) names the version's slot,
+ * which the worker holds until it is sent another. With --x-verify-weights
+ * *crc is the CRC-32 of what the worker gets, else 0. */
+int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32_t *crc)
+{
+    *slot = 0;
+    *crc = 0;
+    if (w->shm) {
+        if (w->hold) psd_store_frame_free(NULL, w->hold);
+        w->hold = psd_store_ref_current(&s->store);
+        *slot = (uint32_t)psd_store_slot(&s->store, w->hold) + 1;
+        if (s->opts.verify_weights) *crc = psd_store_current_crc(&s->store);
+        return 0;
+    }
+    const uint16_t *w16 = s->cfg.wire_weights == PS_WIRE_BF16 ? psd_store_current_bf16(&s->store) : NULL;
+    if (s->cfg.wire_weights == PS_WIRE_BF16 && !w16) PS_WARN("out of memory for bfloat16 weights: sending f32");
+    int n = psd_store_frames(&s->store, w16, fr, s->opts.verify_weights && (w16 || sharded(s)) ? crc : NULL);
+    for (int i = 0; i < n; i++) s->ep_bytes_out += fr[i].nbytes;
+    if (s->opts.verify_weights && !w16 && !sharded(s)) *crc = psd_store_current_crc(&s->store);
+    if (s->layout.table < 0) ps_frames_small_first(fr, n); /* the CRCs are in tensor order */
+    return n;
+}
+
+/* The table on psd: a message's frames sent as copies, so that no reply
+ * in flight holds a reference on the version: a step would then go out of
+ * place and copy the whole table into the next arena. The frames are the
+ * MLP's and a batch's rows, small next to the table. */
+static int send_copied(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n)
+{
+    for (int i = 0; i < n; i++) fr[i].copy = true;
+    return send_to(s, w, h, fr, n);
+}
+
+/* The table's frame *fr (a reference on the current version) becomes rows
+ * ids[0, n) of it, gathered into vals (n x dim; copied by ZeroMQ at send),
+ * with the epoch's byte and row counts. */
+static void table_rows_frame(srv_t *s, ps_frame_t *fr, const uint32_t *ids, size_t n, float *vals)
+{
+    const ps_layout_t *l = &s->layout;
+    const size_t D = (size_t)l->t[l->table].cols;
+    const float *E = s->store.cur->w + l->t[l->table].offset;
+    if (fr->ffn) fr->ffn((void *)fr->data, fr->hint); /* its reference to the version */
+    s->ep_bytes_out -= fr->nbytes;
+    psd_rows_gather(vals, E, D, ids, n);
+    *fr = (ps_frame_t){.data = vals, .nbytes = n * D * sizeof(float), .id = (uint32_t)l->table,
+                       .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)n, .cols = (uint32_t)D};
+    s->ep_bytes_out += fr->nbytes;
+    s->ep_rows_out += n;
+}
+
+void send_weights(srv_t *s, worker_t *w)
+{
+    Psd__Header h;
+    Psd__Weights wt = PSD__WEIGHTS__INIT;
+    ps_frame_t fr[PS_MAX_TENSORS];
+    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_WEIGHTS);
+    wt.version = s->store.cur->version;
+    wt.step = s->step;
+    h.body_case = PSD__HEADER__BODY_WEIGHTS;
+    h.weights = &wt;
+    int n = weights_frames(s, w, fr, &wt.shm_slot, &wt.crc);
+    if ((w->want.has || s->table_on_psd) && !w->shm && s->cfg.wire_weights == PS_WIRE_F32 && n > 0 &&
+        fr[n - 1].id == (uint32_t)s->layout.table) {
+        /* only the table rows its next batch reads (a shard: those in its piece, none maybe);
+         * with the table on psd, none when it asked for none. The table is the last tensor,
+         * so the last frame. */
+        table_rows_frame(s, &fr[n - 1], w->want.ids, w->want.n, w->want.vals);
+        s->ep_rows_replies++;
+        wt.rows = true;
+        wt.crc = 0;
+    }
+    w->want.n = 0;
+    w->want.has = false;
+    if (s->table_on_psd)
+        send_copied(s, w, &h, fr, n);
+    else
+        send_to(s, w, &h, fr, n);
+}
+
+/* A push counts once this part of it is complete and every other shard
+ * has its part (SHARD_HAVE): sets and returns has_push. */
+bool push_check(const srv_t *s, worker_t *w)
+{
+    w->has_push = w->own_push && (w->shard_have & shard_bits(s)) == shard_bits(s);
+    return w->has_push;
+}
+
+/* The table on psd: VALIDATE's table frame (the last one, a reference on
+ * the version) becomes the rows its range's examples read: their ids, then
+ * the rows (gathered, copied by ZeroMQ at send). Once per validation part,
+ * so the buffers are allocated here; out of memory, the worker gets none
+ * and fails its part. */
+void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n)
+{
+    Psd__Validate *v = h->validate;
+    const size_t per = (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
+    const size_t count = (size_t)(v->end - v->begin), D = (size_t)s->layout.t[s->layout.table].cols;
+    uint32_t *buf = malloc((count * per > 0 ? count * per : 1) * sizeof *buf);
+    float *vals = NULL;
+    size_t k = 0;
+    if (buf) {
+        ps_ctr_t g;
+        ps_ctr_from_config(&s->cfg, &g);
+        uint8_t label;
+        for (size_t i = 0; i < count; i++) /* test examples come after the training ones */
+            ps_ctr_example(&g, (uint64_t)s->cfg.ctr_train + v->begin + i, buf + i * per, NULL, &label);
+        k = ps_sort_unique_u32(buf, count * per);
+        vals = malloc((k * D > 0 ? k * D : 1) * sizeof *vals);
+    }
+    if (!vals) {
+        PS_ERROR("out of memory for the table rows of rank %u's validation part", w->rank);
+        k = 0;
+    }
+    static const uint32_t none[1];
+    const uint32_t *ids = buf ? buf : none; /* none: k is 0 */
+    /* the values of the rows in this psd's piece of the table (a shard:
+     * a slice of the sorted ids, none maybe; the worker asks the other
+     * shards for theirs) */
+    const ps_piece_t *own = &s->store.own[s->layout.table];
+    size_t r0 = 0, r1 = 0, a = 0, b = k;
+    if (own->n && ps_piece_rows(&s->layout, own, &r0, &r1)) {
+        while (a < k && ids[a] < r0) a++;
+        for (b = a; b < k && ids[b] < r1; b++) {}
+    } else {
+        b = a;
+    }
+    if (n > 0 && fr[n - 1].id == (uint32_t)s->layout.table) {
+        table_rows_frame(s, &fr[n - 1], ids + a, b - a, vals);
+    } else { /* a shard holding none of the table */
+        fr[n++] = (ps_frame_t){.data = vals, .nbytes = 0, .id = (uint32_t)s->layout.table,
+                               .dtype = PSD__DTYPE__DT_F32, .rows = 0, .cols = (uint32_t)D};
+    }
+    fr[n] = fr[n - 1];
+    fr[n - 1] = (ps_frame_t){.data = ids, .nbytes = k * sizeof *ids, .id = (uint32_t)s->layout.table,
+                             .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)k};
+    s->ep_bytes_out += k * sizeof *ids;
+    v->rows = true;
+    v->crc = 0;
+    send_copied(s, w, h, fr, n + 1);
+    free(buf);
+    free(vals);
+}
