@@ -19,8 +19,8 @@ PAIRS=${PAIRS:-9}
 WORK=$(mktemp -d /tmp/psd-ab-XXXXXX)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$WORK"' EXIT
 cd "$(dirname "$0")/.."
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
-echo "machine: ${cpu:-unknown CPU}, $(nproc) cores, kernel $(uname -r), tcp cc $(cat /proc/sys/net/ipv4/tcp_congestion_control)"
+. bench/lib.sh
+machine_line
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 # one run: $1 build dir, $2 workers, $3 endpoint, $4 psbench flags; prints the aggregate GB/s
 run() {

@@ -11,12 +11,9 @@
 #   bash bench/all.sh          (about 8 minutes on a 2-core VM)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# first line: the machine, so that figures from different machines can be
-# told apart (psd's own choice on loopback follows server.tcp_congestion)
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
-echo "machine: ${cpu:-unknown CPU}, $(nproc) cores usable ($(grep -c ^processor /proc/cpuinfo) online)," \
-    "kernel $(uname -r), tcp congestion control $(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null ||
-    echo unknown) (psd: server.tcp_congestion auto = reno on loopback)"
+# first line: the machine (bench/lib.sh)
+. bench/lib.sh
+machine_line
 OUT=$(mktemp -d /tmp/psd-bench-all-XXXXXX)
 trap 'rm -rf "$OUT"' EXIT
 # one benchmark, its output into $OUT/$1.txt (and .err); if it fails, what it

@@ -1,6 +1,16 @@
 # Shared set-up of the bench scripts (sourced): install what is missing,
 # build, make a work directory removed on exit, pick a free loopback port.
 # Sets ROOT, WORK, PORT.
+# One line naming this machine (CPU, cores, kernel, the kernel's congestion
+# control), so that figures from different machines can be told apart.
+machine_line() {
+    local cpu
+    cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
+    echo "machine: ${cpu:-unknown CPU}, $(nproc) cores usable ($(grep -c ^processor /proc/cpuinfo) online)," \
+        "kernel $(uname -r), tcp congestion control $(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null ||
+        echo unknown) (psd: server.tcp_congestion auto = reno on loopback)"
+}
+
 bench_setup() { # [--bench]
     cd "$(dirname "${BASH_SOURCE[1]}")/.."
     ROOT=$(pwd)

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "ps_log.h"
 #include "ps_util.h"
@@ -353,6 +354,45 @@ int psd_http_check(const char *addr, bool *loopback, char *err, size_t errlen)
         return -EINVAL;
     }
     *loopback = ps_endpoint_is_loopback(ep); /* the rule psd's own endpoint follows */
+    return 0;
+}
+
+int psd_http_settings(const char *addr, const char *token_file, bool insecure, char *token, size_t token_len,
+                      bool *open, char *err, size_t errlen)
+{
+    bool loopback = false;
+    token[0] = '\0';
+    *open = false;
+    if (psd_http_check(addr, &loopback, err, errlen) != 0) return -EINVAL;
+    if (token_file[0]) {
+        struct stat st;
+        FILE *f = fopen(token_file, "r");
+        if (!f || fstat(fileno(f), &st) != 0) {
+            snprintf(err, errlen, "server.http_token_file %s: %s", token_file, strerror(errno));
+            if (f) fclose(f);
+            return -EINVAL;
+        }
+        if (!fgets(token, (int)token_len, f)) token[0] = '\0';
+        fclose(f);
+        token[strcspn(token, "\r\n")] = '\0';
+        if (st.st_mode & 077) {
+            snprintf(err, errlen, "server.http_token_file %s is readable by others (mode %03o): chmod 600 it",
+                     token_file, (unsigned)(st.st_mode & 0777));
+            return -EINVAL;
+        }
+        if (strlen(token) < 16) {
+            snprintf(err, errlen, "server.http_token_file %s: the token (its first line) must have at least 16 "
+                     "characters", token_file);
+            return -EINVAL;
+        }
+    } else if (!loopback) {
+        if (!insecure) {
+            snprintf(err, errlen, "refusing HTTP on %s without a token: set server.http_token_file (requests then "
+                     "need \"Authorization: Bearer <token>\"), use a loopback address, or --insecure", addr);
+            return -EINVAL;
+        }
+        *open = true;
+    }
     return 0;
 }
 

@@ -28,5 +28,12 @@ void psd_http_stop(psd_http_t **h);
  * (127.x.x.x, localhost, [::1] or 127.x.x.x mapped into IPv6), or -EINVAL
  * with a message. */
 int psd_http_check(const char *addr, bool *loopback, char *err, size_t errlen);
+/* The endpoint's settings as the start and --check-config both check them:
+ * addr a HOST:PORT psd_http_start takes; token_file ("" for none) a file
+ * only its owner may read whose first line, the token (into token), has at
+ * least 16 characters; beyond loopback only with a token or `insecure`
+ * (then *open is set: the caller warns). 0, or -EINVAL with a message. */
+int psd_http_settings(const char *addr, const char *token_file, bool insecure, char *token, size_t token_len,
+                      bool *open, char *err, size_t errlen);
 
 #endif

@@ -164,36 +164,11 @@ static int check_outputs(const ps_config_t *c, const psd_run_opts_t *run, char *
     if (c->save[0] && check_out_file("--save (server.save)", c->save, false, err, errlen) != 0) return -1;
     if (c->metrics[0] && check_out_file("--metrics (server.metrics)", c->metrics, true, err, errlen) != 0) return -1;
     if (!c->http[0]) return 0;
-    bool loopback = false;
-    if (psd_http_check(c->http, &loopback, err, errlen) != 0) return -1;
-    if (c->http_token_file[0]) { /* as psd_server.c reads it */
-        char tok[256] = "";
-        struct stat st;
-        FILE *f = fopen(c->http_token_file, "r");
-        if (!f || fstat(fileno(f), &st) != 0) {
-            snprintf(err, errlen, "server.http_token_file %s: %s", c->http_token_file, strerror(errno));
-            if (f) fclose(f);
-            return -1;
-        }
-        if (!fgets(tok, sizeof tok, f)) tok[0] = '\0';
-        fclose(f);
-        tok[strcspn(tok, "\r\n")] = '\0';
-        if (st.st_mode & 077) {
-            snprintf(err, errlen, "server.http_token_file %s is readable by others (mode %03o): chmod 600 it",
-                     c->http_token_file, (unsigned)(st.st_mode & 0777));
-            return -1;
-        }
-        if (strlen(tok) < 16) {
-            snprintf(err, errlen, "server.http_token_file %s: the token (its first line) must have at least 16 "
-                     "characters", c->http_token_file);
-            return -1;
-        }
-    } else if (!loopback && !c->insecure) {
-        snprintf(err, errlen, "refusing HTTP on %s without a token: set server.http_token_file (requests then need "
-                 "\"Authorization: Bearer <token>\"), use a loopback address, or --insecure", c->http);
-        return -1;
-    }
-    return 0;
+    char token[256];
+    bool open;
+    return psd_http_settings(c->http, c->http_token_file, c->insecure, token, sizeof token, &open, err, errlen) == 0
+               ? 0
+               : -1;
 }
 
 int main(int argc, char **argv)

@@ -911,44 +911,14 @@ static void on_control(srv_t *s, ps_msg_t *m)
 static int start_http(srv_t *s)
 {
     const ps_config_t *c = &s->cfg;
-    char err[512];
-    if (c->http_token_file[0]) {
-        FILE *f = fopen(c->http_token_file, "r");
-        struct stat st;
-        if (!f || fstat(fileno(f), &st) != 0) {
-            PS_ERROR("server.http_token_file %s: %s", c->http_token_file, strerror(errno));
-            if (f) fclose(f);
-            return PSD_EXIT_USAGE;
-        }
-        if (st.st_mode & 077) {
-            PS_ERROR("server.http_token_file %s is readable by others (mode %03o): chmod 600 it", c->http_token_file,
-                     (unsigned)(st.st_mode & 0777));
-            fclose(f);
-            return PSD_EXIT_USAGE;
-        }
-        if (!fgets(s->http_token, sizeof s->http_token, f)) s->http_token[0] = '\0';
-        fclose(f);
-        s->http_token[strcspn(s->http_token, "\r\n")] = '\0';
-        if (strlen(s->http_token) < 16) {
-            PS_ERROR("server.http_token_file %s: the token (its first line) must have at least 16 characters",
-                     c->http_token_file);
-            return PSD_EXIT_USAGE;
-        }
-    }
-    bool loopback = false;
-    if (psd_http_check(c->http, &loopback, err, sizeof err) != 0) {
+    char err[PS_PATH_MAX + 256];
+    bool open;
+    if (psd_http_settings(c->http, c->http_token_file, c->insecure, s->http_token, sizeof s->http_token, &open, err,
+                          sizeof err) != 0) {
         PS_ERROR("%s", err);
         return PSD_EXIT_USAGE;
     }
-    if (!loopback && !s->http_token[0]) {
-        if (!c->insecure) {
-            PS_ERROR("refusing HTTP on %s without a token: set server.http_token_file (requests then need "
-                     "\"Authorization: Bearer <token>\"), use a loopback address, or --insecure",
-                     c->http);
-            return PSD_EXIT_USAGE;
-        }
-        PS_WARN("*** --insecure: HTTP on %s without a token ***", c->http);
-    }
+    if (open) PS_WARN("*** --insecure: HTTP on %s without a token ***", c->http);
     if (psd_http_start(&s->http, &s->loop, c->http, s->http_token, psd_status_http, s, err, sizeof err) != 0) {
         PS_ERROR("%s", err);
         return PSD_EXIT_USAGE;
