@@ -1,20 +1,42 @@
 /* itest.c - see itest.h. */
 #include "itest.h"
 
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <dirent.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <glob.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <sys/socket.h>
+#include <inttypes.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/prctl.h>
+#include <sys/un.h>
 #include <sys/wait.h>
-#include <stdint.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include <zmq.h>
 
+#include "itest.h"
 #include "proc.h"
+#include "ps_auth.h"
+#include "ps_ctr.h"
+#include "ps_model.h"
+#include "ps_shm.h"
+#include "psworker.h"
 #include "ps_util.h"
 #include "ps_weights.h"
+#include "ps_wire.h"
 
 char dir[128];
 const char *psd_bin, *pworker_bin;
@@ -62,7 +84,6 @@ char *rank0_log(const char *tag, int workers)
     }
     return NULL;
 }
-
 
 /* Start psd with the given extra args (NULL-terminated). */
 pid_t start_psd(run_t *r, const char *tag, int workers, const char **extra)
@@ -220,4 +241,274 @@ int run_cmd(const char *fmt, ...)
     va_end(ap);
     int st = system(cmd);
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+/* Workers <tag>-w0.. ran with --verbose under psd --x-verify-weights: each
+ * says it checked the weights it received against psd's CRC-32. */
+void assert_workers_verified(const char *tag, int n, const char *what)
+{
+    for (int i = 0; i < n; i++) {
+        char wlog[512];
+        snprintf(wlog, sizeof wlog, "%s/%s-w%d.log", dir, tag, i);
+        char *log = slurp(wlog);
+        cr_assert(log && strstr(log, "weights messages matched psd's checksums"), "worker %d checked %s", i, what);
+        free(log);
+    }
+}
+
+/* Every epoch trained each sample once and validated every test sample. */
+void check_every_epoch(const run_t *r, int epochs, uint64_t train)
+{
+    char *m = metrics_last(r);
+    cr_assert_eq(count_lines(m), epochs, "%s", m);
+    int e = 0;
+    for (char *line = m; line && *line; e++) {
+        char *nl = strchr(line, '\n');
+        if (nl) *nl = '\0';
+        cr_assert_eq(json_num(line, "train_samples"), (double)train, "epoch %d: %s", e + 1, line);
+        cr_assert_eq(json_num(line, "val_samples"), 10000, "epoch %d: %s", e + 1, line);
+        cr_assert_eq(json_num(line, "epoch"), e + 1, "%s", line);
+        line = nl ? nl + 1 : NULL;
+    }
+    cr_assert_gt(json_num(last_line(m), "val_acc"), 0.7, "trained: %s", last_line(m));
+    free(m);
+}
+
+/* How many of pid's mappings and open descriptors are files in /dev/shm
+ * (*memfd: how many of its mappings are memfds). */
+int dev_shm_files_of(pid_t pid, int *memfd)
+{
+    char path[64], line[512], link[512];
+    int n = 0;
+    *memfd = 0;
+    snprintf(path, sizeof path, "/proc/%d/maps", (int)pid);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    while (fgets(line, sizeof line, f)) {
+        if (strstr(line, "/dev/shm/")) n++;
+        if (strstr(line, "/memfd:")) (*memfd)++;
+    }
+    fclose(f);
+    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+    DIR *d = opendir(path);
+    cr_assert_not_null(d, "%s", path);
+    for (struct dirent *e; (e = readdir(d));) {
+        char fd[320];
+        snprintf(fd, sizeof fd, "%s/%s", path, e->d_name);
+        ssize_t k = readlink(fd, link, sizeof link - 1);
+        if (k > 0 && (link[k] = '\0', strncmp(link, "/dev/shm/", 9) == 0)) n++;
+    }
+    closedir(d);
+    return n;
+}
+
+/* A header of `type` for run 0x77 from rank 0 (the body is the caller's):
+ * the fake peers' (shard 0, a shard, a worker, psd) */
+Psd__Header fake_hdr(Psd__MsgType type, uint64_t seq)
+{
+    Psd__Header h;
+    psd__header__init(&h);
+    h.type = type;
+    h.run_id = 0x77;
+    h.seq = seq;
+    return h;
+}
+
+unsigned fault_seed(void)
+{
+    const char *e = getenv("PSD_FAULT_SEED");
+    unsigned seed = e ? (unsigned)strtoul(e, NULL, 10) : (unsigned)time(NULL);
+    fprintf(stderr, "fault injection seed %u (PSD_FAULT_SEED=%u replays it)\n", seed, seed);
+    srand(seed);
+    return seed;
+}
+
+/* The library workers' model, 784-hidden-10, and a zero gradient for it. */
+float *lib_model(ps_layout_t *l, int hidden)
+{
+    cr_assert_eq(ps_layout_init(l, (const int[]){784, hidden, 10}, 3), 0);
+    float *zero = calloc(l->n_params, sizeof *zero);
+    cr_assert(zero);
+    return zero;
+}
+
+void lib_next(psw_client_t *c, psw_event_t *ev, psw_event_kind_t kind)
+{
+    char err[512];
+    int rc = psw_client_next(c, ev, 30, err, sizeof err);
+    cr_assert_eq(rc, 0, "%s", err);
+    cr_assert_eq(ev->kind, kind, "event %d, want %d", (int)ev->kind, (int)kind);
+}
+
+void lib_grads(lib_grads_t *a, const ps_layout_t *l, const float *grad)
+{
+    for (int t = 0; t < l->n_tensors; t++) {
+        a->ids[t] = t;
+        a->g[t] = grad + l->t[t].offset;
+        a->numel[t] = l->t[t].numel;
+        a->rows[t] = l->t[t].rows;
+        a->cols[t] = t % 2 == 0 ? l->t[t].cols : 0;
+    }
+}
+
+void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull, const float *zero,
+                     const ps_layout_t *l)
+{
+    lib_grads_t a;
+    lib_grads(&a, l, zero);
+    cr_assert_eq(psw_client_push(c, version, batch, 0.5 * batch, 0, pull, l->n_tensors, a.ids, a.g, a.numel, a.rows,
+                                 a.cols),
+                 0);
+}
+
+/* n library workers in registration order, each given `samples` of the
+ * epoch and asking for the weights. */
+void lib_start(const char *ep, psw_client_t **w, int n, size_t samples)
+{
+    char err[512];
+    psw_event_t ev;
+    for (int i = 0; i < n; i++) w[i] = lib_worker(ep, err, sizeof err);
+    for (int i = 0; i < n; i++) {
+        lib_next(w[i], &ev, PSW_EV_EPOCH);
+        cr_assert_eq(ev.n_samples, samples, "worker %d was given %" PRIu64 " samples, not %zu", i,
+                     (uint64_t)ev.n_samples, samples);
+        psw_client_pull(w[i], ev.version);
+    }
+}
+
+/* train.stream: PUSH messages whose frames are not chunks of the model, or
+ * repeat a chunk (in one message or a later one), are dropped with a log
+ * line; the push then completes with the right chunks, psd steps, and sends
+ * the new version back in parts, every tensor once. A raw worker (the only
+ * one) over the wire. */
+/* A raw worker's DEALER connected to endpoint (no linger). */
+void *raw_dealer(void *ctx, const char *endpoint)
+{
+    void *d = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
+    cr_assert_eq(zmq_connect(d, endpoint), 0);
+    return d;
+}
+
+/* A raw worker: REGISTER on a DEALER and return psd's ASSIGN (in m). */
+int raw_register(void *sock, ps_msg_t *m)
+{
+    char host[256], hid[256];
+    ps_hostname(host, sizeof host);
+    ps_host_id(hid, sizeof hid);
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Register reg = PSD__REGISTER__INIT;
+    h.type = PSD__MSG_TYPE__MSG_REGISTER;
+    h.seq = 1;
+    reg.hostname = host;
+    reg.host_id = hid;
+    reg.pid = (uint32_t)getpid();
+    reg.device = "cpu";
+    reg.device_index = -1;
+    reg.prev_rank = -1;
+    h.body_case = PSD__HEADER__BODY_REG;
+    h.reg = &reg;
+    if (ps_msg_send(sock, NULL, 0, &h, NULL, 0) != 0) return -1;
+    char err[256];
+    zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&it, 1, 30000) != 1) return -1;
+    return ps_msg_recv(sock, m, false, 0, err, sizeof err);
+}
+
+/* A command's first line of output (or all of it, up to n - 1 bytes). */
+void run_cmd_out(const char *cmd, char *out, size_t n)
+{
+    FILE *f = popen(cmd, "r");
+    cr_assert_not_null(f);
+    size_t k = fread(out, 1, n - 1, f);
+    out[k] = '\0';
+    pclose(f);
+}
+
+pid_t start_shard(const run_t *r, const char *tag, int i, int n, const char **extra)
+{
+    return start_shard_at(r, tag, i, n, extra, NULL);
+}
+
+/* psd shard i of n (i > 0) of the run r's psd (shard 0), listening on a
+ * free port, logging to TAG-shardI.log. */
+/* shard i of n for the run r; its endpoint into ep_out (64 bytes) if not NULL */
+pid_t start_shard_at(const run_t *r, const char *tag, int i, int n, const char **extra, char *ep_out)
+{
+    char ep[64], sh[16], name[64], log[256];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
+    if (ep_out) memcpy(ep_out, ep, sizeof ep);
+    snprintf(sh, sizeof sh, "%d/%d", i, n);
+    snprintf(name, sizeof name, "%s-shard%d.log", tag, i);
+    path(log, sizeof log, name);
+    const char *argv[48] = {psd_bin, "--listen", ep, "--shard", sh, "--leader", r->endpoint, "--start-timeout", "120",
+                            "--worker-timeout", "60"};
+    int k = 11;
+    for (int j = 0; extra && extra[j]; j++) argv[k++] = extra[j];
+    argv[k] = NULL;
+    return proc_spawn(argv, log);
+}
+
+/* train_sharded, and psd (every shard) and both workers exited 0 */
+void train_ok(run_t *r, const char *tag, int shards, const char **args, const char **wex)
+{
+    train_sharded(r, tag, shards, args, wex);
+    cr_assert(a_run_ok(r), "%s: %s", tag, r->psd_log);
+}
+
+/* psd as n shards (n > 1: shard 0 with --shard 0/n, and shards 1..n-1) and
+ * two workers, to the end; every shard must exit 0. */
+void train_sharded(run_t *r, const char *tag, int n, const char **extra, const char **worker_extra)
+{
+    const char *args[48];
+    int k = 0;
+    char sh[16];
+    snprintf(sh, sizeof sh, "0/%d", n);
+    for (int j = 0; extra && extra[j]; j++) args[k++] = extra[j];
+    if (n > 1) {
+        args[k++] = "--shard";
+        args[k++] = sh;
+    }
+    args[k] = NULL;
+    pid_t p = start_psd(r, tag, 2, args), f[PS_MAX_SHARDS];
+    for (int i = 1; i < n; i++) f[i] = start_shard(r, tag, i, n, extra);
+    pid_t w0 = start_worker(r, tag, 0, worker_extra), w1 = start_worker(r, tag, 1, worker_extra);
+    r->psd_code = proc_wait(p, 300);
+    r->worker_code[0] = proc_wait(w0, 30);
+    r->worker_code[1] = proc_wait(w1, 30);
+    for (int i = 1; i < n; i++) cr_assert_eq(proc_wait(f[i], 30), 0, "shard %d/%d exits 0", i, n);
+}
+
+/* A unix socket bound to abstract name `name` exists on this host. */
+bool unix_socket_listed(const char *name)
+{
+    FILE *f = fopen("/proc/net/unix", "r"); /* size 0 to stat: read it line by line */
+    char line[512], want[128];
+    snprintf(want, sizeof want, " @%s\n", name);
+    bool found = false;
+    while (f && !found && fgets(line, sizeof line, f)) found = strstr(line, want) != NULL;
+    if (f) fclose(f);
+    return found;
+}
+
+/* psd (every shard: train_sharded) and both workers exited 0 */
+bool a_run_ok(const run_t *r)
+{
+    return r->psd_code == 0 && r->worker_code[0] == 0 && r->worker_code[1] == 0;
+}
+
+/* the same over the wire */
+psw_client_t *lib_worker(const char *ep, char *err, size_t n) { return lib_worker_shm(ep, 0, err, n); }
+
+/* A library worker, registered and ready (384 training samples, 10000
+ * test), through psd's shared memory (shm) or over the wire. */
+psw_client_t *lib_worker_shm(const char *ep, int shm, char *err, size_t n)
+{
+    psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = !shm};
+    psw_client_t *c = psw_client_new(ep, &info, err, n);
+    psw_assign_t a;
+    cr_assert(c && psw_client_register(c, &a, 60, err, n) == 0, "%s", err);
+    cr_assert_eq(psw_client_ready(c, 384, 10000), 0);
+    return c;
 }

@@ -11,6 +11,10 @@
 #include <stddef.h>
 #include <sys/types.h>
 
+#include "ps_model.h"
+#include "ps_wire.h"
+#include "psworker.h"
+
 extern char dir[128];                       /* the test's directory (processes run there) */
 extern const char *psd_bin, *pworker_bin;   /* from meson: PSD_BIN, PWORKER_BIN */
 
@@ -60,5 +64,33 @@ void wait_log(const char *file, const char *text, double timeout_s);
 int run_cmd(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Occurrences of what in text. */
 int count_in(const char *text, const char *what);
+void assert_workers_verified(const char *tag, int n, const char *what);
+void check_every_epoch(const run_t *r, int epochs, uint64_t train);
+int dev_shm_files_of(pid_t pid, int *memfd);
+Psd__Header fake_hdr(Psd__MsgType type, uint64_t seq);
+unsigned fault_seed(void);
+float *lib_model(ps_layout_t *l, int hidden);
+void lib_next(psw_client_t *c, psw_event_t *ev, psw_event_kind_t kind);
+void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull, const float *zero, const ps_layout_t *l);
+void lib_start(const char *ep, psw_client_t **w, int n, size_t samples);
+void *raw_dealer(void *ctx, const char *endpoint);
+int raw_register(void *sock, ps_msg_t *m);
+void run_cmd_out(const char *cmd, char *out, size_t n);
+pid_t start_shard(const run_t *r, const char *tag, int i, int n, const char **extra);
+pid_t start_shard_at(const run_t *r, const char *tag, int i, int n, const char **extra, char *ep_out);
+void train_ok(run_t *r, const char *tag, int shards, const char **args, const char **wex);
+void train_sharded(run_t *r, const char *tag, int n, const char **extra, const char **worker_extra);
+bool unix_socket_listed(const char *name);
+bool a_run_ok(const run_t *r);
+psw_client_t *lib_worker(const char *ep, char *err, size_t n);
+psw_client_t *lib_worker_shm(const char *ep, int shm, char *err, size_t n);
+
+/* A push's arguments for every tensor of l, the gradient from grad (laid out as l). */
+typedef struct {
+    const float *g[PSW_MAX_TENSORS];
+    size_t numel[PSW_MAX_TENSORS];
+    int ids[PSW_MAX_TENSORS], rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
+} lib_grads_t;
+void lib_grads(lib_grads_t *a, const ps_layout_t *l, const float *grad);
 
 #endif
