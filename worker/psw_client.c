@@ -1,124 +1,8 @@
 /* psw_client.c - worker side of the psd protocol (see include/psworker.h). */
 #include "psworker.h"
 
-#include <errno.h>
-#include <stdatomic.h>
-#include <stdbool.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/time.h>
-#include <unistd.h>
-#include <zlib.h>
+#include "psw_client_int.h"
 
-#include "ps_log.h"
-#include "ps_ctr.h"
-#include "ps_model.h"
-#include "ps_rng.h"
-#include "ps_shm.h"
-#include "ps_tcp.h"
-#include "ps_util.h"
-#include "ps_wire.h"
-
-struct psw_client {
-    /* the table rows the last push asked for (Push.want_rows), and the
-     * worker's replica of the table the replies' rows are scattered into */
-    uint32_t *want;
-    size_t n_want, want_cap;
-    float *replica;
-    int table_on_psd;       /* CtrTask.table_on_psd: no replica; events bring the rows asked for */
-    float *tbuf;            /* the table on psd, with shards: the rows asked for (want's order), put together */
-    size_t tbuf_cap;        /* rows tbuf has room for */
-    void *ctx, *sock;
-    void *mon;              /* PAIR receiving the DEALER's socket events */
-    int connected;          /* a connection to psd has been up */
-    int hs_failed;          /* handshakes failed without detail in a row, before any succeeded */
-    int32_t prev_rank;      /* rank before psd was lost, -1 */
-    char endpoint[256];
-    psw_info_t info;
-    unsigned protocol;
-    uint64_t run_id;
-    int shutdown_code;      /* a SHUTDOWN that came instead of the assignment: psd's exit code */
-    uint32_t rank;
-    uint64_t seq;
-    ps_msg_t cur;           /* last received message (event data borrowed from it) */
-    uint64_t verified;      /* weights messages checked against psd's CRC-32 */
-    /* step timing, reported with every push: t_req when weights were asked
-     * for, t_weights when they arrived, wait = the latter minus the former */
-    double t_req, t_weights, wait;
-    atomic_int push_inflight; /* gradient frames ZeroMQ still holds */
-    /* same host (ps_shm.h): the model's layout, this worker's gradient
-     * region (read by psd) and psd's parameter slots (read-only) */
-    ps_layout_t layout;
-    int shm;                /* both regions mapped: tensors go through them */
-    bool release_on_push;   /* psw_client_release_on_push: a pull releases the slot last given */
-    bool weights_due;       /* weights asked for (pull, push with pull) and not yet returned */
-    float *shm_grad;
-    const float *shm_w;
-    size_t shm_w_bytes, slot_floats;
-    uint32_t slots;
-    /* reduced precision on the wire (train.wire_*: bf16): conversion buffers
-     * laid out like the model (gconv sent without copying: see push_done) */
-    int grad_bf16, weight_bf16;
-    uint16_t *gconv;
-    float *wconv;
-    /* psd shards (ASSIGN names shards 1..n-1): a DEALER to each, the pieces
-     * every shard holds (ps_shard_pieces), and the weights put together
-     * from their parts: an event is returned once every shard's part of
-     * its version is in wbuf */
-    int n_shards;           /* 1: one psd */
-    void *ssock[PS_MAX_SHARDS]; /* [0] unused: sock */
-    ps_piece_t pieces[PS_MAX_SHARDS][PS_MAX_TENSORS];
-    int rows_shards;        /* every shard's piece of the table is whole rows: row pushes go to the shards */
-    float *wbuf;
-    uint64_t got[PS_MAX_SHARDS]; /* version + 1 of each shard's part in wbuf (0: none) */
-    uint32_t rows_part;          /* shards whose last part was rows only (the rest of their piece is older) */
-    int from;               /* shard the message in cur came from */
-    psw_event_t pend;       /* WEIGHTS/VALIDATE from shard 0 waiting for the other parts */
-    int pending;
-    /* VALIDATEs from shard 0 that came while one waited for the other
-     * shards' parts (psd may give a worker several parts at once): taken
-     * in order once it is returned, so that the shards' replies answer
-     * the part they were asked for */
-    ps_msg_t *defer;        /* PSW_MAX_DEFER of them, made at the first */
-    int n_defer;
-    /* streamed steps (ASSIGN's stream_chunk_bytes): gradients go out in
-     * chunks of stream_cf floats, one message each; the weights come a few
-     * whole tensors at a time, kept where they arrived: sheld[t] holds
-     * tensor t of version sver - 1 (smask: those in; sdone: all were, and
-     * returned as an event), scrc is the CRC-32 psd sent for it */
-    size_t stream_cf;
-    /* server.tcp_congestion from ASSIGN ("" until then: off), and the
-     * connection to psd (0) and to each shard given it (fd + 1, 0: none) */
-    char tcp_cc[PS_TCP_CC_MAX];
-    int tcp_fd[PS_MAX_SHARDS];
-    zmq_msg_t sheld[PS_MAX_TENSORS];
-    uint64_t smask;
-    int sdone;
-    uint64_t sver;
-    uint32_t scrc;
-};
-
-#define PSW_MAX_DEFER 64
-
-/* Move m's header and frames into an empty dst (m is left empty). */
-static void msg_move(ps_msg_t *dst, ps_msg_t *m)
-{
-    dst->hdr = m->hdr;
-    dst->arena = m->arena;
-    dst->n_frames = m->n_frames;
-    for (int i = 0; i < m->n_frames; i++) {
-        zmq_msg_init(&dst->frames[i]);
-        zmq_msg_move(&dst->frames[i], &m->frames[i]);
-        zmq_msg_close(&m->frames[i]);
-    }
-    m->hdr = NULL;
-    m->arena = NULL;
-    m->n_frames = 0;
-}
 
 static void defer_free(psw_client_t *c)
 {
@@ -302,7 +186,7 @@ static void shards_close(psw_client_t *c)
 }
 
 /* Let go of the streamed tensors held. */
-static void stream_release(psw_client_t *c)
+void pswc_stream_release(psw_client_t *c)
 {
     for (int t = 0; t < PS_MAX_TENSORS; t++)
         if (c->smask & (1ull << t)) zmq_msg_close(&c->sheld[t]);
@@ -318,7 +202,7 @@ void psw_client_destroy(psw_client_t **cp)
     ps_msg_deinit(&c->cur);
     shards_close(c);
     shm_unmap(c);
-    stream_release(c);
+    pswc_stream_release(c);
     free(c->gconv);
     free(c->wconv);
     free(c->want);
@@ -389,7 +273,7 @@ static int send_hdr(psw_client_t *c, Psd__Header *h) { return send_msg(c, h, NUL
 /* Wait for one well-formed message from psd until `deadline` (ps_now()
  * time): the caller's wait of timeout_s, which messages it drops do not
  * prolong. */
-static int recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err, size_t errlen)
+int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err, size_t errlen)
 {
     ps_msg_deinit(&c->cur);
     for (;;) {
@@ -625,7 +509,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         return rc;
     }
     for (double deadline = ps_now() + timeout_s;;) {
-        rc = recv_msg(c, deadline, timeout_s, err, errlen);
+        rc = pswc_recv_msg(c, deadline, timeout_s, err, errlen);
         if (rc < 0) return rc;
         if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_ASSIGN) break;
         if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_HEARTBEAT) continue; /* for its last slot, sent before this */
@@ -762,7 +646,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         snprintf(err, errlen, "out of memory for the bfloat16 buffers");
         return -ENOMEM;
     }
-    stream_release(c);
+    pswc_stream_release(c);
     c->stream_cf = 0;
     if (a->stream_chunk_bytes > 0 && c->n_shards == 1) {
         if (a->stream_chunk_bytes > (UINT64_C(1) << 30)) {
@@ -791,7 +675,7 @@ int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count)
 /* PULL of min_version on sock (psd, or one of its shards). */
 /* PULL on sock; with want (n >= 1) listing the table rows the reply brings
  * (one psd: sock is c->sock) */
-static int pull_on(psw_client_t *c, void *sock, uint64_t min_version, const uint32_t *want, size_t n)
+int pswc_pull_on(psw_client_t *c, void *sock, uint64_t min_version, const uint32_t *want, size_t n)
 {
     Psd__Header h;
     Psd__Pull p = PSD__PULL__INIT;
@@ -814,10 +698,10 @@ int psw_client_pull(psw_client_t *c, uint64_t min_version)
     c->t_req = ps_now();
     c->weights_due = true;
     for (int k = 1; k < c->n_shards; k++) { /* and from every other shard */
-        int rc = pull_on(c, c->ssock[k], min_version, NULL, 0);
+        int rc = pswc_pull_on(c, c->ssock[k], min_version, NULL, 0);
         if (rc < 0) return rc;
     }
-    return pull_on(c, c->sock, min_version, NULL, 0);
+    return pswc_pull_on(c, c->sock, min_version, NULL, 0);
 }
 
 /* Tensor id of the model with numel elements (pushes into buffers laid out
@@ -828,7 +712,7 @@ static bool layout_tensor(const psw_client_t *c, int id, size_t numel)
 }
 
 /* First of the n sorted ids that is >= r (n if none). */
-static size_t first_row_at(const uint32_t *ids, size_t n, size_t r)
+size_t pswc_first_row_at(const uint32_t *ids, size_t n, size_t r)
 {
     size_t lo = 0, hi = n;
     while (lo < hi) {
@@ -874,7 +758,7 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
             if (p->n == 0) continue;
             size_t r0, r1;
             if (row_ids && ids[i] == c->layout.table && ps_piece_rows(&c->layout, p, &r0, &r1)) {
-                size_t a = first_row_at(row_ids, n_rows, r0), nr = first_row_at(row_ids, n_rows, r1) - a;
+                size_t a = pswc_first_row_at(row_ids, n_rows, r0), nr = pswc_first_row_at(row_ids, n_rows, r1) - a;
                 size_t D = (size_t)c->layout.t[ids[i]].cols;
                 void (*ffn)(void *, void *) = nr ? push_frame_done : NULL; /* none: two empty frames */
                 fr[m++] = (ps_frame_t){.data = row_ids + a, .nbytes = nr * sizeof *row_ids, .ffn = ffn, .hint = c,
@@ -884,8 +768,8 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
                                        .rows = (uint32_t)nr, .cols = (uint32_t)D};
                 owed += nr ? 2 : 0;
                 if (n_want) {
-                    wa = first_row_at(want, n_want, r0);
-                    wn = first_row_at(want, n_want, r1) - wa;
+                    wa = pswc_first_row_at(want, n_want, r0);
+                    wn = pswc_first_row_at(want, n_want, r1) - wa;
                     h->push->want_rows = true;
                 }
                 continue;
@@ -906,7 +790,7 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
             atomic_fetch_add_explicit(&c->push_inflight, owed, memory_order_relaxed);
             rc = ps_msg_send(so, NULL, 0, h, fr, m);
         } else if (pull) { /* its part of the push came before: ask for the next version */
-            rc = pull_on(c, so, k ? h->push->version + 1 : h->push->version, NULL, 0);
+            rc = pswc_pull_on(c, so, k ? h->push->version + 1 : h->push->version, NULL, 0);
         } else {
             continue;
         }
@@ -1019,7 +903,7 @@ int psw_client_rows_ok(const psw_client_t *c)
 }
 
 /* ids[0..n) are rows of the table, strictly increasing (n >= 1) */
-static bool table_rows(const psw_client_t *c, const uint32_t *ids, size_t n)
+bool pswc_table_rows(const psw_client_t *c, const uint32_t *ids, size_t n)
 {
     return ps_rows_valid(ids, n, (uint64_t)c->layout.t[c->layout.table].rows);
 }
@@ -1027,7 +911,7 @@ static bool table_rows(const psw_client_t *c, const uint32_t *ids, size_t n)
 /* The rows the next reply brings (n may be 0), kept to check it and to
  * scatter it into the replica (made here, the first time; none when the
  * table stays on psd). 0 or -ENOMEM. */
-static int keep_want(psw_client_t *c, const uint32_t *want, size_t n)
+int pswc_keep_want(psw_client_t *c, const uint32_t *want, size_t n)
 {
     if (n > c->want_cap) {
         uint32_t *p = realloc(c->want, n * sizeof *p);
@@ -1051,20 +935,20 @@ static int keep_want(psw_client_t *c, const uint32_t *want, size_t n)
 
 /* want[*a, *a + *n): the rows of shard k's piece of the table among the n
  * sorted ids (none when its piece holds no rows). */
-static void shard_slice(const psw_client_t *c, int k, const uint32_t *want, size_t n, size_t *a, size_t *m)
+void pswc_shard_slice(const psw_client_t *c, int k, const uint32_t *want, size_t n, size_t *a, size_t *m)
 {
     size_t r0, r1;
     const ps_piece_t *p = &c->pieces[k][c->layout.table];
     *a = *m = 0;
     if (p->n == 0 || !ps_piece_rows(&c->layout, p, &r0, &r1)) return;
-    *a = first_row_at(want, n, r0);
-    *m = first_row_at(want, n, r1) - *a;
+    *a = pswc_first_row_at(want, n, r0);
+    *m = pswc_first_row_at(want, n, r1) - *a;
 }
 
 int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *want, size_t n)
 {
-    if (!psw_client_rows_ok(c) || !table_rows(c, want, n)) return -EINVAL;
-    int rc = keep_want(c, want, n);
+    if (!psw_client_rows_ok(c) || !pswc_table_rows(c, want, n)) return -EINVAL;
+    int rc = pswc_keep_want(c, want, n);
     if (rc < 0) return rc;
     c->t_req = ps_now();
     c->weights_due = true;
@@ -1073,8 +957,8 @@ int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *
     memset(c->got, 0, sizeof c->got);
     for (int k = c->n_shards - 1; k >= 0; k--) {
         size_t a = 0, m = n;
-        if (c->n_shards > 1) shard_slice(c, k, c->want, n, &a, &m);
-        if ((rc = pull_on(c, k ? c->ssock[k] : c->sock, min_version, m ? c->want + a : NULL, m)) < 0) return rc;
+        if (c->n_shards > 1) pswc_shard_slice(c, k, c->want, n, &a, &m);
+        if ((rc = pswc_pull_on(c, k ? c->ssock[k] : c->sock, min_version, m ? c->want + a : NULL, m)) < 0) return rc;
     }
     return 0;
 }
@@ -1085,11 +969,11 @@ int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, doub
                          const float *row_vals, const uint32_t *want, size_t n_want)
 {
     const int table = c->layout.table;
-    if (!psw_client_rows_ok(c) || n < 1 || n > PSW_MAX_TENSORS || !table_rows(c, row_ids, n_rows) ||
-        (n_want && (!pull || !table_rows(c, want, n_want))))
+    if (!psw_client_rows_ok(c) || n < 1 || n > PSW_MAX_TENSORS || !pswc_table_rows(c, row_ids, n_rows) ||
+        (n_want && (!pull || !pswc_table_rows(c, want, n_want))))
         return -EINVAL;
     if (c->weight_bf16) n_want = 0; /* psd sends bfloat16 weights whole */
-    int rc = keep_want(c, want, n_want);
+    int rc = pswc_keep_want(c, want, n_want);
     if (rc < 0) return rc;
     Psd__Header h;
     Psd__Push p = PSD__PUSH__INIT;
@@ -1192,514 +1076,6 @@ int psw_client_fail(psw_client_t *c, int data_error, const char *message)
     h.body_case = PSD__HEADER__BODY_ERROR;
     h.error = &e;
     return send_hdr(c, &h);
-}
-
-/* The frame of each tensor among the first nf frames of m, by their
- * descriptors' ids (protocol 5: in any order, smallest first): at[t], or -1
- * for a tensor none holds. 0, or -1 if a frame names no tensor of the model
- * or one named before. */
-static int frames_by_id(const ps_msg_t *m, int nf, int n_tensors, int at[PS_MAX_TENSORS])
-{
-    for (int t = 0; t < PS_MAX_TENSORS; t++) at[t] = -1;
-    for (int f = 0; f < nf; f++) {
-        uint32_t id = m->hdr->tensors[f]->id;
-        if (id >= (uint32_t)n_tensors || at[id] >= 0) return -1;
-        at[id] = f;
-    }
-    return 0;
-}
-
-/* Tensor frames of a WEIGHTS/VALIDATE message: one per tensor of the
- * model, each of its size (but the table's with `rows`: take_rows checks
- * it), and, when psd sends one (psd --x-verify-weights), matching the CRC-32
- * of the version they claim to be: a frame psd changed while ZeroMQ was
- * still sending it would show here. */
-static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_t crc, bool rows, char *err,
-                        size_t errlen)
-{
-    uLong got = crc32(0L, Z_NULL, 0); /* over what came: the frames as sent, or the shared slot */
-    if (slot) { /* in psd's shared slot `slot - 1` */
-        if (!c->shm || slot > c->slots || c->cur.n_frames != 0) {
-            snprintf(err, errlen, "psd sent weights in shared slot %u this worker does not have", slot);
-            return -EPROTO;
-        }
-        const float *base = c->shm_w + (size_t)(slot - 1) * c->slot_floats;
-        ev->n_tensors = c->layout.n_tensors;
-        for (int i = 0; i < ev->n_tensors; i++) {
-            ev->tensors[i] = base + c->layout.t[i].offset;
-            ev->tensor_numel[i] = c->layout.t[i].numel;
-        }
-        if (crc) got = ps_layout_crc32(&c->layout, base);
-    } else if (c->cur.n_frames != c->layout.n_tensors) {
-        snprintf(err, errlen, "psd sent %d weights frames for a model of %d tensors", c->cur.n_frames,
-                 c->layout.n_tensors);
-        return -EPROTO;
-    } else {
-        ev->n_tensors = c->cur.n_frames;
-    }
-    int at[PS_MAX_TENSORS];
-    if (frames_by_id(&c->cur, c->cur.n_frames, c->layout.n_tensors, at) != 0) {
-        snprintf(err, errlen, "psd sent weights frames that are not one of each tensor");
-        return -EPROTO;
-    }
-    for (int i = 0; i < c->cur.n_frames; i++) { /* tensor i, in frame at[i] */
-        const int f = at[i];
-        size_t n = 0;
-        const float *p = NULL;
-        const uint16_t *h = c->weight_bf16 ? ps_msg_bf16(&c->cur, f, &n) : NULL;
-        if (h && i < c->layout.n_tensors && n == c->layout.t[i].numel) { /* bfloat16: widened here */
-            float *dst = c->wconv + c->layout.t[i].offset;
-            ps_bf16_to_f32_n(dst, h, n);
-            p = dst;
-        } else if (!c->weight_bf16) {
-            p = ps_msg_f32(&c->cur, f, &n);
-        }
-        if (!p || c->cur.hdr->tensors[f]->offset || (n != c->layout.t[i].numel && !(rows && i == c->layout.table))) {
-            snprintf(err, errlen, "psd sent an invalid weights frame %d (tensor %d)", f, i);
-            return -EPROTO;
-        }
-        if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[f]), zmq_msg_size(&c->cur.frames[f]));
-        ev->tensors[i] = p;
-        ev->tensor_numel[i] = n;
-    }
-    if (crc) {
-        if ((uint32_t)got != crc) {
-            snprintf(err, errlen, "weights of version %llu do not match psd's checksum (%08x, received %08x): "
-                     "torn or corrupted in transit", (unsigned long long)ev->version, crc, (unsigned)got);
-            return -EPROTO;
-        }
-        c->verified++;
-    }
-    return 0;
-}
-
-/* Rows ids[0..n) of table E (D floats a row) from vals (n x D). */
-static void scatter_rows(float *E, size_t D, const uint32_t *ids, size_t n, const float *vals)
-{
-    for (size_t j = 0; j < n; j++) memcpy(E + (size_t)ids[j] * D, vals + j * D, D * sizeof(float));
-}
-
-/* WEIGHTS with rows: the table's frame holds the rows the last push asked
- * for, in its order. Scattered into the replica, which the event then
- * gives as the table: the rows the next batch reads are this version's;
- * the others are older, and nothing reads them. */
-static int take_rows(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
-{
-    const int t = c->layout.table;
-    const size_t D = t >= 0 ? (size_t)c->layout.t[t].cols : 0;
-    if (t < 0 || (!c->n_want && !c->table_on_psd) || ev->n_tensors != c->layout.n_tensors ||
-        ev->tensor_numel[t] != c->n_want * D) {
-        snprintf(err, errlen, "psd sent table rows this worker did not ask for");
-        return -EPROTO;
-    }
-    if (c->table_on_psd) { /* the rows themselves are the event's table */
-        ev->row_ids = c->want;
-        ev->n_row_ids = c->n_want;
-        return 0;
-    }
-    scatter_rows(c->replica, D, c->want, c->n_want, ev->tensors[t]);
-    ev->tensors[t] = c->replica;
-    ev->tensor_numel[t] = c->layout.t[t].numel;
-    return 0;
-}
-
-/* VALIDATE with rows (the table on psd): the MLP's tensors, then the rows
- * the range's examples read (ids strictly increasing) and their values. */
-static int take_val_rows(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
-{
-    const ps_layout_t *l = &c->layout;
-    const int t = l->table;
-    size_t n = 0, k = 0, nv = 0;
-    const uint32_t *ids = c->cur.n_frames == l->n_tensors + 1 ? ps_msg_u32(&c->cur, t, &k) : NULL;
-    const float *vals = ids ? ps_msg_f32(&c->cur, t + 1, &nv) : NULL;
-    bool ok = vals && c->cur.hdr->tensors[t]->id == (uint32_t)t && c->cur.hdr->tensors[t + 1]->id == (uint32_t)t &&
-              nv == k * (size_t)l->t[t].cols && (k == 0 || table_rows(c, ids, k));
-    for (int i = 0; ok && i < t; i++) {
-        const float *p = ps_msg_f32(&c->cur, i, &n);
-        ok = p && c->cur.hdr->tensors[i]->id == (uint32_t)i && n == l->t[i].numel;
-        ev->tensors[i] = p;
-        ev->tensor_numel[i] = n;
-    }
-    if (!ok) {
-        snprintf(err, errlen, "psd sent an invalid validation part (the table's rows)");
-        return -EPROTO;
-    }
-    ev->n_tensors = l->n_tensors;
-    ev->tensors[t] = vals;
-    ev->tensor_numel[t] = nv;
-    ev->row_ids = ids;
-    ev->n_row_ids = k;
-    return 0;
-}
-
-uint64_t psw_client_verified(const psw_client_t *c) { return c->verified; }
-
-/* Shard k's part of a version (the first nf frames in cur) into wbuf,
- * checked against its pieces and, with crc, against the CRC-32 it sent.
- * With rows, its piece of the table is the rows of it the last push asked
- * for, scattered into wbuf (the others keep older values: the next batch
- * does not read them), or, with the table on psd, copied to their place in
- * tbuf; without the table's piece (skip_table) when the caller takes it. */
-static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, bool rows, int nf, bool skip_table,
-                     char *err, size_t errlen)
-{
-    uLong got = crc32(0L, Z_NULL, 0);
-    int at[PS_MAX_TENSORS], taken = 0; /* frame at[t] holds tensor t (one frame a piece, rows or not) */
-    if (frames_by_id(&c->cur, nf, c->layout.n_tensors, at) != 0) {
-        snprintf(err, errlen, "psd shard %d sent weights frames that are not one of each of its pieces", k);
-        return -EPROTO;
-    }
-    for (int t = 0; t < c->layout.n_tensors; t++) {
-        const ps_piece_t *p = &c->pieces[k][t];
-        if (p->n == 0 || (skip_table && t == c->layout.table)) continue;
-        const int f = at[t];
-        if (f < 0) {
-            snprintf(err, errlen, "psd shard %d sent no frame of its piece of tensor %d", k, t);
-            return -EPROTO;
-        }
-        size_t n = 0, r0, r1, wa = 0, want_n = p->n;
-        const bool as_rows = rows && t == c->layout.table && ps_piece_rows(&c->layout, p, &r0, &r1);
-        const size_t D = as_rows ? (size_t)c->layout.t[t].cols : 0;
-        if (as_rows) { /* the rows of want in this piece */
-            wa = first_row_at(c->want, c->n_want, r0);
-            want_n = (first_row_at(c->want, c->n_want, r1) - wa) * D;
-        }
-        const uint16_t *h16 = c->weight_bf16 ? ps_msg_bf16(&c->cur, f, &n) : NULL;
-        const float *h32 = !c->weight_bf16 ? ps_msg_f32(&c->cur, f, &n) : NULL;
-        if ((!h16 && !h32) || c->cur.hdr->tensors[f]->offset != (as_rows ? 0 : p->off) || n != want_n || (as_rows && (h16 || crc)) ||
-            (c->table_on_psd && t == c->layout.table && !as_rows)) { /* never the table's piece whole then */
-            snprintf(err, errlen, "psd shard %d sent an invalid weights frame %d (%zu values of tensor %d, %zu %s "
-                     "expected)", k, f, n, t, want_n, as_rows ? "rows' values" : "of its piece");
-            return -EPROTO;
-        }
-        taken++;
-        if (as_rows && c->table_on_psd) {
-            if (n) memcpy(c->tbuf + wa * D, h32, n * sizeof(float));
-            continue;
-        }
-        if (as_rows) {
-            float *E = c->wbuf + c->layout.t[t].offset;
-            scatter_rows(E, D, c->want + wa, n / D, h32);
-            continue;
-        }
-        float *dst = c->wbuf + c->layout.t[t].offset + p->off;
-        if (h16) ps_bf16_to_f32_n(dst, h16, n);
-        else memcpy(dst, h32, n * sizeof(float));
-        if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[f]), zmq_msg_size(&c->cur.frames[f]));
-    }
-    if (taken != nf) {
-        snprintf(err, errlen, "psd shard %d sent %d weights frames, it holds %d pieces", k, nf, taken);
-        return -EPROTO;
-    }
-    if (crc && (uint32_t)got != crc) {
-        snprintf(err, errlen, "weights of version %llu from psd shard %d do not match its checksum: torn or corrupted "
-                 "in transit", (unsigned long long)version, k);
-        return -EPROTO;
-    }
-    if (crc) c->verified++;
-    c->got[k] = version + 1;
-    c->rows_part = rows ? c->rows_part | (1u << k) : c->rows_part & ~(1u << k);
-    return 0;
-}
-
-/* Streamed weights: the whole tensors of a WEIGHTS in parts, kept where
- * they arrived (valid until the next version's first part comes). 1: the
- * version is complete (*ev set), 0: more to come, < 0: error. */
-static int stream_part(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
-{
-    const Psd__Weights *wt = c->cur.hdr->weights;
-    const int nt = c->layout.n_tensors;
-    if (!c->stream_cf || c->weight_bf16 || wt->parts != (uint32_t)nt || wt->shm_slot) {
-        snprintf(err, errlen, "psd sent weights in %u parts this worker does not expect", wt->parts);
-        return -EPROTO;
-    }
-    if (c->sver != wt->version + 1) {
-        if (c->smask && !c->sdone) {
-            snprintf(err, errlen, "psd sent parts of version %llu before all of version %llu",
-                     (unsigned long long)wt->version, (unsigned long long)(c->sver - 1));
-            return -EPROTO;
-        }
-        stream_release(c); /* the last version's tensors: the caller is done with them */
-        c->sver = wt->version + 1;
-        c->scrc = 0;
-    }
-    for (int i = 0; i < c->cur.n_frames; i++) {
-        const Psd__TensorDesc *d = c->cur.hdr->tensors[i];
-        size_t n = 0;
-        if (!ps_msg_f32(&c->cur, i, &n) || d->id >= (uint32_t)nt || d->offset || n != c->layout.t[d->id].numel ||
-            (c->smask & (1ull << d->id))) {
-            snprintf(err, errlen, "psd sent an invalid or repeated weights tensor (frame %d)", i);
-            return -EPROTO;
-        }
-        zmq_msg_init(&c->sheld[d->id]);
-        zmq_msg_move(&c->sheld[d->id], &c->cur.frames[i]);
-        c->smask |= 1ull << d->id;
-    }
-    if (wt->crc) c->scrc = wt->crc;
-    if (c->sdone || c->smask != (nt == 64 ? ~0ull : (1ull << nt) - 1)) return 0;
-    c->sdone = 1;
-    ev->kind = PSW_EV_WEIGHTS;
-    ev->version = wt->version;
-    ev->step = wt->step;
-    ev->n_tensors = nt;
-    uLong got = crc32(0L, Z_NULL, 0);
-    for (int t = 0; t < nt; t++) {
-        ev->tensors[t] = zmq_msg_data(&c->sheld[t]);
-        ev->tensor_numel[t] = c->layout.t[t].numel;
-        if (c->scrc) got = crc32_z(got, (const Bytef *)ev->tensors[t], ev->tensor_numel[t] * sizeof(float));
-    }
-    if (c->scrc) {
-        if ((uint32_t)got != c->scrc) {
-            snprintf(err, errlen, "weights of version %llu do not match psd's checksum (%08x, received %08x): "
-                     "torn or corrupted in transit", (unsigned long long)ev->version, c->scrc, (unsigned)got);
-            return -EPROTO;
-        }
-        c->verified++;
-    }
-    c->t_weights = ps_now();
-    c->wait = c->t_req > 0 ? c->t_weights - c->t_req : 0;
-    c->t_req = 0;
-    return 1;
-}
-
-/* With shards: the pending event, once every part of its version is here. */
-static int parts_done(psw_client_t *c, psw_event_t *ev)
-{
-    if (!c->pending) return 0;
-    for (int k = 0; k < c->n_shards; k++) /* a validation reads the whole table: no part of rows only */
-        if (c->got[k] != c->pend.version + 1 ||
-            (c->pend.kind == PSW_EV_VALIDATE && !c->table_on_psd && (c->rows_part & (1u << k))))
-            return 0;
-    *ev = c->pend;
-    c->pending = 0;
-    ev->n_tensors = c->layout.n_tensors;
-    for (int t = 0; t < c->layout.n_tensors; t++) {
-        ev->tensors[t] = c->wbuf + c->layout.t[t].offset;
-        ev->tensor_numel[t] = c->layout.t[t].numel;
-    }
-    if (c->table_on_psd) { /* the rows asked for (a batch's, or the validation part's), in tbuf */
-        const int t = c->layout.table;
-        ev->tensors[t] = c->tbuf;
-        ev->tensor_numel[t] = c->n_want * (size_t)c->layout.t[t].cols;
-        ev->row_ids = c->want;
-        ev->n_row_ids = c->n_want;
-        c->n_want = 0;
-    }
-    if (ev->kind == PSW_EV_WEIGHTS) {
-        c->n_want = 0; /* the rows asked for came */
-        c->t_weights = ps_now();
-        c->wait = c->t_req > 0 ? c->t_weights - c->t_req : 0;
-        c->t_req = 0;
-    }
-    return 1;
-}
-
-/* VALIDATE from shard 0 with the table on psd: its pieces but the table's,
- * then the ids of the rows the part's examples read (all of them) and the
- * values of those in shard 0's piece of the table (none maybe). The ids
- * become the rows asked for (the other shards are asked for theirs), the
- * values go to their place in tbuf. */
-static int take_val_part0(psw_client_t *c, uint64_t v, char *err, size_t errlen)
-{
-    const int t = c->layout.table, nf = c->cur.n_frames;
-    const size_t D = (size_t)c->layout.t[t].cols;
-    size_t k = 0, nv = 0, a = 0, m = 0;
-    const uint32_t *ids = nf >= 2 && c->cur.hdr->tensors[nf - 2]->id == (uint32_t)t
-                              ? ps_msg_u32(&c->cur, nf - 2, &k) : NULL;
-    const float *vals = ids && c->cur.hdr->tensors[nf - 1]->id == (uint32_t)t ? ps_msg_f32(&c->cur, nf - 1, &nv) : NULL;
-    if (!vals || (k && !table_rows(c, ids, k))) {
-        snprintf(err, errlen, "psd sent an invalid validation part (the table's rows)");
-        return -EPROTO;
-    }
-    int rc = keep_want(c, ids, k);
-    if (rc < 0) {
-        snprintf(err, errlen, "out of memory for a validation part's table rows");
-        return rc;
-    }
-    shard_slice(c, 0, c->want, k, &a, &m);
-    if (nv != m * D) {
-        snprintf(err, errlen, "psd sent %zu values for the %zu rows of its piece a validation part reads", nv / D, m);
-        return -EPROTO;
-    }
-    if (nv) memcpy(c->tbuf + a * D, vals, nv * sizeof(float));
-    return take_part(c, 0, v, 0, false, nf - 2, true, err, errlen);
-}
-
-/* With shards: a message of cur, from shard c->from. 1: *ev is an event to
- * return; 0: wait for more; < 0: error. */
-static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
-{
-    Psd__Header *h = c->cur.hdr;
-    int k = c->from;
-    if (k > 0) {
-        if (h->type != PSD__MSG_TYPE__MSG_WEIGHTS) {
-            PS_WARN("dropped an unexpected %s from psd shard %d", ps_msg_type_name((int)h->type), k);
-            return 0;
-        }
-        int rc = take_part(c, k, h->weights->version, h->weights->crc, h->weights->rows, c->cur.n_frames, false, err,
-                           errlen);
-        return rc < 0 ? rc : parts_done(c, ev);
-    }
-    bool val = h->type == PSD__MSG_TYPE__MSG_VALIDATE;
-    uint64_t v = val ? h->validate->version : h->weights->version;
-    if (val && c->pending && c->pend.kind == PSW_EV_VALIDATE) { /* after the one waiting */
-        if (!c->defer && !(c->defer = calloc(PSW_MAX_DEFER, sizeof *c->defer))) {
-            snprintf(err, errlen, "out of memory");
-            return -ENOMEM;
-        }
-        if (c->n_defer == PSW_MAX_DEFER) {
-            snprintf(err, errlen, "psd sent more than %d validation parts at once", PSW_MAX_DEFER);
-            return -EPROTO;
-        }
-        msg_move(&c->defer[c->n_defer++], &c->cur);
-        return 0;
-    }
-    if (val && c->table_on_psd != h->validate->rows) {
-        snprintf(err, errlen, "psd sent a validation part with%s the table's rows", h->validate->rows ? "" : "out");
-        return -EPROTO;
-    }
-    int rc = val && c->table_on_psd
-                 ? take_val_part0(c, v, err, errlen)
-                 : take_part(c, 0, v, val ? h->validate->crc : h->weights->crc, !val && h->weights->rows,
-                             c->cur.n_frames, false, err, errlen);
-    if (rc < 0) return rc;
-    if (c->pending && (c->pend.kind != (val ? PSW_EV_VALIDATE : PSW_EV_WEIGHTS) || c->pend.version != v))
-        PS_WARN("psd sent %s of version %llu while its %s of version %llu waited for the shards' parts: that one is "
-                "dropped", val ? "VALIDATE" : "WEIGHTS", (unsigned long long)v,
-                c->pend.kind == PSW_EV_VALIDATE ? "VALIDATE" : "WEIGHTS", (unsigned long long)c->pend.version);
-    memset(&c->pend, 0, sizeof c->pend);
-    c->pend.kind = val ? PSW_EV_VALIDATE : PSW_EV_WEIGHTS;
-    c->pend.version = v;
-    if (val) {
-        c->pend.epoch = h->validate->epoch;
-        c->pend.val_begin = h->validate->begin;
-        c->pend.val_end = h->validate->end;
-        if (c->pend.val_end < c->pend.val_begin) {
-            snprintf(err, errlen, "psd sent an invalid validation range");
-            return -EPROTO;
-        }
-        for (int j = 1; j < c->n_shards; j++) { /* the other parts of that version */
-            size_t a = 0, m = 0;
-            if (c->table_on_psd) { /* and the rows of their pieces the part reads */
-                shard_slice(c, j, c->want, c->n_want, &a, &m);
-                c->got[j] = 0;
-            }
-            if ((c->got[j] != v + 1 || (c->rows_part & (1u << j))) &&
-                (rc = pull_on(c, c->ssock[j], v, m ? c->want + a : NULL, m)) < 0)
-                return rc;
-        }
-    } else {
-        c->pend.step = h->weights->step;
-    }
-    c->pending = 1;
-    return parts_done(c, ev);
-}
-
-static int next_event(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
-{
-    for (double deadline = ps_now() + timeout_s;;) {
-        int rc = 0;
-        if (c->n_defer > 0 && !c->pending) { /* a validation part that came while another waited */
-            ps_msg_deinit(&c->cur);
-            msg_move(&c->cur, &c->defer[0]);
-            for (int i = 1; i < c->n_defer; i++) msg_move(&c->defer[i - 1], &c->defer[i]);
-            c->n_defer--;
-            c->from = 0;
-        } else {
-            rc = recv_msg(c, deadline, timeout_s, err, errlen);
-        }
-        if (rc < 0) return rc;
-        Psd__Header *h = c->cur.hdr;
-        memset(ev, 0, sizeof *ev);
-        if (c->n_shards > 1 && (c->from > 0 || h->type == PSD__MSG_TYPE__MSG_WEIGHTS ||
-                                h->type == PSD__MSG_TYPE__MSG_VALIDATE)) {
-            rc = shard_message(c, ev, err, errlen);
-            if (rc < 0) return rc;
-            if (rc > 0) return 0;
-            continue;
-        }
-        switch (h->type) {
-        case PSD__MSG_TYPE__MSG_EPOCH: {
-            size_t n = 0;
-            const uint32_t *ids = c->cur.n_frames == 1 ? ps_msg_u32(&c->cur, 0, &n) : NULL;
-            if (!ids && c->cur.n_frames != 0) {
-                snprintf(err, errlen, "psd sent an invalid epoch message");
-                return -EPROTO;
-            }
-            ev->kind = PSW_EV_EPOCH;
-            ev->epoch = h->epoch->epoch;
-            ev->version = h->epoch->version;
-            ev->world = h->epoch->world;
-            ev->workers_on_host = h->epoch->workers_on_host;
-            ev->samples = ids;
-            ev->n_samples = ids ? n : 0;
-            ev->append = h->epoch->append;
-            ev->keep = h->epoch->keep;
-            if (ev->keep > 0 && (!ev->append || ev->n_samples > 0)) {
-                snprintf(err, errlen, "psd sent an invalid epoch message (keep without append, or with samples)");
-                return -EPROTO;
-            }
-            return 0;
-        }
-        case PSD__MSG_TYPE__MSG_WEIGHTS:
-            if (h->weights->parts > 0) {
-                rc = stream_part(c, ev, err, errlen);
-                if (rc < 0) return rc;
-                if (rc > 0) return 0;
-                continue;
-            }
-            ev->kind = PSW_EV_WEIGHTS;
-            c->t_weights = ps_now();
-            c->wait = c->t_req > 0 ? c->t_weights - c->t_req : 0;
-            c->t_req = 0;
-            ev->version = h->weights->version;
-            ev->step = h->weights->step;
-            if (c->table_on_psd && !h->weights->rows) {
-                snprintf(err, errlen, "psd sent the whole table to a worker that holds only rows of it");
-                return -EPROTO;
-            }
-            rc = take_tensors(c, ev, h->weights->shm_slot, h->weights->crc, h->weights->rows, err, errlen);
-            if (rc == 0 && h->weights->rows) rc = take_rows(c, ev, err, errlen);
-            c->n_want = 0;
-            return rc;
-        case PSD__MSG_TYPE__MSG_VALIDATE:
-            ev->kind = PSW_EV_VALIDATE;
-            ev->epoch = h->validate->epoch;
-            ev->version = h->validate->version;
-            ev->val_begin = h->validate->begin;
-            ev->val_end = h->validate->end;
-            if (ev->val_end < ev->val_begin) {
-                snprintf(err, errlen, "psd sent an invalid validation range");
-                return -EPROTO;
-            }
-            if (c->table_on_psd != h->validate->rows) {
-                snprintf(err, errlen, "psd sent a validation part with%s the table's rows",
-                         h->validate->rows ? "" : "out");
-                return -EPROTO;
-            }
-            if (h->validate->rows) return take_val_rows(c, ev, err, errlen);
-            return take_tensors(c, ev, h->validate->shm_slot, h->validate->crc, false, err, errlen);
-        case PSD__MSG_TYPE__MSG_HEARTBEAT: /* psd is there, and this worker waits on it: wait on */
-            deadline = ps_now() + timeout_s;
-            continue;
-        case PSD__MSG_TYPE__MSG_SHUTDOWN:
-            ev->kind = PSW_EV_SHUTDOWN;
-            ev->exit_code = h->shutdown->exit_code;
-            snprintf(ev->message, sizeof ev->message, "%s",
-                     h->shutdown->reason ? h->shutdown->reason : "");
-            return 0;
-        default:
-            PS_WARN("dropped an unexpected %s from psd", ps_msg_type_name((int)h->type));
-            continue;
-        }
-    }
-}
-
-int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
-{
-    int rc = next_event(c, ev, timeout_s, err, errlen);
-    if (rc == 0 && ev->kind == PSW_EV_WEIGHTS) c->weights_due = false; /* what it asked for came */
-    return rc;
 }
 
 void psw_make_identity(uint8_t id[16], uint64_t salt)

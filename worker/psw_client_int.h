@@ -1,0 +1,124 @@
+/* psw_client_int.h - the worker library's client state, shared by its two
+ * files: psw_client.c (the connection: registration, requests, pushes and
+ * their shards, the socket's messages) and psw_client_rx.c (what comes
+ * back: weights, rows and validation parts, whole, by shard or streamed,
+ * into events). Private to the library: psworker.h is the public API. One
+ * psw_client_t per worker, used by one thread. */
+#ifndef PSW_CLIENT_INT_H
+#define PSW_CLIENT_INT_H
+
+#include "psworker.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "ps_log.h"
+#include "ps_ctr.h"
+#include "ps_model.h"
+#include "ps_rng.h"
+#include "ps_shm.h"
+#include "ps_tcp.h"
+#include "ps_util.h"
+#include "ps_wire.h"
+
+struct psw_client {
+    /* the table rows the last push asked for (Push.want_rows), and the
+     * worker's replica of the table the replies' rows are scattered into */
+    uint32_t *want;
+    size_t n_want, want_cap;
+    float *replica;
+    int table_on_psd;       /* CtrTask.table_on_psd: no replica; events bring the rows asked for */
+    float *tbuf;            /* the table on psd, with shards: the rows asked for (want's order), put together */
+    size_t tbuf_cap;        /* rows tbuf has room for */
+    void *ctx, *sock;
+    void *mon;              /* PAIR receiving the DEALER's socket events */
+    int connected;          /* a connection to psd has been up */
+    int hs_failed;          /* handshakes failed without detail in a row, before any succeeded */
+    int32_t prev_rank;      /* rank before psd was lost, -1 */
+    char endpoint[256];
+    psw_info_t info;
+    unsigned protocol;
+    uint64_t run_id;
+    int shutdown_code;      /* a SHUTDOWN that came instead of the assignment: psd's exit code */
+    uint32_t rank;
+    uint64_t seq;
+    ps_msg_t cur;           /* last received message (event data borrowed from it) */
+    uint64_t verified;      /* weights messages checked against psd's CRC-32 */
+    /* step timing, reported with every push: t_req when weights were asked
+     * for, t_weights when they arrived, wait = the latter minus the former */
+    double t_req, t_weights, wait;
+    atomic_int push_inflight; /* gradient frames ZeroMQ still holds */
+    /* same host (ps_shm.h): the model's layout, this worker's gradient
+     * region (read by psd) and psd's parameter slots (read-only) */
+    ps_layout_t layout;
+    int shm;                /* both regions mapped: tensors go through them */
+    bool release_on_push;   /* psw_client_release_on_push: a pull releases the slot last given */
+    bool weights_due;       /* weights asked for (pull, push with pull) and not yet returned */
+    float *shm_grad;
+    const float *shm_w;
+    size_t shm_w_bytes, slot_floats;
+    uint32_t slots;
+    /* reduced precision on the wire (train.wire_*: bf16): conversion buffers
+     * laid out like the model (gconv sent without copying: see push_done) */
+    int grad_bf16, weight_bf16;
+    uint16_t *gconv;
+    float *wconv;
+    /* psd shards (ASSIGN names shards 1..n-1): a DEALER to each, the pieces
+     * every shard holds (ps_shard_pieces), and the weights put together
+     * from their parts: an event is returned once every shard's part of
+     * its version is in wbuf */
+    int n_shards;           /* 1: one psd */
+    void *ssock[PS_MAX_SHARDS]; /* [0] unused: sock */
+    ps_piece_t pieces[PS_MAX_SHARDS][PS_MAX_TENSORS];
+    int rows_shards;        /* every shard's piece of the table is whole rows: row pushes go to the shards */
+    float *wbuf;
+    uint64_t got[PS_MAX_SHARDS]; /* version + 1 of each shard's part in wbuf (0: none) */
+    uint32_t rows_part;          /* shards whose last part was rows only (the rest of their piece is older) */
+    int from;               /* shard the message in cur came from */
+    psw_event_t pend;       /* WEIGHTS/VALIDATE from shard 0 waiting for the other parts */
+    int pending;
+    /* VALIDATEs from shard 0 that came while one waited for the other
+     * shards' parts (psd may give a worker several parts at once): taken
+     * in order once it is returned, so that the shards' replies answer
+     * the part they were asked for */
+    ps_msg_t *defer;        /* PSW_MAX_DEFER of them, made at the first */
+    int n_defer;
+    /* streamed steps (ASSIGN's stream_chunk_bytes): gradients go out in
+     * chunks of stream_cf floats, one message each; the weights come a few
+     * whole tensors at a time, kept where they arrived: sheld[t] holds
+     * tensor t of version sver - 1 (smask: those in; sdone: all were, and
+     * returned as an event), scrc is the CRC-32 psd sent for it */
+    size_t stream_cf;
+    /* server.tcp_congestion from ASSIGN ("" until then: off), and the
+     * connection to psd (0) and to each shard given it (fd + 1, 0: none) */
+    char tcp_cc[PS_TCP_CC_MAX];
+    int tcp_fd[PS_MAX_SHARDS];
+    zmq_msg_t sheld[PS_MAX_TENSORS];
+    uint64_t smask;
+    int sdone;
+    uint64_t sver;
+    uint32_t scrc;
+};
+
+#define PSW_MAX_DEFER 64
+
+/* psw_client.c's, for psw_client_rx.c */
+size_t pswc_first_row_at(const uint32_t *ids, size_t n, size_t r);
+int pswc_keep_want(psw_client_t *c, const uint32_t *want, size_t n);
+int pswc_pull_on(psw_client_t *c, void *sock, uint64_t min_version, const uint32_t *want, size_t n);
+int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err, size_t errlen);
+void pswc_shard_slice(const psw_client_t *c, int k, const uint32_t *want, size_t n, size_t *a, size_t *m);
+void pswc_stream_release(psw_client_t *c);
+bool pswc_table_rows(const psw_client_t *c, const uint32_t *ids, size_t n);
+
+#endif
