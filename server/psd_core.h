@@ -56,6 +56,7 @@
 #include "psd_ckpt.h"
 #include "psd_diverge.h"
 #include "psd_optim.h"
+#include "psd_hold.h"
 #include "psd_http.h"
 #include "psd_lock.h"
 #include "psd_metrics.h"
@@ -118,10 +119,10 @@ typedef struct {
     uint64_t assigned, consumed;
     /* the push of the step in progress: its tensors may come in several
      * PUSH messages (a GPU worker sends each layer's gradient as soon as its
-     * backward is done); the frames are kept as received until the step */
+     * backward is done); the frames are kept as received until the step
+     * (push: the holder's, psd_hold.h, with the table rows its reply brings) */
     bool has_push, push_pull, push_started;
-    zmq_msg_t grad[PS_MAX_TENSORS];
-    uint64_t grad_mask;
+    psd_push_t push;
     uint32_t push_batch;
     double push_loss;
     uint64_t push_correct;
@@ -131,15 +132,7 @@ typedef struct {
      * parameter slot it reads from, held until it is sent a newer one */
     uint8_t shm_token[PS_SHM_TOKEN];
     const float *shm_grad; /* NULL: no region */
-    bool shm;             /* READY confirmed: tensors go through shared memory */
-    uint64_t grad_shm;    /* tensors of the push in progress that are in shm_grad */
-    /* its table gradient as rows (the table is stepped lazily: store.lazy),
-     * pushed as rows (grad_rows) or gathered at the step from the nonzero
-     * rows of the table (its piece on a psd shard) pushed whole */
-    bool grad_rows;
-    int sp_table;
-    psd_want_t want;      /* the rows its next batch reads (Push.want_rows): the reply brings only those */
-    psd_rowbuf_t sp;
+    bool shm;             /* READY confirmed: tensors go through shared memory (push.shm: which) */
     psd_arena_t *hold;
     /* psd shards: the token it presents to shards 1..n-1, which of them
      * have its whole push for the current version (bit i), and whether its
@@ -304,8 +297,8 @@ typedef struct {
     uint64_t resumed_step; /* the step a --resume continued from, for the metrics lines; 0: none */
     bool resumed;
     uint64_t dropped;     /* bad messages, for rate-limited logging */
-    const void *(*step_g)[PS_MAX_TENSORS]; /* a step's gradients, MAX_WORKERS rows */
-    uint8_t *step_bf16;   /* and whether each row is bfloat16 */
+    psd_hold_t holder;    /* psd's part of the parameters and the pushes (psd_hold.h) */
+    uint8_t *step_bf16;   /* streamed steps: whether each contributor's gradient is bfloat16 */
     uint64_t ep_bytes_in, ep_bytes_out; /* tensor bytes received / sent on the wire this epoch */
     uint64_t ep_rows_in, ep_rows_pushes; /* table rows received in row-sparse pushes, and those pushes */
     uint64_t ep_rows_out, ep_rows_replies; /* table rows sent in replies that carry only the rows asked for */
@@ -350,8 +343,7 @@ typedef struct {
     double progress_next;
     double last_loss;     /* mean training loss of the last step */
     psd_diverge_t dv;     /* the steps' losses and norms, checked for divergence (step_done) */
-    double *step_wt;      /* and their weights */
-    psd_rowgrad_t *step_rows; /* and their table rows (lazy tables) */
+    double *step_wt;      /* a step's contributors' weights */
     bool table_on_psd;    /* ctr.worker_table_mb: workers hold only their batches' rows (CtrTask.table_on_psd) */
     ps_arena_t rx_arena;  /* decoded headers of received messages (one at a time) */
     uint8_t rx_buf[64 << 10];
@@ -477,7 +469,6 @@ worker_t *least_busy(srv_t *s);
 
 /* psd_step.c: push intake, pull answers, the step, weights replies */
 int want_take(srv_t *s, worker_t *w, ps_msg_t *m);
-size_t batch_rows(const srv_t *s);
 void on_push(srv_t *s, worker_t *w, ps_msg_t *m);
 bool push_check(const srv_t *s, worker_t *w);
 bool wire_bf16(const srv_t *s, const worker_t *w);
@@ -489,7 +480,7 @@ void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct);
 void maybe_step(srv_t *s);
 void on_pull(srv_t *s, worker_t *w, ps_msg_t *m);
 void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n);
-void release_push(worker_t *w);
+void release_push(srv_t *s, worker_t *w);
 void send_weights(srv_t *s, worker_t *w);
 void step_done(srv_t *s, bool taken);
 void step_lr(srv_t *s);

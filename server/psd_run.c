@@ -200,7 +200,7 @@ void worker_gone(srv_t *s, worker_t *w)
     wstate_t was = w->state;
     if (was != W_GONE) s->workers_lost++;
     if (s->stream) stream_forget(s, w);
-    release_push(w); /* a gradient from a worker declared gone is never applied (streamed: see stream_forget) */
+    release_push(s, w); /* a gradient from a worker declared gone is never applied (streamed: see stream_forget) */
     shm_forget(s, w);
     rows_free(w); /* the rows sent were copied at send */
     w->state = W_GONE;

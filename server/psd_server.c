@@ -212,12 +212,9 @@ void shm_forget(srv_t *s, worker_t *w)
     w->shm = false;
 }
 
-/* A worker's table buffers: its gradient rows and the rows it asked for. */
-void rows_free(worker_t *w)
-{
-    psd_rowbuf_free(&w->sp);
-    psd_want_free(&w->want);
-}
+/* A worker's table buffers: the rows it asked for (its gradient rows went
+ * back to the holder with its push). */
+void rows_free(worker_t *w) { psd_push_free(&w->push); }
 
 /* ---- message handlers --------------------------------------------------- */
 
@@ -310,7 +307,7 @@ void send_assign(srv_t *s, worker_t *w)
  * age: that worker is the one registering. NULL: none. */
 static bool slot_holds_nothing(const srv_t *s, const worker_t *w)
 {
-    if (w->state != W_GONE || w->has_push || w->push_started || w->st_member || w->n_gch || w->grad_mask ||
+    if (w->state != W_GONE || w->has_push || w->push_started || w->st_member || w->n_gch || w->push.mask ||
         w->hold || w->shm_grad || w->val_pending)
         return false;
     for (int j = 0; j < s->n_parts; j++)
@@ -1189,17 +1186,18 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->perm = malloc(T * sizeof *s->perm);
     s->pool = malloc(T * sizeof *s->pool);
     s->seen = calloc((T + 7) / 8, 1);
-    s->step_g = calloc(MAX_WORKERS, sizeof *s->step_g);
     s->step_bf16 = calloc(MAX_WORKERS, sizeof *s->step_bf16);
     s->step_wt = calloc(MAX_WORKERS, sizeof *s->step_wt);
-    s->step_rows = calloc(MAX_WORKERS, sizeof *s->step_rows);
     ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
-    if (!s->perm || !s->pool || !s->seen || !s->step_g || !s->step_bf16 || !s->step_wt || !s->step_rows || psd_store_init_part(&s->store, &s->layout, &opt, c->seed, 0, opts->shards) != 0) {
+    if (!s->perm || !s->pool || !s->seen || !s->step_bf16 || !s->step_wt ||
+        psd_store_init_part(&s->store, &s->layout, &opt, c->seed, 0, opts->shards) != 0 ||
+        psd_hold_init(&s->holder, &s->store, &s->layout, c, opts->shards > 1, MAX_WORKERS) != 0) {
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
         goto out;
     }
+    s->holder.verify = opts->verify_weights;
     int threads = psd_step_threads(c);
     if (psd_store_set_parallel(&s->store, threads, (size_t)c->chunk_bytes) != 0) {
         PS_ERROR("out of memory for the step's threads");
@@ -1218,7 +1216,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
      * streamed, or psd shards whose pieces of it are all whole rows (else
      * rows straddle two shards: the table goes whole and is stepped densely) */
     if (s->layout.table >= 0 && !s->stream && (s->n_shards == 1 || ps_shards_table_rows(&s->layout, s->n_shards)) &&
-        psd_store_lazy_table(&s->store, (size_t)c->workers * batch_rows(s), MAX_WORKERS) != 0) {
+        psd_store_lazy_table(&s->store, (size_t)c->workers * s->holder.batch_rows, MAX_WORKERS) != 0) {
         PS_ERROR("out of memory for the table's row steps");
         goto out;
     }
@@ -1226,6 +1224,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         const double mb = (double)s->layout.t[s->layout.table].numel * 4.0 / 1048576.0;
         bool big = mb > c->ctr_worker_table_mb;
         s->table_on_psd = psd_table_on_psd(c, &s->layout, s->store.lazy);
+        s->holder.table_on_psd = s->table_on_psd;
         if (s->table_on_psd)
             PS_INFO("the embedding table (%.0f MiB) stays on psd: workers hold only the rows of their batch, "
                     "over the wire (ctr.worker_table_mb %g)", mb, c->ctr_worker_table_mb);
@@ -1375,7 +1374,7 @@ out:
     }
     if (s->w)
         for (int i = 0; i < s->n; i++) {
-            release_push(&s->w[i]);
+            release_push(s, &s->w[i]);
             shm_forget(s, &s->w[i]);
             free(s->w[i].ranges);
             rows_free(&s->w[i]);
@@ -1392,13 +1391,12 @@ out:
         code = PSD_EXIT_METRICS;
     }
     psd_locks_release(&s->locks);
+    psd_hold_deinit(&s->holder);
     psd_store_deinit(&s->store);
     free(s->perm);
     free(s->val_scores);
     free(s->test_labels);
     free(s->auc_order);
-    free(s->step_g);
-    free(s->step_rows);
     free(s->step_bf16);
     free(s->step_wt);
     free(s->st_have);

@@ -41,6 +41,7 @@
 #include "ps_util.h"
 #include "ps_wire.h"
 #include "psd_ckpt.h"
+#include "psd_hold.h"
 #include "psd_lock.h"
 #include "psd_net.h"
 #include "psd_opts.h"
@@ -57,18 +58,7 @@ typedef struct {
     uint8_t ident[PS_MAX_IDENTITY];
     size_t ident_len;          /* 0: not registered here */
     uint64_t seq_in, seq_out;
-    zmq_msg_t grad[PS_MAX_TENSORS];
-    uint64_t held;             /* tensors whose grad[] holds a frame */
-    /* its gradient of this shard's piece of the table as rows (the table is
-     * stepped lazily): pushed as rows, or the nonzero rows of the piece
-     * pushed whole, gathered at the step. Lent from the pool from the push
-     * (or the step) until the step, or until the push is dropped: as many
-     * exist as workers pushed rows between two steps. NULL: none */
-    psd_rowbuf_t *sp;
-    /* the rows of this shard's piece of the table its next batch reads
-     * (Push.want_rows): the reply to that push brings only those */
-    psd_want_t rows_want;
-    uint64_t mask;             /* pieces received for push_version */
+    psd_push_t push;           /* its push of push_version (pieces so far), the rows its reply brings */
     uint64_t push_version;
     bool complete;
     uint64_t want;             /* answer a pull with a version >= want - 1 (0: none) */
@@ -80,7 +70,7 @@ typedef struct {
     psd_run_opts_t opts;
     ps_layout_t layout;
     psd_store_t store;
-    uint64_t all;              /* tensors with a piece here */
+    psd_hold_t hold;           /* the pieces held, the workers' pushes (psd_hold.h) */
     void *zctx, *router, *leader, *mon; /* mon: its ROUTER's failed handshakes (with keys) */
     void *lmon;                /* PAIR with the connection to shard 0 closing */
     bool leader_closed;        /* it did: shard 0 is gone */
@@ -92,10 +82,6 @@ typedef struct {
     int leader_tcp_fd;         /* the connection to shard 0 given server.tcp_congestion (fd + 1) */
     char bound[256];           /* the endpoint it listens on, its port found (ZMQ_LAST_ENDPOINT) */
     fw_t *w;
-    psd_rowbuf_t **sp_free;    /* pooled row gradients (SHARD_MAX_WORKERS room) */
-    int n_sp_free;
-    psd_rowgrad_t *rg;         /* a step's contributors' rows (SHARD_MAX_WORKERS) */
-    bool table_on_psd;         /* workers hold only their batches' rows: replies bring rows, never the piece */
     double *norm_blk;          /* clipping: this part's blocks' squared norms for SHARD_NORM */
     size_t n_norm_blk;
     int n_w;                   /* 1 + the highest rank shard 0 told about: the loops per step stop there */
@@ -103,8 +89,6 @@ typedef struct {
     double lr;
     ps_arena_t rx_arena;
     uint8_t rx_buf[64 << 10];
-    const void *(*g)[PS_MAX_TENSORS];
-    uint8_t *bf16;
     uint64_t dropped;
     uint64_t bytes_in, rows_pushes, rows_in; /* gradient bytes received; pushes of table rows, their rows */
     uint64_t rows_out;                       /* table rows sent in replies that asked for rows */
@@ -169,79 +153,13 @@ static void hello(shard_t *s)
     to_leader(s, &h, NULL, 0);
 }
 
-/* w's push goes: its frames, and its row gradient back to the pool. */
-static void release(shard_t *s, fw_t *w)
-{
-    for (int t = 0; t < PS_MAX_TENSORS; t++)
-        if (w->held & (1ull << t)) zmq_msg_close(&w->grad[t]);
-    w->mask = w->held = 0;
-    w->complete = false;
-    if (w->sp) {
-        w->sp->n = 0;
-        s->sp_free[s->n_sp_free++] = w->sp;
-        w->sp = NULL;
-    }
-}
-
-/* A row gradient for w: its own, one from the pool, or a new one. NULL if
- * out of memory. */
-static psd_rowbuf_t *rowbuf_of(shard_t *s, fw_t *w)
-{
-    if (!w->sp && s->n_sp_free) w->sp = s->sp_free[--s->n_sp_free];
-    if (!w->sp) w->sp = calloc(1, sizeof *w->sp);
-    return w->sp;
-}
-
-/* The rows of this shard's piece of the table (0 without a table). */
-static size_t piece_rows(const shard_t *s)
-{
-    const ps_layout_t *l = &s->layout;
-    return l->table >= 0 ? s->store.own[l->table].n / (size_t)l->t[l->table].cols : 0;
-}
-
-/* The most rows of this shard's piece of the table one batch reads. */
-static size_t batch_rows(const shard_t *s)
-{
-    size_t most = (size_t)s->cfg.batch_size * (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
-    size_t piece = piece_rows(s);
-    return most < piece ? most : piece;
-}
-
 static void fail(shard_t *s, const char *why);
 
-/* The step's contributors' table rows, k of them in s->rg (their pieces
- * pushed whole become their nonzero rows), with room in the store's merge.
- * 0, or -1 (out of memory: failed). */
-static int step_rows(shard_t *s, const Psd__ShardStep *st)
+/* w's push goes: its frames, and its row buffer back to the holder. */
+static void release(shard_t *s, fw_t *w)
 {
-    const ps_layout_t *l = &s->layout;
-    const int t = l->table;
-    const size_t D = (size_t)l->t[t].cols;
-    const ps_piece_t *own = &s->store.own[t];
-    for (size_t k = 0; k < st->n_ranks; k++) {
-        fw_t *w = &s->w[st->ranks[k]];
-        if (!(s->all & (1ull << t))) {
-            s->rg[k] = (psd_rowgrad_t){0};
-            continue;
-        }
-        if (w->held & (1ull << t)) { /* the piece whole: its rows now */
-            psd_rowbuf_t *b = rowbuf_of(s, w);
-            if (!b || psd_rowbuf_dense(b, zmq_msg_data(&w->grad[t]), s->cfg.wire_gradients == PS_WIRE_BF16,
-                                       own->off / D, own->n / D, D) != 0) {
-                fail(s, "out of memory for a step's table rows");
-                return -1;
-            }
-            zmq_msg_close(&w->grad[t]);
-            w->held &= ~(1ull << t);
-        }
-        s->rg[k] = w->sp ? psd_rowbuf_grad(w->sp) : (psd_rowgrad_t){0};
-        s->g[k][t] = NULL;
-    }
-    if (psd_store_rows_room(&s->store, (int)st->n_ranks, s->rg, SHARD_MAX_WORKERS) != 0) {
-        fail(s, "out of memory for a step's table rows");
-        return -1;
-    }
-    return 0;
+    psd_push_release(&s->hold, &w->push);
+    w->complete = false;
 }
 
 /* A WEIGHTS header of the current version (h's run, rank and sequence to fill). */
@@ -257,11 +175,8 @@ static void weights_header(const shard_t *s, Psd__Header *h, Psd__Weights *wt)
 }
 
 /* The current version of this shard's part, to worker w (its ident, rank
- * and sequence). A worker that asked for rows gets
- * those of the table's piece instead of the piece; with the table on psd
- * a worker always gets rows (none if it asked for none), and every frame
- * is copied: no reply in flight holds the version, whose table piece an
- * out-of-place step would copy whole. */
+ * and sequence): psd_hold_reply (the table's rows it asked for instead of
+ * the piece; with the table on psd, always rows). */
 static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
 {
     Psd__Header h;
@@ -271,34 +186,15 @@ static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
     h.run_id = s->run_id;
     h.rank = rank;
     h.seq = ++w->seq_out;
-    bool bf16 = s->cfg.wire_weights == PS_WIRE_BF16;
-    const uint16_t *w16 = bf16 ? psd_store_current_bf16(&s->store) : NULL;
-    if (bf16 && !w16) PS_WARN("out of memory for bfloat16 weights: sending f32");
-    int n = psd_store_frames(&s->store, w16, fr, s->opts.verify_weights ? &wt.crc : NULL);
-    const ps_layout_t *l = &s->layout;
-    if ((w->rows_want.has || s->table_on_psd) && !w16 && n > 0 && fr[n - 1].id == (uint32_t)l->table) {
-        /* the table: the last frame */
-        const size_t D = (size_t)l->t[l->table].cols;
-        if (fr[n - 1].ffn) fr[n - 1].ffn((void *)fr[n - 1].data, fr[n - 1].hint); /* its reference to the version */
-        const psd_want_t *rw = &w->rows_want;
-        const size_t nr = rw->has ? rw->n : 0;
-        psd_rows_gather(rw->vals, s->store.cur->w + l->t[l->table].offset, D, rw->ids, nr);
-        fr[n - 1] = (ps_frame_t){.data = rw->vals, .nbytes = nr * D * sizeof(float), .id = (uint32_t)l->table,
-                                 .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)nr,
-                                 .cols = (uint32_t)D}; /* copied at send */
+    long rows;
+    int n = psd_hold_reply(&s->hold, &w->push, fr, &wt.crc, &rows);
+    if (rows >= 0) {
         wt.rows = true;
-        wt.crc = 0; /* the CRC covers whole versions */
-        s->rows_out += nr;
+        s->rows_out += (uint64_t)rows;
     }
-    w->rows_want.has = false;
-    if (l->table < 0) ps_frames_small_first(fr, n); /* the CRC is in tensor order */
-    for (int i = 0; i < n; i++) {
-        fr[i].copy = s->table_on_psd; /* as psd's send_copied: no reply in flight holds the version */
-        s->bytes_out += fr[i].nbytes;
-    }
+    for (int i = 0; i < n; i++) s->bytes_out += fr[i].nbytes;
     int rc = ps_msg_send(s->router, w->ident, w->ident_len, &h, fr, n);
-    /* a validation part's rows (up to the piece's) are not kept for the run */
-    if (s->layout.table >= 0 && w->rows_want.cap > batch_rows(s)) psd_want_free(&w->rows_want);
+    psd_hold_sent(&s->hold, &w->push);
     if (rc < 0) PS_WARN("shard %d cannot send weights: %s", s->opts.shard, zmq_strerror(-rc));
 }
 
@@ -366,6 +262,7 @@ static void on_step(shard_t *s, ps_msg_t *m)
         return;
     }
     bool seen[SHARD_MAX_WORKERS] = {0};
+    psd_push_t *ps[SHARD_MAX_WORKERS];
     for (size_t k = 0; k < st->n_ranks; k++) {
         fw_t *w = st->ranks[k] < SHARD_MAX_WORKERS ? &s->w[st->ranks[k]] : NULL;
         if (!isfinite(st->lr) || st->clip_norm != s->cfg.clip_norm || (w && seen[st->ranks[k]]) ||
@@ -382,16 +279,15 @@ static void on_step(shard_t *s, ps_msg_t *m)
             fail(s, why);
             return;
         }
-        for (int t = 0; t < s->layout.n_tensors; t++)
-            s->g[k][t] = (s->all & (1ull << t)) && (w->held & (1ull << t)) ? zmq_msg_data(&w->grad[t]) : NULL;
-        s->bf16[k] = s->cfg.wire_gradients == PS_WIRE_BF16;
+        ps[k] = &w->push;
     }
-    if (s->store.lazy && step_rows(s, st) != 0) return;
-    const psd_rowgrad_t *rows = s->store.lazy ? s->rg : NULL;
-    const void *const(*g)[PS_MAX_TENSORS] = (const void *const(*)[PS_MAX_TENSORS])s->g;
+    if (psd_hold_gather(&s->hold, ps, NULL, (int)st->n_ranks) != 0) {
+        fail(s, "out of memory for a step's table rows");
+        return;
+    }
     s->lr = st->lr;
     if (st->clip_norm > 0) { /* the norm of the whole gradient first */
-        if (psd_store_reduce_rows(&s->store, (int)st->n_ranks, g, s->bf16, st->weights, rows) != 0) {
+        if (psd_hold_step(&s->hold, (int)st->n_ranks, st->weights, 0, 0, true) != 0) {
             fail(s, "more table rows in a step than this shard made room for");
             return;
         }
@@ -413,7 +309,7 @@ static void on_step(shard_t *s, ps_msg_t *m)
         to_leader(s, &h, NULL, 0);
         s->awaiting_apply = true;
     } else {
-        double rc = psd_store_step_rows(&s->store, (int)st->n_ranks, g, s->bf16, st->weights, rows, 0, st->lr);
+        double rc = psd_hold_step(&s->hold, (int)st->n_ranks, st->weights, 0, st->lr, false);
         if (rc < 0) {
             fail(s, rc == -2 ? "more table rows in a step than this shard made room for"
                              : "no free parameter arena (too many pull replies in flight)");
@@ -421,7 +317,7 @@ static void on_step(shard_t *s, ps_msg_t *m)
         }
     }
     for (int r = 0; r < s->n_w; r++) /* every push of that version is used or stale */
-        if (s->w[r].mask && s->w[r].push_version <= st->version) release(s, &s->w[r]);
+        if (s->w[r].push.mask && s->w[r].push_version <= st->version) release(s, &s->w[r]);
     if (!s->awaiting_apply) applied(s);
 }
 
@@ -753,7 +649,7 @@ static void on_register(shard_t *s, ps_msg_t *m)
     w->tcp_fd = 0; /* a new connection maybe under an fd number the last one had */
     w->seq_in = h->seq;
     w->want = 0;
-    w->rows_want.has = false;
+    w->push.want.has = false;
     Psd__Header a;
     Psd__Assign as = PSD__ASSIGN__INIT;
     psd__header__init(&a);
@@ -767,64 +663,6 @@ static void on_register(shard_t *s, ps_msg_t *m)
     ps_msg_send(s->router, w->ident, w->ident_len, &a, NULL, 0);
 }
 
-/* Frames i (u32 ids) and i + 1 (f32 values) of a PUSH are rows of this
- * shard's piece of the table (whole rows; none maybe). */
-static bool rows_ok(const shard_t *s, const ps_msg_t *m, int i)
-{
-    const uint32_t *ids;
-    size_t n = 0, nv = 0;
-    return s->store.lazy && ps_msg_rows(m, i, &ids, &n, &nv) &&
-           psd_rows_fit(&s->layout, &s->store.own[s->layout.table], ids, n, nv, true);
-}
-
-/* Keep checked rows (frames i, i + 1) as w's gradient of the table's
- * piece, in a row gradient from the pool (its room grown only when a push
- * has more rows than any before). 0, or -1 (dropped, logged). */
-static int rows_take(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m, int i)
-{
-    const ps_layout_t *l = &s->layout;
-    size_t n = 0, nv = 0;
-    const uint32_t *ids = ps_msg_u32(m, i, &n);
-    const float *v = ps_msg_f32(m, i + 1, &nv);
-    psd_rowbuf_t *b = rowbuf_of(s, w);
-    if (!b || psd_rowbuf_set(b, ids, v, n, (size_t)l->t[l->table].cols, batch_rows(s)) != 0) {
-        sdrop(s, "PUSH of rank %u: out of memory for its table rows", rank);
-        return -1;
-    }
-    s->rows_pushes++;
-    s->rows_in += n;
-    return 0;
-}
-
-/* The last frame of a PUSH with want_rows (with pull), or of a PULL with
- * want_rows: rows of this shard's piece of the table, strictly increasing,
- * at most `most`, none maybe. */
-static bool want_ok(const shard_t *s, const ps_msg_t *m, bool pull, size_t most)
-{
-    const ps_layout_t *l = &s->layout;
-    size_t n = 0, r0, r1;
-    const int i = m->n_frames - 1;
-    const uint32_t *ids = i >= 0 && l->table >= 0 && m->hdr->tensors[i]->id == (uint32_t)l->table
-                              ? ps_msg_u32(m, i, &n)
-                              : NULL;
-    return pull && ids && ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) && r0 < r1 && n <= most &&
-           psd_rows_in(ids, n, r0, r1);
-}
-
-/* Keep a checked want list for the reply. Allocates only the first time
- * (room for a batch's rows). 0, or -1 (dropped, logged). */
-static int want_take(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
-{
-    const ps_layout_t *l = &s->layout;
-    size_t n = 0;
-    const uint32_t *ids = ps_msg_u32(m, m->n_frames - 1, &n);
-    if (psd_want_keep(&w->rows_want, ids, n, batch_rows(s), (size_t)l->t[l->table].cols) != 0) {
-        sdrop(s, "rank %u asking for table rows: out of memory", rank);
-        return -1;
-    }
-    return 0;
-}
-
 static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
 {
     Psd__Push *p = m->hdr->push;
@@ -833,57 +671,25 @@ static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
               s->store.cur->version);
         return;
     }
-    if (w->mask && w->push_version != p->version) release(s, w); /* a push that never completed */
+    if (w->push.mask && w->push_version != p->version) release(s, w); /* a push that never completed */
     if (w->complete) {
         sdrop(s, "second PUSH of rank %u for version %" PRIu64, rank, p->version);
         return;
     }
-    bool bf16 = s->cfg.wire_gradients == PS_WIRE_BF16;
-    uint64_t mask = 0;
-    int rows_at = -1; /* the table's piece as rows: frames rows_at (ids) and rows_at + 1 */
-    const int nf = m->n_frames - (p->want_rows && m->n_frames > 0); /* gradient frames; then the rows wanted */
-    if (p->want_rows && !want_ok(s, m, p->pull, batch_rows(s))) {
-        sdrop(s, "PUSH of rank %u asking for table rows that are not rows of this shard's piece (strictly "
-                 "increasing, at most a batch's, in its last frame) or without asking for the next version", rank);
+    psd_took_t took;
+    char why[256];
+    if (psd_push_take(&s->hold, &w->push, m, s->hold.wire_bf16, 0, &took, why, sizeof why) != 0) {
+        sdrop(s, "PUSH of rank %u %s", rank, why);
         return;
     }
-    for (int i = 0; i < nf; i++) {
-        const Psd__TensorDesc *d = m->hdr->tensors[i];
-        size_t n = 0;
-        uint32_t t = d->id;
-        if (d->dtype == PSD__DTYPE__DT_U32) {
-            if (bf16 || s->layout.table < 0 || t != (uint32_t)s->layout.table || !(s->all & (1ull << t)) ||
-                ((w->mask | mask) & (1ull << t)) || !rows_ok(s, m, i)) {
-                sdrop(s, "PUSH of rank %u: frames %d-%d are not rows of this shard's piece of the table", rank, i,
-                      i + 1);
-                return;
-            }
-            rows_at = i++;
-            mask |= 1ull << t;
-            continue;
-        }
-        bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
-        if (t >= (uint32_t)s->layout.n_tensors || !(s->all & (1ull << t)) || ((w->mask | mask) & (1ull << t)) || !ok ||
-            d->offset != s->store.own[t].off || n != s->store.own[t].n) {
-            sdrop(s, "PUSH of rank %u: frame %d is not a piece of this shard", rank, i);
-            return;
-        }
-        mask |= 1ull << t;
+    s->bytes_in += took.bytes;
+    if (took.row_push) {
+        s->rows_pushes++;
+        s->rows_in += took.rows;
     }
-    if (rows_at >= 0 && rows_take(s, w, rank, m, rows_at) != 0) return;
-    if (p->want_rows && want_take(s, w, rank, m) != 0) return;
-    for (int i = 0; i < nf; i++) {
-        uint32_t t = m->hdr->tensors[i]->id;
-        s->bytes_in += zmq_msg_size(&m->frames[i]);
-        if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* copied into w->sp */
-        zmq_msg_init(&w->grad[t]);
-        zmq_msg_move(&w->grad[t], &m->frames[i]);
-        w->held |= 1ull << t;
-    }
-    w->mask |= mask;
     w->push_version = p->version;
     if (p->pull) w->want = p->version + 2; /* the next version */
-    if (w->mask != s->all) return;
+    if (w->push.mask != s->hold.all) return;
     w->complete = true;
     Psd__Header h;
     Psd__ShardHave hv = PSD__SHARD_HAVE__INIT;
@@ -930,14 +736,13 @@ static void on_worker(shard_t *s, ps_msg_t *m)
          * validation part reads (at most the piece's), the reply brings only
          * those; without, the piece whole (rows with the table on psd: none) */
         if (h->pull->want_rows) {
-            if (!want_ok(s, m, true, piece_rows(s))) {
-                sdrop(s, "PULL of rank %u asking for table rows that are not rows of this shard's piece (strictly "
-                         "increasing, in its last frame)", h->rank);
+            char why[256];
+            if (psd_want_take(&s->hold, &w->push, m, s->hold.piece_rows, why, sizeof why) != 0) {
+                sdrop(s, "PULL of rank %u %s", h->rank, why);
                 break;
             }
-            if (want_take(s, w, h->rank, m) != 0) break;
         } else {
-            w->rows_want.has = false;
+            w->push.want.has = false;
         }
         w->want = h->pull->min_version + 1;
         if (!s->awaiting_apply) answer_pulls(s);
@@ -992,12 +797,8 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->opts = *opts;
     s->config_hash = ps_config_hash(c);
     s->w = calloc(SHARD_MAX_WORKERS, sizeof *s->w);
-    s->g = calloc(SHARD_MAX_WORKERS, sizeof *s->g);
-    s->bf16 = calloc(SHARD_MAX_WORKERS, 1);
-    s->sp_free = calloc(SHARD_MAX_WORKERS, sizeof *s->sp_free);
-    s->rg = calloc(SHARD_MAX_WORKERS, sizeof *s->rg);
     ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
-    if (!s->w || !s->g || !s->bf16 || !s->sp_free || !s->rg) goto out;
+    if (!s->w) goto out;
     if (ps_config_layout(c, &s->layout) != 0) {
         PS_ERROR("invalid model.layers");
         code = PSD_EXIT_USAGE;
@@ -1010,11 +811,13 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
         goto out;
     }
-    size_t owned = 0;
-    for (int t = 0; t < s->layout.n_tensors; t++) {
-        owned += s->store.own[t].n;
-        if (s->store.own[t].n) s->all |= 1ull << t;
+    if (psd_hold_init(&s->hold, &s->store, &s->layout, c, true, SHARD_MAX_WORKERS) != 0) {
+        PS_ERROR("out of memory for the workers' pushes");
+        goto out;
     }
+    s->hold.verify = opts->verify_weights;
+    size_t owned = 0;
+    for (int t = 0; t < s->layout.n_tensors; t++) owned += s->store.own[t].n;
     for (int t = 0; t < s->layout.n_tensors; t++)
         s->n_norm_blk += (s->store.own[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
     if (!(s->norm_blk = calloc(s->n_norm_blk ? s->n_norm_blk : 1, sizeof *s->norm_blk))) {
@@ -1030,12 +833,12 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     /* the table stepped by rows when every shard's piece of it is whole rows
      * (as shard 0 and the workers decide: they then send rows) */
     if (ps_shards_table_rows(&s->layout, opts->shards)) {
-        size_t room = (size_t)c->workers * batch_rows(s);
+        size_t room = (size_t)c->workers * s->hold.batch_rows;
         if (psd_store_lazy_table(&s->store, room ? room : 1, SHARD_MAX_WORKERS) != 0) {
             PS_ERROR("out of memory for the table's row steps");
             goto out;
         }
-        s->table_on_psd = psd_table_on_psd(c, &s->layout, true); /* as shard 0 decides */
+        s->hold.table_on_psd = psd_table_on_psd(c, &s->layout, true); /* as shard 0 decides */
     }
     s->zctx = psd_zmq_context(c);
     if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, false, false, &s->locks, &s->router, &s->zap,
@@ -1180,16 +983,11 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
 out:
     if (ckpt_finish(s, true) != 0 && code == 0) /* a checkpoint being written is finished first */
         code = PSD_EXIT_ERROR;                   /* (shard 0 did not wait for it: the run ended) */
-    for (int r = 0; s->w && r < SHARD_MAX_WORKERS; r++) {
+    for (int r = 0; s->w && s->hold.sp_free && r < SHARD_MAX_WORKERS; r++) {
         release(s, &s->w[r]);
-        psd_want_free(&s->w[r].rows_want);
+        psd_push_free(&s->w[r].push);
     }
-    for (int i = 0; s->sp_free && i < s->n_sp_free; i++) {
-        psd_rowbuf_free(s->sp_free[i]);
-        free(s->sp_free[i]);
-    }
-    free(s->sp_free);
-    free(s->rg);
+    psd_hold_deinit(&s->hold);
     free(s->norm_blk);
     if (s->router) ps_msg_drain(s->router, 0.05, 0.5);
     ps_zmq_close_monitored(s->router, s->mon);
@@ -1199,8 +997,6 @@ out:
     psd_locks_release(&s->locks);
     psd_store_deinit(&s->store);
     free(s->w);
-    free(s->g);
-    free(s->bf16);
     free(s);
     return code;
 }

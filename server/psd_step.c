@@ -65,12 +65,9 @@ bool wire_bf16(const srv_t *s, const worker_t *w)
     return !w->shm && s->cfg.wire_gradients == PS_WIRE_BF16;
 }
 
-void release_push(worker_t *w)
+void release_push(srv_t *s, worker_t *w)
 {
-    for (int t = 0; t < PS_MAX_TENSORS; t++)
-        if ((w->grad_mask & ~w->grad_shm) & (1ull << t) && !(w->grad_rows && t == w->sp_table)) zmq_msg_close(&w->grad[t]);
-    w->grad_mask = w->grad_shm = 0;
-    w->grad_rows = false;
+    psd_push_release(&s->holder, &w->push);
     if (w->n_gch > 0) {
         for (int c = 0; c < w->n_gch_cap; c++)
             if (w->gch_in[c] == 1) zmq_msg_close(&w->gch[c]);
@@ -110,7 +107,7 @@ void account_step(srv_t *s, uint64_t total, const worker_t *only)
         account_batch(s, w);
         step_loss += w->push_loss;
         w->want_pull = w->push_pull && !w->st_req; /* a streamed reply has gone out already */
-        release_push(w);
+        release_push(s, w);
     }
     s->last_loss = step_loss / (double)total;
 }
@@ -213,21 +210,6 @@ void step_lr(srv_t *s)
     s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
 }
 
-/* Contributor w's table gradient as rows (lazy tables): pushed as rows, or
- * the nonzero rows of the table (this shard's piece of it) it pushed whole
- * (g[table], which the dense step then skips). 0, or -1 (out of memory). */
-static int lazy_rows(srv_t *s, worker_t *w, const void **g, bool bf16, psd_rowgrad_t *r)
-{
-    const int t = s->layout.table;
-    const size_t D = (size_t)s->layout.t[t].cols;
-    const ps_piece_t *own = &s->store.own[t];
-    if (!w->grad_rows && g[t] && psd_rowbuf_dense(&w->sp, g[t], bf16, own->off / D, own->n / D, D) != 0) return -1;
-    if (!w->grad_rows && !g[t]) w->sp.n = 0;
-    g[t] = NULL;
-    *r = psd_rowbuf_grad(&w->sp);
-    return 0;
-}
-
 /* Reduce the pushes held (every one, or only `only`'s: async and ssp apply
  * each push on its own), apply the optimizer, answer the pulls. Returns
  * with s->stepping set when shards must send their norms first, or with
@@ -236,39 +218,30 @@ static void take_step(srv_t *s, worker_t *only)
 {
     uint64_t total = 0;
     int k = 0; /* contributors in rank order: the same sums every run */
-    const void *(*g)[PS_MAX_TENSORS] = s->step_g; /* made once: no allocation per step */
+    psd_push_t *ps[MAX_WORKERS];
+    const float *shm[MAX_WORKERS];
     double *wt = s->step_wt;
     for (int i = 0; i < s->n; i++)
         if (s->w[i].has_push && (!only || &s->w[i] == only)) total += s->w[i].push_batch;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
         if (!w->has_push || (only && w != only)) continue;
-        for (int t = 0; t < s->layout.n_tensors; t++)
-            g[k][t] = w->grad_shm & (1ull << t) ? (const void *)(w->shm_grad + s->layout.t[t].offset)
-                      : w->grad_rows && t == s->layout.table ? NULL /* its rows: lazy_rows */
-                      : w->grad_mask & (1ull << t) ? (const void *)zmq_msg_data(&w->grad[t])
-                                                   : NULL;
-        s->step_bf16[k] = wire_bf16(s, w);
+        ps[k] = &w->push;
+        shm[k] = w->shm ? w->shm_grad : NULL;
         wt[k] = (double)w->push_batch / (double)total;
-        if (s->store.lazy && lazy_rows(s, w, g[k], s->step_bf16[k], &s->step_rows[k]) != 0) {
-            PS_ERROR("out of memory for the table rows of a step");
-            finish(s, PSD_EXIT_ERROR, "psd out of memory");
-            return;
-        }
         k++;
     }
-    step_lr(s);
-    if (s->store.lazy && psd_store_rows_room(&s->store, k, s->step_rows, MAX_WORKERS) != 0) {
+    if (psd_hold_gather(&s->holder, ps, shm, k) != 0) {
         PS_ERROR("out of memory for the table rows of a step");
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;
     }
+    step_lr(s);
     if (sharded(s)) shards_step(s, k, wt);
     if (sharded(s) && s->cfg.clip_norm > 0) {
         /* the whole gradient's norm first: this part's blocks now, the
          * other shards' in their NORM messages (on_shard_norm) */
-        if (psd_store_reduce_rows(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
-                                  s->store.lazy ? s->step_rows : NULL) != 0) {
+        if (psd_hold_step(&s->holder, k, wt, 0, 0, true) != 0) {
             PS_ERROR("more table rows in a step than psd made room for");
             finish(s, PSD_EXIT_ERROR, "psd out of memory");
             return;
@@ -280,8 +253,7 @@ static void take_step(srv_t *s, worker_t *only)
         return;
     }
     uint64_t computed_on = only ? only->push_version : s->store.cur->version;
-    double norm = psd_store_step_rows(&s->store, k, (const void *const(*)[PS_MAX_TENSORS])g, s->step_bf16, wt,
-                                      s->store.lazy ? s->step_rows : NULL, s->cfg.clip_norm, s->lr);
+    double norm = psd_hold_step(&s->holder, k, wt, s->cfg.clip_norm, s->lr, false);
     if (norm < 0) {
         PS_ERROR("no free parameter arena (too many pull replies in flight)");
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
@@ -358,83 +330,14 @@ void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
     answer_pull(s, w);
 }
 
-/* The most table rows one batch can read: min(rows, batch x fields x values). */
-size_t batch_rows(const srv_t *s)
-{
-    size_t n = (size_t)s->cfg.batch_size * (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;
-    size_t R = (size_t)s->layout.t[s->layout.table].rows;
-    return n < R ? n : R;
-}
-
-/* ids[0..n) are rows of the table, strictly increasing, n >= 1 */
-static bool table_ids(const srv_t *s, const uint32_t *ids, size_t n)
-{
-    return ps_rows_valid(ids, n, (uint64_t)s->layout.t[s->layout.table].rows);
-}
-
-/* Frames i (u32 ids) and i + 1 (f32 rows) of a PUSH are rows of the
- * table's gradient: ids strictly increasing and below its row count, rows
- * of its width, f32 gradients; on a psd shard, rows of its piece of the
- * table (whole rows), none maybe. The table is stepped by rows. 0, or -1. */
-static int rows_check(const srv_t *s, const worker_t *w, const ps_msg_t *m, int i)
-{
-    if (wire_bf16(s, w) || !s->store.lazy) return -1; /* its step reads bfloat16, or the table whole */
-    const ps_layout_t *l = &s->layout;
-    const uint32_t *ids;
-    size_t n = 0, nv = 0;
-    return l->table >= 0 && (int)m->hdr->tensors[i]->id == l->table && ps_msg_rows(m, i, &ids, &n, &nv) &&
-                   psd_rows_fit(l, &s->store.own[l->table], ids, n, nv, sharded(s))
-               ? 0
-               : -1;
-}
-
-/* Keep the checked rows (frames i, i + 1) for the step, which merges them.
- * Allocates only the first time (room for any batch's rows) and when a
- * push has more rows than any before. 0, or -1 (dropped, logged). */
-static int rows_take(srv_t *s, worker_t *w, ps_msg_t *m, int i)
-{
-    const ps_layout_t *l = &s->layout;
-    const size_t D = (size_t)l->t[l->table].cols;
-    size_t n = 0, nv = 0;
-    const uint32_t *ids = ps_msg_u32(m, i, &n);
-    const float *v = ps_msg_f32(m, i + 1, &nv);
-    if (psd_rowbuf_set(&w->sp, ids, v, n, D, batch_rows(s)) != 0) {
-        drop(s, w, "PUSH of table rows: out of memory");
-        return -1;
-    }
-    w->sp_table = l->table;
-    w->grad_rows = true;
-    s->ep_rows_in += n;
-    s->ep_rows_pushes++;
-    return 0;
-}
-
-/* The last frame of a PUSH with want_rows: the table rows the worker's
- * next batch reads (strictly increasing, below the table's rows), kept for
- * the reply. 0, or -1 (dropped, logged). Allocates only when a list is
- * longer than any before. */
+/* The last frame of a PULL (or a PUSH) with want_rows: the table rows the
+ * worker's next batch reads, kept for the reply (psd_want_take). 0, or -1
+ * (dropped, logged). */
 int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
 {
-    const ps_layout_t *l = &s->layout;
-    size_t n = 0;
-    const uint32_t *ids = m->n_frames > 0 && l->table >= 0 &&
-                                  m->hdr->tensors[m->n_frames - 1]->id == (uint32_t)l->table
-                              ? ps_msg_u32(m, m->n_frames - 1, &n)
-                              : NULL;
-    const bool push = m->hdr->body_case == PSD__HEADER__BODY_PUSH;
-    const char *what = push ? "PUSH" : "PULL";
-    size_t r0 = 0, r1 = 0; /* a shard: rows of its piece, none maybe */
-    bool rows_ok = ids && (sharded(s) ? ps_piece_rows(l, &s->store.own[l->table], &r0, &r1) && r0 < r1 &&
-                                            psd_rows_in(ids, n, r0, r1)
-                                      : table_ids(s, ids, n));
-    if (!rows_ok || n > batch_rows(s) || (push && !m->hdr->push->pull)) {
-        drop(s, w, "%s asking for table rows that are not rows of the table (strictly increasing ids below its "
-                   "row count, of this shard's piece, at most a batch's, in its last frame) or without asking for "
-                   "the next version", what);
-        return -1;
-    }
-    if (psd_want_keep(&w->want, ids, n, batch_rows(s), (size_t)l->t[l->table].cols) != 0) {
-        drop(s, w, "%s asking for table rows: out of memory", what);
+    char why[256];
+    if (psd_want_take(&s->holder, &w->push, m, s->holder.batch_rows, why, sizeof why) != 0) {
+        drop(s, w, "PULL %s", why);
         return -1;
     }
     return 0;
@@ -494,70 +397,29 @@ void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         if (stream_take(s, w, m) != 0) return;
         complete = w->n_gch == s->st_nc;
     } else {
-        uint64_t mask = 0, in_shm = 0;
+        uint64_t in_shm = 0;
         for (size_t i = 0; i < p->n_shm_tensors; i++) {
             uint32_t t = p->shm_tensors[i];
-            if (t >= (uint32_t)l->n_tensors || ((w->grad_mask | in_shm) & (1ull << t))) {
+            if (t >= (uint32_t)l->n_tensors || ((w->push.mask | in_shm) & (1ull << t))) {
                 drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
                 return;
             }
             in_shm |= 1ull << t;
         }
-        mask = in_shm;
-        const int nf = m->n_frames - (p->want_rows && m->n_frames > 0); /* gradient frames; then the rows wanted */
-        int rows_at = -1; /* the table's gradient as rows: frames rows_at (ids) and rows_at + 1 */
-        for (int i = 0; i < nf; i++) {
-            size_t n = 0;
-            const Psd__TensorDesc *d = m->hdr->tensors[i];
-            uint32_t t = d->id;
-            if (t >= (uint32_t)l->n_tensors || ((w->grad_mask | mask) & (1ull << t))) {
-                drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
-                return;
-            }
-            if (d->dtype == PSD__DTYPE__DT_U32) {
-                if (rows_check(s, w, m, i) != 0) {
-                    drop(s, w, "PUSH of rows of tensor %u that are not rows of the table (strictly increasing "
-                               "ids below its row count, of this shard's piece, then their f32 rows)", t);
-                    return;
-                }
-                rows_at = i++;
-                mask |= 1ull << t;
-                continue;
-            }
-            /* in the worker's wire type: f32, or bf16 with train.wire_gradients: bf16 */
-            bool bf16 = wire_bf16(s, w);
-            bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
-            const ps_piece_t *pc = &s->store.own[t];
-            if (!ok || d->offset != pc->off || n != pc->n || pc->n == 0) {
-                drop(s, w, "PUSH tensor %u does not match %s (%zu %s at %" PRIu64 ", want %zu %s at %zu)", t,
-                     sharded(s) ? "this shard's part" : "the model", n,
-                     d->dtype == PSD__DTYPE__DT_BF16 ? "bf16" : "elements", d->offset, pc->n, bf16 ? "bf16" : "f32",
-                     pc->off);
-                return;
-            }
-            mask |= 1ull << t;
-        }
-        if (p->want_rows && want_take(s, w, m) != 0) return;
-        if (rows_at >= 0 && rows_take(s, w, m, rows_at) != 0) {
-            w->want.n = 0;
-            w->want.has = false;
+        psd_took_t took;
+        char why[256];
+        if (psd_push_take(&s->holder, &w->push, m, wire_bf16(s, w), in_shm, &took, why, sizeof why) != 0) {
+            drop(s, w, "PUSH %s", why);
             return;
         }
-        /* keep the frames without copying: reduced in rank order once everyone has pushed */
-        for (int i = 0; i < m->n_frames; i++) {
-            uint32_t t = m->hdr->tensors[i]->id;
-            s->ep_bytes_in += zmq_msg_size(&m->frames[i]);
-            if (i >= nf) continue; /* the rows wanted: kept by want_take */
-            if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue; /* copied by rows_take */
-            zmq_msg_init(&w->grad[t]);
-            zmq_msg_move(&w->grad[t], &m->frames[i]);
+        s->ep_bytes_in += took.bytes + took.want_bytes;
+        if (took.row_push) {
+            s->ep_rows_in += took.rows;
+            s->ep_rows_pushes++;
         }
-        w->grad_mask |= mask;
-        w->grad_shm |= in_shm;
-        uint64_t all = 0;
-        for (int t = 0; t < l->n_tensors; t++)
-            if (s->store.own[t].n) all |= 1ull << t;
-        complete = w->grad_mask == all;
+        w->push.mask |= in_shm;
+        w->push.shm |= in_shm;
+        complete = w->push.mask == s->holder.all;
     }
     w->push_pull |= p->pull;
     if (p->release && w->hold) { /* it reads no more of its slot: the step may update it in place */
@@ -612,12 +474,8 @@ int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32
         if (s->opts.verify_weights) *crc = psd_store_current_crc(&s->store);
         return 0;
     }
-    const uint16_t *w16 = s->cfg.wire_weights == PS_WIRE_BF16 ? psd_store_current_bf16(&s->store) : NULL;
-    if (s->cfg.wire_weights == PS_WIRE_BF16 && !w16) PS_WARN("out of memory for bfloat16 weights: sending f32");
-    int n = psd_store_frames(&s->store, w16, fr, s->opts.verify_weights && (w16 || sharded(s)) ? crc : NULL);
+    int n = psd_hold_frames(&s->holder, fr, crc);
     for (int i = 0; i < n; i++) s->ep_bytes_out += fr[i].nbytes;
-    if (s->opts.verify_weights && !w16 && !sharded(s)) *crc = psd_store_current_crc(&s->store);
-    if (s->layout.table < 0) ps_frames_small_first(fr, n); /* the CRCs are in tensor order */
     return n;
 }
 
@@ -658,23 +516,23 @@ void send_weights(srv_t *s, worker_t *w)
     wt.step = s->step;
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
-    int n = weights_frames(s, w, fr, &wt.shm_slot, &wt.crc);
-    if ((w->want.has || s->table_on_psd) && !w->shm && s->cfg.wire_weights == PS_WIRE_F32 && n > 0 &&
-        fr[n - 1].id == (uint32_t)s->layout.table) {
-        /* only the table rows its next batch reads (a shard: those in its piece, none maybe);
-         * with the table on psd, none when it asked for none. The table is the last tensor,
-         * so the last frame. */
-        table_rows_frame(s, &fr[n - 1], w->want.ids, w->want.n, w->want.vals);
-        s->ep_rows_replies++;
-        wt.rows = true;
-        wt.crc = 0;
+    int n;
+    if (w->shm) {
+        n = weights_frames(s, w, fr, &wt.shm_slot, &wt.crc);
+        w->push.want.n = 0;
+        w->push.want.has = false;
+    } else {
+        long rows;
+        n = psd_hold_reply(&s->holder, &w->push, fr, &wt.crc, &rows);
+        for (int i = 0; i < n; i++) s->ep_bytes_out += fr[i].nbytes;
+        if (rows >= 0) {
+            s->ep_rows_out += (uint64_t)rows;
+            s->ep_rows_replies++;
+            wt.rows = true;
+        }
     }
-    w->want.n = 0;
-    w->want.has = false;
-    if (s->table_on_psd)
-        send_copied(s, w, &h, fr, n);
-    else
-        send_to(s, w, &h, fr, n);
+    send_to(s, w, &h, fr, n);
+    psd_hold_sent(&s->holder, &w->push);
 }
 
 /* A push counts once this part of it is complete and every other shard

@@ -1,0 +1,285 @@
+/* psd_hold.c - the parameter holder (psd_hold.h): push intake, the step
+ * over this psd's piece of the parameters, weights replies. */
+#include "psd_hold.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ps_log.h"
+#include "ps_util.h"
+
+static size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
+
+int psd_hold_init(psd_hold_t *h, psd_store_t *store, const ps_layout_t *l, const ps_config_t *c, bool sharded,
+                  int max_k)
+{
+    memset(h, 0, sizeof *h);
+    h->store = store;
+    h->layout = l;
+    h->sharded = sharded;
+    h->wire_bf16 = c->wire_gradients == PS_WIRE_BF16;
+    h->wire_w16 = c->wire_weights == PS_WIRE_BF16;
+    h->max_k = max_k;
+    for (int t = 0; t < l->n_tensors; t++)
+        if (store->own[t].n) h->all |= 1ull << t;
+    if (l->table >= 0) {
+        h->piece_rows = store->own[l->table].n / (size_t)l->t[l->table].cols;
+        size_t reads = (size_t)c->batch_size * (size_t)c->ctr_fields * (size_t)c->ctr_per_field;
+        h->batch_rows = min_size(reads, h->piece_rows);
+    }
+    h->g = calloc((size_t)max_k, sizeof *h->g);
+    h->bf16 = calloc((size_t)max_k, 1);
+    h->rg = calloc((size_t)max_k, sizeof *h->rg);
+    h->sp_free = calloc((size_t)max_k, sizeof *h->sp_free);
+    if (!h->g || !h->bf16 || !h->rg || !h->sp_free) {
+        psd_hold_deinit(h);
+        return -ENOMEM;
+    }
+    return 0;
+}
+
+void psd_hold_deinit(psd_hold_t *h)
+{
+    for (int i = 0; h->sp_free && i < h->n_sp_free; i++) {
+        psd_rowbuf_free(h->sp_free[i]);
+        free(h->sp_free[i]);
+    }
+    free(h->sp_free);
+    free(h->g);
+    free(h->bf16);
+    free(h->rg);
+    memset(h, 0, sizeof *h);
+}
+
+/* p's row buffer: its own, one from the pool, or a new one (NULL: out of
+ * memory). As many exist as contributors had rows between two steps. */
+static psd_rowbuf_t *rowbuf_of(psd_hold_t *h, psd_push_t *p)
+{
+    if (!p->sp && h->n_sp_free) p->sp = h->sp_free[--h->n_sp_free];
+    if (!p->sp && h->n_sp < h->max_k && (p->sp = calloc(1, sizeof *p->sp))) h->n_sp++;
+    return p->sp;
+}
+
+void psd_push_release(psd_hold_t *h, psd_push_t *p)
+{
+    for (int t = 0; t < PS_MAX_TENSORS; t++)
+        if (p->frames & (1ull << t)) zmq_msg_close(&p->grad[t]);
+    p->frames = p->mask = p->shm = 0;
+    p->rows = false;
+    if (p->sp) {
+        p->sp->n = 0;
+        h->sp_free[h->n_sp_free++] = p->sp;
+        p->sp = NULL;
+    }
+}
+
+void psd_push_free(psd_push_t *p) { psd_want_free(&p->want); }
+
+/* The rows of the table this holder takes: "the table", or a shard's piece. */
+static const char *rows_of(const psd_hold_t *h) { return h->sharded ? "this shard's piece of the table" : "the table"; }
+
+/* ids[0..n) in m's last frame, a list of rows of this piece of the table */
+static bool want_ok(const psd_hold_t *h, const ps_msg_t *m, size_t most, const uint32_t **idsp, size_t *np)
+{
+    const ps_layout_t *l = h->layout;
+    const int i = m->n_frames - 1;
+    size_t n = 0, r0 = 0, r1 = 0;
+    const uint32_t *ids = i >= 0 && l->table >= 0 && m->hdr->tensors[i]->id == (uint32_t)l->table
+                              ? ps_msg_u32(m, i, &n)
+                              : NULL;
+    bool ok = ids && n <= most &&
+              (h->sharded ? ps_piece_rows(l, &h->store->own[l->table], &r0, &r1) && r0 < r1 &&
+                                psd_rows_in(ids, n, r0, r1)
+                          : ps_rows_valid(ids, n, (uint64_t)l->t[l->table].rows));
+    *idsp = ids;
+    *np = n;
+    return ok;
+}
+
+int psd_want_take(psd_hold_t *h, psd_push_t *p, const ps_msg_t *m, size_t most, char *why, size_t why_len)
+{
+    const uint32_t *ids;
+    size_t n;
+    if (!want_ok(h, m, most, &ids, &n)) {
+        snprintf(why, why_len, "asking for table rows that are not rows of %s (strictly increasing, in its last "
+                 "frame, at most %zu)", rows_of(h), most);
+        return -1;
+    }
+    const ps_layout_t *l = h->layout;
+    if (psd_want_keep(&p->want, ids, n, h->batch_rows, (size_t)l->t[l->table].cols) != 0) {
+        snprintf(why, why_len, "asking for table rows: out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+int psd_push_take(psd_hold_t *h, psd_push_t *p, ps_msg_t *m, bool bf16, uint64_t also, psd_took_t *took,
+                  char *why, size_t why_len)
+{
+    const ps_layout_t *l = h->layout;
+    const Psd__Push *pu = m->hdr->push;
+    const int nf = m->n_frames - (pu->want_rows && m->n_frames > 0); /* gradient frames; then the rows wanted */
+    uint64_t mask = 0;
+    int rows_at = -1; /* the table's gradient as rows: frames rows_at (ids) and rows_at + 1 */
+    *took = (psd_took_t){0};
+    for (int i = 0; i < nf; i++) {
+        const Psd__TensorDesc *d = m->hdr->tensors[i];
+        const uint32_t t = d->id;
+        size_t n = 0;
+        if (t >= (uint32_t)l->n_tensors || ((p->mask | also | mask) & (1ull << t))) {
+            snprintf(why, why_len, "of tensor %u: not in the model or already received", t);
+            return -1;
+        }
+        if (d->dtype == PSD__DTYPE__DT_U32) {
+            const uint32_t *ids;
+            size_t nv = 0;
+            if (bf16 || !h->store->lazy || (int)t != l->table || !(h->all & (1ull << t)) ||
+                !ps_msg_rows(m, i, &ids, &n, &nv) || !psd_rows_fit(l, &h->store->own[t], ids, n, nv, h->sharded)) {
+                snprintf(why, why_len, "of rows of tensor %u that are not rows of %s (strictly increasing ids "
+                         "below its row count, then their f32 rows)", t, rows_of(h));
+                return -1;
+            }
+            rows_at = i++;
+            mask |= 1ull << t;
+            continue;
+        }
+        /* in the worker's wire type: f32, or bf16 with train.wire_gradients: bf16 */
+        bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
+        const ps_piece_t *pc = &h->store->own[t];
+        if (!ok || d->offset != pc->off || n != pc->n || pc->n == 0) {
+            snprintf(why, why_len, "tensor %u does not match %s (%zu %s at %" PRIu64 ", want %zu %s at %zu)", t,
+                     h->sharded ? "this shard's part" : "the model", n,
+                     d->dtype == PSD__DTYPE__DT_BF16 ? "bf16" : "elements", d->offset, pc->n, bf16 ? "bf16" : "f32",
+                     pc->off);
+            return -1;
+        }
+        mask |= 1ull << t;
+    }
+    if (pu->want_rows) {
+        if (!pu->pull) {
+            snprintf(why, why_len, "asking for table rows that are not rows of %s without asking for the next "
+                     "version", rows_of(h));
+            return -1;
+        }
+        if (psd_want_take(h, p, m, h->batch_rows, why, why_len) != 0) return -1;
+        took->want_bytes = zmq_msg_size(&m->frames[m->n_frames - 1]);
+    }
+    if (rows_at >= 0) { /* copied: the step merges them */
+        size_t n = 0, nv = 0;
+        const uint32_t *ids = ps_msg_u32(m, rows_at, &n);
+        const float *v = ps_msg_f32(m, rows_at + 1, &nv);
+        psd_rowbuf_t *b = rowbuf_of(h, p);
+        if (!b || psd_rowbuf_set(b, ids, v, n, (size_t)l->t[l->table].cols, h->batch_rows) != 0) {
+            p->want.has = false;
+            snprintf(why, why_len, "of table rows: out of memory");
+            return -1;
+        }
+        p->rows = true;
+        took->row_push = true;
+        took->rows = n;
+    }
+    /* the rest kept without copying: reduced in rank order at the step */
+    for (int i = 0; i < nf; i++) {
+        const uint32_t t = m->hdr->tensors[i]->id;
+        took->bytes += zmq_msg_size(&m->frames[i]);
+        if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue;
+        zmq_msg_init(&p->grad[t]);
+        zmq_msg_move(&p->grad[t], &m->frames[i]);
+        p->frames |= 1ull << t;
+    }
+    p->mask |= mask;
+    took->mask = mask;
+    return 0;
+}
+
+int psd_hold_gather(psd_hold_t *h, psd_push_t *const *p, const float *const *shm, int k)
+{
+    const ps_layout_t *l = h->layout;
+    const int T = l->table;
+    for (int j = 0; j < k; j++) {
+        const void **g = h->g[j];
+        for (int t = 0; t < l->n_tensors; t++)
+            g[t] = shm && shm[j] && (p[j]->shm & (1ull << t)) ? (const void *)(shm[j] + l->t[t].offset)
+                   : p[j]->frames & (1ull << t)                ? (const void *)zmq_msg_data(&p[j]->grad[t])
+                                                               : NULL;
+        h->bf16[j] = !(shm && shm[j]) && h->wire_bf16;
+        if (!h->store->lazy) continue;
+        /* the table by rows: pushed as rows, or the nonzero rows of the piece pushed whole */
+        if (!p[j]->rows && g[T]) {
+            const size_t D = (size_t)l->t[T].cols;
+            const ps_piece_t *own = &h->store->own[T];
+            psd_rowbuf_t *b = rowbuf_of(h, p[j]);
+            if (!b || psd_rowbuf_dense(b, g[T], h->bf16[j], own->off / D, own->n / D, D) != 0) return -ENOMEM;
+        } else if (!p[j]->rows && p[j]->sp) {
+            p[j]->sp->n = 0;
+        }
+        g[T] = NULL;
+        h->rg[j] = p[j]->sp ? psd_rowbuf_grad(p[j]->sp) : (psd_rowgrad_t){0};
+    }
+    if (h->store->lazy && psd_store_rows_room(h->store, k, h->rg, h->max_k) != 0) return -ENOMEM;
+    return 0;
+}
+
+double psd_hold_step(psd_hold_t *h, int k, const double *wt, double clip_norm, double lr, bool reduce_only)
+{
+    const void *const(*g)[PS_MAX_TENSORS] = (const void *const(*)[PS_MAX_TENSORS])h->g;
+    const psd_rowgrad_t *rows = h->store->lazy ? h->rg : NULL;
+    if (reduce_only) return psd_store_reduce_rows(h->store, k, g, h->bf16, wt, rows) != 0 ? -2 : 0;
+    return psd_store_step_rows(h->store, k, g, h->bf16, wt, rows, clip_norm, lr);
+}
+
+/* The frames of the current version and the bfloat16 copy they come from (NULL: f32). */
+static int frames_of(psd_hold_t *h, ps_frame_t *fr, uint32_t *crc, const uint16_t **w16p)
+{
+    const uint16_t *w16 = h->wire_w16 ? psd_store_current_bf16(h->store) : NULL;
+    if (h->wire_w16 && !w16) PS_WARN("out of memory for bfloat16 weights: sending f32");
+    *crc = 0;
+    int n = psd_store_frames(h->store, w16, fr, h->verify && (w16 || h->sharded) ? crc : NULL);
+    if (h->verify && !w16 && !h->sharded) *crc = psd_store_current_crc(h->store);
+    *w16p = w16;
+    return n;
+}
+
+int psd_hold_frames(psd_hold_t *h, ps_frame_t *fr, uint32_t *crc)
+{
+    const uint16_t *w16;
+    int n = frames_of(h, fr, crc, &w16);
+    if (h->layout->table < 0) ps_frames_small_first(fr, n); /* the CRC is in tensor order */
+    return n;
+}
+
+int psd_hold_reply(psd_hold_t *h, psd_push_t *p, ps_frame_t *fr, uint32_t *crc, long *rows)
+{
+    const ps_layout_t *l = h->layout;
+    const uint16_t *w16;
+    int n = frames_of(h, fr, crc, &w16);
+    *rows = -1;
+    if ((p->want.has || h->table_on_psd) && !w16 && n > 0 && fr[n - 1].id == (uint32_t)l->table) {
+        /* only the table rows its next batch reads (a shard: those in its piece, none maybe); with
+         * the table on psd, none when it asked for none. The table is the last tensor, so the last
+         * frame. */
+        const size_t D = (size_t)l->t[l->table].cols, nr = p->want.has ? p->want.n : 0;
+        if (fr[n - 1].ffn) fr[n - 1].ffn((void *)fr[n - 1].data, fr[n - 1].hint); /* its reference on the version */
+        psd_rows_gather(p->want.vals, h->store->cur->w + l->t[l->table].offset, D, p->want.ids, nr);
+        fr[n - 1] = (ps_frame_t){.data = p->want.vals, .nbytes = nr * D * sizeof(float), .id = (uint32_t)l->table,
+                                 .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)nr,
+                                 .cols = (uint32_t)D}; /* copied at send */
+        *crc = 0; /* the CRC covers whole versions */
+        *rows = (long)nr;
+    }
+    p->want.n = 0;
+    p->want.has = false;
+    if (l->table < 0) ps_frames_small_first(fr, n); /* the CRC is in tensor order */
+    /* the table on psd: copies, so that no reply in flight holds a reference on the version (a step
+     * would then go out of place and copy the whole table); the frames are small next to it */
+    for (int i = 0; i < n; i++) fr[i].copy = h->table_on_psd;
+    return n;
+}
+
+void psd_hold_sent(psd_hold_t *h, psd_push_t *p)
+{
+    if (h->layout->table >= 0 && p->want.cap > h->batch_rows) psd_want_free(&p->want);
+}
