@@ -60,6 +60,7 @@
 #include "psd_http.h"
 #include "psd_lock.h"
 #include "psd_metrics.h"
+#include "psd_samples.h"
 #include "psd_net.h"
 #include "psd_shm.h"
 #include "psd_store.h"
@@ -94,10 +95,6 @@ typedef enum {
 extern const char *const wstate_name[]; /* a wstate_t's name, for logs and /status */
 
 typedef struct {
-    uint64_t begin, end; /* positions in the epoch's permutation */
-} prange_t;
-
-typedef struct {
     uint8_t ident[PS_MAX_IDENTITY];
     size_t ident_len;
     uint32_t rank;        /* = its slot (reused once every slot was taken: free_slot) */
@@ -113,10 +110,7 @@ typedef struct {
     bool conn_closed;     /* that connection closed (the ROUTER's monitor): lost at the next tick */
     uint64_t lost_replies;
     bool lost_silent;     /* gone for its silence: it may be alive and connected (told when the run ends) */
-    /* this epoch: positions assigned (ranges, in order) and trained */
-    prange_t *ranges;
-    int n_ranges, cap_ranges;
-    uint64_t assigned, consumed;
+    psd_share_t share;    /* this epoch: its positions (ranges, in order), given and trained (psd_samples.h) */
     /* the push of the step in progress: its tensors may come in several
      * PUSH messages (a GPU worker sends each layer's gradient as soon as its
      * backward is done); the frames are kept as received until the step
@@ -268,11 +262,7 @@ typedef struct {
     float *val_scores;    /* ctr: the workers' click probabilities of the test examples (VAL_RESULT) */
     uint8_t *test_labels; /* ctr: the test examples' clicks */
     uint32_t *auc_order;  /* ps_auc's scratch */
-    uint32_t *perm;       /* this epoch's permutation of the training set */
-    uint8_t *seen;        /* positions of the epoch trained (bitmap) */
-    uint64_t ep_twice;    /* positions trained when already seen this epoch (never: a bug) */
-    uint64_t *pool;       /* positions waiting for a worker */
-    size_t n_pool;
+    psd_samples_t smp;    /* the epoch's permutation, positions trained, the pool (psd_samples.h) */
     vpart_t *parts;       /* validation parts of this epoch */
     int n_parts;
     /* progress */
@@ -425,11 +415,6 @@ static inline bool shards_ready(const srv_t *s) { return all_shards(s) && (!s->o
 /* Bits of the shards 1..n-1 (bit i: shard i). */
 static inline uint32_t shard_bits(const srv_t *s) { return ((1u << s->n_shards) - 1u) & ~1u; }
 
-typedef struct {
-    uint64_t *out;
-    size_t n;
-} collect_t;
-
 /* ---- functions shared by the files of the run (psd_core.h) ---- */
 
 /* psd_server.c: the shell: messages, peers, the loop, set-up */
@@ -473,7 +458,6 @@ void on_push(srv_t *s, worker_t *w, ps_msg_t *m);
 bool push_check(const srv_t *s, worker_t *w);
 bool wire_bf16(const srv_t *s, const worker_t *w);
 int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32_t *crc);
-uint64_t min_clock(const srv_t *s);
 void account_batch(srv_t *s, worker_t *w);
 void account_step(srv_t *s, uint64_t total, const worker_t *only);
 void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct);
@@ -490,16 +474,12 @@ int stream_take(srv_t *s, worker_t *w, ps_msg_t *m);
 void stream_forget(srv_t *s, worker_t *w);
 void stream_progress(srv_t *s);
 
-/* psd_samples.c: the positions of an epoch */
+/* psd_give.c: positions of the epoch to workers (the accounting: psd_samples.h) */
 bool take_pool(srv_t *s, worker_t *w);
-uint64_t *positions_of(const worker_t *w, uint64_t from, size_t n);
-void collect_pos(void *ud, uint64_t p);
+uint64_t min_clock(const srv_t *s);
 void hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what);
-void mark_seen(void *ud, uint64_t p);
 void rebalance(srv_t *s, worker_t *w);
 void spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k, bool append);
-void walk_positions(const worker_t *w, uint64_t from, uint64_t count, void (*fn)(void *, uint64_t),
-                           void *ud);
 
 /* psd_shard0.c: shard 0's side of the shard protocol */
 bool begin_save(srv_t *s);

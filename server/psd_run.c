@@ -34,7 +34,7 @@ void save_weights(srv_t *s)
 static void start_epoch(srv_t *s)
 {
     uint64_t T = s->train_count;
-    ps_rng_permutation(s->perm, T, s->cfg.seed, 1000 + s->epoch);
+    ps_rng_permutation(s->smp.perm, T, s->cfg.seed, 1000 + s->epoch);
     worker_t *to[MAX_WORKERS];
     int k = 0;
     for (int i = 0; i < s->n; i++)
@@ -45,10 +45,7 @@ static void start_epoch(srv_t *s)
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;
     }
-    size_t n = 0;
-    if (!s->resumed_mid_epoch) memset(s->seen, 0, (T + 7) / 8);
-    for (uint64_t p = 0; p < T; p++)
-        if (!(s->seen[p / 8] & (1u << (p % 8)))) pos[n++] = p;
+    size_t n = psd_samples_begin(&s->smp, s->resumed_mid_epoch, pos);
     if (!s->resumed_mid_epoch) {
         s->epoch_step = 0;
         s->ep_loss = 0;
@@ -71,14 +68,11 @@ static void start_epoch(srv_t *s)
     if (s->spe < 1) s->spe = 1;
     s->ep_stale_sum = s->ep_stale_n = s->ep_stale_max = s->ep_lead_max = 0;
     s->ep_moved = 0;
-    s->ep_twice = 0;
     s->phase = PHASE_TRAIN;
     s->t_epoch = ps_now();
-    s->n_pool = 0;
-    for (int i = 0; i < s->n; i++) s->w[i].n_ranges = 0, s->w[i].assigned = s->w[i].consumed = 0;
+    for (int i = 0; i < s->n; i++) psd_share_reset(&s->w[i].share);
     if (k == 0) { /* everyone left: the next worker to come takes them all */
-        memcpy(s->pool, pos, n * sizeof *pos);
-        s->n_pool = n;
+        psd_samples_pool_add(&s->smp, pos, n);
         s->orphan_deadline = ps_now() + s->cfg.start_timeout;
         PS_WARN("no workers for epoch %u; waiting up to %.0f s for one to join", s->epoch + 1,
                 s->cfg.start_timeout);
@@ -141,11 +135,11 @@ static void give_orphans(srv_t *s)
 
 void start_validation(srv_t *s)
 {
-    uint64_t unseen = 0; /* every position trained once: the bookkeeping of samples moved between workers */
-    for (uint64_t p = 0; p < s->train_count; p++) unseen += !(s->seen[p / 8] & (1u << (p % 8)));
-    if (unseen || s->ep_twice)
+    /* every position trained once: the bookkeeping of samples moved between workers */
+    uint64_t unseen = psd_samples_unseen(&s->smp);
+    if (unseen || s->smp.twice)
         PS_ERROR("epoch %u: %" PRIu64 " training samples were trained twice and %" PRIu64 " not at all (a bug in "
-                 "psd's bookkeeping)", s->epoch + 1, s->ep_twice, unseen);
+                 "psd's bookkeeping)", s->epoch + 1, s->smp.twice, unseen);
     double dt = ps_now() - s->t_epoch;
     s->train_s_total += dt;
     s->samples_total += s->ep_samples;
@@ -205,16 +199,16 @@ void worker_gone(srv_t *s, worker_t *w)
     rows_free(w); /* the rows sent were copied at send */
     w->state = W_GONE;
     w->gone_at = ps_now();
-    if (s->phase == PHASE_TRAIN && (was == W_TRAIN || was == W_BARRIER) && w->consumed < w->assigned) {
-        size_t n = (size_t)(w->assigned - w->consumed);
-        uint64_t *pos = positions_of(w, w->consumed, n);
+    if (s->phase == PHASE_TRAIN && (was == W_TRAIN || was == W_BARRIER) && w->share.consumed < w->share.assigned) {
+        size_t n = (size_t)(w->share.assigned - w->share.consumed);
+        uint64_t *pos = psd_share_positions(&w->share, w->share.consumed, n);
         if (!pos) {
             finish(s, PSD_EXIT_ERROR, "psd out of memory");
             return;
         }
         hand_out(s, pos, n, "its remaining");
         free(pos);
-        w->assigned = w->consumed;
+        w->share.assigned = w->share.consumed;
         maybe_step(s);
     } else if (s->phase == PHASE_VALIDATE && w->val_pending > 0) {
         w->val_pending = 0;
@@ -354,9 +348,9 @@ void end_validation(srv_t *s)
             char who[512];
             size_t at = 0;
             for (int i = 0; i < s->n && at < sizeof who; i++)
-                if (s->w[i].state != W_GONE || s->w[i].consumed > 0)
+                if (s->w[i].state != W_GONE || s->w[i].share.consumed > 0)
                     at += (size_t)snprintf(who + at, sizeof who - at, "%s rank %u %" PRIu64 "%s", at ? "," : "",
-                                           s->w[i].rank, s->w[i].consumed,
+                                           s->w[i].rank, s->w[i].share.consumed,
                                            s->w[i].state == W_GONE ? " (lost)" : "");
             PS_INFO("epoch %u: %" PRIu64 " samples moved from slower workers to those done with theirs; trained:%s",
                     s->epoch + 1, s->ep_moved, who);
@@ -439,7 +433,7 @@ void take_checkpoint(srv_t *s, bool epoch_done)
         m.table_rows = (uint64_t)s->layout.t[s->layout.table].rows;
         m.table_dim = (uint32_t)s->layout.t[s->layout.table].cols;
     }
-    int rc = psd_ckpt_begin(&s->ckpt, s->run_dir, psd_ckpt_keep(&s->cfg, s->n_shards), &m, s->seen, &s->store);
+    int rc = psd_ckpt_begin(&s->ckpt, s->run_dir, psd_ckpt_keep(&s->cfg, s->n_shards), &m, s->smp.seen, &s->store);
     if (rc != 0) {
         PS_ERROR("cannot start a checkpoint in %s: %s", s->run_dir, strerror(-rc));
         s->ckpt = NULL;
@@ -631,11 +625,11 @@ void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m)
         drop(s, w, "BARRIER for epoch %u while %s in epoch %u", b->epoch, wstate_name[w->state], s->epoch + 1);
         return;
     }
-    if (b->samples < w->assigned) return; /* sent before it got more samples: it will come again */
-    uint64_t done = w->consumed + (w->own_push ? w->push_batch : 0);
-    if (b->samples != w->assigned || done != w->assigned) {
+    if (b->samples < w->share.assigned) return; /* sent before it got more samples: it will come again */
+    uint64_t done = w->share.consumed + (w->own_push ? w->push_batch : 0);
+    if (b->samples != w->share.assigned || done != w->share.assigned) {
         drop(s, w, "BARRIER after %" PRIu64 " samples, psd counted %" PRIu64 " of %" PRIu64, b->samples, done,
-             w->assigned);
+             w->share.assigned);
         return;
     }
     if (w->state == W_TRAIN) {
@@ -796,7 +790,7 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
         s->ep_loss = m->ep_loss;
         s->ep_correct = m->ep_correct;
         s->ep_samples = m->ep_samples;
-        memcpy(s->seen, seen, (s->train_count + 7) / 8);
+        memcpy(s->smp.seen, seen, (s->train_count + 7) / 8);
         s->resumed_mid_epoch = true;
     }
     PS_INFO("resuming run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s", s->run_id, path, s->step,

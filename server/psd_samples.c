@@ -1,259 +1,167 @@
-/* psd_samples.c - the positions of an epoch: which worker trains which
- * positions of the epoch's permutation (ranges), which are trained (the
- * seen bitmap), the pool of positions waiting for a worker, hand-out of a
- * lost worker's positions, and async/ssp rebalancing (samples of slower
- * workers to those done with theirs). */
-#include "psd_core.h"
+/* psd_samples.c - the sample accounting of an epoch as plain data
+ * (psd_samples.h). */
+#include "psd_samples.h"
 
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
 
-static int ranges_add(worker_t *w, uint64_t b, uint64_t e)
+int psd_samples_init(psd_samples_t *s, uint64_t n)
 {
-    if (w->n_ranges > 0 && w->ranges[w->n_ranges - 1].end == b) {
-        w->ranges[w->n_ranges - 1].end = e;
-    } else {
-        if (w->n_ranges == w->cap_ranges) {
-            int cap = w->cap_ranges ? 2 * w->cap_ranges : 8;
-            prange_t *r = realloc(w->ranges, (size_t)cap * sizeof *r);
-            if (!r) return -ENOMEM;
-            w->ranges = r;
-            w->cap_ranges = cap;
-        }
-        w->ranges[w->n_ranges++] = (prange_t){b, e};
+    memset(s, 0, sizeof *s);
+    size_t m = n ? (size_t)n : 1;
+    s->n = n;
+    s->perm = malloc(m * sizeof *s->perm);
+    s->pool = malloc(m * sizeof *s->pool);
+    s->seen = calloc((m + 7) / 8, 1);
+    if (!s->perm || !s->pool || !s->seen) {
+        psd_samples_free(s);
+        return -ENOMEM;
     }
-    w->assigned += e - b;
     return 0;
 }
 
-/* Call fn on positions [from, from+count) of w's assignment, in order. */
-void walk_positions(const worker_t *w, uint64_t from, uint64_t count, void (*fn)(void *, uint64_t),
-                           void *ud)
+void psd_samples_free(psd_samples_t *s)
+{
+    free(s->perm);
+    free(s->pool);
+    free(s->seen);
+    memset(s, 0, sizeof *s);
+}
+
+static bool seen(const psd_samples_t *s, uint64_t p) { return s->seen[p / 8] & (1u << (p % 8)); }
+
+size_t psd_samples_begin(psd_samples_t *s, bool keep_seen, uint64_t *out)
+{
+    if (!keep_seen) memset(s->seen, 0, (size_t)(s->n + 7) / 8);
+    size_t k = 0;
+    for (uint64_t p = 0; p < s->n; p++)
+        if (!seen(s, p)) out[k++] = p;
+    s->twice = 0;
+    s->n_pool = 0;
+    return k;
+}
+
+uint64_t psd_samples_unseen(const psd_samples_t *s)
+{
+    uint64_t k = 0;
+    for (uint64_t p = 0; p < s->n; p++) k += !seen(s, p);
+    return k;
+}
+
+void psd_samples_mark(psd_samples_t *s, uint64_t p)
+{
+    const uint8_t bit = (uint8_t)(1u << (p % 8));
+    s->twice += (s->seen[p / 8] & bit) != 0;
+    s->seen[p / 8] |= bit;
+}
+
+void psd_samples_pool_add(psd_samples_t *s, const uint64_t *pos, size_t n)
+{
+    memcpy(s->pool + s->n_pool, pos, n * sizeof *pos);
+    s->n_pool += n;
+}
+
+void psd_share_reset(psd_share_t *sh) { sh->n_ranges = 0, sh->assigned = sh->consumed = 0; }
+
+void psd_share_free(psd_share_t *sh)
+{
+    free(sh->ranges);
+    memset(sh, 0, sizeof *sh);
+}
+
+static int range_add(psd_share_t *sh, uint64_t b, uint64_t e)
+{
+    if (sh->n_ranges > 0 && sh->ranges[sh->n_ranges - 1].end == b) {
+        sh->ranges[sh->n_ranges - 1].end = e;
+    } else {
+        if (sh->n_ranges == sh->cap_ranges) {
+            int cap = sh->cap_ranges ? 2 * sh->cap_ranges : 8;
+            psd_range_t *r = realloc(sh->ranges, (size_t)cap * sizeof *r);
+            if (!r) return -ENOMEM;
+            sh->ranges = r;
+            sh->cap_ranges = cap;
+        }
+        sh->ranges[sh->n_ranges++] = (psd_range_t){b, e};
+    }
+    sh->assigned += e - b;
+    return 0;
+}
+
+int psd_share_add(psd_share_t *sh, const uint64_t *pos, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (range_add(sh, pos[i], pos[i] + 1) != 0) return -ENOMEM;
+    return 0;
+}
+
+void psd_share_walk(const psd_share_t *sh, uint64_t from, uint64_t count, void (*fn)(void *, uint64_t), void *ud)
 {
     uint64_t skip = from;
-    for (int i = 0; i < w->n_ranges && count > 0; i++) {
-        uint64_t len = w->ranges[i].end - w->ranges[i].begin;
+    for (int i = 0; i < sh->n_ranges && count > 0; i++) {
+        uint64_t len = sh->ranges[i].end - sh->ranges[i].begin;
         if (skip >= len) {
             skip -= len;
             continue;
         }
-        for (uint64_t p = w->ranges[i].begin + skip; p < w->ranges[i].end && count > 0; p++, count--) fn(ud, p);
+        for (uint64_t p = sh->ranges[i].begin + skip; p < sh->ranges[i].end && count > 0; p++, count--) fn(ud, p);
         skip = 0;
     }
 }
 
-void mark_seen(void *ud, uint64_t p)
-{
-    srv_t *s = ud;
-    const uint8_t bit = (uint8_t)(1u << (p % 8));
-    s->ep_twice += (s->seen[p / 8] & bit) != 0;
-    s->seen[p / 8] |= bit;
-}
+typedef struct {
+    uint64_t *out;
+    size_t n;
+} collect_t;
 
-void collect_pos(void *ud, uint64_t p)
+static void collect(void *ud, uint64_t p)
 {
     collect_t *c = ud;
     c->out[c->n++] = p;
 }
 
-/* Positions [from, from+n) of w's assignment, in a new array (NULL: out of memory). */
-uint64_t *positions_of(const worker_t *w, uint64_t from, size_t n)
+uint64_t *psd_share_positions(const psd_share_t *sh, uint64_t from, size_t n)
 {
     uint64_t *pos = malloc((n ? n : 1) * sizeof *pos);
     if (!pos) return NULL;
     collect_t c = {pos, 0};
-    walk_positions(w, from, n, collect_pos, &c);
+    psd_share_walk(sh, from, n, collect, &c);
     return pos;
 }
 
-/* An EPOCH header for w in the current epoch (ep: its body, the caller's, initialised here). */
-static void epoch_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Epoch *ep, bool append)
+static void mark(void *ud, uint64_t p) { psd_samples_mark(ud, p); }
+
+void psd_share_consume(psd_share_t *sh, psd_samples_t *s, uint64_t batch)
 {
-    psd__epoch__init(ep);
-    hdr_for(s, w, h, PSD__MSG_TYPE__MSG_EPOCH);
-    ep->epoch = s->epoch;
-    ep->world = (uint32_t)live_workers(s);
-    ep->version = s->store.cur->version;
-    ep->append = append;
-    h->body_case = PSD__HEADER__BODY_EPOCH;
-    h->epoch = ep;
+    psd_share_walk(sh, sh->consumed, batch, mark, s);
+    sh->consumed += batch;
 }
 
-/* Give positions pos[0..n) (sorted or not) to w: EPOCH message (append:
- * more for the current epoch) with the ranges and the sample ids. */
-static int give_positions(srv_t *s, worker_t *w, const uint64_t *pos, size_t n, bool append)
-{
-    uint32_t *ids = malloc((n ? n : 1) * sizeof *ids);
-    if (!ids) return -ENOMEM;
-    if (!append) {
-        w->n_ranges = 0;
-        w->assigned = w->consumed = 0;
-    }
-    int first_range = w->n_ranges;
-    for (size_t i = 0; i < n; i++) {
-        if (ranges_add(w, pos[i], pos[i] + 1) != 0) {
-            free(ids);
-            return -ENOMEM;
-        }
-        ids[i] = s->perm[pos[i]];
-    }
-    uint32_t on_host = 0;
-    for (int j = 0; j < s->n; j++)
-        on_host += s->w[j].state != W_GONE && strcmp(s->w[j].host_id, w->host_id) == 0;
-    Psd__Header h;
-    Psd__Epoch ep;
-    int nr = w->n_ranges - first_range;
-    Psd__Range *rs = calloc((size_t)(nr > 0 ? nr : 1), sizeof *rs);
-    Psd__Range **rp = calloc((size_t)(nr > 0 ? nr : 1), sizeof *rp);
-    if (!rs || !rp) {
-        free(ids);
-        free(rs);
-        free(rp);
-        return -ENOMEM;
-    }
-    for (int i = 0; i < nr; i++) {
-        psd__range__init(&rs[i]);
-        rs[i].begin = w->ranges[first_range + i].begin;
-        rs[i].end = w->ranges[first_range + i].end;
-        rp[i] = &rs[i];
-    }
-    epoch_hdr(s, w, &h, &ep, append);
-    ep.workers_on_host = on_host;
-    ep.ranges = rp;
-    ep.n_ranges = (size_t)nr;
-    ps_frame_t fr = {.data = ids, .nbytes = 4 * n, .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n};
-    if (!append) w->clock = 0; /* ssp's clocks start again each epoch */
-    else if (w->state != W_TRAIN) { /* (re)joining the epoch: level with the slowest, so nobody waits for
-                                     * it, nor it (back from its barrier) for them */
-        uint64_t m = min_clock(s);
-        if (m != UINT64_MAX) w->clock = m;
-    }
-    w->state = w->consumed < w->assigned || !append ? W_TRAIN : w->state;
-    w->last_seen = ps_now();
-    send_to(s, w, &h, &fr, n ? 1 : 0);
-    free(ids);
-    free(rs);
-    free(rp);
-    return 0;
-}
-
-/* Split positions among the given workers, contiguously, in slot order. */
-void spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k, bool append)
-{
-    for (int i = 0; i < k; i++) {
-        size_t b = n * (size_t)i / (size_t)k, e = n * (size_t)(i + 1) / (size_t)k;
-        if (append && e == b) continue;
-        if (give_positions(s, to[i], pos + b, e - b, append) != 0) {
-            PS_ERROR("out of memory assigning samples");
-            finish(s, PSD_EXIT_ERROR, "psd out of memory");
-            return;
-        }
-    }
-}
-
-/* Cut w's positions of the epoch to the first keep (0 < keep <= assigned). */
-static void ranges_trim(worker_t *w, uint64_t keep)
+void psd_share_trim(psd_share_t *sh, uint64_t keep)
 {
     uint64_t have = 0;
-    for (int i = 0; i < w->n_ranges; i++) {
-        uint64_t len = w->ranges[i].end - w->ranges[i].begin;
+    for (int i = 0; i < sh->n_ranges; i++) {
+        uint64_t len = sh->ranges[i].end - sh->ranges[i].begin;
         if (have + len >= keep) {
-            w->ranges[i].end = w->ranges[i].begin + (keep - have);
-            w->n_ranges = i + 1;
+            sh->ranges[i].end = sh->ranges[i].begin + (keep - have);
+            sh->n_ranges = i + 1;
             break;
         }
         have += len;
     }
-    w->assigned = keep;
+    sh->assigned = keep;
 }
 
-/* async and ssp (train.rebalance): w is about to get the weights of its next
- * batch and has more than that batch left, while other workers wait at their
- * barrier with nothing to train. The samples after its next batch are shared
- * among w and them in proportion to their speeds (batches a second from
- * their compute times), in whole batches: the epoch ends when the slowest
- * finishes, and no fast worker waits for it with nothing to do. w learns of
- * its shorter share (EPOCH keep) before the weights, so it never begins a
- * batch it no longer has; the others get theirs as lost workers' samples
- * are given (EPOCH append). */
-void rebalance(srv_t *s, worker_t *w)
+uint64_t psd_rebalance_plan(uint64_t left, uint64_t B, const double *rate, int k, uint64_t *give)
 {
-    if (s->cfg.sync == PS_SYNC_BSP || !s->cfg.rebalance || s->phase != PHASE_TRAIN || w->state != W_TRAIN)
-        return;
-    const uint64_t B = (uint64_t)s->cfg.batch_size, left = w->assigned - w->consumed;
-    if (left <= B) return; /* nothing to spare after its next batch */
-    worker_t *to[MAX_WORKERS];
-    int k = 0;
-    for (int i = 0; i < s->n; i++)
-        if (s->w[i].state == W_BARRIER && !s->w[i].conn_closed && &s->w[i] != w) to[k++] = &s->w[i];
-    if (k == 0) return;
-    bool timed = w->compute_ewma > 0;
-    for (int i = 0; i < k; i++) timed = timed && to[i]->compute_ewma > 0;
-    double rate[MAX_WORKERS], sum = timed ? 1.0 / w->compute_ewma : 1.0;
-    for (int i = 0; i < k; i++) sum += rate[i] = timed ? 1.0 / to[i]->compute_ewma : 1.0;
+    if (left <= B || k <= 0) return 0; /* nothing to spare after its next batch */
+    double sum = rate ? rate[0] : 1.0;
+    for (int i = 0; i < k; i++) sum += rate ? rate[1 + i] : 1.0;
     const uint64_t spare = left - B;
-    uint64_t give[MAX_WORKERS], moved = 0;
+    uint64_t moved = 0;
     for (int i = 0; i < k; i++) {
-        give[i] = (uint64_t)((double)spare * rate[i] / sum / (double)B) * B; /* sum of them <= spare */
+        give[i] = (uint64_t)((double)spare * (rate ? rate[1 + i] : 1.0) / sum / (double)B) * B; /* sum <= spare */
         moved += give[i];
     }
-    if (moved == 0) return;
-    const uint64_t keep = w->assigned - moved;
-    uint64_t *pos = positions_of(w, keep, (size_t)moved);
-    if (!pos) {
-        finish(s, PSD_EXIT_ERROR, "psd out of memory");
-        return;
-    }
-    ranges_trim(w, keep);
-    Psd__Header h;
-    Psd__Epoch ep;
-    epoch_hdr(s, w, &h, &ep, true);
-    ep.keep = keep;
-    send_to(s, w, &h, NULL, 0);
-    PS_DEBUG("rank %u gives %" PRIu64 " of its %" PRIu64 " samples left in epoch %u to %d worker%s done with theirs",
-             w->rank, moved, left, s->epoch + 1, k, k == 1 ? "" : "s");
-    uint64_t off = 0;
-    for (int i = 0; i < k && s->phase == PHASE_TRAIN; i++) {
-        if (give[i] && give_positions(s, to[i], pos + off, (size_t)give[i], true) != 0)
-            finish(s, PSD_EXIT_ERROR, "psd out of memory");
-        off += give[i];
-    }
-    s->ep_moved += moved;
-    free(pos);
-}
-
-/* Samples waiting for a worker (the pool) to ready worker w, in training:
- * true if it took them. */
-bool take_pool(srv_t *s, worker_t *w)
-{
-    if (s->phase != PHASE_TRAIN || s->n_pool == 0 || w->state != W_READY || w->conn_closed) return false;
-    PS_INFO("rank %u takes the %zu samples that were waiting for a worker", w->rank, s->n_pool);
-    size_t n = s->n_pool;
-    s->n_pool = 0;
-    if (give_positions(s, w, s->pool, n, false) != 0) finish(s, PSD_EXIT_ERROR, "psd out of memory");
-    return true;
-}
-
-/* Untrained samples of the epoch (positions pos[0..n), `what` for the log)
- * to the workers training or at their barrier, else to a worker that
- * joined during the epoch and waits for the next one, else they wait for a
- * worker to join. */
-void hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what)
-{
-    worker_t *to[MAX_WORKERS];
-    int k = 0;
-    for (int i = 0; i < s->n; i++)
-        if ((s->w[i].state == W_TRAIN || s->w[i].state == W_BARRIER) && !s->w[i].conn_closed) to[k++] = &s->w[i];
-    if (k > 0) {
-        PS_INFO("%s %zu samples of epoch %u go to %d other worker%s", what, n, s->epoch + 1, k, k == 1 ? "" : "s");
-        spread(s, pos, n, to, k, true);
-        return;
-    }
-    memcpy(s->pool + s->n_pool, pos, n * sizeof *pos);
-    s->n_pool += n;
-    bool taken = false;
-    for (int i = 0; i < s->n && !taken; i++) taken = take_pool(s, &s->w[i]);
-    if (!taken) {
-        s->orphan_deadline = ps_now() + s->cfg.start_timeout;
-        PS_WARN("no worker left in epoch %u: %zu samples wait up to %.0f s for a worker to join", s->epoch + 1,
-                s->n_pool, s->cfg.start_timeout);
-    }
+    return moved;
 }

@@ -425,13 +425,13 @@ static void on_register(srv_t *s, ps_msg_t *m)
     const bool reused = w < s->w + s->n;
     const double gone_for = ps_now() - w->gone_at;
     { /* a reused slot's buffers are kept for the new worker, emptied */
-        prange_t *ranges = w->ranges;
+        psd_share_t share = w->share;
         zmq_msg_t *gch = w->gch;
         uint8_t *gch_in = w->gch_in;
-        int cap_ranges = w->cap_ranges, n_gch_cap = w->n_gch_cap;
+        int n_gch_cap = w->n_gch_cap;
         memset(w, 0, sizeof *w);
-        w->ranges = ranges;
-        w->cap_ranges = cap_ranges;
+        w->share = share;
+        psd_share_reset(&w->share);
         w->gch = gch;
         w->gch_in = gch_in;
         w->n_gch_cap = n_gch_cap;
@@ -455,7 +455,7 @@ static void on_register(srv_t *s, ps_msg_t *m)
         if (!w->gch || !w->gch_in) {
             free(w->gch);
             free(w->gch_in);
-            free(w->ranges);
+            psd_share_free(&w->share);
             memset(w, 0, sizeof *w);
             if (reused) { /* free again, with nothing */
                 w->state = W_GONE;
@@ -822,7 +822,7 @@ static void on_timer(uv_timer_t *t)
             worker_gone(s, w);
             w->lost_silent = true;
         }
-        bool waiting = s->n_pool > 0 && live_workers(s) == 0, orphans = false;
+        bool waiting = s->smp.n_pool > 0 && live_workers(s) == 0, orphans = false;
         for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++)
             orphans |= !s->parts[i].done && s->parts[i].worker < 0;
         waiting |= orphans && !least_busy(s); /* with live workers they wait for one to answer */
@@ -1182,16 +1182,12 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         code = PSD_EXIT_USAGE;
         goto out;
     }
-    size_t T = s->train_count ? s->train_count : 1;
-    s->perm = malloc(T * sizeof *s->perm);
-    s->pool = malloc(T * sizeof *s->pool);
-    s->seen = calloc((T + 7) / 8, 1);
     s->step_bf16 = calloc(MAX_WORKERS, sizeof *s->step_bf16);
     s->step_wt = calloc(MAX_WORKERS, sizeof *s->step_wt);
     ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
-    if (!s->perm || !s->pool || !s->seen || !s->step_bf16 || !s->step_wt ||
+    if (psd_samples_init(&s->smp, s->train_count) != 0 || !s->step_bf16 || !s->step_wt ||
         psd_store_init_part(&s->store, &s->layout, &opt, c->seed, 0, opts->shards) != 0 ||
         psd_hold_init(&s->holder, &s->store, &s->layout, c, opts->shards > 1, MAX_WORKERS) != 0) {
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
@@ -1376,7 +1372,7 @@ out:
         for (int i = 0; i < s->n; i++) {
             release_push(s, &s->w[i]);
             shm_forget(s, &s->w[i]);
-            free(s->w[i].ranges);
+            psd_share_free(&s->w[i].share);
             rows_free(&s->w[i]);
             free(s->w[i].gch);
             free(s->w[i].gch_in);
@@ -1393,7 +1389,7 @@ out:
     psd_locks_release(&s->locks);
     psd_hold_deinit(&s->holder);
     psd_store_deinit(&s->store);
-    free(s->perm);
+    psd_samples_free(&s->smp);
     free(s->val_scores);
     free(s->test_labels);
     free(s->auc_order);
@@ -1408,8 +1404,6 @@ out:
     free(s->st_lost_pos);
     if (s->rx_arena.fallbacks)
         PS_DEBUG("%" PRIu64 " decoded headers did not fit the receive arena", s->rx_arena.fallbacks);
-    free(s->pool);
-    free(s->seen);
     free(s->parts);
     free(s->val_curve);
     free(s->w);

@@ -199,7 +199,7 @@ void psd_status_json(const srv_t *s, FILE *f)
         for (int b = 0; b <= PSD_HIST_N; b++) steps += w->h_wait[b];
         fprintf(f, ",\"steps\":%" PRIu64 ",\"wait_ms_mean\":", steps);
         json_num(f, steps ? 1e3 * w->h_wait_sum / (double)steps : NAN);
-        fprintf(f, ",\"samples\":%" PRIu64 ",\"assigned\":%" PRIu64 "}", w->consumed, w->assigned);
+        fprintf(f, ",\"samples\":%" PRIu64 ",\"assigned\":%" PRIu64 "}", w->share.consumed, w->share.assigned);
     }
     fprintf(f, "],\"config\":{\"layers\":[");
     for (int i = 0; i < s->cfg.n_sizes; i++) fprintf(f, "%s%d", i ? "," : "", s->cfg.sizes[i]);
@@ -281,6 +281,6 @@ void psd_status_human(const srv_t *s, FILE *f, bool workers_only)
         for (int b = 0; b <= PSD_HIST_N; b++) steps += w->h_wait[b];
         fprintf(f, "%-5u %-20.20s %-8u %-10.10s %-11s %8.1fms %8.1fms %5" PRIu64 "/%-6" PRIu64 "\n", w->rank,
                 w->hostname, w->pid, w->device, wstate_name[w->state], 1e3 * w->compute_ewma,
-                steps ? 1e3 * w->h_wait_sum / (double)steps : 0.0, w->consumed, w->assigned);
+                steps ? 1e3 * w->h_wait_sum / (double)steps : 0.0, w->share.consumed, w->share.assigned);
     }
 }

@@ -4,21 +4,11 @@
  * replies. */
 #include "psd_core.h"
 
-/* ssp: the clock (pushes applied this epoch) of the slowest worker still
- * training, UINT64_MAX if none is */
-uint64_t min_clock(const srv_t *s)
-{
-    uint64_t m = UINT64_MAX;
-    for (int i = 0; i < s->n; i++)
-        if (s->w[i].state == W_TRAIN && s->w[i].clock < m) m = s->w[i].clock;
-    return m;
-}
-
 /* ssp: w may not train its next step before the slowest (clock m) catches
  * up: it has already done train.staleness steps more */
 static bool ssp_held(const srv_t *s, const worker_t *w, uint64_t m)
 {
-    return s->cfg.sync == PS_SYNC_SSP && m != UINT64_MAX && w->clock > m + (uint64_t)s->cfg.staleness;
+    return s->cfg.sync == PS_SYNC_SSP && psd_ssp_held(w->clock, m, (uint64_t)s->cfg.staleness);
 }
 
 /* w asked for weights to train on: send them, or with ssp hold them back
@@ -91,8 +81,7 @@ void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct)
 /* w's batch is trained: its samples seen, its statistics counted */
 void account_batch(srv_t *s, worker_t *w)
 {
-    walk_positions(w, w->consumed, w->push_batch, mark_seen, s);
-    w->consumed += w->push_batch;
+    psd_share_consume(&w->share, &s->smp, w->push_batch);
     count_trained(s, w->push_batch, w->push_loss, w->push_correct);
 }
 
@@ -298,7 +287,7 @@ void maybe_step(srv_t *s)
     }
     for (int i = 0; i < s->n; i++)
         if (s->w[i].state == W_TRAIN) return;
-    if (s->n_pool > 0) return; /* samples wait for a worker to join */
+    if (s->smp.n_pool > 0) return; /* samples wait for a worker to join */
     start_validation(s);
 }
 
@@ -360,7 +349,7 @@ void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
              s->store.cur->version);
         return;
     }
-    uint64_t left = w->assigned - w->consumed;
+    uint64_t left = w->share.assigned - w->share.consumed;
     if (p->batch == 0 || p->batch > (uint32_t)s->cfg.batch_size || p->batch > left) {
         drop(s, w, "PUSH of a batch of %u (batch size %d, %" PRIu64 " samples left)", p->batch,
              s->cfg.batch_size, left);

@@ -79,6 +79,12 @@ static bool stream_none_applied(const srv_t *s) { return s->cfg.clip_norm > 0 ||
  * whether its batch is trained depends on whether the step is taken, so it
  * is set aside (its samples are not handed out with the rest of w's).
  * 0, or -1 out of memory. */
+static void set_aside(void *ud, uint64_t p)
+{
+    srv_t *s = ud;
+    s->st_lost_pos[s->st_lost_n++] = p;
+}
+
 static int stream_set_lost_aside(srv_t *s, worker_t *w)
 {
     size_t need = s->st_lost_n + w->push_batch;
@@ -88,10 +94,8 @@ static int stream_set_lost_aside(srv_t *s, worker_t *w)
         s->st_lost_pos = p;
         s->st_lost_cap = need;
     }
-    collect_t c = {s->st_lost_pos + s->st_lost_n, 0};
-    walk_positions(w, w->consumed, w->push_batch, collect_pos, &c);
-    s->st_lost_n += c.n;
-    w->consumed += w->push_batch;
+    psd_share_walk(&w->share, w->share.consumed, w->push_batch, set_aside, s);
+    w->share.consumed += w->push_batch;
     s->st_lost_loss += w->push_loss;
     s->st_lost_correct += w->push_correct;
     return 0;
@@ -107,7 +111,7 @@ static void stream_settle_lost(srv_t *s)
                 s->st_lost_n);
         hand_out(s, s->st_lost_pos, s->st_lost_n, "the lost contributors'");
     } else {
-        for (size_t i = 0; i < s->st_lost_n; i++) mark_seen(s, s->st_lost_pos[i]);
+        for (size_t i = 0; i < s->st_lost_n; i++) psd_samples_mark(&s->smp, s->st_lost_pos[i]);
         count_trained(s, s->st_lost_n, s->st_lost_loss, s->st_lost_correct);
     }
     s->st_lost_n = 0;
