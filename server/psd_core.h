@@ -376,6 +376,7 @@ typedef struct {
     bool again_epoch_done;
     uint32_t again_epoch;
     uint64_t again_steps;
+    unsigned events;      /* raised by a lower layer, for psd_run.c (PSD_EV_*) */
     int stopping;         /* signal number that asked to stop, or -1 for --stop-after-epoch */
     bool stop_when_written;
     bool end_when_written; /* psd shards: the run ends once every part of its last checkpoint is written */
@@ -415,64 +416,86 @@ static inline bool shards_ready(const srv_t *s) { return all_shards(s) && (!s->o
 /* Bits of the shards 1..n-1 (bit i: shard i). */
 static inline uint32_t shard_bits(const srv_t *s) { return ((1u << s->n_shards) - 1u) & ~1u; }
 
-/* ---- functions shared by the files of the run (psd_core.h) ---- */
+/* ---- events: what a lower layer tells psd_run.c ----------------------
+ * A file below psd_run.c never calls it: where what it did calls for the
+ * run to act (a step that trains the epoch's last batch, a step at
+ * checkpoint.every_steps, ...), it raises an event (a bit of s->events) and
+ * returns; psd_run.c acts on them (run_events) right after each call it
+ * makes into a lower layer, and the shell calls run_events after each
+ * message, tick and signal. Handled in this order when several are raised. */
+enum {
+    PSD_EV_CKPT_DUE = 1u << 0,      /* a step reached checkpoint.every_steps: take one (step_done) */
+    PSD_EV_STEP_APPLIED = 1u << 1,  /* a step taken in parts (streamed, or shards' norms) is applied: a
+                                     * checkpoint asked for meanwhile may be taken */
+    PSD_EV_EPOCH_TRAINED = 1u << 2, /* every sample of the epoch is trained: validate (maybe_step) */
+    PSD_EV_SAVED = 1u << 3,         /* the sharded weights file is written (or failed): end the run */
+    PSD_EV_SHARDS_JOINED = 1u << 4, /* a shard joined: workers waiting for every shard may be assigned */
+};
+static inline void raise_event(srv_t *s, unsigned ev) { s->events |= ev; }
 
-/* psd_server.c: the shell: messages, peers, the loop, set-up */
-int send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n);
-void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json);
-void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-void drop_shard(srv_t *s, int i, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-void finish(srv_t *s, int code, const char *reason);
-void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type);
-void note_conn(srv_t *s, int *conn, const ps_msg_t *m);
-void rows_free(worker_t *w);
-void send_assign(srv_t *s, worker_t *w);
-void send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg);
-void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason);
-void shm_forget(srv_t *s, worker_t *w);
+/* ---- functions shared by the files of the coordinator ----------------
+ * Layers, top to bottom (a file calls only those below it; bash
+ * tests/layers.sh checks it): psd_server.c, psd_run.c, psd_shard0.c,
+ * psd_push.c, psd_stream.c, psd_step.c, psd_give.c, psd_peers.c; beside
+ * them psd_status.c (reads srv_t), and below, knowing nothing of srv_t:
+ * psd_samples.c, psd_hold.c, psd_store.c, psd_ckpt.c, psd_net.c, ... */
 
-/* psd_run.c: the run's phases, checkpoints, resume */
+/* psd_run.c: the run's phases, checkpoints, resume; acts on the events */
+void run_events(srv_t *s);
 int hold_outputs(srv_t *s);
 int resume(srv_t *s);
 int resume_at(srv_t *s, uint64_t at_most);
-void deferred_checkpoint(srv_t *s);
-void end_run(srv_t *s);
 void end_validation(srv_t *s);
 void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m);
 void on_leave(srv_t *s, worker_t *w, ps_msg_t *m);
 void on_ready(srv_t *s, worker_t *w, ps_msg_t *m);
 void on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m);
+void on_shard_resumed(srv_t *s, int i, ps_msg_t *m);
 void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m);
 void on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m);
 void poll_checkpoint(srv_t *s, bool wait);
-void run_end(srv_t *s);
 void save_weights(srv_t *s);
-void start_validation(srv_t *s);
 void take_checkpoint(srv_t *s, bool epoch_done);
 void worker_gone(srv_t *s, worker_t *w);
 worker_t *least_busy(srv_t *s);
 
-/* psd_step.c: push intake, pull answers, the step, weights replies */
+/* psd_shard0.c: shard 0's side of the shard protocol (joining, the weights file's parts) */
+bool begin_save(srv_t *s);
+bool shards_resumed(const srv_t *s);
+int find_shard(const srv_t *s, const uint8_t *ident, size_t len);
+void fetch_next(srv_t *s);
+bool on_shard(srv_t *s, int i, ps_msg_t *m);
+void send_resume(srv_t *s, int j);
+void shards_go(srv_t *s);
+
+/* psd_push.c: pushes, pulls, the shards' HAVE and NORM, the decision to step */
 int want_take(srv_t *s, worker_t *w, ps_msg_t *m);
-void on_push(srv_t *s, worker_t *w, ps_msg_t *m);
 bool push_check(const srv_t *s, worker_t *w);
-bool wire_bf16(const srv_t *s, const worker_t *w);
-int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32_t *crc);
-void account_batch(srv_t *s, worker_t *w);
-void account_step(srv_t *s, uint64_t total, const worker_t *only);
-void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct);
 void maybe_step(srv_t *s);
 void on_pull(srv_t *s, worker_t *w, ps_msg_t *m);
-void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n);
-void release_push(srv_t *s, worker_t *w);
-void send_weights(srv_t *s, worker_t *w);
-void step_done(srv_t *s, bool taken);
-void step_lr(srv_t *s);
+void on_push(srv_t *s, worker_t *w, ps_msg_t *m);
+void on_shard_have(srv_t *s, int i, ps_msg_t *m);
+void on_shard_norm(srv_t *s, int i, ps_msg_t *m);
 
 /* psd_stream.c: streamed steps */
 int stream_take(srv_t *s, worker_t *w, ps_msg_t *m);
 void stream_forget(srv_t *s, worker_t *w);
 void stream_progress(srv_t *s);
+
+/* psd_step.c: the step, its accounting, pull answers, weights replies */
+bool wire_bf16(const srv_t *s, const worker_t *w);
+int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32_t *crc);
+void account_batch(srv_t *s, worker_t *w);
+void account_step(srv_t *s, uint64_t total, const worker_t *only);
+void answer_pull(srv_t *s, worker_t *w);
+void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct);
+void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n);
+void release_push(srv_t *s, worker_t *w);
+void send_weights(srv_t *s, worker_t *w);
+void ssp_release(srv_t *s);
+void step_done(srv_t *s, bool taken);
+void step_lr(srv_t *s);
+void take_step(srv_t *s, worker_t *only);
 
 /* psd_give.c: positions of the epoch to workers (the accounting: psd_samples.h) */
 bool take_pool(srv_t *s, worker_t *w);
@@ -481,15 +504,22 @@ void hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what);
 void rebalance(srv_t *s, worker_t *w);
 void spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k, bool append);
 
-/* psd_shard0.c: shard 0's side of the shard protocol */
-bool begin_save(srv_t *s);
-bool shards_resumed(const srv_t *s);
-int find_shard(const srv_t *s, const uint8_t *ident, size_t len);
+/* psd_peers.c: headers, sends, drops, connections, ASSIGN, the end of the run */
 int send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n);
-void fetch_next(srv_t *s);
-void on_shard(srv_t *s, int i, ps_msg_t *m);
-void shards_go(srv_t *s);
+int send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n);
+void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json);
+void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void drop_shard(srv_t *s, int i, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void finish(srv_t *s, int code, const char *reason);
+void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type);
+void note_conn(srv_t *s, int *conn, const ps_msg_t *m);
+void poll_monitor(srv_t *s);
+void rows_free(worker_t *w);
+void send_assign(srv_t *s, worker_t *w);
+void send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg);
+void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason);
 void shards_send_all(srv_t *s, Psd__Header *h);
 void shards_worker(srv_t *s, const worker_t *w);
+void shm_forget(srv_t *s, worker_t *w);
 
 #endif

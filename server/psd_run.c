@@ -80,7 +80,10 @@ static void start_epoch(srv_t *s)
         spread(s, pos, n, to, k, false);
     }
     free(pos);
-    if (n == 0) maybe_step(s); /* nothing left to train (resumed at the end of an epoch) */
+    if (n == 0) { /* nothing left to train (resumed at the end of an epoch) */
+        maybe_step(s);
+        run_events(s);
+    }
 }
 
 static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
@@ -133,7 +136,7 @@ static void give_orphans(srv_t *s)
     }
 }
 
-void start_validation(srv_t *s)
+static void start_validation(srv_t *s)
 {
     /* every position trained once: the bookkeeping of samples moved between workers */
     uint64_t unseen = psd_samples_unseen(&s->smp);
@@ -177,7 +180,7 @@ void start_validation(srv_t *s)
 }
 
 /* The checkpoint asked for while a step was half taken: now. */
-void deferred_checkpoint(srv_t *s)
+static void deferred_checkpoint(srv_t *s)
 {
     if (!s->ckpt_deferred) return;
     s->ckpt_deferred = false;
@@ -210,6 +213,7 @@ void worker_gone(srv_t *s, worker_t *w)
         free(pos);
         w->share.assigned = w->share.consumed;
         maybe_step(s);
+        run_events(s);
     } else if (s->phase == PHASE_VALIDATE && w->val_pending > 0) {
         w->val_pending = 0;
         for (int i = 0; i < s->n_parts; i++)
@@ -218,11 +222,12 @@ void worker_gone(srv_t *s, worker_t *w)
         if (!least_busy(s)) s->orphan_deadline = ps_now() + s->cfg.start_timeout;
     } else if (s->phase == PHASE_TRAIN) {
         maybe_step(s);
+        run_events(s);
     }
 }
 
 /* The last epoch is validated (and every part of the weights is here). */
-void end_run(srv_t *s)
+static void end_run(srv_t *s)
 {
     if (sharded(s) && (s->ckpt || s->ck_open)) { /* the shards write their parts of the last checkpoint: they
                                                    * are told the run is over once each confirmed it */
@@ -254,12 +259,13 @@ void end_run(srv_t *s)
 
 /* The last epoch is done: with psd shards and --save the other shards'
  * parts come for the weights file first (fetch_next then ends the run). */
-void run_end(srv_t *s)
+static void run_end(srv_t *s)
 {
     if (sharded(s) && s->cfg.save[0] && begin_save(s)) {
         s->phase = PHASE_WAIT; /* nothing to do but wait for them */
         s->phase_deadline = INFINITY;
         fetch_next(s);
+        run_events(s);
         return;
     }
     end_run(s);
@@ -636,6 +642,7 @@ void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m)
         w->state = W_BARRIER;
         w->barrier_at = ps_now();
         maybe_step(s);
+        run_events(s);
     }
 }
 
@@ -925,4 +932,92 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
     printf("psd: would resume run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s\n", m.run_id, path, m.step,
            m.epoch + 1, m.epoch_done ? " done" : " in progress");
     return 0;
+}
+
+/* Shard i resumed its part at a step (the newest of shard 0's it has), or
+ * cannot. All go back to the oldest step any shard resumed at. */
+void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
+{
+    Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
+    shard_t *sh = &s->shards[i];
+    if (!s->opts.resume_dir || sh->resumed || shards_ready(s) || s->phase != PHASE_WAIT) {
+        drop_shard(s, i, "RESUMED, which psd does not wait for");
+        return;
+    }
+    if (ck->error && ck->error[0]) {
+        PS_ERROR("psd shard %d (%s pid %u) cannot resume: %s", i, sh->hostname, sh->pid, ck->error);
+        finish(s, PSD_EXIT_USAGE, "a psd shard cannot resume");
+        return;
+    }
+    if (ck->step > s->store.steps) { /* it chose from a list shard 0 has gone back from since */
+        PS_DEBUG("psd shard %d resumed at step %" PRIu64 "; shard 0 has gone back to %" PRIu64 ": again", i, ck->step,
+                 s->store.steps);
+        send_resume(s, i);
+        return;
+    }
+    sh->resumed = true;
+    sh->resumed_step = ck->step;
+    sh->resumed_version = ck->version;
+    if (ck->step < s->store.steps) { /* it has none as new: shard 0 and the others go back */
+        PS_WARN("psd shard %d has no checkpoint of step %" PRIu64 " (its newest usable one is of step %" PRIu64
+                "): every shard goes back to a step all of them have", i, s->store.steps, ck->step);
+        if (resume_at(s, ck->step) != 0) {
+            finish(s, PSD_EXIT_USAGE, "the psd shards have no checkpoint of one step");
+            return;
+        }
+        for (int j = 1; j < s->n_shards; j++) {
+            shard_t *o = &s->shards[j];
+            if (o->joined && o->resumed && o->resumed_step != s->store.steps) send_resume(s, j);
+        }
+    }
+    if (!shards_resumed(s)) return;
+    for (int j = 1; j < s->n_shards; j++)
+        if (s->shards[j].resumed_version != s->store.cur->version) {
+            PS_ERROR("psd shard %d resumed step %" PRIu64 " at version %" PRIu64 ", shard 0 at %" PRIu64
+                     ": their checkpoints are not of one run", j, s->store.steps, s->shards[j].resumed_version,
+                     s->store.cur->version);
+            finish(s, PSD_EXIT_USAGE, "the psd shards' checkpoints are not of one run");
+            return;
+        }
+    PS_INFO("all %d psd shards resumed at step %" PRIu64, s->n_shards, s->store.steps);
+    s->resume_agreed = true;
+    s->ck_safe = s->store.steps; /* every shard has it */
+    if (s->epoch >= (uint32_t)s->cfg.epochs) { /* the end of the run: only the weights file is left to write */
+        PS_INFO("the shards' checkpoints are at the end of the run (%d epochs): nothing to train", s->cfg.epochs);
+        s->epoch--; /* the last epoch trained, as the end of the run writes it */
+        s->t_start = ps_now();
+        run_end(s);
+        return;
+    }
+    shards_go(s);
+}
+
+/* Act on the events the layers below raised (psd_core.h), in their order;
+ * an action may raise more. Called after each call into a lower layer that
+ * can raise one, and by the shell after each message, tick and signal. */
+void run_events(srv_t *s)
+{
+    while (s->events) {
+        if (s->phase == PHASE_DONE) { /* the run ended meanwhile: nothing is left to act on */
+            s->events = 0;
+            return;
+        }
+        if (s->events & PSD_EV_CKPT_DUE) {
+            s->events &= ~PSD_EV_CKPT_DUE;
+            take_checkpoint(s, false);
+            if (s->cfg.sync != PS_SYNC_BSP) maybe_step(s); /* the pushes not yet applied (maybe_step stopped for it) */
+        } else if (s->events & PSD_EV_STEP_APPLIED) {
+            s->events &= ~PSD_EV_STEP_APPLIED;
+            deferred_checkpoint(s);
+        } else if (s->events & PSD_EV_EPOCH_TRAINED) {
+            s->events &= ~PSD_EV_EPOCH_TRAINED;
+            if (s->phase == PHASE_TRAIN) start_validation(s);
+        } else if (s->events & PSD_EV_SAVED) {
+            s->events &= ~PSD_EV_SAVED;
+            end_run(s);
+        } else {
+            s->events &= ~PSD_EV_SHARDS_JOINED;
+            shards_go(s);
+        }
+    }
 }

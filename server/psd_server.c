@@ -38,71 +38,6 @@ static worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len)
     return NULL;
 }
 
-/* A message dropped: counted; true if it is logged (the first 20, then
- * every 1000th), so that a flood of bad messages costs no formatting. */
-static bool drop_logged(srv_t *s)
-{
-    s->dropped++;
-    s->cur_bad = true;
-    return s->dropped <= 20 || s->dropped % 1000 == 0;
-}
-
-/* Log a dropped message from `who` ("rank 3 (host pid 12)", "psd shard 1
- * (...)"), or NULL: a peer psd does not know (its address if libzmq gave one). */
-static void vdrop(srv_t *s, const char *who, const char *fmt, va_list ap)
-{
-    char msg[512];
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    const char *more = s->dropped == 20 ? " (further drops logged every 1000th)" : "";
-    if (who)
-        PS_WARN("dropped a message from %s: %s%s", who, msg, more);
-    else
-        PS_WARN("dropped a message from an unknown peer%s%s: %s%s", s->cur_peer && s->cur_peer[0] ? " at " : "",
-                s->cur_peer ? s->cur_peer : "", msg, more);
-}
-
-void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
-{
-    if (!drop_logged(s)) return;
-    char who[128];
-    if (w) snprintf(who, sizeof who, "rank %u (%s pid %u)", w->rank, w->hostname, w->pid);
-    va_list ap;
-    va_start(ap, fmt);
-    vdrop(s, w ? who : NULL, fmt, ap);
-    va_end(ap);
-}
-
-/* the same for a message from psd shard i (> 0) */
-void drop_shard(srv_t *s, int i, const char *fmt, ...)
-{
-    if (!drop_logged(s)) return;
-    char who[128];
-    snprintf(who, sizeof who, "psd shard %d (%s pid %u)", i, s->shards[i].hostname, s->shards[i].pid);
-    va_list ap;
-    va_start(ap, fmt);
-    vdrop(s, who, fmt, ap);
-    va_end(ap);
-}
-
-void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type)
-{
-    psd__header__init(h);
-    h->run_id = s->run_id;
-    h->type = type;
-    h->rank = w ? w->rank : 0;
-    h->seq = w ? ++w->seq_out : 0;
-}
-
-int send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n)
-{
-    int rc = ps_msg_send(s->sock, w->ident, w->ident_len, h, fr, n);
-    w->sent_at = ps_now();
-    if (rc < 0)
-        PS_WARN("cannot send %s to rank %u (%s pid %u): %s", ps_msg_type_name((int)h->type), w->rank,
-                w->hostname, w->pid, zmq_strerror(-rc));
-    return rc;
-}
-
 /* A HEARTBEAT header of this epoch (hb: its body, the caller's). */
 static void heartbeat_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Heartbeat *hb)
 {
@@ -129,173 +64,6 @@ static void keep_alive(srv_t *s, double now)
     }
 }
 
-void send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code,
-                             const char *msg)
-{
-    Psd__Header h;
-    Psd__Error e = PSD__ERROR__INIT;
-    hdr_for(s, NULL, &h, PSD__MSG_TYPE__MSG_ERROR);
-    e.code = code;
-    e.message = (char *)msg;
-    h.body_case = PSD__HEADER__BODY_ERROR;
-    h.error = &e;
-    ps_msg_send(s->sock, ident, len, &h, NULL, 0);
-}
-
-/* A SHUTDOWN header for w (sd: its body, the caller's). */
-static void shutdown_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Shutdown *sd, int code, const char *reason)
-{
-    hdr_for(s, w, h, PSD__MSG_TYPE__MSG_SHUTDOWN);
-    sd->exit_code = code;
-    sd->reason = (char *)reason;
-    h->body_case = PSD__HEADER__BODY_SHUTDOWN;
-    h->shutdown = sd;
-}
-
-void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason)
-{
-    Psd__Header h;
-    Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
-    shutdown_hdr(s, w, &h, &sd, code, reason);
-    send_to(s, w, &h, NULL, 0);
-}
-
-/* ---- the end of the run ------------------------------------------------ */
-
-/* End the run: tell every live worker, stop the loop. Workers lost for
- * their silence that have not registered again (their identity is still
- * their slot's) are told too, where their connection still stands (no
- * complaint where it does not): one that was only frozen or slow would
- * otherwise wait for a psd that is gone for its whole --retry-for. */
-void finish(srv_t *s, int code, const char *reason)
-{
-    if (s->phase == PHASE_DONE) return;
-    if (s->tty) ps_log_status(NULL);
-    for (int i = 0; i < s->n; i++) {
-        worker_t *w = &s->w[i];
-        if (w->state != W_GONE) {
-            send_shutdown(s, w, code, reason);
-        } else if (w->lost_silent && w->ident_len > 0) {
-            Psd__Header h;
-            Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
-            shutdown_hdr(s, w, &h, &sd, code, reason);
-            ps_msg_send(s->sock, w->ident, w->ident_len, &h, NULL, 0);
-        }
-    }
-    if (sharded(s)) {
-        Psd__Header h;
-        Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
-        psd__header__init(&h);
-        h.type = PSD__MSG_TYPE__MSG_SHUTDOWN;
-        sd.exit_code = code;
-        sd.reason = (char *)reason;
-        h.body_case = PSD__HEADER__BODY_SHUTDOWN;
-        h.shutdown = &sd;
-        shards_send_all(s, &h);
-    }
-    s->phase = PHASE_DONE;
-    s->exit_code = code;
-    ps_weights_abort(s->wr); /* a weights file not finished is not left behind */
-    s->wr = NULL;
-    uv_stop(&s->loop);
-}
-
-/* ---- a worker's resources -------------------------------------------- */
-
-/* Forget a worker's shared memory (after release_push). */
-void shm_forget(srv_t *s, worker_t *w)
-{
-    if (w->hold) psd_store_frame_free(NULL, w->hold);
-    w->hold = NULL;
-    if (w->shm_grad) munmap((void *)w->shm_grad, s->layout.n_params * sizeof(float));
-    w->shm_grad = NULL;
-    w->shm = false;
-}
-
-/* A worker's table buffers: the rows it asked for (its gradient rows went
- * back to the holder with its push). */
-void rows_free(worker_t *w) { psd_push_free(&w->push); }
-
-/* ---- message handlers --------------------------------------------------- */
-
-void send_assign(srv_t *s, worker_t *w)
-{
-    Psd__Header h;
-    Psd__Assign a = PSD__ASSIGN__INIT;
-    Psd__Hyper hy = PSD__HYPER__INIT;
-    Psd__DataFile df[4], *dfp[4];
-    uint32_t layers[PS_MAX_LAYERS + 1];
-    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_ASSIGN);
-    a.rank = w->rank;
-    for (int i = 0; i < s->cfg.n_sizes; i++) layers[i] = (uint32_t)s->cfg.sizes[i];
-    a.layers = layers;
-    a.n_layers = (size_t)s->cfg.n_sizes;
-    a.activation = "relu";
-    for (int i = 0; i < 4; i++) {
-        psd__data_file__init(&df[i]);
-        df[i].role = s->files[i].role;
-        df[i].path = s->files[i].path;
-        df[i].size = s->files[i].size;
-        df[i].hash = s->files[i].hash;
-        dfp[i] = &df[i];
-    }
-    a.files = dfp;
-    a.n_files = 4;
-    Psd__CtrTask ct = PSD__CTR_TASK__INIT;
-    if (s->cfg.kind == PS_MODEL_CTR) { /* no files: the generator */
-        a.n_files = 0;
-        ct.fields = (uint32_t)s->cfg.ctr_fields;
-        ct.per_field = (uint32_t)s->cfg.ctr_per_field;
-        ct.vocab = (uint64_t)s->cfg.ctr_vocab;
-        ct.zipf = s->cfg.ctr_zipf;
-        ct.rows = (uint64_t)s->cfg.ctr_rows;
-        ct.dim = (uint32_t)s->cfg.ctr_dim;
-        ct.mean = s->cfg.ctr_mean;
-        ct.weight_std = s->cfg.ctr_weight_std;
-        ct.bias = s->cfg.ctr_bias;
-        ct.seed = s->cfg.ctr_seed;
-        ct.train = (uint64_t)s->cfg.ctr_train;
-        ct.test = (uint64_t)s->cfg.ctr_test;
-        ct.table_on_psd = s->table_on_psd;
-        a.ctr = &ct;
-    }
-    hy.batch_size = (uint32_t)s->cfg.batch_size;
-    hy.val_batch_size = (uint32_t)s->cfg.val_batch_size;
-    hy.norm_mean = s->cfg.norm_mean;
-    hy.norm_std = s->cfg.norm_std;
-    hy.train_limit = (uint64_t)s->cfg.train_limit;
-    hy.epochs = (uint32_t)s->cfg.epochs;
-    hy.seed = s->cfg.seed;
-    hy.sync = (uint32_t)s->cfg.sync;
-    hy.staleness = (uint32_t)s->cfg.staleness;
-    hy.sparse_threshold = s->cfg.sparse_threshold;
-    a.hyper = &hy;
-    /* how long a worker waits for psd before it registers again */
-    a.start_timeout_s = s->cfg.start_timeout + 10;
-    a.step_timeout_s = s->silence * 3 + 10;
-    a.silence_s = s->silence;
-    a.tcp_congestion = s->cfg.tcp_congestion;
-    a.grad_dtype = s->cfg.wire_gradients == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
-    a.weight_dtype = s->cfg.wire_weights == PS_WIRE_BF16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32;
-    if (s->stream) a.stream_chunk_bytes = (uint64_t)s->store.chunk_bytes;
-    char *eps[PS_MAX_SHARDS];
-    if (sharded(s)) { /* where its other parts are */
-        for (int i = 1; i < s->n_shards; i++) eps[i - 1] = s->shards[i].endpoint;
-        a.shard_endpoints = eps;
-        a.n_shard_endpoints = (size_t)(s->n_shards - 1);
-        a.shard_token.data = w->shard_token;
-        a.shard_token.len = sizeof w->shard_token;
-    }
-    if (s->shm && strcmp(w->host_id, s->host_id) == 0) { /* same host: offer shared memory */
-        a.shm_socket = s->shm_name;
-        a.shm_token.data = w->shm_token;
-        a.shm_token.len = sizeof w->shm_token;
-    }
-    h.body_case = PSD__HEADER__BODY_ASSIGN;
-    h.assign = &a;
-    send_to(s, w, &h, NULL, 0);
-}
-
 /* A slot for a new worker: the next one never used, or once all
  * max_workers were taken, the one gone longest whose worker has given psd
  * up and that holds nothing: no push or chunks of one, no parameter slot,
@@ -313,39 +81,6 @@ static bool slot_holds_nothing(const srv_t *s, const worker_t *w)
     for (int j = 0; j < s->n_parts; j++)
         if (!s->parts[j].done && s->parts[j].worker == (int)(w - s->w)) return false;
     return true;
-}
-
-/* A connection of the ROUTER closed (its monitor's event): the workers
- * whose messages came on it are lost at the next tick (reap_closed), not
- * here: this runs inside a message's handling too (note_conn). */
-static void conn_closed(void *arg, int fd)
-{
-    srv_t *s = arg;
-    for (int i = 0; i < s->n; i++)
-        if (s->w[i].conn == fd + 1 && s->w[i].state != W_GONE) {
-            s->w[i].conn = 0;
-            s->w[i].conn_closed = true;
-        }
-    for (int i = 1; i < s->n_shards; i++)
-        if (s->shards[i].conn == fd + 1 && s->shards[i].joined) {
-            s->shards[i].conn = 0;
-            s->shards[i].conn_closed = true;
-        }
-}
-
-static void poll_monitor(srv_t *s) { psd_router_monitor(s->mon, &s->hs_failed, conn_closed, s); }
-
-/* The connection a peer's (a worker's, a shard's) message m came on, into
- * *conn. A new one (its first message, or it reconnected) is taken once the
- * monitor's events so far are read: an event about an fd number is then
- * about a connection that held it before, whose close the monitor reported
- * before this one could open. It gets server.tcp_congestion then. */
-void note_conn(srv_t *s, int *conn, const ps_msg_t *m)
-{
-    if (m->srcfd < 0 || *conn == m->srcfd + 1) return;
-    if (s->mon) poll_monitor(s);
-    ps_tcp_cc_conn(conn, m->srcfd, s->cfg.tcp_congestion, true); /* sets *conn unless the setting is off */
-    *conn = m->srcfd + 1;
 }
 
 static void drain(srv_t *s);
@@ -540,7 +275,13 @@ static void handle(srv_t *s, ps_msg_t *m)
     int si = sharded(s) ? find_shard(s, m->ident, m->ident_len) : -1;
     if (si > 0 || h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
         if (si > 0) note_conn(s, &s->shards[si].conn, m);
-        on_shard(s, si, m);
+        if (!on_shard(s, si, m)) return;
+        switch (h->type) { /* the shards' messages about steps, checkpoints and resumes */
+        case PSD__MSG_TYPE__MSG_SHARD_HAVE: on_shard_have(s, si, m); break;
+        case PSD__MSG_TYPE__MSG_SHARD_NORM: on_shard_norm(s, si, m); break;
+        case PSD__MSG_TYPE__MSG_SHARD_CKPT_DONE: on_shard_ckpt_done(s, si, m); break;
+        default: on_shard_resumed(s, si, m); break;
+        }
         return;
     }
     if (h->type == PSD__MSG_TYPE__MSG_REGISTER) {
@@ -713,6 +454,7 @@ static void drain(srv_t *s)
         }
         s->cur_bad = false;
         handle(s, &m);
+        run_events(s); /* what the message set off in the layers below psd_run.c */
         if (s->cur_bad) bad_peer(s, &m);
         else if (s->n_bad) good_peer(s, &m);
         s->cur_peer = NULL;
@@ -833,22 +575,8 @@ static void on_timer(uv_timer_t *t)
             finish(s, PSD_EXIT_WORKER_LOST, "no workers left");
         }
     }
+    run_events(s);
     drain(s);
-}
-
-/* ---- psctl (MSG_CONTROL) ---------------------------------------------------- */
-
-void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json)
-{
-    Psd__Header h;
-    Psd__ControlReply r = PSD__CONTROL_REPLY__INIT;
-    hdr_for(s, NULL, &h, PSD__MSG_TYPE__MSG_CONTROL_REPLY);
-    r.ok = ok;
-    r.text = (char *)(text ? text : "");
-    r.json = (char *)(json ? json : "");
-    h.body_case = PSD__HEADER__BODY_CONTROL_REPLY;
-    h.control_reply = &r;
-    ps_msg_send(s->sock, ident, len, &h, NULL, 0);
 }
 
 static void on_control(srv_t *s, ps_msg_t *m)

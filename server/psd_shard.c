@@ -33,6 +33,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <uv.h>
 #include <zmq.h>
 
 #include "ps_auth.h"
@@ -100,16 +101,17 @@ typedef struct {
     char ckpt_dir[PS_PATH_MAX];
     psd_locks_t locks;       /* this shard's hold on its checkpoint directory and ipc socket (psd_lock.h) */
     bool run_ending;         /* shard 0 was stopped: it ends the run once its checkpoint is written */
+    /* the loop (libuv, as shard 0's): both sockets' ZMQ_FD, a 100 ms tick, SIGINT and SIGTERM */
+    uv_loop_t loop;
+    uv_poll_t poll_leader, poll_router;
+    uv_timer_t timer;
+    uv_signal_t sigint, sigterm;
+    bool loop_open;
+    int stop_signal, stop_count; /* the stop signal and how many came (ps_stop_signal_note) */
+    double start, last_hello, last_hb, last_mon, stop_at, silence;
+    ps_hearing_t hearing;    /* shard 0's silence counts only while this loop ran */
 } shard_t;
 
-static volatile sig_atomic_t stop_signal, stop_count;
-static void on_stop(int sig)
-{
-    int n = ps_stop_signal_note(sig); /* 0: the first one again at once (timeout(1)) */
-    if (n == 0) return;
-    stop_signal = sig;
-    stop_count = n;
-}
 
 static void sdrop(shard_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void sdrop(shard_t *s, const char *fmt, ...)
@@ -751,13 +753,16 @@ static void on_worker(shard_t *s, ps_msg_t *m)
     }
 }
 
-static void drain_sock(shard_t *s, void *sock, bool router)
+/* The messages waiting on one socket; how many were handled. */
+static int drain_sock(shard_t *s, void *sock, bool router)
 {
+    int got = 0;
     while (!s->done) {
         ps_msg_t m;
         char why[256];
         int rc = ps_msg_recv_arena(sock, &m, router, ZMQ_DONTWAIT, &s->rx_arena, why, sizeof why);
-        if (rc == -EAGAIN || rc == -EINTR) return;
+        if (rc == -EAGAIN || rc == -EINTR) return got;
+        got++;
         if (rc == -EPROTO) {
             sdrop(s, "%s", why);
             continue;
@@ -766,7 +771,7 @@ static void drain_sock(shard_t *s, void *sock, bool router)
             PS_ERROR("shard %d: receive failed: %s", s->opts.shard, zmq_strerror(-rc));
             s->exit_code = PSD_EXIT_ERROR;
             s->done = true;
-            return;
+            return got;
         }
         if (router) {
             on_worker(s, &m);
@@ -777,6 +782,168 @@ static void drain_sock(shard_t *s, void *sock, bool router)
         }
         ps_msg_deinit(&m);
     }
+    return got;
+}
+
+/* Both sockets until neither has a message: their ZMQ_FDs are edge
+ * triggered, and a send on one (a SHARD_HAVE while handling a worker's
+ * push) may take the other's edge, so a pass that handled anything is
+ * followed by another, and so is the confirmation of a checkpoint part
+ * written meanwhile. Stops the loop once the shard is done. */
+static void drain_all(shard_t *s)
+{
+    while (!s->done) {
+        bool any = drain_sock(s, s->leader, false) + drain_sock(s, s->router, true) > 0;
+        if (!s->done && s->ckpt && psd_ckpt_done(s->ckpt)) { /* its part written: shard 0 told at once */
+            ckpt_finish(s, false);
+            any = true;
+        }
+        if (!any) break;
+    }
+    if (s->done) uv_stop(&s->loop);
+}
+
+static void on_poll(uv_poll_t *p, int status, int events)
+{
+    (void)status;
+    (void)events;
+    drain_all(p->data);
+}
+
+static void on_leader_closed(void *arg, int fd);
+
+/* Every 100 ms: a stop asked for, the monitors, joining (HELLO until
+ * answered), shard 0's silence, heartbeats, the checkpoint being written. */
+static void on_tick(uv_timer_t *t)
+{
+    shard_t *s = t->data;
+    const ps_config_t *c = &s->cfg;
+    const int shard = s->opts.shard;
+    /* a signal (Ctrl-C, SLURM's preemption) usually reaches every psd:
+     * shard 0 checkpoints and ends the run, this one waits for that;
+     * a second signal, or none of that within worker_timeout, stops it
+     * (once shard 0 says it was stopped too, the wait is as long as its
+     * checkpoint takes: shard 0 falling silent still ends it) */
+    if (s->stop_signal && s->stop_at == 0) {
+        s->stop_at = ps_now();
+        PS_WARN("shard %d received %s: waiting for shard 0 to end the run (again to stop now)", shard,
+                strsignal(s->stop_signal));
+    }
+    if (s->stop_at > 0 &&
+        (s->stop_count > 1 || !s->joined || (!s->run_ending && ps_now() - s->stop_at > c->worker_timeout))) {
+        char why[96];
+        snprintf(why, sizeof why, "shard %d was stopped (%s)", shard, strsignal(s->stop_signal));
+        fail(s, why);
+        s->exit_code = 128 + s->stop_signal;
+        uv_stop(&s->loop);
+        return;
+    }
+    double now = ps_now();
+    ps_hearing_tick(&s->hearing, now, s->silence);
+    if (now - s->last_mon >= 0.1) {
+        if (s->mon) psd_router_monitor(s->mon, &s->hs_failed, NULL, NULL);
+        if (s->lmon) psd_router_monitor(s->lmon, &s->hs_failed, on_leader_closed, s);
+        s->last_mon = now;
+    }
+    if (!s->joined) {
+        if (now - s->start > c->start_timeout) {
+            PS_ERROR("shard %d: shard 0 at %s did not answer in %.0f s", shard, s->opts.leader, c->start_timeout);
+            s->exit_code = PSD_EXIT_START_TIMEOUT;
+            uv_stop(&s->loop);
+            return;
+        }
+        if (now - s->last_hello >= 1.0) {
+            hello(s);
+            s->last_hello = now;
+        }
+    } else {
+        if (s->leader_closed) drain_sock(s, s->leader, false); /* its last words first (SHUTDOWN) */
+        if (s->done) {
+            uv_stop(&s->loop);
+            return;
+        }
+        if (now - ps_heard_at(&s->hearing, s->leader_seen) > s->silence || s->leader_closed) {
+            if (s->leader_closed)
+                PS_ERROR("shard %d: the connection to shard 0 closed, %.1f s after its last message: it is "
+                         "gone; stopping", shard, now - s->leader_seen);
+            else
+                PS_ERROR("shard %d: nothing from shard 0 for %.1f s: it is gone; stopping", shard,
+                         now - s->leader_seen);
+            s->exit_code = PSD_EXIT_SHARD_LOST;
+            uv_stop(&s->loop);
+            return;
+        }
+        if (now - s->last_hb >= 1.0) {
+            Psd__Header h;
+            Psd__Heartbeat hb = PSD__HEARTBEAT__INIT;
+            psd__header__init(&h);
+            h.type = PSD__MSG_TYPE__MSG_HEARTBEAT;
+            h.body_case = PSD__HEADER__BODY_HEARTBEAT;
+            h.heartbeat = &hb;
+            to_leader(s, &h, NULL, 0);
+            s->last_hb = now;
+        }
+    }
+    drain_all(s);
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    shard_t *s = h->data;
+    int n = ps_stop_signal_note(signum); /* 0: the first one again at once (timeout(1)) */
+    if (n == 0) return;
+    s->stop_signal = signum;
+    s->stop_count = n;
+    on_tick(&s->timer); /* at once, not at the next tick */
+}
+
+static void close_cb(uv_handle_t *h) { (void)h; }
+
+/* The loop: until the shard is done or stopped. 0, or -1 if libuv could
+ * not be set up (logged). */
+static int run_loop(shard_t *s)
+{
+    int fl = 0, fr = 0;
+    size_t len = sizeof fl;
+    zmq_getsockopt(s->leader, ZMQ_FD, &fl, &len);
+    len = sizeof fr;
+    zmq_getsockopt(s->router, ZMQ_FD, &fr, &len);
+    if (uv_loop_init(&s->loop) != 0) {
+        PS_ERROR("shard %d: cannot start its event loop", s->opts.shard);
+        return -1;
+    }
+    s->loop_open = true;
+    uv_poll_init(&s->loop, &s->poll_leader, fl);
+    uv_poll_init(&s->loop, &s->poll_router, fr);
+    uv_timer_init(&s->loop, &s->timer);
+    uv_signal_init(&s->loop, &s->sigint);
+    uv_signal_init(&s->loop, &s->sigterm);
+    s->poll_leader.data = s->poll_router.data = s->timer.data = s->sigint.data = s->sigterm.data = s;
+    uv_poll_start(&s->poll_leader, UV_READABLE, on_poll);
+    uv_poll_start(&s->poll_router, UV_READABLE, on_poll);
+    uv_timer_start(&s->timer, on_tick, 0, 100);
+    uv_signal_start(&s->sigint, on_signal, SIGINT);
+    uv_signal_start(&s->sigterm, on_signal, SIGTERM);
+    if (ps_early_stop_signal() && !s->stop_signal) { /* one that came while this shard loaded */
+        s->stop_signal = ps_early_stop_signal();
+        s->stop_count = 1;
+    }
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    return 0;
+}
+
+/* The loop's handles closed, the loop with them. */
+static void close_loop(shard_t *s)
+{
+    if (!s->loop_open) return;
+    uv_close((uv_handle_t *)&s->poll_leader, close_cb);
+    uv_close((uv_handle_t *)&s->poll_router, close_cb);
+    uv_close((uv_handle_t *)&s->timer, close_cb);
+    uv_close((uv_handle_t *)&s->sigint, close_cb);
+    uv_close((uv_handle_t *)&s->sigterm, close_cb);
+    for (int i = 0; i < 3 && uv_run(&s->loop, UV_RUN_DEFAULT) != 0; i++) {}
+    if (uv_loop_close(&s->loop) != 0) PS_WARN("shard %d: its event loop did not close cleanly", s->opts.shard);
+    s->loop_open = false;
 }
 
 /* psd_router_monitor's on_closed for the connection to shard 0 (once
@@ -895,92 +1062,12 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     PS_INFO("psd %s shard %d/%d: %zu of %zu parameters (%.1f MB), listening on %s, joining shard 0 at %s",
             PSD_VERSION, opts->shard, opts->shards, bytes / sizeof(float), s->layout.n_params, (double)bytes / 1e6, ep,
             opts->leader);
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_stop;
-    sigaddset(&sa.sa_mask, SIGINT); /* one handler at a time (ps_stop_signal_note) */
-    sigaddset(&sa.sa_mask, SIGTERM);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    if (ps_early_stop_signal() && !stop_signal) { /* one that came while this shard loaded */
-        stop_signal = ps_early_stop_signal();
-        stop_count = 1;
-    }
-    double start = ps_now(), last_hello = 0, last_hb = 0, last_mon = 0, stop_at = 0;
-    ps_hearing_t hearing = {0}; /* shard 0's silence counts only while this loop ran */
-    s->leader_seen = start;
-    while (!s->done) {
-        /* a signal (Ctrl-C, SLURM's preemption) usually reaches every psd:
-         * shard 0 checkpoints and ends the run, this one waits for that;
-         * a second signal, or none of that within worker_timeout, stops it
-         * (once shard 0 says it was stopped too, the wait is as long as its
-         * checkpoint takes: shard 0 falling silent still ends it) */
-        if (stop_signal && stop_at == 0) {
-            stop_at = ps_now();
-            PS_WARN("shard %d received %s: waiting for shard 0 to end the run (again to stop now)", opts->shard,
-                    strsignal(stop_signal));
-        }
-        if (stop_at > 0 && (stop_count > 1 || !s->joined || (!s->run_ending && ps_now() - stop_at > c->worker_timeout))) {
-            char why[96];
-            snprintf(why, sizeof why, "shard %d was stopped (%s)", opts->shard, strsignal(stop_signal));
-            fail(s, why);
-            s->exit_code = 128 + stop_signal;
-            break;
-        }
-        double now = ps_now();
-        ps_hearing_tick(&hearing, now, silence);
-        if (now - last_mon >= 0.1) {
-            if (s->mon) psd_router_monitor(s->mon, &s->hs_failed, NULL, NULL);
-            if (s->lmon) psd_router_monitor(s->lmon, &s->hs_failed, on_leader_closed, s);
-            last_mon = now;
-        }
-        if (!s->joined) {
-            if (now - start > c->start_timeout) {
-                PS_ERROR("shard %d: shard 0 at %s did not answer in %.0f s", opts->shard, opts->leader,
-                         c->start_timeout);
-                s->exit_code = PSD_EXIT_START_TIMEOUT;
-                break;
-            }
-            if (now - last_hello >= 1.0) {
-                hello(s);
-                last_hello = now;
-            }
-        } else {
-            if (s->leader_closed) drain_sock(s, s->leader, false); /* its last words first (SHUTDOWN) */
-            if (s->done) break;
-            if (now - ps_heard_at(&hearing, s->leader_seen) > silence || s->leader_closed) {
-                if (s->leader_closed)
-                    PS_ERROR("shard %d: the connection to shard 0 closed, %.1f s after its last message: it is "
-                             "gone; stopping", opts->shard, now - s->leader_seen);
-                else
-                    PS_ERROR("shard %d: nothing from shard 0 for %.1f s: it is gone; stopping", opts->shard,
-                             now - s->leader_seen);
-                s->exit_code = PSD_EXIT_SHARD_LOST;
-                break;
-            }
-            if (now - last_hb >= 1.0) {
-                Psd__Header h;
-                Psd__Heartbeat hb = PSD__HEARTBEAT__INIT;
-                psd__header__init(&h);
-                h.type = PSD__MSG_TYPE__MSG_HEARTBEAT;
-                h.body_case = PSD__HEADER__BODY_HEARTBEAT;
-                h.heartbeat = &hb;
-                to_leader(s, &h, NULL, 0);
-                last_hb = now;
-            }
-        }
-        zmq_pollitem_t it[2] = {{s->leader, 0, ZMQ_POLLIN, 0}, {s->router, 0, ZMQ_POLLIN, 0}};
-        int n = zmq_poll(it, 2, 100);
-        if (n < 0 && zmq_errno() != EINTR) {
-            PS_ERROR("shard %d: zeromq: %s", opts->shard, zmq_strerror(zmq_errno()));
-            break;
-        }
-        if (n > 0 && (it[0].revents & ZMQ_POLLIN)) drain_sock(s, s->leader, false);
-        if (n > 0 && (it[1].revents & ZMQ_POLLIN)) drain_sock(s, s->router, true);
-        ckpt_finish(s, false);
-    }
+    s->silence = silence;
+    s->start = s->leader_seen = ps_now();
+    if (run_loop(s) != 0) goto out;
     code = s->exit_code;
 out:
+    close_loop(s);
     if (ckpt_finish(s, true) != 0 && code == 0) /* a checkpoint being written is finished first */
         code = PSD_EXIT_ERROR;                   /* (shard 0 did not wait for it: the run ended) */
     for (int r = 0; s->w && s->hold.sp_free && r < SHARD_MAX_WORKERS; r++) {

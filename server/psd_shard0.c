@@ -94,7 +94,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
     else
         PS_INFO("psd shard %d/%d joined from %s pid %u; workers reach it at %s", i, s->n_shards, sh->hostname,
                 sh->pid, sh->endpoint);
-    shards_go(s);
+    raise_event(s, PSD_EV_SHARDS_JOINED);
 }
 
 /* Every shard is there (and resumed): the workers that waited get their
@@ -116,7 +116,7 @@ void shards_go(srv_t *s)
 
 /* Ask shard j to resume again, at the newest of shard 0's steps up to the
  * one it is at now. */
-static void send_resume(srv_t *s, int j)
+void send_resume(srv_t *s, int j)
 {
     Psd__Header h;
     Psd__ShardHello rb = PSD__SHARD_HELLO__INIT;
@@ -133,115 +133,6 @@ static void send_resume(srv_t *s, int j)
     h.shard_hello = &rb;
     s->shards[j].resumed = false;
     send_shard(s, j, &h, NULL, 0);
-}
-
-/* Shard i resumed its part at a step (the newest of shard 0's it has), or
- * cannot. All go back to the oldest step any shard resumed at. */
-static void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
-{
-    Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
-    shard_t *sh = &s->shards[i];
-    if (!s->opts.resume_dir || sh->resumed || shards_ready(s) || s->phase != PHASE_WAIT) {
-        drop_shard(s, i, "RESUMED, which psd does not wait for");
-        return;
-    }
-    if (ck->error && ck->error[0]) {
-        PS_ERROR("psd shard %d (%s pid %u) cannot resume: %s", i, sh->hostname, sh->pid, ck->error);
-        finish(s, PSD_EXIT_USAGE, "a psd shard cannot resume");
-        return;
-    }
-    if (ck->step > s->store.steps) { /* it chose from a list shard 0 has gone back from since */
-        PS_DEBUG("psd shard %d resumed at step %" PRIu64 "; shard 0 has gone back to %" PRIu64 ": again", i, ck->step,
-                 s->store.steps);
-        send_resume(s, i);
-        return;
-    }
-    sh->resumed = true;
-    sh->resumed_step = ck->step;
-    sh->resumed_version = ck->version;
-    if (ck->step < s->store.steps) { /* it has none as new: shard 0 and the others go back */
-        PS_WARN("psd shard %d has no checkpoint of step %" PRIu64 " (its newest usable one is of step %" PRIu64
-                "): every shard goes back to a step all of them have", i, s->store.steps, ck->step);
-        if (resume_at(s, ck->step) != 0) {
-            finish(s, PSD_EXIT_USAGE, "the psd shards have no checkpoint of one step");
-            return;
-        }
-        for (int j = 1; j < s->n_shards; j++) {
-            shard_t *o = &s->shards[j];
-            if (o->joined && o->resumed && o->resumed_step != s->store.steps) send_resume(s, j);
-        }
-    }
-    if (!shards_resumed(s)) return;
-    for (int j = 1; j < s->n_shards; j++)
-        if (s->shards[j].resumed_version != s->store.cur->version) {
-            PS_ERROR("psd shard %d resumed step %" PRIu64 " at version %" PRIu64 ", shard 0 at %" PRIu64
-                     ": their checkpoints are not of one run", j, s->store.steps, s->shards[j].resumed_version,
-                     s->store.cur->version);
-            finish(s, PSD_EXIT_USAGE, "the psd shards' checkpoints are not of one run");
-            return;
-        }
-    PS_INFO("all %d psd shards resumed at step %" PRIu64, s->n_shards, s->store.steps);
-    s->resume_agreed = true;
-    s->ck_safe = s->store.steps; /* every shard has it */
-    if (s->epoch >= (uint32_t)s->cfg.epochs) { /* the end of the run: only the weights file is left to write */
-        PS_INFO("the shards' checkpoints are at the end of the run (%d epochs): nothing to train", s->cfg.epochs);
-        s->epoch--; /* the last epoch trained, as the end of the run writes it */
-        s->t_start = ps_now();
-        run_end(s);
-        return;
-    }
-    shards_go(s);
-}
-
-static void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
-{
-    Psd__ShardNorm *n = m->hdr->shard_norm;
-    if (!s->stepping || n->version != s->store.cur->version || s->shards[i].norm_in) {
-        drop_shard(s, i, "NORM for version %" PRIu64 " (current %" PRIu64 ")", n->version,
-             s->store.cur->version);
-        return;
-    }
-    ps_piece_t p[PS_MAX_TENSORS];
-    ps_shard_pieces(&s->layout, i, s->n_shards, p);
-    size_t want = 0;
-    for (int t = 0; t < s->layout.n_tensors; t++) want += (p[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
-    if (n->n_block_sq != want) {
-        drop_shard(s, i, "NORM with %zu blocks, it has %zu", n->n_block_sq, want);
-        return;
-    }
-    for (size_t j = 0; j < want; j++)
-        if (n->block_sq[j] < 0) { /* sums of squares (NaN or inf: a diverging gradient, as with one psd) */
-            drop_shard(s, i, "NORM with a negative sum of squares");
-            return;
-        }
-    size_t j = 0;
-    for (int t = 0; t < s->layout.n_tensors; t++) {
-        size_t b = ps_layout_first_block(&s->layout, t) + p[t].off / PSD_NORM_BLOCK;
-        for (size_t o = 0; o < p[t].n; o += PSD_NORM_BLOCK) s->store.blk_sq[b++] = n->block_sq[j++];
-    }
-    s->shards[i].norm_in = true;
-    for (int k = 1; k < s->n_shards; k++)
-        if (!s->shards[k].norm_in) return;
-    /* every block's norm is in: the same sum, in the same order, as one psd */
-    double sumsq = psd_store_sumsq(&s->store);
-    Psd__Header h;
-    Psd__ShardApply ap = PSD__SHARD_APPLY__INIT;
-    psd__header__init(&h);
-    h.type = PSD__MSG_TYPE__MSG_SHARD_APPLY;
-    ap.version = s->store.cur->version;
-    ap.sumsq = sumsq;
-    h.body_case = PSD__HEADER__BODY_SHARD_APPLY;
-    h.shard_apply = &ap;
-    shards_send_all(s, &h);
-    s->stepping = false;
-    if (psd_store_apply(&s->store, sumsq, s->cfg.clip_norm, s->lr) != 0) {
-        PS_ERROR("no free parameter arena (too many pull replies in flight)");
-        finish(s, PSD_EXIT_ERROR, "psd out of memory");
-        return;
-    }
-    step_done(s, true);
-    deferred_checkpoint(s);
-    maybe_step(s);
 }
 
 /* The sharded weights file cannot be finished: why, and no file. */
@@ -309,7 +200,7 @@ void fetch_next(srv_t *s)
     else
         PS_INFO("saved weights (version %" PRIu64 ") to %s; the other shards' parts came in %" PRIu64 " chunks",
                 s->store.cur->version, s->cfg.save, s->fetch_chunks);
-    end_run(s);
+    raise_event(s, PSD_EV_SAVED);
 }
 
 /* A chunk of a shard's part of the final version (SHARD_FETCH): into the
@@ -331,7 +222,7 @@ static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
         char err[512];
         if (ok && ps_weights_put(s->wr, r[f].t, r[f].off, src, n, err, sizeof err) != 0) {
             save_failed(s, err);
-            end_run(s);
+            raise_event(s, PSD_EV_SAVED);
             return;
         }
     }
@@ -344,20 +235,11 @@ static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
     fetch_next(s);
 }
 
-static void on_shard_have(srv_t *s, int i, ps_msg_t *m)
-{
-    Psd__ShardHave *hv = m->hdr->shard_have;
-    worker_t *w = hv->rank < (uint32_t)s->n ? &s->w[hv->rank] : NULL;
-    if (!w || (w->state != W_TRAIN && w->state != W_BARRIER) || s->stepping || hv->version != s->store.cur->version) {
-        /* a worker lost meanwhile, or declared gone: nothing to wait for */
-        PS_DEBUG("shard %d has rank %u's push for version %" PRIu64 "; not needed", i, hv->rank, hv->version);
-        return;
-    }
-    w->shard_have |= 1u << i;
-    if (push_check(s, w)) maybe_step(s);
-}
-
-void on_shard(srv_t *s, int i, ps_msg_t *m)
+/* A message of psd shard i (-1: not joined, a HELLO): joining, heartbeats,
+ * the parts of the weights file, failures. True when it is another file's
+ * to handle (SHARD_HAVE and SHARD_NORM: psd_push.c; SHARD_CKPT_DONE and
+ * SHARD_RESUMED: psd_run.c), its run and rank checked. */
+bool on_shard(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__Header *h = m->hdr;
     if (h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
@@ -367,7 +249,7 @@ void on_shard(srv_t *s, int i, ps_msg_t *m)
             again = was && s->shards[i].pid == hh->pid && hh->shard == (uint32_t)i;
             if (was && !again) {
                 drop_shard(s, i, "HELLO on its connection as shard %u pid %u", hh->shard, hh->pid);
-                return;
+                return false;
             }
             s->shards[i].joined = false;
         }
@@ -377,22 +259,22 @@ void on_shard(srv_t *s, int i, ps_msg_t *m)
                      "run stops", i);
             finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was refused");
         }
-        return;
+        return false;
     }
-    if (i < 0) return;
+    if (i < 0) return false;
     shard_t *sh = &s->shards[i];
     if (h->run_id != s->run_id || h->rank != (uint32_t)i) {
         drop_shard(s, i, "run %016" PRIx64 " rank %u", h->run_id, h->rank);
-        return;
+        return false;
     }
     sh->last_seen = ps_now();
     switch (h->type) {
     case PSD__MSG_TYPE__MSG_HEARTBEAT: break;
-    case PSD__MSG_TYPE__MSG_SHARD_HAVE: on_shard_have(s, i, m); break;
-    case PSD__MSG_TYPE__MSG_SHARD_NORM: on_shard_norm(s, i, m); break;
+    case PSD__MSG_TYPE__MSG_SHARD_HAVE:
+    case PSD__MSG_TYPE__MSG_SHARD_NORM:
+    case PSD__MSG_TYPE__MSG_SHARD_CKPT_DONE:
+    case PSD__MSG_TYPE__MSG_SHARD_RESUMED: return true;
     case PSD__MSG_TYPE__MSG_WEIGHTS: on_shard_weights(s, i, m); break;
-    case PSD__MSG_TYPE__MSG_SHARD_CKPT_DONE: on_shard_ckpt_done(s, i, m); break;
-    case PSD__MSG_TYPE__MSG_SHARD_RESUMED: on_shard_resumed(s, i, m); break;
     case PSD__MSG_TYPE__MSG_ERROR:
         PS_ERROR("psd shard %d (%s pid %u) failed: %s", i, sh->hostname, sh->pid,
                  h->error->message ? h->error->message : "(no message)");
@@ -401,6 +283,7 @@ void on_shard(srv_t *s, int i, ps_msg_t *m)
         break;
     default: drop_shard(s, i, "%s is not a message shards send", ps_msg_type_name((int)h->type));
     }
+    return false;
 }
 
 /* After a resume: every shard resumed its part at shard 0's step. */
@@ -412,36 +295,3 @@ bool shards_resumed(const srv_t *s)
     return true;
 }
 
-int send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n)
-{
-    shard_t *sh = &s->shards[i];
-    h->run_id = s->run_id;
-    h->rank = (uint32_t)i;
-    h->seq = ++sh->seq_out;
-    int rc = ps_msg_send(s->sock, sh->ident, sh->ident_len, h, fr, n);
-    if (rc < 0)
-        PS_WARN("cannot send %s to shard %d (%s pid %u): %s", ps_msg_type_name((int)h->type), i, sh->hostname,
-                sh->pid, zmq_strerror(-rc));
-    return rc;
-}
-
-void shards_send_all(srv_t *s, Psd__Header *h)
-{
-    for (int i = 1; i < s->n_shards; i++)
-        if (s->shards[i].joined) send_shard(s, i, h, NULL, 0);
-}
-
-/* Tell every shard about a worker: its rank and token. */
-void shards_worker(srv_t *s, const worker_t *w)
-{
-    Psd__Header h;
-    Psd__ShardWorker sw = PSD__SHARD_WORKER__INIT;
-    psd__header__init(&h);
-    h.type = PSD__MSG_TYPE__MSG_SHARD_WORKER;
-    sw.rank = w->rank;
-    sw.token.data = (uint8_t *)w->shard_token;
-    sw.token.len = sizeof w->shard_token;
-    h.body_case = PSD__HEADER__BODY_SHARD_WORKER;
-    h.shard_worker = &sw;
-    shards_send_all(s, &h);
-}

@@ -13,7 +13,7 @@ static bool ssp_held(const srv_t *s, const worker_t *w, uint64_t m)
 
 /* w asked for weights to train on: send them, or with ssp hold them back
  * while it is too far ahead (ssp_release answers it later) */
-static void answer_pull(srv_t *s, worker_t *w)
+void answer_pull(srv_t *s, worker_t *w)
 {
     if (s->cfg.sync == PS_SYNC_SSP) {
         uint64_t m = min_clock(s);
@@ -32,7 +32,7 @@ static void answer_pull(srv_t *s, worker_t *w)
 /* ssp: answer the workers held back that the slowest has come close enough
  * to (it pushed, reached its barrier, or was lost). psd's own waiting is not
  * the worker's silence: its timeout counts from here. */
-static void ssp_release(srv_t *s)
+void ssp_release(srv_t *s)
 {
     if (s->cfg.sync != PS_SYNC_SSP) return;
     uint64_t m = min_clock(s); /* answering a worker moves no clock */
@@ -164,7 +164,7 @@ void step_done(srv_t *s, bool taken)
         w->want_pull = false;
     }
     if (taken && s->cfg.ckpt_every_steps > 0 && s->step % (uint64_t)s->cfg.ckpt_every_steps == 0)
-        take_checkpoint(s, false);
+        raise_event(s, PSD_EV_CKPT_DUE);
 }
 
 /* Tell the shards to take the same step: contributors, weights, rate. */
@@ -203,7 +203,7 @@ void step_lr(srv_t *s)
  * each push on its own), apply the optimizer, answer the pulls. Returns
  * with s->stepping set when shards must send their norms first, or with
  * the run ended if no arena was free. */
-static void take_step(srv_t *s, worker_t *only)
+void take_step(srv_t *s, worker_t *only)
 {
     uint64_t total = 0;
     int k = 0; /* contributors in rank order: the same sums every run */
@@ -257,194 +257,6 @@ static void take_step(srv_t *s, worker_t *only)
     }
     account_step(s, total, only);
     step_done(s, true);
-}
-
-/* bsp: once every worker still training has pushed for this version,
- * reduce and apply. async and ssp: apply each push as it completes. */
-void maybe_step(srv_t *s)
-{
-    if (s->phase != PHASE_TRAIN || s->stepping) return;
-    if (s->cfg.sync != PS_SYNC_BSP) {
-        for (int i = 0; i < s->n && s->phase == PHASE_TRAIN; i++)
-            if (s->w[i].has_push) take_step(s, &s->w[i]);
-        if (s->phase != PHASE_TRAIN) return;
-        ssp_release(s);
-    } else if (s->stream) {
-        stream_progress(s);
-        if (s->phase != PHASE_TRAIN || s->st_open) return;
-        for (int i = 0; i < s->n; i++)
-            if (s->w[i].push_started) return; /* the step waits for a worker to begin its push */
-    } else {
-        int pending = 0;
-        for (int i = 0; i < s->n; i++) {
-            worker_t *w = &s->w[i];
-            if (w->state == W_TRAIN && !w->has_push) return; /* still waiting for it */
-            if (w->own_push && !w->has_push) return;        /* or for a shard to have all of its push */
-            pending += w->has_push;
-        }
-        if (pending > 0) take_step(s, NULL);
-        if (s->phase != PHASE_TRAIN || s->stepping) return;
-    }
-    for (int i = 0; i < s->n; i++)
-        if (s->w[i].state == W_TRAIN) return;
-    if (s->smp.n_pool > 0) return; /* samples wait for a worker to join */
-    start_validation(s);
-}
-
-void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
-{
-    if (w->state != W_TRAIN) {
-        drop(s, w, "PULL while %s", wstate_name[w->state]);
-        return;
-    }
-    uint64_t v = m->hdr->pull->min_version;
-    if (v > s->store.cur->version) {
-        drop(s, w, "PULL of version %" PRIu64 ", current is %" PRIu64, v, s->store.cur->version);
-        return;
-    }
-    if (m->hdr->pull->want_rows && want_take(s, w, m) != 0) return;
-    if (w->own_push) { /* its last push still waits for the step (it was given more samples since, or
-                        * with shards, this asks for the step's version after a push's last part):
-                        * answer with the version that step makes; its gradient, in flight or in
-                        * its shared region, must not be overwritten before */
-        w->push_pull = true;
-        return;
-    }
-    if (s->st_open || s->stepping) { /* a streamed step is half taken (maybe in place), or psd shards
-                                       * take a step (clipping: waiting for their norms): the version it
-                                       * makes, not the one its push would be stale against */
-        w->want_pull = true;
-        return;
-    }
-    answer_pull(s, w);
-}
-
-/* The last frame of a PULL (or a PUSH) with want_rows: the table rows the
- * worker's next batch reads, kept for the reply (psd_want_take). 0, or -1
- * (dropped, logged). */
-int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
-{
-    char why[256];
-    if (psd_want_take(&s->holder, &w->push, m, s->holder.batch_rows, why, sizeof why) != 0) {
-        drop(s, w, "PULL %s", why);
-        return -1;
-    }
-    return 0;
-}
-
-void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
-{
-    Psd__Push *p = m->hdr->push;
-    const ps_layout_t *l = &s->layout;
-    if (w->state != W_TRAIN) {
-        drop(s, w, "PUSH while %s", wstate_name[w->state]);
-        return;
-    }
-    if (w->has_push) {
-        drop(s, w, "second PUSH for version %" PRIu64, p->version);
-        return;
-    }
-    if (s->cfg.sync == PS_SYNC_BSP ? p->version != s->store.cur->version : p->version > s->store.cur->version) {
-        drop(s, w, "PUSH computed on version %" PRIu64 ", current is %" PRIu64, p->version,
-             s->store.cur->version);
-        return;
-    }
-    uint64_t left = w->share.assigned - w->share.consumed;
-    if (p->batch == 0 || p->batch > (uint32_t)s->cfg.batch_size || p->batch > left) {
-        drop(s, w, "PUSH of a batch of %u (batch size %d, %" PRIu64 " samples left)", p->batch,
-             s->cfg.batch_size, left);
-        return;
-    }
-    if (!isfinite(p->loss_sum)) {
-        /* not a bad message: the model diverged. Dropping it would only get
-         * the workers declared lost one after the other. */
-        PS_ERROR("training diverged at step %" PRIu64 " (epoch %u): rank %u's batch loss is %s; lower "
-                 "optimizer.lr, add warm-up (schedule.warmup_epochs) or clip (optimizer.clip_norm)",
-                 s->step + 1, s->epoch + 1, w->rank, isnan(p->loss_sum) ? "NaN" : "infinite");
-        finish(s, PSD_EXIT_ERROR, "training diverged (loss not finite)");
-        return;
-    }
-    if (p->loss_sum < 0 || p->correct > p->batch) {
-        drop(s, w, "PUSH with invalid statistics");
-        return;
-    }
-    if (w->push_started && (p->batch != w->push_batch || p->correct != w->push_correct ||
-                            p->loss_sum != w->push_loss || p->version != w->push_version)) {
-        drop(s, w, "PUSH part for another batch than the parts before it");
-        return;
-    }
-    if (m->n_frames < 1 && p->n_shm_tensors < 1) {
-        drop(s, w, "PUSH without tensors");
-        return;
-    }
-    if (p->n_shm_tensors > 0 && !w->shm) {
-        drop(s, w, "PUSH of tensors in shared memory psd does not share with it");
-        return;
-    }
-    bool complete;
-    if (s->stream) {
-        if (stream_take(s, w, m) != 0) return;
-        complete = w->n_gch == s->st_nc;
-    } else {
-        uint64_t in_shm = 0;
-        for (size_t i = 0; i < p->n_shm_tensors; i++) {
-            uint32_t t = p->shm_tensors[i];
-            if (t >= (uint32_t)l->n_tensors || ((w->push.mask | in_shm) & (1ull << t))) {
-                drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
-                return;
-            }
-            in_shm |= 1ull << t;
-        }
-        psd_took_t took;
-        char why[256];
-        if (psd_push_take(&s->holder, &w->push, m, wire_bf16(s, w), in_shm, &took, why, sizeof why) != 0) {
-            drop(s, w, "PUSH %s", why);
-            return;
-        }
-        s->ep_bytes_in += took.bytes + took.want_bytes;
-        if (took.row_push) {
-            s->ep_rows_in += took.rows;
-            s->ep_rows_pushes++;
-        }
-        w->push.mask |= in_shm;
-        w->push.shm |= in_shm;
-        complete = w->push.mask == s->holder.all;
-    }
-    w->push_pull |= p->pull;
-    if (p->release && w->hold) { /* it reads no more of its slot: the step may update it in place */
-        psd_store_frame_free(NULL, w->hold);
-        w->hold = NULL;
-    }
-    if (!w->push_started) {
-        w->push_started = true;
-        w->push_version = p->version;
-        w->push_batch = p->batch;
-        w->push_loss = p->loss_sum;
-        w->push_correct = p->correct;
-    }
-    if (!complete) { /* more parts to come */
-        if (s->stream) maybe_step(s); /* its chunks may complete some */
-        return;
-    }
-    w->own_push = true;
-    w->own_push_at = ps_now();
-    push_check(s, w);
-    /* the worker's step time, from the part that completes the push */
-    if (isfinite(p->compute_s) && isfinite(p->wait_s) && p->compute_s >= 0 && p->wait_s >= 0 &&
-        p->compute_s < 1e6 && p->wait_s < 1e6) {
-        s->ep_compute_s += p->compute_s;
-        s->ep_wait_s += p->wait_s;
-        s->ep_timed++;
-        w->compute_ewma = w->compute_ewma > 0 ? 0.9 * w->compute_ewma + 0.1 * p->compute_s : p->compute_s;
-        int bw = 0, bc = 0;
-        while (bw < PSD_HIST_N && p->wait_s > hist_le[bw]) bw++;
-        while (bc < PSD_HIST_N && p->compute_s > hist_le[bc]) bc++;
-        w->h_wait[bw]++;
-        w->h_compute[bc]++;
-        w->h_wait_sum += p->wait_s;
-        w->h_compute_sum += p->compute_s;
-    }
-    if (w->has_push) maybe_step(s);
 }
 
 /* Weights frames of the current version, sent without copying (as f32, or
@@ -522,14 +334,6 @@ void send_weights(srv_t *s, worker_t *w)
     }
     send_to(s, w, &h, fr, n);
     psd_hold_sent(&s->holder, &w->push);
-}
-
-/* A push counts once this part of it is complete and every other shard
- * has its part (SHARD_HAVE): sets and returns has_push. */
-bool push_check(const srv_t *s, worker_t *w)
-{
-    w->has_push = w->own_push && (w->shard_have & shard_bits(s)) == shard_bits(s);
-    return w->has_push;
 }
 
 /* The table on psd: VALIDATE's table frame (the last one, a reference on

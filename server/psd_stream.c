@@ -209,7 +209,7 @@ void stream_progress(srv_t *s)
     if (total > 0) account_step(s, total, NULL); /* none: every contributor was lost (counted then) */
     step_done(s, !s->st_void);
     s->st_void = false;
-    deferred_checkpoint(s);
+    raise_event(s, PSD_EV_STEP_APPLIED);
 }
 
 /* w is gone: its chunks of the step no longer count. If it was a

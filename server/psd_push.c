@@ -1,0 +1,271 @@
+/* psd_push.c - what workers send for a step and what it sets off: push
+ * intake (whole, in parts, streamed, in shared memory: the frames through
+ * the holder, psd_hold.h), pulls, the psd shards' word that they have a
+ * worker's push (SHARD_HAVE) or their blocks' norms (SHARD_NORM), and the
+ * decision to step (maybe_step). The step itself is psd_step.c's, a
+ * streamed one psd_stream.c's. Raises PSD_EV_EPOCH_TRAINED and
+ * PSD_EV_STEP_APPLIED (psd_core.h) for psd_run.c. */
+#include "psd_core.h"
+
+/* The last frame of a PULL (or a PUSH) with want_rows: the table rows the
+ * worker's next batch reads, kept for the reply (psd_want_take). 0, or -1
+ * (dropped, logged). */
+int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    char why[256];
+    if (psd_want_take(&s->holder, &w->push, m, s->holder.batch_rows, why, sizeof why) != 0) {
+        drop(s, w, "PULL %s", why);
+        return -1;
+    }
+    return 0;
+}
+
+void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    if (w->state != W_TRAIN) {
+        drop(s, w, "PULL while %s", wstate_name[w->state]);
+        return;
+    }
+    uint64_t v = m->hdr->pull->min_version;
+    if (v > s->store.cur->version) {
+        drop(s, w, "PULL of version %" PRIu64 ", current is %" PRIu64, v, s->store.cur->version);
+        return;
+    }
+    if (m->hdr->pull->want_rows && want_take(s, w, m) != 0) return;
+    if (w->own_push) { /* its last push still waits for the step (it was given more samples since, or
+                        * with shards, this asks for the step's version after a push's last part):
+                        * answer with the version that step makes; its gradient, in flight or in
+                        * its shared region, must not be overwritten before */
+        w->push_pull = true;
+        return;
+    }
+    if (s->st_open || s->stepping) { /* a streamed step is half taken (maybe in place), or psd shards
+                                       * take a step (clipping: waiting for their norms): the version it
+                                       * makes, not the one its push would be stale against */
+        w->want_pull = true;
+        return;
+    }
+    answer_pull(s, w);
+}
+
+void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    Psd__Push *p = m->hdr->push;
+    const ps_layout_t *l = &s->layout;
+    if (w->state != W_TRAIN) {
+        drop(s, w, "PUSH while %s", wstate_name[w->state]);
+        return;
+    }
+    if (w->has_push) {
+        drop(s, w, "second PUSH for version %" PRIu64, p->version);
+        return;
+    }
+    if (s->cfg.sync == PS_SYNC_BSP ? p->version != s->store.cur->version : p->version > s->store.cur->version) {
+        drop(s, w, "PUSH computed on version %" PRIu64 ", current is %" PRIu64, p->version,
+             s->store.cur->version);
+        return;
+    }
+    uint64_t left = w->share.assigned - w->share.consumed;
+    if (p->batch == 0 || p->batch > (uint32_t)s->cfg.batch_size || p->batch > left) {
+        drop(s, w, "PUSH of a batch of %u (batch size %d, %" PRIu64 " samples left)", p->batch,
+             s->cfg.batch_size, left);
+        return;
+    }
+    if (!isfinite(p->loss_sum)) {
+        /* not a bad message: the model diverged. Dropping it would only get
+         * the workers declared lost one after the other. */
+        PS_ERROR("training diverged at step %" PRIu64 " (epoch %u): rank %u's batch loss is %s; lower "
+                 "optimizer.lr, add warm-up (schedule.warmup_epochs) or clip (optimizer.clip_norm)",
+                 s->step + 1, s->epoch + 1, w->rank, isnan(p->loss_sum) ? "NaN" : "infinite");
+        finish(s, PSD_EXIT_ERROR, "training diverged (loss not finite)");
+        return;
+    }
+    if (p->loss_sum < 0 || p->correct > p->batch) {
+        drop(s, w, "PUSH with invalid statistics");
+        return;
+    }
+    if (w->push_started && (p->batch != w->push_batch || p->correct != w->push_correct ||
+                            p->loss_sum != w->push_loss || p->version != w->push_version)) {
+        drop(s, w, "PUSH part for another batch than the parts before it");
+        return;
+    }
+    if (m->n_frames < 1 && p->n_shm_tensors < 1) {
+        drop(s, w, "PUSH without tensors");
+        return;
+    }
+    if (p->n_shm_tensors > 0 && !w->shm) {
+        drop(s, w, "PUSH of tensors in shared memory psd does not share with it");
+        return;
+    }
+    bool complete;
+    if (s->stream) {
+        if (stream_take(s, w, m) != 0) return;
+        complete = w->n_gch == s->st_nc;
+    } else {
+        uint64_t in_shm = 0;
+        for (size_t i = 0; i < p->n_shm_tensors; i++) {
+            uint32_t t = p->shm_tensors[i];
+            if (t >= (uint32_t)l->n_tensors || ((w->push.mask | in_shm) & (1ull << t))) {
+                drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
+                return;
+            }
+            in_shm |= 1ull << t;
+        }
+        psd_took_t took;
+        char why[256];
+        if (psd_push_take(&s->holder, &w->push, m, wire_bf16(s, w), in_shm, &took, why, sizeof why) != 0) {
+            drop(s, w, "PUSH %s", why);
+            return;
+        }
+        s->ep_bytes_in += took.bytes + took.want_bytes;
+        if (took.row_push) {
+            s->ep_rows_in += took.rows;
+            s->ep_rows_pushes++;
+        }
+        w->push.mask |= in_shm;
+        w->push.shm |= in_shm;
+        complete = w->push.mask == s->holder.all;
+    }
+    w->push_pull |= p->pull;
+    if (p->release && w->hold) { /* it reads no more of its slot: the step may update it in place */
+        psd_store_frame_free(NULL, w->hold);
+        w->hold = NULL;
+    }
+    if (!w->push_started) {
+        w->push_started = true;
+        w->push_version = p->version;
+        w->push_batch = p->batch;
+        w->push_loss = p->loss_sum;
+        w->push_correct = p->correct;
+    }
+    if (!complete) { /* more parts to come */
+        if (s->stream) maybe_step(s); /* its chunks may complete some */
+        return;
+    }
+    w->own_push = true;
+    w->own_push_at = ps_now();
+    push_check(s, w);
+    /* the worker's step time, from the part that completes the push */
+    if (isfinite(p->compute_s) && isfinite(p->wait_s) && p->compute_s >= 0 && p->wait_s >= 0 &&
+        p->compute_s < 1e6 && p->wait_s < 1e6) {
+        s->ep_compute_s += p->compute_s;
+        s->ep_wait_s += p->wait_s;
+        s->ep_timed++;
+        w->compute_ewma = w->compute_ewma > 0 ? 0.9 * w->compute_ewma + 0.1 * p->compute_s : p->compute_s;
+        int bw = 0, bc = 0;
+        while (bw < PSD_HIST_N && p->wait_s > hist_le[bw]) bw++;
+        while (bc < PSD_HIST_N && p->compute_s > hist_le[bc]) bc++;
+        w->h_wait[bw]++;
+        w->h_compute[bc]++;
+        w->h_wait_sum += p->wait_s;
+        w->h_compute_sum += p->compute_s;
+    }
+    if (w->has_push) maybe_step(s);
+}
+
+/* bsp: once every worker still training has pushed for this version,
+ * reduce and apply. async and ssp: apply each push as it completes. */
+void maybe_step(srv_t *s)
+{
+    if (s->phase != PHASE_TRAIN || s->stepping) return;
+    if (s->cfg.sync != PS_SYNC_BSP) {
+        for (int i = 0; i < s->n && s->phase == PHASE_TRAIN; i++)
+            if (s->w[i].has_push) {
+                take_step(s, &s->w[i]);
+                if (s->events & PSD_EV_CKPT_DUE) return; /* the checkpoint first: psd_run.c steps on after it */
+            }
+        if (s->phase != PHASE_TRAIN) return;
+        ssp_release(s);
+    } else if (s->stream) {
+        stream_progress(s);
+        if (s->phase != PHASE_TRAIN || s->st_open) return;
+        for (int i = 0; i < s->n; i++)
+            if (s->w[i].push_started) return; /* the step waits for a worker to begin its push */
+    } else {
+        int pending = 0;
+        for (int i = 0; i < s->n; i++) {
+            worker_t *w = &s->w[i];
+            if (w->state == W_TRAIN && !w->has_push) return; /* still waiting for it */
+            if (w->own_push && !w->has_push) return;        /* or for a shard to have all of its push */
+            pending += w->has_push;
+        }
+        if (pending > 0) take_step(s, NULL);
+        if (s->phase != PHASE_TRAIN || s->stepping) return;
+    }
+    for (int i = 0; i < s->n; i++)
+        if (s->w[i].state == W_TRAIN) return;
+    if (s->smp.n_pool > 0) return; /* samples wait for a worker to join */
+    raise_event(s, PSD_EV_EPOCH_TRAINED);
+}
+
+/* A push counts once this part of it is complete and every other shard
+ * has its part (SHARD_HAVE): sets and returns has_push. */
+bool push_check(const srv_t *s, worker_t *w)
+{
+    w->has_push = w->own_push && (w->shard_have & shard_bits(s)) == shard_bits(s);
+    return w->has_push;
+}
+
+void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
+{
+    Psd__ShardNorm *n = m->hdr->shard_norm;
+    if (!s->stepping || n->version != s->store.cur->version || s->shards[i].norm_in) {
+        drop_shard(s, i, "NORM for version %" PRIu64 " (current %" PRIu64 ")", n->version,
+             s->store.cur->version);
+        return;
+    }
+    ps_piece_t p[PS_MAX_TENSORS];
+    ps_shard_pieces(&s->layout, i, s->n_shards, p);
+    size_t want = 0;
+    for (int t = 0; t < s->layout.n_tensors; t++) want += (p[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
+    if (n->n_block_sq != want) {
+        drop_shard(s, i, "NORM with %zu blocks, it has %zu", n->n_block_sq, want);
+        return;
+    }
+    for (size_t j = 0; j < want; j++)
+        if (n->block_sq[j] < 0) { /* sums of squares (NaN or inf: a diverging gradient, as with one psd) */
+            drop_shard(s, i, "NORM with a negative sum of squares");
+            return;
+        }
+    size_t j = 0;
+    for (int t = 0; t < s->layout.n_tensors; t++) {
+        size_t b = ps_layout_first_block(&s->layout, t) + p[t].off / PSD_NORM_BLOCK;
+        for (size_t o = 0; o < p[t].n; o += PSD_NORM_BLOCK) s->store.blk_sq[b++] = n->block_sq[j++];
+    }
+    s->shards[i].norm_in = true;
+    for (int k = 1; k < s->n_shards; k++)
+        if (!s->shards[k].norm_in) return;
+    /* every block's norm is in: the same sum, in the same order, as one psd */
+    double sumsq = psd_store_sumsq(&s->store);
+    Psd__Header h;
+    Psd__ShardApply ap = PSD__SHARD_APPLY__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_SHARD_APPLY;
+    ap.version = s->store.cur->version;
+    ap.sumsq = sumsq;
+    h.body_case = PSD__HEADER__BODY_SHARD_APPLY;
+    h.shard_apply = &ap;
+    shards_send_all(s, &h);
+    s->stepping = false;
+    if (psd_store_apply(&s->store, sumsq, s->cfg.clip_norm, s->lr) != 0) {
+        PS_ERROR("no free parameter arena (too many pull replies in flight)");
+        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        return;
+    }
+    step_done(s, true);
+    raise_event(s, PSD_EV_STEP_APPLIED);
+    maybe_step(s);
+}
+
+void on_shard_have(srv_t *s, int i, ps_msg_t *m)
+{
+    Psd__ShardHave *hv = m->hdr->shard_have;
+    worker_t *w = hv->rank < (uint32_t)s->n ? &s->w[hv->rank] : NULL;
+    if (!w || (w->state != W_TRAIN && w->state != W_BARRIER) || s->stepping || hv->version != s->store.cur->version) {
+        /* a worker lost meanwhile, or declared gone: nothing to wait for */
+        PS_DEBUG("shard %d has rank %u's push for version %" PRIu64 "; not needed", i, hv->rank, hv->version);
+        return;
+    }
+    w->shard_have |= 1u << i;
+    if (push_check(s, w)) maybe_step(s);
+}
