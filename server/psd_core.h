@@ -1,26 +1,32 @@
 /* psd_core.h - the coordinator's state (srv_t) and the functions its files
- * share. The coordinator (shard 0, or the one psd) is these files:
+ * share. The coordinator (shard 0, or the one psd) is these files, in
+ * layers: each calls only the files below it (bash tests/layers.sh draws
+ * the graph and fails on a circle; the "server-layers" test runs it):
  *   psd_server.c   the shell: set-up and teardown, the loop (timer,
- *                  signals, socket), message dispatch (handle), peers,
- *                  registration, psctl
- *   psd_run.c      the run's phases: ready, barrier, leave, lost; epochs,
- *                  validation, the end of the run, checkpoints, resume
- *   psd_step.c     push intake, pull answers (bsp, async, ssp), the step,
- *                  weights replies
+ *                  signals, socket), message dispatch (handle), peer
+ *                  hygiene, psctl
+ *   psd_run.c      the run's phases: register, ready, barrier, leave, lost; epochs,
+ *                  validation, the end of the run, checkpoints, resume; the
+ *                  only file that acts on events (run_events)
+ *   psd_shard0.c   shard 0's side of the psd shard protocol: joining, the
+ *                  weights file from the shards' parts
+ *   psd_push.c     pushes, pulls, the shards' HAVE and NORM, maybe_step
  *   psd_stream.c   streamed steps (train.stream)
- *   psd_samples.c  the positions of an epoch: ranges, pool, hand-out,
- *                  rebalancing
- *   psd_shard0.c   shard 0's side of the psd shard protocol
+ *   psd_step.c     the step, its accounting, pull answers, weights replies
+ *   psd_give.c     positions of the epoch to workers (EPOCH messages)
+ *   psd_peers.c    headers, sends, drops, connections, ASSIGN, the end of
+ *                  the run
  *   psd_status.c   /metrics, /status, psctl text, the progress line (reads
  *                  srv_t only)
- * Below them: psd_net.c (sockets), psd_store.c (parameters and optimizer
- * state), psd_ckpt.c, psd_metrics.c, psd_lock.c, psd_diverge.c, psd_http.c.
- * Not yet layered: the first six still call each other (a step that ends
- * the epoch starts the validation, ...): `bash tests/layers.sh` prints the
- * file graph and its circles (docs/design.md, "The coordinator's files").
+ * Below them, knowing nothing of srv_t: psd_samples.c (the sample
+ * accounting, plain data), psd_hold.c (the parameter holder, shared with
+ * shards 1..n-1: psd_shard.c), psd_store.c, psd_ckpt.c, psd_net.c,
+ * psd_metrics.c, psd_lock.c, psd_diverge.c, psd_http.c.
+ * A lower file that needs the run to act raises an event (PSD_EV_*, below).
  *
  * Ownership: one srv_t per psd process, made and freed by psd_server_run;
- * everything in it belongs to the loop thread. */
+ * everything in it belongs to the loop thread. Its parts (net, sh, ck, ep,
+ * st, smp, holder, ...) are each written by the file named at their type. */
 #ifndef PSD_CORE_H
 #define PSD_CORE_H
 
@@ -193,52 +199,11 @@ typedef struct {
     bool conn_closed;     /* that connection closed: the run stops at the next tick */
 } shard_t;
 
+/* The parts of srv_t, each written by one file (others read it). */
+
+/* The sockets and the loop, and the hygiene of what comes in (psd_server.c;
+ * psd_peers.c sends and drops through it). */
 typedef struct {
-    ps_config_t cfg;
-    psd_run_opts_t opts;
-    /* psd shards (--shard 0/n): this psd coordinates, shards 1..n-1 hold
-     * the other parts of the parameters */
-    int n_shards;         /* 1: one psd */
-    shard_t shards[PS_MAX_SHARDS];
-    bool stepping;        /* with clipping: waiting for the shards' block norms */
-    bool ckpt_deferred;   /* a checkpoint asked for while stepping: taken once the step is applied */
-    double stepping_since;
-    /* end of the run with --save: the weights file (wr; not NULL while it is
-     * written) is written as the other shards' parts come, PSD_FETCH_FLOATS at
-     * a time from shard fetch_k, whose part is fetch_part (never the whole
-     * model in memory) */
-    ps_weights_writer_t *wr;
-    double fetching_since; /* the last chunk asked for */
-    int fetch_k;
-    ps_piece_t fetch_part[PS_MAX_TENSORS];
-    uint64_t fetch_size, fetch_from, fetch_count, fetch_chunks;
-    /* HTTP endpoint (server.http) and what /metrics and /status report
-     * beyond the state above */
-    psd_http_t *http;
-    char http_token[256];
-    uint64_t bytes_in_done, bytes_out_done; /* of the epochs before this one */
-    double val_acc_last, val_loss_last;
-    uint32_t val_epoch_last;              /* epochs validated (0: none yet) */
-    uint64_t ckpts_written, workers_lost;
-    double ckpt_last_t, t_boot;
-    /* psctl checkpoint: who waits for the checkpoint being written */
-    struct {
-        uint8_t ident[PS_MAX_IDENTITY];
-        size_t ident_len;
-    } ctl_wait[8];
-    int n_ctl_wait;
-    /* curves for the live page (/history) */
-    struct { uint64_t step; float loss; } curve[PSD_CURVE_MAX];
-    int n_curve;
-    uint64_t curve_every;                 /* record every curve_every-th step */
-    struct { uint32_t epoch; uint64_t step; float train_loss, val_loss, val_acc; } *val_curve;
-    int n_val_curve;
-    double shard_hb;      /* when shard 0 last sent them a heartbeat */
-    double silence;       /* a peer psd waits for is lost after this (psd_silence_limit) */
-    ps_hearing_t hearing; /* silence counts only while the event loop ran (on_timer's ticks) */
-    ps_layout_t layout;
-    psd_store_t store;
-    uint64_t run_id, config_hash;
     void *zctx, *sock;
     uv_loop_t loop;
     uv_poll_t poll;
@@ -247,98 +212,12 @@ typedef struct {
     psd_zap_t *zap;       /* authentication handler, NULL without keys */
     void *mon;            /* PAIR with the ROUTER's events: closed connections, failed handshakes */
     uint64_t hs_failed;
-    worker_t *w;          /* MAX_WORKERS slots */
-    int max_workers;      /* slots taken before gone ones are reused (MAX_WORKERS; tests: --x-max-workers) */
-    uint64_t registrations;
     double stranger_reply_t; /* the last ERR_LOST to a peer of this run psd does not know */
-    int n;                /* slots used */
-    phase_t phase;
-    int exit_code;
-    datafile_t files[4];
-    size_t train_count, test_count;
-    double ctr_opt_loss;  /* model.kind ctr: the planted model's log-loss on the test examples */
-    double ctr_const_loss; /* and the best constant's (the test click rate) */
-    double ctr_opt_auc;   /* the planted probabilities' AUC on the test examples */
-    float *val_scores;    /* ctr: the workers' click probabilities of the test examples (VAL_RESULT) */
-    uint8_t *test_labels; /* ctr: the test examples' clicks */
-    uint32_t *auc_order;  /* ps_auc's scratch */
-    psd_samples_t smp;    /* the epoch's permutation, positions trained, the pool (psd_samples.h) */
-    vpart_t *parts;       /* validation parts of this epoch */
-    int n_parts;
-    /* progress */
-    uint32_t epoch;       /* 0-based */
-    uint64_t step;        /* optimizer steps in the run */
-    uint64_t epoch_step;  /* steps in this epoch */
-    double spe;           /* steps per epoch (schedule position) */
-    double lr;
-    bool resumed_mid_epoch;
-    /* epoch statistics */
-    double ep_loss;
-    uint64_t ep_correct, ep_samples;
-    double ep_compute_s, ep_wait_s; /* workers' step times this epoch (from their pushes) */
-    uint64_t ep_timed;
-    double ep_step_s0;    /* store.step_s when the epoch began, and the epoch's steps: psd's own step */
-    uint64_t ep_step_n;
-    uint64_t ep_in_place0; /* store.in_place when the epoch began */
-    double t_start, t_epoch, train_s_total, phase_deadline, orphan_deadline;
-    uint64_t samples_total;
-    psd_metrics_t metrics; /* the metrics file (psd_metrics.h) */
-    psd_locks_t locks;     /* this run's hold on its files (psd_lock.h) */
-    uint64_t resumed_step; /* the step a --resume continued from, for the metrics lines; 0: none */
-    bool resumed;
-    uint64_t dropped;     /* bad messages, for rate-limited logging */
-    psd_hold_t holder;    /* psd's part of the parameters and the pushes (psd_hold.h) */
-    uint8_t *step_bf16;   /* streamed steps: whether each contributor's gradient is bfloat16 */
-    uint64_t ep_bytes_in, ep_bytes_out; /* tensor bytes received / sent on the wire this epoch */
-    uint64_t ep_rows_in, ep_rows_pushes; /* table rows received in row-sparse pushes, and those pushes */
-    uint64_t ep_rows_out, ep_rows_replies; /* table rows sent in replies that carry only the rows asked for */
-    /* async and ssp: staleness of the gradients applied this epoch (versions
-     * between the one a push was computed on and the one it was applied to),
-     * and ssp's largest lead (steps ahead of the slowest) a worker was let
-     * train at */
-    uint64_t ep_stale_sum, ep_stale_n, ep_stale_max, ep_lead_max;
-    uint64_t ep_moved; /* async and ssp: samples moved to workers done with theirs (rebalance) */
-    /* streamed steps (train.stream, bsp, one psd): the store's chunks
-     * travel one by one and each is stepped once every contributor's copy
-     * is here. The step opens (st_open) with its first chunk: its
-     * contributors (st_mem, rank order) are then fixed and its next version
-     * is built in st_next. */
-    bool stream;
-    size_t st_cf;         /* floats per chunk (ps_chunk_floats) */
-    int st_nc;            /* chunks (store.n_chunks) */
-    int *st_have;         /* per chunk: contributors whose copy is here */
-    uint8_t *st_done;     /* per chunk: stepped (reduced, with clipping) */
-    int st_n_done, st_n_made; /* chunks stepped, chunks whose new values are made */
-    int st_tchunks[PS_MAX_TENSORS]; /* chunks of each tensor */
-    int st_tfirst[PS_MAX_TENSORS];  /* and the index of its first */
-    int st_tmade[PS_MAX_TENSORS];   /* of which made */
-    int st_tord[PS_MAX_TENSORS], st_n_tord; /* tensors made, in that order (replies go in it) */
-    int *st_ready;        /* chunks to step now (ST_BATCH) */
-    int *st_rq, st_rq_head, st_rq_tail; /* chunks every contributor has, in the order they became so */
-    bool st_rescan;       /* the contributors changed: find the ready chunks again */
-    const void **st_src;  /* their gradients: ST_BATCH x MAX_WORKERS */
-    int *st_mem, st_k;    /* contributors (slots) */
-    bool st_open;
-    bool st_void;         /* every contributor left before any chunk was stepped: no step (step_done) */
-    /* the batches of contributors lost before any chunk took the step: they
-     * count as trained once it is taken, and are handed out again if it is
-     * void (stream_settle_lost) */
-    uint64_t *st_lost_pos;
-    size_t st_lost_n, st_lost_cap;
-    double st_lost_loss;
-    uint64_t st_lost_correct;
-    psd_arena_t *st_next;
-    /* progress: a live line on a terminal, else a plain line every progress_every s */
-    bool tty;
-    double progress_next;
-    double last_loss;     /* mean training loss of the last step */
-    psd_diverge_t dv;     /* the steps' losses and norms, checked for divergence (step_done) */
-    double *step_wt;      /* a step's contributors' weights */
-    bool table_on_psd;    /* ctr.worker_table_mb: workers hold only their batches' rows (CtrTask.table_on_psd) */
     ps_arena_t rx_arena;  /* decoded headers of received messages (one at a time) */
     uint8_t rx_buf[64 << 10];
     bool cur_bad;         /* the message being handled was dropped */
     const char *cur_peer; /* its sender's address, for the log */
+    uint64_t dropped;     /* bad messages, for rate-limited logging */
     /* connections that sent bad messages in a row (see bad_peer) */
     struct {
         uint8_t ident[PS_MAX_IDENTITY];
@@ -348,43 +227,200 @@ typedef struct {
     } bad[32];
     int n_bad;
     uint64_t cut;         /* connections psd closed for bad messages */
+    /* HTTP endpoint (server.http) */
+    psd_http_t *http;
+    char http_token[256];
     /* same-host transport: NULL when off or unavailable */
     psd_shm_t *shm;
     char shm_name[64];
     char host_id[128];
-    /* checkpoints */
-    psd_ckpt_writer_t *ckpt;
-    /* the checkpoint being taken: step, version; with psd shards, shard 0's
-     * part is written (ck_open) and every shard's confirmation awaited */
-    uint64_t ck_step, ck_version;
-    bool ck_open;
-    int ck_rc;            /* shard 0's part: 0 or -errno */
-    char ck_path[PS_PATH_MAX];
-    char ck_fail[400];    /* the first shard's failure to write its part ("": none) */
-    uint64_t ck_safe;     /* psd shards: the newest step every shard confirmed (or resumed at): its files are
-                           * never pruned, so that a resume always finds a step all have (0: none) */
-    /* --resume with psd shards: the directory resumed from and its steps up to
-     * the one resumed at, newest first: each shard resumes at the newest of
-     * them it has, and all go back to the oldest any shard resumed at */
+} psd_net_part_t;
+
+/* psd shards (--shard 0/n) as shard 0 sees them: this psd coordinates,
+ * shards 1..n-1 hold the other parts of the parameters (psd_shard0.c). */
+typedef struct {
+    int n;                /* shards; 1: one psd */
+    shard_t shard[PS_MAX_SHARDS];
+    double hb;            /* when shard 0 last sent them a heartbeat */
+    /* end of the run with --save: the weights file (wr; not NULL while it is
+     * written) is written as the other shards' parts come, PSD_FETCH_FLOATS at
+     * a time from shard fetch_k, whose part is fetch_part (never the whole
+     * model in memory) */
+    ps_weights_writer_t *wr;
+    double fetching_since; /* the last chunk asked for */
+    int fetch_k;
+    ps_piece_t fetch_part[PS_MAX_TENSORS];
+    uint64_t fetch_size, fetch_from, fetch_count, fetch_chunks;
+    /* --resume: the directory resumed from and its steps up to the one
+     * resumed at, newest first: each shard resumes at the newest of them it
+     * has, and all go back to the oldest any shard resumed at */
     char resume_dir[PS_PATH_MAX];
     uint64_t resume_steps[PSD_RESUME_STEPS_MAX];
     size_t n_resume_steps;
     bool resume_agreed;   /* every shard resumed at shard 0's step: training may begin */
-    bool ckpt_again;      /* another one was asked for while writing */
+} psd_shards_part_t;
+
+/* Checkpoints: the one being written and those asked for meanwhile
+ * (psd_run.c). */
+typedef struct {
+    psd_ckpt_writer_t *writer;
+    /* the checkpoint being taken: step, version; with psd shards, shard 0's
+     * part is written (open) and every shard's confirmation awaited */
+    uint64_t step, version;
+    bool open;
+    int rc;               /* shard 0's part: 0 or -errno */
+    char path[PS_PATH_MAX];
+    char fail[400];       /* the first shard's failure to write its part ("": none) */
+    uint64_t safe;        /* psd shards: the newest step every shard confirmed (or resumed at): its files are
+                           * never pruned, so that a resume always finds a step all have (0: none) */
+    bool deferred;        /* asked for while stepping: taken once the step is applied */
+    bool again;           /* another one was asked for while writing */
     /* ... and it was the end of epoch again_epoch, at again_steps steps: an
      * epoch's end still, if taken before anything trained since */
     bool again_epoch_done;
     uint32_t again_epoch;
     uint64_t again_steps;
-    unsigned events;      /* raised by a lower layer, for psd_run.c (PSD_EV_*) */
-    int stopping;         /* signal number that asked to stop, or -1 for --stop-after-epoch */
     bool stop_when_written;
     bool end_when_written; /* psd shards: the run ends once every part of its last checkpoint is written */
     char run_dir[PS_PATH_MAX]; /* checkpoint.dir/run-<run id>: this run's checkpoints */
+    uint64_t written;
+    double last_t;
+    /* psctl checkpoint: who waits for the checkpoint being written */
+    struct {
+        uint8_t ident[PS_MAX_IDENTITY];
+        size_t ident_len;
+    } ctl_wait[8];
+    int n_ctl_wait;
+} psd_ckpt_part_t;
+
+/* This epoch's statistics: reset by psd_run.c when it begins, counted by
+ * the step's files (psd_step.c, psd_push.c, psd_give.c). */
+typedef struct {
+    double loss;
+    uint64_t correct, samples;
+    double compute_s, wait_s; /* workers' step times this epoch (from their pushes) */
+    uint64_t timed;
+    double step_s0;       /* store.step_s when the epoch began, and the epoch's steps: psd's own step */
+    uint64_t step_n;
+    uint64_t in_place0;   /* store.in_place when the epoch began */
+    uint64_t bytes_in, bytes_out; /* tensor bytes received / sent on the wire this epoch */
+    uint64_t rows_in, rows_pushes; /* table rows received in row-sparse pushes, and those pushes */
+    uint64_t rows_out, rows_replies; /* table rows sent in replies that carry only the rows asked for */
+    /* async and ssp: staleness of the gradients applied this epoch (versions
+     * between the one a push was computed on and the one it was applied to),
+     * and ssp's largest lead (steps ahead of the slowest) a worker was let
+     * train at */
+    uint64_t stale_sum, stale_n, stale_max, lead_max;
+    uint64_t moved;       /* async and ssp: samples moved to workers done with theirs (rebalance) */
+} psd_epoch_part_t;
+
+/* Streamed steps (train.stream, bsp, one psd; psd_stream.c): the store's
+ * chunks travel one by one and each is stepped once every contributor's
+ * copy is here. The step opens (open) with its first chunk: its
+ * contributors (mem, rank order) are then fixed and its next version is
+ * built in next. */
+typedef struct {
+    size_t cf;            /* floats per chunk (ps_chunk_floats) */
+    int nc;               /* chunks (store.n_chunks) */
+    int *have;            /* per chunk: contributors whose copy is here */
+    uint8_t *done;        /* per chunk: stepped (reduced, with clipping) */
+    int n_done, n_made;   /* chunks stepped, chunks whose new values are made */
+    int tchunks[PS_MAX_TENSORS]; /* chunks of each tensor */
+    int tfirst[PS_MAX_TENSORS];  /* and the index of its first */
+    int tmade[PS_MAX_TENSORS];   /* of which made */
+    int tord[PS_MAX_TENSORS], n_tord; /* tensors made, in that order (replies go in it) */
+    int *ready;           /* chunks to step now (ST_BATCH) */
+    int *rq, rq_head, rq_tail; /* chunks every contributor has, in the order they became so */
+    bool rescan;          /* the contributors changed: find the ready chunks again */
+    const void **src;     /* their gradients: ST_BATCH x MAX_WORKERS */
+    int *mem, k;          /* contributors (slots) */
+    bool open;
+    bool voided;          /* every contributor left before any chunk was stepped: no step (step_done) */
+    /* the batches of contributors lost before any chunk took the step: they
+     * count as trained once it is taken, and are handed out again if it is
+     * void (stream_settle_lost) */
+    uint64_t *lost_pos;
+    size_t lost_n, lost_cap;
+    double lost_loss;
+    uint64_t lost_correct;
+    psd_arena_t *next;
+} psd_stream_part_t;
+
+typedef struct {
+    ps_config_t cfg;
+    psd_run_opts_t opts;
+    uint64_t run_id, config_hash;
+    ps_layout_t layout;
+    psd_store_t store;
+    psd_hold_t holder;    /* psd's part of the parameters and the pushes (psd_hold.h) */
+    psd_net_part_t net;   /* sockets, loop, incoming hygiene (psd_server.c, psd_peers.c) */
+    psd_shards_part_t sh; /* the other psd shards (psd_shard0.c) */
+    psd_ckpt_part_t ck;   /* checkpoints (psd_run.c) */
+    psd_epoch_part_t ep;  /* this epoch's statistics */
+    psd_stream_part_t st; /* streamed steps (psd_stream.c) */
+    psd_samples_t smp;    /* the epoch's permutation, positions trained, the pool (psd_samples.h) */
+    psd_metrics_t metrics; /* the metrics file (psd_metrics.h) */
+    psd_locks_t locks;     /* this run's hold on its files (psd_lock.h) */
+    psd_diverge_t dv;     /* the steps' losses and norms, checked for divergence (step_done) */
+    /* workers */
+    worker_t *w;          /* MAX_WORKERS slots */
+    int n;                /* slots used */
+    int max_workers;      /* slots taken before gone ones are reused (MAX_WORKERS; tests: --x-max-workers) */
+    uint64_t registrations;
+    double silence;       /* a peer psd waits for is lost after this (psd_silence_limit) */
+    ps_hearing_t hearing; /* silence counts only while the event loop ran (on_timer's ticks) */
+    /* the run */
+    phase_t phase;
+    int exit_code;
+    unsigned events;      /* raised by a lower layer, for psd_run.c (PSD_EV_*) */
+    int stopping;         /* signal number that asked to stop, or -1 for --stop-after-epoch */
+    datafile_t files[4];
+    size_t train_count, test_count;
+    double ctr_opt_loss;  /* model.kind ctr: the planted model's log-loss on the test examples */
+    double ctr_const_loss; /* and the best constant's (the test click rate) */
+    double ctr_opt_auc;   /* the planted probabilities' AUC on the test examples */
+    float *val_scores;    /* ctr: the workers' click probabilities of the test examples (VAL_RESULT) */
+    uint8_t *test_labels; /* ctr: the test examples' clicks */
+    uint32_t *auc_order;  /* ps_auc's scratch */
+    vpart_t *parts;       /* validation parts of this epoch */
+    int n_parts;
+    /* progress */
+    uint32_t epoch;       /* 0-based */
+    uint64_t step;        /* optimizer steps in the run */
+    uint64_t epoch_step;  /* steps in this epoch */
+    double spe;           /* steps per epoch (schedule position) */
+    double lr;
+    bool resumed_mid_epoch;
+    uint64_t resumed_step; /* the step a --resume continued from, for the metrics lines; 0: none */
+    bool resumed;
+    double t_start, t_epoch, train_s_total, phase_deadline, orphan_deadline, t_boot;
+    uint64_t samples_total;
+    /* the step */
+    bool stepping;        /* psd shards with clipping: waiting for the shards' block norms */
+    double stepping_since;
+    bool stream;          /* train.stream in force (st) */
+    bool table_on_psd;    /* ctr.worker_table_mb: workers hold only their batches' rows (CtrTask.table_on_psd) */
+    uint8_t *step_bf16;   /* streamed steps: whether each contributor's gradient is bfloat16 */
+    double *step_wt;      /* a step's contributors' weights */
+    double last_loss;     /* mean training loss of the last step */
     /* step intervals, to show what a checkpoint being written costs */
     double last_step_t;
     double int_sum[2];    /* [0] no checkpoint being written, [1] while one is */
     uint64_t int_n[2];
+    /* what /metrics and /status report beyond the state above */
+    uint64_t bytes_in_done, bytes_out_done; /* of the epochs before this one */
+    double val_acc_last, val_loss_last;
+    uint32_t val_epoch_last;              /* epochs validated (0: none yet) */
+    uint64_t workers_lost;
+    /* curves for the live page (/history) */
+    struct { uint64_t step; float loss; } curve[PSD_CURVE_MAX];
+    int n_curve;
+    uint64_t curve_every;                 /* record every curve_every-th step */
+    struct { uint32_t epoch; uint64_t step; float train_loss, val_loss, val_acc; } *val_curve;
+    int n_val_curve;
+    /* progress: a live line on a terminal, else a plain line every progress_every s */
+    bool tty;
+    double progress_next;
 } srv_t;
 
 /* Workers in the run now: ready, training, at the barrier or validating. */
@@ -396,25 +432,25 @@ static inline int live_workers(const srv_t *s)
 }
 
 /* async and ssp: mean staleness of the gradients applied this epoch */
-static inline double stale_mean(const srv_t *s) { return s->ep_stale_n ? (double)s->ep_stale_sum / (double)s->ep_stale_n : 0.0; }
+static inline double stale_mean(const srv_t *s) { return s->ep.stale_n ? (double)s->ep.stale_sum / (double)s->ep.stale_n : 0.0; }
 
-static inline bool sharded(const srv_t *s) { return s->n_shards > 1; }
+static inline bool sharded(const srv_t *s) { return s->sh.n > 1; }
 
 static inline int shards_joined(const srv_t *s)
 {
     int n = 0;
-    for (int i = 1; i < s->n_shards; i++) n += s->shards[i].joined;
+    for (int i = 1; i < s->sh.n; i++) n += s->sh.shard[i].joined;
     return n;
 }
 
-static inline bool all_shards(const srv_t *s) { return shards_joined(s) == s->n_shards - 1; }
+static inline bool all_shards(const srv_t *s) { return shards_joined(s) == s->sh.n - 1; }
 
 /* Every shard joined and, after a resume, resumed its part at shard 0's step:
  * workers are sent their ASSIGN (which names every shard) from then on. */
-static inline bool shards_ready(const srv_t *s) { return all_shards(s) && (!s->opts.resume_dir || s->resume_agreed); }
+static inline bool shards_ready(const srv_t *s) { return all_shards(s) && (!s->opts.resume_dir || s->sh.resume_agreed); }
 
 /* Bits of the shards 1..n-1 (bit i: shard i). */
-static inline uint32_t shard_bits(const srv_t *s) { return ((1u << s->n_shards) - 1u) & ~1u; }
+static inline uint32_t shard_bits(const srv_t *s) { return ((1u << s->sh.n) - 1u) & ~1u; }
 
 /* ---- events: what a lower layer tells psd_run.c ----------------------
  * A file below psd_run.c never calls it: where what it did calls for the
@@ -449,6 +485,7 @@ void end_validation(srv_t *s);
 void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m);
 void on_leave(srv_t *s, worker_t *w, ps_msg_t *m);
 void on_ready(srv_t *s, worker_t *w, ps_msg_t *m);
+void on_register(srv_t *s, ps_msg_t *m);
 void on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m);
 void on_shard_resumed(srv_t *s, int i, ps_msg_t *m);
 void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m);
@@ -511,6 +548,7 @@ void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const ch
 void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void drop_shard(srv_t *s, int i, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void finish(srv_t *s, int code, const char *reason);
+worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len);
 void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type);
 void note_conn(srv_t *s, int *conn, const ps_msg_t *m);
 void poll_monitor(srv_t *s);

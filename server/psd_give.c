@@ -141,7 +141,7 @@ void rebalance(srv_t *s, worker_t *w)
             finish(s, PSD_EXIT_ERROR, "psd out of memory");
         off += give[i];
     }
-    s->ep_moved += moved;
+    s->ep.moved += moved;
     free(pos);
 }
 

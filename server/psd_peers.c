@@ -6,13 +6,23 @@
  * these, and these call none of them. */
 #include "psd_core.h"
 
+/* Slot of a peer: the one with that identity. A worker that rejoins keeps
+ * its identity and gets another slot (or its own back); on_register makes
+ * any other slot forget the identity, so that there is one. */
+worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len)
+{
+    for (int i = s->n - 1; i >= 0; i--)
+        if (s->w[i].ident_len == len && memcmp(s->w[i].ident, ident, len) == 0) return &s->w[i];
+    return NULL;
+}
+
 /* A message dropped: counted; true if it is logged (the first 20, then
  * every 1000th), so that a flood of bad messages costs no formatting. */
 static bool drop_logged(srv_t *s)
 {
-    s->dropped++;
-    s->cur_bad = true;
-    return s->dropped <= 20 || s->dropped % 1000 == 0;
+    s->net.dropped++;
+    s->net.cur_bad = true;
+    return s->net.dropped <= 20 || s->net.dropped % 1000 == 0;
 }
 
 /* Log a dropped message from `who` ("rank 3 (host pid 12)", "psd shard 1
@@ -21,12 +31,12 @@ static void vdrop(srv_t *s, const char *who, const char *fmt, va_list ap)
 {
     char msg[512];
     vsnprintf(msg, sizeof msg, fmt, ap);
-    const char *more = s->dropped == 20 ? " (further drops logged every 1000th)" : "";
+    const char *more = s->net.dropped == 20 ? " (further drops logged every 1000th)" : "";
     if (who)
         PS_WARN("dropped a message from %s: %s%s", who, msg, more);
     else
-        PS_WARN("dropped a message from an unknown peer%s%s: %s%s", s->cur_peer && s->cur_peer[0] ? " at " : "",
-                s->cur_peer ? s->cur_peer : "", msg, more);
+        PS_WARN("dropped a message from an unknown peer%s%s: %s%s", s->net.cur_peer && s->net.cur_peer[0] ? " at " : "",
+                s->net.cur_peer ? s->net.cur_peer : "", msg, more);
 }
 
 void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
@@ -45,7 +55,7 @@ void drop_shard(srv_t *s, int i, const char *fmt, ...)
 {
     if (!drop_logged(s)) return;
     char who[128];
-    snprintf(who, sizeof who, "psd shard %d (%s pid %u)", i, s->shards[i].hostname, s->shards[i].pid);
+    snprintf(who, sizeof who, "psd shard %d (%s pid %u)", i, s->sh.shard[i].hostname, s->sh.shard[i].pid);
     va_list ap;
     va_start(ap, fmt);
     vdrop(s, who, fmt, ap);
@@ -63,7 +73,7 @@ void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type)
 
 int send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n)
 {
-    int rc = ps_msg_send(s->sock, w->ident, w->ident_len, h, fr, n);
+    int rc = ps_msg_send(s->net.sock, w->ident, w->ident_len, h, fr, n);
     w->sent_at = ps_now();
     if (rc < 0)
         PS_WARN("cannot send %s to rank %u (%s pid %u): %s", ps_msg_type_name((int)h->type), w->rank,
@@ -81,7 +91,7 @@ void send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode c
     e.message = (char *)msg;
     h.body_case = PSD__HEADER__BODY_ERROR;
     h.error = &e;
-    ps_msg_send(s->sock, ident, len, &h, NULL, 0);
+    ps_msg_send(s->net.sock, ident, len, &h, NULL, 0);
 }
 
 /* A SHUTDOWN header for w (sd: its body, the caller's). */
@@ -121,7 +131,7 @@ void finish(srv_t *s, int code, const char *reason)
             Psd__Header h;
             Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
             shutdown_hdr(s, w, &h, &sd, code, reason);
-            ps_msg_send(s->sock, w->ident, w->ident_len, &h, NULL, 0);
+            ps_msg_send(s->net.sock, w->ident, w->ident_len, &h, NULL, 0);
         }
     }
     if (sharded(s)) {
@@ -137,9 +147,9 @@ void finish(srv_t *s, int code, const char *reason)
     }
     s->phase = PHASE_DONE;
     s->exit_code = code;
-    ps_weights_abort(s->wr); /* a weights file not finished is not left behind */
-    s->wr = NULL;
-    uv_stop(&s->loop);
+    ps_weights_abort(s->sh.wr); /* a weights file not finished is not left behind */
+    s->sh.wr = NULL;
+    uv_stop(&s->net.loop);
 }
 
 /* ---- a worker's resources -------------------------------------------- */
@@ -222,14 +232,14 @@ void send_assign(srv_t *s, worker_t *w)
     if (s->stream) a.stream_chunk_bytes = (uint64_t)s->store.chunk_bytes;
     char *eps[PS_MAX_SHARDS];
     if (sharded(s)) { /* where its other parts are */
-        for (int i = 1; i < s->n_shards; i++) eps[i - 1] = s->shards[i].endpoint;
+        for (int i = 1; i < s->sh.n; i++) eps[i - 1] = s->sh.shard[i].endpoint;
         a.shard_endpoints = eps;
-        a.n_shard_endpoints = (size_t)(s->n_shards - 1);
+        a.n_shard_endpoints = (size_t)(s->sh.n - 1);
         a.shard_token.data = w->shard_token;
         a.shard_token.len = sizeof w->shard_token;
     }
-    if (s->shm && strcmp(w->host_id, s->host_id) == 0) { /* same host: offer shared memory */
-        a.shm_socket = s->shm_name;
+    if (s->net.shm && strcmp(w->host_id, s->net.host_id) == 0) { /* same host: offer shared memory */
+        a.shm_socket = s->net.shm_name;
         a.shm_token.data = w->shm_token;
         a.shm_token.len = sizeof w->shm_token;
     }
@@ -249,14 +259,14 @@ static void conn_closed(void *arg, int fd)
             s->w[i].conn = 0;
             s->w[i].conn_closed = true;
         }
-    for (int i = 1; i < s->n_shards; i++)
-        if (s->shards[i].conn == fd + 1 && s->shards[i].joined) {
-            s->shards[i].conn = 0;
-            s->shards[i].conn_closed = true;
+    for (int i = 1; i < s->sh.n; i++)
+        if (s->sh.shard[i].conn == fd + 1 && s->sh.shard[i].joined) {
+            s->sh.shard[i].conn = 0;
+            s->sh.shard[i].conn_closed = true;
         }
 }
 
-void poll_monitor(srv_t *s) { psd_router_monitor(s->mon, &s->hs_failed, conn_closed, s); }
+void poll_monitor(srv_t *s) { psd_router_monitor(s->net.mon, &s->net.hs_failed, conn_closed, s); }
 
 /* The connection a peer's (a worker's, a shard's) message m came on, into
  * *conn. A new one (its first message, or it reconnected) is taken once the
@@ -266,7 +276,7 @@ void poll_monitor(srv_t *s) { psd_router_monitor(s->mon, &s->hs_failed, conn_clo
 void note_conn(srv_t *s, int *conn, const ps_msg_t *m)
 {
     if (m->srcfd < 0 || *conn == m->srcfd + 1) return;
-    if (s->mon) poll_monitor(s);
+    if (s->net.mon) poll_monitor(s);
     ps_tcp_cc_conn(conn, m->srcfd, s->cfg.tcp_congestion, true); /* sets *conn unless the setting is off */
     *conn = m->srcfd + 1;
 }
@@ -283,16 +293,16 @@ void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const ch
     r.json = (char *)(json ? json : "");
     h.body_case = PSD__HEADER__BODY_CONTROL_REPLY;
     h.control_reply = &r;
-    ps_msg_send(s->sock, ident, len, &h, NULL, 0);
+    ps_msg_send(s->net.sock, ident, len, &h, NULL, 0);
 }
 
 int send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n)
 {
-    shard_t *sh = &s->shards[i];
+    shard_t *sh = &s->sh.shard[i];
     h->run_id = s->run_id;
     h->rank = (uint32_t)i;
     h->seq = ++sh->seq_out;
-    int rc = ps_msg_send(s->sock, sh->ident, sh->ident_len, h, fr, n);
+    int rc = ps_msg_send(s->net.sock, sh->ident, sh->ident_len, h, fr, n);
     if (rc < 0)
         PS_WARN("cannot send %s to shard %d (%s pid %u): %s", ps_msg_type_name((int)h->type), i, sh->hostname,
                 sh->pid, zmq_strerror(-rc));
@@ -301,8 +311,8 @@ int send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n)
 
 void shards_send_all(srv_t *s, Psd__Header *h)
 {
-    for (int i = 1; i < s->n_shards; i++)
-        if (s->shards[i].joined) send_shard(s, i, h, NULL, 0);
+    for (int i = 1; i < s->sh.n; i++)
+        if (s->sh.shard[i].joined) send_shard(s, i, h, NULL, 0);
 }
 
 /* Tell every shard about a worker: its rank and token. */

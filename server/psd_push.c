@@ -39,7 +39,7 @@ void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
         w->push_pull = true;
         return;
     }
-    if (s->st_open || s->stepping) { /* a streamed step is half taken (maybe in place), or psd shards
+    if (s->st.open || s->stepping) { /* a streamed step is half taken (maybe in place), or psd shards
                                        * take a step (clipping: waiting for their norms): the version it
                                        * makes, not the one its push would be stale against */
         w->want_pull = true;
@@ -100,7 +100,7 @@ void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
     bool complete;
     if (s->stream) {
         if (stream_take(s, w, m) != 0) return;
-        complete = w->n_gch == s->st_nc;
+        complete = w->n_gch == s->st.nc;
     } else {
         uint64_t in_shm = 0;
         for (size_t i = 0; i < p->n_shm_tensors; i++) {
@@ -117,10 +117,10 @@ void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
             drop(s, w, "PUSH %s", why);
             return;
         }
-        s->ep_bytes_in += took.bytes + took.want_bytes;
+        s->ep.bytes_in += took.bytes + took.want_bytes;
         if (took.row_push) {
-            s->ep_rows_in += took.rows;
-            s->ep_rows_pushes++;
+            s->ep.rows_in += took.rows;
+            s->ep.rows_pushes++;
         }
         w->push.mask |= in_shm;
         w->push.shm |= in_shm;
@@ -148,9 +148,9 @@ void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
     /* the worker's step time, from the part that completes the push */
     if (isfinite(p->compute_s) && isfinite(p->wait_s) && p->compute_s >= 0 && p->wait_s >= 0 &&
         p->compute_s < 1e6 && p->wait_s < 1e6) {
-        s->ep_compute_s += p->compute_s;
-        s->ep_wait_s += p->wait_s;
-        s->ep_timed++;
+        s->ep.compute_s += p->compute_s;
+        s->ep.wait_s += p->wait_s;
+        s->ep.timed++;
         w->compute_ewma = w->compute_ewma > 0 ? 0.9 * w->compute_ewma + 0.1 * p->compute_s : p->compute_s;
         int bw = 0, bc = 0;
         while (bw < PSD_HIST_N && p->wait_s > hist_le[bw]) bw++;
@@ -178,7 +178,7 @@ void maybe_step(srv_t *s)
         ssp_release(s);
     } else if (s->stream) {
         stream_progress(s);
-        if (s->phase != PHASE_TRAIN || s->st_open) return;
+        if (s->phase != PHASE_TRAIN || s->st.open) return;
         for (int i = 0; i < s->n; i++)
             if (s->w[i].push_started) return; /* the step waits for a worker to begin its push */
     } else {
@@ -209,13 +209,13 @@ bool push_check(const srv_t *s, worker_t *w)
 void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__ShardNorm *n = m->hdr->shard_norm;
-    if (!s->stepping || n->version != s->store.cur->version || s->shards[i].norm_in) {
+    if (!s->stepping || n->version != s->store.cur->version || s->sh.shard[i].norm_in) {
         drop_shard(s, i, "NORM for version %" PRIu64 " (current %" PRIu64 ")", n->version,
              s->store.cur->version);
         return;
     }
     ps_piece_t p[PS_MAX_TENSORS];
-    ps_shard_pieces(&s->layout, i, s->n_shards, p);
+    ps_shard_pieces(&s->layout, i, s->sh.n, p);
     size_t want = 0;
     for (int t = 0; t < s->layout.n_tensors; t++) want += (p[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
     if (n->n_block_sq != want) {
@@ -232,9 +232,9 @@ void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
         size_t b = ps_layout_first_block(&s->layout, t) + p[t].off / PSD_NORM_BLOCK;
         for (size_t o = 0; o < p[t].n; o += PSD_NORM_BLOCK) s->store.blk_sq[b++] = n->block_sq[j++];
     }
-    s->shards[i].norm_in = true;
-    for (int k = 1; k < s->n_shards; k++)
-        if (!s->shards[k].norm_in) return;
+    s->sh.shard[i].norm_in = true;
+    for (int k = 1; k < s->sh.n; k++)
+        if (!s->sh.shard[k].norm_in) return;
     /* every block's norm is in: the same sum, in the same order, as one psd */
     double sumsq = psd_store_sumsq(&s->store);
     Psd__Header h;

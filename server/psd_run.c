@@ -48,26 +48,26 @@ static void start_epoch(srv_t *s)
     size_t n = psd_samples_begin(&s->smp, s->resumed_mid_epoch, pos);
     if (!s->resumed_mid_epoch) {
         s->epoch_step = 0;
-        s->ep_loss = 0;
-        s->ep_correct = s->ep_samples = 0;
+        s->ep.loss = 0;
+        s->ep.correct = s->ep.samples = 0;
     }
-    s->ep_compute_s = s->ep_wait_s = 0;
-    s->ep_timed = 0;
-    s->ep_step_s0 = s->store.step_s;
-    s->ep_in_place0 = s->store.in_place;
-    s->ep_step_n = 0;
-    s->bytes_in_done += s->ep_bytes_in;
-    s->bytes_out_done += s->ep_bytes_out;
-    s->ep_bytes_in = s->ep_bytes_out = 0;
-    s->ep_rows_in = s->ep_rows_pushes = 0;
-    s->ep_rows_out = s->ep_rows_replies = 0;
+    s->ep.compute_s = s->ep.wait_s = 0;
+    s->ep.timed = 0;
+    s->ep.step_s0 = s->store.step_s;
+    s->ep.in_place0 = s->store.in_place;
+    s->ep.step_n = 0;
+    s->bytes_in_done += s->ep.bytes_in;
+    s->bytes_out_done += s->ep.bytes_out;
+    s->ep.bytes_in = s->ep.bytes_out = 0;
+    s->ep.rows_in = s->ep.rows_pushes = 0;
+    s->ep.rows_out = s->ep.rows_replies = 0;
     s->resumed_mid_epoch = false;
     uint64_t longest = k ? (T + (uint64_t)k - 1) / (uint64_t)k : T;
     s->spe = (double)((longest + (uint64_t)s->cfg.batch_size - 1) / (uint64_t)s->cfg.batch_size);
     if (s->cfg.sync != PS_SYNC_BSP) s->spe *= k ? k : 1; /* a step per push, not per round of pushes */
     if (s->spe < 1) s->spe = 1;
-    s->ep_stale_sum = s->ep_stale_n = s->ep_stale_max = s->ep_lead_max = 0;
-    s->ep_moved = 0;
+    s->ep.stale_sum = s->ep.stale_n = s->ep.stale_max = s->ep.lead_max = 0;
+    s->ep.moved = 0;
     s->phase = PHASE_TRAIN;
     s->t_epoch = ps_now();
     for (int i = 0; i < s->n; i++) psd_share_reset(&s->w[i].share);
@@ -145,7 +145,7 @@ static void start_validation(srv_t *s)
                  "psd's bookkeeping)", s->epoch + 1, s->smp.twice, unseen);
     double dt = ps_now() - s->t_epoch;
     s->train_s_total += dt;
-    s->samples_total += s->ep_samples;
+    s->samples_total += s->ep.samples;
     s->phase = PHASE_VALIDATE;
     s->t_epoch = dt; /* the epoch's training time, for the metrics */
     worker_t *to[MAX_WORKERS];
@@ -182,10 +182,10 @@ static void start_validation(srv_t *s)
 /* The checkpoint asked for while a step was half taken: now. */
 static void deferred_checkpoint(srv_t *s)
 {
-    if (!s->ckpt_deferred) return;
-    s->ckpt_deferred = false;
+    if (!s->ck.deferred) return;
+    s->ck.deferred = false;
     take_checkpoint(s, false);
-    if (!s->ckpt && !s->ck_open && s->stop_when_written)
+    if (!s->ck.writer && !s->ck.open && s->ck.stop_when_written)
         finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
 }
 
@@ -229,14 +229,14 @@ void worker_gone(srv_t *s, worker_t *w)
 /* The last epoch is validated (and every part of the weights is here). */
 static void end_run(srv_t *s)
 {
-    if (sharded(s) && (s->ckpt || s->ck_open)) { /* the shards write their parts of the last checkpoint: they
+    if (sharded(s) && (s->ck.writer || s->ck.open)) { /* the shards write their parts of the last checkpoint: they
                                                    * are told the run is over once each confirmed it */
-        s->end_when_written = true;
+        s->ck.end_when_written = true;
         s->phase = PHASE_WAIT;
         s->phase_deadline = INFINITY;
         return;
     }
-    s->end_when_written = false;
+    s->ck.end_when_written = false;
     double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
     double wall = ps_now() - s->t_start;
     if (!sharded(s)) save_weights(s); /* shards: written already (fetch_next) */
@@ -291,20 +291,20 @@ static void write_metrics_line(srv_t *s, const epoch_stats_t *e)
             ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"sync\":\"%s\""
             ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64
             ",\"psd_steps_in_place\":%" PRIu64 ",\"samples_moved\":%" PRIu64,
-            s->run_id, s->epoch + 1, s->step, e->train_loss, e->train_acc, s->ep_samples, e->val_loss,
+            s->run_id, s->epoch + 1, s->step, e->train_loss, e->train_acc, s->ep.samples, e->val_loss,
             e->val_acc, e->correct, e->count, e->sps, e->ep_sps, s->train_s_total, e->wall, e->workers, s->lr,
-            s->ep_timed ? 1e3 * (s->ep_compute_s + s->ep_wait_s) / (double)s->ep_timed : 0.0,
-            s->ep_compute_s + s->ep_wait_s > 0 ? s->ep_wait_s / (s->ep_compute_s + s->ep_wait_s) : 0.0,
-            s->ep_step_n ? 1e3 * (s->store.step_s - s->ep_step_s0) / (double)s->ep_step_n : 0.0, s->ep_bytes_in, s->ep_bytes_out,
-            ps_sync_name(s->cfg.sync), s->ep_stale_max, stale_mean(s), s->ep_lead_max,
-            s->store.in_place - s->ep_in_place0, s->ep_moved);
+            s->ep.timed ? 1e3 * (s->ep.compute_s + s->ep.wait_s) / (double)s->ep.timed : 0.0,
+            s->ep.compute_s + s->ep.wait_s > 0 ? s->ep.wait_s / (s->ep.compute_s + s->ep.wait_s) : 0.0,
+            s->ep.step_n ? 1e3 * (s->store.step_s - s->ep.step_s0) / (double)s->ep.step_n : 0.0, s->ep.bytes_in, s->ep.bytes_out,
+            ps_sync_name(s->cfg.sync), s->ep.stale_max, stale_mean(s), s->ep.lead_max,
+            s->store.in_place - s->ep.in_place0, s->ep.moved);
     if (s->cfg.kind == PS_MODEL_CTR)
         fprintf(f,
                 ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g,\"val_auc\":%.9g,\"optimum_auc\":%.9g"
                 ",\"table_rows_in\":%" PRIu64 ",\"table_row_pushes\":%" PRIu64 ",\"table_rows_out\":%" PRIu64
                 ",\"table_row_replies\":%" PRIu64,
-                s->ctr_opt_loss, s->ctr_const_loss, e->auc, s->ctr_opt_auc, s->ep_rows_in, s->ep_rows_pushes,
-                s->ep_rows_out, s->ep_rows_replies);
+                s->ctr_opt_loss, s->ctr_const_loss, e->auc, s->ctr_opt_auc, s->ep.rows_in, s->ep.rows_pushes,
+                s->ep.rows_out, s->ep.rows_replies);
     if (s->resumed) fprintf(f, ",\"resumed_from_step\":%" PRIu64, s->resumed_step);
     fputs("}\n", f);
     if (fclose(f) != 0 || !line) {
@@ -329,9 +329,9 @@ void end_validation(srv_t *s)
         count += s->parts[i].count;
     }
     double val_loss = count ? loss / (double)count : 0, val_acc = count ? (double)correct / (double)count : 0;
-    double train_loss = s->ep_samples ? s->ep_loss / (double)s->ep_samples : 0;
-    double train_acc = s->ep_samples ? (double)s->ep_correct / (double)s->ep_samples : 0;
-    double ep_sps = s->t_epoch > 0 ? (double)s->ep_samples / s->t_epoch : 0;
+    double train_loss = s->ep.samples ? s->ep.loss / (double)s->ep.samples : 0;
+    double train_acc = s->ep.samples ? (double)s->ep.correct / (double)s->ep.samples : 0;
+    double ep_sps = s->t_epoch > 0 ? (double)s->ep.samples / s->t_epoch : 0;
     double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
     double wall = ps_now() - s->t_start;
     int workers = live_workers(s);
@@ -347,10 +347,10 @@ void end_validation(srv_t *s)
         char lead[128] = "";
         if (s->cfg.sync == PS_SYNC_SSP)
             snprintf(lead, sizeof lead, "; workers trained at most %" PRIu64 " steps ahead of the slowest (bound %d)",
-                     s->ep_lead_max, s->cfg.staleness);
+                     s->ep.lead_max, s->cfg.staleness);
         PS_INFO("epoch %u: %s, staleness of the %" PRIu64 " gradients applied: max %" PRIu64 " mean %.2f versions%s",
-                s->epoch + 1, ps_sync_name(s->cfg.sync), s->ep_stale_n, s->ep_stale_max, stale_mean(s), lead);
-        if (s->ep_moved > 0) {
+                s->epoch + 1, ps_sync_name(s->cfg.sync), s->ep.stale_n, s->ep.stale_max, stale_mean(s), lead);
+        if (s->ep.moved > 0) {
             char who[512];
             size_t at = 0;
             for (int i = 0; i < s->n && at < sizeof who; i++)
@@ -359,7 +359,7 @@ void end_validation(srv_t *s)
                                            s->w[i].rank, s->w[i].share.consumed,
                                            s->w[i].state == W_GONE ? " (lost)" : "");
             PS_INFO("epoch %u: %" PRIu64 " samples moved from slower workers to those done with theirs; trained:%s",
-                    s->epoch + 1, s->ep_moved, who);
+                    s->epoch + 1, s->ep.moved, who);
         }
     }
     if (s->metrics.fd >= 0) {
@@ -389,9 +389,9 @@ void end_validation(srv_t *s)
     }
     if (stop) {
         PS_INFO("stopping after epoch %u as asked (--stop-after-epoch); resume with --resume %s",
-                s->epoch + 1, s->cfg.ckpt_dir[0] ? s->run_dir : "DIR");
-        if (s->ckpt || s->ck_open) {
-            s->stop_when_written = true;
+                s->epoch + 1, s->cfg.ckpt_dir[0] ? s->ck.run_dir : "DIR");
+        if (s->ck.writer || s->ck.open) {
+            s->ck.stop_when_written = true;
             s->phase = PHASE_WAIT; /* nothing more to do but write */
             s->phase_deadline = INFINITY;
         } else {
@@ -406,17 +406,17 @@ void end_validation(srv_t *s)
 void take_checkpoint(srv_t *s, bool epoch_done)
 {
     if (!s->cfg.ckpt_dir[0]) return;
-    if (s->stepping || s->st_open) { /* between a sharded step's halves (every shard checkpoints the same
+    if (s->stepping || s->st.open) { /* between a sharded step's halves (every shard checkpoints the same
                                       * step after it), or in a streamed step: once the step is taken */
-        s->ckpt_deferred = true;
+        s->ck.deferred = true;
         return;
     }
-    if (s->ckpt || s->ck_open) { /* one at a time: with shards, until each confirmed its part */
-        s->ckpt_again = true;
+    if (s->ck.writer || s->ck.open) { /* one at a time: with shards, until each confirmed its part */
+        s->ck.again = true;
         if (epoch_done) {
-            s->again_epoch_done = true;
-            s->again_epoch = s->epoch;
-            s->again_steps = s->store.steps;
+            s->ck.again_epoch_done = true;
+            s->ck.again_epoch = s->epoch;
+            s->ck.again_steps = s->store.steps;
         }
         return;
     }
@@ -428,27 +428,27 @@ void take_checkpoint(srv_t *s, bool epoch_done)
         .run_id = s->run_id, .config_hash = s->config_hash, .seed = s->cfg.seed,
         .step = s->store.steps, .version = s->store.cur->version, .epoch = s->epoch,
         .epoch_done = epoch_done, .epoch_step = s->epoch_step, .steps_per_epoch = s->spe,
-        .ep_loss = s->ep_loss, .ep_correct = s->ep_correct, .ep_samples = s->ep_samples,
+        .ep_loss = s->ep.loss, .ep_correct = s->ep.correct, .ep_samples = s->ep.samples,
         .train_s_total = s->train_s_total + (s->phase == PHASE_TRAIN ? ps_now() - s->t_epoch : 0),
         .samples_total = s->samples_total, .lr = s->lr, .train_count = s->train_count,
         .n_sizes = s->layout.n_sizes, .opt_kind = (uint32_t)s->cfg.opt,
         .n_slots = (uint32_t)psd_optim_slots(&s->store.opt), .n_params = s->layout.n_params,
-        .shard = 0, .shards = (uint32_t)s->n_shards, .keep_step = sharded(s) ? s->ck_safe : 0};
+        .shard = 0, .shards = (uint32_t)s->sh.n, .keep_step = sharded(s) ? s->ck.safe : 0};
     memcpy(m.sizes, s->layout.sizes, sizeof m.sizes);
     if (s->layout.table >= 0) {
         m.table_rows = (uint64_t)s->layout.t[s->layout.table].rows;
         m.table_dim = (uint32_t)s->layout.t[s->layout.table].cols;
     }
-    int rc = psd_ckpt_begin(&s->ckpt, s->run_dir, psd_ckpt_keep(&s->cfg, s->n_shards), &m, s->smp.seen, &s->store);
+    int rc = psd_ckpt_begin(&s->ck.writer, s->ck.run_dir, psd_ckpt_keep(&s->cfg, s->sh.n), &m, s->smp.seen, &s->store);
     if (rc != 0) {
-        PS_ERROR("cannot start a checkpoint in %s: %s", s->run_dir, strerror(-rc));
-        s->ckpt = NULL;
+        PS_ERROR("cannot start a checkpoint in %s: %s", s->ck.run_dir, strerror(-rc));
+        s->ck.writer = NULL;
         return;
     }
-    s->ck_step = m.step;
-    s->ck_version = m.version;
-    s->ck_fail[0] = '\0';
-    for (int i = 1; i < s->n_shards; i++) s->shards[i].ck_acked = false;
+    s->ck.step = m.step;
+    s->ck.version = m.version;
+    s->ck.fail[0] = '\0';
+    for (int i = 1; i < s->sh.n; i++) s->sh.shard[i].ck_acked = false;
     if (sharded(s)) { /* every shard writes its part of the same step */
         Psd__Header h;
         Psd__ShardCkpt ck = PSD__SHARD_CKPT__INIT;
@@ -456,7 +456,7 @@ void take_checkpoint(srv_t *s, bool epoch_done)
         h.type = PSD__MSG_TYPE__MSG_SHARD_CKPT;
         ck.step = s->store.steps;
         ck.version = s->store.cur->version;
-        ck.keep_step = s->ck_safe;
+        ck.keep_step = s->ck.safe;
         h.body_case = PSD__HEADER__BODY_SHARD_CKPT;
         h.shard_ckpt = &ck;
         shards_send_all(s, &h);
@@ -467,9 +467,9 @@ void take_checkpoint(srv_t *s, bool epoch_done)
  * if it was one and nothing trained since). */
 static void take_again(srv_t *s)
 {
-    bool epoch_done = s->again_epoch_done && s->again_epoch == s->epoch && s->again_steps == s->store.steps;
-    s->ckpt_again = false;
-    s->again_epoch_done = false;
+    bool epoch_done = s->ck.again_epoch_done && s->ck.again_epoch == s->epoch && s->ck.again_steps == s->store.steps;
+    s->ck.again = false;
+    s->ck.again_epoch_done = false;
     take_checkpoint(s, epoch_done);
 }
 
@@ -477,10 +477,10 @@ static void take_again(srv_t *s)
 static void ctl_answer(srv_t *s, const char *why)
 {
     char msg[PS_PATH_MAX + 480];
-    snprintf(msg, sizeof msg, !why[0] ? "checkpoint written: %s" : "checkpoint failed: %s", !why[0] ? s->ck_path : why);
-    for (int i = 0; i < s->n_ctl_wait; i++)
-        control_reply(s, s->ctl_wait[i].ident, s->ctl_wait[i].ident_len, !why[0], msg, NULL);
-    s->n_ctl_wait = 0;
+    snprintf(msg, sizeof msg, !why[0] ? "checkpoint written: %s" : "checkpoint failed: %s", !why[0] ? s->ck.path : why);
+    for (int i = 0; i < s->ck.n_ctl_wait; i++)
+        control_reply(s, s->ck.ctl_wait[i].ident, s->ck.ctl_wait[i].ident_len, !why[0], msg, NULL);
+    s->ck.n_ctl_wait = 0;
 }
 
 /* The checkpoint is written, or failed: every part of it (shard 0's, then
@@ -489,29 +489,29 @@ static void ctl_answer(srv_t *s, const char *why)
  * every shard's confirmation (a failure: the parts may be missing). */
 static void ckpt_complete(srv_t *s, bool unconfirmed)
 {
-    s->ck_open = false;
-    char why[sizeof s->ck_fail];
-    if (s->ck_rc != 0) snprintf(why, sizeof why, "%s", strerror(-s->ck_rc));
-    else if (s->ck_fail[0]) snprintf(why, sizeof why, "%s", s->ck_fail);
+    s->ck.open = false;
+    char why[sizeof s->ck.fail];
+    if (s->ck.rc != 0) snprintf(why, sizeof why, "%s", strerror(-s->ck.rc));
+    else if (s->ck.fail[0]) snprintf(why, sizeof why, "%s", s->ck.fail);
     else if (unconfirmed) snprintf(why, sizeof why, "psd exited before every psd shard confirmed its part");
     else why[0] = '\0';
-    if (unconfirmed && !s->ck_rc && !s->ck_fail[0])
-        PS_WARN("psd exits before every psd shard confirmed its part of checkpoint %" PRIu64, s->ck_step);
+    if (unconfirmed && !s->ck.rc && !s->ck.fail[0])
+        PS_WARN("psd exits before every psd shard confirmed its part of checkpoint %" PRIu64, s->ck.step);
     if (!why[0]) {
-        if (sharded(s)) PS_INFO("checkpoint of step %" PRIu64 " written by all %d psd shards", s->ck_step, s->n_shards);
-        s->ckpts_written++;
-        s->ckpt_last_t = ps_now();
-        s->ck_safe = s->ck_step;
+        if (sharded(s)) PS_INFO("checkpoint of step %" PRIu64 " written by all %d psd shards", s->ck.step, s->sh.n);
+        s->ck.written++;
+        s->ck.last_t = ps_now();
+        s->ck.safe = s->ck.step;
     }
-    if (s->stop_when_written && s->ckpt_again && !why[0]) {
+    if (s->ck.stop_when_written && s->ck.again && !why[0]) {
         /* asked for while another was written (the stop itself, or the
          * epoch's end before --stop-after-epoch): the stop's checkpoint is
          * of the state now, not of the one written */
         take_again(s);
-        if (s->ckpt || s->ckpt_deferred) return;
+        if (s->ck.writer || s->ck.deferred) return;
         snprintf(why, sizeof why, "the checkpoint of the state at the stop could not be started");
     }
-    if (s->stop_when_written) {
+    if (s->ck.stop_when_written) {
         ctl_answer(s, why);
         if (why[0]) /* nothing to resume from: say so, and fail */
             finish(s, PSD_EXIT_ERROR, "psd stopped; its checkpoint failed");
@@ -520,55 +520,55 @@ static void ckpt_complete(srv_t *s, bool unconfirmed)
                    s->stopping > 0 ? "psd was stopped; checkpoint saved" : "psd stopped as asked; checkpoint saved");
         return;
     }
-    if (s->ckpt_again) {
+    if (s->ck.again) {
         if (sharded(s) && s->phase == PHASE_DONE) { /* the shards have stopped: a part alone is no checkpoint */
-            s->ckpt_again = false;
+            s->ck.again = false;
             PS_WARN("the checkpoint asked for while another was written is not taken: the psd shards have stopped");
         } else {
             take_again(s);
         }
     }
-    if (!s->ckpt && !s->ckpt_deferred) ctl_answer(s, why); /* none coming for them: this was theirs */
-    if (s->end_when_written && !s->ckpt && s->phase != PHASE_DONE) end_run(s);
+    if (!s->ck.writer && !s->ck.deferred) ctl_answer(s, why); /* none coming for them: this was theirs */
+    if (s->ck.end_when_written && !s->ck.writer && s->phase != PHASE_DONE) end_run(s);
 }
 
 /* The writer finished: log; once every shard confirmed its part (wait:
  * psd exits, it does not wait for them), the checkpoint is complete. */
 void poll_checkpoint(srv_t *s, bool wait)
 {
-    if (s->ckpt) {
-        if (!wait && !psd_ckpt_done(s->ckpt)) return;
+    if (s->ck.writer) {
+        if (!wait && !psd_ckpt_done(s->ck.writer)) return;
         double secs = 0;
         uint64_t bytes = 0, peak = 0;
-        s->ck_rc = psd_ckpt_end(&s->ckpt, s->ck_path, sizeof s->ck_path, &secs, &bytes, &peak);
-        s->ck_open = true;
-        if (s->ck_rc != 0) PS_ERROR("checkpoint failed: %s", strerror(-s->ck_rc));
+        s->ck.rc = psd_ckpt_end(&s->ck.writer, s->ck.path, sizeof s->ck.path, &secs, &bytes, &peak);
+        s->ck.open = true;
+        if (s->ck.rc != 0) PS_ERROR("checkpoint failed: %s", strerror(-s->ck.rc));
         else
-            PS_INFO("checkpoint %s: %.1f MB in %.2f s, peak extra memory %.1f MB%s", s->ck_path, (double)bytes / 1e6,
+            PS_INFO("checkpoint %s: %.1f MB in %.2f s, peak extra memory %.1f MB%s", s->ck.path, (double)bytes / 1e6,
                     secs, (double)peak / 1e6, sharded(s) ? " (shard 0's part)" : "");
     }
-    if (!s->ck_open) return;
+    if (!s->ck.open) return;
     bool confirmed = true;
-    for (int i = 1; i < s->n_shards; i++) confirmed &= s->shards[i].ck_acked;
-    if (confirmed || wait) ckpt_complete(s, !confirmed && s->ck_rc == 0);
+    for (int i = 1; i < s->sh.n; i++) confirmed &= s->sh.shard[i].ck_acked;
+    if (confirmed || wait) ckpt_complete(s, !confirmed && s->ck.rc == 0);
 }
 
 /* A shard's part of the checkpoint being taken is written, or failed. */
 void on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
-    shard_t *sh = &s->shards[i];
-    if ((!s->ckpt && !s->ck_open) || ck->step != s->ck_step || sh->ck_acked) {
+    shard_t *sh = &s->sh.shard[i];
+    if ((!s->ck.writer && !s->ck.open) || ck->step != s->ck.step || sh->ck_acked) {
         drop_shard(s, i, "CKPT_DONE for step %" PRIu64 " (taking %s%" PRIu64 ")", ck->step,
-             s->ckpt || s->ck_open ? "" : "none after ", s->ck_step);
+             s->ck.writer || s->ck.open ? "" : "none after ", s->ck.step);
         return;
     }
     sh->ck_acked = true;
     if (ck->error && ck->error[0]) {
         PS_ERROR("psd shard %d (%s pid %u) could not write its part of checkpoint %" PRIu64 ": %s", i, sh->hostname,
                  sh->pid, ck->step, ck->error);
-        if (!s->ck_fail[0])
-            snprintf(s->ck_fail, sizeof s->ck_fail, "psd shard %d could not write its part: %.300s", i, ck->error);
+        if (!s->ck.fail[0])
+            snprintf(s->ck.fail, sizeof s->ck.fail, "psd shard %d could not write its part: %.300s", i, ck->error);
     }
     poll_checkpoint(s, false);
 }
@@ -601,7 +601,7 @@ void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
         shm_forget(s, w); /* it gave up on its side */
     }
     w->state = W_READY;
-    if (s->stop_when_written || s->end_when_written || s->wr)
+    if (s->ck.stop_when_written || s->ck.end_when_written || s->sh.wr)
         return; /* stopping, writing the weights or the last checkpoint: nothing more to train */
     if (s->phase == PHASE_WAIT) {
         if (live_workers(s) >= s->cfg.workers) {
@@ -767,7 +767,7 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
                         float *const slots[2], const char *path)
 {
     char why[256];
-    const char *misfit = ckpt_misfit(m, &s->layout, &s->store.opt, s->n_shards, why, sizeof why);
+    const char *misfit = ckpt_misfit(m, &s->layout, &s->store.opt, s->sh.n, why, sizeof why);
     if (m->config_hash != s->config_hash && !s->opts.force_resume) {
         PS_ERROR("cannot resume from %s: it was written with another config (hash %016" PRIx64
                  ", this one %016" PRIx64 "); use --force-resume to resume anyway",
@@ -794,9 +794,9 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
         s->epoch = m->epoch;
         s->epoch_step = m->epoch_step;
         s->spe = m->steps_per_epoch;
-        s->ep_loss = m->ep_loss;
-        s->ep_correct = m->ep_correct;
-        s->ep_samples = m->ep_samples;
+        s->ep.loss = m->ep_loss;
+        s->ep.correct = m->ep_correct;
+        s->ep.samples = m->ep_samples;
         memcpy(s->smp.seen, seen, (s->train_count + 7) / 8);
         s->resumed_mid_epoch = true;
     }
@@ -812,7 +812,7 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
     s->resumed = true;
     s->resumed_step = m->step;
     /* the steps the psd shards may resume at: this one and older */
-    s->n_resume_steps = psd_ckpt_steps(s->resume_dir, m->step, s->resume_steps, PSD_RESUME_STEPS_MAX);
+    s->sh.n_resume_steps = psd_ckpt_steps(s->sh.resume_dir, m->step, s->sh.resume_steps, PSD_RESUME_STEPS_MAX);
     return 0;
 }
 
@@ -837,18 +837,18 @@ int resume(srv_t *s)
     uint8_t *seen = NULL;
     float *weights = NULL, *slots[2] = {NULL, NULL};
     char path[PS_PATH_MAX], err[512];
-    int r = resolve_resume_dir(s->opts.resume_dir, s->resume_dir, sizeof s->resume_dir);
+    int r = resolve_resume_dir(s->opts.resume_dir, s->sh.resume_dir, sizeof s->sh.resume_dir);
     if (r != 0) {
         PS_ERROR("cannot resume from %s: %s", s->opts.resume_dir, strerror(-r));
         return PSD_EXIT_USAGE;
     }
     /* a run still going writes there: refused. One only read (a copy on a
      * read-only disk) cannot be locked, and needs not be */
-    if ((r = psd_lock_dir(&s->locks, s->resume_dir, err, sizeof err)) == -EWOULDBLOCK) {
-        PS_ERROR("cannot resume from %s: %s", s->resume_dir, err);
+    if ((r = psd_lock_dir(&s->locks, s->sh.resume_dir, err, sizeof err)) == -EWOULDBLOCK) {
+        PS_ERROR("cannot resume from %s: %s", s->sh.resume_dir, err);
         return PSD_EXIT_USAGE;
     }
-    if (psd_ckpt_load_newest(s->resume_dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
+    if (psd_ckpt_load_newest(s->sh.resume_dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
                              sizeof err) != 0) {
         PS_ERROR("cannot resume: %s", err);
         return PSD_EXIT_USAGE;
@@ -868,13 +868,13 @@ int resume(srv_t *s)
 int resume_at(srv_t *s, uint64_t at_most)
 {
     uint64_t steps[PSD_RESUME_STEPS_MAX];
-    size_t n = psd_ckpt_steps(s->resume_dir, at_most, steps, PSD_RESUME_STEPS_MAX);
+    size_t n = psd_ckpt_steps(s->sh.resume_dir, at_most, steps, PSD_RESUME_STEPS_MAX);
     for (size_t k = 0; k < n; k++) {
         psd_ckpt_meta_t m;
         uint8_t *seen = NULL;
         float *weights = NULL, *slots[2] = {NULL, NULL};
         char path[PS_PATH_MAX], err[PS_PATH_MAX + 300];
-        if (psd_ckpt_load_step(s->resume_dir, steps[k], &m, &seen, &weights, slots, path, sizeof path, err,
+        if (psd_ckpt_load_step(s->sh.resume_dir, steps[k], &m, &seen, &weights, slots, path, sizeof path, err,
                                sizeof err) != 0) {
             PS_WARN("%s; trying an older one", err);
             continue;
@@ -888,7 +888,7 @@ int resume_at(srv_t *s, uint64_t at_most)
         return rc == 0 ? 0 : -1;
     }
     PS_ERROR("cannot resume: shard 0 has no valid checkpoint in %s of step %" PRIu64 " or older, which every psd shard "
-             "would need", s->resume_dir, at_most);
+             "would need", s->sh.resume_dir, at_most);
     return -1;
 }
 
@@ -939,7 +939,7 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
 void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
-    shard_t *sh = &s->shards[i];
+    shard_t *sh = &s->sh.shard[i];
     if (!s->opts.resume_dir || sh->resumed || shards_ready(s) || s->phase != PHASE_WAIT) {
         drop_shard(s, i, "RESUMED, which psd does not wait for");
         return;
@@ -965,23 +965,23 @@ void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
             finish(s, PSD_EXIT_USAGE, "the psd shards have no checkpoint of one step");
             return;
         }
-        for (int j = 1; j < s->n_shards; j++) {
-            shard_t *o = &s->shards[j];
+        for (int j = 1; j < s->sh.n; j++) {
+            shard_t *o = &s->sh.shard[j];
             if (o->joined && o->resumed && o->resumed_step != s->store.steps) send_resume(s, j);
         }
     }
     if (!shards_resumed(s)) return;
-    for (int j = 1; j < s->n_shards; j++)
-        if (s->shards[j].resumed_version != s->store.cur->version) {
+    for (int j = 1; j < s->sh.n; j++)
+        if (s->sh.shard[j].resumed_version != s->store.cur->version) {
             PS_ERROR("psd shard %d resumed step %" PRIu64 " at version %" PRIu64 ", shard 0 at %" PRIu64
-                     ": their checkpoints are not of one run", j, s->store.steps, s->shards[j].resumed_version,
+                     ": their checkpoints are not of one run", j, s->store.steps, s->sh.shard[j].resumed_version,
                      s->store.cur->version);
             finish(s, PSD_EXIT_USAGE, "the psd shards' checkpoints are not of one run");
             return;
         }
-    PS_INFO("all %d psd shards resumed at step %" PRIu64, s->n_shards, s->store.steps);
-    s->resume_agreed = true;
-    s->ck_safe = s->store.steps; /* every shard has it */
+    PS_INFO("all %d psd shards resumed at step %" PRIu64, s->sh.n, s->store.steps);
+    s->sh.resume_agreed = true;
+    s->ck.safe = s->store.steps; /* every shard has it */
     if (s->epoch >= (uint32_t)s->cfg.epochs) { /* the end of the run: only the weights file is left to write */
         PS_INFO("the shards' checkpoints are at the end of the run (%d epochs): nothing to train", s->cfg.epochs);
         s->epoch--; /* the last epoch trained, as the end of the run writes it */
@@ -1020,4 +1020,143 @@ void run_events(srv_t *s)
             shards_go(s);
         }
     }
+}
+
+/* ---- registration ------------------------------------------------------ */
+
+/* A slot for a new worker: the next one never used, or once all
+ * max_workers were taken, the one gone longest whose worker has given psd
+ * up and that holds nothing: no push or chunks of one, no parameter slot,
+ * no shared region, no validation part. A worker waits s->silence * 3 + 10
+ * s for psd while it trains (ASSIGN's step timeout), then registers again;
+ * one that sends after its slot was given away is told to register again
+ * as a stranger of this run (handle). The gone slot of the registering
+ * worker's own identity (`own`, maybe NULL) is taken first, whatever its
+ * age: that worker is the one registering. NULL: none. */
+static bool slot_holds_nothing(const srv_t *s, const worker_t *w)
+{
+    if (w->state != W_GONE || w->has_push || w->push_started || w->st_member || w->n_gch || w->push.mask ||
+        w->hold || w->shm_grad || w->val_pending)
+        return false;
+    for (int j = 0; j < s->n_parts; j++)
+        if (!s->parts[j].done && s->parts[j].worker == (int)(w - s->w)) return false;
+    return true;
+}
+
+static worker_t *free_slot(srv_t *s, worker_t *own)
+{
+    if (s->n < s->max_workers) return &s->w[s->n];
+    if (own && slot_holds_nothing(s, own)) return own;
+    const double now = ps_now(), after = s->silence * 3 + 10;
+    worker_t *best = NULL;
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (now - w->gone_at >= after && slot_holds_nothing(s, w) && (!best || w->gone_at < best->gone_at)) best = w;
+    }
+    return best;
+}
+
+void on_register(srv_t *s, ps_msg_t *m)
+{
+    Psd__Register *r = m->hdr->reg;
+    const char *host = r->hostname && r->hostname[0] ? r->hostname : "?";
+    worker_t *w = find_worker(s, m->ident, m->ident_len);
+    if (w && w->state == W_ASSIGNED) { /* its REGISTER was sent twice: answer again */
+        if (!w->assign_wait) send_assign(s, w);
+        return;
+    }
+    if (w && w->state != W_GONE) { /* registering again while psd counts it in: it lost us */
+        PS_WARN("rank %u (%s pid %u) registers again; taking it as a new worker", w->rank, w->hostname, w->pid);
+        worker_gone(s, w);
+    }
+    worker_t *const own = w; /* its gone slot, if it had one */
+    w = s->phase == PHASE_DONE ? NULL : free_slot(s, w);
+    if (!w) {
+        PS_WARN("refused a worker from %s pid %u: %s", host, r->pid,
+                s->phase != PHASE_DONE ? "no free worker slot" : "the run is over");
+        send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED,
+                         s->phase != PHASE_DONE ? "psd has no free worker slot" : "the run is over");
+        return;
+    }
+    const bool reused = w < s->w + s->n;
+    const double gone_for = ps_now() - w->gone_at;
+    { /* a reused slot's buffers are kept for the new worker, emptied */
+        psd_share_t share = w->share;
+        zmq_msg_t *gch = w->gch;
+        uint8_t *gch_in = w->gch_in;
+        int n_gch_cap = w->n_gch_cap;
+        memset(w, 0, sizeof *w);
+        w->share = share;
+        psd_share_reset(&w->share);
+        w->gch = gch;
+        w->gch_in = gch_in;
+        w->n_gch_cap = n_gch_cap;
+        if (gch_in) memset(gch_in, 0, (size_t)n_gch_cap);
+    }
+    for (int i = 0; i < s->n; i++) /* a gone slot of the same identity (a worker that registers again) is
+                                    * forgotten: its messages are this one's now, wherever the slots lie */
+        if (&s->w[i] != w && s->w[i].ident_len == m->ident_len && memcmp(s->w[i].ident, m->ident, m->ident_len) == 0)
+            s->w[i].ident_len = 0;
+    memcpy(w->ident, m->ident, m->ident_len);
+    w->ident_len = m->ident_len;
+    w->rank = (uint32_t)(w - s->w);
+    snprintf(w->hostname, sizeof w->hostname, "%s", host);
+    snprintf(w->host_id, sizeof w->host_id, "%s", r->host_id && r->host_id[0] ? r->host_id : host);
+    snprintf(w->device, sizeof w->device, "%s", r->device && r->device[0] ? r->device : "cpu");
+    w->pid = r->pid;
+    if (s->stream && !w->gch) { /* its chunks of a step (made once per worker slot) */
+        w->gch = calloc((size_t)s->st.nc, sizeof *w->gch);
+        w->gch_in = calloc((size_t)s->st.nc, 1);
+        w->n_gch_cap = s->st.nc;
+        if (!w->gch || !w->gch_in) {
+            free(w->gch);
+            free(w->gch_in);
+            psd_share_free(&w->share);
+            memset(w, 0, sizeof *w);
+            if (reused) { /* free again, with nothing */
+                w->state = W_GONE;
+                w->gone_at = ps_now();
+            }
+            PS_WARN("refused a worker from %s pid %u: out of memory", host, r->pid);
+            send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, "psd is out of memory");
+            return;
+        }
+    }
+    w->state = W_ASSIGNED;
+    if (s->net.shm && getrandom(w->shm_token, sizeof w->shm_token, 0) != (ssize_t)sizeof w->shm_token)
+        memset(w->shm_token, 0, sizeof w->shm_token); /* an all-zero token is never accepted */
+    if (sharded(s) && getrandom(w->shard_token, sizeof w->shard_token, 0) != (ssize_t)sizeof w->shard_token) {
+        PS_ERROR("getrandom: %s", strerror(errno));
+        finish(s, PSD_EXIT_ERROR, "psd failed");
+        return;
+    }
+    w->last_seen = ps_now();
+    w->seq_in = m->hdr->seq;
+    note_conn(s, &w->conn, m);
+    if (!reused) s->n++;
+    s->registrations++;
+    if (reused && w == own)
+        PS_INFO("rank %u registers again in its own slot: every one of psd's %d worker slots was taken (%" PRIu64
+                " registrations this run)",
+                w->rank, s->max_workers, s->registrations);
+    else if (reused)
+        PS_INFO("rank %u is given to a new worker: every one of psd's %d worker slots was taken, and its last "
+                "worker was lost %.0f s ago (%" PRIu64 " registrations this run)",
+                w->rank, s->max_workers, gone_for, s->registrations);
+    char dev[48];
+    if (r->device_index >= 0) snprintf(dev, sizeof dev, "%s:%d", w->device, r->device_index);
+    else snprintf(dev, sizeof dev, "%s", w->device);
+    PS_INFO("worker registered: rank %u, %s pid %u, %s%s%s%s (%d ready before it)", w->rank, w->hostname, w->pid, dev,
+            r->identity_hint && r->identity_hint[0] ? ", task " : "", r->identity_hint ? r->identity_hint : "",
+            m->hdr->run_id ? ", rejoining" : "", live_workers(s));
+    if (sharded(s) && !shards_ready(s)) { /* its ASSIGN names every shard */
+        w->assign_wait = true;
+        if (all_shards(s)) PS_INFO("rank %u waits for the psd shards to resume", w->rank);
+        else
+            PS_INFO("rank %u waits for %d more psd shard%s", w->rank, s->sh.n - 1 - shards_joined(s),
+                    s->sh.n - 1 - shards_joined(s) == 1 ? "" : "s");
+        return;
+    }
+    if (sharded(s)) shards_worker(s, w);
+    send_assign(s, w);
 }

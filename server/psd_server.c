@@ -28,16 +28,6 @@ const char *const wstate_name[] = {"assigned", "ready",      "training", "at bar
 static void on_control(srv_t *s, ps_msg_t *m);
 static void request_stop(srv_t *s, int signum, const char *what);
 
-/* Slot of a peer: the one with that identity. A worker that rejoins keeps
- * its identity and gets another slot (or its own back); on_register makes
- * any other slot forget the identity, so that there is one. */
-static worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len)
-{
-    for (int i = s->n - 1; i >= 0; i--)
-        if (s->w[i].ident_len == len && memcmp(s->w[i].ident, ident, len) == 0) return &s->w[i];
-    return NULL;
-}
-
 /* A HEARTBEAT header of this epoch (hb: its body, the caller's). */
 static void heartbeat_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Heartbeat *hb)
 {
@@ -64,25 +54,6 @@ static void keep_alive(srv_t *s, double now)
     }
 }
 
-/* A slot for a new worker: the next one never used, or once all
- * max_workers were taken, the one gone longest whose worker has given psd
- * up and that holds nothing: no push or chunks of one, no parameter slot,
- * no shared region, no validation part. A worker waits s->silence * 3 + 10
- * s for psd while it trains (ASSIGN's step timeout), then registers again;
- * one that sends after its slot was given away is told to register again
- * as a stranger of this run (handle). The gone slot of the registering
- * worker's own identity (`own`, maybe NULL) is taken first, whatever its
- * age: that worker is the one registering. NULL: none. */
-static bool slot_holds_nothing(const srv_t *s, const worker_t *w)
-{
-    if (w->state != W_GONE || w->has_push || w->push_started || w->st_member || w->n_gch || w->push.mask ||
-        w->hold || w->shm_grad || w->val_pending)
-        return false;
-    for (int j = 0; j < s->n_parts; j++)
-        if (!s->parts[j].done && s->parts[j].worker == (int)(w - s->w)) return false;
-    return true;
-}
-
 static void drain(srv_t *s);
 
 /* A worker whose connection closed is lost at once (a process that ends,
@@ -96,11 +67,11 @@ static void reap_closed(srv_t *s, double now)
 {
     bool any = false;
     for (int i = 0; i < s->n; i++) any |= s->w[i].conn_closed;
-    for (int i = 1; i < s->n_shards; i++) any |= s->shards[i].conn_closed;
+    for (int i = 1; i < s->sh.n; i++) any |= s->sh.shard[i].conn_closed;
     if (!any) return;
     drain(s); /* their last words first (a LEAVE, an ERROR): queued before their connection closed */
-    for (int i = 1; i < s->n_shards && s->phase != PHASE_DONE; i++) {
-        shard_t *sh = &s->shards[i];
+    for (int i = 1; i < s->sh.n && s->phase != PHASE_DONE; i++) {
+        shard_t *sh = &s->sh.shard[i];
         if (!sh->conn_closed) continue;
         sh->conn_closed = false;
         if (!sh->joined) continue;
@@ -120,124 +91,6 @@ static void reap_closed(srv_t *s, double now)
                 w->rank, w->hostname, w->pid, now - w->last_seen, wstate_name[w->state]);
         worker_gone(s, w);
     }
-}
-
-static worker_t *free_slot(srv_t *s, worker_t *own)
-{
-    if (s->n < s->max_workers) return &s->w[s->n];
-    if (own && slot_holds_nothing(s, own)) return own;
-    const double now = ps_now(), after = s->silence * 3 + 10;
-    worker_t *best = NULL;
-    for (int i = 0; i < s->n; i++) {
-        worker_t *w = &s->w[i];
-        if (now - w->gone_at >= after && slot_holds_nothing(s, w) && (!best || w->gone_at < best->gone_at)) best = w;
-    }
-    return best;
-}
-
-static void on_register(srv_t *s, ps_msg_t *m)
-{
-    Psd__Register *r = m->hdr->reg;
-    const char *host = r->hostname && r->hostname[0] ? r->hostname : "?";
-    worker_t *w = find_worker(s, m->ident, m->ident_len);
-    if (w && w->state == W_ASSIGNED) { /* its REGISTER was sent twice: answer again */
-        if (!w->assign_wait) send_assign(s, w);
-        return;
-    }
-    if (w && w->state != W_GONE) { /* registering again while psd counts it in: it lost us */
-        PS_WARN("rank %u (%s pid %u) registers again; taking it as a new worker", w->rank, w->hostname, w->pid);
-        worker_gone(s, w);
-    }
-    worker_t *const own = w; /* its gone slot, if it had one */
-    w = s->phase == PHASE_DONE ? NULL : free_slot(s, w);
-    if (!w) {
-        PS_WARN("refused a worker from %s pid %u: %s", host, r->pid,
-                s->phase != PHASE_DONE ? "no free worker slot" : "the run is over");
-        send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED,
-                         s->phase != PHASE_DONE ? "psd has no free worker slot" : "the run is over");
-        return;
-    }
-    const bool reused = w < s->w + s->n;
-    const double gone_for = ps_now() - w->gone_at;
-    { /* a reused slot's buffers are kept for the new worker, emptied */
-        psd_share_t share = w->share;
-        zmq_msg_t *gch = w->gch;
-        uint8_t *gch_in = w->gch_in;
-        int n_gch_cap = w->n_gch_cap;
-        memset(w, 0, sizeof *w);
-        w->share = share;
-        psd_share_reset(&w->share);
-        w->gch = gch;
-        w->gch_in = gch_in;
-        w->n_gch_cap = n_gch_cap;
-        if (gch_in) memset(gch_in, 0, (size_t)n_gch_cap);
-    }
-    for (int i = 0; i < s->n; i++) /* a gone slot of the same identity (a worker that registers again) is
-                                    * forgotten: its messages are this one's now, wherever the slots lie */
-        if (&s->w[i] != w && s->w[i].ident_len == m->ident_len && memcmp(s->w[i].ident, m->ident, m->ident_len) == 0)
-            s->w[i].ident_len = 0;
-    memcpy(w->ident, m->ident, m->ident_len);
-    w->ident_len = m->ident_len;
-    w->rank = (uint32_t)(w - s->w);
-    snprintf(w->hostname, sizeof w->hostname, "%s", host);
-    snprintf(w->host_id, sizeof w->host_id, "%s", r->host_id && r->host_id[0] ? r->host_id : host);
-    snprintf(w->device, sizeof w->device, "%s", r->device && r->device[0] ? r->device : "cpu");
-    w->pid = r->pid;
-    if (s->stream && !w->gch) { /* its chunks of a step (made once per worker slot) */
-        w->gch = calloc((size_t)s->st_nc, sizeof *w->gch);
-        w->gch_in = calloc((size_t)s->st_nc, 1);
-        w->n_gch_cap = s->st_nc;
-        if (!w->gch || !w->gch_in) {
-            free(w->gch);
-            free(w->gch_in);
-            psd_share_free(&w->share);
-            memset(w, 0, sizeof *w);
-            if (reused) { /* free again, with nothing */
-                w->state = W_GONE;
-                w->gone_at = ps_now();
-            }
-            PS_WARN("refused a worker from %s pid %u: out of memory", host, r->pid);
-            send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, "psd is out of memory");
-            return;
-        }
-    }
-    w->state = W_ASSIGNED;
-    if (s->shm && getrandom(w->shm_token, sizeof w->shm_token, 0) != (ssize_t)sizeof w->shm_token)
-        memset(w->shm_token, 0, sizeof w->shm_token); /* an all-zero token is never accepted */
-    if (sharded(s) && getrandom(w->shard_token, sizeof w->shard_token, 0) != (ssize_t)sizeof w->shard_token) {
-        PS_ERROR("getrandom: %s", strerror(errno));
-        finish(s, PSD_EXIT_ERROR, "psd failed");
-        return;
-    }
-    w->last_seen = ps_now();
-    w->seq_in = m->hdr->seq;
-    note_conn(s, &w->conn, m);
-    if (!reused) s->n++;
-    s->registrations++;
-    if (reused && w == own)
-        PS_INFO("rank %u registers again in its own slot: every one of psd's %d worker slots was taken (%" PRIu64
-                " registrations this run)",
-                w->rank, s->max_workers, s->registrations);
-    else if (reused)
-        PS_INFO("rank %u is given to a new worker: every one of psd's %d worker slots was taken, and its last "
-                "worker was lost %.0f s ago (%" PRIu64 " registrations this run)",
-                w->rank, s->max_workers, gone_for, s->registrations);
-    char dev[48];
-    if (r->device_index >= 0) snprintf(dev, sizeof dev, "%s:%d", w->device, r->device_index);
-    else snprintf(dev, sizeof dev, "%s", w->device);
-    PS_INFO("worker registered: rank %u, %s pid %u, %s%s%s%s (%d ready before it)", w->rank, w->hostname, w->pid, dev,
-            r->identity_hint && r->identity_hint[0] ? ", task " : "", r->identity_hint ? r->identity_hint : "",
-            m->hdr->run_id ? ", rejoining" : "", live_workers(s));
-    if (sharded(s) && !shards_ready(s)) { /* its ASSIGN names every shard */
-        w->assign_wait = true;
-        if (all_shards(s)) PS_INFO("rank %u waits for the psd shards to resume", w->rank);
-        else
-            PS_INFO("rank %u waits for %d more psd shard%s", w->rank, s->n_shards - 1 - shards_joined(s),
-                    s->n_shards - 1 - shards_joined(s) == 1 ? "" : "s");
-        return;
-    }
-    if (sharded(s)) shards_worker(s, w);
-    send_assign(s, w);
 }
 
 /* ---- messages of the psd shards ----------------------------------------- */
@@ -274,7 +127,7 @@ static void handle(srv_t *s, ps_msg_t *m)
     }
     int si = sharded(s) ? find_shard(s, m->ident, m->ident_len) : -1;
     if (si > 0 || h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
-        if (si > 0) note_conn(s, &s->shards[si].conn, m);
+        if (si > 0) note_conn(s, &s->sh.shard[si].conn, m);
         if (!on_shard(s, si, m)) return;
         switch (h->type) { /* the shards' messages about steps, checkpoints and resumes */
         case PSD__MSG_TYPE__MSG_SHARD_HAVE: on_shard_have(s, si, m); break;
@@ -305,8 +158,8 @@ static void handle(srv_t *s, ps_msg_t *m)
          * second: a stranger's messages cost no more than one reply) */
         const double now = ps_now();
         if (h->run_id == s->run_id && h->type != PSD__MSG_TYPE__MSG_ERROR && h->type != PSD__MSG_TYPE__MSG_LEAVE &&
-            now - s->stranger_reply_t >= 0.1) {
-            s->stranger_reply_t = now;
+            now - s->net.stranger_reply_t >= 0.1) {
+            s->net.stranger_reply_t = now;
             send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_LOST,
                              "psd does not know this worker (lost, its slot given to another); register again");
         }
@@ -378,8 +231,8 @@ static bool same_peer(int fd, const char *addr)
 
 static int bad_slot(srv_t *s, const ps_msg_t *m)
 {
-    for (int i = 0; i < s->n_bad; i++)
-        if (s->bad[i].ident_len == m->ident_len && memcmp(s->bad[i].ident, m->ident, m->ident_len) == 0)
+    for (int i = 0; i < s->net.n_bad; i++)
+        if (s->net.bad[i].ident_len == m->ident_len && memcmp(s->net.bad[i].ident, m->ident, m->ident_len) == 0)
             return i;
     return -1;
 }
@@ -389,35 +242,35 @@ static void bad_peer(srv_t *s, const ps_msg_t *m)
     if (m->ident_len == 0) return;
     int i = bad_slot(s, m);
     if (i < 0) {
-        if (s->n_bad < (int)(sizeof s->bad / sizeof s->bad[0])) i = s->n_bad++;
+        if (s->net.n_bad < (int)(sizeof s->net.bad / sizeof s->net.bad[0])) i = s->net.n_bad++;
         else { /* full: forget the peer with the fewest bad messages */
             i = 0;
-            for (int j = 1; j < s->n_bad; j++)
-                if (s->bad[j].bad < s->bad[i].bad) i = j;
+            for (int j = 1; j < s->net.n_bad; j++)
+                if (s->net.bad[j].bad < s->net.bad[i].bad) i = j;
         }
-        memcpy(s->bad[i].ident, m->ident, m->ident_len);
-        s->bad[i].ident_len = m->ident_len;
-        s->bad[i].bad = 0;
-        s->bad[i].cut_at = 0;
+        memcpy(s->net.bad[i].ident, m->ident, m->ident_len);
+        s->net.bad[i].ident_len = m->ident_len;
+        s->net.bad[i].bad = 0;
+        s->net.bad[i].cut_at = 0;
     }
-    if (++s->bad[i].bad < PS_BAD_IN_A_ROW) return;
-    uint32_t n = s->bad[i].bad;
+    if (++s->net.bad[i].bad < PS_BAD_IN_A_ROW) return;
+    uint32_t n = s->net.bad[i].bad;
     /* what it sent before its connection was cut is still arriving: libzmq
      * may already have closed that fd and given its number to a new peer */
     double t = ps_now();
-    if (s->bad[i].cut_at > 0 && t - s->bad[i].cut_at < 2.0) return;
-    s->bad[i].bad = 0;
-    s->bad[i].cut_at = t;
+    if (s->net.bad[i].cut_at > 0 && t - s->net.bad[i].cut_at < 2.0) return;
+    s->net.bad[i].bad = 0;
+    s->net.bad[i].cut_at = t;
     if (!same_peer(m->srcfd, m->peer)) return; /* its connection is already gone */
     worker_t *w = find_worker(s, m->ident, m->ident_len);
-    s->cut++;
-    if (s->cut <= 20 || s->cut % 1000 == 0) {
+    s->net.cut++;
+    if (s->net.cut <= 20 || s->net.cut % 1000 == 0) {
         if (w)
             PS_WARN("disconnected rank %u (%s pid %u, %s): %u bad messages in a row", w->rank, w->hostname, w->pid,
                     m->peer[0] ? m->peer : "?", n);
         else
             PS_WARN("disconnected a peer at %s: %u bad messages in a row%s", m->peer[0] ? m->peer : "?", n,
-                    s->cut == 20 ? " (further ones logged every 1000th)" : "");
+                    s->net.cut == 20 ? " (further ones logged every 1000th)" : "");
     }
     shutdown(m->srcfd, SHUT_RDWR);
     if (w && w->state != W_GONE) worker_gone(s, w);
@@ -426,7 +279,7 @@ static void bad_peer(srv_t *s, const ps_msg_t *m)
 static void good_peer(srv_t *s, const ps_msg_t *m)
 {
     int i = bad_slot(s, m);
-    if (i >= 0) s->bad[i] = s->bad[--s->n_bad];
+    if (i >= 0) s->net.bad[i] = s->net.bad[--s->net.n_bad];
 }
 
 static void drain(srv_t *s)
@@ -434,17 +287,17 @@ static void drain(srv_t *s)
     while (s->phase != PHASE_DONE) {
         int events = 0;
         size_t len = sizeof events;
-        if (zmq_getsockopt(s->sock, ZMQ_EVENTS, &events, &len) != 0) return;
+        if (zmq_getsockopt(s->net.sock, ZMQ_EVENTS, &events, &len) != 0) return;
         if (!(events & ZMQ_POLLIN)) return;
         ps_msg_t m;
         char why[256];
-        int rc = ps_msg_recv_arena(s->sock, &m, true, ZMQ_DONTWAIT, &s->rx_arena, why, sizeof why);
+        int rc = ps_msg_recv_arena(s->net.sock, &m, true, ZMQ_DONTWAIT, &s->net.rx_arena, why, sizeof why);
         if (rc == -EAGAIN || rc == -EINTR) continue;
-        s->cur_peer = m.peer;
+        s->net.cur_peer = m.peer;
         if (rc == -EPROTO) {
             drop(s, find_worker(s, m.ident, m.ident_len), "%s", why);
             bad_peer(s, &m);
-            s->cur_peer = NULL;
+            s->net.cur_peer = NULL;
             continue;
         }
         if (rc < 0) {
@@ -452,12 +305,12 @@ static void drain(srv_t *s)
             finish(s, PSD_EXIT_ERROR, "psd failed");
             return;
         }
-        s->cur_bad = false;
+        s->net.cur_bad = false;
         handle(s, &m);
         run_events(s); /* what the message set off in the layers below psd_run.c */
-        if (s->cur_bad) bad_peer(s, &m);
-        else if (s->n_bad) good_peer(s, &m);
-        s->cur_peer = NULL;
+        if (s->net.cur_bad) bad_peer(s, &m);
+        else if (s->net.n_bad) good_peer(s, &m);
+        s->net.cur_peer = NULL;
         ps_msg_deinit(&m);
     }
 }
@@ -484,29 +337,29 @@ static void on_timer(uv_timer_t *t)
     if (held >= s->silence) /* long enough to have lost everyone it waits for */
         PS_WARN("psd's event loop was held up for %.1f s; nobody is taken for lost for silence before %.1f s "
                 "from now", held, s->silence);
-    if (s->mon) poll_monitor(s);
+    if (s->net.mon) poll_monitor(s);
     reap_closed(s, now);
     poll_checkpoint(s, false);
-    psd_shm_expire(s->shm, now);
+    psd_shm_expire(s->net.shm, now);
     psd_status_progress(s, now);
     if (s->phase != PHASE_DONE) keep_alive(s, now);
     if (sharded(s) && s->phase != PHASE_DONE) {
-        if (now - s->shard_hb >= 1.0) { /* they stop when shard 0 falls silent */
+        if (now - s->sh.hb >= 1.0) { /* they stop when shard 0 falls silent */
             Psd__Header h;
             Psd__Heartbeat hb;
             heartbeat_hdr(s, NULL, &h, &hb);
             shards_send_all(s, &h);
-            s->shard_hb = now;
+            s->sh.hb = now;
         }
-        for (int i = 1; i < s->n_shards; i++) {
-            shard_t *sh = &s->shards[i];
+        for (int i = 1; i < s->sh.n; i++) {
+            shard_t *sh = &s->sh.shard[i];
             /* an answer shard 0 waits for: its norms (clipping), its part of the final weights */
             const char *owed = NULL;
             double since = 0;
             if (s->stepping && !sh->norm_in)
                 owed = "its part of the gradient's norm", since = s->stepping_since;
-            else if (s->wr && i == s->fetch_k)
-                owed = "its part of the final weights", since = s->fetching_since;
+            else if (s->sh.wr && i == s->sh.fetch_k)
+                owed = "its part of the final weights", since = s->sh.fetching_since;
             if (owed && now - heard_at(s, since) >= s->silence) {
                 PS_ERROR("psd shard %d (%s pid %u) did not send %s in %.1f s; the run stops", i, sh->hostname, sh->pid,
                          owed, now - since);
@@ -603,16 +456,16 @@ static void on_control(srv_t *s, ps_msg_t *m)
                           NULL);
             return;
         }
-        if (s->n_ctl_wait == (int)(sizeof s->ctl_wait / sizeof s->ctl_wait[0])) {
+        if (s->ck.n_ctl_wait == (int)(sizeof s->ck.ctl_wait / sizeof s->ck.ctl_wait[0])) {
             control_reply(s, m->ident, m->ident_len, false, "too many checkpoint requests waiting", NULL);
             return;
         }
-        memcpy(s->ctl_wait[s->n_ctl_wait].ident, m->ident, m->ident_len);
-        s->ctl_wait[s->n_ctl_wait++].ident_len = m->ident_len;
+        memcpy(s->ck.ctl_wait[s->ck.n_ctl_wait].ident, m->ident, m->ident_len);
+        s->ck.ctl_wait[s->ck.n_ctl_wait++].ident_len = m->ident_len;
         PS_INFO("psctl asks for a checkpoint");
         take_checkpoint(s, false); /* answered when written (poll_checkpoint) */
-        if (!s->ckpt && !s->ck_open && !s->ckpt_deferred) { /* could not start (else: started, or queued) */
-            s->n_ctl_wait--;
+        if (!s->ck.writer && !s->ck.open && !s->ck.deferred) { /* could not start (else: started, or queued) */
+            s->ck.n_ctl_wait--;
             control_reply(s, m->ident, m->ident_len, false, "the checkpoint could not start (see psd's log)", NULL);
         }
         return;
@@ -638,18 +491,18 @@ static int start_http(srv_t *s)
     const ps_config_t *c = &s->cfg;
     char err[PS_PATH_MAX + 256];
     bool open;
-    if (psd_http_settings(c->http, c->http_token_file, c->insecure, s->http_token, sizeof s->http_token, &open, err,
+    if (psd_http_settings(c->http, c->http_token_file, c->insecure, s->net.http_token, sizeof s->net.http_token, &open, err,
                           sizeof err) != 0) {
         PS_ERROR("%s", err);
         return PSD_EXIT_USAGE;
     }
     if (open) PS_WARN("*** --insecure: HTTP on %s without a token ***", c->http);
-    if (psd_http_start(&s->http, &s->loop, c->http, s->http_token, psd_status_http, s, err, sizeof err) != 0) {
+    if (psd_http_start(&s->net.http, &s->net.loop, c->http, s->net.http_token, psd_status_http, s, err, sizeof err) != 0) {
         PS_ERROR("%s", err);
         return PSD_EXIT_USAGE;
     }
-    PS_INFO("HTTP on %s (port %d): / (live page) /metrics /status /history /healthz%s", c->http, psd_http_port(s->http),
-            s->http_token[0] ? "; a bearer token is needed but for /healthz" : "");
+    PS_INFO("HTTP on %s (port %d): / (live page) /metrics /status /history /healthz%s", c->http, psd_http_port(s->net.http),
+            s->net.http_token[0] ? "; a bearer token is needed but for /healthz" : "");
     return 0;
 }
 
@@ -671,8 +524,8 @@ static void request_stop(srv_t *s, int signum, const char *what)
     }
     PS_WARN("received %s: writing a checkpoint, then telling the workers to stop (again to exit now)", what);
     s->stopping = signum;
-    s->stop_when_written = true;
-    if (s->ckpt || s->ck_open) s->ckpt_again = true; /* one of the state now, once that one is written */
+    s->ck.stop_when_written = true;
+    if (s->ck.writer || s->ck.open) s->ck.again = true; /* one of the state now, once that one is written */
     if (sharded(s)) { /* a shard stopped too waits for this checkpoint, however long it takes */
         Psd__Header h;
         Psd__ShardCkpt ck = PSD__SHARD_CKPT__INIT;
@@ -683,9 +536,9 @@ static void request_stop(srv_t *s, int signum, const char *what)
         h.shard_ckpt = &ck;
         shards_send_all(s, &h);
     }
-    if (s->ckpt || s->ck_open) return; /* its turn comes when that one is written (ckpt_complete) */
+    if (s->ck.writer || s->ck.open) return; /* its turn comes when that one is written (ckpt_complete) */
     take_checkpoint(s, false);
-    if (!s->ckpt && !s->ckpt_deferred) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+    if (!s->ck.writer && !s->ck.deferred) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
 }
 
 static void on_signal(uv_signal_t *h, int signum)
@@ -693,8 +546,8 @@ static void on_signal(uv_signal_t *h, int signum)
     srv_t *s = h->data;
     if (signum == SIGHUP) {
         char err[512];
-        if (!s->zap) PS_WARN("received SIGHUP: no allow-list to reload (no authentication)");
-        else if (psd_zap_reload(s->zap, err, sizeof err) != 0) PS_ERROR("allow-list not reloaded: %s", err);
+        if (!s->net.zap) PS_WARN("received SIGHUP: no allow-list to reload (no authentication)");
+        else if (psd_zap_reload(s->net.zap, err, sizeof err) != 0) PS_ERROR("allow-list not reloaded: %s", err);
         return;
     }
     if (signum == SIGUSR1) {
@@ -831,7 +684,7 @@ static int shm_hello(void *ud, const ps_shm_hello_t *h, int fd, char *why, size_
     if (w)
         for (int i = 0; i < PS_SHM_TOKEN; i++) diff |= (uint8_t)(h->token[i] ^ w->shm_token[i]);
     if (h->run_id != s->run_id || !w || diff || memcmp(w->shm_token, zero, sizeof zero) == 0 ||
-        strcmp(w->host_id, s->host_id) != 0) {
+        strcmp(w->host_id, s->net.host_id) != 0) {
         snprintf(why, n, "rank %u, run %016" PRIx64 ": no such worker was offered shared memory with that token",
                  h->rank, h->run_id);
         return -EACCES;
@@ -861,17 +714,17 @@ static int shm_hello(void *ud, const ps_shm_hello_t *h, int fd, char *why, size_
  * for them. Without either, everyone uses the wire. */
 static void start_shm(srv_t *s)
 {
-    ps_host_id(s->host_id, sizeof s->host_id);
+    ps_host_id(s->net.host_id, sizeof s->net.host_id);
     int rc = psd_store_share(&s->store);
     if (rc == 0) {
-        snprintf(s->shm_name, sizeof s->shm_name, "psd-%016" PRIx64 "-%d", s->run_id, (int)getpid());
-        rc = psd_shm_listen(&s->shm, &s->loop, s->shm_name, s->store.shm_ro_fd, PSD_MAX_ARENAS,
+        snprintf(s->net.shm_name, sizeof s->net.shm_name, "psd-%016" PRIx64 "-%d", s->run_id, (int)getpid());
+        rc = psd_shm_listen(&s->net.shm, &s->net.loop, s->net.shm_name, s->store.shm_ro_fd, PSD_MAX_ARENAS,
                             s->store.shm_slot_floats * sizeof(float), shm_hello, s);
     }
     if (rc != 0)
         PS_WARN("no shared memory for workers on this host (%s): they use the wire", strerror(-rc));
     else
-        PS_INFO("shared memory for workers on this host: socket @%s", s->shm_name);
+        PS_INFO("shared memory for workers on this host: socket @%s", s->net.shm_name);
 }
 
 /* Close psd's sockets and end its ZeroMQ context, which returns once what
@@ -879,12 +732,12 @@ static void start_shm(srv_t *s)
  * linger: linger_ms, or -1 for the one set when it was opened (1 s). */
 static void zmq_end(srv_t *s, int linger_ms)
 {
-    if (s->sock && linger_ms >= 0) zmq_setsockopt(s->sock, ZMQ_LINGER, &linger_ms, sizeof linger_ms);
-    ps_zmq_close_monitored(s->sock, s->mon);
-    s->sock = s->mon = NULL;
-    psd_zap_stop(&s->zap);
-    if (s->zctx) zmq_ctx_term(s->zctx);
-    s->zctx = NULL;
+    if (s->net.sock && linger_ms >= 0) zmq_setsockopt(s->net.sock, ZMQ_LINGER, &linger_ms, sizeof linger_ms);
+    ps_zmq_close_monitored(s->net.sock, s->net.mon);
+    s->net.sock = s->net.mon = NULL;
+    psd_zap_stop(&s->net.zap);
+    if (s->net.zctx) zmq_ctx_term(s->net.zctx);
+    s->net.zctx = NULL;
 }
 
 int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
@@ -912,7 +765,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     }
     s->step_bf16 = calloc(MAX_WORKERS, sizeof *s->step_bf16);
     s->step_wt = calloc(MAX_WORKERS, sizeof *s->step_wt);
-    ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
+    ps_arena_init(&s->net.rx_arena, s->net.rx_buf, sizeof s->net.rx_buf);
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
     if (psd_samples_init(&s->smp, s->train_count) != 0 || !s->step_bf16 || !s->step_wt ||
@@ -927,19 +780,19 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         PS_ERROR("out of memory for the step's threads");
         goto out;
     }
-    s->n_shards = opts->shards > 1 ? opts->shards : 1; /* the store owns shard 0's part (psd_store_init_part) */
+    s->sh.n = opts->shards > 1 ? opts->shards : 1; /* the store owns shard 0's part (psd_store_init_part) */
     /* psd_main refuses streamed steps with shards. With an embedding table
      * they would step and send the table whole: the table's rows are worth
      * far more than overlapping the step (a 1M x 32 table: 128 MB a push
      * against a batch's rows), so psd steps whole and says so. */
-    s->stream = c->stream && s->n_shards == 1 && s->layout.table < 0;
+    s->stream = c->stream && s->sh.n == 1 && s->layout.table < 0;
     if (c->stream && s->layout.table >= 0)
         PS_WARN("train.stream: the model has an embedding table, so steps are whole (not streamed): the table "
                 "goes by rows, which a streamed step would send whole");
     /* the table stepped row by row (psd_rows.h): one psd, steps not
      * streamed, or psd shards whose pieces of it are all whole rows (else
      * rows straddle two shards: the table goes whole and is stepped densely) */
-    if (s->layout.table >= 0 && !s->stream && (s->n_shards == 1 || ps_shards_table_rows(&s->layout, s->n_shards)) &&
+    if (s->layout.table >= 0 && !s->stream && (s->sh.n == 1 || ps_shards_table_rows(&s->layout, s->sh.n)) &&
         psd_store_lazy_table(&s->store, (size_t)c->workers * s->holder.batch_rows, MAX_WORKERS) != 0) {
         PS_ERROR("out of memory for the table's row steps");
         goto out;
@@ -959,19 +812,19 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
                     c->ctr_worker_table_mb);
     }
     if (s->stream) {
-        s->st_cf = ps_chunk_floats((size_t)c->chunk_bytes);
-        s->st_nc = s->store.n_chunks;
-        for (int t = 0, k = 0; t < s->layout.n_tensors; k += s->st_tchunks[t], t++) {
-            s->st_tfirst[t] = k;
-            s->st_tchunks[t] = (int)((s->layout.t[t].numel + s->st_cf - 1) / s->st_cf);
+        s->st.cf = ps_chunk_floats((size_t)c->chunk_bytes);
+        s->st.nc = s->store.n_chunks;
+        for (int t = 0, k = 0; t < s->layout.n_tensors; k += s->st.tchunks[t], t++) {
+            s->st.tfirst[t] = k;
+            s->st.tchunks[t] = (int)((s->layout.t[t].numel + s->st.cf - 1) / s->st.cf);
         }
-        s->st_have = calloc((size_t)s->st_nc, sizeof *s->st_have);
-        s->st_done = calloc((size_t)s->st_nc, 1);
-        s->st_ready = calloc(ST_BATCH, sizeof *s->st_ready);
-        s->st_rq = calloc((size_t)s->st_nc, sizeof *s->st_rq);
-        s->st_src = calloc((size_t)ST_BATCH * MAX_WORKERS, sizeof *s->st_src);
-        s->st_mem = calloc(MAX_WORKERS, sizeof *s->st_mem);
-        if (!s->st_have || !s->st_done || !s->st_ready || !s->st_rq || !s->st_src || !s->st_mem) {
+        s->st.have = calloc((size_t)s->st.nc, sizeof *s->st.have);
+        s->st.done = calloc((size_t)s->st.nc, 1);
+        s->st.ready = calloc(ST_BATCH, sizeof *s->st.ready);
+        s->st.rq = calloc((size_t)s->st.nc, sizeof *s->st.rq);
+        s->st.src = calloc((size_t)ST_BATCH * MAX_WORKERS, sizeof *s->st.src);
+        s->st.mem = calloc(MAX_WORKERS, sizeof *s->st.mem);
+        if (!s->st.have || !s->st.done || !s->st.ready || !s->st.rq || !s->st.src || !s->st.mem) {
             PS_ERROR("out of memory for streamed steps");
             goto out;
         }
@@ -988,29 +841,29 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         code = s->exit_code;
         goto out;
     }
-    snprintf(s->run_dir, sizeof s->run_dir, "%s/run-%016" PRIx64, c->ckpt_dir, s->run_id);
+    snprintf(s->ck.run_dir, sizeof s->ck.run_dir, "%s/run-%016" PRIx64, c->ckpt_dir, s->run_id);
     if (c->ckpt_dir[0] && ((mkdir(c->ckpt_dir, 0755) != 0 && errno != EEXIST) ||
-                           (mkdir(s->run_dir, 0755) != 0 && errno != EEXIST))) {
-        PS_ERROR("checkpoint directory %s: %s", s->run_dir, strerror(errno));
+                           (mkdir(s->ck.run_dir, 0755) != 0 && errno != EEXIST))) {
+        PS_ERROR("checkpoint directory %s: %s", s->ck.run_dir, strerror(errno));
         code = PSD_EXIT_USAGE;
         goto out;
     }
     char err[PS_PATH_MAX + 400];
-    if ((c->ckpt_dir[0] && psd_lock_dir(&s->locks, s->run_dir, err, sizeof err) != 0) ||
+    if ((c->ckpt_dir[0] && psd_lock_dir(&s->locks, s->ck.run_dir, err, sizeof err) != 0) ||
         (c->metrics[0] && psd_metrics_open(&s->metrics, c->metrics, err, sizeof err) != 0)) {
         PS_ERROR("%s", err);
         code = PSD_EXIT_USAGE;
         goto out;
     }
-    s->zctx = psd_zmq_context(c);
-    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, sharded(s), true, &s->locks, &s->sock, &s->zap,
-                                &s->mon)) != 0)
+    s->net.zctx = psd_zmq_context(c);
+    if ((code = psd_router_open(s->net.zctx, c, c->listen, opts->no_zap, s->layout.n_params, sharded(s), true, &s->locks, &s->net.sock, &s->net.zap,
+                                &s->net.mon)) != 0)
         goto out;
     s->silence = psd_silence_limit(c, s->layout.n_params);
     code = PSD_EXIT_ERROR;
     char ep[256] = "";
     size_t eplen = sizeof ep;
-    zmq_getsockopt(s->sock, ZMQ_LAST_ENDPOINT, ep, &eplen);
+    zmq_getsockopt(s->net.sock, ZMQ_LAST_ENDPOINT, ep, &eplen);
     PS_INFO("psd %s (protocol %u): run %016" PRIx64 ", listening on %s, waiting for %d workers", PSD_VERSION,
             PS_PROTOCOL_VERSION, s->run_id, ep, c->workers);
     PS_INFO("model %zu parameters, %zu training / %zu test samples, optimizer %s, schedule %s",
@@ -1022,8 +875,8 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     PS_DEBUG("steps: %d chunks on %d threads", s->store.n_chunks, threads);
     if (s->stream)
         PS_INFO("streamed steps: %d chunks of up to %zu KiB, each stepped as soon as every worker has sent it",
-                s->st_nc, s->st_cf * sizeof(float) / 1024);
-    if (sharded(s)) PS_INFO("psd shard 0 of %d: waiting for shards 1..%d to join", s->n_shards, s->n_shards - 1);
+                s->st.nc, s->st.cf * sizeof(float) / 1024);
+    if (sharded(s)) PS_INFO("psd shard 0 of %d: waiting for shards 1..%d to join", s->sh.n, s->sh.n - 1);
     if (s->silence > c->worker_timeout + 0.5)
         PS_INFO("a silent worker is lost after %.1f s: server.worker_timeout %.1f s plus %.1f s each way for a "
                 "message of the whole model (%.0f MB at 40 MB/s)",
@@ -1032,22 +885,22 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
 
     int fd;
     size_t fdlen = sizeof fd;
-    zmq_getsockopt(s->sock, ZMQ_FD, &fd, &fdlen);
-    uv_loop_init(&s->loop);
+    zmq_getsockopt(s->net.sock, ZMQ_FD, &fd, &fdlen);
+    uv_loop_init(&s->net.loop);
     loop_ok = true;
-    uv_poll_init(&s->loop, &s->poll, fd);
-    uv_timer_init(&s->loop, &s->timer);
-    uv_signal_init(&s->loop, &s->sigint);
-    uv_signal_init(&s->loop, &s->sigterm);
-    uv_signal_init(&s->loop, &s->sigusr1);
-    uv_signal_init(&s->loop, &s->sighup);
-    s->poll.data = s->timer.data = s->sigint.data = s->sigterm.data = s->sigusr1.data = s->sighup.data = s;
-    uv_poll_start(&s->poll, UV_READABLE, on_poll);
-    uv_timer_start(&s->timer, on_timer, 100, 100);
-    uv_signal_start(&s->sigint, on_signal, SIGINT);
-    uv_signal_start(&s->sigterm, on_signal, SIGTERM);
-    uv_signal_start(&s->sigusr1, on_signal, SIGUSR1);
-    uv_signal_start(&s->sighup, on_signal, SIGHUP);
+    uv_poll_init(&s->net.loop, &s->net.poll, fd);
+    uv_timer_init(&s->net.loop, &s->net.timer);
+    uv_signal_init(&s->net.loop, &s->net.sigint);
+    uv_signal_init(&s->net.loop, &s->net.sigterm);
+    uv_signal_init(&s->net.loop, &s->net.sigusr1);
+    uv_signal_init(&s->net.loop, &s->net.sighup);
+    s->net.poll.data = s->net.timer.data = s->net.sigint.data = s->net.sigterm.data = s->net.sigusr1.data = s->net.sighup.data = s;
+    uv_poll_start(&s->net.poll, UV_READABLE, on_poll);
+    uv_timer_start(&s->net.timer, on_timer, 100, 100);
+    uv_signal_start(&s->net.sigint, on_signal, SIGINT);
+    uv_signal_start(&s->net.sigterm, on_signal, SIGTERM);
+    uv_signal_start(&s->net.sigusr1, on_signal, SIGUSR1);
+    uv_signal_start(&s->net.sighup, on_signal, SIGHUP);
     /* with shards: every tensor on the wire; the table on psd: rows go over the wire */
     if (c->shared_memory && !sharded(s) && !s->table_on_psd) start_shm(s);
     s->t_boot = ps_now();
@@ -1064,12 +917,12 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     int early = ps_early_stop_signal();
     if (early) request_stop(s, early, strsignal(early));
     drain(s);
-    if (s->phase != PHASE_DONE) uv_run(&s->loop, UV_RUN_DEFAULT);
+    if (s->phase != PHASE_DONE) uv_run(&s->net.loop, UV_RUN_DEFAULT);
     if (s->tty) ps_log_status(NULL);
     code = s->exit_code;
 out:
-    if (s->ckpt || s->ck_open) { /* a last checkpoint still being written: let it finish */
-        if (s->stopping > 0 && code >= 128 && s->ckpt) { /* a second signal: exit at once */
+    if (s->ck.writer || s->ck.open) { /* a last checkpoint still being written: let it finish */
+        if (s->stopping > 0 && code >= 128 && s->ck.writer) { /* a second signal: exit at once */
             /* the workers' SHUTDOWN (a few bytes each) is queued: end
              * ZeroMQ as at any exit, with a short linger, so that it goes
              * out (or they would wait for a psd that is not coming back),
@@ -1079,22 +932,22 @@ out:
         }
         /* the one under way, then the one asked for while it was written
          * (the run's last, maybe): each waited for */
-        for (int i = 0; i < 3 && (s->ckpt || s->ck_open); i++) poll_checkpoint(s, true);
+        for (int i = 0; i < 3 && (s->ck.writer || s->ck.open); i++) poll_checkpoint(s, true);
     }
     if (loop_ok) {
-        psd_http_stop(&s->http);
-        psd_shm_close(s->shm);
-        uv_close((uv_handle_t *)&s->poll, close_cb);
-        uv_close((uv_handle_t *)&s->timer, close_cb);
-        uv_close((uv_handle_t *)&s->sigint, close_cb);
-        uv_close((uv_handle_t *)&s->sigterm, close_cb);
-        uv_close((uv_handle_t *)&s->sigusr1, close_cb);
-        uv_close((uv_handle_t *)&s->sighup, close_cb);
+        psd_http_stop(&s->net.http);
+        psd_shm_close(s->net.shm);
+        uv_close((uv_handle_t *)&s->net.poll, close_cb);
+        uv_close((uv_handle_t *)&s->net.timer, close_cb);
+        uv_close((uv_handle_t *)&s->net.sigint, close_cb);
+        uv_close((uv_handle_t *)&s->net.sigterm, close_cb);
+        uv_close((uv_handle_t *)&s->net.sigusr1, close_cb);
+        uv_close((uv_handle_t *)&s->net.sighup, close_cb);
         /* a uv_stop before the loop ever ran (a stop while loading) makes
          * the first uv_run return at once: run it until the closes are done */
-        for (int i = 0; i < 3 && uv_run(&s->loop, UV_RUN_DEFAULT) != 0; i++)
+        for (int i = 0; i < 3 && uv_run(&s->net.loop, UV_RUN_DEFAULT) != 0; i++)
             ;
-        if (uv_loop_close(&s->loop) != 0) PS_WARN("psd's event loop did not close cleanly");
+        if (uv_loop_close(&s->net.loop) != 0) PS_WARN("psd's event loop did not close cleanly");
     }
     if (s->w)
         for (int i = 0; i < s->n; i++) {
@@ -1105,7 +958,7 @@ out:
             free(s->w[i].gch);
             free(s->w[i].gch_in);
         }
-    if (s->sock) ps_msg_drain(s->sock, 0.1, 1.0); /* what workers sent before they saw SHUTDOWN */
+    if (s->net.sock) ps_msg_drain(s->net.sock, 0.1, 1.0); /* what workers sent before they saw SHUTDOWN */
     zmq_end(s, -1);
     psd_metrics_close(&s->metrics);
     if (psd_metrics_incomplete(&s->metrics) && code == PSD_EXIT_OK) {
@@ -1123,15 +976,15 @@ out:
     free(s->auc_order);
     free(s->step_bf16);
     free(s->step_wt);
-    free(s->st_have);
-    free(s->st_done);
-    free(s->st_ready);
-    free(s->st_rq);
-    free(s->st_src);
-    free(s->st_mem);
-    free(s->st_lost_pos);
-    if (s->rx_arena.fallbacks)
-        PS_DEBUG("%" PRIu64 " decoded headers did not fit the receive arena", s->rx_arena.fallbacks);
+    free(s->st.have);
+    free(s->st.done);
+    free(s->st.ready);
+    free(s->st.rq);
+    free(s->st.src);
+    free(s->st.mem);
+    free(s->st.lost_pos);
+    if (s->net.rx_arena.fallbacks)
+        PS_DEBUG("%" PRIu64 " decoded headers did not fit the receive arena", s->net.rx_arena.fallbacks);
     free(s->parts);
     free(s->val_curve);
     free(s->w);

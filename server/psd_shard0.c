@@ -6,8 +6,8 @@
 
 int find_shard(const srv_t *s, const uint8_t *ident, size_t len)
 {
-    for (int i = 1; i < s->n_shards; i++)
-        if (s->shards[i].ident_len == len && memcmp(s->shards[i].ident, ident, len) == 0) return i;
+    for (int i = 1; i < s->sh.n; i++)
+        if (s->sh.shard[i].ident_len == len && memcmp(s->sh.shard[i].ident, ident, len) == 0) return i;
     return -1;
 }
 
@@ -25,13 +25,13 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
         refuse_shard(s, m, "this psd was not started as shard 0 of several (--shard 0/N)");
         return;
     }
-    if (s->zap && !psd_zap_is_self(s->zap, m->user)) { /* with keys: only psd's own key is a shard */
+    if (s->net.zap && !psd_zap_is_self(s->net.zap, m->user)) { /* with keys: only psd's own key is a shard */
         refuse_shard(s, m, "a psd shard must connect with psd's own key (--key), not a worker's");
         return;
     }
     int i = (int)h->shard;
-    if (h->shards != (uint32_t)s->n_shards || i < 1 || i >= s->n_shards) {
-        snprintf(why, sizeof why, "it is shard %u/%u, this run has %d shards", h->shard, h->shards, s->n_shards);
+    if (h->shards != (uint32_t)s->sh.n || i < 1 || i >= s->sh.n) {
+        snprintf(why, sizeof why, "it is shard %u/%u, this run has %d shards", h->shard, h->shards, s->sh.n);
         refuse_shard(s, m, why);
         return;
     }
@@ -51,7 +51,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
         refuse_shard(s, m, why);
         return;
     }
-    shard_t *sh = &s->shards[i];
+    shard_t *sh = &s->sh.shard[i];
     if (sh->joined) {
         snprintf(why, sizeof why, "shard %d has already joined (from %s pid %u)", i, sh->hostname, sh->pid);
         refuse_shard(s, m, why);
@@ -75,24 +75,24 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
     psd__header__init(&r);
     r.type = PSD__MSG_TYPE__MSG_SHARD_HELLO;
     rb.shard = (uint32_t)i;
-    rb.shards = (uint32_t)s->n_shards;
+    rb.shards = (uint32_t)s->sh.n;
     rb.config_hash = s->config_hash;
     rb.n_params = s->layout.n_params;
     rb.resume = resumed;
     rb.resume_step = s->store.steps;
     rb.resume_version = s->store.cur->version;
     if (resumed) { /* it resumes at the newest of shard 0's steps it has */
-        rb.resume_steps = s->resume_steps;
-        rb.n_resume_steps = s->n_resume_steps;
+        rb.resume_steps = s->sh.resume_steps;
+        rb.n_resume_steps = s->sh.n_resume_steps;
         sh->resumed = false;
     }
     r.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     r.shard_hello = &rb;
     send_shard(s, i, &r, NULL, 0);
     if (again)
-        PS_DEBUG("psd shard %d/%d said hello again (pid %u): answered again", i, s->n_shards, sh->pid);
+        PS_DEBUG("psd shard %d/%d said hello again (pid %u): answered again", i, s->sh.n, sh->pid);
     else
-        PS_INFO("psd shard %d/%d joined from %s pid %u; workers reach it at %s", i, s->n_shards, sh->hostname,
+        PS_INFO("psd shard %d/%d joined from %s pid %u; workers reach it at %s", i, s->sh.n, sh->hostname,
                 sh->pid, sh->endpoint);
     raise_event(s, PSD_EV_SHARDS_JOINED);
 }
@@ -123,15 +123,15 @@ void send_resume(srv_t *s, int j)
     psd__header__init(&h);
     h.type = PSD__MSG_TYPE__MSG_SHARD_RESUME;
     rb.shard = (uint32_t)j;
-    rb.shards = (uint32_t)s->n_shards;
+    rb.shards = (uint32_t)s->sh.n;
     rb.resume = true;
     rb.resume_step = s->store.steps;
     rb.resume_version = s->store.cur->version;
-    rb.resume_steps = s->resume_steps;
-    rb.n_resume_steps = s->n_resume_steps;
+    rb.resume_steps = s->sh.resume_steps;
+    rb.n_resume_steps = s->sh.n_resume_steps;
     h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     h.shard_hello = &rb;
-    s->shards[j].resumed = false;
+    s->sh.shard[j].resumed = false;
     send_shard(s, j, &h, NULL, 0);
 }
 
@@ -140,8 +140,8 @@ static void save_failed(srv_t *s, const char *why)
 {
     PS_ERROR("%s", why);
     s->exit_code = PSD_EXIT_ERROR;
-    ps_weights_abort(s->wr);
-    s->wr = NULL;
+    ps_weights_abort(s->sh.wr);
+    s->sh.wr = NULL;
 }
 
 /* The end of a sharded run with --save: the weights file is begun with this
@@ -152,18 +152,18 @@ bool begin_save(srv_t *s)
     char err[512];
     ps_weights_meta_t meta = {.run_id = s->run_id, .step = s->step, .epoch = s->epoch};
     ps_piece_t p[PS_MAX_TENSORS];
-    ps_shard_pieces(&s->layout, 0, s->n_shards, p);
-    s->wr = ps_weights_begin(s->cfg.save, &s->layout, &meta, err, sizeof err);
-    bool ok = s->wr != NULL;
+    ps_shard_pieces(&s->layout, 0, s->sh.n, p);
+    s->sh.wr = ps_weights_begin(s->cfg.save, &s->layout, &meta, err, sizeof err);
+    bool ok = s->sh.wr != NULL;
     for (int t = 0; ok && t < s->layout.n_tensors; t++)
-        ok = ps_weights_put(s->wr, t, p[t].off, s->store.cur->w + s->layout.t[t].offset + p[t].off, p[t].n, err,
+        ok = ps_weights_put(s->sh.wr, t, p[t].off, s->store.cur->w + s->layout.t[t].offset + p[t].off, p[t].n, err,
                             sizeof err) == 0;
     if (!ok) {
         save_failed(s, err);
         return false;
     }
-    s->fetch_k = 0; /* fetch_next goes on to shard 1 */
-    s->fetch_size = s->fetch_from = s->fetch_chunks = 0;
+    s->sh.fetch_k = 0; /* fetch_next goes on to shard 1 */
+    s->sh.fetch_size = s->sh.fetch_from = s->sh.fetch_chunks = 0;
     return true;
 }
 
@@ -171,35 +171,35 @@ bool begin_save(srv_t *s)
  * end and end the run. */
 void fetch_next(srv_t *s)
 {
-    while (s->fetch_from >= s->fetch_size && ++s->fetch_k < s->n_shards) { /* the next shard's part */
-        ps_shard_pieces(&s->layout, s->fetch_k, s->n_shards, s->fetch_part);
-        s->fetch_size = ps_part_size(s->fetch_part, s->layout.n_tensors);
-        s->fetch_from = 0;
+    while (s->sh.fetch_from >= s->sh.fetch_size && ++s->sh.fetch_k < s->sh.n) { /* the next shard's part */
+        ps_shard_pieces(&s->layout, s->sh.fetch_k, s->sh.n, s->sh.fetch_part);
+        s->sh.fetch_size = ps_part_size(s->sh.fetch_part, s->layout.n_tensors);
+        s->sh.fetch_from = 0;
     }
-    if (s->fetch_k < s->n_shards) {
+    if (s->sh.fetch_k < s->sh.n) {
         Psd__Header h;
         Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
         psd__header__init(&h);
         h.type = PSD__MSG_TYPE__MSG_SHARD_FETCH;
         f.version = s->store.cur->version;
-        f.from = s->fetch_from;
+        f.from = s->sh.fetch_from;
         const uint64_t chunk = s->opts.fetch_floats ? s->opts.fetch_floats : PSD_FETCH_FLOATS;
-        f.count = s->fetch_count = s->fetch_size - s->fetch_from < chunk ? s->fetch_size - s->fetch_from : chunk;
+        f.count = s->sh.fetch_count = s->sh.fetch_size - s->sh.fetch_from < chunk ? s->sh.fetch_size - s->sh.fetch_from : chunk;
         h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
         h.shard_fetch = &f;
-        s->fetching_since = ps_now();
-        s->fetch_chunks++;
-        send_shard(s, s->fetch_k, &h, NULL, 0);
+        s->sh.fetching_since = ps_now();
+        s->sh.fetch_chunks++;
+        send_shard(s, s->sh.fetch_k, &h, NULL, 0);
         return;
     }
     char err[512];
-    int rc = ps_weights_commit(s->wr, err, sizeof err); /* frees it either way */
-    s->wr = NULL;
+    int rc = ps_weights_commit(s->sh.wr, err, sizeof err); /* frees it either way */
+    s->sh.wr = NULL;
     if (rc != 0)
         save_failed(s, err);
     else
         PS_INFO("saved weights (version %" PRIu64 ") to %s; the other shards' parts came in %" PRIu64 " chunks",
-                s->store.cur->version, s->cfg.save, s->fetch_chunks);
+                s->store.cur->version, s->cfg.save, s->sh.fetch_chunks);
     raise_event(s, PSD_EV_SAVED);
 }
 
@@ -207,12 +207,12 @@ void fetch_next(srv_t *s)
  * weights file. */
 static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
 {
-    if (!s->wr || i != s->fetch_k || m->hdr->weights->version != s->store.cur->version) {
+    if (!s->sh.wr || i != s->sh.fetch_k || m->hdr->weights->version != s->store.cur->version) {
         drop_shard(s, i, "WEIGHTS that psd did not ask for");
         return;
     }
     ps_piece_t r[PS_MAX_TENSORS];
-    int nr = ps_part_range(s->fetch_part, s->layout.n_tensors, s->fetch_from, s->fetch_count, r);
+    int nr = ps_part_range(s->sh.fetch_part, s->layout.n_tensors, s->sh.fetch_from, s->sh.fetch_count, r);
     bool ok = nr == m->n_frames;
     for (int f = 0; ok && f < nr; f++) {
         size_t n = 0;
@@ -220,7 +220,7 @@ static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
         ok = src && m->hdr->tensors[f]->id == (uint32_t)r[f].t && m->hdr->tensors[f]->offset == r[f].off &&
              n == r[f].n;
         char err[512];
-        if (ok && ps_weights_put(s->wr, r[f].t, r[f].off, src, n, err, sizeof err) != 0) {
+        if (ok && ps_weights_put(s->sh.wr, r[f].t, r[f].off, src, n, err, sizeof err) != 0) {
             save_failed(s, err);
             raise_event(s, PSD_EV_SAVED);
             return;
@@ -231,7 +231,7 @@ static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
         finish(s, PSD_EXIT_SHARD_LOST, "a psd shard sent a broken part of the weights");
         return;
     }
-    s->fetch_from += s->fetch_count;
+    s->sh.fetch_from += s->sh.fetch_count;
     fetch_next(s);
 }
 
@@ -243,18 +243,18 @@ bool on_shard(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__Header *h = m->hdr;
     if (h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
-        bool again = false, was = i > 0 && s->shards[i].joined;
+        bool again = false, was = i > 0 && s->sh.shard[i].joined;
         if (i > 0) { /* its HELLO again: the answer was lost? answer again */
             const Psd__ShardHello *hh = m->hdr->shard_hello;
-            again = was && s->shards[i].pid == hh->pid && hh->shard == (uint32_t)i;
+            again = was && s->sh.shard[i].pid == hh->pid && hh->shard == (uint32_t)i;
             if (was && !again) {
                 drop_shard(s, i, "HELLO on its connection as shard %u pid %u", hh->shard, hh->pid);
                 return false;
             }
-            s->shards[i].joined = false;
+            s->sh.shard[i].joined = false;
         }
         on_shard_hello(s, m, again);
-        if (was && !s->shards[i].joined) { /* refused now: it is no longer watched */
+        if (was && !s->sh.shard[i].joined) { /* refused now: it is no longer watched */
             PS_ERROR("psd shard %d said hello again and was refused; its part of the parameters is gone, so the "
                      "run stops", i);
             finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was refused");
@@ -262,7 +262,7 @@ bool on_shard(srv_t *s, int i, ps_msg_t *m)
         return false;
     }
     if (i < 0) return false;
-    shard_t *sh = &s->shards[i];
+    shard_t *sh = &s->sh.shard[i];
     if (h->run_id != s->run_id || h->rank != (uint32_t)i) {
         drop_shard(s, i, "run %016" PRIx64 " rank %u", h->run_id, h->rank);
         return false;
@@ -289,8 +289,8 @@ bool on_shard(srv_t *s, int i, ps_msg_t *m)
 /* After a resume: every shard resumed its part at shard 0's step. */
 bool shards_resumed(const srv_t *s)
 {
-    for (int i = 1; i < s->n_shards; i++)
-        if (!s->shards[i].joined || !s->shards[i].resumed || s->shards[i].resumed_step != s->store.steps)
+    for (int i = 1; i < s->sh.n; i++)
+        if (!s->sh.shard[i].joined || !s->sh.shard[i].resumed || s->sh.shard[i].resumed_step != s->store.steps)
             return false;
     return true;
 }

@@ -12,7 +12,7 @@ static void fmt_duration(char *out, size_t n, double s)
  * slowest rank 1 (12.3 ms)": where the epoch stands and who holds it up */
 static void progress_text(srv_t *s, char *buf, size_t n, double now)
 {
-    double el = now - s->t_epoch, sps = el > 0 ? (double)s->ep_samples / el : 0;
+    double el = now - s->t_epoch, sps = el > 0 ? (double)s->ep.samples / el : 0;
     double left = s->spe - (double)s->epoch_step, eta = s->epoch_step ? el / (double)s->epoch_step * left : 0;
     char when[32], slow[64] = "";
     fmt_duration(when, sizeof when, eta);
@@ -91,9 +91,9 @@ static void histogram(FILE *f, const srv_t *s, const char *name, const char *hel
 
 static double epoch_sps(const srv_t *s, double now)
 {
-    if (s->phase != PHASE_TRAIN) return s->t_epoch > 0 && s->phase == PHASE_VALIDATE ? (double)s->ep_samples / s->t_epoch : 0;
+    if (s->phase != PHASE_TRAIN) return s->t_epoch > 0 && s->phase == PHASE_VALIDATE ? (double)s->ep.samples / s->t_epoch : 0;
     double el = now - s->t_epoch;
-    return el > 0 ? (double)s->ep_samples / el : 0;
+    return el > 0 ? (double)s->ep.samples / el : 0;
 }
 
 static void render_metrics(srv_t *s, FILE *f)
@@ -111,29 +111,29 @@ static void render_metrics(srv_t *s, FILE *f)
            s->spe > 0 ? (double)s->epoch_step / s->spe : 0);
     metric(f, "psd_train_loss", "gauge", "Mean training loss of the last step.", s->last_loss);
     metric(f, "psd_train_samples_total", "counter", "Training samples trained on in the run.",
-           (double)(s->samples_total + (s->phase == PHASE_TRAIN ? s->ep_samples : 0)));
+           (double)(s->samples_total + (s->phase == PHASE_TRAIN ? s->ep.samples : 0)));
     metric(f, "psd_samples_per_second", "gauge", "Training samples per second in this epoch.", epoch_sps(s, now));
     metric(f, "psd_val_accuracy", "gauge", "Validation accuracy of the last validated epoch (NaN before one).",
            s->val_epoch_last ? s->val_acc_last : NAN);
     metric(f, "psd_val_loss", "gauge", "Validation loss of the last validated epoch (NaN before one).",
            s->val_epoch_last ? s->val_loss_last : NAN);
     metric(f, "psd_wire_received_bytes_total", "counter", "Tensor bytes received on the wire.",
-           (double)(s->bytes_in_done + s->ep_bytes_in));
+           (double)(s->bytes_in_done + s->ep.bytes_in));
     metric(f, "psd_wire_sent_bytes_total", "counter", "Tensor bytes sent on the wire.",
-           (double)(s->bytes_out_done + s->ep_bytes_out));
+           (double)(s->bytes_out_done + s->ep.bytes_out));
     metric(f, "psd_workers_live", "gauge", "Workers taking part in the run.", live);
     metric(f, "psd_workers_lost_total", "counter", "Workers lost, left or failed in the run.", (double)s->workers_lost);
-    metric(f, "psd_shards", "gauge", "psd shards holding the parameters.", s->n_shards);
+    metric(f, "psd_shards", "gauge", "psd shards holding the parameters.", s->sh.n);
     if (s->cfg.sync != PS_SYNC_BSP) {
         metric(f, "psd_staleness_max", "gauge",
                "Most versions between a gradient's weights and the version it was applied to, this epoch.",
-               (double)s->ep_stale_max);
+               (double)s->ep.stale_max);
         metric(f, "psd_staleness_mean", "gauge", "Mean staleness of the gradients applied this epoch (versions).",
                stale_mean(s));
     }
-    metric(f, "psd_checkpoints_total", "counter", "Checkpoints written in this process.", (double)s->ckpts_written);
+    metric(f, "psd_checkpoints_total", "counter", "Checkpoints written in this process.", (double)s->ck.written);
     metric(f, "psd_checkpoint_age_seconds", "gauge", "Seconds since the last checkpoint was written (NaN: none yet).",
-           s->ckpt_last_t > 0 ? now - s->ckpt_last_t : NAN);
+           s->ck.last_t > 0 ? now - s->ck.last_t : NAN);
     fprintf(f, "# HELP psd_worker_up A worker of the run: 1 while it takes part.\n# TYPE psd_worker_up gauge\n");
     for (int i = 0; i < s->n; i++)
         fprintf(f, "psd_worker_up{rank=\"%u\",state=\"%s\"} %d\n", s->w[i].rank, wstate_name[s->w[i].state],
@@ -183,8 +183,8 @@ void psd_status_json(const srv_t *s, FILE *f)
     json_num(f, s->lr);
     fprintf(f, ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"checkpoints\":%" PRIu64
                ",\"checkpoint_age_s\":",
-            s->bytes_in_done + s->ep_bytes_in, s->bytes_out_done + s->ep_bytes_out, s->ckpts_written);
-    json_num(f, s->ckpt_last_t > 0 ? now - s->ckpt_last_t : NAN);
+            s->bytes_in_done + s->ep.bytes_in, s->bytes_out_done + s->ep.bytes_out, s->ck.written);
+    json_num(f, s->ck.last_t > 0 ? now - s->ck.last_t : NAN);
     fprintf(f, ",\"uptime_s\":%.3f,\"workers_live\":%d,\"workers_lost\":%" PRIu64 ",\"workers\":[", now - s->t_boot,
             live_workers(s), s->workers_lost);
     for (int i = 0; i < s->n; i++) {
@@ -207,7 +207,7 @@ void psd_status_json(const srv_t *s, FILE *f)
     json_num(f, s->cfg.lr);
     fprintf(f, ",\"schedule\":\"%s\",\"batch_size\":%d,\"workers\":%d,\"shards\":%d,\"seed\":%" PRIu64
                ",\"train_samples\":%zu,\"test_samples\":%zu,\"sync\":\"%s\",\"staleness\":%d}}\n",
-            ps_sched_name(s->cfg.sched), s->cfg.batch_size, s->cfg.workers, s->n_shards, (uint64_t)s->cfg.seed,
+            ps_sched_name(s->cfg.sched), s->cfg.batch_size, s->cfg.workers, s->sh.n, (uint64_t)s->cfg.seed,
             s->train_count, s->test_count, ps_sync_name(s->cfg.sync), s->cfg.staleness);
 }
 
@@ -263,13 +263,13 @@ void psd_status_human(const srv_t *s, FILE *f, bool workers_only)
         fprintf(f, "train loss %.4f, %.0f samples/s", s->last_loss, epoch_sps(s, now));
         if (s->val_epoch_last) fprintf(f, ", val_acc %.4f after epoch %u", s->val_acc_last, s->val_epoch_last);
         fprintf(f, "\nworkers %d live, %" PRIu64 " lost; shards %d; checkpoints %" PRIu64, live_workers(s),
-                s->workers_lost, s->n_shards, s->ckpts_written);
-        if (s->ckpt_last_t > 0) fprintf(f, " (last %.0f s ago)", now - s->ckpt_last_t);
+                s->workers_lost, s->sh.n, s->ck.written);
+        if (s->ck.last_t > 0) fprintf(f, " (last %.0f s ago)", now - s->ck.last_t);
         fputc('\n', f);
         if (s->cfg.sync != PS_SYNC_BSP) {
             fprintf(f, "%s", ps_sync_name(s->cfg.sync));
             if (s->cfg.sync == PS_SYNC_SSP) fprintf(f, " (staleness bound %d)", s->cfg.staleness);
-            fprintf(f, ": staleness this epoch max %" PRIu64 ", mean %.2f versions\n", s->ep_stale_max,
+            fprintf(f, ": staleness this epoch max %" PRIu64 ", mean %.2f versions\n", s->ep.stale_max,
                     stale_mean(s));
         }
     }

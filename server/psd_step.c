@@ -22,7 +22,7 @@ void answer_pull(srv_t *s, worker_t *w)
             return;
         }
         uint64_t lead = m != UINT64_MAX && w->clock > m ? w->clock - m : 0;
-        if (lead > s->ep_lead_max) s->ep_lead_max = lead;
+        if (lead > s->ep.lead_max) s->ep.lead_max = lead;
     }
     w->ssp_wait = false;
     rebalance(s, w); /* before the weights: w has not begun its next batch */
@@ -73,9 +73,9 @@ void release_push(srv_t *s, worker_t *w)
 /* samples trained this epoch, with their summed loss and correct count */
 void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct)
 {
-    s->ep_samples += samples;
-    s->ep_loss += loss;
-    s->ep_correct += correct;
+    s->ep.samples += samples;
+    s->ep.loss += loss;
+    s->ep.correct += correct;
 }
 
 /* w's batch is trained: its samples seen, its statistics counted */
@@ -104,12 +104,12 @@ void account_step(srv_t *s, uint64_t total, const worker_t *only)
 /* A step taken: its count, timing and loss curve. */
 static void count_step(srv_t *s)
 {
-    s->ep_step_n++;
+    s->ep.step_n++;
     s->step++;
     s->epoch_step++;
     double now = ps_now();
     if (s->last_step_t > 0 && s->epoch_step > 1) {
-        int during = s->ckpt != NULL;
+        int during = s->ck.writer != NULL;
         s->int_sum[during] += now - s->last_step_t;
         s->int_n[during]++;
     }
@@ -141,7 +141,7 @@ static bool diverged(srv_t *s)
     char why[512];
     psd_diverge_message(&s->dv, v, s->epoch + 1, why, sizeof why);
     PS_ERROR("%s", why);
-    s->ckpt_deferred = false;
+    s->ck.deferred = false;
     finish(s, PSD_EXIT_ERROR, v == PSD_DIVERGE_RISE ? "training diverged (the loss rose far above its start)"
                                                     : "training diverged (a norm or the loss is not finite)");
     return true;
@@ -238,7 +238,7 @@ void take_step(srv_t *s, worker_t *only)
         account_step(s, total, NULL);
         s->stepping = true;
         s->stepping_since = ps_now();
-        for (int i = 1; i < s->n_shards; i++) s->shards[i].norm_in = false;
+        for (int i = 1; i < s->sh.n; i++) s->sh.shard[i].norm_in = false;
         return;
     }
     uint64_t computed_on = only ? only->push_version : s->store.cur->version;
@@ -250,9 +250,9 @@ void take_step(srv_t *s, worker_t *only)
     }
     if (only) { /* versions applied since the one it was computed on */
         uint64_t stale = s->store.cur->version - 1 - computed_on;
-        s->ep_stale_sum += stale;
-        s->ep_stale_n++;
-        if (stale > s->ep_stale_max) s->ep_stale_max = stale;
+        s->ep.stale_sum += stale;
+        s->ep.stale_n++;
+        if (stale > s->ep.stale_max) s->ep.stale_max = stale;
         only->clock++;
     }
     account_step(s, total, only);
@@ -276,7 +276,7 @@ int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32
         return 0;
     }
     int n = psd_hold_frames(&s->holder, fr, crc);
-    for (int i = 0; i < n; i++) s->ep_bytes_out += fr[i].nbytes;
+    for (int i = 0; i < n; i++) s->ep.bytes_out += fr[i].nbytes;
     return n;
 }
 
@@ -299,12 +299,12 @@ static void table_rows_frame(srv_t *s, ps_frame_t *fr, const uint32_t *ids, size
     const size_t D = (size_t)l->t[l->table].cols;
     const float *E = s->store.cur->w + l->t[l->table].offset;
     if (fr->ffn) fr->ffn((void *)fr->data, fr->hint); /* its reference to the version */
-    s->ep_bytes_out -= fr->nbytes;
+    s->ep.bytes_out -= fr->nbytes;
     psd_rows_gather(vals, E, D, ids, n);
     *fr = (ps_frame_t){.data = vals, .nbytes = n * D * sizeof(float), .id = (uint32_t)l->table,
                        .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)n, .cols = (uint32_t)D};
-    s->ep_bytes_out += fr->nbytes;
-    s->ep_rows_out += n;
+    s->ep.bytes_out += fr->nbytes;
+    s->ep.rows_out += n;
 }
 
 void send_weights(srv_t *s, worker_t *w)
@@ -325,10 +325,10 @@ void send_weights(srv_t *s, worker_t *w)
     } else {
         long rows;
         n = psd_hold_reply(&s->holder, &w->push, fr, &wt.crc, &rows);
-        for (int i = 0; i < n; i++) s->ep_bytes_out += fr[i].nbytes;
+        for (int i = 0; i < n; i++) s->ep.bytes_out += fr[i].nbytes;
         if (rows >= 0) {
-            s->ep_rows_out += (uint64_t)rows;
-            s->ep_rows_replies++;
+            s->ep.rows_out += (uint64_t)rows;
+            s->ep.rows_replies++;
             wt.rows = true;
         }
     }
@@ -384,7 +384,7 @@ void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int 
     fr[n] = fr[n - 1];
     fr[n - 1] = (ps_frame_t){.data = ids, .nbytes = k * sizeof *ids, .id = (uint32_t)s->layout.table,
                              .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)k};
-    s->ep_bytes_out += k * sizeof *ids;
+    s->ep.bytes_out += k * sizeof *ids;
     v->rows = true;
     v->crc = 0;
     send_copied(s, w, h, fr, n + 1);

@@ -8,9 +8,9 @@
 static void stream_weights(srv_t *s)
 {
     uint64_t total = 0;
-    for (int j = 0; j < s->st_k; j++) total += s->w[s->st_mem[j]].push_batch;
-    for (int j = 0; j < s->st_k; j++) {
-        const worker_t *w = &s->w[s->st_mem[j]];
+    for (int j = 0; j < s->st.k; j++) total += s->w[s->st.mem[j]].push_batch;
+    for (int j = 0; j < s->st.k; j++) {
+        const worker_t *w = &s->w[s->st.mem[j]];
         s->step_wt[j] = (double)w->push_batch / (double)total;
         s->step_bf16[j] = wire_bf16(s, w);
     }
@@ -21,17 +21,17 @@ static void stream_weights(srv_t *s)
  * that completes it (--x-verify-weights). */
 static void stream_send(srv_t *s, worker_t *w, psd_arena_t *a, bool complete)
 {
-    if (w->st_sent == s->st_n_tord) return;
+    if (w->st_sent == s->st.n_tord) return;
     ps_frame_t fr[PS_MAX_TENSORS];
     int n = 0;
-    for (; w->st_sent < s->st_n_tord; w->st_sent++, n++) {
-        psd_store_tensor_frame(&s->store, a, s->st_tord[w->st_sent], &fr[n]);
-        s->ep_bytes_out += fr[n].nbytes;
+    for (; w->st_sent < s->st.n_tord; w->st_sent++, n++) {
+        psd_store_tensor_frame(&s->store, a, s->st.tord[w->st_sent], &fr[n]);
+        s->ep.bytes_out += fr[n].nbytes;
     }
     Psd__Header h;
     Psd__Weights wt = PSD__WEIGHTS__INIT;
     hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_WEIGHTS);
-    wt.version = s->st_open ? s->store.cur->version + 1 : s->store.cur->version;
+    wt.version = s->st.open ? s->store.cur->version + 1 : s->store.cur->version;
     wt.step = s->step + 1;
     wt.parts = (uint32_t)s->layout.n_tensors;
     if (complete && s->opts.verify_weights) wt.crc = psd_store_current_crc(&s->store);
@@ -44,8 +44,8 @@ static void stream_send(srv_t *s, worker_t *w, psd_arena_t *a, bool complete)
 static void stream_made(srv_t *s, int c)
 {
     int t = s->store.chunks[c].t;
-    s->st_n_made++;
-    if (++s->st_tmade[t] == s->st_tchunks[t]) s->st_tord[s->st_n_tord++] = t;
+    s->st.n_made++;
+    if (++s->st.tmade[t] == s->st.tchunks[t]) s->st.tord[s->st.n_tord++] = t;
 }
 
 /* The step's contributors are every worker that began its push; they are
@@ -58,12 +58,12 @@ static bool stream_open(srv_t *s)
         finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return false;
     }
-    s->st_next = next;
-    s->st_open = true;
-    s->st_k = 0;
+    s->st.next = next;
+    s->st.open = true;
+    s->st.k = 0;
     for (int i = 0; i < s->n; i++)
         if (s->w[i].push_started) {
-            s->st_mem[s->st_k++] = i;
+            s->st.mem[s->st.k++] = i;
             s->w[i].st_member = true;
         }
     stream_weights(s);
@@ -73,7 +73,7 @@ static bool stream_open(srv_t *s)
 
 /* No chunk of the streamed step under way has taken it yet: with clipping
  * none does before the whole gradient's norm is known. */
-static bool stream_none_applied(const srv_t *s) { return s->cfg.clip_norm > 0 || s->st_n_done == 0; }
+static bool stream_none_applied(const srv_t *s) { return s->cfg.clip_norm > 0 || s->st.n_done == 0; }
 
 /* w, a contributor lost before any chunk took the step, with others left:
  * whether its batch is trained depends on whether the step is taken, so it
@@ -82,22 +82,22 @@ static bool stream_none_applied(const srv_t *s) { return s->cfg.clip_norm > 0 ||
 static void set_aside(void *ud, uint64_t p)
 {
     srv_t *s = ud;
-    s->st_lost_pos[s->st_lost_n++] = p;
+    s->st.lost_pos[s->st.lost_n++] = p;
 }
 
 static int stream_set_lost_aside(srv_t *s, worker_t *w)
 {
-    size_t need = s->st_lost_n + w->push_batch;
-    if (need > s->st_lost_cap) { /* only when a contributor is lost: never per step */
-        uint64_t *p = realloc(s->st_lost_pos, need * sizeof *p);
+    size_t need = s->st.lost_n + w->push_batch;
+    if (need > s->st.lost_cap) { /* only when a contributor is lost: never per step */
+        uint64_t *p = realloc(s->st.lost_pos, need * sizeof *p);
         if (!p) return -1;
-        s->st_lost_pos = p;
-        s->st_lost_cap = need;
+        s->st.lost_pos = p;
+        s->st.lost_cap = need;
     }
     psd_share_walk(&w->share, w->share.consumed, w->push_batch, set_aside, s);
     w->share.consumed += w->push_batch;
-    s->st_lost_loss += w->push_loss;
-    s->st_lost_correct += w->push_correct;
+    s->st.lost_loss += w->push_loss;
+    s->st.lost_correct += w->push_correct;
     return 0;
 }
 
@@ -105,18 +105,18 @@ static int stream_set_lost_aside(srv_t *s, worker_t *w)
  * was taken (their gradients are in it), else they are handed out again. */
 static void stream_settle_lost(srv_t *s)
 {
-    if (s->st_lost_n == 0) return;
-    if (s->st_void) {
+    if (s->st.lost_n == 0) return;
+    if (s->st.voided) {
         PS_WARN("the streamed step took no step: the %zu samples of the contributors lost in it are trained again",
-                s->st_lost_n);
-        hand_out(s, s->st_lost_pos, s->st_lost_n, "the lost contributors'");
+                s->st.lost_n);
+        hand_out(s, s->st.lost_pos, s->st.lost_n, "the lost contributors'");
     } else {
-        for (size_t i = 0; i < s->st_lost_n; i++) psd_samples_mark(&s->smp, s->st_lost_pos[i]);
-        count_trained(s, s->st_lost_n, s->st_lost_loss, s->st_lost_correct);
+        for (size_t i = 0; i < s->st.lost_n; i++) psd_samples_mark(&s->smp, s->st.lost_pos[i]);
+        count_trained(s, s->st.lost_n, s->st.lost_loss, s->st.lost_correct);
     }
-    s->st_lost_n = 0;
-    s->st_lost_loss = 0;
-    s->st_lost_correct = 0;
+    s->st.lost_n = 0;
+    s->st.lost_loss = 0;
+    s->st.lost_correct = 0;
 }
 
 /* Step every chunk that every contributor has sent; send the new values to
@@ -125,74 +125,74 @@ static void stream_settle_lost(srv_t *s)
 void stream_progress(srv_t *s)
 {
     const bool clip = s->cfg.clip_norm > 0;
-    if (!s->st_open) { /* every worker training must have begun its push */
+    if (!s->st.open) { /* every worker training must have begun its push */
         int k = 0;
         for (int i = 0; i < s->n; i++) {
             if (s->w[i].push_started) k++;
             else if (s->w[i].state == W_TRAIN) return;
         }
         if (k == 0) return;
-        s->st_k = k;
-        s->st_rescan = true;
+        s->st.k = k;
+        s->st.rescan = true;
     }
-    if (s->st_rescan) { /* once per step (and per contributor lost); then stream_take queues them */
-        s->st_rq_head = s->st_rq_tail = 0;
-        for (int c = 0; c < s->st_nc; c++)
-            if (!s->st_done[c] && s->st_have[c] == s->st_k) s->st_rq[s->st_rq_tail++] = c;
-        s->st_rescan = false;
+    if (s->st.rescan) { /* once per step (and per contributor lost); then stream_take queues them */
+        s->st.rq_head = s->st.rq_tail = 0;
+        for (int c = 0; c < s->st.nc; c++)
+            if (!s->st.done[c] && s->st.have[c] == s->st.k) s->st.rq[s->st.rq_tail++] = c;
+        s->st.rescan = false;
     }
-    if (s->st_open && s->st_k == 0) { /* every contributor was lost: the rest take no step */
+    if (s->st.open && s->st.k == 0) { /* every contributor was lost: the rest take no step */
         if (stream_none_applied(s)) { /* nor did any chunk */
             psd_store_stream_void(&s->store);
-            s->st_void = true;
+            s->st.voided = true;
         }
-        for (int c = 0; c < s->st_nc; c++) {
-            if (s->st_done[c] && !clip) continue;
-            psd_store_stream_keep(&s->store, s->st_next, c);
-            s->st_done[c] = 1;
+        for (int c = 0; c < s->st.nc; c++) {
+            if (s->st.done[c] && !clip) continue;
+            psd_store_stream_keep(&s->store, s->st.next, c);
+            s->st.done[c] = 1;
             stream_made(s, c);
         }
-        s->st_n_done = s->st_nc;
-        s->st_rq_head = s->st_rq_tail = 0; /* kept: none of them is stepped (with no contributor) */
+        s->st.n_done = s->st.nc;
+        s->st.rq_head = s->st.rq_tail = 0; /* kept: none of them is stepped (with no contributor) */
     }
     for (;;) {
         int m = 0;
-        while (s->st_rq_head < s->st_rq_tail && m < ST_BATCH) s->st_ready[m++] = s->st_rq[s->st_rq_head++];
+        while (s->st.rq_head < s->st.rq_tail && m < ST_BATCH) s->st.ready[m++] = s->st.rq[s->st.rq_head++];
         if (m == 0) break;
-        if (!s->st_open && !stream_open(s)) return;
+        if (!s->st.open && !stream_open(s)) return;
         for (int j = 0; j < m; j++) {
-            int c = s->st_ready[j];
-            for (int k = 0; k < s->st_k; k++) {
-                const worker_t *w = &s->w[s->st_mem[k]];
-                s->st_src[(size_t)j * (size_t)s->st_k + (size_t)k] =
+            int c = s->st.ready[j];
+            for (int k = 0; k < s->st.k; k++) {
+                const worker_t *w = &s->w[s->st.mem[k]];
+                s->st.src[(size_t)j * (size_t)s->st.k + (size_t)k] =
                     w->gch_in[c] == 2 ? (const void *)(w->shm_grad + s->store.chunks[c].off)
                                       : (const void *)zmq_msg_data(&w->gch[c]);
             }
         }
-        psd_store_stream_chunks(&s->store, s->st_next, s->st_ready, m, s->st_k, s->st_src, s->step_bf16, s->step_wt,
+        psd_store_stream_chunks(&s->store, s->st.next, s->st.ready, m, s->st.k, s->st.src, s->step_bf16, s->step_wt,
                                 clip, s->lr);
         for (int j = 0; j < m; j++) {
-            int c = s->st_ready[j];
-            s->st_done[c] = 1;
-            s->st_n_done++;
+            int c = s->st.ready[j];
+            s->st.done[c] = 1;
+            s->st.n_done++;
             if (!clip) stream_made(s, c);
-            for (int k = 0; k < s->st_k; k++) { /* its frames are no longer needed */
-                worker_t *w = &s->w[s->st_mem[k]];
+            for (int k = 0; k < s->st.k; k++) { /* its frames are no longer needed */
+                worker_t *w = &s->w[s->st.mem[k]];
                 if (w->gch_in[c] == 1) zmq_msg_close(&w->gch[c]);
                 w->gch_in[c] = 3;
             }
         }
     }
-    if (!s->st_open) return;
-    if (clip && s->st_n_made == 0 && s->st_n_done == s->st_nc) { /* the global norm is known: apply */
-        psd_store_stream_apply(&s->store, s->st_next, s->cfg.clip_norm, s->lr);
-        for (int c = 0; c < s->st_nc; c++) stream_made(s, c);
+    if (!s->st.open) return;
+    if (clip && s->st.n_made == 0 && s->st.n_done == s->st.nc) { /* the global norm is known: apply */
+        psd_store_stream_apply(&s->store, s->st.next, s->cfg.clip_norm, s->lr);
+        for (int c = 0; c < s->st.nc; c++) stream_made(s, c);
     }
-    psd_arena_t *a = s->st_next;
-    bool complete = s->st_n_made == s->st_nc;
+    psd_arena_t *a = s->st.next;
+    bool complete = s->st.n_made == s->st.nc;
     if (complete) {
         psd_store_stream_end(&s->store, a);
-        s->st_open = false;
+        s->st.open = false;
     }
     for (int i = 0; i < s->n; i++)
         if (s->w[i].st_req && s->w[i].state != W_GONE) stream_send(s, &s->w[i], a, complete);
@@ -200,15 +200,15 @@ void stream_progress(srv_t *s)
     uint64_t total = 0;
     for (int i = 0; i < s->n; i++)
         if (s->w[i].has_push) total += s->w[i].push_batch;
-    memset(s->st_have, 0, (size_t)s->st_nc * sizeof *s->st_have);
-    memset(s->st_done, 0, (size_t)s->st_nc);
-    s->st_n_done = s->st_n_made = s->st_n_tord = 0;
-    s->st_rq_head = s->st_rq_tail = 0;
-    memset(s->st_tmade, 0, sizeof s->st_tmade);
+    memset(s->st.have, 0, (size_t)s->st.nc * sizeof *s->st.have);
+    memset(s->st.done, 0, (size_t)s->st.nc);
+    s->st.n_done = s->st.n_made = s->st.n_tord = 0;
+    s->st.rq_head = s->st.rq_tail = 0;
+    memset(s->st.tmade, 0, sizeof s->st.tmade);
     stream_settle_lost(s);
     if (total > 0) account_step(s, total, NULL); /* none: every contributor was lost (counted then) */
-    step_done(s, !s->st_void);
-    s->st_void = false;
+    step_done(s, !s->st.voided);
+    s->st.voided = false;
     raise_event(s, PSD_EV_STEP_APPLIED);
 }
 
@@ -226,29 +226,29 @@ void stream_progress(srv_t *s)
 void stream_forget(srv_t *s, worker_t *w)
 {
     if (!w->gch) return;
-    for (int c = 0; c < s->st_nc; c++)
-        if ((w->gch_in[c] == 1 || w->gch_in[c] == 2) && !s->st_done[c]) s->st_have[c]--;
+    for (int c = 0; c < s->st.nc; c++)
+        if ((w->gch_in[c] == 1 || w->gch_in[c] == 2) && !s->st.done[c]) s->st.have[c]--;
     if (!w->st_member) return;
-    if (s->st_k == 1 && stream_none_applied(s))
+    if (s->st.k == 1 && stream_none_applied(s))
         PS_WARN("rank %u, the last contributor of a streamed step, was lost in the middle of it, before any chunk "
                 "took the step: no step is taken, and its batch of %u is still to be trained", w->rank,
                 w->push_batch);
     else if (stream_none_applied(s)) { /* reduced into some chunks, applied only if the step is taken */
         PS_WARN("rank %u was lost in the middle of a streamed step, before any chunk took the step: its gradient is in "
                 "%d of %d chunks, the others go on without it; its batch of %u counts as trained if the step is taken, "
-                "else it is trained again", w->rank, s->st_n_done, s->st_nc, w->push_batch);
+                "else it is trained again", w->rank, s->st.n_done, s->st.nc, w->push_batch);
         if (stream_set_lost_aside(s, w) != 0) finish(s, PSD_EXIT_ERROR, "psd out of memory");
     } else {
         PS_WARN("rank %u was lost in the middle of a streamed step: its gradient is in %d of %d chunks, the others "
-                "are stepped without it; its batch of %u counts as trained", w->rank, s->st_n_done, s->st_nc,
+                "are stepped without it; its batch of %u counts as trained", w->rank, s->st.n_done, s->st.nc,
                 w->push_batch);
         account_batch(s, w);
     }
     int k = 0;
-    for (int j = 0; j < s->st_k; j++)
-        if (&s->w[s->st_mem[j]] != w) s->st_mem[k++] = s->st_mem[j];
-    s->st_k = k;
-    s->st_rescan = true;
+    for (int j = 0; j < s->st.k; j++)
+        if (&s->w[s->st.mem[j]] != w) s->st.mem[k++] = s->st.mem[j];
+    s->st.k = k;
+    s->st.rescan = true;
     w->st_member = false;
     if (k > 0) stream_weights(s);
 }
@@ -263,7 +263,7 @@ int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
         drop(s, w, "streamed PUSH before its assignment");
         return -1;
     }
-    if (s->st_open && !w->st_member) {
+    if (s->st.open && !w->st_member) {
         drop(s, w, "PUSH for a step it is not part of");
         return -1;
     }
@@ -271,7 +271,7 @@ int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
     for (size_t i = 0; i < p->n_shm_tensors; i++) {
         uint32_t t = p->shm_tensors[i];
         bool bad = t >= (uint32_t)l->n_tensors || (in_shm & (1ull << t)); /* every chunk of it still to come */
-        for (int c = bad ? 0 : s->st_tfirst[t], e = bad ? 0 : c + s->st_tchunks[t]; c < e && !bad; c++)
+        for (int c = bad ? 0 : s->st.tfirst[t], e = bad ? 0 : c + s->st.tchunks[t]; c < e && !bad; c++)
             bad = w->gch_in[c] != 0;
         if (bad) {
             drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
@@ -285,10 +285,10 @@ int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
         const Psd__TensorDesc *d = m->hdr->tensors[i];
         size_t n = 0;
         bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
-        int c = ok && d->id < (uint32_t)l->n_tensors ? ps_chunk_find(l, s->st_cf, (int)d->id, d->offset, n) : -1;
+        int c = ok && d->id < (uint32_t)l->n_tensors ? ps_chunk_find(l, s->st.cf, (int)d->id, d->offset, n) : -1;
         if (c < 0) {
             drop(s, w, "PUSH frame %d is no chunk of the model (tensor %u, %zu %s at %" PRIu64
-                 "; train.stream: chunks of %zu)", i, d->id, n, bf16 ? "bf16" : "f32", d->offset, s->st_cf);
+                 "; train.stream: chunks of %zu)", i, d->id, n, bf16 ? "bf16" : "f32", d->offset, s->st.cf);
             return -1;
         }
         bool dup = w->gch_in[c] != 0 || (in_shm & (1ull << d->id)); /* not twice, nor also in shared memory */
@@ -301,20 +301,20 @@ int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
     }
     for (int t = 0; t < l->n_tensors; t++) {
         if (!(in_shm & (1ull << t))) continue;
-        for (int c = s->st_tfirst[t], e = c + s->st_tchunks[t]; c < e; c++) {
+        for (int c = s->st.tfirst[t], e = c + s->st.tchunks[t]; c < e; c++) {
             w->gch_in[c] = 2;
             w->n_gch++;
-            if (++s->st_have[c] == s->st_k && s->st_open) s->st_rq[s->st_rq_tail++] = c;
+            if (++s->st.have[c] == s->st.k && s->st.open) s->st.rq[s->st.rq_tail++] = c;
         }
     }
     for (int i = 0; i < m->n_frames; i++) {
         int c = cs[i];
-        s->ep_bytes_in += zmq_msg_size(&m->frames[i]);
+        s->ep.bytes_in += zmq_msg_size(&m->frames[i]);
         zmq_msg_init(&w->gch[c]);
         zmq_msg_move(&w->gch[c], &m->frames[i]);
         w->gch_in[c] = 1;
         w->n_gch++;
-        if (++s->st_have[c] == s->st_k && s->st_open) s->st_rq[s->st_rq_tail++] = c;
+        if (++s->st.have[c] == s->st.k && s->st.open) s->st.rq[s->st.rq_tail++] = c;
     }
     if (p->pull && !w->shm && s->cfg.wire_weights == PS_WIRE_F32) w->st_req = true;
     return 0;

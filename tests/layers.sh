@@ -2,18 +2,24 @@
 # Which file of psd's server calls which: the edges between server/*.c
 # (from the compiled objects' symbols: each undefined function of a file and
 # the file that defines it), and the circles among them (files that call
-# each other, directly or around). A layered server has no circle.
-#   bash tests/layers.sh [BUILD_DIR]     (default build/)
+# each other, directly or around). A layered server has no circle: a
+# message's calls from the dispatch to its reply only ever go down, never
+# back into a file they left.
+#   bash tests/layers.sh [--check] [BUILD_DIR]     (default build/)
 # Prints the edges, then "circle: a b c" for each set of files that call
-# each other; exit 0 either way (a map, not a test).
+# each other, or "no circle". With --check (the "server-layers" test) it exits 1
+# on a circle, or when psd_shard.c (shards 1..n-1) includes or calls
+# anything of the coordinator's (psd_core.h, psd_server.h, psd_server.c).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+CHECK=0
+if [ "${1:-}" = "--check" ]; then CHECK=1; shift; fi
 B=${1:-build}
 OBJ="$B/libpsdserver.a.p"
 [ -d "$OBJ" ] || { echo "layers: no $OBJ (build first: ninja -C $B)" >&2; exit 2; }
-python3 - "$OBJ" <<'PY'
+python3 - "$OBJ" "$CHECK" <<'PY'
 import collections, glob, os, subprocess, sys
-obj = sys.argv[1]
+obj, check = sys.argv[1], sys.argv[2] == "1"
 defs, uses = {}, collections.defaultdict(set)
 for o in sorted(glob.glob(os.path.join(obj, "server_*.c.o"))):
     f = os.path.basename(o)[len("server_"):-len(".o")]
@@ -52,4 +58,12 @@ for c in out:
     print("circle:", " ".join(c))
 if not out:
     print("no circle")
+bad = sorted(g for g in edges.get("psd_shard.c", ()) if g in ("psd_server.c", "psd_run.c", "psd_peers.c"))
+if bad:
+    print("psd_shard.c calls the coordinator's", " ".join(bad))
+sys.exit(1 if check and (out or bad) else 0)
 PY
+if [ "$CHECK" = 1 ] && grep -nE '#include "(psd_core|psd_server)\.h"' server/psd_shard.c; then
+    echo "psd_shard.c includes the coordinator's header" >&2
+    exit 1
+fi
