@@ -26,7 +26,9 @@
  *
  * Ownership: one srv_t per psd process, made and freed by psd_server_run;
  * everything in it belongs to the loop thread. Its parts (net, sh, ck, ep,
- * st, smp, holder, ...) are each written by the file named at their type. */
+ * st, smp, holder, ...) each belong to the file named at their type, which
+ * sets them up and resets them; other files read them and set the few
+ * fields noted there. */
 #ifndef PSD_CORE_H
 #define PSD_CORE_H
 
@@ -199,7 +201,8 @@ typedef struct {
     bool conn_closed;     /* that connection closed: the run stops at the next tick */
 } shard_t;
 
-/* The parts of srv_t, each written by one file (others read it). */
+/* The parts of srv_t, each kept by the file named (it sets the part up and
+ * resets it; the fields other files set are noted). */
 
 /* The sockets and the loop, and the hygiene of what comes in (psd_server.c;
  * psd_peers.c sends and drops through it). */
@@ -237,7 +240,10 @@ typedef struct {
 } psd_net_part_t;
 
 /* psd shards (--shard 0/n) as shard 0 sees them: this psd coordinates,
- * shards 1..n-1 hold the other parts of the parameters (psd_shard0.c). */
+ * shards 1..n-1 hold the other parts of the parameters (psd_shard0.c;
+ * psd_run.c sets the resume fields, which a single psd's --resume uses
+ * too, and the shards' resumed/ck_acked; psd_push.c and psd_step.c their
+ * norm_in; psd_server.c their joined/conn_closed). */
 typedef struct {
     int n;                /* shards; 1: one psd */
     shard_t shard[PS_MAX_SHARDS];
@@ -261,7 +267,8 @@ typedef struct {
 } psd_shards_part_t;
 
 /* Checkpoints: the one being written and those asked for meanwhile
- * (psd_run.c). */
+ * (psd_run.c; psd_server.c's stop and psctl set stop_when_written, again,
+ * ctl_wait; a diverged step clears deferred). */
 typedef struct {
     psd_ckpt_writer_t *writer;
     /* the checkpoint being taken: step, version; with psd shards, shard 0's
@@ -293,8 +300,9 @@ typedef struct {
     int n_ctl_wait;
 } psd_ckpt_part_t;
 
-/* This epoch's statistics: reset by psd_run.c when it begins, counted by
- * the step's files (psd_step.c, psd_push.c, psd_give.c). */
+/* This epoch's statistics: reset by psd_run.c when it begins (and set by a
+ * resume), counted by the step's files (psd_step.c, psd_push.c,
+ * psd_stream.c, psd_give.c). */
 typedef struct {
     double loss;
     uint64_t correct, samples;
@@ -506,7 +514,6 @@ void send_resume(srv_t *s, int j);
 void shards_go(srv_t *s);
 
 /* psd_push.c: pushes, pulls, the shards' HAVE and NORM, the decision to step */
-int want_take(srv_t *s, worker_t *w, ps_msg_t *m);
 bool push_check(const srv_t *s, worker_t *w);
 void maybe_step(srv_t *s);
 void on_pull(srv_t *s, worker_t *w, ps_msg_t *m);

@@ -160,8 +160,8 @@ int psd_push_take(psd_hold_t *h, psd_push_t *p, ps_msg_t *m, bool bf16, uint64_t
     }
     if (pu->want_rows) {
         if (!pu->pull) {
-            snprintf(why, why_len, "asking for table rows that are not rows of %s without asking for the next "
-                     "version", rows_of(h));
+            snprintf(why, why_len, "asking for table rows that are not rows of %s, or without asking for the "
+                     "next version (pull)", rows_of(h));
             return -1;
         }
         if (psd_want_take(h, p, m, h->batch_rows, why, why_len) != 0) return -1;

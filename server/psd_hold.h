@@ -1,6 +1,6 @@
 /* psd_hold.h - the parameter holder: a psd's piece of every tensor (its
  * psd_store_t: all of them for one psd, ps_shard_pieces for a psd shard)
- * and its contributors' pushes. Shard 0 (psd_step.c, psd_stream.c) and the
+ * and its contributors' pushes. Shard 0 (psd_push.c, psd_step.c) and the
  * other psd shards (psd_shard.c) hold their parameters through these
  * functions alone, so that every shard count takes the same steps:
  *

@@ -6,6 +6,10 @@
  * these, and these call none of them. */
 #include "psd_core.h"
 
+const double hist_le[PSD_HIST_N] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5};
+const char *const wstate_name[] = {"assigned", "ready",      "training", "at barrier",
+                                   "validating", "validated", "gone"};
+
 /* Slot of a peer: the one with that identity. A worker that rejoins keeps
  * its identity and gets another slot (or its own back); on_register makes
  * any other slot forget the identity, so that there is one. */

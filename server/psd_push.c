@@ -10,7 +10,7 @@
 /* The last frame of a PULL (or a PUSH) with want_rows: the table rows the
  * worker's next batch reads, kept for the reply (psd_want_take). 0, or -1
  * (dropped, logged). */
-int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
+static int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     char why[256];
     if (psd_want_take(&s->holder, &w->push, m, s->holder.batch_rows, why, sizeof why) != 0) {

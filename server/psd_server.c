@@ -1,11 +1,13 @@
-/* psd_server.c - the run coordinator of psd.
+/* psd_server.c - the shell of psd's run coordinator (the files below it:
+ * psd_core.h).
  *
  * One thread. A libuv loop watches the ROUTER socket's ZMQ_FD (edge
  * triggered: every wake-up drains while ZMQ_EVENTS says readable, and every
  * callback that sent something drains again), a 100 ms timer enforces every
  * deadline and polls the checkpoint writer, and signal handles stop the run
- * cleanly. The parameter store (psd_store.c) holds weights and optimizer
- * state; this file decides who does what when.
+ * cleanly. This file sets it all up, dispatches each message to the file
+ * whose concern it is (psd_run.c decides who does what when), cuts off
+ * peers that send bad messages, and answers psctl.
  *
  * Workers come and go: a worker psd waits for that stays silent past
  * worker_timeout (plus, for a large model, the time a message of the whole
@@ -21,9 +23,6 @@
 #include "psd_core.h"
 #include "psd_status.h"
 
-const double hist_le[PSD_HIST_N] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5};
-const char *const wstate_name[] = {"assigned", "ready",      "training", "at barrier",
-                                   "validating", "validated", "gone"};
 
 static void on_control(srv_t *s, ps_msg_t *m);
 static void request_stop(srv_t *s, int signum, const char *what);
@@ -553,6 +552,7 @@ static void on_signal(uv_signal_t *h, int signum)
     if (signum == SIGUSR1) {
         PS_INFO("received SIGUSR1: writing a checkpoint");
         take_checkpoint(s, false);
+        run_events(s);
         drain(s);
         return;
     }
@@ -562,6 +562,7 @@ static void on_signal(uv_signal_t *h, int signum)
         return;
     }
     request_stop(s, signum, strsignal(signum));
+    run_events(s);
     drain(s);
 }
 

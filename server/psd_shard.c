@@ -793,7 +793,9 @@ static int drain_sock(shard_t *s, void *sock, bool router)
 static void drain_all(shard_t *s)
 {
     while (!s->done) {
-        bool any = drain_sock(s, s->leader, false) + drain_sock(s, s->router, true) > 0;
+        int got = drain_sock(s, s->leader, false); /* shard 0's first, as ever */
+        got += s->done ? 0 : drain_sock(s, s->router, true);
+        bool any = got > 0;
         if (!s->done && s->ckpt && psd_ckpt_done(s->ckpt)) { /* its part written: shard 0 told at once */
             ckpt_finish(s, false);
             any = true;
@@ -819,6 +821,10 @@ static void on_tick(uv_timer_t *t)
     shard_t *s = t->data;
     const ps_config_t *c = &s->cfg;
     const int shard = s->opts.shard;
+    if (s->done) { /* stopped in this pass of the loop already: nothing more is handled */
+        uv_stop(&s->loop);
+        return;
+    }
     /* a signal (Ctrl-C, SLURM's preemption) usually reaches every psd:
      * shard 0 checkpoints and ends the run, this one waits for that;
      * a second signal, or none of that within worker_timeout, stops it
@@ -833,7 +839,7 @@ static void on_tick(uv_timer_t *t)
         (s->stop_count > 1 || !s->joined || (!s->run_ending && ps_now() - s->stop_at > c->worker_timeout))) {
         char why[96];
         snprintf(why, sizeof why, "shard %d was stopped (%s)", shard, strsignal(s->stop_signal));
-        fail(s, why);
+        fail(s, why); /* done */
         s->exit_code = 128 + s->stop_signal;
         uv_stop(&s->loop);
         return;
@@ -849,6 +855,7 @@ static void on_tick(uv_timer_t *t)
         if (now - s->start > c->start_timeout) {
             PS_ERROR("shard %d: shard 0 at %s did not answer in %.0f s", shard, s->opts.leader, c->start_timeout);
             s->exit_code = PSD_EXIT_START_TIMEOUT;
+            s->done = true;
             uv_stop(&s->loop);
             return;
         }
@@ -870,6 +877,7 @@ static void on_tick(uv_timer_t *t)
                 PS_ERROR("shard %d: nothing from shard 0 for %.1f s: it is gone; stopping", shard,
                          now - s->leader_seen);
             s->exit_code = PSD_EXIT_SHARD_LOST;
+            s->done = true;
             uv_stop(&s->loop);
             return;
         }
@@ -891,7 +899,7 @@ static void on_signal(uv_signal_t *h, int signum)
 {
     shard_t *s = h->data;
     int n = ps_stop_signal_note(signum); /* 0: the first one again at once (timeout(1)) */
-    if (n == 0) return;
+    if (n == 0 || s->done) return;
     s->stop_signal = signum;
     s->stop_count = n;
     on_tick(&s->timer); /* at once, not at the next tick */
@@ -903,21 +911,21 @@ static void close_cb(uv_handle_t *h) { (void)h; }
  * not be set up (logged). */
 static int run_loop(shard_t *s)
 {
-    int fl = 0, fr = 0;
-    size_t len = sizeof fl;
-    zmq_getsockopt(s->leader, ZMQ_FD, &fl, &len);
-    len = sizeof fr;
-    zmq_getsockopt(s->router, ZMQ_FD, &fr, &len);
-    if (uv_loop_init(&s->loop) != 0) {
+    int fl = -1, fr = -1;
+    size_t len = sizeof fl, len2 = sizeof fr;
+    if (zmq_getsockopt(s->leader, ZMQ_FD, &fl, &len) != 0 || zmq_getsockopt(s->router, ZMQ_FD, &fr, &len2) != 0 ||
+        uv_loop_init(&s->loop) != 0) {
         PS_ERROR("shard %d: cannot start its event loop", s->opts.shard);
         return -1;
     }
+    if (uv_poll_init(&s->loop, &s->poll_leader, fl) != 0 || uv_poll_init(&s->loop, &s->poll_router, fr) != 0 ||
+        uv_timer_init(&s->loop, &s->timer) != 0 || uv_signal_init(&s->loop, &s->sigint) != 0 ||
+        uv_signal_init(&s->loop, &s->sigterm) != 0) { /* none of these fails on Linux but for a bad fd */
+        PS_ERROR("shard %d: cannot watch its sockets", s->opts.shard);
+        uv_loop_close(&s->loop);
+        return -1;
+    }
     s->loop_open = true;
-    uv_poll_init(&s->loop, &s->poll_leader, fl);
-    uv_poll_init(&s->loop, &s->poll_router, fr);
-    uv_timer_init(&s->loop, &s->timer);
-    uv_signal_init(&s->loop, &s->sigint);
-    uv_signal_init(&s->loop, &s->sigterm);
     s->poll_leader.data = s->poll_router.data = s->timer.data = s->sigint.data = s->sigterm.data = s;
     uv_poll_start(&s->poll_leader, UV_READABLE, on_poll);
     uv_poll_start(&s->poll_router, UV_READABLE, on_poll);
@@ -1067,9 +1075,13 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if (run_loop(s) != 0) goto out;
     code = s->exit_code;
 out:
+    /* a checkpoint being written is finished first (shard 0 did not wait for it: the run ended), while
+     * a signal is still only noted (the loop's handles hold them); then they are ignored: closing the
+     * last uv_signal handle restores SIG_DFL, which would end the shard in its last second */
+    if (ckpt_finish(s, true) != 0 && code == 0) code = PSD_EXIT_ERROR;
     close_loop(s);
-    if (ckpt_finish(s, true) != 0 && code == 0) /* a checkpoint being written is finished first */
-        code = PSD_EXIT_ERROR;                   /* (shard 0 did not wait for it: the run ended) */
+    signal(SIGINT, SIG_IGN);
+    signal(SIGTERM, SIG_IGN);
     for (int r = 0; s->w && s->hold.sp_free && r < SHARD_MAX_WORKERS; r++) {
         release(s, &s->w[r]);
         psd_push_free(&s->w[r].push);

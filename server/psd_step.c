@@ -1,7 +1,8 @@
-/* psd_step.c - the steps: push intake (whole, in parts, rows of the
- * table), pull answers (bsp, async, ssp's hold-back), the reduction and the
- * optimizer step over psd's part of the parameters, and the weights
- * replies. */
+/* psd_step.c - the step: the contributors' reduction and the optimizer
+ * over psd's part of the parameters (through the holder, psd_hold.h), the
+ * shards told to take the same step, its accounting (samples trained, the
+ * loss, divergence, the curve), pull answers (bsp, async, ssp's hold-back)
+ * and the weights replies. Push intake is psd_push.c's. */
 #include "psd_core.h"
 
 /* ssp: w may not train its next step before the slowest (clock m) catches

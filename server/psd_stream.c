@@ -49,7 +49,7 @@ static void stream_made(srv_t *s, int c)
 }
 
 /* The step's contributors are every worker that began its push; they are
- * fixed from here, and the next version is built in st_next. */
+ * fixed from here, and the next version is built in st.next. */
 static bool stream_open(srv_t *s)
 {
     psd_arena_t *next = psd_store_stream_begin(&s->store);

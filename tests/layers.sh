@@ -7,9 +7,11 @@
 # back into a file they left.
 #   bash tests/layers.sh [--check] [BUILD_DIR]     (default build/)
 # Prints the edges, then "circle: a b c" for each set of files that call
-# each other, or "no circle". With --check (the "server-layers" test) it exits 1
-# on a circle, or when psd_shard.c (shards 1..n-1) includes or calls
-# anything of the coordinator's (psd_core.h, psd_server.h, psd_server.c).
+# each other, or "no circle", and each use of a layer above (the order in
+# psd_core.h). With --check (the "server-layers" test) it exits 1 on a
+# circle, a use of a layer above, or psd_shard.c (shards 1..n-1) including
+# or using anything of the coordinator's. Functions and data (tables,
+# names) count alike.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CHECK=0
@@ -25,7 +27,7 @@ for o in sorted(glob.glob(os.path.join(obj, "server_*.c.o"))):
     f = os.path.basename(o)[len("server_"):-len(".o")]
     for line in subprocess.run(["nm", o], capture_output=True, text=True, check=True).stdout.splitlines():
         p = line.split()
-        if len(p) == 3 and p[1] == "T":
+        if len(p) == 3 and p[1] in "TDRB":  # functions, and data (tables, names)
             defs[p[2]] = f
         elif len(p) == 2 and p[0] == "U":
             uses[f].add(p[1])
@@ -58,10 +60,18 @@ for c in out:
     print("circle:", " ".join(c))
 if not out:
     print("no circle")
-bad = sorted(g for g in edges.get("psd_shard.c", ()) if g in ("psd_server.c", "psd_run.c", "psd_peers.c"))
+# the coordinator's files, top to bottom (psd_core.h): a file may use only
+# those after it in this list
+order = ["psd_server.c", "psd_run.c", "psd_shard0.c", "psd_push.c", "psd_stream.c", "psd_step.c", "psd_give.c",
+         "psd_peers.c"]
+up = [(f, g) for f in order for g in sorted(edges.get(f, ())) if g in order and order.index(g) < order.index(f)]
+for f, g in up:
+    print(f"up: {f} uses {g}, a layer above it")
+coord = set(order) | {"psd_status.c"}
+bad = sorted(g for g in edges.get("psd_shard.c", ()) if g in coord)
 if bad:
-    print("psd_shard.c calls the coordinator's", " ".join(bad))
-sys.exit(1 if check and (out or bad) else 0)
+    print("psd_shard.c uses the coordinator's", " ".join(bad))
+sys.exit(1 if check and (out or up or bad) else 0)
 PY
 if [ "$CHECK" = 1 ] && grep -nE '#include "(psd_core|psd_server)\.h"' server/psd_shard.c; then
     echo "psd_shard.c includes the coordinator's header" >&2
