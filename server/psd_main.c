@@ -13,7 +13,7 @@
 #include "ps_config.h"
 #include "ps_log.h"
 #include "ps_model.h"
-#include "psw_backend.h"
+#include "psmodel.h"
 #include "ps_wire.h"
 #include "psd_ckpt.h"
 #include "psd_eval.h"
@@ -235,7 +235,7 @@ int main(int argc, char **argv)
     int code = 2;
     if (!over) return 1;
     ps_log_set_role("psd");
-    psw_blas_tune(argv);
+    psm_blas_tune(argv);
 
     int first = 1;
     if (argc > 1 && strcmp(argv[1], "keygen") == 0) {
