@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include "ps_weights.h"
+#include "ps_weights_st.h"
 #include "psmodel.h"
 
 int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
@@ -15,7 +16,7 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
     ps_layout_t l;
     float *params = NULL;
     ps_weights_meta_t meta;
-    if (ps_weights_load(weights_path, &l, &params, &meta, err, sizeof err) != 0) {
+    if (ps_weights_load_any(weights_path, &l, &params, &meta, err, sizeof err) != 0) {
         fprintf(stderr, "psd eval: %s\n", err);
         return 2;
     }
@@ -31,5 +32,26 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
            e.samples ? (double)e.correct / (double)e.samples : 0, (long long)e.correct,
            (unsigned long long)meta.run_id, (unsigned long long)meta.step, meta.epoch + 1);
     if (!isnan(e.auc)) printf("eval %s: AUC %.9g\n", weights_path, e.auc);
+    return 0;
+}
+
+int psd_export_run(const char *weights_path, const char *out_path)
+{
+    char err[512];
+    ps_layout_t l;
+    float *params = NULL;
+    ps_weights_meta_t meta;
+    if (ps_weights_load_any(weights_path, &l, &params, &meta, err, sizeof err) != 0) {
+        fprintf(stderr, "psd export: %s\n", err);
+        return 2;
+    }
+    int rc = ps_weights_save_st(out_path, &l, params, &meta, err, sizeof err);
+    free(params);
+    if (rc != 0) {
+        fprintf(stderr, "psd export: %s\n", err);
+        return 1;
+    }
+    printf("psd export: wrote %s: %d tensors, %zu parameters, run %016llx, step %llu\n", out_path, l.n_tensors,
+           l.n_params, (unsigned long long)meta.run_id, (unsigned long long)meta.step);
     return 0;
 }

@@ -17,6 +17,7 @@
 #include "ps_wire.h"
 #include "psd_ckpt.h"
 #include "psd_eval.h"
+#include "ps_weights_st.h"
 #include "psd_http.h"
 #include "psd_server.h"
 #include "psd_shard.h"
@@ -29,8 +30,10 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: psd [options]            train (the built-in defaults train the Fashion-MNIST MLP)\n"
             "       psd eval WEIGHTS [--config FILE] [--threads N]\n"
+            "                                evaluate a weights file (psd's, or .safetensors) on the test set\n"
+            "       psd export WEIGHTS OUT.safetensors\n"
+            "                                a weights file as safetensors (fc1.weight, fc1.bias, ...)\n"
             "       psd keygen NAME              make a CurveZMQ key pair: NAME.key (0600) and NAME.pub\n"
-            "                                evaluate a weights file on the test set in one process\n"
             "\n"
             "  --config FILE        YAML run description (see README); flags override it\n"
             "  --listen ENDPOINT    where workers connect (default tcp://0.0.0.0:5555; beyond\n"
@@ -249,6 +252,14 @@ int main(int argc, char **argv)
         }
         printf("psd keygen: wrote %s.key (secret, mode 0600) and %s.pub\n", argv[2], argv[2]);
         code = 0;
+        goto out;
+    }
+    if (argc > 1 && strcmp(argv[1], "export") == 0) {
+        if (argc != 4 || argv[2][0] == '-' || !ps_weights_is_st(argv[3])) {
+            fprintf(stderr, "psd export: usage: psd export WEIGHTS OUT.safetensors\n");
+            goto out;
+        }
+        code = psd_export_run(argv[2], argv[3]);
         goto out;
     }
     if (argc > 1 && strcmp(argv[1], "eval") == 0) {
