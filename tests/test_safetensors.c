@@ -258,7 +258,8 @@ Test(safetensors, a_built_in_models_weights_round_trip_through_safetensors)
     cr_assert_eq(ps_weights_load_any(path, &l2, &q, &m2, err, sizeof err), -1);
     cr_assert(strstr(err, "fc2.weight is not (out, in)"), "%s", err);
     cr_assert_null(q);
-    ps_st_out_t other[1] = {{"conv1.weight", 1, s3, &one}};
+    uint64_t s4[1] = {1};
+    ps_st_out_t other[1] = {{"conv1.weight", 1, s4, &one}};
     cr_assert_eq(ps_st_save(path, other, 1, NULL, NULL, 0, err, sizeof err), 0, "%s", err);
     cr_assert_eq(ps_weights_load_any(path, &l2, &q, &m2, err, sizeof err), -1);
     cr_assert(strstr(err, "not a built-in model's weights"), "%s", err);
