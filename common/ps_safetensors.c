@@ -15,6 +15,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "ps_util.h"
+
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "ps_safetensors.c reads little-endian data as it is: a big-endian host needs byte swaps"
 #endif
@@ -573,17 +575,27 @@ static void sb_str(sb_t *b, const char *s)
     sb_put(b, "\"", 1);
 }
 
-static int write_all(int fd, const void *p, size_t n)
+
+/* The file's bytes, for ps_write_atomic: the header's length, the header,
+ * every tensor's floats. */
+typedef struct {
+    const sb_t *hdr;
+    const ps_st_out_t *t;
+    size_t n;
+} save_t;
+
+static int save_body(int fd, void *ud)
 {
-    const uint8_t *q = p;
-    while (n > 0) {
-        ssize_t w = write(fd, q, n > (1u << 30) ? (1u << 30) : n);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return w < 0 ? -errno : -EIO;
-        q += w;
-        n -= (size_t)w;
+    const save_t *sv = ud;
+    uint64_t N = sv->hdr->n;
+    int rc = ps_write_all(fd, &N, 8);
+    if (rc == 0) rc = ps_write_all(fd, sv->hdr->s, sv->hdr->n);
+    for (size_t i = 0; i < sv->n && rc == 0; i++) {
+        uint64_t numel = 1;
+        for (int d = 0; d < sv->t[i].ndim; d++) numel *= sv->t[i].shape[d];
+        rc = ps_write_all(fd, sv->t[i].data, (size_t)numel * 4);
     }
-    return 0;
+    return rc;
 }
 
 int ps_st_save(const char *path, const ps_st_out_t *t, size_t n, const char *const *meta_key,
@@ -628,33 +640,11 @@ int ps_st_save(const char *path, const ps_st_out_t *t, size_t n, const char *con
         free(b.s);
         return -1;
     }
-    char tmp[4096];
-    if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp) {
-        snprintf(err, errlen, "cannot write %s: the path is too long", path);
-        free(b.s);
-        return -1;
-    }
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        snprintf(err, errlen, "cannot write %s: %s", tmp, strerror(errno));
-        free(b.s);
-        return -1;
-    }
-    uint64_t N = b.n;
-    int rc = write_all(fd, &N, 8);
-    if (rc == 0) rc = write_all(fd, b.s, b.n);
-    for (size_t i = 0; i < n && rc == 0; i++) {
-        uint64_t numel = 1;
-        for (int d = 0; d < t[i].ndim; d++) numel *= t[i].shape[d];
-        rc = write_all(fd, t[i].data, (size_t)numel * 4);
-    }
-    if (rc == 0 && fsync(fd) != 0) rc = -errno;
-    if (close(fd) != 0 && rc == 0) rc = -errno;
+    save_t sv = {.hdr = &b, .t = t, .n = n};
+    int rc = ps_write_atomic(path, save_body, &sv); /* PATH.tmp, fsync, rename, fsync of the directory */
     free(b.s);
-    if (rc == 0 && rename(tmp, path) != 0) rc = -errno;
     if (rc != 0) {
         snprintf(err, errlen, "cannot write %s: %s", path, strerror(-rc));
-        unlink(tmp);
         return -1;
     }
     return 0;

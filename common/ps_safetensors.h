@@ -72,7 +72,8 @@ typedef struct {
 } ps_st_out_t;
 
 /* Write n tensors as F32 and n_meta metadata pairs (may be 0) to path,
- * through a temporary file renamed into place, every write checked and the
+ * atomically (ps_write_atomic: a temporary file synced and renamed into
+ * place, the directory synced), every write checked and the
  * file synced. 0, or -1 with the reason in err. */
 int ps_st_save(const char *path, const ps_st_out_t *t, size_t n, const char *const *meta_key,
                const char *const *meta_val, size_t n_meta, char *err, size_t errlen);
