@@ -49,6 +49,7 @@ typedef enum {
     KT_STRING, /* char[size], NUL-terminated; longer text is an error */
     KT_ENUM,   /* an enum stored as int, 0..n-1 = names[] */
     KT_LAYERS, /* model.layers: n_sizes + sizes[] */
+    KT_TENSORS, /* model.tensors: n_tensors + tensors[] (YAML only) */
 } key_type_t;
 
 enum {
@@ -58,6 +59,8 @@ enum {
     F_UNHASHED = 1u << 3, /* not part of the config hash: changes how, not what, is trained */
     F_CTR = 1u << 4,      /* part of the hash only with model.kind ctr (an MLP's hash stays what it was) */
     F_OFF = 1u << 5,      /* KT_DOUBLE: "off" is also a value, stored as 0 (and written as off) */
+    F_TENSORS = 1u << 6,  /* part of the hash only with model.kind tensors */
+    F_KIND = 1u << 7,     /* part of the hash unless model.kind is mlp */
 };
 
 typedef struct {
@@ -78,7 +81,7 @@ static const char *const sync_names[] = {"bsp", "async", "ssp", NULL};
 static const char *const log_format_names[] = {"text", "json", NULL};
 static const char *const sched_names[] = {"constant", "step", "cosine", "onecycle", NULL};
 static const char *const act_names[] = {"relu", NULL};
-static const char *const kind_names[] = {"mlp", "ctr", NULL};
+static const char *const kind_names[] = {"mlp", "ctr", "tensors", NULL};
 static const char *const log_names[] = {"error", "warn", "info", "debug", NULL};
 
 /* Sections in the order they are written; every key's prefix is one of them. */
@@ -117,7 +120,10 @@ static const key_spec_t keys[] = {
     {.key = "model.layers", .type = KT_LAYERS, .off = offsetof(ps_config_t, sizes),
      .imin = 1, .imax = MAX_LAYER_SIZE, .def = "784,512,256,10"},
     K_ENUM("model.activation", activation, ps_act_t, act_names, "relu"),
-    K_ENUMF("model.kind", kind, ps_model_kind_t, kind_names, F_CTR, "mlp"),
+    K_ENUMF("model.kind", kind, ps_model_kind_t, kind_names, F_KIND, "mlp"),
+    {.key = "model.tensors", .type = KT_TENSORS, .off = offsetof(ps_config_t, tensors), .flags = F_TENSORS,
+     .def = "[]"},
+    K_STRING("model.init", init_file, F_TENSORS, ""),
 
     K_INTF("ctr.fields", ctr_fields, 1, PS_CTR_MAX_IDS, F_CTR, "8"),
     K_INTF("ctr.per_field", ctr_per_field, 1, PS_CTR_MAX_IDS, F_CTR, "1"),
@@ -140,6 +146,8 @@ static const key_spec_t keys[] = {
     K_DOUBLE("data.normalize_mean", norm_mean, -INFINITY, INFINITY, 0, "0.2860"),
     K_DOUBLE("data.normalize_std", norm_std, 0.0, INFINITY, F_OPEN_MIN, "0.3530"),
     K_INT64("data.train_limit", train_limit, 0, INT64_MAX, "0"),
+    K_INT64F("data.train_size", train_size, 0, UINT32_MAX, F_TENSORS, "0"),
+    K_INT64F("data.test_size", test_size, 0, UINT32_MAX, F_TENSORS, "0"),
 
     K_INT("train.batch_size", batch_size, 1, PS_MAX_BATCH, "64"),
     K_INT("train.val_batch_size", val_batch_size, 1, PS_MAX_BATCH, "500"),
@@ -256,6 +264,7 @@ static void describe_type(const key_spec_t *e, char *buf, size_t n)
     case KT_BOOL: snprintf(buf, n, "true or false"); return;
     case KT_STRING: snprintf(buf, n, "a string"); return;
     case KT_LAYERS: snprintf(buf, n, "a list of layer sizes"); return;
+    case KT_TENSORS: snprintf(buf, n, "a list of tensors"); return;
     case KT_ENUM: {
         size_t used = (size_t)snprintf(buf, n, "one of");
         for (int i = 0; e->names[i] && used < n; i++)
@@ -521,6 +530,14 @@ static int parse_value(const key_spec_t *e, const char *text, ps_config_t *c, ch
         }
         break;
     case KT_LAYERS: return parse_layers_text(e, text, c, msg, n);
+    case KT_TENSORS:
+        if (strcmp(text, "[]") == 0) { /* the default: none */
+            c->n_tensors = 0;
+            return 0;
+        }
+        set_err(msg, n, "%s: a list of tensors is given in a config file (- {name: ..., shape: [...], init: ...})",
+                e->key);
+        return -1;
     }
     describe_type(e, want, sizeof want);
     set_err(msg, n, "%s: expected %s, got '" SHOW "'", e->key, want, text);
@@ -676,11 +693,142 @@ static int ld_layers(loader_t *l, const key_spec_t *e)
     return 0;
 }
 
+/* At a scalar: its text, or -1 (with the message) when it is not one. */
+static const char *ld_scalar(loader_t *l, const char *what)
+{
+    if (l->ev.type != YAML_SCALAR_EVENT) {
+        ld_err(l, ev_line(l), "%s: expected a scalar, got %s", what, ev_kind(&l->ev));
+        return NULL;
+    }
+    return ld_check_scalar(l) == 0 ? ev_scalar(l) : NULL;
+}
+
+/* At the value of a tensor's shape: [d0, d1, ...] (or one integer). */
+static int ld_shape(loader_t *l, ps_tensor_spec_t *t, int i)
+{
+    if (l->ev.type == YAML_SCALAR_EVENT || l->ev.type == YAML_SEQUENCE_START_EVENT) {
+        const bool seq = l->ev.type == YAML_SEQUENCE_START_EVENT;
+        t->ndim = 0;
+        for (;;) {
+            if (seq && ld_next(l) != 0) return -1;
+            if (seq && l->ev.type == YAML_SEQUENCE_END_EVENT) return 0;
+            const char *v = ld_scalar(l, "model.tensors: a dimension");
+            uint64_t d;
+            if (!v) return -1;
+            if (t->ndim == PS_MAX_DIMS) {
+                ld_err(l, ev_line(l), "model.tensors[%d]: more than %d dimensions", i, PS_MAX_DIMS);
+                return -1;
+            }
+            if (parse_u64(v, &d) != 0 || d == 0 || d > PS_MAX_NUMEL) {
+                ld_err(l, ev_line(l), "model.tensors[%d]: dimension '" SHOW "' is not an integer from 1 to 2^61", i, v);
+                return -1;
+            }
+            t->shape[t->ndim++] = d;
+            if (!seq) return 0;
+        }
+    }
+    ld_err(l, ev_line(l), "model.tensors[%d]: shape: expected [d0, d1, ...], got %s", i, ev_kind(&l->ev));
+    return -1;
+}
+
+/* At MAPPING_START of one tensor: {name, shape, init, kind}; consumes it. */
+static int ld_tensor(loader_t *l, ps_tensor_spec_t *t, int i)
+{
+    const size_t line = ev_line(l);
+    bool seen[4] = {false, false, false, false};
+    static const char *const fields[4] = {"name", "shape", "init", "kind"};
+    memset(t, 0, sizeof *t);
+    t->init.kind = PS_INIT_ZEROS;
+    for (;;) {
+        if (ld_next(l) != 0) return -1;
+        if (l->ev.type == YAML_MAPPING_END_EVENT) break;
+        const char *k = ld_scalar(l, "model.tensors: a field");
+        if (!k) return -1;
+        int f = 0;
+        while (f < 4 && strcmp(k, fields[f]) != 0) f++;
+        if (f == 4) {
+            ld_err(l, ev_line(l), "model.tensors[%d]: unknown field '%.60s' (name, shape, init, kind)", i, k);
+            return -1;
+        }
+        if (seen[f]) {
+            ld_err(l, ev_line(l), "model.tensors[%d]: %s given twice", i, fields[f]);
+            return -1;
+        }
+        seen[f] = true;
+        if (ld_next(l) != 0) return -1;
+        if (f == 1) {
+            if (ld_shape(l, t, i) != 0) return -1;
+            continue;
+        }
+        const char *v = ld_scalar(l, "model.tensors: a value");
+        char msg[400];
+        if (!v) return -1;
+        if (f == 0) {
+            size_t len = strlen(v);
+            if (len == 0 || len > PS_NAME_MAX) {
+                ld_err(l, ev_line(l), "model.tensors[%d]: a name of 1 to %d bytes is needed", i, PS_NAME_MAX);
+                return -1;
+            }
+            memcpy(t->name, v, len + 1);
+        } else if (f == 2) {
+            if (ps_init_parse(v, &t->init, msg, sizeof msg) != 0) {
+                ld_err(l, ev_line(l), "model.tensors[%d]: %s", i, msg);
+                return -1;
+            }
+        } else if (strcmp(v, "dense") == 0 || strcmp(v, "sparse_rows") == 0) {
+            t->kind = v[0] == 'd' ? PS_TENSOR_DENSE : PS_TENSOR_ROWS;
+        } else {
+            ld_err(l, ev_line(l), "model.tensors[%d]: kind '%.60s' (dense or sparse_rows)", i, v);
+            return -1;
+        }
+    }
+    if (!seen[0] || !seen[1]) {
+        ld_err(l, line, "model.tensors[%d]: a tensor needs a name and a shape", i);
+        return -1;
+    }
+    return 0;
+}
+
+/* At SEQUENCE_START of model.tensors; consumes through SEQUENCE_END. */
+static int ld_tensors(loader_t *l)
+{
+    int n = 0;
+    for (;;) {
+        if (ld_next(l) != 0) return -1;
+        if (l->ev.type == YAML_SEQUENCE_END_EVENT) break;
+        if (l->ev.type != YAML_MAPPING_START_EVENT) {
+            ld_err(l, ev_line(l), "model.tensors[%d]: expected {name: ..., shape: [...], init: ...}, got %s", n,
+                   ev_kind(&l->ev));
+            return -1;
+        }
+        if (n == PS_MAX_TENSORS) {
+            ld_err(l, ev_line(l), "model.tensors: more than %d tensors", PS_MAX_TENSORS);
+            return -1;
+        }
+        if (ld_tensor(l, &l->c->tensors[n], n) != 0) return -1;
+        for (int j = 0; j < n; j++)
+            if (strcmp(l->c->tensors[j].name, l->c->tensors[n].name) == 0) {
+                ld_err(l, ev_line(l), "model.tensors[%d]: the name %.100s is also tensor %d's", n,
+                       l->c->tensors[n].name, j);
+                return -1;
+            }
+        n++;
+    }
+    l->c->n_tensors = n;
+    return 0;
+}
+
 /* At the event after a key; consumes the whole value. */
 static int ld_value(loader_t *l, const key_spec_t *e)
 {
     char want[96], msg[512];
     const yaml_event_type_t t = l->ev.type;
+    if (e->type == KT_TENSORS) {
+        if (t == YAML_SEQUENCE_START_EVENT) return ld_tensors(l);
+        ld_err(l, ev_line(l), "%s: expected a list of tensors (- {name: ..., shape: [...], init: ...}), got %s",
+               e->key, ev_kind(&l->ev));
+        return -1;
+    }
     if (e->type == KT_LAYERS) {
         if (t == YAML_SEQUENCE_START_EVENT) return ld_layers(l, e);
         ld_err(l, ev_line(l), "%s: expected a sequence of layer sizes like [784, 256, 10], got %s",
@@ -943,8 +1091,28 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
             }
             break;
         }
+        case KT_TENSORS: {
+            char why[400];
+            if (c->n_tensors > 0 && ps_tensors_check(c->tensors, c->n_tensors, why, sizeof why) != 0) {
+                set_err(err, errlen, "%s: %s", e->key, why);
+                return -1;
+            }
+            break;
+        }
         case KT_UINT64:
         case KT_BOOL: break;
+        }
+    }
+    if (c->kind == PS_MODEL_TENSORS) {
+        if (c->n_tensors == 0 && !c->init_file[0]) {
+            set_err(err, errlen, "model.kind tensors: model.tensors lists the tensors, or model.init names a "
+                    "safetensors file that holds them");
+            return -1;
+        }
+        if (c->train_size < 1 || c->test_size < 1) {
+            set_err(err, errlen, "model.kind tensors: data.train_size and data.test_size (the samples your workers "
+                    "hold) must be at least 1");
+            return -1;
         }
     }
     if ((double)c->epochs < c->warmup_epochs) {
@@ -1108,6 +1276,18 @@ static void write_value(FILE *f, const ps_config_t *c, const key_spec_t *e)
             fprintf(f, "%s%d", i ? ", " : "", c->sizes[i]);
         fputc(']', f);
         return;
+    case KT_TENSORS:
+        if (c->n_tensors == 0) fputs("[]", f);
+        for (int i = 0; i < c->n_tensors && i < PS_MAX_TENSORS; i++) {
+            const ps_tensor_spec_t *t = &c->tensors[i];
+            char shape[256], init[64];
+            ps_shape_str(t->ndim, t->shape, shape, sizeof shape);
+            ps_init_str(&t->init, init, sizeof init);
+            fputs("\n    - {name: ", f);
+            write_quoted(f, t->name);
+            fprintf(f, ", shape: %s, init: \"%s\"%s}", shape, init, t->kind == PS_TENSOR_ROWS ? ", kind: sparse_rows" : "");
+        }
+        return;
     }
 }
 
@@ -1122,7 +1302,10 @@ static int write_yaml(const ps_config_t *c, FILE *f, bool with_server)
         /* where and when to save or serve do not change what is trained */
         if (!with_server && (strncmp(e->key, "server.", 7) == 0 || strncmp(e->key, "checkpoint.", 11) == 0))
             continue;
-        if (!with_server && ((e->flags & F_UNHASHED) || ((e->flags & F_CTR) && c->kind != PS_MODEL_CTR))) continue;
+        if (!with_server && ((e->flags & F_UNHASHED) || ((e->flags & F_CTR) && c->kind != PS_MODEL_CTR) ||
+                             ((e->flags & F_TENSORS) && c->kind != PS_MODEL_TENSORS) ||
+                             ((e->flags & F_KIND) && c->kind == PS_MODEL_MLP)))
+            continue;
         if (!cur || sl != cur_len || strncmp(cur, e->key, sl) != 0) {
             fprintf(f, "%.*s:\n", (int)sl, e->key);
             cur = e->key;

@@ -21,71 +21,123 @@
 
 static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
-/* "W3", "b12": a letter and the layer index (< PS_MAX_LAYERS, two digits). */
-static void tensor_name(char name[8], char kind, int layer)
+int ps_layout_init_specs(ps_layout_t *l, const ps_tensor_spec_t *specs, int n, char *err, size_t errlen)
 {
-    assert(layer >= 0 && layer < 100);
-    int n = 0;
-    name[n++] = kind;
-    if (layer >= 10) name[n++] = (char)('0' + layer / 10);
-    name[n++] = (char)('0' + layer % 10);
-    name[n] = '\0';
+    assert(l);
+    if (ps_tensors_check(specs, n, err, errlen) != 0) return -1;
+    memset(l, 0, sizeof(*l));
+    l->table = -1;
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        const ps_tensor_spec_t *sp = &specs[i];
+        const size_t len = strlen(sp->name);
+        const uint64_t numel = ps_shape_numel(sp->ndim, sp->shape);
+        ps_tensor_info_t *t = &l->t[i];
+        memcpy(t->name, sp->name, len + 1);
+        t->ndim = sp->ndim;
+        memcpy(t->shape, sp->shape, sizeof t->shape);
+        for (int d = sp->ndim; d < PS_MAX_DIMS; d++) t->shape[d] = 0;
+        t->kind = sp->kind;
+        t->init = sp->init;
+        t->numel = (size_t)numel;
+        t->rows = sp->ndim ? sp->shape[0] : 1;
+        t->cols = numel / t->rows;
+        t->offset = off;
+        if (sp->kind == PS_TENSOR_ROWS && l->table < 0) l->table = i;
+        /* n_params ends at the last tensor: no trailing padding. */
+        l->n_params = off + t->numel;
+        off = round_up(off + t->numel, PS_TENSOR_ALIGN);
+    }
+    l->n_tensors = n;
+    return 0;
 }
 
-int ps_layout_init(ps_layout_t *l, const int *sizes, int n_sizes)
+void ps_layout_spec(const ps_layout_t *l, int t, ps_tensor_spec_t *out)
+{
+    const ps_tensor_info_t *ti = &l->t[t];
+    memcpy(out->name, ti->name, sizeof out->name);
+    out->ndim = ti->ndim;
+    memcpy(out->shape, ti->shape, sizeof out->shape);
+    out->kind = ti->kind;
+    out->init = ti->init;
+}
+
+int ps_layout_same_table(const ps_layout_t *a, const ps_layout_t *b, char *why, size_t n)
+{
+    for (int t = 0; t < a->n_tensors && t < b->n_tensors; t++) {
+        const ps_tensor_info_t *x = &a->t[t], *y = &b->t[t];
+        char sx[256], sy[256];
+        ps_shape_str(x->ndim, x->shape, sx, sizeof sx);
+        ps_shape_str(y->ndim, y->shape, sy, sizeof sy);
+        if (strcmp(x->name, y->name) != 0) {
+            snprintf(why, n, "tensor %d: named %s here, %s there", t, x->name, y->name);
+            return 0;
+        }
+        if (strcmp(sx, sy) != 0) {
+            snprintf(why, n, "tensor %d (%s): shape %s here, %s there", t, x->name, sx, sy);
+            return 0;
+        }
+        if (x->kind != y->kind) {
+            snprintf(why, n, "tensor %d (%s): %s here, %s there", t, x->name,
+                     x->kind == PS_TENSOR_ROWS ? "sparse rows" : "dense", y->kind == PS_TENSOR_ROWS ? "sparse rows" : "dense");
+            return 0;
+        }
+    }
+    if (a->n_tensors != b->n_tensors) {
+        int t = a->n_tensors < b->n_tensors ? a->n_tensors : b->n_tensors;
+        snprintf(why, n, "%d tensors here, %d there (the first one missing: %s)", a->n_tensors, b->n_tensors,
+                 a->n_tensors > t ? a->t[t].name : b->t[t].name);
+        return 0;
+    }
+    return 1;
+}
+
+int ps_layout_init_table(ps_layout_t *l, const int *sizes, int n_sizes, uint64_t table_rows, int table_dim)
 {
     assert(l);
     if (n_sizes < 2 || n_sizes > PS_MAX_LAYERS + 1 || !sizes) return -1;
     for (int i = 0; i < n_sizes; i++)
         if (sizes[i] < 1) return -1;
-
-    memset(l, 0, sizeof(*l));
+    if (table_rows && (table_dim < 1 || table_rows > (uint64_t)INT32_MAX / (uint64_t)table_dim)) return -1;
+    ps_tensor_spec_t sp[PS_MAX_TENSORS];
+    int n = 0;
+    memset(sp, 0, sizeof sp);
+    for (int i = 0; i + 1 < n_sizes; i++) {
+        snprintf(sp[n].name, sizeof sp[n].name, "fc%d.weight", i + 1);
+        sp[n].ndim = 2;
+        sp[n].shape[0] = (uint64_t)sizes[i + 1];
+        sp[n].shape[1] = (uint64_t)sizes[i];
+        sp[n++].init.kind = PS_INIT_HE;
+        snprintf(sp[n].name, sizeof sp[n].name, "fc%d.bias", i + 1);
+        sp[n].ndim = 1;
+        sp[n].shape[0] = (uint64_t)sizes[i + 1];
+        sp[n++].init.kind = PS_INIT_ZEROS;
+    }
+    if (table_rows) {
+        snprintf(sp[n].name, sizeof sp[n].name, "embedding.weight");
+        sp[n].ndim = 2;
+        sp[n].shape[0] = table_rows;
+        sp[n].shape[1] = (uint64_t)table_dim;
+        sp[n].kind = PS_TENSOR_ROWS;
+        sp[n++].init.kind = PS_INIT_HE;
+    }
+    char err[320];
+    if (ps_layout_init_specs(l, sp, n, err, sizeof err) != 0) return -1;
     l->n_sizes = n_sizes;
     for (int i = 0; i < n_sizes; i++) l->sizes[i] = sizes[i];
     l->n_layers = n_sizes - 1;
-    l->n_tensors = 2 * l->n_layers;
-    l->table = -1;
-
-    size_t off = 0;
-    for (int i = 0; i < l->n_layers; i++) {
-        ps_tensor_info_t *w = &l->t[2 * i], *b = &l->t[2 * i + 1];
-        w->rows = sizes[i + 1];
-        w->cols = sizes[i];
-        w->numel = (size_t)w->rows * (size_t)w->cols;
-        w->offset = off;
-        tensor_name(w->name, 'W', i);
-        off = round_up(off + w->numel, PS_TENSOR_ALIGN);
-
-        b->rows = sizes[i + 1];
-        b->cols = 1;
-        b->numel = (size_t)b->rows;
-        b->offset = off;
-        tensor_name(b->name, 'b', i);
-        /* n_params ends at the last tensor: no trailing padding. */
-        l->n_params = off + b->numel;
-        off = round_up(off + b->numel, PS_TENSOR_ALIGN);
-    }
     return 0;
 }
 
-int ps_layout_init_table(ps_layout_t *l, const int *sizes, int n_sizes, uint64_t table_rows, int table_dim)
+int ps_layout_init(ps_layout_t *l, const int *sizes, int n_sizes)
 {
-    if (ps_layout_init(l, sizes, n_sizes) != 0) return -1;
-    if (table_rows == 0) return 0;
-    if (table_dim < 1 || table_rows > (uint64_t)INT32_MAX / (uint64_t)table_dim) return -1;
-    ps_tensor_info_t *e = &l->t[l->n_tensors];
-    e->rows = (int)table_rows;
-    e->cols = table_dim;
-    e->numel = table_rows * (size_t)table_dim;
-    e->offset = round_up(l->n_params, PS_TENSOR_ALIGN);
-    snprintf(e->name, sizeof e->name, "E");
-    l->n_params = e->offset + e->numel;
-    l->table = l->n_tensors++;
-    return 0;
+    return ps_layout_init_table(l, sizes, n_sizes, 0, 0);
 }
 
 int ps_config_layout(const ps_config_t *c, ps_layout_t *l)
 {
+    char err[400];
+    if (c->kind == PS_MODEL_TENSORS) return ps_layout_init_specs(l, c->tensors, c->n_tensors, err, sizeof err);
     return c->kind == PS_MODEL_CTR ? ps_layout_init_table(l, c->sizes, c->n_sizes, (uint64_t)c->ctr_rows, c->ctr_dim)
                                    : ps_layout_init(l, c->sizes, c->n_sizes);
 }
@@ -93,7 +145,7 @@ int ps_config_layout(const ps_config_t *c, ps_layout_t *l)
 void ps_model_init_params(const ps_layout_t *l, float *params, uint64_t seed)
 {
     assert(l && params);
-    /* Zeroes biases and the padding between tensors. */
+    /* Zeroes the padding between tensors. */
     memset(params, 0, l->n_params * sizeof(float));
     ps_model_init_pieces(l, params, seed, NULL);
 }
@@ -105,8 +157,11 @@ void ps_model_init_pieces(const ps_layout_t *l, float *params, uint64_t seed, co
         const ps_tensor_info_t *w = &l->t[k];
         const size_t from = own ? own[k].off : 0, to = own ? own[k].off + own[k].n : w->numel;
         float *p = params + w->offset;
-        if (k % 2 == 1) { /* a bias: zero */
-            if (own && to > from) memset(p + from, 0, (to - from) * sizeof(float));
+        if (to <= from) continue;
+        if (w->init.kind != PS_INIT_HE) {
+            ps_tensor_spec_t sp;
+            ps_layout_spec(l, k, &sp);
+            ps_tensor_init_values(&sp, k, seed, from, to, p + from);
             continue;
         }
         ps_rng_t r;

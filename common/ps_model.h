@@ -7,43 +7,68 @@
 #include <stdint.h>
 
 #include "ps_config.h"
+#include "ps_tensor.h"
 
-#define PS_MAX_TENSORS (2 * PS_MAX_LAYERS + 1) /* the MLP's W, b and an embedding table */
-
+/* The run's model is a table of named tensors (a "layout"): the built-in
+ * MLP and click-through models are tables psd builds from model.layers and
+ * ctr.*, a general run's comes from model.tensors, a safetensors file or
+ * the first worker. Master copies are f32, one arena, each tensor at a
+ * 64-byte boundary. */
 typedef struct {
-    int rows, cols;   /* W: (out, in); b: (out, 1) */
-    size_t offset;    /* in floats, from the start of the arena */
+    char name[PS_NAME_MAX + 1];
+    int ndim;
+    uint64_t shape[PS_MAX_DIMS];
+    ps_tensor_kind_t kind;
+    ps_init_t init;
+    uint64_t rows, cols; /* as a matrix: rows = shape[0] (1 for a scalar), cols = numel / rows */
+    size_t offset;       /* in floats, from the start of the arena */
     size_t numel;
-    char name[8];     /* "W0", "b0", ... */
 } ps_tensor_info_t;
 
 typedef struct {
-    int n_sizes;
+    int n_sizes;      /* the built-in models: their MLP's sizes; 0 for a general table */
     int sizes[PS_MAX_LAYERS + 1];
     int n_layers;     /* n_sizes - 1 */
-    int n_tensors;    /* 2 * n_layers: W0, b0, W1, b1, ..., then E if there is a table */
-    int table;        /* index of the embedding table E (rows x dim), -1: none */
+    int n_tensors;    /* built-in: 2 * n_layers: fc1.weight, fc1.bias, ..., then the table if there is one */
+    int table;        /* the first tensor of kind PS_TENSOR_ROWS (the click-through table), -1: none */
     ps_tensor_info_t t[PS_MAX_TENSORS];
     size_t n_params;
 } ps_layout_t;
 
-/* Lay out W_i (sizes[i+1], sizes[i]) then b_i (sizes[i+1]) for each layer.
- * Each tensor starts at a multiple of 16 floats (64 bytes). Returns 0, or -1
- * when n_sizes is out of range or a size is < 1. */
+/* Lay out a table of n tensors in order. 0, or -1 with a message naming
+ * the tensor that does not fit (no tensors or more than PS_MAX_TENSORS, an
+ * empty, too long or repeated name, a dimension 0 or too many, too many
+ * elements, a sparse-rows tensor of fewer than 2 dimensions). */
+int ps_layout_init_specs(ps_layout_t *l, const ps_tensor_spec_t *specs, int n, char *err, size_t errlen);
+
+/* Tensor t of l as a spec (for messages, checkpoints, the wire). */
+void ps_layout_spec(const ps_layout_t *l, int t, ps_tensor_spec_t *out);
+
+/* Two tables alike (names, shapes, kinds, order): 1, or 0 with why naming
+ * the first difference ("tensor 3 (fc2.weight): shape [10, 256] here, [10,
+ * 128] there"). */
+int ps_layout_same_table(const ps_layout_t *a, const ps_layout_t *b, char *why, size_t n);
+
+/* The built-in MLP: fc{i+1}.weight (sizes[i+1], sizes[i]) then fc{i+1}.bias
+ * (sizes[i+1]) for each layer (torch.nn.Linear's names and shapes), weights
+ * PS_INIT_HE, biases zeros. Returns 0, or -1 when n_sizes is out of range
+ * or a size is < 1. */
 int ps_layout_init(ps_layout_t *l, const int *sizes, int n_sizes);
 
-/* The same, then an embedding table E (table_rows, table_dim) as tensor
- * 2 * n_layers (table_rows 0: none, as ps_layout_init). The MLP's tensors
+/* The same, then an embedding table "embedding.weight" (table_rows,
+ * table_dim), sparse rows, as tensor 2 * n_layers (table_rows 0: none, as ps_layout_init). The MLP's tensors
  * keep their indices; E's rows are the row ids of embedding bags. -1 when a
  * size is out of range or the table has more than INT32_MAX floats. */
 int ps_layout_init_table(ps_layout_t *l, const int *sizes, int n_sizes, uint64_t table_rows, int table_dim);
 
 /* The layout a config trains: its MLP, and with model.kind ctr the
- * embedding table (ctr.rows x ctr.dim). 0, or -1 as ps_layout_init_table. */
+ * embedding table (ctr.rows x ctr.dim); with model.kind tensors the table
+ * model.tensors lists (one read from model.init's file: ps_run_layout).
+ * 0, or -1 as ps_layout_init_table. */
 int ps_config_layout(const ps_config_t *c, ps_layout_t *l);
 
-/* He-uniform weights U(-sqrt(6/in), sqrt(6/in)) (E: in = dim) and zero biases, drawn from
- * seed only (same seed -> same bits). Padding between tensors is zeroed. */
+/* Every tensor's initial values as its init says, drawn from seed only
+ * (same seed -> same bits). Padding between tensors is zeroed. */
 void ps_model_init_params(const ps_layout_t *l, float *params, uint64_t seed);
 
 /* The gradient's norm is summed per block of this many floats (blocks start
@@ -82,7 +107,7 @@ int ps_piece_rows(const ps_layout_t *l, const ps_piece_t *p, size_t *r0, size_t 
 /* ps_model_init_params' values written only inside the pieces own[t] (one
  * per tensor, ps_shard_pieces: a psd shard's part); the rest of params is
  * not touched (pages a shard never takes), padding included. NULL: every
- * weight tensor whole, biases left as they are. */
+ * tensor whole. */
 void ps_model_init_pieces(const ps_layout_t *l, float *params, uint64_t seed, const ps_piece_t *own);
 
 /* 1 when the layout has a table and every piece of it among n shards is

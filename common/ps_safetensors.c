@@ -598,45 +598,74 @@ static int save_body(int fd, void *ud)
     return rc;
 }
 
-int ps_st_save(const char *path, const ps_st_out_t *t, size_t n, const char *const *meta_key,
-               const char *const *meta_val, size_t n_meta, char *err, size_t errlen)
+/* The JSON header of n F32 tensors and their metadata into b (padded to
+ * 8 bytes). 0, or -1 with the reason. */
+static int st_header(sb_t *b, const ps_st_out_t *t, size_t n, const char *const *meta_key,
+                     const char *const *meta_val, size_t n_meta, const char *path, char *err, size_t errlen)
 {
-    sb_t b = {0};
     uint64_t off = 0;
-    sb_put(&b, "{", 1);
+    sb_put(b, "{", 1);
     if (n_meta) {
-        sb_put(&b, "\"__metadata__\":{", 16);
+        sb_put(b, "\"__metadata__\":{", 16);
         for (size_t i = 0; i < n_meta; i++) {
-            if (i) sb_put(&b, ",", 1);
-            sb_str(&b, meta_key[i]);
-            sb_put(&b, ":", 1);
-            sb_str(&b, meta_val[i]);
+            if (i) sb_put(b, ",", 1);
+            sb_str(b, meta_key[i]);
+            sb_put(b, ":", 1);
+            sb_str(b, meta_val[i]);
         }
-        sb_put(&b, "}", 1);
+        sb_put(b, "}", 1);
     }
     for (size_t i = 0; i < n; i++) {
         if (!t[i].name[0] || strlen(t[i].name) > PS_ST_NAME_MAX || t[i].ndim < 0 || t[i].ndim > PS_ST_MAX_DIMS) {
             snprintf(err, errlen, "cannot write %s: tensor %zu has no name, a name over %d bytes or over %d dims", path,
                      i, PS_ST_NAME_MAX, PS_ST_MAX_DIMS);
-            free(b.s);
             return -1;
         }
         uint64_t numel = 1;
-        if (i || n_meta) sb_put(&b, ",", 1);
-        sb_str(&b, t[i].name);
-        sb_put(&b, ":{\"dtype\":\"F32\",\"shape\":[", 25);
+        if (i || n_meta) sb_put(b, ",", 1);
+        sb_str(b, t[i].name);
+        sb_put(b, ":{\"dtype\":\"F32\",\"shape\":[", 25);
         for (int d = 0; d < t[i].ndim; d++) {
-            sb_printf(&b, d ? ",%" PRIu64 : "%" PRIu64, t[i].shape[d]);
+            sb_printf(b, d ? ",%" PRIu64 : "%" PRIu64, t[i].shape[d]);
             numel *= t[i].shape[d];
         }
-        sb_printf(&b, "],\"data_offsets\":[%" PRIu64, off);
+        sb_printf(b, "],\"data_offsets\":[%" PRIu64, off);
         off += numel * 4;
-        sb_printf(&b, ",%" PRIu64 "]}", off);
+        sb_printf(b, ",%" PRIu64 "]}", off);
     }
-    sb_put(&b, "}", 1);
-    while (!b.oom && b.n % 8) sb_put(&b, " ", 1); /* the data 8-byte aligned, as PyTorch's writer does */
-    if (b.oom) {
+    sb_put(b, "}", 1);
+    while (!b->oom && b->n % 8) sb_put(b, " ", 1); /* the data 8-byte aligned, as PyTorch's writer does */
+    if (b->oom) {
         snprintf(err, errlen, "cannot write %s: out of memory", path);
+        return -1;
+    }
+    return 0;
+}
+
+int ps_st_header(const ps_st_out_t *t, size_t n, const char *const *meta_key, const char *const *meta_val,
+                 size_t n_meta, uint8_t **out, size_t *len, char *err, size_t errlen)
+{
+    sb_t b = {0};
+    *out = NULL;
+    if (st_header(&b, t, n, meta_key, meta_val, n_meta, "safetensors", err, errlen) != 0 ||
+        !(*out = malloc(8 + b.n))) {
+        if (!b.oom && b.s) snprintf(err, errlen, "out of memory");
+        free(b.s);
+        return -1;
+    }
+    uint64_t N = b.n;
+    for (int i = 0; i < 8; i++) (*out)[i] = (uint8_t)(N >> (8 * i));
+    memcpy(*out + 8, b.s, b.n);
+    *len = 8 + b.n;
+    free(b.s);
+    return 0;
+}
+
+int ps_st_save(const char *path, const ps_st_out_t *t, size_t n, const char *const *meta_key,
+               const char *const *meta_val, size_t n_meta, char *err, size_t errlen)
+{
+    sb_t b = {0};
+    if (st_header(&b, t, n, meta_key, meta_val, n_meta, path, err, errlen) != 0) {
         free(b.s);
         return -1;
     }

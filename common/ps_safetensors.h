@@ -78,4 +78,11 @@ typedef struct {
 int ps_st_save(const char *path, const ps_st_out_t *t, size_t n, const char *const *meta_key,
                const char *const *meta_val, size_t n_meta, char *err, size_t errlen);
 
+/* The 8-byte length and the JSON header ps_st_save writes for t (whose
+ * data pointers are not read), into a new buffer (*out, *len; caller
+ * frees): tensor i's data then lies at 8 + N + the sum of the sizes before
+ * it. 0, or -1 with the reason. */
+int ps_st_header(const ps_st_out_t *t, size_t n, const char *const *meta_key, const char *const *meta_val,
+                 size_t n_meta, uint8_t **out, size_t *len, char *err, size_t errlen);
+
 #endif

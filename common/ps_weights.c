@@ -1,11 +1,15 @@
 #include "ps_weights.h"
 
 #include <errno.h>
+#include <inttypes.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <zlib.h>
 
+#include "ps_safetensors.h"
+#include "ps_table.h"
 #include "ps_util.h"
 
 static void put_u32(uint8_t **p, uint32_t v)
@@ -33,6 +37,7 @@ typedef struct {
 
 struct ps_weights_writer {
     ps_atomic_t file;
+    bool st; /* a safetensors file: no CRC at the end */
     const ps_layout_t *l;
     uint64_t base[PS_MAX_TENSORS + 1]; /* where each tensor's floats start in the file; [n]: the CRC */
     seg_t *seg;
@@ -59,37 +64,93 @@ static int seg_cmp(const void *a, const void *b)
     return x->at < y->at ? -1 : x->at > y->at;
 }
 
-ps_weights_writer_t *ps_weights_begin(const char *path, const ps_layout_t *l, const ps_weights_meta_t *meta,
-                                      char *err, size_t errlen)
+/* The safetensors header of l's tensors and meta (ps_weights_st.h's
+ * metadata). 0, or -1. */
+static int st_header(const ps_layout_t *l, const ps_weights_meta_t *meta, uint8_t **hdr, size_t *len, char *err,
+                     size_t errlen)
+{
+    ps_st_out_t t[PS_MAX_TENSORS];
+    for (int i = 0; i < l->n_tensors; i++) t[i] = (ps_st_out_t){l->t[i].name, l->t[i].ndim, l->t[i].shape, NULL};
+    char run[24], step[24], epoch[16];
+    snprintf(run, sizeof run, "%016" PRIx64, meta->run_id);
+    snprintf(step, sizeof step, "%" PRIu64, meta->step);
+    snprintf(epoch, sizeof epoch, "%u", meta->epoch + 1);
+    const char *mk[5] = {"format", "run_id", "step", "epoch", "activation"};
+    const char *mv[5] = {"psd", run, step, epoch, "relu"};
+    return ps_st_header(t, (size_t)l->n_tensors, mk, mv, l->n_sizes ? 5 : 4, hdr, len, err, errlen);
+}
+
+static bool is_st(const char *path)
+{
+    size_t n = strlen(path), k = strlen(".safetensors");
+    return n > k && strcmp(path + n - k, ".safetensors") == 0;
+}
+
+/* psd's header of l's weights (formats 1 to 3) into a new buffer. 0, or -1. */
+static int psd_header(const ps_layout_t *l, const ps_weights_meta_t *meta, uint8_t **out, size_t *len)
 {
     int table = l->table >= 0;
-    uint8_t hdr[64 + 4 * (PS_MAX_LAYERS + 1)], *p = hdr;
+    uint8_t *tb = NULL;
+    size_t tlen = 0;
+    if (l->n_sizes == 0 && ps_table_pack(l, &tb, &tlen) != 0) return -1;
+    uint8_t *hdr = malloc(64 + 4 * (PS_MAX_LAYERS + 1) + tlen), *p = hdr;
+    if (!hdr) {
+        free(tb);
+        return -1;
+    }
     memcpy(p, "PSDW", 4);
     p += 4;
-    put_u32(&p, table ? PS_WEIGHTS_FORMAT_TABLE : PS_WEIGHTS_FORMAT);
-    put_u32(&p, (uint32_t)l->n_sizes);
-    for (int i = 0; i < l->n_sizes; i++) put_u32(&p, (uint32_t)l->sizes[i]);
-    put_u32(&p, 0); /* relu */
+    if (l->n_sizes == 0) { /* format 3: any table */
+        put_u32(&p, PS_WEIGHTS_FORMAT_TENSORS);
+        put_u32(&p, (uint32_t)tlen);
+        memcpy(p, tb, tlen);
+        p += tlen;
+        free(tb);
+    } else {
+        put_u32(&p, table ? PS_WEIGHTS_FORMAT_TABLE : PS_WEIGHTS_FORMAT);
+        put_u32(&p, (uint32_t)l->n_sizes);
+        for (int i = 0; i < l->n_sizes; i++) put_u32(&p, (uint32_t)l->sizes[i]);
+        put_u32(&p, 0); /* relu */
+    }
     put_u64(&p, meta->run_id);
     put_u64(&p, meta->step);
     put_u32(&p, meta->epoch);
     put_u32(&p, 0);
-    if (table) {
+    if (table && l->n_sizes) {
         put_u64(&p, (uint64_t)l->t[l->table].rows);
         put_u32(&p, (uint32_t)l->t[l->table].cols);
         put_u32(&p, 0);
+    }
+    *out = hdr;
+    *len = (size_t)(p - hdr);
+    return 0;
+}
+
+ps_weights_writer_t *ps_weights_begin(const char *path, const ps_layout_t *l, const ps_weights_meta_t *meta,
+                                      char *err, size_t errlen)
+{
+    uint8_t *hdr;
+    size_t hlen;
+    const bool st = is_st(path);
+    if (st ? st_header(l, meta, &hdr, &hlen, err, errlen) != 0 : psd_header(l, meta, &hdr, &hlen) != 0) {
+        if (!st) snprintf(err, errlen, "%s: out of memory", path);
+        return NULL;
     }
     ps_weights_writer_t *w = calloc(1, sizeof *w);
     int rc = w ? ps_atomic_open(&w->file, path) : -ENOMEM;
     if (rc != 0) {
         snprintf(err, errlen, "%s: cannot write: %s", path, strerror(-rc));
         free(w);
+        free(hdr);
         return NULL;
     }
     w->l = l;
-    w->base[0] = (uint64_t)(p - hdr);
+    w->st = st;
+    w->base[0] = hlen;
     for (int t = 0; t < l->n_tensors; t++) w->base[t + 1] = w->base[t] + 4 * (uint64_t)l->t[t].numel;
-    if ((rc = add_seg(w, 0, hdr, (size_t)(p - hdr))) != 0) {
+    rc = add_seg(w, 0, hdr, hlen);
+    free(hdr);
+    if (rc != 0) {
         snprintf(err, errlen, "%s: cannot write: %s", path, strerror(-rc));
         ps_weights_abort(w);
         return NULL;
@@ -134,7 +195,7 @@ int ps_weights_commit(ps_weights_writer_t *w, char *err, size_t errlen)
     put_u32(&q, (uint32_t)crc);
     char path[4096];
     snprintf(path, sizeof path, "%s", w->file.path);
-    int rc = ps_pwrite_all(w->file.fd, tail, sizeof tail, end);
+    int rc = w->st ? 0 : ps_pwrite_all(w->file.fd, tail, sizeof tail, end);
     if (rc != 0) {
         ps_weights_abort(w);
     } else {
@@ -170,6 +231,35 @@ int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
     return ps_weights_commit(w, err, errlen);
 }
 
+/* The tensors after the header's hlen bytes into arena, and the CRC-32 of
+ * all the file's bytes before it checked. 0, or -1 with a message. */
+static int read_tensors(FILE *f, const ps_layout_t *l, float *arena, size_t hlen, char *err, size_t errlen,
+                        const char *path)
+{
+    uint8_t *head = malloc(hlen);
+    if (!head || fseek(f, 0, SEEK_SET) != 0 || fread(head, 1, hlen, f) != hlen) {
+        free(head);
+        goto io;
+    }
+    uLong crc = crc32_z(0L, head, hlen);
+    free(head);
+    for (int t = 0; t < l->n_tensors; t++) { /* x86-64/arm64: little-endian */
+        float *dst = arena + l->t[t].offset;
+        if (fread(dst, sizeof(float), l->t[t].numel, f) != l->t[t].numel) goto io;
+        crc = crc32_z(crc, (const Bytef *)dst, 4 * l->t[t].numel);
+    }
+    uint8_t tail[4];
+    if (fread(tail, 1, 4, f) != 4) goto io;
+    if ((uint32_t)crc != get_u32(tail)) {
+        snprintf(err, errlen, "%s: checksum mismatch (corrupt or truncated file)", path);
+        return -1;
+    }
+    return 0;
+io:
+    snprintf(err, errlen, "%s: read error: %s", path, strerror(errno ? errno : EIO));
+    return -1;
+}
+
 int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights_meta_t *meta,
                     char *err, size_t errlen)
 {
@@ -198,9 +288,32 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
         goto out;
     }
     uint32_t format = get_u32(buf + 4);
+    size_t hlen;
+    if (format == PS_WEIGHTS_FORMAT_TENSORS) { /* the table, then as the others */
+        uint32_t tlen = get_u32(buf + 8);
+        if (len < 12 + (size_t)tlen + 24 + 4 || tlen > (64u << 20)) {
+            snprintf(err, errlen, "%s: truncated header", path);
+            goto out;
+        }
+        uint8_t *tb = malloc(tlen + 24 ? tlen + 24 : 1);
+        if (!tb || fseek(f, 12, SEEK_SET) != 0 || fread(tb, 1, tlen + 24, f) != tlen + 24) {
+            free(tb);
+            goto io;
+        }
+        char why[400];
+        int bad = ps_table_unpack(tb, tlen, l, why, sizeof why);
+        if (bad) snprintf(err, errlen, "%s: %s", path, why);
+        meta->run_id = get_u64(tb + tlen);
+        meta->step = get_u64(tb + tlen + 8);
+        meta->epoch = get_u32(tb + tlen + 16);
+        free(tb);
+        if (bad) goto out;
+        hlen = 12 + (size_t)tlen + 24;
+        goto body;
+    }
     if (format != PS_WEIGHTS_FORMAT && format != PS_WEIGHTS_FORMAT_TABLE) {
-        snprintf(err, errlen, "%s: weights format %u, this psd reads %u and %u", path, format, PS_WEIGHTS_FORMAT,
-                 PS_WEIGHTS_FORMAT_TABLE);
+        snprintf(err, errlen, "%s: weights format %u, this psd reads %u to %u", path, format, PS_WEIGHTS_FORMAT,
+                 PS_WEIGHTS_FORMAT_TENSORS);
         goto out;
     }
     int table = format == PS_WEIGHTS_FORMAT_TABLE;
@@ -237,11 +350,12 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
     meta->step = get_u64(p + 12);
     meta->epoch = get_u32(p + 20);
     p += table ? 44 : 28;
-    const size_t hlen = (size_t)(p - buf);
+    hlen = (size_t)(p - buf);
+body:;
     size_t numel = 0;
     for (int t = 0; t < l->n_tensors; t++) numel += l->t[t].numel;
     if (len - 4 - hlen != 4 * numel) {
-        snprintf(err, errlen, "%s: %zu bytes of weights, the layer sizes need %zu", path, len - 4 - hlen, 4 * numel);
+        snprintf(err, errlen, "%s: %zu bytes of weights, its model needs %zu", path, len - 4 - hlen, 4 * numel);
         goto out;
     }
     arena = calloc(l->n_params ? l->n_params : 1, sizeof(float));
@@ -249,19 +363,7 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
         snprintf(err, errlen, "%s: out of memory", path);
         goto out;
     }
-    uLong crc = crc32_z(0L, buf, hlen);
-    if (fseek(f, (long)hlen, SEEK_SET) != 0) goto io;
-    for (int t = 0; t < l->n_tensors; t++) { /* x86-64/arm64: little-endian */
-        float *dst = arena + l->t[t].offset;
-        if (fread(dst, sizeof(float), l->t[t].numel, f) != l->t[t].numel) goto io;
-        crc = crc32_z(crc, (const Bytef *)dst, 4 * l->t[t].numel);
-    }
-    uint8_t tail[4];
-    if (fread(tail, 1, 4, f) != 4) goto io;
-    if ((uint32_t)crc != get_u32(tail)) {
-        snprintf(err, errlen, "%s: checksum mismatch (corrupt or truncated file)", path);
-        goto out;
-    }
+    if (read_tensors(f, l, arena, hlen, err, errlen, path) != 0) goto out;
     *params = arena;
     arena = NULL;
     rc = 0;
@@ -295,10 +397,7 @@ int ps_weights_same(const char *a, const char *b, char *why, size_t n)
     }
     for (int t = 0; t < la.n_tensors; t++) {
         const ps_tensor_info_t *ti = &la.t[t];
-        if (ti->rows != lb.t[t].rows || ti->cols != lb.t[t].cols) {
-            snprintf(why, n, "tensor %s: %dx%d and %dx%d", ti->name, ti->rows, ti->cols, lb.t[t].rows, lb.t[t].cols);
-            goto out;
-        }
+        if (!ps_layout_same_table(&la, &lb, why, n)) goto out;
         const float *x = pa + ti->offset, *y = pb + ti->offset;
         if (memcmp(x, y, ti->numel * sizeof(float)) != 0) {
             size_t i = 0;

@@ -4,6 +4,9 @@
  *   "PSDW"  u32 format (1)  u32 n_sizes  u32 sizes[n_sizes]  u32 activation (0 relu)
  *   u64 run_id  u64 step  u32 epoch  u32 reserved (0)
  *   format 2 only: u64 table_rows  u32 table_dim  u32 reserved (0)
+ * format 3 (any table): "PSDW" u32 3  u32 len  len bytes of the table
+ *   (ps_table.h)  u64 run_id  u64 step  u32 epoch  u32 reserved (0)
+ * then, every format:
  *   for each tensor W0, b0, W1, b1, ..., E: its floats, row-major, no padding
  *   u32 CRC-32 (zlib) of every byte before it. */
 #ifndef PS_WEIGHTS_H
@@ -16,6 +19,7 @@
 
 #define PS_WEIGHTS_FORMAT 1u       /* an MLP */
 #define PS_WEIGHTS_FORMAT_TABLE 2u /* an MLP and an embedding table (model.kind ctr) */
+#define PS_WEIGHTS_FORMAT_TENSORS 3u /* any table of named tensors (model.kind tensors) */
 
 typedef struct {
     uint64_t run_id;
@@ -24,7 +28,9 @@ typedef struct {
 } ps_weights_meta_t;
 
 /* Write atomically (temp file, fsync, rename). params is a layout arena.
- * 0, or -1 with a message. */
+ * A path ending in ".safetensors" gets a safetensors file (the table's
+ * names and shapes, F32, ps_weights_st.h's metadata) instead of psd's
+ * format, here and by the writer below. 0, or -1 with a message. */
 int ps_weights_save(const char *path, const ps_layout_t *l, const float *params,
                     const ps_weights_meta_t *meta, char *err, size_t errlen);
 

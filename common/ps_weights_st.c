@@ -15,33 +15,97 @@ bool ps_weights_is_st(const char *path)
     return n > k && strcmp(path + n - k, ".safetensors") == 0;
 }
 
-/* Tensor t's name in layout l. */
-static void name_of(const ps_layout_t *l, int t, char *out, size_t n)
-{
-    if (t == l->table) snprintf(out, n, "embedding.weight");
-    else snprintf(out, n, "fc%d.%s", t / 2 + 1, t % 2 ? "bias" : "weight");
-}
-
 int ps_weights_save_st(const char *path, const ps_layout_t *l, const float *params, const ps_weights_meta_t *meta,
                        char *err, size_t errlen)
 {
-    char names[PS_MAX_TENSORS][32];
-    uint64_t shapes[PS_MAX_TENSORS][2];
-    ps_st_out_t t[PS_MAX_TENSORS];
-    for (int i = 0; i < l->n_tensors; i++) {
-        name_of(l, i, names[i], sizeof names[i]);
-        bool vec = i != l->table && i % 2 == 1; /* a bias */
-        shapes[i][0] = (uint64_t)l->t[i].rows;
-        shapes[i][1] = (uint64_t)l->t[i].cols;
-        t[i] = (ps_st_out_t){names[i], vec ? 1 : 2, shapes[i], params + l->t[i].offset};
+    if (!ps_weights_is_st(path)) {
+        snprintf(err, errlen, "%s: a safetensors file's name ends in .safetensors", path);
+        return -1;
     }
-    char run[24], step[24], epoch[16];
-    snprintf(run, sizeof run, "%016" PRIx64, meta->run_id);
-    snprintf(step, sizeof step, "%" PRIu64, meta->step);
-    snprintf(epoch, sizeof epoch, "%u", meta->epoch + 1);
-    const char *mk[5] = {"format", "run_id", "step", "epoch", "activation"};
-    const char *mv[5] = {"psd", run, step, epoch, "relu"};
-    return ps_st_save(path, t, (size_t)l->n_tensors, mk, mv, 5, err, errlen);
+    return ps_weights_save(path, l, params, meta, err, errlen);
+}
+
+int ps_layout_from_st(const char *path, ps_layout_t *l, char *err, size_t errlen)
+{
+    ps_st_file_t f;
+    float *v = NULL;
+    if (ps_st_load(path, &f, &v, err, errlen) != 0) return -1;
+    free(v);
+    int rc = -1;
+    if (f.n > PS_MAX_TENSORS) {
+        snprintf(err, errlen, "%s: %zu tensors, psd takes at most %d", path, f.n, PS_MAX_TENSORS);
+        goto out;
+    }
+    ps_tensor_spec_t sp[PS_MAX_TENSORS];
+    memset(sp, 0, sizeof sp);
+    for (size_t i = 0; i < f.n; i++) {
+        snprintf(sp[i].name, sizeof sp[i].name, "%s", f.t[i].name);
+        sp[i].ndim = f.t[i].ndim;
+        memcpy(sp[i].shape, f.t[i].shape, sizeof sp[i].shape);
+        sp[i].init.kind = PS_INIT_ZEROS; /* the file's values replace them */
+    }
+    char why[400];
+    if (ps_layout_init_specs(l, sp, (int)f.n, why, sizeof why) != 0) {
+        snprintf(err, errlen, "%s: %s", path, why);
+        goto out;
+    }
+    rc = 0;
+out:
+    ps_st_free(&f);
+    return rc;
+}
+
+int ps_st_init_values(const char *path, const ps_layout_t *l, float *params, const ps_piece_t *own, char *err,
+                      size_t errlen)
+{
+    ps_st_file_t f;
+    float *v = NULL;
+    if (ps_st_load(path, &f, &v, err, errlen) != 0) return -1;
+    int rc = -1;
+    for (size_t i = 0; i < f.n; i++) { /* every tensor of the file is one of the run's */
+        int t = 0;
+        while (t < l->n_tensors && strcmp(l->t[t].name, f.t[i].name) != 0) t++;
+        if (t == l->n_tensors) {
+            snprintf(err, errlen, "%s: tensor %s is not in the run's model (model.tensors)", path, f.t[i].name);
+            goto out;
+        }
+    }
+    for (int t = 0; t < l->n_tensors; t++) {
+        const ps_tensor_info_t *ti = &l->t[t];
+        uint64_t base = 0;
+        size_t i = 0;
+        for (; i < f.n && strcmp(f.t[i].name, ti->name) != 0; i++) base += f.t[i].numel;
+        char a[256], b[256];
+        if (i == f.n) {
+            snprintf(err, errlen, "%s: no tensor %s (model.init gives every tensor's initial values)", path, ti->name);
+            goto out;
+        }
+        ps_shape_str(ti->ndim, ti->shape, a, sizeof a);
+        ps_shape_str(f.t[i].ndim, f.t[i].shape, b, sizeof b);
+        if (strcmp(a, b) != 0) {
+            snprintf(err, errlen, "%s: tensor %s has shape %s, the run's model %s", path, ti->name, b, a);
+            goto out;
+        }
+        size_t from = own ? own[t].off : 0, n = own ? own[t].n : ti->numel;
+        if (n) memcpy(params + ti->offset + from, v + base + from, n * sizeof *params);
+    }
+    rc = 0;
+out:
+    free(v);
+    ps_st_free(&f);
+    return rc;
+}
+
+int ps_run_layout(const ps_config_t *c, ps_layout_t *l, char *err, size_t errlen)
+{
+    if (c->kind == PS_MODEL_TENSORS && c->n_tensors == 0) return ps_layout_from_st(c->init_file, l, err, errlen);
+    if (c->kind == PS_MODEL_TENSORS)
+        return ps_layout_init_specs(l, c->tensors, c->n_tensors, err, errlen);
+    if (ps_config_layout(c, l) != 0) {
+        snprintf(err, errlen, "model.layers: sizes psd cannot lay out");
+        return -1;
+    }
+    return 0;
 }
 
 static const char *meta_of(const ps_st_file_t *f, const char *k)
@@ -86,6 +150,19 @@ int ps_weights_load_any(const char *path, ps_layout_t *l, float **params, ps_wei
     if (ps_st_load(path, &f, &v, err, errlen) != 0) return -1;
     int rc = -1, sizes[PS_MAX_LAYERS + 1], n_sizes = 0;
     const ps_st_tensor_t *e = ps_st_find(&f, "embedding.weight");
+    if (!ps_st_find(&f, "fc1.weight")) { /* not a built-in model: any table, in the file's order */
+        if (ps_layout_from_st(path, l, err, errlen) != 0) goto out;
+        if (!(*params = calloc(l->n_params ? l->n_params : 1, sizeof **params))) {
+            snprintf(err, errlen, "%s: out of memory for %zu parameters", path, l->n_params);
+            goto out;
+        }
+        for (int t = 0; t < l->n_tensors; t++) {
+            uint64_t base = 0;
+            for (size_t i = 0; i < (size_t)t; i++) base += f.t[i].numel;
+            memcpy(*params + l->t[t].offset, v + base, l->t[t].numel * sizeof **params);
+        }
+        goto meta;
+    }
     for (int k = 1; k <= PS_MAX_LAYERS; k++) { /* fc1..fcK: the sizes from their weights */
         char name[32];
         snprintf(name, sizeof name, "fc%d.weight", k);
@@ -118,13 +195,12 @@ int ps_weights_load_any(const char *path, ps_layout_t *l, float **params, ps_wei
         goto out;
     }
     for (int t = 0; t < l->n_tensors; t++) {
-        char name[32];
-        name_of(l, t, name, sizeof name);
-        bool vec = t != l->table && t % 2 == 1;
-        if (take(&f, v, path, name, (uint64_t)l->t[t].rows, vec ? 0 : (uint64_t)l->t[t].cols, *params + l->t[t].offset,
-                 err, errlen) != 0)
+        bool vec = l->t[t].ndim == 1;
+        if (take(&f, v, path, l->t[t].name, l->t[t].rows, vec ? 0 : l->t[t].cols, *params + l->t[t].offset, err,
+                 errlen) != 0)
             goto out;
     }
+meta:;
     const char *run = meta_of(&f, "run_id"), *step = meta_of(&f, "step"), *epoch = meta_of(&f, "epoch");
     meta->run_id = run ? strtoull(run, NULL, 16) : 0;
     meta->step = step ? strtoull(step, NULL, 10) : 0;

@@ -60,8 +60,32 @@ static size_t dtype_size(int dt)
     case PSD__DTYPE__DT_F32: return 4;
     case PSD__DTYPE__DT_U32: return 4;
     case PSD__DTYPE__DT_BF16: return 2;
+    case PSD__DTYPE__DT_U8: return 1;
     default: return 0;
     }
+}
+
+int ps_desc_check(const Psd__TensorDesc *d, size_t frame_bytes, char *why, size_t n)
+{
+    size_t es = dtype_size(d->dtype);
+    if (es == 0) return snprintf(why, n, "unknown dtype %d", (int)d->dtype), -1;
+    if (d->nbytes != frame_bytes)
+        return snprintf(why, n, "descriptor says %llu bytes, frame has %zu", (unsigned long long)d->nbytes,
+                        frame_bytes), -1;
+    if (d->nbytes % es)
+        return snprintf(why, n, "%llu bytes is not a whole number of elements", (unsigned long long)d->nbytes), -1;
+    if (d->n_shape < 1 || d->n_shape > 8) return snprintf(why, n, "%zu dimensions", d->n_shape), -1;
+    uint64_t numel = 1;
+    for (size_t k = 0; k < d->n_shape; k++) {
+        if (d->shape[k] == 0 && d->nbytes) return snprintf(why, n, "zero dimension"), -1; /* empty: no rows asked for */
+        if (d->shape[k] && numel > PS_WIRE_MAX_NUMEL / d->shape[k])
+            return snprintf(why, n, "shape too large"), -1; /* checked before multiplying: no wrap */
+        numel *= d->shape[k];
+    }
+    if (d->offset > numel || d->nbytes / es > numel - d->offset)
+        return snprintf(why, n, "frame [%llu, +%llu) outside shape of %llu elements", (unsigned long long)d->offset,
+                        (unsigned long long)(d->nbytes / es), (unsigned long long)numel), -1;
+    return 0;
 }
 
 static void *arena_alloc(void *data, size_t size);
@@ -162,6 +186,7 @@ int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_
     int rc = 0;
     bool more = false; /* frames of this message not read yet */
     zmq_msg_t f;
+    char why[160];
     memset(m, 0, sizeof *m);
     m->srcfd = -1;
     if (errlen) err[0] = '\0';
@@ -222,21 +247,8 @@ int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_
         FAIL("%d frames for %zu tensor descriptors", m->n_frames, h->n_tensors);
     for (size_t i = 0; i < h->n_tensors; i++) {
         Psd__TensorDesc *d = h->tensors[i];
+        if (ps_desc_check(d, zmq_msg_size(&m->frames[i]), why, sizeof why) != 0) FAIL("tensor %zu: %s", i, why);
         size_t es = dtype_size(d->dtype);
-        if (es == 0) FAIL("tensor %zu: unknown dtype %d", i, (int)d->dtype);
-        if (d->nbytes != zmq_msg_size(&m->frames[i]))
-            FAIL("tensor %zu: descriptor says %llu bytes, frame has %zu", i,
-                 (unsigned long long)d->nbytes, zmq_msg_size(&m->frames[i]));
-        if (d->nbytes % es) FAIL("tensor %zu: %llu bytes is not a whole number of elements", i,
-                                 (unsigned long long)d->nbytes);
-        if (d->n_shape < 1 || d->n_shape > 4) FAIL("tensor %zu: %zu dimensions", i, d->n_shape);
-        uint64_t numel = 1;
-        for (size_t k = 0; k < d->n_shape; k++) {
-            if (d->shape[k] == 0 && d->nbytes) FAIL("tensor %zu: zero dimension", i); /* empty: no rows asked for */
-            if (d->shape[k] && numel > (1ull << 34) / d->shape[k])
-                FAIL("tensor %zu: shape too large", i); /* checked before multiplying: no wrap */
-            numel *= d->shape[k];
-        }
         if (((uintptr_t)zmq_msg_data(&m->frames[i]) & (es - 1)) != 0) {
             /* small frames can arrive at any offset of ZeroMQ's receive
              * buffer: give them an aligned copy (large ones are aligned) */
@@ -246,10 +258,6 @@ int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_
             zmq_msg_close(&m->frames[i]);
             m->frames[i] = c;
         }
-        if (d->offset > numel || d->nbytes / es > numel - d->offset)
-            FAIL("tensor %zu: frame [%llu, +%llu) outside shape of %llu elements", i,
-                 (unsigned long long)d->offset, (unsigned long long)(d->nbytes / es),
-                 (unsigned long long)numel);
     }
     zmq_msg_close(&f);
     return 0;
@@ -325,7 +333,7 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
                 const ps_frame_t *frames, int n_frames)
 {
     Psd__TensorDesc descs[PS_MAX_FRAMES], *dptr[PS_MAX_FRAMES];
-    uint32_t shapes[PS_MAX_FRAMES][2];
+    uint64_t shapes[PS_MAX_FRAMES][2];
     int rc = 0, passed = 0; /* frames whose ownership went to ZeroMQ */
     if (n_frames > PS_MAX_FRAMES) {
         rc = -E2BIG;
@@ -344,7 +352,7 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
         descs[i].offset = fr->offset;
         dptr[i] = &descs[i];
     }
-    hdr->protocol = PS_PROTOCOL_VERSION;
+    if (!hdr->protocol) hdr->protocol = PS_PROTOCOL_VERSION; /* an answer in an older peer's protocol may set it */
     hdr->n_tensors = (size_t)n_frames;
     hdr->tensors = n_frames ? dptr : NULL;
 

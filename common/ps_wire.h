@@ -16,7 +16,8 @@
 
 #include "psd.pb-c.h"
 
-#define PS_PROTOCOL_VERSION 6u /* 5: tensor frames in any order (ps_frames_small_first); 6: EPOCH keep */
+#define PS_PROTOCOL_VERSION 7u /* 5: tensor frames in any order (ps_frames_small_first); 6: EPOCH keep;
+                                * 7: the model as a table of named tensors (ASSIGN's table frame), 64-bit shapes */
 #define PS_MAX_FRAMES 64         /* tensor frames in one message */
 #define PS_MAX_IDENTITY 255      /* ZeroMQ routing ids are at most 255 bytes */
 #define PS_MAX_HEADER (1u << 20) /* header frame bytes */
@@ -58,6 +59,13 @@ int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size
 /* The same, decoding the header into `arena` (if it holds no live message). */
 int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_t *arena, char *err,
                       size_t errlen);
+
+/* One tensor frame's descriptor against the frame's size: a known dtype,
+ * nbytes equal to the frame's and whole elements, 1 to 8 dimensions whose
+ * product is at most PS_WIRE_MAX_NUMEL, the frame's elements [offset,
+ * offset + nbytes / element size) inside the shape. 0, or -1 with why. */
+#define PS_WIRE_MAX_NUMEL (1ull << 61)
+int ps_desc_check(const Psd__TensorDesc *d, size_t frame_bytes, char *why, size_t n);
 
 /* Free header and frames. Safe to call twice. */
 void ps_msg_deinit(ps_msg_t *m);
@@ -103,7 +111,7 @@ typedef struct {
     void *hint;
     uint32_t id;
     Psd__DType dtype;
-    uint32_t rows, cols; /* shape; cols 0 for 1-D */
+    uint64_t rows, cols; /* shape; cols 0 for 1-D */
     uint64_t offset;     /* first element of the frame within the tensor (a piece of it) */
     bool copy;
 } ps_frame_t;
@@ -118,8 +126,9 @@ typedef struct {
  * table (rows) frames are found by position. */
 void ps_frames_small_first(ps_frame_t *fr, int n);
 
-/* Send header (+frames). hdr->protocol and the tensors list are filled in
- * here. ident: ROUTER peer id or NULL for DEALER. Returns 0 or -errno. On
+/* Send header (+frames). hdr->protocol (unless set: a refusal worded for an
+ * older peer goes in its protocol, so that it shows the words) and the
+ * tensors list are filled in here. ident: ROUTER peer id or NULL for DEALER. Returns 0 or -errno. On
  * error, frames whose ownership had not passed to ZeroMQ get their ffn called,
  * so the caller's references are released either way. */
 int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header *hdr,

@@ -13,7 +13,7 @@ set -eu
 PKGS="build-essential pkg-config meson ninja-build protobuf-c-compiler
 libzmq3-dev libprotobuf-c-dev libuv1-dev libyaml-dev libcriterion-dev
 libopenblas-dev zlib1g-dev libhttp-parser-dev dataset-fashion-mnist iproute2
-libnss-wrapper"
+libnss-wrapper python3 python3-numpy"
 for opt in "$@"; do
     case "$opt" in
     --bench) PKGS="$PKGS python3-torch python3-numpy" ;;

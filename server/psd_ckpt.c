@@ -29,6 +29,7 @@
 #include <zlib.h>
 
 #include "ps_assert.h"
+#include "ps_table.h"
 #include "ps_util.h"
 
 /* Arenas are written as the host's floats; the format is little-endian. */
@@ -76,6 +77,8 @@ static int part_spans(const psd_ckpt_meta_t *m, const ps_layout_t *l, uint32_t f
 }
 
 struct psd_ckpt_writer {
+    uint8_t *table; /* the layout's packed table (format 5) */
+    size_t table_len;
     char *dir;
     int keep;
     psd_ckpt_meta_t meta;
@@ -203,7 +206,7 @@ static size_t hdr_len(const uint8_t b[8])
 /* Parse and sanity-check a header (hdr_len(b) bytes): its format and model
  * layout too. NULL, or the reason it is unusable. */
 static const char *meta_unpack(psd_ckpt_meta_t *m, uint32_t *format_out, ps_layout_t *l_out,
-                               const uint8_t b[CKPT_HDR_LEN])
+                               const uint8_t b[CKPT_HDR_LEN], const uint8_t *table, size_t table_len)
 {
     const uint8_t *p = b + 8;
     uint32_t format, n_sizes, sizes[PS_MAX_LAYERS + 1], reserved = 0;
@@ -246,6 +249,17 @@ static const char *meta_unpack(psd_ckpt_meta_t *m, uint32_t *format_out, ps_layo
         return "bad reserved field";
     }
 
+    ps_layout_t l;
+    char why[400];
+    if (format >= 5 && ps_table_unpack(table, table_len, &l, why, sizeof why) != 0) return "bad tensor table";
+    if (format >= 5 && n_sizes == 0) { /* any table: it is the model */
+        for (uint32_t i = 0; i < PS_MAX_LAYERS + 1; i++)
+            if (sizes[i] != 0) return "bad layer size";
+        uint64_t rows = l.table >= 0 ? (uint64_t)l.t[l.table].rows : 0, dim = l.table >= 0 ? l.t[l.table].cols : 0;
+        if (l.n_params != m->n_params || m->table_rows != rows || m->table_dim != dim)
+            return "parameter count does not match the tensor table";
+        goto checked;
+    }
     if (n_sizes < 2 || n_sizes > PS_MAX_LAYERS + 1) return "bad layer count";
     for (uint32_t i = 0; i < PS_MAX_LAYERS + 1; i++) {
         if (i < n_sizes && (sizes[i] < 1 || sizes[i] > CKPT_MAX_SIZE)) return "bad layer size";
@@ -253,16 +267,30 @@ static const char *meta_unpack(psd_ckpt_meta_t *m, uint32_t *format_out, ps_layo
     }
     m->n_sizes = (int)n_sizes;
     for (uint32_t i = 0; i < n_sizes; i++) m->sizes[i] = (int)sizes[i];
-    ps_layout_t l;
+    ps_layout_t bl;
     if (m->table_rows > UINT32_MAX || m->table_dim > 4096 || (m->table_rows && !m->table_dim) ||
-        ps_layout_init_table(&l, m->sizes, m->n_sizes, m->table_rows, (int)m->table_dim) != 0 ||
-        l.n_params != m->n_params)
+        ps_layout_init_table(&bl, m->sizes, m->n_sizes, m->table_rows, (int)m->table_dim) != 0 ||
+        bl.n_params != m->n_params)
         return "parameter count does not match the layer sizes";
+    if (format >= 5 && !ps_layout_same_table(&bl, &l, why, sizeof why)) return "its tensor table is not its sizes'";
+    l = bl;
+checked:
     if (m->n_slots > 2) return "bad optimizer slot count";
     if (m->train_count > CKPT_MAX_TRAIN) return "bad training set size";
     *format_out = format;
+    m->table_crc = psd_ckpt_table_crc(&l);
     *l_out = l;
     return NULL;
+}
+
+uint32_t psd_ckpt_table_crc(const ps_layout_t *l)
+{
+    uint8_t *b;
+    size_t n;
+    if (ps_table_pack(l, &b, &n) != 0) return 0;
+    uint32_t crc = (uint32_t)crc32(crc32(0, Z_NULL, 0), b, (uInt)n);
+    free(b);
+    return crc;
 }
 
 /* File length implied by a (checked) header of hlen bytes whose arenas hold
@@ -515,6 +543,9 @@ static void *writer_main(void *arg)
     }
     meta_pack(hdr, &wr->meta);
     if ((rc = out_write(&o, hdr, sizeof hdr)) != 0) goto out;
+    uint8_t tl[4];
+    put_u32(tl, (uint32_t)wr->table_len);
+    if ((rc = out_write(&o, tl, sizeof tl)) != 0 || (rc = out_write(&o, wr->table, wr->table_len)) != 0) goto out;
     if (wr->seen_bytes && (rc = out_write(&o, wr->seen, wr->seen_bytes)) != 0) goto out;
     for (int i = 0; i < wr->n_spans; i++)
         if ((rc = out_write(&o, wr->arena->w + wr->spans[i].off, (size_t)wr->spans[i].n * sizeof(float))) != 0)
@@ -574,6 +605,7 @@ static void writer_free(psd_ckpt_writer_t *wr)
     free(wr->bounce);
     free(wr->seen);
     free(wr->dir);
+    free(wr->table);
     free(wr);
 }
 
@@ -584,11 +616,14 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
     int rc = 0, sync_init = 0;
     ps_layout_t l;
     *out = NULL;
+    if (store) l = store->layout;
     if (!dir || !meta || !store || meta->n_slots > 2 || meta->train_count > CKPT_MAX_TRAIN ||
         meta->shards > PS_MAX_SHARDS || meta->shard >= (meta->shards ? meta->shards : 1) ||
-        (meta->train_count && !seen) || meta->table_rows > UINT32_MAX || meta->table_dim > 4096 ||
-        ps_layout_init_table(&l, meta->sizes, meta->n_sizes, meta->table_rows, (int)meta->table_dim) != 0 ||
-        l.n_params != meta->n_params || meta->n_params != store->layout.n_params ||
+        (meta->train_count && !seen) || meta->table_rows > UINT32_MAX ||
+        (meta->n_sizes && meta->table_dim > 4096) || meta->n_sizes != l.n_sizes ||
+        memcmp(meta->sizes, l.sizes, sizeof l.sizes) != 0 || meta->n_params != l.n_params ||
+        meta->table_rows != (l.table >= 0 ? l.t[l.table].rows : 0) ||
+        meta->table_dim != (l.table >= 0 ? l.t[l.table].cols : 0) ||
         (meta->n_slots >= 1 && !store->s0) || (meta->n_slots >= 2 && !store->s1)) {
         rc = -EINVAL;
         goto out;
@@ -605,6 +640,10 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
     wr->t_begin = ps_now();
     wr->keep = keep;
     wr->meta = *meta;
+    if (ps_table_pack(&l, &wr->table, &wr->table_len) != 0) {
+        rc = -ENOMEM;
+        goto out;
+    }
     wr->seen_bytes = (size_t)((meta->train_count + 7) / 8);
     wr->n_chunks = (meta->n_params + CKPT_CHUNK_FLOATS - 1) / CKPT_CHUNK_FLOATS;
     wr->n_spans = part_spans(meta, &l, PSD_CKPT_FORMAT, wr->spans, NULL);
@@ -754,12 +793,15 @@ static const char *in_read(ckpt_in_t *in, void *buf, size_t n, int crc)
 
 typedef struct {
     psd_ckpt_meta_t meta;
+    ps_layout_t layout;
+    uint8_t *table; /* format 5: the table's bytes */
     uint8_t *seen;
     float *w, *slots[2];
 } ckpt_data_t;
 
 static void data_free(ckpt_data_t *d)
 {
+    free(d->table);
     free(d->seen);
     free(d->w);
     free(d->slots[0]);
@@ -795,9 +837,28 @@ static const char *load_one(const char *path, ckpt_data_t *d, char *reason_buf, 
     if ((why = in_read(&in, hdr, 8, 1)) != NULL) goto out;
     size_t hlen = hdr_len(hdr);
     if (hlen && (why = in_read(&in, hdr + 8, hlen - 8, 1)) != NULL) goto out;
-    uint32_t format;
-    ps_layout_t l;
-    if ((why = meta_unpack(&d->meta, &format, &l, hdr)) != NULL) goto out;
+    uint32_t format, tlen = 0;
+    get_u32(hdr + 4, &format);
+    if (hlen && format >= 5) { /* the table: its length bounded by the file's before it is read */
+        uint8_t tl[4];
+        if ((why = in_read(&in, tl, 4, 1)) != NULL) goto out;
+        get_u32(tl, &tlen);
+        if ((uint64_t)tlen > (uint64_t)st.st_size - hlen || tlen > (64u << 20)) {
+            why = "bad tensor table length";
+            goto out;
+        }
+        if (!(d->table = malloc(tlen ? tlen : 1))) {
+            why = "out of memory";
+            goto out;
+        }
+        if ((why = in_read(&in, d->table, tlen, 1)) != NULL) goto out;
+        hlen += 4 + (size_t)tlen;
+    }
+    why = meta_unpack(&d->meta, &format, &d->layout, hdr, d->table, tlen);
+    free(d->table);
+    d->table = NULL;
+    if (why) goto out;
+    const ps_layout_t l = d->layout;
     span_t spans[PS_MAX_TENSORS];
     uint64_t part;
     const int n_spans = part_spans(&d->meta, &l, format, spans, &part);
@@ -919,4 +980,24 @@ int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen,
 out:
     free(ents);
     return rc;
+}
+
+int psd_ckpt_read_weights(const char *path, ps_layout_t *l, float **weights, psd_ckpt_meta_t *meta, char *err,
+                          size_t errlen)
+{
+    char reason[256];
+    ckpt_data_t d;
+    const char *why = load_one(path, &d, reason, sizeof reason);
+    if (!why && d.meta.shards > 1) why = "it holds one psd shard's part of the model (export the run's weights file)";
+    if (why) {
+        data_free(&d);
+        ps_set_err(err, errlen, "checkpoint %s: %s", path, why);
+        return -1;
+    }
+    *l = d.layout;
+    *weights = d.w;
+    *meta = d.meta;
+    d.w = NULL;
+    data_free(&d);
+    return 0;
 }

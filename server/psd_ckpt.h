@@ -3,6 +3,7 @@
  *
  * File DIR/ckpt-<step, 12 digits>.psdc, format PSD_CKPT_FORMAT, little-endian:
  *   "PSDC" u32 format  psd_ckpt_meta_t fields (fixed order, see psd_ckpt.c)
+ *   format 5: u32 len, len bytes of the tensor table (ps_table.h)
  *   seen bitmap (ceil(train_count/8) bytes)
  *   weights arena, then each optimizer slot arena: the floats the file holds
  *   of each (format 4): one psd's whole arena (n_params floats); a psd
@@ -29,9 +30,12 @@
 #include "ps_model.h"
 #include "psd_store.h"
 
-/* 4: a psd shard's file holds its part only; 3 added the psd shard layout, 2
- * the embedding table's shape. Files of 3, 2 and 1 are still read. */
-#define PSD_CKPT_FORMAT 4u
+/* 5: the model's tensor table (ps_table.h) after the fixed header: u32
+ * length, then its bytes (any model: model.kind tensors has no layer
+ * sizes); 4: a psd shard's file holds its part only; 3 added the psd shard
+ * layout, 2 the embedding table's shape. Files of 4 to 1 are still read
+ * (their table is the one their sizes make). */
+#define PSD_CKPT_FORMAT 5u
 
 typedef struct {
     uint64_t run_id, config_hash, seed;
@@ -59,7 +63,20 @@ typedef struct {
      * read as 0 from files of format 1 and 2, which do not say */
     uint32_t shard, shards;
     uint64_t keep_step; /* not written: the writer's pruning keeps this step's file too (0: none) */
+    /* format 5: the tensor table. Writing: taken from the store's layout.
+     * Reading: the CRC-32 of its bytes (that of the table the sizes make
+     * for older formats), what a resume compares with its own table's. */
+    uint32_t table_crc;
 } psd_ckpt_meta_t;
+
+/* The CRC-32 of l's packed table (ps_table_pack), as meta.table_crc. */
+uint32_t psd_ckpt_table_crc(const ps_layout_t *l);
+
+/* A whole model's checkpoint file read for export: its layout (from its
+ * table, or its sizes) and weights arena (*weights, caller frees). Files of
+ * a psd shard (a part) are refused. 0, or -1 with a message. */
+int psd_ckpt_read_weights(const char *path, ps_layout_t *l, float **weights, psd_ckpt_meta_t *meta, char *err,
+                          size_t errlen);
 
 typedef struct psd_ckpt_writer psd_ckpt_writer_t;
 

@@ -359,6 +359,8 @@ typedef struct {
     psd_run_opts_t opts;
     uint64_t run_id, config_hash;
     ps_layout_t layout;
+    uint8_t *table_pb;    /* the layout's tensor table packed (ps_table.h): ASSIGN's frame; owned */
+    size_t table_pb_len;
     psd_store_t store;
     psd_hold_t holder;    /* psd's part of the parameters and the pushes (psd_hold.h) */
     psd_net_part_t net;   /* sockets, loop, incoming hygiene (psd_server.c, psd_peers.c) */

@@ -3,10 +3,13 @@
 #include "psd_eval.h"
 
 #include <math.h>
+#include <stdbool.h>
+#include <string.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "ps_weights.h"
+#include "psd_ckpt.h"
 #include "ps_weights_st.h"
 #include "psmodel.h"
 
@@ -35,17 +38,31 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
     return 0;
 }
 
+/* path holds a checkpoint (psd_ckpt.h's magic). */
+static bool is_ckpt(const char *path)
+{
+    char magic[4] = {0};
+    FILE *f = fopen(path, "rb");
+    bool yes = f && fread(magic, 1, 4, f) == 4 && memcmp(magic, "PSDC", 4) == 0;
+    if (f) fclose(f);
+    return yes;
+}
+
 int psd_export_run(const char *weights_path, const char *out_path)
 {
     char err[512];
     ps_layout_t l;
     float *params = NULL;
     ps_weights_meta_t meta;
-    if (ps_weights_load_any(weights_path, &l, &params, &meta, err, sizeof err) != 0) {
+    psd_ckpt_meta_t cm;
+    int rc = is_ckpt(weights_path) ? psd_ckpt_read_weights(weights_path, &l, &params, &cm, err, sizeof err)
+                                   : ps_weights_load_any(weights_path, &l, &params, &meta, err, sizeof err);
+    if (rc != 0) {
         fprintf(stderr, "psd export: %s\n", err);
         return 2;
     }
-    int rc = ps_weights_save_st(out_path, &l, params, &meta, err, sizeof err);
+    if (is_ckpt(weights_path)) meta = (ps_weights_meta_t){.run_id = cm.run_id, .step = cm.step, .epoch = cm.epoch};
+    rc = ps_weights_save_st(out_path, &l, params, &meta, err, sizeof err);
     free(params);
     if (rc != 0) {
         fprintf(stderr, "psd export: %s\n", err);

@@ -247,9 +247,16 @@ void send_assign(srv_t *s, worker_t *w)
         a.shm_token.data = w->shm_token;
         a.shm_token.len = sizeof w->shm_token;
     }
+    a.model = s->cfg.kind == PS_MODEL_TENSORS ? "tensors" : s->cfg.kind == PS_MODEL_CTR ? "ctr" : "mlp";
+    if (s->cfg.kind == PS_MODEL_TENSORS) { /* the workers' own model and data */
+        a.n_layers = 0;
+        a.n_files = 0;
+    }
+    ps_frame_t table = {.data = s->table_pb, .nbytes = s->table_pb_len, .dtype = PSD__DTYPE__DT_U8,
+                        .rows = s->table_pb_len, .copy = true};
     h.body_case = PSD__HEADER__BODY_ASSIGN;
     h.assign = &a;
-    send_to(s, w, &h, NULL, 0);
+    send_to(s, w, &h, &table, 1);
 }
 
 /* A connection of the ROUTER closed (its monitor's event): the workers

@@ -2,6 +2,7 @@
  * or lost; epochs, validation and its exact reduction, the end of the run
  * (weights, metrics line), checkpoint scheduling, and --resume. */
 #include "psd_core.h"
+#include "ps_weights_st.h"
 #include "psd_status.h"
 
 /* Validation parts a worker holds at once: its own and one more, so that it
@@ -754,8 +755,9 @@ static const char *ckpt_misfit(const psd_ckpt_meta_t *m, const ps_layout_t *l, c
     }
     uint64_t rows = l->table >= 0 ? (uint64_t)l->t[l->table].rows : 0;
     if (m->n_params != l->n_params || m->n_sizes != l->n_sizes || memcmp(m->sizes, l->sizes, sizeof m->sizes) != 0 ||
-        m->table_rows != rows || (rows && (int)m->table_dim != l->t[l->table].cols))
-        return "its model does not match this config";
+        m->table_rows != rows || (rows && (uint64_t)m->table_dim != l->t[l->table].cols) ||
+        m->table_crc != psd_ckpt_table_crc(l))
+        return "its model (tensor table) does not match this config";
     if (m->n_slots != (uint32_t)psd_optim_slots(o) || m->opt_kind != (uint32_t)o->kind)
         return "its optimizer does not match this config";
     return NULL;
@@ -922,8 +924,8 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
     psd_optim_t o;
     psd_optim_from_config(&o, c);
     char why[256];
-    const char *misfit = ps_config_layout(c, &l) != 0
-                             ? "this config's model is invalid"
+    const char *misfit = ps_run_layout(c, &l, why, sizeof why) != 0
+                             ? why
                              : ckpt_misfit(&m, &l, &o, shards > 1 ? shards : 1, why, sizeof why);
     if (misfit) {
         fprintf(stderr, "psd: cannot resume from %s: %s\n", path, misfit);

@@ -21,6 +21,8 @@
 #include "psd_server.h"
 
 #include "psd_core.h"
+#include "ps_table.h"
+#include "ps_weights_st.h"
 #include "psd_status.h"
 
 
@@ -114,10 +116,23 @@ static void handle(srv_t *s, ps_msg_t *m)
         }
         PS_WARN("refused a %s from %s pid %u: it speaks protocol %u, psd %u", shard ? "psd shard" : "worker", host, pid,
                 h->protocol, PS_PROTOCOL_VERSION);
-        char msg[128];
-        snprintf(msg, sizeof msg, "psd speaks protocol %u, this %s %u", PS_PROTOCOL_VERSION,
-                 shard ? "psd shard" : "worker", h->protocol);
-        send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_PROTOCOL, msg);
+        char msg[256];
+        if (h->protocol < PS_PROTOCOL_VERSION)
+            snprintf(msg, sizeof msg, "this %s speaks protocol %u, psd %s speaks %u (models as tables of named "
+                     "tensors): upgrade it to psd %s or later", shard ? "psd shard" : "worker", h->protocol,
+                     PSD_VERSION, PS_PROTOCOL_VERSION, PSD_VERSION);
+        else
+            snprintf(msg, sizeof msg, "psd speaks protocol %u, this %s %u: upgrade psd", PS_PROTOCOL_VERSION,
+                     shard ? "psd shard" : "worker", h->protocol);
+        Psd__Header eh;
+        Psd__Error e = PSD__ERROR__INIT;
+        hdr_for(s, NULL, &eh, PSD__MSG_TYPE__MSG_ERROR);
+        eh.protocol = h->protocol < PS_PROTOCOL_VERSION && h->protocol >= 3 ? h->protocol : PS_PROTOCOL_VERSION;
+        e.code = PSD__ERR_CODE__ERR_PROTOCOL;
+        e.message = msg;
+        eh.body_case = PSD__HEADER__BODY_ERROR;
+        eh.error = &e;
+        ps_msg_send(s->net.sock, m->ident, m->ident_len, &eh, NULL, 0);
         return;
     }
     if (h->type == PSD__MSG_TYPE__MSG_CONTROL) {
@@ -609,6 +624,13 @@ static int ctr_setup(srv_t *s)
 static int check_data(srv_t *s)
 {
     if (s->cfg.kind == PS_MODEL_CTR) return ctr_setup(s);
+    if (s->cfg.kind == PS_MODEL_TENSORS) { /* the workers hold the data; psd hands out indices */
+        s->train_count = (size_t)s->cfg.train_size;
+        if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < s->train_count)
+            s->train_count = (size_t)s->cfg.train_limit;
+        s->test_count = (size_t)s->cfg.test_size;
+        return 0;
+    }
     const char *roles[4] = {"train_images", "train_labels", "test_images", "test_labels"};
     const char *paths[4] = {s->cfg.train_images, s->cfg.train_labels, s->cfg.test_images, s->cfg.test_labels};
     char err[512];
@@ -755,11 +777,13 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->w = calloc(MAX_WORKERS, sizeof *s->w);
     s->max_workers = opts->max_workers > 0 && opts->max_workers < MAX_WORKERS ? opts->max_workers : MAX_WORKERS;
     if (!s->w) goto out;
-    if (ps_config_layout(c, &s->layout) != 0) {
-        PS_ERROR("invalid model.layers");
+    char lerr[512];
+    if (ps_run_layout(c, &s->layout, lerr, sizeof lerr) != 0) {
+        PS_ERROR("%s", lerr);
         code = PSD_EXIT_USAGE;
         goto out;
     }
+    if (ps_table_pack(&s->layout, &s->table_pb, &s->table_pb_len) != 0) goto out;
     if (check_data(s) != 0) {
         code = PSD_EXIT_USAGE;
         goto out;
@@ -773,6 +797,13 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         psd_store_init_part(&s->store, &s->layout, &opt, c->seed, 0, opts->shards) != 0 ||
         psd_hold_init(&s->holder, &s->store, &s->layout, c, opts->shards > 1, MAX_WORKERS) != 0) {
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
+        goto out;
+    }
+    if (c->kind == PS_MODEL_TENSORS && c->init_file[0] &&
+        ps_st_init_values(c->init_file, &s->layout, s->store.cur->w, opts->shards > 1 ? s->store.own : NULL, lerr,
+                          sizeof lerr) != 0) {
+        PS_ERROR("model.init: %s", lerr);
+        code = PSD_EXIT_USAGE;
         goto out;
     }
     s->holder.verify = opts->verify_weights;
@@ -989,6 +1020,7 @@ out:
     free(s->parts);
     free(s->val_curve);
     free(s->w);
+    free(s->table_pb);
     free(s);
     return code;
 }

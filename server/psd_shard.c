@@ -38,6 +38,7 @@
 
 #include "ps_auth.h"
 #include "ps_log.h"
+#include "ps_weights_st.h"
 #include "ps_shm.h"
 #include "ps_util.h"
 #include "ps_wire.h"
@@ -504,8 +505,8 @@ static int resume_part(shard_t *s, const uint64_t *steps, size_t n_steps)
         const char *misfit = NULL;
         uint64_t rows = s->layout.table >= 0 ? (uint64_t)s->layout.t[s->layout.table].rows : 0;
         if (m.n_params != s->layout.n_params || m.table_rows != rows ||
-            (rows && (int)m.table_dim != s->layout.t[s->layout.table].cols) ||
-            m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt) || m.opt_kind != (uint32_t)s->cfg.opt ||
+            (rows && (uint64_t)m.table_dim != s->layout.t[s->layout.table].cols) ||
+            m.table_crc != psd_ckpt_table_crc(&s->layout) || m.n_slots != (uint32_t)psd_optim_slots(&s->store.opt) || m.opt_kind != (uint32_t)s->cfg.opt ||
             m.run_id != s->run_id)
             misfit = "it does not fit the run shard 0 resumed (model, optimizer or run)";
         else if (m.shards && (m.shard != (uint32_t)s->opts.shard || m.shards != (uint32_t)s->opts.shards))
@@ -974,8 +975,9 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->w = calloc(SHARD_MAX_WORKERS, sizeof *s->w);
     ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
     if (!s->w) goto out;
-    if (ps_config_layout(c, &s->layout) != 0) {
-        PS_ERROR("invalid model.layers");
+    char lerr[512];
+    if (ps_run_layout(c, &s->layout, lerr, sizeof lerr) != 0) {
+        PS_ERROR("%s", lerr);
         code = PSD_EXIT_USAGE;
         goto out;
     }
@@ -984,6 +986,12 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if (psd_store_init_part(&s->store, &s->layout, &opt, c->seed, opts->shard, opts->shards) != 0 ||
         psd_store_set_parallel(&s->store, psd_step_threads(c), (size_t)c->chunk_bytes) != 0) {
         PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
+        goto out;
+    }
+    if (c->kind == PS_MODEL_TENSORS && c->init_file[0] &&
+        ps_st_init_values(c->init_file, &s->layout, s->store.cur->w, s->store.own, lerr, sizeof lerr) != 0) {
+        PS_ERROR("model.init: %s", lerr);
+        code = PSD_EXIT_USAGE;
         goto out;
     }
     if (psd_hold_init(&s->hold, &s->store, &s->layout, c, true, SHARD_MAX_WORKERS) != 0) {

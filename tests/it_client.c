@@ -35,6 +35,7 @@
 #include "psworker.h"
 #include "ps_util.h"
 #include "ps_weights.h"
+#include "ps_table.h"
 #include "ps_wire.h"
 
 /* A fake psd: answers one REGISTER on its ROUTER with an ASSIGN of a ctr
@@ -90,9 +91,17 @@ static void *fake_psd(void *p)
     a.start_timeout_s = 5;
     a.step_timeout_s = 5;
     a.ctr = &f->ct;
+    a.model = (char *)"ctr";
     h.body_case = PSD__HEADER__BODY_ASSIGN;
     h.assign = &a;
-    ps_msg_send(f->router, m.ident, m.ident_len, &h, NULL, 0);
+    ps_layout_t tl; /* the table (protocol 7): the one its sizes and task make */
+    uint8_t *tb = NULL;
+    size_t tlen = 0;
+    int tk = ps_layout_init_table(&tl, (const int[]){32, 2}, 2, f->ct.rows, (int)f->ct.dim);
+    if (tk == 0) tk = ps_table_pack(&tl, &tb, &tlen);
+    ps_frame_t tf = {.data = tb, .nbytes = tlen, .dtype = PSD__DTYPE__DT_U8, .rows = tlen, .copy = true};
+    ps_msg_send(f->router, m.ident, m.ident_len, &h, tk == 0 ? &tf : NULL, tk == 0);
+    free(tb);
     if (f->wframes > 0) {
         float *v = calloc(f->wnumel ? f->wnumel : 1, sizeof *v), *vi[PS_MAX_FRAMES] = {NULL};
         ps_frame_t fr[PS_MAX_FRAMES];

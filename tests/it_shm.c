@@ -35,6 +35,7 @@
 #include "psworker.h"
 #include "ps_util.h"
 #include "ps_weights.h"
+#include "ps_table.h"
 #include "ps_wire.h"
 
 /* ---- same host: shared memory ------------------------------------------- */
@@ -375,8 +376,8 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
     char sub[400];
     snprintf(sub, sizeof sub, "ls %s/run-*/shard-1/ckpt-*.psdc >/dev/null 2>&1", ck);
     cr_assert_eq(run_cmd("%s", sub), 0, "shard 1 wrote its part");
-    { /* each shard's file holds its part only (checkpoint format 4): header, seen bits (shard 0),
-       * the part's weights and two Adam moments, trailer */
+    { /* each shard's file holds its part only (checkpoint format 4, 5 with the table): header, the
+       * tensor table, seen bits (shard 0), the part's weights and two Adam moments, trailer */
         ps_layout_t l;
         float *params = NULL;
         ps_weights_meta_t meta;
@@ -386,7 +387,12 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
         for (int i = 0; i < 2; i++) {
             ps_piece_t pc[PS_MAX_TENSORS];
             ps_shard_pieces(&l, i, 2, pc);
-            const uint64_t want = 232 + (i == 0 ? (3000 + 7) / 8 : 0) + 3 * ps_part_size(pc, l.n_tensors) * 4 + 12;
+            uint8_t *tb;
+            size_t tlen;
+            cr_assert_eq(ps_table_pack(&l, &tb, &tlen), 0);
+            free(tb);
+            const uint64_t want =
+                232 + 4 + tlen + (i == 0 ? (3000 + 7) / 8 : 0) + 3 * ps_part_size(pc, l.n_tensors) * 4 + 12;
             glob_t g;
             if (i == 0) snprintf(sub, sizeof sub, "%s/run-*/ckpt-*.psdc", ck); /* shard 0: the run's directory */
             else snprintf(sub, sizeof sub, "%s/run-*/shard-%d/ckpt-*.psdc", ck, i);

@@ -55,6 +55,10 @@ map '^build/pworker --connect tcp://127\.0\.0\.1:[0-9]+$' \
     'integration: every short/ test starts its workers so (tests/itest.c start_worker), e.g. short/two_workers_count_every_test_sample; deploy-docker: the run by hand' \
     'tests/itest.c:pworker_bin, "--connect", r->endpoint' \
     'tests/deploy/docker.sh:pworker" --connect "tcp://127\.0\.0\.1:\$PORT"'
+map '^\./fm_worker tcp://127\.0\.0\.1:[0-9]+ & \./fm_worker tcp://127\.0\.0\.1:[0-9]+$' \
+    'unit: example-c starts two of them so, built against the installed library (tests/example_c.sh)' \
+    'tests/example_c.sh:"\$T/fm_worker" "tcp://127\.0\.0\.1:\$port"' \
+    'tests/meson.build:test\('"'"'example-c'"'"
 map '^build/psd eval [^ ]+$' \
     'integration: short/eval_of_saved_weights_matches_validation (tests/test_integration.c)' \
     'tests/test_integration.c:Test\(short, eval_of_saved_weights_matches_validation\)' \

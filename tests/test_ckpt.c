@@ -21,6 +21,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include "ps_table.h"
 #include "psd_ckpt.h"
 #include "psd_store.h"
 #include "ps_wire.h"
@@ -144,9 +145,21 @@ static size_t check_part(const float *got, const float *want, const bool *mine, 
     return n;
 }
 
+/* Bytes of the tensor table a file of format 5 holds after its header:
+ * its length field and the packed table of the store's layout. */
+static size_t tbl_len(const psd_store_t *s)
+{
+    uint8_t *b;
+    size_t n;
+    cr_assert_eq(ps_table_pack(&s->layout, &b, &n), 0);
+    free(b);
+    return 4 + n;
+}
+
 static void meta_make(psd_ckpt_meta_t *m, const psd_store_t *s, uint64_t step, uint64_t train_count)
 {
     memset(m, 0, sizeof *m);
+    m->table_crc = psd_ckpt_table_crc(&s->layout); /* what a read gives back */
     m->run_id = 0x1122334455667788ULL;
     m->config_hash = 0xdeadbeefcafef00dULL;
     m->seed = 1234567;
@@ -255,6 +268,15 @@ static void put32(uint8_t *p, uint32_t v)
     for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
 
+/* A file image of format 5 as one of format 4: the table cut out. */
+static void drop_table(uint8_t *img, size_t *len, size_t tbl)
+{
+    memmove(img + HDR_LEN, img + HDR_LEN + tbl, *len - HDR_LEN - tbl);
+    *len -= tbl;
+    put32(img + 4, 4);
+}
+
+
 static void put64(uint8_t *p, uint64_t v)
 {
     for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
@@ -307,7 +329,7 @@ Test(ckpt, roundtrip_every_field, .init = dir_setup, .fini = dir_teardown)
     struct stat st;
     cr_assert_eq(stat(want, &st), 0);
     cr_expect_eq((uint64_t)st.st_size, bytes);
-    cr_expect_eq(bytes, HDR_LEN + 126 + 3 * n * 4 + 12);
+    cr_expect_eq(bytes, HDR_LEN + tbl_len(&s) + 126 + 3 * n * 4 + 12);
     cr_expect_leq(peak, CHUNK_BYTES, "no modification: at most the bounce buffer, got %llu",
                   (unsigned long long)peak);
     cr_expect_eq(count_files(".ckpt-", ".tmp"), 0);
@@ -375,7 +397,7 @@ Test(ckpt, a_shard_file_holds_its_part_only, .init = dir_setup, .fini = dir_tear
     char path[PATH_MAX];
     uint64_t bytes;
     cr_assert_eq(ckpt_write(&s, &m, seen, 3, NULL, &bytes, path, sizeof path), 0);
-    cr_expect_eq(bytes, HDR_LEN + 126 + 3 * part * 4 + 12, "the part's floats only: %llu bytes",
+    cr_expect_eq(bytes, HDR_LEN + tbl_len(&s) + 126 + 3 * part * 4 + 12, "the part's floats only: %llu bytes",
                  (unsigned long long)bytes);
     loaded_t L;
     cr_assert_eq(load(&L), 0, "%s", L.err);
@@ -393,6 +415,7 @@ Test(ckpt, a_shard_file_holds_its_part_only, .init = dir_setup, .fini = dir_tear
     cr_assert_eq(ckpt_write(&s, &m, seen, 3, NULL, NULL, path, sizeof path), 0);
     size_t len;
     uint8_t *img = file_read(path, &len);
+    drop_table(img, &len, tbl_len(&s));
     put32(img + 4, 3);
     put32(img + HDR_LEN - 4, 3u << 16 | 2u);
     fix_trailer(img, len);
@@ -442,7 +465,7 @@ Test(ckpt, a_shard_that_owns_nothing_writes_an_empty_part, .init = dir_setup, .f
     char path[PATH_MAX];
     while (!psd_ckpt_done(wr)) usleep(1000);
     cr_assert_eq(psd_ckpt_end(&wr, path, sizeof path, NULL, &bytes, &peak), 0);
-    cr_expect_eq(bytes, HDR_LEN + 3 + 12);
+    cr_expect_eq(bytes, HDR_LEN + tbl_len(&s) + 3 + 12);
     loaded_t L;
     cr_assert_eq(load(&L), 0, "%s", L.err);
     cr_expect_eq(L.meta.shard, 15);
@@ -498,7 +521,9 @@ Test(ckpt, table_shape_and_format_1, .init = dir_setup, .fini = dir_teardown)
     seen = seen_make(1003, 6);
     cr_assert_eq(ckpt_write(&s, &m, seen, 3, NULL, NULL, path, sizeof path), 0);
     size_t len;
-    uint8_t *img = file_read(path, &len), *v1 = malloc(len - 16);
+    uint8_t *img = file_read(path, &len);
+    drop_table(img, &len, tbl_len(&s));
+    uint8_t *v1 = malloc(len - 16);
     cr_assert_not_null(v1);
     memcpy(v1, img, HDR_LEN_V1);
     memcpy(v1 + HDR_LEN_V1, img + HDR_LEN, len - HDR_LEN);
@@ -947,6 +972,7 @@ Test(ckpt, garbage_files_are_skipped, .init = dir_setup, .fini = dir_teardown)
     psd_store_t s;
     size_t len;
     uint8_t *img = two_ckpts(&s, &len);
+    drop_table(img, &len, tbl_len(&s)); /* the fixed header's fields, in format 4 */
     char p2[PATH_MAX], p9[PATH_MAX];
     ckpt_name(p2, sizeof p2, 2);
     unlink(p2);
@@ -987,7 +1013,7 @@ Test(ckpt, garbage_files_are_skipped, .init = dir_setup, .fini = dir_teardown)
         {"n_params wrong", OFF_N_PARAMS, 0, 1, 12345},
         {"train_count 2^40", OFF_TRAIN_COUNT, 0, 1, 1ULL << 40},
         {"n_slots 3", OFF_N_PARAMS - 4, 3, 0, 0},
-        {"format 5", 4, 5, 0, 0},
+        {"format 6", 4, 6, 0, 0},
         {"17 psd shards", OFF_TABLE_DIM + 4, 17u << 16, 0, 0},
         {"table rows without a dim", OFF_TABLE_ROWS, 0, 1, 10},
         {"table dim without rows", OFF_TABLE_DIM, 4, 0, 0},

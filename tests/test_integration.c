@@ -373,6 +373,16 @@ Test(short, other_protocol_version_is_refused_and_psd_carries_on)
     cr_assert(strstr(t, "protocol"), "%s", t);
     cr_assert_eq(count_lines(t), 1, "one line: %s", t);
     free(t);
+    /* a worker of the protocol before (6) is told in words to upgrade */
+    char olog[256], six[8];
+    path(olog, sizeof olog, "pv-w6.log");
+    snprintf(six, sizeof six, "%u", PS_PROTOCOL_VERSION - 1);
+    const char *old[] = {pworker_bin, "--connect", r.endpoint, "--devices", "cpu", "--x-protocol", six, NULL};
+    pid_t o = proc_spawn(old, olog);
+    cr_assert_eq(proc_wait(o, 60), 2, "a worker of the protocol before exits 2");
+    t = slurp(olog);
+    cr_assert(strstr(t, "upgrade it to psd"), "the worker shows psd's words: %s", t);
+    free(t);
     pid_t good = start_worker(&r, "pv", 0, NULL);
     cr_assert_eq(proc_wait(p, 300), 0, "psd carries on and trains with a good worker");
     cr_assert_eq(proc_wait(good, 30), 0);

@@ -469,7 +469,7 @@ Test(model, bag_gradients_match_finite_differences)
     cr_assert_eq(ps_layout_init_table(&l, sizes, 2, ROWS, D), 0);
     cr_assert_eq(l.table, 2);
     cr_assert_eq(l.n_tensors, 3);
-    cr_assert_str_eq(l.t[2].name, "E");
+    cr_assert_str_eq(l.t[2].name, "embedding.weight");
     psw_model_t *m = psw_model_new_bags(be, &l, B, &(psw_bags_t){.fields = F, .per_field = M, .mean = 1});
     cr_assert_not_null(m);
     float *params = calloc(l.n_params, sizeof(float)), *g = calloc(l.n_params, sizeof(float));
@@ -785,7 +785,7 @@ Test(layout, offsets_aligned_and_disjoint)
         const ps_tensor_info_t *t = &l.t[k];
         const int i = k / 2;
         char name[16];
-        snprintf(name, sizeof(name), "%c%d", k % 2 ? 'b' : 'W', i);
+        snprintf(name, sizeof(name), "fc%d.%s", i + 1, k % 2 ? "bias" : "weight");
         cr_expect_str_eq(t->name, name);
         cr_expect_eq(t->rows, sizes[i + 1]);
         cr_expect_eq(t->cols, k % 2 ? 1 : sizes[i]);
@@ -809,12 +809,12 @@ Test(layout, rejects_bad_sizes)
     cr_expect_eq(ps_layout_init(&l, sizes, PS_MAX_LAYERS + 2), -1);
     cr_expect_eq(ps_layout_init(&l, sizes, PS_MAX_LAYERS + 1), 0);
     cr_expect_eq(l.n_layers, PS_MAX_LAYERS);
-    cr_expect_str_eq(l.t[2 * PS_MAX_LAYERS - 1].name, "b15");
-    /* the largest MLP and a table fill every tensor slot */
+    cr_expect_str_eq(l.t[2 * PS_MAX_LAYERS - 1].name, "fc16.bias");
+    /* the largest MLP and a table */
     cr_expect_eq(ps_layout_init_table(&l, sizes, PS_MAX_LAYERS + 1, 10, 3), 0);
-    cr_expect_eq(l.n_tensors, PS_MAX_TENSORS);
-    cr_expect_str_eq(l.t[PS_MAX_TENSORS - 1].name, "E");
-    cr_expect_eq(l.n_params, l.t[PS_MAX_TENSORS - 1].offset + 30);
+    cr_expect_eq(l.n_tensors, 2 * PS_MAX_LAYERS + 1);
+    cr_expect_str_eq(l.t[2 * PS_MAX_LAYERS].name, "embedding.weight");
+    cr_expect_eq(l.n_params, l.t[2 * PS_MAX_LAYERS].offset + 30);
     cr_expect_eq(ps_layout_init_table(&l, sizes, 3, 10, 0), -1, "a table of width 0");
     cr_expect_eq(ps_layout_init_table(&l, sizes, 3, (uint64_t)1 << 31, 1), -1, "more than INT32_MAX floats");
     cr_expect_eq(ps_layout_init_table(&l, sizes, 3, (uint64_t)1 << 28, 8), -1, "more than INT32_MAX floats");

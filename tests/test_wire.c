@@ -300,7 +300,7 @@ static void send_push_with(Psd__TensorDesc *d, int n_desc, const void *const *fr
 Test(wire, frame_count_and_sizes_are_checked)
 {
     float data[4] = {0};
-    uint32_t shape[2] = {2, 2};
+    uint64_t shape[2] = {2, 2};
     Psd__TensorDesc d = PSD__TENSOR_DESC__INIT;
     d.dtype = PSD__DTYPE__DT_F32;
     d.shape = shape;
@@ -339,12 +339,12 @@ Test(wire, frame_count_and_sizes_are_checked)
 }
 
 /* The element count of a shape is checked before each multiplication:
- * 2^17 x 2^17 x (2^30 + 1) wraps to 2^34 in 64 bits, which the check after
- * the multiplication let through. */
+ * 2^32 x 2^32 x (2^31 + 1) wraps in 64 bits, which a check after the
+ * multiplication would let through. */
 Test(wire, a_shape_whose_element_count_wraps_is_refused)
 {
     float data[4] = {0};
-    uint32_t shape[3] = {1u << 17, 1u << 17, (1u << 30) + 1};
+    uint64_t shape[3] = {1ull << 32, 1ull << 32, (1ull << 31) + 1};
     Psd__TensorDesc d = PSD__TENSOR_DESC__INIT;
     d.dtype = PSD__DTYPE__DT_F32;
     d.shape = shape;
@@ -354,7 +354,7 @@ Test(wire, a_shape_whose_element_count_wraps_is_refused)
     size_t lens[1] = {sizeof data};
     send_push_with(&d, 1, fr, lens, 1);
     expect_rejected("a shape whose element count wraps");
-    shape[2] = 1; /* 2^34 elements: the most a shape may hold */
+    shape[0] = 1ull << 30, shape[1] = 1ull << 31, shape[2] = 1; /* 2^61 elements: the most a shape may hold */
     send_push_with(&d, 1, fr, lens, 1);
     ps_msg_t m;
     char err[256];

@@ -2,7 +2,11 @@
 #include "psworker.h"
 
 #include "psw_client_int.h"
+#include "ps_table.h"
 
+
+_Static_assert(PSW_MAX_TENSORS == PS_MAX_TENSORS && PSW_NAME_MAX == PS_NAME_MAX && PSW_MAX_DIMS == PS_MAX_DIMS,
+               "the public table is the layout's");
 
 static void defer_free(psw_client_t *c)
 {
@@ -530,10 +534,12 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
                  (unsigned long long)ah->run_id, (unsigned long long)c->run_id);
         return -EPROTO;
     }
-    if (ah->run_id == 0 || a->n_layers < 2 || a->n_layers > PSW_MAX_LAYERS + 1 || !a->hyper ||
-        a->n_files != (a->ctr ? 0u : 4u) || a->hyper->batch_size == 0 || a->hyper->val_batch_size == 0 ||
-        a->hyper->batch_size > PS_MAX_BATCH || a->hyper->val_batch_size > PS_MAX_BATCH ||
-        !(a->hyper->norm_std > 0) || !(a->start_timeout_s > 0) || !(a->step_timeout_s > 0)) {
+    const bool tensors = a->model && strcmp(a->model, "tensors") == 0;
+    if (ah->run_id == 0 || (tensors ? a->n_layers != 0 || a->ctr : a->n_layers < 2 || a->n_layers > PSW_MAX_LAYERS + 1) ||
+        !a->hyper || a->n_files != (a->ctr || tensors ? 0u : 4u) || a->hyper->batch_size == 0 ||
+        a->hyper->val_batch_size == 0 || a->hyper->batch_size > PS_MAX_BATCH || a->hyper->val_batch_size > PS_MAX_BATCH ||
+        !(a->hyper->norm_std > 0) || !(a->start_timeout_s > 0) || !(a->step_timeout_s > 0) ||
+        c->cur.n_frames != 1 || ah->tensors[0]->dtype != PSD__DTYPE__DT_U8) {
         snprintf(err, errlen, "psd sent an invalid assignment");
         return -EPROTO;
     }
@@ -541,6 +547,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     c->rank = a->rank;
     out->rank = a->rank;
     out->run_id = ah->run_id;
+    out->model = tensors ? PSW_MODEL_TENSORS : a->ctr ? PSW_MODEL_CTR : PSW_MODEL_MLP;
     out->n_sizes = (int)a->n_layers;
     for (size_t i = 0; i < a->n_layers; i++) {
         if (a->layers[i] < 1 || a->layers[i] > (1u << 20)) {
@@ -612,12 +619,32 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         }
     }
     shm_unmap(c);
-    if (ps_layout_init_table(&c->layout, out->sizes, out->n_sizes, out->ctr.rows, out->ctr.dim) != 0) {
-        snprintf(err, errlen, "psd sent an invalid model");
+    char why[400];
+    ps_layout_t built;
+    if (ps_table_unpack(zmq_msg_data(&c->cur.frames[0]), zmq_msg_size(&c->cur.frames[0]), &c->layout, why,
+                        sizeof why) != 0) {
+        snprintf(err, errlen, "psd sent an invalid tensor table: %s", why);
         return -EPROTO;
     }
+    if (!tensors) { /* a built-in model: the table its sizes make, with them */
+        if (ps_layout_init_table(&built, out->sizes, out->n_sizes, out->ctr.rows, out->ctr.dim) != 0 ||
+            !ps_layout_same_table(&built, &c->layout, why, sizeof why)) {
+            snprintf(err, errlen, "psd sent an invalid model");
+            return -EPROTO;
+        }
+        c->layout = built;
+    }
+    out->n_tensors = c->layout.n_tensors;
+    for (int t = 0; t < c->layout.n_tensors; t++) {
+        const ps_tensor_info_t *ti = &c->layout.t[t];
+        psw_tensor_t *o = &out->tensors[t];
+        memcpy(o->name, ti->name, sizeof o->name);
+        o->ndim = ti->ndim;
+        memcpy(o->shape, ti->shape, sizeof o->shape);
+        o->numel = ti->numel;
+        o->sparse_rows = ti->kind == PS_TENSOR_ROWS;
+    }
     if (a->shm_socket && a->shm_socket[0] && a->shm_token.len == PS_SHM_TOKEN && !c->info.no_shm) {
-        char why[256];
         if (shm_connect(c, a->shm_socket, a->shm_token.data, why, sizeof why) == 0)
             PS_DEBUG("tensors go through shared memory with psd");
         else

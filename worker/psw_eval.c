@@ -2,6 +2,7 @@
  * the workers' CPU code (psmodel.h: what `psd eval` uses). */
 #include "psmodel.h"
 
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,11 +20,11 @@ static int open_test(const ps_config_t *c, const ps_layout_t *l, psw_data_t *tes
 {
     if (l->table >= 0) {
         if (c->kind != PS_MODEL_CTR || (int64_t)l->t[l->table].rows != c->ctr_rows ||
-            l->t[l->table].cols != c->ctr_dim || l->sizes[0] != c->ctr_fields * c->ctr_dim ||
+            l->t[l->table].cols != (uint64_t)c->ctr_dim || l->sizes[0] != c->ctr_fields * c->ctr_dim ||
             l->sizes[l->n_sizes - 1] != 2) {
             snprintf(err, errlen,
-                     "the weights have an embedding table (%d x %d); the config must be the ctr task they were "
-                     "trained on (model.kind ctr, ctr.rows %d, ctr.dim %d)",
+                     "the weights have an embedding table (%" PRIu64 " x %" PRIu64 "); the config must be the ctr "
+                     "task they were trained on (model.kind ctr, ctr.rows %" PRIu64 ", ctr.dim %" PRIu64 ")",
                      l->t[l->table].rows, l->t[l->table].cols, l->t[l->table].rows, l->t[l->table].cols);
             return -1;
         }

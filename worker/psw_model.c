@@ -77,7 +77,7 @@ static psw_model_t *model_new(psw_backend_t *be, const ps_layout_t *layout, int 
     assert(max_batch >= 1);
     assert(!bags == (layout->table < 0));
     assert(!bags || (bags->fields >= 1 && bags->per_field >= 1 &&
-                     bags->fields * layout->t[layout->table].cols == layout->sizes[0]));
+                     (uint64_t)bags->fields * layout->t[layout->table].cols == (uint64_t)layout->sizes[0]));
 
     psw_model_t *m = calloc(1, sizeof(*m));
     if (!m) return NULL;

@@ -702,6 +702,13 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
         PS_ERROR("%s", err);
         return PSW_EXIT_USAGE;
     }
+    if (a.model == PSW_MODEL_TENSORS) {
+        psw_client_fail(w->c, 0, "pworker trains the built-in models only");
+        PS_ERROR("psd's run trains a model of %d named tensors (model.kind tensors): pworker trains the built-in "
+                 "models only; run the program that computes its gradients (a worker built on psworker.h)",
+                 a.n_tensors);
+        return PSW_EXIT_USAGE;
+    }
     char role[32];
     snprintf(role, sizeof role, "worker %u", a.rank);
     ps_log_set_role(role);

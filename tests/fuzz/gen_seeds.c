@@ -93,7 +93,7 @@ static void wire_seeds(void)
     Psd__Error er;
     Psd__ValResult vr;
     Psd__TensorDesc t0, t1, *tt[2] = {&t0, &t1};
-    uint32_t shape0[2] = {2, 3}, shape1[1] = {2}, ids_shape[1] = {5}, wshape[1] = {4};
+    uint64_t shape0[2] = {2, 3}, shape1[1] = {2}, ids_shape[1] = {5}, wshape[1] = {4};
     float wdata[6] = {1, -2, 3.5f, 0, 1e-3f, -1e9f}, bdata[2] = {0.25f, -0.5f};
     uint32_t ids[5] = {4, 0, 3, 1, 2};
 

@@ -18,7 +18,9 @@
 #include <stdint.h>
 
 #define PSW_MAX_LAYERS 16
-#define PSW_MAX_TENSORS (2 * PSW_MAX_LAYERS + 1) /* W, b of each layer, and an embedding table */
+#define PSW_MAX_TENSORS 64   /* tensors in a run's table */
+#define PSW_NAME_MAX 255     /* bytes of a tensor's name */
+#define PSW_MAX_DIMS 8
 #define PSW_PATH_MAX 1024
 
 typedef struct psw_client psw_client_t;
@@ -45,10 +47,29 @@ typedef struct {
     uint64_t size, hash;
 } psw_file_t;
 
+/* One tensor of the run's model, as psd's table has it (ASSIGN, protocol
+ * 7). Pushes and events name tensors by their index in the table. */
+typedef struct {
+    char name[PSW_NAME_MAX + 1];
+    int ndim;                      /* 0: a scalar */
+    uint64_t shape[PSW_MAX_DIMS];
+    uint64_t numel;
+    int sparse_rows;               /* stepped by rows (an embedding table) */
+} psw_tensor_t;
+
+typedef enum {
+    PSW_MODEL_MLP = 0,   /* the built-in MLP on IDX image files (sizes, files) */
+    PSW_MODEL_CTR,       /* the built-in click-through model (sizes, ctr) */
+    PSW_MODEL_TENSORS,   /* the user's model: the table only; the worker brings its data */
+} psw_model_kind_t;
+
 typedef struct {
     uint32_t rank;
     uint64_t run_id;
-    int n_sizes;
+    psw_model_kind_t model;
+    int n_tensors;                 /* the model's tensors, in order (every model) */
+    psw_tensor_t tensors[PSW_MAX_TENSORS];
+    int n_sizes;                   /* the built-in models' MLP sizes (0 for PSW_MODEL_TENSORS) */
     int sizes[PSW_MAX_LAYERS + 1];
     int n_files;
     psw_file_t files[4];       /* train_images, train_labels, test_images, test_labels */

@@ -1,0 +1,153 @@
+/* fm_worker.c - a psd worker for a model psd has never heard of: a
+ * factorization machine (Rendle 2010) on click data made from each
+ * example's index. It uses only the public header, psworker.h:
+ *
+ *   cc -O2 fm_worker.c $(pkg-config --cflags --libs psworker) -lm -o fm_worker
+ *   psd --config fm.yaml &   ./fm_worker tcp://127.0.0.1:5555 &   ./fm_worker tcp://127.0.0.1:5555
+ *
+ * psd holds the tensors fm.yaml lists (bias [1], linear [F*V], factors
+ * [F*V, K]), hands out sample indices and steps them; this program computes
+ * the gradients of the log-loss. An example has F fields, each one of V
+ * values; its feature ids are field * V + value. */
+#include <math.h>
+#include <psworker.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F = 8, V = 50, N = F * V, K = 8, TRAIN = 200000, TEST = 10000 };
+
+static uint64_t mix(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+static double unit(uint64_t z) { return (double)(mix(z) >> 11) / 9007199254740992.0; }
+
+/* Example i: its features and its click, drawn from a planted model whose
+ * score is a sum of per-feature weights and one pairwise term. */
+static int example(uint64_t i, int feat[F])
+{
+    double s = -0.5;
+    for (int f = 0; f < F; f++) {
+        feat[f] = f * V + (int)(mix(i * 16 + (uint64_t)f + 1) % V);
+        s += 2.0 * unit((uint64_t)feat[f] * 7919 + 3) - 1.0;
+    }
+    s += (feat[0] % 2 == feat[1] % 2) ? 1.0 : -1.0;
+    return unit(i * 16 + 15) < 1.0 / (1.0 + exp(-s));
+}
+
+/* The model's score of an example and, with g, the gradient of its log-loss
+ * (scaled by w) added in. t: bias, linear, factors. Returns the loss. */
+static double fm(const float *const t[3], const int feat[F], int y, float *const g[3], float w, int *hit)
+{
+    double sum[K] = {0}, sq = 0, score = t[0][0];
+    for (int f = 0; f < F; f++) {
+        score += t[1][feat[f]];
+        for (int k = 0; k < K; k++) {
+            double v = t[2][feat[f] * K + k];
+            sum[k] += v, sq += v * v;
+        }
+    }
+    for (int k = 0; k < K; k++) score += 0.5 * sum[k] * sum[k];
+    score -= 0.5 * sq;
+    double p = 1.0 / (1.0 + exp(-score));
+    *hit = (p > 0.5) == (y == 1);
+    if (g) {
+        float d = (float)(p - y) * w;
+        g[0][0] += d;
+        for (int f = 0; f < F; f++) {
+            g[1][feat[f]] += d;
+            for (int k = 0; k < K; k++) g[2][feat[f] * K + k] += d * (float)(sum[k] - t[2][feat[f] * K + k]);
+        }
+    }
+    return y ? -log(p > 1e-12 ? p : 1e-12) : -log(1 - p > 1e-12 ? 1 - p : 1e-12);
+}
+
+int main(int argc, char **argv)
+{
+    static const char *const names[3] = {"bias", "linear.weight", "factors.weight"};
+    static const size_t sizes[3] = {1, N, (size_t)N * K};
+    char err[512];
+    psw_info_t info = {.device = "cpu", .device_index = -1};
+    psw_client_t *c = argc == 2 ? psw_client_new(argv[1], &info, err, sizeof err) : NULL;
+    psw_assign_t a;
+    if (!c || psw_client_register(c, &a, 60, err, sizeof err) != 0) {
+        fprintf(stderr, "fm_worker: %s\n", argc == 2 ? err : "usage: fm_worker ENDPOINT");
+        return 1;
+    }
+    int id[3] = {-1, -1, -1}; /* each tensor's index in psd's table */
+    for (int i = 0; i < a.n_tensors; i++)
+        for (int k = 0; k < 3; k++)
+            if (strcmp(a.tensors[i].name, names[k]) == 0 && a.tensors[i].numel == sizes[k]) id[k] = i;
+    if (a.model != PSW_MODEL_TENSORS || a.n_tensors != 3 || id[0] < 0 || id[1] < 0 || id[2] < 0) {
+        psw_client_fail(c, 1, "not the factorization machine's tensors (fm.yaml)");
+        fprintf(stderr, "fm_worker: psd's model is not fm.yaml's\n");
+        return 1;
+    }
+    psw_client_ready(c, TRAIN, TEST);
+    float *grad[3];
+    for (int k = 0; k < 3; k++) grad[k] = malloc(sizes[k] * sizeof(float));
+    uint32_t *ids = NULL;
+    size_t n_ids = 0, pos = 0;
+    uint32_t epoch = 0;
+    for (;;) {
+        psw_event_t ev;
+        int rc = psw_client_next(c, &ev, 120, err, sizeof err);
+        if (rc != 0) {
+            fprintf(stderr, "fm_worker: %s\n", err);
+            return 1;
+        }
+        const float *t[3] = {ev.tensors[id[0]], ev.tensors[id[1]], ev.tensors[id[2]]};
+        if (ev.kind == PSW_EV_SHUTDOWN) {
+            psw_client_destroy(&c);
+            return ev.exit_code;
+        } else if (ev.kind == PSW_EV_EPOCH) { /* this worker's samples of the epoch (or more of them) */
+            size_t keep = ev.append ? n_ids : 0;
+            if (ev.keep) n_ids = ev.keep;
+            if (ev.keep) continue;
+            ids = realloc(ids, (keep + ev.n_samples + 1) * sizeof *ids);
+            memcpy(ids + keep, ev.samples, ev.n_samples * sizeof *ids);
+            n_ids = keep + ev.n_samples;
+            int idle = !ev.append || pos >= keep;
+            if (!ev.append) pos = 0;
+            epoch = ev.epoch;
+            if (pos >= n_ids) rc = psw_client_barrier(c, epoch, n_ids);
+            else if (idle) rc = psw_client_pull(c, ev.version);
+        } else if (ev.kind == PSW_EV_WEIGHTS) { /* a step on the next batch */
+            while (!psw_client_push_done(c)) {
+            }
+            size_t b = n_ids - pos < a.batch_size ? n_ids - pos : a.batch_size;
+            double loss = 0;
+            uint64_t right = 0;
+            for (int k = 0; k < 3; k++) memset(grad[k], 0, sizes[k] * sizeof(float));
+            for (size_t j = 0; j < b; j++) {
+                int feat[F], hit, y = example(ids[pos + j], feat);
+                loss += fm(t, feat, y, grad, 1.0f / (float)b, &hit);
+                right += (uint64_t)hit;
+            }
+            pos += b;
+            int last = pos >= n_ids;
+            const float *gp[3] = {grad[0], grad[1], grad[2]};
+            int rows[3] = {1, N, N}, cols[3] = {0, 0, K};
+            rc = psw_client_push(c, ev.version, (uint32_t)b, loss, right, !last, 3, id, gp, sizes, rows, cols);
+            if (rc == 0 && last) rc = psw_client_barrier(c, epoch, n_ids);
+        } else if (ev.kind == PSW_EV_VALIDATE) { /* test examples [TRAIN + begin, TRAIN + end) */
+            double loss = 0;
+            uint64_t right = 0;
+            for (uint64_t i = ev.val_begin; i < ev.val_end; i++) {
+                int feat[F], hit, y = example(TRAIN + i, feat);
+                loss += fm(t, feat, y, NULL, 0, &hit);
+                right += (uint64_t)hit;
+            }
+            rc = psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, loss, right, ev.val_end - ev.val_begin,
+                                       NULL);
+        }
+        if (rc != 0) {
+            fprintf(stderr, "fm_worker: psd is gone (%d)\n", rc);
+            return 1;
+        }
+    }
+}

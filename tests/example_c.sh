@@ -1,0 +1,68 @@
+#!/bin/bash
+# examples/c/fm_worker.c as a user builds it: against the installed library
+# (`meson install` into a scratch root, `pkg-config --cflags --libs
+# psworker` and nothing else), then two of them train examples/c/fm.yaml
+# with a real psd on loopback (a free port, psd ended by its pid). Checks
+# that the run ends well, that the test loss falls below what a constant
+# guess gives, and that psd's weights (.safetensors) hold the table's
+# tensors, read back with numpy (/usr/bin/python3) when it is installed.
+#   bash tests/example_c.sh BUILD_DIR SOURCE_ROOT
+set -euo pipefail
+B=$(cd "${1:?usage: tests/example_c.sh BUILD_DIR SOURCE_ROOT}" && pwd)
+S=$(cd "${2:?usage: tests/example_c.sh BUILD_DIR SOURCE_ROOT}" && pwd)
+T=$(mktemp -d /tmp/psd-exc-XXXXXX)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; rm -rf "$T"; }
+trap cleanup EXIT
+fail() { echo "example_c: $*" >&2; exit 1; }
+
+DESTDIR=$T/root meson install -C "$B" --no-rebuild --quiet >"$T/install.log" 2>&1 ||
+    { cat "$T/install.log" >&2; fail "meson install failed"; }
+pc=$(find "$T/root" -name psworker.pc | head -n 1)
+so=$(find "$T/root" -name 'libpsworker.so.1' | head -n 1)
+export PKG_CONFIG_PATH=$(dirname "$pc") PKG_CONFIG_SYSROOT_DIR=$T/root
+flags=$(pkg-config --cflags --libs psworker) || fail "pkg-config --cflags --libs psworker failed"
+# shellcheck disable=SC2086  # the flags are words
+cc -std=c17 -O2 -Wall -Wextra -Werror "$S/examples/c/fm_worker.c" -o "$T/fm_worker" $flags -lm ||
+    fail "cannot build the example against the installed library ($flags)"
+lines=$(wc -l <"$S/examples/c/fm_worker.c")
+[ "$lines" -lt 200 ] || fail "the example has $lines lines (under 200, the issue says)"
+
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+"$B/psd" --config "$S/examples/c/fm.yaml" --listen "tcp://127.0.0.1:$port" --set checkpoint.dir= \
+    --metrics "$T/m.jsonl" --save "$T/fm.safetensors" --start-timeout 60 >"$T/psd.log" 2>&1 &
+pids+=($!)
+psd_pid=$!
+for w in 0 1; do
+    LD_LIBRARY_PATH=$(dirname "$so") "$T/fm_worker" "tcp://127.0.0.1:$port" >"$T/w$w.log" 2>&1 &
+    pids+=($!)
+done
+for _ in $(seq 1 300); do kill -0 "$psd_pid" 2>/dev/null || break; sleep 1; done
+kill -0 "$psd_pid" 2>/dev/null && { cat "$T/psd.log" >&2; fail "psd did not end within 300 s"; }
+wait "$psd_pid" || { cat "$T/psd.log" "$T/w0.log" "$T/w1.log" >&2; fail "psd exited non-zero"; }
+[ -s "$T/fm.safetensors" ] || fail "psd wrote no weights"
+# the test loss of the last epoch against a constant guess at the click rate (about 0.69)
+python3 - "$T/m.jsonl" <<'PY' || { cat "$T/psd.log" >&2; fail "the factorization machine did not learn"; }
+import json, sys
+ep = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+last = ep[-1]
+print("example_c: %d epochs, val_loss %.4f, val_acc %.4f" % (len(ep), last["val_loss"], last["val_acc"]))
+sys.exit(0 if last["val_loss"] < 0.60 and ep[0]["val_loss"] > last["val_loss"] else 1)
+PY
+if /usr/bin/python3 -c 'import numpy' 2>/dev/null; then
+    /usr/bin/python3 - "$T/fm.safetensors" <<'PY' || fail "numpy does not read psd's safetensors as the table"
+import json, struct, sys
+import numpy as np
+b = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", b[:8])[0]
+h = json.loads(b[8:8 + n])
+want = {"bias": [1], "linear.weight": [400], "factors.weight": [400, 8]}
+got = {k: v["shape"] for k, v in h.items() if k != "__metadata__"}
+assert got == want, got
+f = h["factors.weight"]
+a = np.frombuffer(b[8 + n + f["data_offsets"][0]:8 + n + f["data_offsets"][1]], dtype="<f4").reshape(400, 8)
+assert np.isfinite(a).all() and a.std() > 0.005, a.std()
+print("example_c: numpy reads", ", ".join("%s %s" % (k, got[k]) for k in want), "; run", h["__metadata__"]["run_id"])
+PY
+fi
+echo "example_c: ok"
