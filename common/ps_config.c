@@ -81,7 +81,7 @@ static const char *const sync_names[] = {"bsp", "async", "ssp", NULL};
 static const char *const log_format_names[] = {"text", "json", NULL};
 static const char *const sched_names[] = {"constant", "step", "cosine", "onecycle", NULL};
 static const char *const act_names[] = {"relu", NULL};
-static const char *const kind_names[] = {"mlp", "ctr", "tensors", NULL};
+static const char *const kind_names[] = {"mlp", "ctr", "tensors", "from_worker", NULL};
 static const char *const log_names[] = {"error", "warn", "info", "debug", NULL};
 
 /* Sections in the order they are written; every key's prefix is one of them. */
@@ -124,6 +124,7 @@ static const key_spec_t keys[] = {
     {.key = "model.tensors", .type = KT_TENSORS, .off = offsetof(ps_config_t, tensors), .flags = F_TENSORS,
      .def = "[]"},
     K_STRING("model.init", init_file, F_TENSORS, ""),
+    K_INT64F("model.max_params", max_params, 1, INT64_C(1) << 40, F_TENSORS, "268435456"),
 
     K_INTF("ctr.fields", ctr_fields, 1, PS_CTR_MAX_IDS, F_CTR, "8"),
     K_INTF("ctr.per_field", ctr_per_field, 1, PS_CTR_MAX_IDS, F_CTR, "1"),
@@ -1103,15 +1104,20 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
         case KT_BOOL: break;
         }
     }
-    if (c->kind == PS_MODEL_TENSORS) {
-        if (c->n_tensors == 0 && !c->init_file[0]) {
+    if (c->kind == PS_MODEL_FROM_WORKER && (c->n_tensors || c->init_file[0])) {
+        set_err(err, errlen, "model.kind from_worker: the first worker offers the tensors and their values; "
+                "model.tensors and model.init are for model.kind tensors");
+        return -1;
+    }
+    if (c->kind == PS_MODEL_TENSORS || c->kind == PS_MODEL_FROM_WORKER) {
+        if (c->kind == PS_MODEL_TENSORS && c->n_tensors == 0 && !c->init_file[0]) {
             set_err(err, errlen, "model.kind tensors: model.tensors lists the tensors, or model.init names a "
                     "safetensors file that holds them");
             return -1;
         }
         if (c->train_size < 1 || c->test_size < 1) {
-            set_err(err, errlen, "model.kind tensors: data.train_size and data.test_size (the samples your workers "
-                    "hold) must be at least 1");
+            set_err(err, errlen, "model.kind %s: data.train_size and data.test_size (the samples your workers "
+                    "hold) must be at least 1", c->kind == PS_MODEL_TENSORS ? "tensors" : "from_worker");
             return -1;
         }
     }
@@ -1303,7 +1309,8 @@ static int write_yaml(const ps_config_t *c, FILE *f, bool with_server)
         if (!with_server && (strncmp(e->key, "server.", 7) == 0 || strncmp(e->key, "checkpoint.", 11) == 0))
             continue;
         if (!with_server && ((e->flags & F_UNHASHED) || ((e->flags & F_CTR) && c->kind != PS_MODEL_CTR) ||
-                             ((e->flags & F_TENSORS) && c->kind != PS_MODEL_TENSORS) ||
+                             ((e->flags & F_TENSORS) && c->kind != PS_MODEL_TENSORS &&
+                              c->kind != PS_MODEL_FROM_WORKER) ||
                              ((e->flags & F_KIND) && c->kind == PS_MODEL_MLP)))
             continue;
         if (!cur || sl != cur_len || strncmp(cur, e->key, sl) != 0) {

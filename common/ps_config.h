@@ -28,7 +28,7 @@ typedef enum {
     PS_SCHED_ONECYCLE
 } ps_sched_kind_t;
 typedef enum { PS_ACT_RELU = 0 } ps_act_t;
-typedef enum { PS_MODEL_MLP = 0, PS_MODEL_CTR, PS_MODEL_TENSORS } ps_model_kind_t; /* model.kind */
+typedef enum { PS_MODEL_MLP = 0, PS_MODEL_CTR, PS_MODEL_TENSORS, PS_MODEL_FROM_WORKER } ps_model_kind_t; /* model.kind */
 typedef enum { PS_WIRE_F32 = 0, PS_WIRE_BF16 } ps_wire_dtype_t; /* tensors on the wire */
 typedef enum { PS_SYNC_BSP = 0, PS_SYNC_ASYNC, PS_SYNC_SSP } ps_sync_t; /* consistency mode */
 typedef enum { PS_LOG_ERROR = 0, PS_LOG_WARN, PS_LOG_INFO, PS_LOG_DEBUG } ps_log_level_t;
@@ -48,11 +48,13 @@ typedef struct ps_config {
     int sizes[PS_MAX_LAYERS + 1];  /* model.layers: [784, 512, 256, 10] */
     ps_act_t activation;           /* model.activation: relu */
     ps_model_kind_t kind;          /* model.kind: mlp (images) | ctr (embedding bags, then the MLP) |
-                                    * tensors (a table of named tensors the user's workers train) */
+                                    * tensors (a table of named tensors the user's workers train) |
+                                    * from_worker (the table and its initial values offered by the first worker) */
     int n_tensors;                 /* model.tensors (model.kind tensors): the table, in order */
     ps_tensor_spec_t tensors[PS_MAX_TENSORS];
     char init_file[PS_PATH_MAX];   /* model.init: a safetensors file of initial values (model.kind tensors; without
                                     * model.tensors the table is the file's), "" = the tensors' inits */
+    int64_t max_params;            /* model.max_params (from_worker): the most floats psd takes from a worker */
 
     /* ctr: the click-through task (model.kind: ctr; common/ps_ctr.h): examples made from
      * (seed, index), no files; the MLP's input is fields x dim, its output 2 classes */
@@ -79,7 +81,8 @@ typedef struct ps_config {
     double norm_mean;               /* data.normalize_mean: x = (pixel/255 - mean)/std */
     double norm_std;                /* data.normalize_std (> 0) */
     int64_t train_limit;            /* data.train_limit: use the first K training samples, 0 = all */
-    int64_t train_size;             /* data.train_size (model.kind tensors): training samples the workers hold */
+    int64_t train_size;             /* data.train_size (model.kind tensors, from_worker): training samples the
+                                     * workers hold */
     int64_t test_size;              /* data.test_size (model.kind tensors): test samples */
 
     /* train: */

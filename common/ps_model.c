@@ -64,28 +64,34 @@ void ps_layout_spec(const ps_layout_t *l, int t, ps_tensor_spec_t *out)
 
 int ps_layout_same_table(const ps_layout_t *a, const ps_layout_t *b, char *why, size_t n)
 {
+    return ps_layout_same_table_as(a, b, "here", "there", why, n);
+}
+
+int ps_layout_same_table_as(const ps_layout_t *a, const ps_layout_t *b, const char *an, const char *bn, char *why,
+                            size_t n)
+{
     for (int t = 0; t < a->n_tensors && t < b->n_tensors; t++) {
         const ps_tensor_info_t *x = &a->t[t], *y = &b->t[t];
         char sx[256], sy[256];
         ps_shape_str(x->ndim, x->shape, sx, sizeof sx);
         ps_shape_str(y->ndim, y->shape, sy, sizeof sy);
         if (strcmp(x->name, y->name) != 0) {
-            snprintf(why, n, "tensor %d: named %s here, %s there", t, x->name, y->name);
+            snprintf(why, n, "tensor %d: named %s %s, %s %s", t, x->name, an, y->name, bn);
             return 0;
         }
         if (strcmp(sx, sy) != 0) {
-            snprintf(why, n, "tensor %d (%s): shape %s here, %s there", t, x->name, sx, sy);
+            snprintf(why, n, "tensor %d (%s): shape %s %s, %s %s", t, x->name, sx, an, sy, bn);
             return 0;
         }
         if (x->kind != y->kind) {
-            snprintf(why, n, "tensor %d (%s): %s here, %s there", t, x->name,
-                     x->kind == PS_TENSOR_ROWS ? "sparse rows" : "dense", y->kind == PS_TENSOR_ROWS ? "sparse rows" : "dense");
+            snprintf(why, n, "tensor %d (%s): %s %s, %s %s", t, x->name, x->kind == PS_TENSOR_ROWS ? "sparse rows" : "dense",
+                     an, y->kind == PS_TENSOR_ROWS ? "sparse rows" : "dense", bn);
             return 0;
         }
     }
     if (a->n_tensors != b->n_tensors) {
         int t = a->n_tensors < b->n_tensors ? a->n_tensors : b->n_tensors;
-        snprintf(why, n, "%d tensors here, %d there (the first one missing: %s)", a->n_tensors, b->n_tensors,
+        snprintf(why, n, "%d tensors %s, %d %s (the first one missing: %s)", a->n_tensors, an, b->n_tensors, bn,
                  a->n_tensors > t ? a->t[t].name : b->t[t].name);
         return 0;
     }

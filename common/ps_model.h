@@ -48,6 +48,9 @@ void ps_layout_spec(const ps_layout_t *l, int t, ps_tensor_spec_t *out);
  * the first difference ("tensor 3 (fc2.weight): shape [10, 256] here, [10,
  * 128] there"). */
 int ps_layout_same_table(const ps_layout_t *a, const ps_layout_t *b, char *why, size_t n);
+/* The same, a and b called an and bn ("in this worker's", "in the run's"). */
+int ps_layout_same_table_as(const ps_layout_t *a, const ps_layout_t *b, const char *an, const char *bn, char *why,
+                            size_t n);
 
 /* The built-in MLP: fc{i+1}.weight (sizes[i+1], sizes[i]) then fc{i+1}.bias
  * (sizes[i+1]) for each layer (torch.nn.Linear's names and shapes), weights

@@ -55,7 +55,7 @@ int ps_table_unpack(const uint8_t *buf, size_t len, ps_layout_t *l, char *err, s
         }
         snprintf(sp[i].name, sizeof sp[i].name, "%s", t->name);
         sp[i].ndim = (int)t->n_shape;
-        memcpy(sp[i].shape, t->shape, t->n_shape * sizeof *t->shape);
+        if (t->n_shape) memcpy(sp[i].shape, t->shape, t->n_shape * sizeof *t->shape);
         sp[i].kind = t->sparse_rows ? PS_TENSOR_ROWS : PS_TENSOR_DENSE;
         sp[i].init.kind = PS_INIT_ZEROS;
     }

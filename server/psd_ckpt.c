@@ -1001,3 +1001,26 @@ int psd_ckpt_read_weights(const char *path, ps_layout_t *l, float **weights, psd
     data_free(&d);
     return 0;
 }
+
+int psd_ckpt_newest_layout(const char *dir, ps_layout_t *l, char *err, size_t errlen)
+{
+    ckpt_ent_t *ents = NULL;
+    size_t n = 0;
+    int rc = -1;
+    if (list_ckpts(dir, &ents, &n, NULL) != 0) {
+        ps_set_err(err, errlen, "cannot list %s", dir);
+        return -1;
+    }
+    ps_set_err(err, errlen, "no valid checkpoint in %s", dir);
+    for (size_t i = 0; i < n && rc != 0; i++) {
+        char p[PATH_MAX], reason[256];
+        ckpt_data_t d;
+        snprintf(p, sizeof p, "%s/%s", dir, ents[i].name);
+        if (load_one(p, &d, reason, sizeof reason)) continue;
+        *l = d.layout;
+        data_free(&d);
+        rc = 0;
+    }
+    free(ents);
+    return rc;
+}

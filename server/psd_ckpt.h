@@ -72,6 +72,11 @@ typedef struct {
 /* The CRC-32 of l's packed table (ps_table_pack), as meta.table_crc. */
 uint32_t psd_ckpt_table_crc(const ps_layout_t *l);
 
+/* The model (tensor table) of the newest valid checkpoint in dir: how a
+ * model.kind from_worker run resumes without a worker offering it. 0, or
+ * -1 with a message. */
+int psd_ckpt_newest_layout(const char *dir, ps_layout_t *l, char *err, size_t errlen);
+
 /* A whole model's checkpoint file read for export: its layout (from its
  * table, or its sizes) and weights arena (*weights, caller frees). Files of
  * a psd shard (a part) are refused. 0, or -1 with a message. */

@@ -8,6 +8,9 @@
  *   psd_run.c      the run's phases: register, ready, barrier, leave, lost; epochs,
  *                  validation, the end of the run, checkpoints, resume; the
  *                  only file that acts on events (run_events)
+ *   psd_offer.c    model.kind from_worker: the model the first worker offers
+ *   psd_model.c    the model's set-up: store, holder, tensor table, streamed
+ *                  chunks (at start, or when the first worker's values come)
  *   psd_shard0.c   shard 0's side of the psd shard protocol: joining, the
  *                  weights file from the shards' parts
  *   psd_push.c     pushes, pulls, the shards' HAVE and NORM, maybe_step
@@ -237,6 +240,7 @@ typedef struct {
     psd_shm_t *shm;
     char shm_name[64];
     char host_id[128];
+    bool shm_later;       /* model.kind from_worker: start it once the model is set up */
 } psd_net_part_t;
 
 /* psd shards (--shard 0/n) as shard 0 sees them: this psd coordinates,
@@ -359,6 +363,14 @@ typedef struct {
     psd_run_opts_t opts;
     uint64_t run_id, config_hash;
     ps_layout_t layout;
+    bool model_ready;     /* layout, store and holder set up (psd_model.c); false only while model.kind
+                           * from_worker waits for the first worker's values */
+    struct {              /* model.kind from_worker: the offer psd waits for (psd_offer.c) */
+        ps_layout_t layout;
+        uint8_t ident[PS_MAX_IDENTITY];
+        size_t ident_len;
+        double at;
+    } offer;
     uint8_t *table_pb;    /* the layout's tensor table packed (ps_table.h): ASSIGN's frame; owned */
     size_t table_pb_len;
     psd_store_t store;
@@ -481,12 +493,22 @@ static inline void raise_event(srv_t *s, unsigned ev) { s->events |= ev; }
 
 /* ---- functions shared by the files of the coordinator ----------------
  * Layers, top to bottom (a file calls only those below it; bash
- * tests/layers.sh checks it): psd_server.c, psd_run.c, psd_shard0.c,
+ * tests/layers.sh checks it): psd_server.c, psd_run.c, psd_offer.c,
+ * psd_model.c, psd_shard0.c,
  * psd_push.c, psd_stream.c, psd_step.c, psd_give.c, psd_peers.c; beside
  * them psd_status.c (reads srv_t), and below, knowing nothing of srv_t:
  * psd_samples.c, psd_hold.c, psd_store.c, psd_ckpt.c, psd_net.c, ... */
 
+/* psd_offer.c: model.kind from_worker. offer_gate: whether a REGISTER may
+ * go on to on_register (true), or was answered (OFFER, or refused) */
+bool offer_gate(srv_t *s, ps_msg_t *m);
+void on_values(srv_t *s, ps_msg_t *m);
+/* psd_model.c: the model set up (values: the first worker's, NULL: the
+ * config's inits or model.init). 0, or a PSD_EXIT_* code after a message */
+int psd_model_setup(srv_t *s, const float *const *values);
+
 /* psd_run.c: the run's phases, checkpoints, resume; acts on the events */
+int resolve_resume_dir(const char *dir, char *out, size_t n);
 void run_events(srv_t *s);
 int hold_outputs(srv_t *s);
 int resume(srv_t *s);

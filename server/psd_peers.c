@@ -247,8 +247,9 @@ void send_assign(srv_t *s, worker_t *w)
         a.shm_token.data = w->shm_token;
         a.shm_token.len = sizeof w->shm_token;
     }
-    a.model = s->cfg.kind == PS_MODEL_TENSORS ? "tensors" : s->cfg.kind == PS_MODEL_CTR ? "ctr" : "mlp";
-    if (s->cfg.kind == PS_MODEL_TENSORS) { /* the workers' own model and data */
+    const bool own = s->cfg.kind == PS_MODEL_TENSORS || s->cfg.kind == PS_MODEL_FROM_WORKER;
+    a.model = own ? "tensors" : s->cfg.kind == PS_MODEL_CTR ? "ctr" : "mlp";
+    if (own) { /* the workers' own model and data */
         a.n_layers = 0;
         a.n_files = 0;
     }

@@ -707,7 +707,7 @@ static void log_line(const char *line) { PS_WARN("%s", line); }
 /* Checkpoints live in DIR/run-<run id>/, so that a new run in the same DIR
  * never mixes with (or prunes) another run's. --resume takes a run
  * directory, or DIR itself: then the run whose newest checkpoint is newest. */
-static int resolve_resume_dir(const char *dir, char *out, size_t n)
+int resolve_resume_dir(const char *dir, char *out, size_t n)
 {
     DIR *d = opendir(dir);
     if (!d) return -errno;
@@ -924,7 +924,8 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
     psd_optim_t o;
     psd_optim_from_config(&o, c);
     char why[256];
-    const char *misfit = ps_run_layout(c, &l, why, sizeof why) != 0
+    const char *misfit = (c->kind == PS_MODEL_FROM_WORKER ? psd_ckpt_newest_layout(rdir, &l, why, sizeof why)
+                                                          : ps_run_layout(c, &l, why, sizeof why)) != 0
                              ? why
                              : ckpt_misfit(&m, &l, &o, shards > 1 ? shards : 1, why, sizeof why);
     if (misfit) {

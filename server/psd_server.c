@@ -99,6 +99,8 @@ static void reap_closed(srv_t *s, double now)
 /* again: the shard said HELLO before and was answered (its answer may have
  * been lost): answer again, without logging a second join */
 
+static void start_shm(srv_t *s);
+
 static void handle(srv_t *s, ps_msg_t *m)
 {
     Psd__Header *h = m->hdr;
@@ -161,7 +163,11 @@ static void handle(srv_t *s, ps_msg_t *m)
             send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_RUN, msg);
             return;
         }
-        on_register(s, m);
+        if (offer_gate(s, m)) on_register(s, m);
+        return;
+    }
+    if (h->type == PSD__MSG_TYPE__MSG_VALUES) { /* the first worker's model (from_worker): not registered yet */
+        on_values(s, m);
         return;
     }
     worker_t *w = find_worker(s, m->ident, m->ident_len);
@@ -322,6 +328,10 @@ static void drain(srv_t *s)
         s->net.cur_bad = false;
         handle(s, &m);
         run_events(s); /* what the message set off in the layers below psd_run.c */
+        if (s->net.shm_later && s->model_ready) { /* the first worker's model came (from_worker) */
+            s->net.shm_later = false;
+            if (!s->table_on_psd) start_shm(s);
+        }
         if (s->net.cur_bad) bad_peer(s, &m);
         else if (s->net.n_bad) good_peer(s, &m);
         s->net.cur_peer = NULL;
@@ -624,7 +634,8 @@ static int ctr_setup(srv_t *s)
 static int check_data(srv_t *s)
 {
     if (s->cfg.kind == PS_MODEL_CTR) return ctr_setup(s);
-    if (s->cfg.kind == PS_MODEL_TENSORS) { /* the workers hold the data; psd hands out indices */
+    if (s->cfg.kind == PS_MODEL_TENSORS || s->cfg.kind == PS_MODEL_FROM_WORKER) { /* the workers hold the data;
+                                                                                    * psd hands out indices */
         s->train_count = (size_t)s->cfg.train_size;
         if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < s->train_count)
             s->train_count = (size_t)s->cfg.train_limit;
@@ -778,12 +789,11 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->max_workers = opts->max_workers > 0 && opts->max_workers < MAX_WORKERS ? opts->max_workers : MAX_WORKERS;
     if (!s->w) goto out;
     char lerr[512];
-    if (ps_run_layout(c, &s->layout, lerr, sizeof lerr) != 0) {
+    if (c->kind != PS_MODEL_FROM_WORKER && ps_run_layout(c, &s->layout, lerr, sizeof lerr) != 0) {
         PS_ERROR("%s", lerr);
         code = PSD_EXIT_USAGE;
         goto out;
     }
-    if (ps_table_pack(&s->layout, &s->table_pb, &s->table_pb_len) != 0) goto out;
     if (check_data(s) != 0) {
         code = PSD_EXIT_USAGE;
         goto out;
@@ -791,76 +801,23 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->step_bf16 = calloc(MAX_WORKERS, sizeof *s->step_bf16);
     s->step_wt = calloc(MAX_WORKERS, sizeof *s->step_wt);
     ps_arena_init(&s->net.rx_arena, s->net.rx_buf, sizeof s->net.rx_buf);
-    psd_optim_t opt;
-    psd_optim_from_config(&opt, c);
-    if (psd_samples_init(&s->smp, s->train_count) != 0 || !s->step_bf16 || !s->step_wt ||
-        psd_store_init_part(&s->store, &s->layout, &opt, c->seed, 0, opts->shards) != 0 ||
-        psd_hold_init(&s->holder, &s->store, &s->layout, c, opts->shards > 1, MAX_WORKERS) != 0) {
-        PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
-        goto out;
-    }
-    if (c->kind == PS_MODEL_TENSORS && c->init_file[0] &&
-        ps_st_init_values(c->init_file, &s->layout, s->store.cur->w, opts->shards > 1 ? s->store.own : NULL, lerr,
-                          sizeof lerr) != 0) {
-        PS_ERROR("model.init: %s", lerr);
-        code = PSD_EXIT_USAGE;
-        goto out;
-    }
-    s->holder.verify = opts->verify_weights;
-    int threads = psd_step_threads(c);
-    if (psd_store_set_parallel(&s->store, threads, (size_t)c->chunk_bytes) != 0) {
-        PS_ERROR("out of memory for the step's threads");
+    if (psd_samples_init(&s->smp, s->train_count) != 0 || !s->step_bf16 || !s->step_wt) {
+        PS_ERROR("out of memory for %zu training samples", s->train_count);
         goto out;
     }
     s->sh.n = opts->shards > 1 ? opts->shards : 1; /* the store owns shard 0's part (psd_store_init_part) */
-    /* psd_main refuses streamed steps with shards. With an embedding table
-     * they would step and send the table whole: the table's rows are worth
-     * far more than overlapping the step (a 1M x 32 table: 128 MB a push
-     * against a batch's rows), so psd steps whole and says so. */
-    s->stream = c->stream && s->sh.n == 1 && s->layout.table < 0;
-    if (c->stream && s->layout.table >= 0)
-        PS_WARN("train.stream: the model has an embedding table, so steps are whole (not streamed): the table "
-                "goes by rows, which a streamed step would send whole");
-    /* the table stepped row by row (psd_rows.h): one psd, steps not
-     * streamed, or psd shards whose pieces of it are all whole rows (else
-     * rows straddle two shards: the table goes whole and is stepped densely) */
-    if (s->layout.table >= 0 && !s->stream && (s->sh.n == 1 || ps_shards_table_rows(&s->layout, s->sh.n)) &&
-        psd_store_lazy_table(&s->store, (size_t)c->workers * s->holder.batch_rows, MAX_WORKERS) != 0) {
-        PS_ERROR("out of memory for the table's row steps");
-        goto out;
-    }
-    if (s->layout.table >= 0) {
-        const double mb = (double)s->layout.t[s->layout.table].numel * 4.0 / 1048576.0;
-        bool big = mb > c->ctr_worker_table_mb;
-        s->table_on_psd = psd_table_on_psd(c, &s->layout, s->store.lazy);
-        s->holder.table_on_psd = s->table_on_psd;
-        if (s->table_on_psd)
-            PS_INFO("the embedding table (%.0f MiB) stays on psd: workers hold only the rows of their batch, "
-                    "over the wire (ctr.worker_table_mb %g)", mb, c->ctr_worker_table_mb);
-        else if (big)
-            PS_WARN("the embedding table (%.0f MiB, over ctr.worker_table_mb %g) goes to every worker whole: a table "
-                    "only psd holds needs its rows stepped lazily (one psd, or shards whose pieces are whole rows), "
-                    "steps not streamed and f32 weights and gradients", mb,
-                    c->ctr_worker_table_mb);
-    }
-    if (s->stream) {
-        s->st.cf = ps_chunk_floats((size_t)c->chunk_bytes);
-        s->st.nc = s->store.n_chunks;
-        for (int t = 0, k = 0; t < s->layout.n_tensors; k += s->st.tchunks[t], t++) {
-            s->st.tfirst[t] = k;
-            s->st.tchunks[t] = (int)((s->layout.t[t].numel + s->st.cf - 1) / s->st.cf);
-        }
-        s->st.have = calloc((size_t)s->st.nc, sizeof *s->st.have);
-        s->st.done = calloc((size_t)s->st.nc, 1);
-        s->st.ready = calloc(ST_BATCH, sizeof *s->st.ready);
-        s->st.rq = calloc((size_t)s->st.nc, sizeof *s->st.rq);
-        s->st.src = calloc((size_t)ST_BATCH * MAX_WORKERS, sizeof *s->st.src);
-        s->st.mem = calloc(MAX_WORKERS, sizeof *s->st.mem);
-        if (!s->st.have || !s->st.done || !s->st.ready || !s->st.rq || !s->st.src || !s->st.mem) {
-            PS_ERROR("out of memory for streamed steps");
+    if (c->kind == PS_MODEL_FROM_WORKER && opts->resume_dir) { /* the model is the checkpoint's */
+        char rdir[PS_PATH_MAX];
+        if (resolve_resume_dir(opts->resume_dir, rdir, sizeof rdir) != 0 ||
+            psd_ckpt_newest_layout(rdir, &s->layout, lerr, sizeof lerr) != 0) {
+            PS_ERROR("cannot resume from %s: %s", opts->resume_dir, lerr);
+            code = PSD_EXIT_USAGE;
             goto out;
         }
     }
+    if ((c->kind != PS_MODEL_FROM_WORKER || s->layout.n_tensors > 0) && (code = psd_model_setup(s, NULL)) != 0)
+        goto out;
+    code = PSD_EXIT_ERROR;
     if ((code = hold_outputs(s)) != 0 || (opts->resume_dir && (code = resume(s)) != 0)) goto out;
     code = PSD_EXIT_ERROR;
     if (s->epoch >= (uint32_t)c->epochs && sharded(s)) /* the shards may hold older steps only: they decide */
@@ -888,20 +845,27 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         goto out;
     }
     s->net.zctx = psd_zmq_context(c);
-    if ((code = psd_router_open(s->net.zctx, c, c->listen, opts->no_zap, s->layout.n_params, sharded(s), true, &s->locks, &s->net.sock, &s->net.zap,
-                                &s->net.mon)) != 0)
+    /* from_worker: sized for the largest model psd takes, before any worker exists */
+    const size_t n_params = s->model_ready ? s->layout.n_params : (size_t)c->max_params;
+    if ((code = psd_router_open(s->net.zctx, c, c->listen, opts->no_zap, n_params, sharded(s), true, &s->locks,
+                                &s->net.sock, &s->net.zap, &s->net.mon)) != 0)
         goto out;
-    s->silence = psd_silence_limit(c, s->layout.n_params);
+    s->silence = psd_silence_limit(c, n_params);
     code = PSD_EXIT_ERROR;
     char ep[256] = "";
     size_t eplen = sizeof ep;
     zmq_getsockopt(s->net.sock, ZMQ_LAST_ENDPOINT, ep, &eplen);
     PS_INFO("psd %s (protocol %u): run %016" PRIx64 ", listening on %s, waiting for %d workers", PSD_VERSION,
             PS_PROTOCOL_VERSION, s->run_id, ep, c->workers);
-    PS_INFO("model %zu parameters, %zu training / %zu test samples, optimizer %s, schedule %s",
-            s->layout.n_params, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
+    if (s->model_ready)
+        PS_INFO("model %zu parameters, %zu training / %zu test samples, optimizer %s, schedule %s",
+                s->layout.n_params, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
+    else
+        PS_INFO("model from the first worker (model.kind from_worker, at most %lld parameters), %zu training / %zu "
+                "test samples, optimizer %s, schedule %s",
+                (long long)c->max_params, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
     bool bound = false;
-    int usable = ps_cpus_usable(&bound, NULL);
+    int usable = ps_cpus_usable(&bound, NULL), threads = psd_step_threads(c);
     PS_INFO("threads: %d for the step, %d ZeroMQ I/O; %d usable CPU%s%s", threads, psd_io_threads(c), usable,
             usable == 1 ? "" : "s", bound ? " (this process's affinity or cgroup quota, not the host's)" : "");
     PS_DEBUG("steps: %d chunks on %d threads", s->store.n_chunks, threads);
@@ -934,7 +898,10 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     uv_signal_start(&s->net.sigusr1, on_signal, SIGUSR1);
     uv_signal_start(&s->net.sighup, on_signal, SIGHUP);
     /* with shards: every tensor on the wire; the table on psd: rows go over the wire */
-    if (c->shared_memory && !sharded(s) && !s->table_on_psd) start_shm(s);
+    if (c->shared_memory && !sharded(s) && !s->table_on_psd) {
+        if (s->model_ready) start_shm(s);
+        else s->net.shm_later = true;
+    }
     s->t_boot = ps_now();
     s->val_curve = calloc((size_t)c->epochs, sizeof *s->val_curve);
     if (c->http[0] && (code = start_http(s)) != 0) goto out;

@@ -6,6 +6,10 @@
 # that the run ends well, that the test loss falls below what a constant
 # guess gives, and that psd's weights (.safetensors) hold the table's
 # tensors, read back with numpy (/usr/bin/python3) when it is installed.
+# Then model.kind from_worker: the first worker offers the model, a worker
+# whose factors have another shape is refused with that tensor named; psd
+# killed (-9) after a checkpoint resumes with the model from it, and the
+# workers of the resumed run are not asked for theirs.
 #   bash tests/example_c.sh BUILD_DIR SOURCE_ROOT
 set -euo pipefail
 B=$(cd "${1:?usage: tests/example_c.sh BUILD_DIR SOURCE_ROOT}" && pwd)
@@ -65,4 +69,55 @@ assert np.isfinite(a).all() and a.std() > 0.005, a.std()
 print("example_c: numpy reads", ", ".join("%s %s" % (k, got[k]) for k in want), "; run", h["__metadata__"]["run_id"])
 PY
 fi
+# ---- model.kind from_worker
+wait_for() { # FILE REGEX SECONDS
+    for _ in $(seq 1 "$(($3 * 10))"); do grep -qE "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
+    cat "$1" >&2
+    fail "no '$2' in $1 within $3 s"
+}
+cat >"$T/fw.yaml" <<YAML
+run: {epochs: 30}
+model: {kind: from_worker}
+data: {train_size: 200000, test_size: 10000}
+train: {batch_size: 256}
+optimizer: {name: adam, lr: 0.01, weight_decay: 0}
+schedule: {name: constant}
+server: {workers: 2, save: "$T/fw.safetensors", metrics: "$T/fw.jsonl"}
+checkpoint: {dir: "$T/ck", every_steps: 100}
+YAML
+worker() { LD_LIBRARY_PATH=$(dirname "$so") "$T/fm_worker" "tcp://127.0.0.1:$port" offer "$@"; }
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+"$B/psd" --config "$T/fw.yaml" --listen "tcp://127.0.0.1:$port" --start-timeout 60 >"$T/fw1.log" 2>&1 &
+psd_pid=$!
+pids+=("$psd_pid")
+worker >"$T/f0.log" 2>&1 &
+pids+=($!)
+wait_for "$T/fw1.log" "the model is the first worker.s: 3 tensors, 3616 parameters" 30
+grep -q "psd asked for this worker's model" "$T/f0.log" || fail "the first worker was not asked for its model"
+if worker 4 >"$T/fbad.log" 2>&1; then fail "a worker with another model was let in"; fi
+grep -q "tensor 2 (factors.weight): shape \[400, 4\] in this worker's, \[400, 8\] in the run's" "$T/fbad.log" ||
+    { cat "$T/fbad.log" >&2; fail "the refusal does not name the tensor"; }
+worker >"$T/f1.log" 2>&1 &
+pids+=($!)
+wait_for "$T/fw1.log" "checkpoint .*ckpt-" 120
+kill -9 "$psd_pid"
+for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+wait 2>/dev/null || true
+if grep -q "run finished" "$T/fw1.log"; then fail "the run finished before psd was killed"; fi
+"$B/psd" --config "$T/fw.yaml" --listen "tcp://127.0.0.1:$port" --start-timeout 60 --resume "$T/ck" >"$T/fw2.log" 2>&1 &
+psd_pid=$!
+pids+=("$psd_pid")
+for w in 2 3; do worker >"$T/f$w.log" 2>&1 & pids+=($!); done
+for _ in $(seq 1 300); do kill -0 "$psd_pid" 2>/dev/null || break; sleep 1; done
+wait "$psd_pid" || { cat "$T/fw2.log" >&2; fail "the resumed from_worker run failed"; }
+grep -q "resum" "$T/fw2.log" || { cat "$T/fw2.log" >&2; fail "psd did not resume"; }
+if grep -q "offers the model" "$T/fw2.log" || grep -q "psd asked for this worker's model" "$T/f2.log" "$T/f3.log"; then
+    fail "the resumed run asked a worker for the model it has from its checkpoint"
+fi
+python3 - "$T/fw.jsonl" <<'PY' || fail "the resumed from_worker run did not learn"
+import json, sys
+ep = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print("example_c: from_worker, resumed: %d epochs (the last %d), val_loss %.4f" % (len(ep), ep[-1]["epoch"], ep[-1]["val_loss"]))
+sys.exit(0 if ep[-1]["epoch"] == 30 and ep[-1]["val_loss"] < 0.60 else 1)
+PY
 echo "example_c: ok"

@@ -62,7 +62,7 @@ if not out:
     print("no circle")
 # the coordinator's files, top to bottom (psd_core.h): a file may use only
 # those after it in this list
-order = ["psd_server.c", "psd_run.c", "psd_shard0.c", "psd_push.c", "psd_stream.c", "psd_step.c", "psd_give.c",
+order = ["psd_server.c", "psd_run.c", "psd_offer.c", "psd_model.c", "psd_shard0.c", "psd_push.c", "psd_stream.c", "psd_step.c", "psd_give.c",
          "psd_peers.c"]
 up = [(f, g) for f in order for g in sorted(edges.get(f, ())) if g in order and order.index(g) < order.index(f)]
 for f, g in up:

@@ -488,6 +488,56 @@ static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, cha
     return 0;
 }
 
+/* The model info.offer describes, laid out and packed. 0, or -1 (why). */
+static int offer_table(const psw_client_t *c, ps_layout_t *l, uint8_t **tb, size_t *tlen, char *err, size_t errlen)
+{
+    ps_tensor_spec_t sp[PS_MAX_TENSORS];
+    char why[400];
+    if (c->info.n_offer > PS_MAX_TENSORS || !c->info.offer || !c->info.offer_values) {
+        snprintf(err, errlen, "the model offered: %d tensors (1 to %d), with their values", c->info.n_offer,
+                 PS_MAX_TENSORS);
+        return -1;
+    }
+    memset(sp, 0, sizeof sp);
+    for (int t = 0; t < c->info.n_offer; t++) {
+        const psw_tensor_t *o = &c->info.offer[t];
+        memcpy(sp[t].name, o->name, sizeof sp[t].name);
+        sp[t].name[PS_NAME_MAX] = '\0';
+        sp[t].ndim = o->ndim;
+        if (o->ndim >= 0 && o->ndim <= PS_MAX_DIMS) memcpy(sp[t].shape, o->shape, (size_t)o->ndim * sizeof *o->shape);
+        sp[t].kind = o->sparse_rows ? PS_TENSOR_ROWS : PS_TENSOR_DENSE;
+        if (!c->info.offer_values[t]) {
+            snprintf(err, errlen, "the model offered: tensor %s has no values", sp[t].name);
+            return -1;
+        }
+    }
+    if (ps_layout_init_specs(l, sp, c->info.n_offer, why, sizeof why) != 0) {
+        snprintf(err, errlen, "the model offered: %s", why);
+        return -1;
+    }
+    if (ps_table_pack(l, tb, tlen) != 0) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+/* VALUES: each tensor of the offered model whole, in order (copied). */
+static int send_values(psw_client_t *c, const ps_layout_t *l)
+{
+    Psd__Header h;
+    Psd__Values v = PSD__VALUES__INIT;
+    ps_frame_t fr[PS_MAX_TENSORS];
+    header_init(c, &h, PSD__MSG_TYPE__MSG_VALUES);
+    h.body_case = PSD__HEADER__BODY_VALUES;
+    h.values = &v;
+    for (int t = 0; t < l->n_tensors; t++)
+        fr[t] = (ps_frame_t){.data = c->info.offer_values[t], .nbytes = l->t[t].numel * sizeof(float),
+                             .id = (uint32_t)t, .dtype = PSD__DTYPE__DT_F32, .rows = l->t[t].numel, .copy = true};
+    PS_INFO("psd asked for this worker's model: sending its %d tensors (%zu parameters)", l->n_tensors, l->n_params);
+    return send_msg(c, &h, fr, l->n_tensors);
+}
+
 int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, char *err, size_t errlen)
 {
     char host[256], hostid[256];
@@ -507,15 +557,38 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     r.prev_rank = c->prev_rank;
     h.body_case = PSD__HEADER__BODY_REG;
     h.reg = &r;
-    int rc = send_msg(c, &h, NULL, 0);
+    /* this worker's own model, offered (model.kind from_worker: psd asks for its values with OFFER) */
+    ps_layout_t offer;
+    uint8_t *tb = NULL;
+    size_t tlen = 0;
+    if (c->info.n_offer > 0 && offer_table(c, &offer, &tb, &tlen, err, errlen) != 0) return -EINVAL;
+    ps_frame_t tf = {.data = tb, .nbytes = tlen, .dtype = PSD__DTYPE__DT_U8, .rows = tlen, .copy = true};
+    int rc = send_msg(c, &h, tb ? &tf : NULL, tb ? 1 : 0);
     if (rc < 0) {
+        free(tb);
         snprintf(err, errlen, "cannot send to psd: %s", zmq_strerror(-rc));
         return rc;
     }
     for (double deadline = ps_now() + timeout_s;;) {
         rc = pswc_recv_msg(c, deadline, timeout_s, err, errlen);
-        if (rc < 0) return rc;
+        if (rc < 0) {
+            free(tb);
+            return rc;
+        }
         if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_ASSIGN) break;
+        if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_OFFER && c->cur.hdr->offer && tb) {
+            /* psd has no model yet: send ours (asked to), or wait a moment; then register again */
+            if (c->cur.hdr->offer->send_values) rc = send_values(c, &offer);
+            else usleep(200000);
+            h.seq = ++c->seq; /* a new sequence number for the REGISTER sent again */
+            if (rc == 0) rc = send_msg(c, &h, &tf, 1);
+            if (rc < 0) {
+                free(tb);
+                snprintf(err, errlen, "cannot send to psd: %s", zmq_strerror(-rc));
+                return rc;
+            }
+            continue;
+        }
         if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_HEARTBEAT) continue; /* for its last slot, sent before this */
         if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_SHUTDOWN && c->cur.hdr->shutdown) {
             /* the run ended: psd told this worker's identity so (it had declared it lost) */
@@ -526,6 +599,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         }
         PS_WARN("dropped an unexpected %s before the assignment", ps_msg_type_name((int)c->cur.hdr->type));
     }
+    free(tb);
     Psd__Header *ah = c->cur.hdr;
     Psd__Assign *a = ah->assign;
     memset(out, 0, sizeof *out);

@@ -5,6 +5,10 @@
  *   cc -O2 fm_worker.c $(pkg-config --cflags --libs psworker) -lm -o fm_worker
  *   psd --config fm.yaml &   ./fm_worker tcp://127.0.0.1:5555 &   ./fm_worker tcp://127.0.0.1:5555
  *
+ * With "offer" after the endpoint it offers its model (tensors and initial
+ * values) for psd's model.kind from_worker (a number after it: the factors'
+ * width it claims, to see psd refuse a model that is not the run's).
+ *
  * psd holds the tensors fm.yaml lists (bias [1], linear [F*V], factors
  * [F*V, K]), hands out sample indices and steps them; this program computes
  * the gradients of the log-loss. An example has F fields, each one of V
@@ -72,10 +76,18 @@ int main(int argc, char **argv)
     static const size_t sizes[3] = {1, N, (size_t)N * K};
     char err[512];
     psw_info_t info = {.device = "cpu", .device_index = -1};
-    psw_client_t *c = argc == 2 ? psw_client_new(argv[1], &info, err, sizeof err) : NULL;
+    psw_tensor_t offer[3] = {{"bias", 1, {1}, 1, 0}, {"linear.weight", 1, {N}, N, 0}, {"factors.weight", 2, {N, K}, 0, 0}};
+    float *init = calloc(1 + N + (size_t)N * K, sizeof *init); /* zeros, zeros, U(-0.01, 0.01) */
+    for (size_t i = 0; i < (size_t)N * K; i++) init[1 + N + i] = 0.02f * (float)(unit(i * 3 + 7) - 0.5);
+    const float *values[3] = {init, init + 1, init + 1 + N};
+    if (argc >= 3 && strcmp(argv[2], "offer") == 0) {
+        offer[2].shape[1] = argc == 4 ? (uint64_t)atoi(argv[3]) : K;
+        info.n_offer = 3, info.offer = offer, info.offer_values = values;
+    }
+    psw_client_t *c = argc >= 2 ? psw_client_new(argv[1], &info, err, sizeof err) : NULL;
     psw_assign_t a;
     if (!c || psw_client_register(c, &a, 60, err, sizeof err) != 0) {
-        fprintf(stderr, "fm_worker: %s\n", argc == 2 ? err : "usage: fm_worker ENDPOINT");
+        fprintf(stderr, "fm_worker: %s\n", argc >= 2 ? err : "usage: fm_worker ENDPOINT [offer [K]]");
         return 1;
     }
     int id[3] = {-1, -1, -1}; /* each tensor's index in psd's table */

@@ -23,6 +23,16 @@
 #define PSW_MAX_DIMS 8
 #define PSW_PATH_MAX 1024
 
+/* One tensor of the run's model, as psd's table has it (ASSIGN, protocol
+ * 7). Pushes and events name tensors by their index in the table. */
+typedef struct {
+    char name[PSW_NAME_MAX + 1];
+    int ndim;                      /* 0: a scalar */
+    uint64_t shape[PSW_MAX_DIMS];
+    uint64_t numel;
+    int sparse_rows;               /* stepped by rows (an embedding table) */
+} psw_tensor_t;
+
 typedef struct psw_client psw_client_t;
 
 typedef struct {
@@ -39,6 +49,14 @@ typedef struct {
     const void *identity;      /* ZeroMQ routing id, stable for the process (may be NULL) */
     size_t identity_len;       /* 1..255 bytes */
     int no_shm;                /* never use shared memory with psd, even on its host */
+    /* this worker's own model, offered at registration (psd's model.kind
+     * from_worker: the first worker to register gives the run its model;
+     * every later one's table must be the same): n_offer tensors (name,
+     * ndim, shape, sparse_rows; numel is not read) and each one's initial
+     * values (numel floats, read during psw_client_register only) */
+    int n_offer;
+    const psw_tensor_t *offer;
+    const float *const *offer_values;
 } psw_info_t;
 
 typedef struct {
@@ -47,15 +65,6 @@ typedef struct {
     uint64_t size, hash;
 } psw_file_t;
 
-/* One tensor of the run's model, as psd's table has it (ASSIGN, protocol
- * 7). Pushes and events name tensors by their index in the table. */
-typedef struct {
-    char name[PSW_NAME_MAX + 1];
-    int ndim;                      /* 0: a scalar */
-    uint64_t shape[PSW_MAX_DIMS];
-    uint64_t numel;
-    int sparse_rows;               /* stepped by rows (an embedding table) */
-} psw_tensor_t;
 
 typedef enum {
     PSW_MODEL_MLP = 0,   /* the built-in MLP on IDX image files (sizes, files) */

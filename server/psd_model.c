@@ -1,0 +1,94 @@
+/* psd_model.c - the model's part of srv_t: the store (master weights,
+ * optimizer state), the parameter holder, the packed tensor table ASSIGN
+ * carries, and what depends on the model's tensors (streamed chunks, the
+ * table stepped by rows). Set up at start from the config, or, with
+ * model.kind from_worker, when the first worker's values come
+ * (psd_offer.c). Below psd_run.c; calls nothing of the coordinator. */
+#include "psd_core.h"
+#include "ps_table.h"
+#include "ps_weights_st.h"
+
+static int oom(srv_t *s)
+{
+    PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
+    return PSD_EXIT_ERROR;
+}
+
+int psd_model_setup(srv_t *s, const float *const *values)
+{
+    const ps_config_t *c = &s->cfg;
+    const psd_run_opts_t *opts = &s->opts;
+    if (ps_table_pack(&s->layout, &s->table_pb, &s->table_pb_len) != 0) return oom(s);
+    psd_optim_t opt;
+    psd_optim_from_config(&opt, c);
+    if (psd_store_init_part(&s->store, &s->layout, &opt, c->seed, 0, opts->shards) != 0 ||
+        psd_hold_init(&s->holder, &s->store, &s->layout, c, opts->shards > 1, MAX_WORKERS) != 0) {
+        return oom(s);
+    }
+    char lerr[512];
+    if (c->kind == PS_MODEL_TENSORS && c->init_file[0] &&
+        ps_st_init_values(c->init_file, &s->layout, s->store.cur->w, opts->shards > 1 ? s->store.own : NULL, lerr,
+                          sizeof lerr) != 0) {
+        PS_ERROR("model.init: %s", lerr);
+        return PSD_EXIT_USAGE;
+    }
+    if (values) /* the first worker's (model.kind from_worker) */
+        for (int t = 0; t < s->layout.n_tensors; t++)
+            memcpy(s->store.cur->w + s->layout.t[t].offset, values[t], s->layout.t[t].numel * sizeof(float));
+    s->holder.verify = opts->verify_weights;
+    int threads = psd_step_threads(c);
+    if (psd_store_set_parallel(&s->store, threads, (size_t)c->chunk_bytes) != 0) {
+        PS_ERROR("out of memory for the step's threads");
+        return PSD_EXIT_ERROR;
+    }
+    /* psd_main refuses streamed steps with shards. With an embedding table
+     * they would step and send the table whole: the table's rows are worth
+     * far more than overlapping the step (a 1M x 32 table: 128 MB a push
+     * against a batch's rows), so psd steps whole and says so. */
+    s->stream = c->stream && s->sh.n == 1 && s->layout.table < 0;
+    if (c->stream && s->layout.table >= 0)
+        PS_WARN("train.stream: the model has an embedding table, so steps are whole (not streamed): the table "
+                "goes by rows, which a streamed step would send whole");
+    /* the table stepped row by row (psd_rows.h): one psd, steps not
+     * streamed, or psd shards whose pieces of it are all whole rows (else
+     * rows straddle two shards: the table goes whole and is stepped densely) */
+    if (s->layout.table >= 0 && !s->stream && (s->sh.n == 1 || ps_shards_table_rows(&s->layout, s->sh.n)) &&
+        psd_store_lazy_table(&s->store, (size_t)c->workers * s->holder.batch_rows, MAX_WORKERS) != 0) {
+        PS_ERROR("out of memory for the table's row steps");
+        return PSD_EXIT_ERROR;
+    }
+    if (s->layout.table >= 0) {
+        const double mb = (double)s->layout.t[s->layout.table].numel * 4.0 / 1048576.0;
+        bool big = mb > c->ctr_worker_table_mb;
+        s->table_on_psd = psd_table_on_psd(c, &s->layout, s->store.lazy);
+        s->holder.table_on_psd = s->table_on_psd;
+        if (s->table_on_psd)
+            PS_INFO("the embedding table (%.0f MiB) stays on psd: workers hold only the rows of their batch, "
+                    "over the wire (ctr.worker_table_mb %g)", mb, c->ctr_worker_table_mb);
+        else if (big)
+            PS_WARN("the embedding table (%.0f MiB, over ctr.worker_table_mb %g) goes to every worker whole: a table "
+                    "only psd holds needs its rows stepped lazily (one psd, or shards whose pieces are whole rows), "
+                    "steps not streamed and f32 weights and gradients", mb,
+                    c->ctr_worker_table_mb);
+    }
+    if (s->stream) {
+        s->st.cf = ps_chunk_floats((size_t)c->chunk_bytes);
+        s->st.nc = s->store.n_chunks;
+        for (int t = 0, k = 0; t < s->layout.n_tensors; k += s->st.tchunks[t], t++) {
+            s->st.tfirst[t] = k;
+            s->st.tchunks[t] = (int)((s->layout.t[t].numel + s->st.cf - 1) / s->st.cf);
+        }
+        s->st.have = calloc((size_t)s->st.nc, sizeof *s->st.have);
+        s->st.done = calloc((size_t)s->st.nc, 1);
+        s->st.ready = calloc(ST_BATCH, sizeof *s->st.ready);
+        s->st.rq = calloc((size_t)s->st.nc, sizeof *s->st.rq);
+        s->st.src = calloc((size_t)ST_BATCH * MAX_WORKERS, sizeof *s->st.src);
+        s->st.mem = calloc(MAX_WORKERS, sizeof *s->st.mem);
+        if (!s->st.have || !s->st.done || !s->st.ready || !s->st.rq || !s->st.src || !s->st.mem) {
+            PS_ERROR("out of memory for streamed steps");
+            return PSD_EXIT_ERROR;
+        }
+    }
+    s->model_ready = true;
+    return 0;
+}

@@ -1,0 +1,113 @@
+/* psd_offer.c - model.kind from_worker: the model psd trains is the one the
+ * first worker to register offers (its REGISTER's frame: the tensor table),
+ * with its initial values (VALUES, which psd asks for with OFFER). Until
+ * they come, later workers offering the same table are told to register
+ * again in a moment; any worker whose table differs from the run's is
+ * refused with the first difference named. Then psd_model.c sets the model
+ * up, and registration goes on as for any model. */
+#include "psd_core.h"
+#include "ps_table.h"
+
+/* The table a message's one DT_U8 frame holds: 1 with it in l, 0 when
+ * there is no such frame, -1 when it does not decode (why). */
+static int offered_table(const ps_msg_t *m, ps_layout_t *l, char *why, size_t n)
+{
+    if (m->n_frames != 1 || m->hdr->tensors[0]->dtype != PSD__DTYPE__DT_U8) return 0;
+    return ps_table_unpack(zmq_msg_data((zmq_msg_t *)&m->frames[0]), zmq_msg_size((zmq_msg_t *)&m->frames[0]), l,
+                           why, n) == 0 ? 1 : -1;
+}
+
+static void send_offer(srv_t *s, const ps_msg_t *m, bool values)
+{
+    Psd__Header h;
+    Psd__Offer o = PSD__OFFER__INIT;
+    hdr_for(s, NULL, &h, PSD__MSG_TYPE__MSG_OFFER);
+    o.send_values = values;
+    h.body_case = PSD__HEADER__BODY_OFFER;
+    h.offer = &o;
+    ps_msg_send(s->net.sock, m->ident, m->ident_len, &h, NULL, 0);
+}
+
+static bool refuse(srv_t *s, const ps_msg_t *m, const char *why)
+{
+    const Psd__Register *r = m->hdr->reg;
+    PS_WARN("refused a worker from %s pid %u: %s", r->hostname && r->hostname[0] ? r->hostname : "?", r->pid, why);
+    send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, why);
+    return false;
+}
+
+bool offer_gate(srv_t *s, ps_msg_t *m)
+{
+    if (s->cfg.kind != PS_MODEL_FROM_WORKER) return true;
+    ps_layout_t l;
+    char why[400], msg[600];
+    int has = offered_table(m, &l, why, sizeof why);
+    if (has < 0) {
+        snprintf(msg, sizeof msg, "the tensor table it offers: %s", why);
+        return refuse(s, m, msg);
+    }
+    if (has == 0)
+        return refuse(s, m, "this run (model.kind from_worker) trains the model its first worker offers; this worker "
+                            "offers none (pworker trains the built-in models only)");
+    if (s->model_ready) { /* every later worker's table is the run's */
+        if (ps_layout_same_table_as(&l, &s->layout, "in this worker's", "in the run's", why, sizeof why)) return true;
+        snprintf(msg, sizeof msg, "its model is not the run's: %s", why);
+        return refuse(s, m, msg);
+    }
+    if ((int64_t)l.n_params > s->cfg.max_params) {
+        snprintf(msg, sizeof msg, "its model has %zu floats, more than model.max_params (%lld)", l.n_params,
+                 (long long)s->cfg.max_params);
+        return refuse(s, m, msg);
+    }
+    const bool again = s->offer.ident_len == m->ident_len && memcmp(s->offer.ident, m->ident, m->ident_len) == 0;
+    if (s->offer.ident_len && !again && ps_now() - s->offer.at < s->silence * 3 + 10) {
+        /* the first worker's values are on their way: the same table waits, another is refused */
+        if (!ps_layout_same_table_as(&l, &s->offer.layout, "in this worker's", "in the first one's", why,
+                                     sizeof why)) {
+            snprintf(msg, sizeof msg, "its model is not the one the first worker offers: %s", why);
+            return refuse(s, m, msg);
+        }
+        send_offer(s, m, false);
+        return false;
+    }
+    s->offer.layout = l;
+    memcpy(s->offer.ident, m->ident, m->ident_len);
+    s->offer.ident_len = m->ident_len;
+    s->offer.at = ps_now();
+    PS_INFO("a worker from %s pid %u offers the model: %d tensors, %zu parameters; asking for its values",
+            m->hdr->reg->hostname ? m->hdr->reg->hostname : "?", m->hdr->reg->pid, l.n_tensors, l.n_params);
+    send_offer(s, m, true);
+    return false;
+}
+
+void on_values(srv_t *s, ps_msg_t *m)
+{
+    const ps_layout_t *l = &s->offer.layout;
+    if (s->cfg.kind != PS_MODEL_FROM_WORKER || s->model_ready || s->offer.ident_len != m->ident_len ||
+        memcmp(s->offer.ident, m->ident, m->ident_len) != 0) {
+        drop(s, NULL, "VALUES from a peer psd did not ask");
+        return;
+    }
+    if (m->n_frames != l->n_tensors) {
+        drop(s, NULL, "VALUES of %d tensors, the offered table has %d", m->n_frames, l->n_tensors);
+        return;
+    }
+    const float *v[PS_MAX_TENSORS];
+    for (int t = 0; t < l->n_tensors; t++) {
+        const Psd__TensorDesc *d = m->hdr->tensors[t];
+        size_t n = 0;
+        v[t] = d->id == (uint32_t)t && d->offset == 0 ? ps_msg_f32(m, t, &n) : NULL;
+        if (!v[t] || n != l->t[t].numel) {
+            drop(s, NULL, "VALUES: frame %d is not tensor %s whole (%zu floats, f32)", t, l->t[t].name,
+                 l->t[t].numel);
+            return;
+        }
+    }
+    s->layout = *l;
+    int code = psd_model_setup(s, v);
+    if (code != 0) {
+        finish(s, code, "psd could not set up the model the first worker offered");
+        return;
+    }
+    PS_INFO("the model is the first worker's: %d tensors, %zu parameters", s->layout.n_tensors, s->layout.n_params);
+}
