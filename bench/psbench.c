@@ -52,6 +52,7 @@ typedef struct {
     size_t n_lat;
     int pulls;                 /* pull-only rounds first */
     int push_only;             /* async psd: push every batch back to back, no pulls */
+    uint64_t data[2];          /* model.kind tensors: the training and test samples (--data T,V) */
     uint64_t pushes, push_bytes;
     double q_first;            /* the current epoch's first push (0: none open) */
     double q_sum;              /* push-only spans: first push to psd's validation, per epoch */
@@ -84,7 +85,15 @@ static void *bench_worker(void *p)
         return NULL;
     }
     ps_layout_t l;
-    if (ps_layout_init_table(&l, a.sizes, a.n_sizes, a.ctr.rows, a.ctr.dim) != 0) {
+    ps_tensor_spec_t sp[PS_MAX_TENSORS]; /* any model: the table psd sent */
+    memset(sp, 0, sizeof sp);
+    for (int t = 0; t < a.n_tensors; t++) {
+        memcpy(sp[t].name, a.tensors[t].name, sizeof sp[t].name);
+        sp[t].ndim = a.tensors[t].ndim;
+        memcpy(sp[t].shape, a.tensors[t].shape, sizeof sp[t].shape);
+        sp[t].kind = a.tensors[t].sparse_rows ? PS_TENSOR_ROWS : PS_TENSOR_DENSE;
+    }
+    if (ps_layout_init_specs(&l, sp, a.n_tensors, err, sizeof err) != 0) {
         fprintf(stderr, "psbench: invalid model from psd\n");
         b->rc = 2;
         psw_client_destroy(&c);
@@ -94,18 +103,13 @@ static void *bench_worker(void *p)
      * memfd is zero-filled): pushed without a copy, as the wire sends from
      * the buffer without one */
     float *zero = calloc(l.n_params, sizeof *zero), *region = psw_client_push_region(c);
-    const float *g[PSW_MAX_TENSORS];
-    size_t numel[PSW_MAX_TENSORS];
-    int ids[PSW_MAX_TENSORS], rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
-    for (int t = 0; t < l.n_tensors; t++) {
-        ids[t] = t;
-        g[t] = (region ? region : zero) + l.t[t].offset;
-        numel[t] = l.t[t].numel;
-        rows[t] = l.t[t].rows;
-        cols[t] = t % 2 == 0 ? l.t[t].cols : 0;
-    }
+    psw_grad_t gr[PSW_MAX_TENSORS];
+    for (int t = 0; t < l.n_tensors; t++)
+        gr[t] = (psw_grad_t){.tensor = (uint32_t)t, .data = (region ? region : zero) + l.t[t].offset};
+    psw_push_t push = {.n_grads = l.n_tensors, .grads = gr};
     /* the sample counts psd checks: from the IDX headers of the files it names */
     uint64_t count[2] = {a.ctr.train, a.ctr.test}; /* model.kind ctr: no files */
+    if (a.model == PSW_MODEL_TENSORS) count[0] = b->data[0], count[1] = b->data[1]; /* the user's: --data */
     for (int i = 0; i < a.n_files; i++) {
         int k = strcmp(a.files[i].role, "train_images") == 0 ? 0 : strcmp(a.files[i].role, "test_images") == 0 ? 1 : -1;
         if (k < 0) continue;
@@ -185,7 +189,8 @@ static void *bench_worker(void *p)
                 size_t B = n_ids - pos < a.batch_size ? n_ids - pos : a.batch_size;
                 pos += B;
                 b->push_bytes += 4 * l.n_params;
-                if (psw_client_push(c, ev.version, (uint32_t)B, 0, 0, 0, l.n_tensors, ids, g, numel, rows, cols) != 0) {
+                push.version = ev.version, push.batch = (uint32_t)B, push.pull = 0;
+                if (psw_client_push_v(c, &push) != 0) {
                     b->rc = 1;
                     break;
                 }
@@ -208,8 +213,8 @@ static void *bench_worker(void *p)
             pos += B;
             int last = pos >= n_ids;
             t_push = last ? 0 : ps_now();
-            if (psw_client_push(c, ev.version, (uint32_t)B, 0, 0, !last, l.n_tensors, ids, g, numel, rows,
-                                cols) != 0) {
+            push.version = ev.version, push.batch = (uint32_t)B, push.pull = !last;
+            if (psw_client_push_v(c, &push) != 0) {
                 b->rc = 1;
                 break;
             }
@@ -241,18 +246,20 @@ static double report(int i, const char *unit, const char *what, uint64_t rounds,
 static void usage(FILE *f)
 {
     fprintf(f, "usage: psbench --connect ENDPOINT [--workers W] [--pulls N | --push-only] [--no-shm]\n"
-               "               [--key FILE --server-key FILE]\n"
+               "               [--key FILE --server-key FILE] [--data TRAIN,TEST]\n"
                "  W simulated workers (threads) push zero gradients and pull weights from psd\n"
                "  until psd ends the run; prints push+pull GB/s and round latencies. On psd's\n"
                "  host tensors go through shared memory unless --no-shm. --pulls N: N pull-only\n"
                "  rounds first. --push-only (psd in async mode): push every batch back to back,\n"
-               "  no pulls; GB/s = bytes pushed / time until psd has applied them\n");
+               "  no pulls; GB/s = bytes pushed / time until psd has applied them. Any model psd\n"
+               "  trains (model.kind tensors: --data gives the samples the workers say they hold)\n");
 }
 
 int main(int argc, char **argv)
 {
     const char *ep = NULL, *key = NULL, *server_key = NULL;
     int W = 1, no_shm = 0, pulls = 0, push_only = 0;
+    unsigned long long data[2] = {0, 0};
     static const struct option opts[] = {{"connect", required_argument, 0, 'c'},
                                          {"workers", required_argument, 0, 'w'},
                                          {"key", required_argument, 0, 'k'},
@@ -260,6 +267,7 @@ int main(int argc, char **argv)
                                          {"no-shm", no_argument, 0, 'n'},
                                          {"pulls", required_argument, 0, 'p'},
                                          {"push-only", no_argument, 0, 'P'},
+                                         {"data", required_argument, 0, 'd'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     int o;
@@ -272,6 +280,9 @@ int main(int argc, char **argv)
         case 'n': no_shm = 1; break;
         case 'p': pulls = atoi(optarg); break;
         case 'P': push_only = 1; break;
+        case 'd':
+            if (sscanf(optarg, "%llu,%llu", &data[0], &data[1]) != 2) data[0] = 0;
+            break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -308,6 +319,7 @@ int main(int argc, char **argv)
         b[i].plat = malloc(MAX_ROUNDS * sizeof(double));
         b[i].pulls = pulls;
         b[i].push_only = push_only;
+        b[i].data[0] = data[0], b[i].data[1] = data[1];
         pthread_create(&th[i], NULL, bench_worker, &b[i]);
     }
     int rc = 0;

@@ -59,6 +59,7 @@ typedef struct {
     const size_t *wsizes;
     float wfirst[PS_MAX_TENSORS];
     int noise;
+    bool check_push; /* after registering: psw_client_push_v's refusals (check_push_v) */
 } fake_psd_t;
 
 static void *fake_psd(void *p)
@@ -154,6 +155,43 @@ static Psd__CtrTask fake_ctr_task(void)
     return ct;
 }
 
+/* psw_client_push_v refuses, before anything is sent, a push that is not
+ * of the run's table (fake_psd's: fc1.weight [2, 32], fc1.bias [2], the
+ * table [rows, dim]): an index past it, a gradient neither whole nor rows
+ * or both, rows of a tensor that is not the table, rows twice, rows wanted
+ * without the table's rows, more gradients than tensors. */
+static void check_push_v(psw_client_t *c, const psw_assign_t *a)
+{
+    static float g[64 * 1024];
+    const uint32_t ids[2] = {1, 3};
+    cr_assert_eq(a->n_tensors, 3);
+    cr_expect_str_eq(a->tensors[0].name, "fc1.weight");
+    cr_expect_eq(a->tensors[2].sparse_rows, 1);
+    const struct {
+        psw_grad_t gr[2];
+        int n;
+        size_t n_want;
+        const char *what;
+    } bad[] = {
+        {{{.tensor = 3, .data = g}}, 1, 0, "an index past the table"},
+        {{{.tensor = 0}}, 1, 0, "neither data nor rows"},
+        {{{.tensor = 2, .data = g, .row_ids = ids, .n_rows = 2, .row_vals = g}}, 1, 0, "data and rows"},
+        {{{.tensor = 0, .row_ids = ids, .n_rows = 2, .row_vals = g}}, 1, 0, "rows of a dense tensor"},
+        {{{.tensor = 2, .row_ids = ids, .n_rows = 2, .row_vals = g}, {.tensor = 2, .row_ids = ids, .n_rows = 2,
+          .row_vals = g}}, 2, 0, "rows twice"},
+        {{{.tensor = 2, .row_ids = ids, .n_rows = 0, .row_vals = g}}, 1, 0, "no rows"},
+        {{{.tensor = 0, .data = g}}, 1, 2, "rows wanted without the table's rows"},
+        {{{.tensor = 0, .data = g}}, PSW_MAX_TENSORS + 1, 0, "more gradients than a table holds"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        psw_push_t p = {.version = 0, .batch = 1, .pull = 1, .n_grads = bad[i].n, .grads = bad[i].gr, .want = ids,
+                        .n_want = bad[i].n_want};
+        cr_expect_eq(psw_client_push_v(c, &p), -EINVAL, "%s", bad[i].what);
+    }
+    cr_expect_eq(psw_client_push_v(c, NULL), -EINVAL);
+    cr_expect(psw_client_push_done(c), "nothing was sent");
+}
+
 /* One worker (library) against fake psd f: the result of registering and,
  * when it registered and f sends weights, of the next event; err says why. */
 static int against_fake_psd(fake_psd_t *f, void *ctx, psw_assign_t *a, char *err, size_t errlen)
@@ -168,6 +206,7 @@ static int against_fake_psd(fake_psd_t *f, void *ctx, psw_assign_t *a, char *err
     psw_client_t *c = psw_client_new(ep, &info, err, errlen);
     cr_assert_not_null(c, "%s", err);
     int rc = psw_client_register(c, a, 10, err, errlen);
+    if (rc == 0 && f->check_push) check_push_v(c, a);
     psw_event_t ev;
     if (rc == 0 && f->wframes > 0) rc = psw_client_next(c, &ev, 10, err, errlen);
     if (rc == 0 && f->wframes > 0 && ev.kind == PSW_EV_WEIGHTS)
@@ -185,6 +224,16 @@ static int against_fake_psd(fake_psd_t *f, void *ctx, psw_assign_t *a, char *err
     zmq_setsockopt(f->router, ZMQ_LINGER, &linger, sizeof linger);
     zmq_close(f->router);
     return rc;
+}
+
+Test(short, a_push_that_is_not_of_the_table_is_refused)
+{
+    void *ctx = zmq_ctx_new();
+    fake_psd_t f = {.ct = fake_ctr_task(), .check_push = true};
+    char err[512] = "";
+    psw_assign_t a;
+    cr_assert_eq(against_fake_psd(&f, ctx, &a, err, sizeof err), 0, "%s", err);
+    zmq_ctx_term(ctx);
 }
 
 /* psd ends the run while a worker registers (again, after psd declared it
@@ -447,10 +496,9 @@ static void lose_one_streamed_contributor(const char *tag, bool clip)
         cr_assert_eq(ev.version, 0);
     }
     lib_push(A, 0, 64, 1, zero, &l);
-    const float *g0 = zero;
-    size_t n0 = l.t[0].numel;
-    int id0 = 0, rows0 = l.t[0].rows, cols0 = l.t[0].cols;
-    cr_assert_eq(psw_client_push(B, 0, 64, 32.0, 0, 1, 1, &id0, &g0, &n0, &rows0, &cols0), 0); /* W0's 4 chunks */
+    const psw_grad_t g0 = {.tensor = 0, .data = zero};
+    const psw_push_t p0 = {.version = 0, .batch = 64, .loss_sum = 32.0, .pull = 1, .n_grads = 1, .grads = &g0};
+    cr_assert_eq(psw_client_push_v(B, &p0), 0); /* W0's 4 chunks */
     while (!psw_client_push_done(B)) sched_yield();
     wait_log(r.psd_log, "its gradient is in 4 of 7 chunks", 30);
     psw_client_destroy(&B);
@@ -488,12 +536,11 @@ static void lose_every_streamed_contributor(const char *tag, int n, bool clip, c
     psw_client_t *b[2], *c[1];
     cr_assert(n >= 1 && n <= 2);
     lib_start(r.endpoint, b, n, 384 / (size_t)n);
-    const float *g0 = zero;
-    size_t n0 = l.t[0].numel;
-    int id0 = 0, rows0 = l.t[0].rows, cols0 = l.t[0].cols;
+    const psw_grad_t g0 = {.tensor = 0, .data = zero};
+    const psw_push_t p0 = {.version = 0, .batch = 64, .loss_sum = 32.0, .pull = 1, .n_grads = 1, .grads = &g0};
     for (int i = 0; i < n; i++) {
         lib_next(b[i], &ev, PSW_EV_WEIGHTS);
-        cr_assert_eq(psw_client_push(b[i], 0, 64, 32.0, 0, 1, 1, &id0, &g0, &n0, &rows0, &cols0), 0); /* W0's 4 chunks */
+        cr_assert_eq(psw_client_push_v(b[i], &p0), 0); /* W0's 4 chunks */
         while (!psw_client_push_done(b[i])) sched_yield();
     }
     wait_log(r.psd_log, said, 30);

@@ -918,9 +918,9 @@ Test(short, a_worker_gets_the_table_rows_it_asks_for)
     lib_grads(&ga, &l, zero);
     for (int i = 0; i < 16; i++) vals[i] = 0.25f;
     const uint32_t pushed[2] = {1, 5};
-    cr_assert_eq(psw_client_push_rows(c, ev.version, 256, 100, 0, 0, 5, ga.ids, ga.g, ga.numel, ga.rows, ga.cols,
-                                      pushed, 2, vals, NULL, 0),
-                 0);
+    ga.gr[4] = (psw_grad_t){.tensor = 4, .row_ids = pushed, .n_rows = 2, .row_vals = vals}; /* the table as rows */
+    psw_push_t pp = {.version = ev.version, .batch = 256, .loss_sum = 100, .n_grads = 5, .grads = ga.gr};
+    cr_assert_eq(psw_client_push_v(c, &pp), 0);
     psw_client_barrier(c, 0, 256);
     lib_next(c, &ev, PSW_EV_VALIDATE);
     uint32_t want[800];
@@ -986,9 +986,9 @@ Test(short, two_validation_parts_at_once_with_the_table_on_psd_shards)
         cr_assert_eq(ev.n_samples, 256);
         psw_client_pull(c[i], ev.version);
         lib_next(c[i], &ev, PSW_EV_WEIGHTS);
-        cr_assert_eq(psw_client_push_rows(c[i], ev.version, 256, 100, 0, 0, 5, ga.ids, ga.g, ga.numel, ga.rows, ga.cols,
-                                          one_row, 1, vals, NULL, 0),
-                     0);
+        ga.gr[4] = (psw_grad_t){.tensor = 4, .row_ids = one_row, .n_rows = 1, .row_vals = vals}; /* the table as rows */
+        psw_push_t pp = {.version = ev.version, .batch = 256, .loss_sum = 100, .n_grads = 5, .grads = ga.gr};
+        cr_assert_eq(psw_client_push_v(c[i], &pp), 0);
         psw_client_barrier(c[i], 0, 256);
     }
     psw_event_t gone;

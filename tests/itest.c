@@ -344,13 +344,7 @@ void lib_next(psw_client_t *c, psw_event_t *ev, psw_event_kind_t kind)
 
 void lib_grads(lib_grads_t *a, const ps_layout_t *l, const float *grad)
 {
-    for (int t = 0; t < l->n_tensors; t++) {
-        a->ids[t] = t;
-        a->g[t] = grad + l->t[t].offset;
-        a->numel[t] = l->t[t].numel;
-        a->rows[t] = l->t[t].rows;
-        a->cols[t] = t % 2 == 0 ? l->t[t].cols : 0;
-    }
+    for (int t = 0; t < l->n_tensors; t++) a->gr[t] = (psw_grad_t){.tensor = (uint32_t)t, .data = grad + l->t[t].offset};
 }
 
 void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull, const float *zero,
@@ -358,9 +352,9 @@ void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull, const
 {
     lib_grads_t a;
     lib_grads(&a, l, zero);
-    cr_assert_eq(psw_client_push(c, version, batch, 0.5 * batch, 0, pull, l->n_tensors, a.ids, a.g, a.numel, a.rows,
-                                 a.cols),
-                 0);
+    psw_push_t p = {.version = version, .batch = batch, .loss_sum = 0.5 * batch, .pull = pull, .n_grads = l->n_tensors,
+                    .grads = a.gr};
+    cr_assert_eq(psw_client_push_v(c, &p), 0);
 }
 
 /* n library workers in registration order, each given `samples` of the

@@ -87,9 +87,7 @@ psw_client_t *lib_worker_shm(const char *ep, int shm, char *err, size_t n);
 
 /* A push's arguments for every tensor of l, the gradient from grad (laid out as l). */
 typedef struct {
-    const float *g[PSW_MAX_TENSORS];
-    size_t numel[PSW_MAX_TENSORS];
-    int ids[PSW_MAX_TENSORS], rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
+    psw_grad_t gr[PSW_MAX_TENSORS]; /* every tensor whole, in order */
 } lib_grads_t;
 void lib_grads(lib_grads_t *a, const ps_layout_t *l, const float *grad);
 

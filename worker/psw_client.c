@@ -255,6 +255,9 @@ static void header_init(psw_client_t *c, Psd__Header *h, Psd__MsgType type)
     h->seq = ++c->seq;
 }
 
+/* A tensor frame's second dimension: the table's cols, 0 for a vector. */
+static uint64_t tcols(const psw_client_t *c, int t) { return c->layout.t[t].ndim >= 2 ? c->layout.t[t].cols : 0; }
+
 /* Send with the (possibly overridden) protocol number. */
 static int send_msg(psw_client_t *c, Psd__Header *h, const ps_frame_t *frames, int n)
 {
@@ -834,7 +837,7 @@ size_t pswc_first_row_at(const uint32_t *ids, size_t n, size_t r)
  * next batch reads (a last frame, copied; empty when none), and answers
  * with those rows of its piece. */
 static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
-                       const size_t *numel, const int *rows, const int *cols, const uint32_t *row_ids,
+                       const size_t *numel, const uint32_t *row_ids,
                        size_t n_rows, const float *row_vals, const uint32_t *want, size_t n_want)
 {
     const void *src[PSW_MAX_TENSORS];
@@ -878,7 +881,7 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
             fr[m++] = (ps_frame_t){.data = (const char *)src[i] + p->off * es, .nbytes = p->n * es,
                                    .ffn = push_frame_done, .hint = c, .id = (uint32_t)ids[i],
                                    .dtype = c->grad_bf16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32,
-                                   .rows = (uint32_t)rows[i], .cols = (uint32_t)cols[i], .offset = p->off};
+                                   .rows = c->layout.t[ids[i]].rows, .cols = tcols(c, ids[i]), .offset = p->off};
             owed++;
         }
         if (h->push->want_rows) /* the message's last frame */
@@ -905,7 +908,7 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
  * every one: psd sends the new values of each chunk as soon as they are
  * made, while the rest still come in. */
 static int push_stream(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
-                       const size_t *numel, const int *rows, const int *cols)
+                       const size_t *numel)
 {
     size_t es = c->grad_bf16 ? 2 : 4;
     for (int i = 0; i < n; i++) {
@@ -920,7 +923,7 @@ static int push_stream(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
             size_t k = numel[i] - o < c->stream_cf ? numel[i] - o : c->stream_cf;
             ps_frame_t fr = {.data = (const char *)src + o * es, .nbytes = k * es, .ffn = push_frame_done, .hint = c,
                              .id = (uint32_t)ids[i], .dtype = c->grad_bf16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32,
-                             .rows = (uint32_t)rows[i], .cols = (uint32_t)cols[i], .offset = o};
+                             .rows = c->layout.t[ids[i]].rows, .cols = tcols(c, ids[i]), .offset = o};
             if (i > 0 || o > 0) h->seq = ++c->seq; /* every message its own number */
             atomic_fetch_add_explicit(&c->push_inflight, 1, memory_order_relaxed);
             int rc = ps_msg_send(c->sock, NULL, 0, h, &fr, 1);
@@ -953,9 +956,8 @@ static void push_header(psw_client_t *c, Psd__Header *h, Psd__Push *p, uint64_t 
     h->push = p;
 }
 
-int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum,
-                    uint64_t correct, int pull, int n, const int *ids, const float *const *grads,
-                    const size_t *numel, const int *rows, const int *cols)
+int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct, int pull, int n,
+              const int *ids, const float *const *grads, const size_t *numel)
 {
     if (n < 0 || n > PSW_MAX_TENSORS) return -EINVAL;
     Psd__Header h;
@@ -974,8 +976,8 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
         return ps_msg_send(c->sock, NULL, 0, &h, NULL, 0);
     }
     ps_frame_t fr[PSW_MAX_TENSORS];
-    if (c->n_shards > 1) return push_shards(c, &h, n, ids, grads, numel, rows, cols, NULL, 0, NULL, NULL, 0);
-    if (c->stream_cf) return push_stream(c, &h, n, ids, grads, numel, rows, cols);
+    if (c->n_shards > 1) return push_shards(c, &h, n, ids, grads, numel, NULL, 0, NULL, NULL, 0);
+    if (c->stream_cf) return push_stream(c, &h, n, ids, grads, numel);
     for (int i = 0; i < n; i++) {
         if (c->grad_bf16) { /* rounded into the conversion buffer, sent from there */
             if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
@@ -983,17 +985,41 @@ int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double lo
             ps_f32_to_bf16_n(dst, grads[i], numel[i]);
             fr[i] = (ps_frame_t){.data = dst, .nbytes = numel[i] * sizeof(uint16_t), .ffn = push_frame_done,
                                  .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_BF16,
-                                 .rows = (uint32_t)rows[i], .cols = (uint32_t)cols[i]};
+                                 .rows = c->layout.t[ids[i]].rows, .cols = tcols(c, ids[i])};
             continue;
         }
         fr[i] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float),
                              .ffn = push_frame_done, .hint = c, .id = (uint32_t)ids[i],
-                             .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)rows[i],
-                             .cols = (uint32_t)cols[i]};
+                             .dtype = PSD__DTYPE__DT_F32, .rows = c->layout.t[ids[i]].rows, .cols = tcols(c, ids[i])};
     }
     if (c->layout.table < 0) ps_frames_small_first(fr, n);
     atomic_fetch_add_explicit(&c->push_inflight, n, memory_order_relaxed);
     return ps_msg_send(c->sock, NULL, 0, &h, fr, n);
+}
+
+int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
+{
+    if (!p || p->n_grads < 0 || p->n_grads > PSW_MAX_TENSORS || (p->n_grads && !p->grads)) return -EINVAL;
+    int ids[PSW_MAX_TENSORS], rows_at = -1;
+    const float *g[PSW_MAX_TENSORS];
+    size_t numel[PSW_MAX_TENSORS];
+    for (int i = 0; i < p->n_grads; i++) { /* each: whole (data) or the table's rows (row_ids, row_vals) */
+        const psw_grad_t *x = &p->grads[i];
+        if (x->tensor >= (uint32_t)c->layout.n_tensors || !x->data == !x->row_ids) return -EINVAL;
+        if (x->row_ids) {
+            if (rows_at >= 0 || (int)x->tensor != c->layout.table || !x->row_vals || x->n_rows == 0) return -EINVAL;
+            rows_at = i;
+        }
+        ids[i] = (int)x->tensor;
+        g[i] = x->data;
+        numel[i] = c->layout.t[x->tensor].numel;
+    }
+    if (rows_at >= 0)
+        return pswc_push_rows(c, p->version, p->batch, p->loss_sum, p->correct, p->pull, p->n_grads, ids, g, numel,
+                              p->grads[rows_at].row_ids, p->grads[rows_at].n_rows, p->grads[rows_at].row_vals, p->want,
+                              p->n_want);
+    if (p->n_want) return -EINVAL; /* rows asked for with the table's rows pushed */
+    return pswc_push(c, p->version, p->batch, p->loss_sum, p->correct, p->pull, p->n_grads, ids, g, numel);
 }
 
 void psw_client_release_on_push(psw_client_t *c, int on) { c->release_on_push = on != 0; }
@@ -1064,10 +1090,9 @@ int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *
     return 0;
 }
 
-int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct,
-                         int pull, int n, const int *ids, const float *const *grads, const size_t *numel,
-                         const int *rows, const int *cols, const uint32_t *row_ids, size_t n_rows,
-                         const float *row_vals, const uint32_t *want, size_t n_want)
+int pswc_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct, int pull,
+                   int n, const int *ids, const float *const *grads, const size_t *numel, const uint32_t *row_ids,
+                   size_t n_rows, const float *row_vals, const uint32_t *want, size_t n_want)
 {
     const int table = c->layout.table;
     if (!psw_client_rows_ok(c) || n < 1 || n > PSW_MAX_TENSORS || !pswc_table_rows(c, row_ids, n_rows) ||
@@ -1080,7 +1105,7 @@ int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, doub
     Psd__Push p = PSD__PUSH__INIT;
     push_header(c, &h, &p, version, batch, loss_sum, correct, pull);
     if (c->n_shards > 1)
-        return push_shards(c, &h, n, ids, grads, numel, rows, cols, row_ids, n_rows, row_vals, want, n_want);
+        return push_shards(c, &h, n, ids, grads, numel, row_ids, n_rows, row_vals, want, n_want);
     p.want_rows = n_want > 0;
     ps_frame_t fr[PSW_MAX_TENSORS + 2];
     int m = 0, dim = c->layout.t[table].cols;
@@ -1097,7 +1122,7 @@ int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, doub
         }
         fr[m++] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float), .ffn = push_frame_done,
                                .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_F32,
-                               .rows = (uint32_t)rows[i], .cols = (uint32_t)cols[i]};
+                               .rows = c->layout.t[ids[i]].rows, .cols = tcols(c, ids[i])};
     }
     if (n_want) /* copied at send: the worker may reuse its list */
         fr[m++] = (ps_frame_t){.data = want, .nbytes = n_want * sizeof *want, .id = (uint32_t)table,

@@ -477,50 +477,50 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     int last = w->pos >= w->n_ids;
 
     const float *base = w->be->host_visible ? psw_model_grads(w->m) : w->grads_host; /* laid out as mlayout */
-    const float *g[PSW_MAX_TENSORS];
-    size_t numel[PSW_MAX_TENSORS];
-    int ids[PSW_MAX_TENSORS], rows[PSW_MAX_TENSORS], cols[PSW_MAX_TENSORS];
-    int n = w->layout.n_tensors;
+    psw_grad_t gr[PSW_MAX_TENSORS];
+    const int n = w->layout.n_tensors;
     for (int k = 0; k < n; k++) {
         int t = w->split ? w->ready_order[k] : k;
-        ids[k] = t;
-        g[k] = base + w->mlayout.t[t].offset;
-        numel[k] = w->layout.t[t].numel; /* the table on psd: it goes as rows */
-        rows[k] = w->layout.t[t].rows;
-        cols[k] = t % 2 == 0 ? w->layout.t[t].cols : 0;
+        gr[k] = (psw_grad_t){.tensor = (uint32_t)t, .data = base + w->mlayout.t[t].offset};
     }
+    psw_push_t p = {.version = ev->version, .batch = (uint32_t)B, .loss_sum = loss, .correct = (uint64_t)correct,
+                    .pull = !last, .n_grads = n, .grads = gr};
     const double few = nt ? w->a.sparse_threshold * (double)w->layout.t[w->layout.table].rows : 0;
     const bool rows_push = as_rows(w, nt);
     if (!w->be->host_visible && (rows_push || !w->split)) /* read whole from grads_host: every tensor down */
         for (int k = 0; k < w->n_ready; k++) w->be->wait(w->be, w->ticket[w->ready_order[k]]);
     if (rows_push) {
         /* few rows of the table touched (or the table on psd): push those (the others' gradient is zero) */
-        const int D = w->layout.t[w->layout.table].cols;
+        const size_t D = (size_t)w->layout.t[w->layout.table].cols;
         const float *dE = base + w->mlayout.t[w->layout.table].offset, *vals = dE; /* on psd: rows 0..nt-1 */
         if (w->dev_rows_dl) {
             vals = w->rows_host; /* gathered on the device, downloaded (grad_ready) */
         } else if (!w->on_psd) {
             for (size_t i = 0; i < nt; i++)
-                memcpy(w->row_vals + i * (size_t)D, dE + (size_t)w->touched[i] * (size_t)D,
-                       (size_t)D * sizeof(float));
+                memcpy(w->row_vals + i * D, dE + (size_t)w->touched[i] * D, D * sizeof(float));
             vals = w->row_vals;
         }
+        for (int k = 0; k < n; k++)
+            if ((int)gr[k].tensor == w->layout.table)
+                gr[k] = (psw_grad_t){.tensor = gr[k].tensor, .row_ids = w->touched, .n_rows = nt, .row_vals = vals};
         /* and the reply brings only the table rows the next batch reads, when they are few */
         size_t nw = last ? 0 : next_rows(w);
         if ((double)nw >= few && !w->on_psd) nw = 0;
-        rc = psw_client_push_rows(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct, !last, n, ids, g, numel,
-                                  rows, cols, w->touched, nt, vals, w->want, nw);
+        p.want = w->want;
+        p.n_want = nw;
+        rc = psw_client_push_v(w->c, &p);
         w->pushes_rows++;
     } else if (!w->split) {
-        rc = psw_client_push(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct, !last, n, ids, g,
-                             numel, rows, cols);
+        rc = psw_client_push_v(w->c, &p);
         w->pushes_whole += w->ctr;
     } else {
         w->pushes_whole += w->ctr;
-        for (int k = 0; k < n && rc == 0; k++) {
-            w->be->wait(w->be, w->ticket[ids[k]]);
-            rc = psw_client_push(w->c, ev->version, (uint32_t)B, loss, (uint64_t)correct,
-                                 k == n - 1 && !last, 1, &ids[k], &g[k], &numel[k], &rows[k], &cols[k]);
+        for (int k = 0; k < n && rc == 0; k++) { /* each tensor as soon as it is down */
+            w->be->wait(w->be, w->ticket[gr[k].tensor]);
+            p.grads = &gr[k];
+            p.n_grads = 1;
+            p.pull = k == n - 1 && !last;
+            rc = psw_client_push_v(w->c, &p);
         }
     }
     if (rc < 0) return rc;

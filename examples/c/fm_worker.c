@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { F = 8, V = 50, N = F * V, K = 8, TRAIN = 200000, TEST = 10000 };
+enum { F = 8, V = 500, N = F * V, K = 8, TRAIN = 200000, TEST = 10000 };
 
 static uint64_t mix(uint64_t z)
 {
@@ -142,9 +142,10 @@ int main(int argc, char **argv)
             }
             pos += b;
             int last = pos >= n_ids;
-            const float *gp[3] = {grad[0], grad[1], grad[2]};
-            int rows[3] = {1, N, N}, cols[3] = {0, 0, K};
-            rc = psw_client_push(c, ev.version, (uint32_t)b, loss, right, !last, 3, id, gp, sizes, rows, cols);
+            psw_grad_t g[3];
+            for (int k = 0; k < 3; k++) g[k] = (psw_grad_t){.tensor = (uint32_t)id[k], .data = grad[k]};
+            psw_push_t p = {ev.version, (uint32_t)b, loss, right, !last, 3, g, NULL, 0};
+            rc = psw_client_push_v(c, &p);
             if (rc == 0 && last) rc = psw_client_barrier(c, epoch, n_ids);
         } else if (ev.kind == PSW_EV_VALIDATE) { /* test examples [TRAIN + begin, TRAIN + end) */
             double loss = 0;

@@ -6,6 +6,7 @@
  *   clang-14 -std=c17 -D_GNU_SOURCE -Icommon -Iserver -Iworker -Ibuild/proto -Itests/fuzz \
  *       tests/fuzz/gen_seeds.c common/ps_weights.c common/ps_model.c common/ps_util.c \
  *       common/ps_config.c common/ps_ctr.c common/ps_pool.c common/ps_shm.c common/ps_wire.c common/ps_log.c \
+ *       common/ps_tensor.c common/ps_table.c common/ps_safetensors.c \
  *       server/psd_ckpt.c server/psd_store.c server/psd_optim.c server/psd_rows.c \
  *       build/proto/psd.pb-c.c -lprotobuf-c -lyaml -lz -lzmq -lm -lpthread -o build/fuzz/gen_seeds
  *   build/fuzz/gen_seeds tests/fuzz/corpus

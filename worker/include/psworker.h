@@ -89,12 +89,12 @@ typedef struct {
     uint64_t seed;
     uint32_t sync;             /* train.sync: 0 bsp, 1 async, 2 ssp */
     uint32_t staleness;        /* train.staleness (ssp) */
-    double sparse_threshold;   /* train.sparse_threshold: see psw_client_push_rows */
+    double sparse_threshold;   /* train.sparse_threshold: see psw_grad_t.row_ids */
     double start_timeout_s;    /* how long to wait for the first epoch */
     double step_timeout_s;     /* how long to wait for any later reply */
     double silence_s;          /* psd takes a worker it waits for and hears nothing from this long for lost */
     int shm;                   /* tensors go through shared memory with psd (same host) */
-    int stream;                /* train.stream: pushes and weights go in chunks (psw_client_push splits them) */
+    int stream;                /* train.stream: pushes and weights go in chunks (psw_client_push_v splits them) */
     /* model.kind: ctr when ctr.fields > 0 (n_files 0): examples come from the generator of
      * common/ps_ctr.h, training ones are indices [0, train), test ones [train, train + test);
      * the model has an embedding table E (rows x dim) after the MLP's tensors */
@@ -164,17 +164,45 @@ int psw_client_pull(psw_client_t *c, uint64_t min_version);
  * stays on psd gets the rows of a batch its last push did not ask for. */
 int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *want, size_t n);
 
-/* Push the mean gradient of a batch computed on `version`: n tensors, the
- * i-th being tensor ids[i] of the model with numel[i] floats at grads[i]
- * (shape rows[i] x cols[i], cols 0 for vectors). A gradient may be pushed in
- * several parts (each layer as soon as its backward is done), every part
- * with the same batch statistics; psd steps once it has every tensor. The
- * buffers are sent without copying: do not modify them until
- * psw_client_push_done() returns nonzero (in synchronous mode, any reply of
- * psd implies it). pull: ask for the next version (set on the last part). */
-int psw_client_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum,
-                    uint64_t correct, int pull, int n, const int *ids, const float *const *grads,
-                    const size_t *numel, const int *rows, const int *cols);
+/* One tensor's gradient in a push: tensor `tensor` of the run's table
+ * (psw_assign_t.tensors), whole (data: its numel floats), or, for the
+ * run's sparse-rows table where psw_client_rows_ok, as rows: n_rows ids
+ * (strictly increasing, n_rows >= 1) and their gradient rows (row_vals,
+ * n_rows x the row's floats); psd takes the other rows' gradient as zero,
+ * so the step is the one the whole table would give. */
+typedef struct {
+    uint32_t tensor;
+    const float *data;
+    const uint32_t *row_ids;
+    size_t n_rows;
+    const float *row_vals;
+} psw_grad_t;
+
+/* A push: the mean gradient of a batch of `batch` samples computed on the
+ * weights of `version`, with the batch's summed loss and correct count. A
+ * gradient may be pushed in several parts (each layer as soon as its
+ * backward is done), every part with the same batch statistics; psd steps
+ * once it has every tensor. pull: ask for the next version (on the last
+ * part). want (with pull and the table's rows pushed): the table rows,
+ * strictly increasing, the next batch reads; the WEIGHTS reply then brings
+ * only those (psw_event_t.row_ids). The struct is read during the call;
+ * the buffers it points to are sent without copying: do not modify them
+ * until psw_client_push_done() returns nonzero (in synchronous mode, any
+ * reply of psd implies it). 0, or -EINVAL for a gradient that is not one
+ * of the table's (or rows where they cannot go), or -errno. */
+typedef struct {
+    uint64_t version;
+    uint32_t batch;
+    double loss_sum;
+    uint64_t correct;
+    int pull;
+    int n_grads;
+    const psw_grad_t *grads;
+    const uint32_t *want;
+    size_t n_want;
+} psw_push_t;
+
+int psw_client_push_v(psw_client_t *c, const psw_push_t *p);
 int psw_client_push_done(psw_client_t *c);
 /* Promise (on: nonzero) that once a push asks for the next version (pull),
  * the caller no longer reads the tensors of the last weights psd sent it
@@ -187,27 +215,13 @@ int psw_client_push_done(psw_client_t *c);
  * name before the caller reads them). Off by default: a caller that keeps
  * reading the tensors until the next event must leave it off. */
 void psw_client_release_on_push(psw_client_t *c, int on);
-/* A push whose embedding table (model.kind ctr) goes as rows: tensor
- * layout.table among ids[] is sent as the n_rows row ids (strictly
- * increasing) and their gradient rows (row_vals, n_rows x dim) instead of
- * the whole table; psd takes the other rows' gradient as zero, so the step
- * is the one the whole table would give. Without copying, like
- * psw_client_push. Only where psw_client_rows_ok (over the wire, whole
- * steps, f32 gradients; with psd shards, when every shard's piece of the
- * table is whole rows: each gets the rows in its piece); -EINVAL otherwise
- * or for bad ids. */
+/* Whether the run's sparse-rows table may be pushed as rows
+ * (psw_grad_t.row_ids): over the wire, whole steps, f32 gradients; with psd
+ * shards, when every shard's piece of the table is whole rows (each gets
+ * the rows in its piece). With want, each shard holding a piece of the
+ * table answers with the rows of its piece; the table is the client's
+ * whole-model buffer with them scattered in. */
 int psw_client_rows_ok(const psw_client_t *c);
-/* want (n_want > 0, with pull): the table rows, strictly increasing, the
- * worker's next batch reads; the WEIGHTS reply then brings only those (and
- * the other tensors whole), and its table is the client's replica of the
- * table with them scattered in: exact for a batch that reads no other row.
- * With psd shards each shard holding a piece of the table gets the rows of
- * its piece and answers with those; the table is the client's whole-model
- * buffer with them scattered in. */
-int psw_client_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct,
-                         int pull, int n, const int *ids, const float *const *grads, const size_t *numel,
-                         const int *rows, const int *cols, const uint32_t *row_ids, size_t n_rows,
-                         const float *row_vals, const uint32_t *want, size_t n_want);
 /* On psd's host (shared memory): the region psd reads gradients from, the
  * model's n_params floats in layout order; a gradient computed in place
  * there is pushed without any copy (others are copied in by push). Write it
