@@ -109,5 +109,7 @@ void on_values(srv_t *s, ps_msg_t *m)
         finish(s, code, "psd could not set up the model the first worker offered");
         return;
     }
-    PS_INFO("the model is the first worker's: %d tensors, %zu parameters", s->layout.n_tensors, s->layout.n_params);
+    s->silence = psd_silence_limit(&s->cfg, s->layout.n_params); /* sized for max_params until now */
+    PS_INFO("the model is the first worker's: %d tensors, %zu parameters; a silent worker is lost after %.1f s",
+            s->layout.n_tensors, s->layout.n_params, s->silence);
 }

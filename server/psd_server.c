@@ -875,9 +875,9 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if (sharded(s)) PS_INFO("psd shard 0 of %d: waiting for shards 1..%d to join", s->sh.n, s->sh.n - 1);
     if (s->silence > c->worker_timeout + 0.5)
         PS_INFO("a silent worker is lost after %.1f s: server.worker_timeout %.1f s plus %.1f s each way for a "
-                "message of the whole model (%.0f MB at 40 MB/s)",
-                s->silence, c->worker_timeout, psd_transfer_s(s->layout.n_params),
-                4.0 * (double)s->layout.n_params / 1e6);
+                "message of the whole model (%.0f MB at 40 MB/s%s)",
+                s->silence, c->worker_timeout, psd_transfer_s(n_params), 4.0 * (double)n_params / 1e6,
+                s->model_ready ? "" : "; model.max_params: the model is not known yet");
 
     int fd;
     size_t fdlen = sizeof fd;
