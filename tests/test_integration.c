@@ -420,6 +420,15 @@ Test(short, malformed_messages_are_dropped)
     h.barrier = &bar;
     n = psd__header__pack(&h, buf);
     zmq_send(s, buf, n, 0);
+    Psd__Values vals = PSD__VALUES__INIT; /* a model's values psd never asked for (model.kind from_worker) */
+    h.type = PSD__MSG_TYPE__MSG_VALUES;
+    h.body_case = PSD__HEADER__BODY_VALUES;
+    h.values = &vals;
+    size_t nv = psd__header__pack(&h, buf);
+    zmq_send(s, buf, nv, 0);
+    h.type = PSD__MSG_TYPE__MSG_BARRIER; /* the junk below: the BARRIER again */
+    h.body_case = PSD__HEADER__BODY_BARRIER;
+    h.barrier = &bar;
     zmq_poll(NULL, 0, 200);
     pid_t w0 = start_worker(&r, "mal", 0, NULL), w1 = start_worker(&r, "mal", 1, NULL);
     /* more junk while training */
@@ -431,6 +440,7 @@ Test(short, malformed_messages_are_dropped)
     zmq_ctx_term(ctx);
     char *log = slurp(r.psd_log);
     cr_assert(strstr(log, "dropped a message"), "drops are logged: %s", log);
+    cr_assert(strstr(log, "VALUES from a peer psd did not ask"), "%s", log);
     free(log);
     assert_validated_all(&r);
 }

@@ -3,9 +3,18 @@
  * pworker is built on it; any training program can be a psd worker with it:
  *
  *   psw_client_t *c = psw_client_new("tcp://host:5555", &info, err, sizeof err);
- *   psw_client_register(c, &assign, timeout, err, sizeof err);  // rank, model, data
+ *   psw_client_register(c, &assign, timeout, err, sizeof err);  // rank, the tensor table, data
  *   ... check data, psw_client_ready(c, ...) ...
- *   for (;;) switch (psw_client_next(c, &ev, timeout, ...)) { EPOCH, WEIGHTS, VALIDATE, SHUTDOWN }
+ *   for (;;) switch (psw_client_next(c, &ev, timeout, ...)) {
+ *       EPOCH: sample ids; WEIGHTS: compute, psw_client_push_v(c, &push);
+ *       VALIDATE: psw_client_val_result(...); SHUTDOWN: exit }
+ *
+ * The run's model is a table of named tensors (psw_assign_t.tensors): the
+ * built-in models' (fc1.weight, ...), one psd's config lists, or, with
+ * model.kind from_worker, the one the first worker offers (psw_info_t.offer).
+ * Tensors are named by their index in that table. examples/c/fm_worker.c is
+ * a whole worker of a model psd has never heard of. Version 2 of the
+ * library (libpsworker.so.2): the table, and the push as one struct.
  *
  * Every call is blocking with a deadline; nothing waits forever. Functions
  * return 0 or a negative errno (-ETIMEDOUT when psd stayed silent, -EPROTO for
