@@ -118,6 +118,38 @@ for dtype in ("F32", "F16", "BF16"):
         assert got[k].dtype == np.dtype("<f4") and got[k].tobytes() == want.tobytes(), (dtype, k)
     print("example_c: numpy wrote %s, psd read it bit-exact (%d values)" % (dtype, sum(v.size for v in a.values())))
 PY
+    # model.init: a run starts from numpy's F16 file (its values, f32 in psd), and a file whose
+    # factors have another shape is refused before any worker comes, naming the tensor
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    "$B/psd" --config "$S/examples/c/fm.yaml" --listen "tcp://127.0.0.1:$port" --set checkpoint.dir= --epochs 1 \
+        --set "model.init=$T/np-F16.safetensors" --metrics "" --save "" --start-timeout 60 >"$T/init.log" 2>&1 &
+    psd_pid=$!
+    pids+=("$psd_pid")
+    for w in 0 1; do
+        LD_LIBRARY_PATH=$(dirname "$so") "$T/fm_worker" "tcp://127.0.0.1:$port" >"$T/iw$w.log" 2>&1 &
+        pids+=($!)
+    done
+    wait "$psd_pid" || { cat "$T/init.log" >&2; fail "a run from model.init failed"; }
+    # from the trained values the first epoch's training loss is below 0.5 (from the inits: 0.61)
+    grep -q "epoch 1/1 .* train_loss 0\.[0-4]" "$T/init.log" ||
+        { cat "$T/init.log" >&2; fail "a run from trained values (model.init) did not start where they are"; }
+    /usr/bin/python3 - "$T" <<'PY'
+import json, struct, sys
+T = sys.argv[1]
+b = open(T + "/np-F16.safetensors", "rb").read()
+n = struct.unpack("<Q", b[:8])[0]
+h = json.loads(b[8:8 + n])
+h["factors.weight"]["shape"] = [8000, 4]  # the same bytes, another shape
+j = json.dumps(h).encode()
+j += b" " * (-len(j) % 8)
+open(T + "/bad-init.safetensors", "wb").write(struct.pack("<Q", len(j)) + j + b[8 + n:])
+PY
+    rc=0
+    "$B/psd" --config "$S/examples/c/fm.yaml" --listen "tcp://127.0.0.1:$port" --set checkpoint.dir= \
+        --set "model.init=$T/bad-init.safetensors" --metrics "" --save "" >"$T/bad.log" 2>&1 || rc=$?
+    [ "$rc" = 2 ] && grep -q "factors.weight has shape \[8000, 4\], the run's model \[4000, 8\]" "$T/bad.log" ||
+        { cat "$T/bad.log" >&2; fail "a model.init file of another shape: exit $rc"; }
+    echo "example_c: model.init from numpy's F16 file trains from its values; another shape is refused (exit 2)"
 fi
 # ---- model.kind from_worker
 wait_for() { # FILE REGEX SECONDS
