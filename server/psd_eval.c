@@ -23,6 +23,12 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
         fprintf(stderr, "psd eval: %s\n", err);
         return 2;
     }
+    if (l.n_sizes == 0) { /* any table: psd does not know what computes it */
+        fprintf(stderr, "psd eval: %s holds a model of %d tensors (%s, ...) that is not one of psd's built-in models: "
+                        "evaluate it with the program that trained it\n", weights_path, l.n_tensors, l.t[0].name);
+        free(params);
+        return 2;
+    }
     psm_eval_t e;
     int code = psm_eval(c, &l, params, threads, &e, err, sizeof err);
     free(params);

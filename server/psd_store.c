@@ -261,8 +261,8 @@ static ps_frame_t piece_frame(const psd_store_t *s, psd_arena_t *a, const uint16
     atomic_fetch_add_explicit(&a->refs, 1, memory_order_relaxed);
     return (ps_frame_t){.data = w16 ? (const void *)(w16 + at) : (const void *)(a->w + at),
                         .nbytes = (w16 ? 2 : 4) * p->n, .ffn = psd_store_frame_free, .hint = a, .id = (uint32_t)p->t,
-                        .dtype = w16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32, .rows = (uint32_t)ti->rows,
-                        .cols = p->t % 2 == 0 ? (uint32_t)ti->cols : 0, .offset = p->off};
+                        .dtype = w16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32, .rows = ti->rows,
+                        .cols = ti->ndim >= 2 ? ti->cols : 0, .offset = p->off};
 }
 
 int psd_store_frames(psd_store_t *s, const uint16_t *w16, ps_frame_t *fr, uint32_t *crc)

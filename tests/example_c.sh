@@ -51,6 +51,10 @@ for _ in $(seq 1 300); do kill -0 "$psd_pid" 2>/dev/null || break; sleep 1; done
 kill -0 "$psd_pid" 2>/dev/null && { cat "$T/psd.log" >&2; fail "psd did not end within 300 s"; }
 wait "$psd_pid" || { cat "$T/psd.log" "$T/w0.log" "$T/w1.log" >&2; fail "psd exited non-zero"; }
 [ -s "$T/fm.safetensors" ] || fail "psd wrote no weights"
+rc=0
+"$B/psd" eval "$T/fm.safetensors" >"$T/eval.log" 2>&1 || rc=$?
+[ "$rc" = 2 ] && grep -q "not one of psd's built-in models" "$T/eval.log" ||
+    { cat "$T/eval.log" >&2; fail "psd eval of another model: exit $rc"; }
 # the test loss of the last epoch against a constant guess at the click rate (about 0.69)
 python3 - "$T/m.jsonl" <<'PY' || { cat "$T/psd.log" >&2; fail "the factorization machine did not learn"; }
 import json, sys
