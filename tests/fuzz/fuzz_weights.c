@@ -2,8 +2,9 @@
  *
  * The input is written to a scratch file (memfd) and loaded twice: as is,
  * and with its last 4 bytes replaced by the CRC-32 of the rest, so that the
- * fuzzer gets past the checksum to the layout checks. On success every
- * float of the arena is read. */
+ * fuzzer gets past the checksum to the layout checks (format 3: the packed
+ * tensor table, ps_table_unpack). On success every float of the arena is
+ * read. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,7 +21,10 @@ static void load(const char *path)
     char err[512];
     if (ps_weights_load(path, &l, &params, &meta, err, sizeof err) == 0) {
         if (!params) FUZZ_DIE("success without an arena");
-        if (l.n_sizes < 2 || l.n_sizes > PS_MAX_LAYERS + 1) FUZZ_DIE("bad layout after success");
+        /* a built-in MLP (formats 1, 2), or any table (format 3) */
+        if ((l.n_sizes != 0 && (l.n_sizes < 2 || l.n_sizes > PS_MAX_LAYERS + 1)) || l.n_tensors < 1 ||
+            l.n_tensors > PS_MAX_TENSORS || l.n_params < l.t[l.n_tensors - 1].offset + l.t[l.n_tensors - 1].numel)
+            FUZZ_DIE("bad layout after success");
         fuzz_touch(params, l.n_params * sizeof *params);
         free(params);
     } else {
