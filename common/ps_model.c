@@ -52,16 +52,6 @@ int ps_layout_init_specs(ps_layout_t *l, const ps_tensor_spec_t *specs, int n, c
     return 0;
 }
 
-void ps_layout_spec(const ps_layout_t *l, int t, ps_tensor_spec_t *out)
-{
-    const ps_tensor_info_t *ti = &l->t[t];
-    memcpy(out->name, ti->name, sizeof out->name);
-    out->ndim = ti->ndim;
-    memcpy(out->shape, ti->shape, sizeof out->shape);
-    out->kind = ti->kind;
-    out->init = ti->init;
-}
-
 int ps_layout_same_table(const ps_layout_t *a, const ps_layout_t *b, char *why, size_t n)
 {
     return ps_layout_same_table_as(a, b, "here", "there", why, n);
@@ -165,9 +155,7 @@ void ps_model_init_pieces(const ps_layout_t *l, float *params, uint64_t seed, co
         float *p = params + w->offset;
         if (to <= from) continue;
         if (w->init.kind != PS_INIT_HE) {
-            ps_tensor_spec_t sp;
-            ps_layout_spec(l, k, &sp);
-            ps_tensor_init_values(&sp, k, seed, from, to, p + from);
+            ps_tensor_init_values(&w->init, w->ndim, w->shape, k, seed, from, to, p + from);
             continue;
         }
         ps_rng_t r;

@@ -41,8 +41,6 @@ typedef struct {
  * elements, a sparse-rows tensor of fewer than 2 dimensions). */
 int ps_layout_init_specs(ps_layout_t *l, const ps_tensor_spec_t *specs, int n, char *err, size_t errlen);
 
-/* Tensor t of l as a spec (for messages, checkpoints, the wire). */
-void ps_layout_spec(const ps_layout_t *l, int t, ps_tensor_spec_t *out);
 
 /* Two tables alike (names, shapes, kinds, order): 1, or 0 with why naming
  * the first difference ("tensor 3 (fc2.weight): shape [10, 256] here, [10,

@@ -7,13 +7,16 @@
 
 typedef struct { uint64_t s[4]; } ps_rng_t;
 
-static inline uint64_t ps_splitmix64(uint64_t *x)
+/* splitmix64's output function: a counter-based generator on its own
+ * (value j of a key: ps_mix64(key + (j + 1) * golden)). */
+static inline uint64_t ps_mix64(uint64_t z)
 {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
     return z ^ (z >> 31);
 }
+
+static inline uint64_t ps_splitmix64(uint64_t *x) { return ps_mix64(*x += 0x9e3779b97f4a7c15ULL); }
 
 /* Seed from two words (e.g. run seed and a stream id such as the epoch). */
 static inline void ps_rng_seed(ps_rng_t *r, uint64_t seed, uint64_t stream)

@@ -8,18 +8,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ps_rng.h"
+
 /* The counter-based generator: splitmix64's output function applied to a
  * counter. Value j of a key is mix(key + (j + 1) * golden), so any j is
  * drawn without drawing those before it. */
 #define GOLDEN 0x9e3779b97f4a7c15ULL
 #define INIT_KEY 0x7e15a1c0de5eedULL /* keys of tensor inits: other streams than the data's */
 
-static uint64_t mix(uint64_t z)
-{
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
+#define mix ps_mix64
 
 static const char *const init_names[PS_INIT_COUNT] = {
     "zeros", "ones", "constant", "normal", "uniform", "kaiming_uniform", "kaiming_normal",
@@ -102,29 +99,29 @@ void ps_tensor_fans(int ndim, const uint64_t *shape, double *fan_in, double *fan
 static float u24(uint64_t x) { return (float)(x >> 40) * (1.0f / 16777216.0f); }
 static double u53_open0(uint64_t x) { return ((double)(x >> 11) + 1.0) * (1.0 / 9007199254740992.0); }
 
-void ps_tensor_init_values(const ps_tensor_spec_t *t, int index, uint64_t seed, uint64_t from, uint64_t to,
-                           float *dst)
+void ps_tensor_init_values(const ps_init_t *init, int ndim, const uint64_t *shape, int index, uint64_t seed,
+                           uint64_t from, uint64_t to, float *dst)
 {
     double fi, fo;
-    ps_tensor_fans(t->ndim, t->shape, &fi, &fo);
+    ps_tensor_fans(ndim, shape, &fi, &fo);
     const uint64_t key = mix(seed ^ mix(INIT_KEY + (uint64_t)index));
     double a = 0; /* the bound or the standard deviation */
-    switch (t->init.kind) {
+    switch (init->kind) {
     case PS_INIT_ZEROS: memset(dst, 0, (to - from) * sizeof *dst); return;
     case PS_INIT_ONES:
     case PS_INIT_CONSTANT:
-        for (uint64_t j = from; j < to; j++) dst[j - from] = t->init.kind == PS_INIT_ONES ? 1.0f : (float)t->init.value;
+        for (uint64_t j = from; j < to; j++) dst[j - from] = init->kind == PS_INIT_ONES ? 1.0f : (float)init->value;
         return;
-    case PS_INIT_UNIFORM: a = t->init.value; break;
+    case PS_INIT_UNIFORM: a = init->value; break;
     case PS_INIT_KAIMING_UNIFORM: a = sqrt(6.0 / fi); break;
     case PS_INIT_XAVIER_UNIFORM: a = sqrt(6.0 / (fi + fo)); break;
-    case PS_INIT_NORMAL: a = t->init.value; break;
+    case PS_INIT_NORMAL: a = init->value; break;
     case PS_INIT_KAIMING_NORMAL: a = sqrt(2.0 / fi); break;
     case PS_INIT_XAVIER_NORMAL: a = sqrt(2.0 / (fi + fo)); break;
     default: memset(dst, 0, (to - from) * sizeof *dst); return; /* PS_INIT_HE: ps_model.c draws it */
     }
-    const int normal = t->init.kind == PS_INIT_NORMAL || t->init.kind == PS_INIT_KAIMING_NORMAL ||
-                       t->init.kind == PS_INIT_XAVIER_NORMAL;
+    const int normal = init->kind == PS_INIT_NORMAL || init->kind == PS_INIT_KAIMING_NORMAL ||
+                       init->kind == PS_INIT_XAVIER_NORMAL;
     const float bound = (float)a;
     for (uint64_t j = from; j < to; j++) {
         if (normal) { /* Box-Muller from counters 2j and 2j + 1: one of its pair */

@@ -64,11 +64,11 @@ int ps_tensors_check(const ps_tensor_spec_t *specs, int n, char *err, size_t err
  * fan_in = fan_out = shape[0]. */
 void ps_tensor_fans(int ndim, const uint64_t *shape, double *fan_in, double *fan_out);
 
-/* Values [from, to) of tensor `index`'s init (not PS_INIT_HE) into dst
+/* Values [from, to) of tensor `index` (of that shape)'s init (not PS_INIT_HE) into dst
  * (to - from floats), from the counter-based generator keyed by (seed,
  * index): any piece alone gives the same values as the whole. */
-void ps_tensor_init_values(const ps_tensor_spec_t *t, int index, uint64_t seed, uint64_t from, uint64_t to,
-                           float *dst);
+void ps_tensor_init_values(const ps_init_t *init, int ndim, const uint64_t *shape, int index, uint64_t seed,
+                           uint64_t from, uint64_t to, float *dst);
 
 /* An init as text: "zeros", "ones", "kaiming_uniform", ...,
  * "constant:0.1", "normal:0.02", "uniform:0.05" (the parameter after the

@@ -25,32 +25,51 @@ int ps_weights_save_st(const char *path, const ps_layout_t *l, const float *para
     return ps_weights_save(path, l, params, meta, err, errlen);
 }
 
+/* The values of file tensor i among v (ps_st_load's: each tensor's floats
+ * after those of the ones before it). */
+static const float *values_of(const ps_st_file_t *f, const float *v, size_t i)
+{
+    for (size_t k = 0; k < i; k++) v += f->t[k].numel;
+    return v;
+}
+
+/* The index of tensor `name` in f, or f->n. */
+static size_t index_of(const ps_st_file_t *f, const char *name)
+{
+    const ps_st_tensor_t *t = ps_st_find(f, name);
+    return t ? (size_t)(t - f->t) : f->n;
+}
+
+/* A layout of f's tensors in their order. 0, or -1 with a message. */
+static int layout_of(const ps_st_file_t *f, const char *path, ps_layout_t *l, char *err, size_t errlen)
+{
+    if (f->n > PS_MAX_TENSORS) {
+        snprintf(err, errlen, "%s: %zu tensors, psd takes at most %d", path, f->n, PS_MAX_TENSORS);
+        return -1;
+    }
+    ps_tensor_spec_t sp[PS_MAX_TENSORS];
+    memset(sp, 0, sizeof sp);
+    for (size_t i = 0; i < f->n; i++) {
+        snprintf(sp[i].name, sizeof sp[i].name, "%s", f->t[i].name);
+        sp[i].ndim = f->t[i].ndim;
+        memcpy(sp[i].shape, f->t[i].shape, sizeof sp[i].shape);
+        sp[i].init.kind = PS_INIT_ZEROS; /* the file's values replace them */
+    }
+    char why[400];
+    if (ps_layout_init_specs(l, sp, (int)f->n, why, sizeof why) != 0) {
+        snprintf(err, errlen, "%s: %s", path, why);
+        return -1;
+    }
+    return 0;
+}
+
 int ps_layout_from_st(const char *path, ps_layout_t *l, char *err, size_t errlen)
 {
     ps_st_file_t f;
     float *v = NULL;
     if (ps_st_load(path, &f, &v, err, errlen) != 0) return -1;
     free(v);
-    int rc = -1;
-    if (f.n > PS_MAX_TENSORS) {
-        snprintf(err, errlen, "%s: %zu tensors, psd takes at most %d", path, f.n, PS_MAX_TENSORS);
-        goto out;
-    }
-    ps_tensor_spec_t sp[PS_MAX_TENSORS];
-    memset(sp, 0, sizeof sp);
-    for (size_t i = 0; i < f.n; i++) {
-        snprintf(sp[i].name, sizeof sp[i].name, "%s", f.t[i].name);
-        sp[i].ndim = f.t[i].ndim;
-        memcpy(sp[i].shape, f.t[i].shape, sizeof sp[i].shape);
-        sp[i].init.kind = PS_INIT_ZEROS; /* the file's values replace them */
-    }
-    char why[400];
-    if (ps_layout_init_specs(l, sp, (int)f.n, why, sizeof why) != 0) {
-        snprintf(err, errlen, "%s: %s", path, why);
-        goto out;
-    }
-    rc = 0;
-out:
+    int rc = layout_of(&f, path, l, err, errlen);
     ps_st_free(&f);
     return rc;
 }
@@ -72,22 +91,20 @@ int ps_st_init_values(const char *path, const ps_layout_t *l, float *params, con
     }
     for (int t = 0; t < l->n_tensors; t++) {
         const ps_tensor_info_t *ti = &l->t[t];
-        uint64_t base = 0;
-        size_t i = 0;
-        for (; i < f.n && strcmp(f.t[i].name, ti->name) != 0; i++) base += f.t[i].numel;
+        const size_t i = index_of(&f, ti->name);
         char a[256], b[256];
         if (i == f.n) {
             snprintf(err, errlen, "%s: no tensor %s (model.init gives every tensor's initial values)", path, ti->name);
             goto out;
         }
-        ps_shape_str(ti->ndim, ti->shape, a, sizeof a);
-        ps_shape_str(f.t[i].ndim, f.t[i].shape, b, sizeof b);
-        if (strcmp(a, b) != 0) {
+        if (f.t[i].ndim != ti->ndim || memcmp(f.t[i].shape, ti->shape, (size_t)ti->ndim * sizeof *ti->shape) != 0) {
+            ps_shape_str(ti->ndim, ti->shape, a, sizeof a);
+            ps_shape_str(f.t[i].ndim, f.t[i].shape, b, sizeof b);
             snprintf(err, errlen, "%s: tensor %s has shape %s, the run's model %s", path, ti->name, b, a);
             goto out;
         }
         size_t from = own ? own[t].off : 0, n = own ? own[t].n : ti->numel;
-        if (n) memcpy(params + ti->offset + from, v + base + from, n * sizeof *params);
+        if (n) memcpy(params + ti->offset + from, values_of(&f, v, i) + from, n * sizeof *params);
     }
     rc = 0;
 out:
@@ -120,24 +137,21 @@ static const char *meta_of(const ps_st_file_t *f, const char *k)
 static int take(const ps_st_file_t *f, const float *v, const char *path, const char *name, uint64_t r, uint64_t c,
                 float *dst, char *err, size_t errlen)
 {
-    uint64_t at = 0;
-    for (size_t i = 0; i < f->n; i++) {
-        const ps_st_tensor_t *t = &f->t[i];
-        if (strcmp(t->name, name) == 0) {
-            bool ok = c ? t->ndim == 2 && t->shape[0] == r && t->shape[1] == c : t->ndim == 1 && t->shape[0] == r;
-            if (!ok) {
-                snprintf(err, errlen, "%s: tensor %s has another shape than the layers before and after it "
-                         "make (%" PRIu64 " x %" PRIu64 ")", path, name, r, c ? c : 1);
-                return -1;
-            }
-            memcpy(dst, v + at, t->numel * sizeof *dst);
-            return 0;
-        }
-        at += t->numel;
+    const size_t i = index_of(f, name);
+    if (i == f->n) {
+        snprintf(err, errlen, "%s: no tensor %s (a built-in model's weights: fc1.weight, fc1.bias, ..., and "
+                 "embedding.weight for the click-through model)", path, name);
+        return -1;
     }
-    snprintf(err, errlen, "%s: no tensor %s (a built-in model's weights: fc1.weight, fc1.bias, ..., and "
-             "embedding.weight for the click-through model)", path, name);
-    return -1;
+    const ps_st_tensor_t *t = &f->t[i];
+    bool ok = c ? t->ndim == 2 && t->shape[0] == r && t->shape[1] == c : t->ndim == 1 && t->shape[0] == r;
+    if (!ok) {
+        snprintf(err, errlen, "%s: tensor %s has another shape than the layers before and after it "
+                 "make (%" PRIu64 " x %" PRIu64 ")", path, name, r, c ? c : 1);
+        return -1;
+    }
+    memcpy(dst, values_of(f, v, i), t->numel * sizeof *dst);
+    return 0;
 }
 
 int ps_weights_load_any(const char *path, ps_layout_t *l, float **params, ps_weights_meta_t *meta, char *err,
@@ -151,16 +165,14 @@ int ps_weights_load_any(const char *path, ps_layout_t *l, float **params, ps_wei
     int rc = -1, sizes[PS_MAX_LAYERS + 1], n_sizes = 0;
     const ps_st_tensor_t *e = ps_st_find(&f, "embedding.weight");
     if (!ps_st_find(&f, "fc1.weight")) { /* not a built-in model: any table, in the file's order */
-        if (ps_layout_from_st(path, l, err, errlen) != 0) goto out;
+        if (layout_of(&f, path, l, err, errlen) != 0) goto out;
         if (!(*params = calloc(l->n_params ? l->n_params : 1, sizeof **params))) {
             snprintf(err, errlen, "%s: out of memory for %zu parameters", path, l->n_params);
             goto out;
         }
-        for (int t = 0; t < l->n_tensors; t++) {
-            uint64_t base = 0;
-            for (size_t i = 0; i < (size_t)t; i++) base += f.t[i].numel;
-            memcpy(*params + l->t[t].offset, v + base, l->t[t].numel * sizeof **params);
-        }
+        const float *src = v;
+        for (int t = 0; t < l->n_tensors; src += l->t[t].numel, t++)
+            memcpy(*params + l->t[t].offset, src, l->t[t].numel * sizeof **params);
         goto meta;
     }
     for (int k = 1; k <= PS_MAX_LAYERS; k++) { /* fc1..fcK: the sizes from their weights */

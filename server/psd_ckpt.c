@@ -942,9 +942,11 @@ size_t psd_ckpt_steps(const char *dir, uint64_t at_most, uint64_t *steps, size_t
     return k;
 }
 
-int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
-                         float *slots[2], char *path, size_t pathlen, psd_ckpt_log_fn log, char *err,
-                         size_t errlen)
+/* The newest file of dir that loads (load_one) into d, its path into path
+ * (pathlen may be 0); the ones rejected on the way reported to log. 0, or
+ * -1 with a message. */
+static int load_newest(const char *dir, ckpt_data_t *d, char *path, size_t pathlen, psd_ckpt_log_fn log, char *err,
+                       size_t errlen)
 {
     ckpt_ent_t *ents = NULL;
     size_t n = 0, rejected = 0;
@@ -956,9 +958,8 @@ int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen,
     }
     for (size_t i = 0; i < n; i++) {
         char p[PATH_MAX], reason[256], line[PATH_MAX + 320];
-        ckpt_data_t d;
         snprintf(p, sizeof p, "%s/%s", dir, ents[i].name);
-        const char *why = load_one(p, &d, reason, sizeof reason);
+        const char *why = load_one(p, d, reason, sizeof reason);
         if (why) {
             rejected++;
             if (log) {
@@ -967,11 +968,6 @@ int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen,
             }
             continue;
         }
-        *meta = d.meta;
-        *seen = d.seen;
-        *weights = d.w;
-        slots[0] = d.slots[0];
-        slots[1] = d.slots[1];
         if (path && pathlen) snprintf(path, pathlen, "%s", p);
         rc = 0;
         goto out;
@@ -980,6 +976,20 @@ int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen,
 out:
     free(ents);
     return rc;
+}
+
+int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
+                         float *slots[2], char *path, size_t pathlen, psd_ckpt_log_fn log, char *err,
+                         size_t errlen)
+{
+    ckpt_data_t d;
+    if (load_newest(dir, &d, path, pathlen, log, err, errlen) != 0) return -1;
+    *meta = d.meta;
+    *seen = d.seen;
+    *weights = d.w;
+    slots[0] = d.slots[0];
+    slots[1] = d.slots[1];
+    return 0;
 }
 
 int psd_ckpt_read_weights(const char *path, ps_layout_t *l, float **weights, psd_ckpt_meta_t *meta, char *err,
@@ -1004,23 +1014,9 @@ int psd_ckpt_read_weights(const char *path, ps_layout_t *l, float **weights, psd
 
 int psd_ckpt_newest_layout(const char *dir, ps_layout_t *l, char *err, size_t errlen)
 {
-    ckpt_ent_t *ents = NULL;
-    size_t n = 0;
-    int rc = -1;
-    if (list_ckpts(dir, &ents, &n, NULL) != 0) {
-        ps_set_err(err, errlen, "cannot list %s", dir);
-        return -1;
-    }
-    ps_set_err(err, errlen, "no valid checkpoint in %s", dir);
-    for (size_t i = 0; i < n && rc != 0; i++) {
-        char p[PATH_MAX], reason[256];
-        ckpt_data_t d;
-        snprintf(p, sizeof p, "%s/%s", dir, ents[i].name);
-        if (load_one(p, &d, reason, sizeof reason)) continue;
-        *l = d.layout;
-        data_free(&d);
-        rc = 0;
-    }
-    free(ents);
-    return rc;
+    ckpt_data_t d;
+    if (load_newest(dir, &d, NULL, 0, NULL, err, errlen) != 0) return -1;
+    *l = d.layout;
+    data_free(&d);
+    return 0;
 }

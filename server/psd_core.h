@@ -586,6 +586,9 @@ void poll_monitor(srv_t *s);
 void rows_free(worker_t *w);
 void send_assign(srv_t *s, worker_t *w);
 void send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg);
+/* The same in a peer's older protocol (0: this build's), so that it shows
+ * the words: a refusal of a worker that must be upgraded. */
+void send_error_as(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg, uint32_t protocol);
 void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason);
 void shards_send_all(srv_t *s, Psd__Header *h);
 void shards_worker(srv_t *s, const worker_t *w);

@@ -61,13 +61,14 @@ int psd_export_run(const char *weights_path, const char *out_path)
     float *params = NULL;
     ps_weights_meta_t meta;
     psd_ckpt_meta_t cm;
-    int rc = is_ckpt(weights_path) ? psd_ckpt_read_weights(weights_path, &l, &params, &cm, err, sizeof err)
-                                   : ps_weights_load_any(weights_path, &l, &params, &meta, err, sizeof err);
+    const bool ckpt = is_ckpt(weights_path);
+    int rc = ckpt ? psd_ckpt_read_weights(weights_path, &l, &params, &cm, err, sizeof err)
+                  : ps_weights_load_any(weights_path, &l, &params, &meta, err, sizeof err);
     if (rc != 0) {
         fprintf(stderr, "psd export: %s\n", err);
         return 2;
     }
-    if (is_ckpt(weights_path)) meta = (ps_weights_meta_t){.run_id = cm.run_id, .step = cm.step, .epoch = cm.epoch};
+    if (ckpt) meta = (ps_weights_meta_t){.run_id = cm.run_id, .step = cm.step, .epoch = cm.epoch};
     rc = ps_weights_save_st(out_path, &l, params, &meta, err, sizeof err);
     free(params);
     if (rc != 0) {

@@ -88,9 +88,15 @@ int send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n)
 void send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code,
                              const char *msg)
 {
+    send_error_as(s, ident, len, code, msg, 0);
+}
+
+void send_error_as(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg, uint32_t protocol)
+{
     Psd__Header h;
     Psd__Error e = PSD__ERROR__INIT;
     hdr_for(s, NULL, &h, PSD__MSG_TYPE__MSG_ERROR);
+    h.protocol = protocol; /* 0: this build's (ps_msg_send) */
     e.code = code;
     e.message = (char *)msg;
     h.body_case = PSD__HEADER__BODY_ERROR;

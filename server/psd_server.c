@@ -126,15 +126,8 @@ static void handle(srv_t *s, ps_msg_t *m)
         else
             snprintf(msg, sizeof msg, "psd speaks protocol %u, this %s %u: upgrade psd", PS_PROTOCOL_VERSION,
                      shard ? "psd shard" : "worker", h->protocol);
-        Psd__Header eh;
-        Psd__Error e = PSD__ERROR__INIT;
-        hdr_for(s, NULL, &eh, PSD__MSG_TYPE__MSG_ERROR);
-        eh.protocol = h->protocol < PS_PROTOCOL_VERSION && h->protocol >= 3 ? h->protocol : PS_PROTOCOL_VERSION;
-        e.code = PSD__ERR_CODE__ERR_PROTOCOL;
-        e.message = msg;
-        eh.body_case = PSD__HEADER__BODY_ERROR;
-        eh.error = &e;
-        ps_msg_send(s->net.sock, m->ident, m->ident_len, &eh, NULL, 0);
+        send_error_as(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_PROTOCOL, msg,
+                      h->protocol < PS_PROTOCOL_VERSION && h->protocol >= 3 ? h->protocol : 0);
         return;
     }
     if (h->type == PSD__MSG_TYPE__MSG_CONTROL) {
