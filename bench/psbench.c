@@ -31,7 +31,6 @@
 #include "bench_util.h"
 #include "ps_auth.h"
 #include "ps_config.h"
-#include "ps_model.h"
 #include "ps_rng.h"
 #include "ps_util.h"
 #include "psworker.h"
@@ -84,29 +83,25 @@ static void *bench_worker(void *p)
         psw_client_destroy(&c);
         return NULL;
     }
-    ps_layout_t l;
-    ps_tensor_spec_t sp[PS_MAX_TENSORS]; /* any model: the table psd sent */
-    memset(sp, 0, sizeof sp);
-    for (int t = 0; t < a.n_tensors; t++) {
-        memcpy(sp[t].name, a.tensors[t].name, sizeof sp[t].name);
-        sp[t].ndim = a.tensors[t].ndim;
-        memcpy(sp[t].shape, a.tensors[t].shape, sizeof sp[t].shape);
-        sp[t].kind = a.tensors[t].sparse_rows ? PS_TENSOR_ROWS : PS_TENSOR_DENSE;
-    }
-    if (ps_layout_init_specs(&l, sp, a.n_tensors, err, sizeof err) != 0) {
-        fprintf(stderr, "psbench: invalid model from psd\n");
+    /* on psd's host the zero gradient lives in the region psd reads (a
+     * memfd is zero-filled): pushed without a copy, as the wire sends from
+     * the buffer without one (each tensor where psd lays it out) */
+    size_t n_params = 0;
+    for (int t = 0; t < a.n_tensors; t++)
+        if (a.tensors[t].offset + a.tensors[t].numel > n_params) n_params = a.tensors[t].offset + a.tensors[t].numel;
+    float *zero = calloc(n_params ? n_params : 1, sizeof *zero), *region = psw_client_push_region(c);
+    psw_grad_t *gr = calloc((size_t)a.n_tensors, sizeof *gr);
+    if (!zero || !gr) {
+        fprintf(stderr, "psbench: out of memory\n");
         b->rc = 2;
+        free(zero);
+        free(gr);
         psw_client_destroy(&c);
         return NULL;
     }
-    /* on psd's host the zero gradient lives in the region psd reads (a
-     * memfd is zero-filled): pushed without a copy, as the wire sends from
-     * the buffer without one */
-    float *zero = calloc(l.n_params, sizeof *zero), *region = psw_client_push_region(c);
-    psw_grad_t gr[PSW_MAX_TENSORS];
-    for (int t = 0; t < l.n_tensors; t++)
-        gr[t] = (psw_grad_t){.tensor = (uint32_t)t, .data = (region ? region : zero) + l.t[t].offset};
-    psw_push_t push = {.n_grads = l.n_tensors, .grads = gr};
+    for (int t = 0; t < a.n_tensors; t++)
+        gr[t] = (psw_grad_t){.tensor = (uint32_t)t, .data = (region ? region : zero) + a.tensors[t].offset};
+    psw_push_t push = {.n_grads = a.n_tensors, .grads = gr};
     /* the sample counts psd checks: from the IDX headers of the files it names */
     uint64_t count[2] = {a.ctr.train, a.ctr.test}; /* model.kind ctr: no files */
     if (a.model == PSW_MODEL_TENSORS) count[0] = b->data[0], count[1] = b->data[1]; /* the user's: --data */
@@ -127,6 +122,7 @@ static void *bench_worker(void *p)
         b->rc = 2;
         psw_client_destroy(&c);
         free(zero);
+        free(gr);
         return NULL;
     }
     psw_client_release_on_push(c, 1); /* it never reads the weights */
@@ -172,7 +168,7 @@ static void *bench_worker(void *p)
             if (t_pull > 0) {
                 if (b->n_plat < MAX_ROUNDS) b->plat[b->n_plat++] = now - t_pull;
                 b->pull_rounds++;
-                b->pull_bytes += 4 * l.n_params;
+                b->pull_bytes += 4 * n_params;
                 b->p_last = now;
             } else {
                 b->p_first = now;
@@ -188,7 +184,7 @@ static void *bench_worker(void *p)
             for (; pos < n_ids; b->pushes++) {
                 size_t B = n_ids - pos < a.batch_size ? n_ids - pos : a.batch_size;
                 pos += B;
-                b->push_bytes += 4 * l.n_params;
+                b->push_bytes += 4 * n_params;
                 push.version = ev.version, push.batch = (uint32_t)B, push.pull = 0;
                 if (psw_client_push_v(c, &push) != 0) {
                     b->rc = 1;
@@ -202,7 +198,7 @@ static void *bench_worker(void *p)
             if (t_push > 0) { /* a round: push -> these weights */
                 if (b->n_lat < MAX_ROUNDS) b->lat[b->n_lat++] = now - t_push;
                 b->rounds++;
-                b->bytes += 2 * 4 * l.n_params;
+                b->bytes += 2 * 4 * n_params;
                 b->t_last = now;
             } else { /* an epoch's first weights: the time between epochs (validation) is not counted */
                 if (b->t_last > b->t_first) b->t_sum += b->t_last - b->t_first;
@@ -227,6 +223,7 @@ static void *bench_worker(void *p)
     while (!psw_client_push_done(c)) sched_yield();
     psw_client_destroy(&c);
     free(zero);
+    free(gr);
     return NULL;
 }
 

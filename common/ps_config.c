@@ -532,7 +532,7 @@ static int parse_value(const key_spec_t *e, const char *text, ps_config_t *c, ch
         break;
     case KT_LAYERS: return parse_layers_text(e, text, c, msg, n);
     case KT_TENSORS:
-        if (strcmp(text, "[]") == 0) { /* the default: none */
+        if (strcmp(text, "[]") == 0) { /* the default: none (a list given before stays allocated until freed) */
             c->n_tensors = 0;
             return 0;
         }
@@ -546,6 +546,13 @@ static int parse_value(const key_spec_t *e, const char *text, ps_config_t *c, ch
 }
 
 /* ---------------------------------------------------------------- public: defaults, set */
+
+void ps_config_free(ps_config_t *c)
+{
+    free(c->tensors);
+    c->tensors = NULL;
+    c->n_tensors = 0;
+}
 
 void ps_config_defaults(ps_config_t *c)
 {
@@ -581,6 +588,7 @@ typedef struct {
     char *err;
     size_t errlen;
     ps_config_t *c;
+    const ps_tensor_spec_t *orig_tensors; /* the config's list before this load (freed by the caller) */
     bool key_seen[N_KEYS];
     bool section_seen[N_SECTIONS];
 } loader_t;
@@ -793,30 +801,44 @@ static int ld_tensor(loader_t *l, ps_tensor_spec_t *t, int i)
 /* At SEQUENCE_START of model.tensors; consumes through SEQUENCE_END. */
 static int ld_tensors(loader_t *l)
 {
-    int n = 0;
+    int n = 0, cap = 0;
+    ps_tensor_spec_t *t = NULL;
     for (;;) {
-        if (ld_next(l) != 0) return -1;
+        if (ld_next(l) != 0) goto fail;
         if (l->ev.type == YAML_SEQUENCE_END_EVENT) break;
         if (l->ev.type != YAML_MAPPING_START_EVENT) {
             ld_err(l, ev_line(l), "model.tensors[%d]: expected {name: ..., shape: [...], init: ...}, got %s", n,
                    ev_kind(&l->ev));
-            return -1;
+            goto fail;
         }
-        if (n == PS_MAX_TENSORS) {
-            ld_err(l, ev_line(l), "model.tensors: more than %d tensors", PS_MAX_TENSORS);
-            return -1;
+        if (n == PS_MAX_TABLE) {
+            ld_err(l, ev_line(l), "model.tensors: more than %d tensors", PS_MAX_TABLE);
+            goto fail;
         }
-        if (ld_tensor(l, &l->c->tensors[n], n) != 0) return -1;
-        for (int j = 0; j < n; j++)
-            if (strcmp(l->c->tensors[j].name, l->c->tensors[n].name) == 0) {
-                ld_err(l, ev_line(l), "model.tensors[%d]: the name %.100s is also tensor %d's", n,
-                       l->c->tensors[n].name, j);
-                return -1;
+        if (n == cap) {
+            cap = cap ? 2 * cap : 64;
+            ps_tensor_spec_t *g = realloc(t, (size_t)cap * sizeof *t);
+            if (!g) {
+                ld_err(l, ev_line(l), "model.tensors: out of memory");
+                goto fail;
             }
+            t = g;
+        }
+        if (ld_tensor(l, &t[n], n) != 0) goto fail;
         n++;
     }
+    char why[400];
+    if (n > 0 && ps_tensors_unique(t, n, why, sizeof why) != 0) {
+        ld_err(l, ev_line(l), "model.tensors: %s", why);
+        goto fail;
+    }
+    if (l->c->tensors != l->orig_tensors) free(l->c->tensors); /* given twice in one load */
+    l->c->tensors = t;
     l->c->n_tensors = n;
     return 0;
+fail:
+    free(t);
+    return -1;
 }
 
 /* At the event after a key; consumes the whole value. */
@@ -957,7 +979,7 @@ int ps_config_load_string(ps_config_t *c, const char *yaml, size_t len, const ch
     PS_CFG_ASSERT(c && (yaml || len == 0));
     /* Work on a copy so that c is unchanged on error. */
     ps_config_t tmp = *c;
-    loader_t l = {.name = name ? name : "<string>", .err = err, .errlen = errlen, .c = &tmp};
+    loader_t l = {.name = name ? name : "<string>", .err = err, .errlen = errlen, .c = &tmp, .orig_tensors = c->tensors};
     if (!yaml_parser_initialize(&l.parser)) {
         set_err(err, errlen, "%s: out of memory", l.name);
         return -1;
@@ -966,6 +988,10 @@ int ps_config_load_string(ps_config_t *c, const char *yaml, size_t len, const ch
     int rc = ld_stream(&l);
     if (l.have_ev) yaml_event_delete(&l.ev);
     yaml_parser_delete(&l.parser);
+    if (tmp.tensors != c->tensors) { /* model.tensors was read: the new list replaces c's, or is dropped */
+        ps_tensor_spec_t *drop = rc == 0 ? c->tensors : tmp.tensors;
+        free(drop);
+    }
     if (rc == 0) *c = tmp;
     return rc;
 }
@@ -1284,7 +1310,7 @@ static void write_value(FILE *f, const ps_config_t *c, const key_spec_t *e)
         return;
     case KT_TENSORS:
         if (c->n_tensors == 0) fputs("[]", f);
-        for (int i = 0; i < c->n_tensors && i < PS_MAX_TENSORS; i++) {
+        for (int i = 0; i < c->n_tensors; i++) {
             const ps_tensor_spec_t *t = &c->tensors[i];
             char shape[256], init[64];
             ps_shape_str(t->ndim, t->shape, shape, sizeof shape);

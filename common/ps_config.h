@@ -51,7 +51,7 @@ typedef struct ps_config {
                                     * tensors (a table of named tensors the user's workers train) |
                                     * from_worker (the table and its initial values offered by the first worker) */
     int n_tensors;                 /* model.tensors (model.kind tensors): the table, in order */
-    ps_tensor_spec_t tensors[PS_MAX_TENSORS];
+    ps_tensor_spec_t *tensors;     /* n_tensors of them, owned (ps_config_free; a copy by value is a view) */
     char init_file[PS_PATH_MAX];   /* model.init: a safetensors file of initial values (model.kind tensors; without
                                     * model.tensors the table is the file's), "" = the tensors' inits */
     int64_t max_params;            /* model.max_params (from_worker): the most floats psd takes from a worker */
@@ -152,6 +152,8 @@ typedef struct ps_config {
 
 /* Fill with the built-in defaults: Fashion-MNIST MLP that reaches >= 89%. */
 void ps_config_defaults(ps_config_t *c);
+/* Free what c owns (model.tensors); c keeps its other values. Safe twice. */
+void ps_config_free(ps_config_t *c);
 
 /* Merge a YAML file (or string) over c. On error returns -1, leaves c
  * unchanged and writes a one-line message into err, e.g.

@@ -3,7 +3,9 @@
 
 #include <assert.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -21,35 +23,151 @@
 
 static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
-int ps_layout_init_specs(ps_layout_t *l, const ps_tensor_spec_t *specs, int n, char *err, size_t errlen)
+/* The tensor info of spec sp at offset off (floats). */
+static void info_of(ps_tensor_info_t *t, const ps_tensor_spec_t *sp, size_t off)
+{
+    const size_t len = strlen(sp->name);
+    const uint64_t numel = ps_shape_numel(sp->ndim, sp->shape);
+    memset(t, 0, sizeof *t);
+    memcpy(t->name, sp->name, len + 1);
+    t->ndim = sp->ndim;
+    memcpy(t->shape, sp->shape, sizeof t->shape);
+    for (int d = sp->ndim; d < PS_MAX_DIMS; d++) t->shape[d] = 0;
+    t->kind = sp->kind;
+    t->init = sp->init;
+    t->numel = (size_t)numel;
+    t->rows = sp->ndim ? sp->shape[0] : 1;
+    t->cols = numel / t->rows;
+    t->offset = off;
+}
+
+/* Whether tensor i may share a unit: small and dense. */
+static bool packable(const ps_tensor_spec_t *sp, uint64_t small)
+{
+    return sp->kind == PS_TENSOR_DENSE && ps_shape_numel(sp->ndim, sp->shape) < small;
+}
+
+/* The units of specs[0..n) packed with these limits (unit[i]: tensor i's),
+ * and how many. */
+static int units_of(const ps_tensor_spec_t *specs, int n, uint64_t small, uint64_t most, int *unit)
+{
+    int u = -1;
+    uint64_t in = 0; /* floats in unit u, when it packs */
+    bool open = false;
+    for (int i = 0; i < n; i++) {
+        const uint64_t numel = ps_shape_numel(specs[i].ndim, specs[i].shape);
+        if (!packable(&specs[i], small)) {
+            unit[i] = ++u;
+            open = false;
+            continue;
+        }
+        if (!open || in + numel > most) {
+            ++u;
+            in = 0;
+            open = true;
+        }
+        unit[i] = u;
+        in += numel;
+    }
+    return u + 1;
+}
+
+/* pack: small tensors share units (general tables); else one a unit. */
+static int lay_out(ps_layout_t *l, const ps_tensor_spec_t *specs, int n, bool pack, char *err, size_t errlen)
 {
     assert(l);
     if (ps_tensors_check(specs, n, err, errlen) != 0) return -1;
     memset(l, 0, sizeof(*l));
     l->table = -1;
+    int *unit = malloc((size_t)n * sizeof *unit), nu = n;
+    if (!unit) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    if (pack) {
+        /* as few units as fit: larger limits until they do (a model of
+         * more than ~60 tensors of PS_PACK_SMALL floats or more packs
+         * large ones too) */
+        for (uint64_t small = PS_PACK_SMALL, most = PS_PACK_UNIT;; small *= 2, most *= 2)
+            if ((nu = units_of(specs, n, small, most, unit)) <= PS_MAX_TENSORS) break;
+    } else {
+        if (n > PS_MAX_TENSORS) {
+            free(unit);
+            snprintf(err, errlen, "a built-in model of %d tensors (1 to %d)", n, PS_MAX_TENSORS);
+            return -1;
+        }
+        for (int i = 0; i < n; i++) unit[i] = i;
+    }
+    if (nu < n && !(l->tab = calloc((size_t)n, sizeof *l->tab))) {
+        free(unit);
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
     size_t off = 0;
     for (int i = 0; i < n; i++) {
-        const ps_tensor_spec_t *sp = &specs[i];
-        const size_t len = strlen(sp->name);
-        const uint64_t numel = ps_shape_numel(sp->ndim, sp->shape);
-        ps_tensor_info_t *t = &l->t[i];
-        memcpy(t->name, sp->name, len + 1);
-        t->ndim = sp->ndim;
-        memcpy(t->shape, sp->shape, sizeof t->shape);
-        for (int d = sp->ndim; d < PS_MAX_DIMS; d++) t->shape[d] = 0;
-        t->kind = sp->kind;
-        t->init = sp->init;
-        t->numel = (size_t)numel;
-        t->rows = sp->ndim ? sp->shape[0] : 1;
-        t->cols = numel / t->rows;
-        t->offset = off;
-        if (sp->kind == PS_TENSOR_ROWS && l->table < 0) l->table = i;
-        /* n_params ends at the last tensor: no trailing padding. */
-        l->n_params = off + t->numel;
-        off = round_up(off + t->numel, PS_TENSOR_ALIGN);
+        const int u = unit[i];
+        ps_tensor_info_t *ut = &l->t[u];
+        if (i == 0 || unit[i - 1] != u) { /* a new unit: at a 64-byte boundary */
+            off = round_up(off, PS_TENSOR_ALIGN);
+            info_of(ut, &specs[i], off);
+            ut->first = i;
+        }
+        ut->count++;
+        if (l->tab) {
+            info_of(&l->tab[i], &specs[i], off);
+            l->tab[i].unit = u;
+        } else {
+            ut->unit = u;
+        }
+        if (ut->count > 1) { /* packed: the unit is the run of floats, named after its first tensor */
+            ut->numel += l->tab[i].numel;
+            ut->ndim = 1;
+            ut->shape[0] = ut->numel;
+            ut->rows = ut->numel; /* a vector: rows = shape[0] */
+            ut->cols = 1;
+            ut->init = (ps_init_t){PS_INIT_ZEROS, 0};
+            snprintf(ut->name, sizeof ut->name, "%.200s and %d more", specs[ut->first].name, ut->count - 1);
+        }
+        if (specs[i].kind == PS_TENSOR_ROWS && l->table < 0) l->table = u;
+        off += ps_shape_numel(specs[i].ndim, specs[i].shape);
+        l->n_params = off; /* n_params ends at the last tensor: no trailing padding */
     }
-    l->n_tensors = n;
+    free(unit);
+    l->n_tensors = nu;
+    l->n_tab = n;
     return 0;
+}
+
+int ps_layout_init_specs(ps_layout_t *l, const ps_tensor_spec_t *specs, int n, char *err, size_t errlen)
+{
+    return lay_out(l, specs, n, true, err, errlen);
+}
+
+void ps_layout_free(ps_layout_t *l)
+{
+    free(l->tab);
+    l->tab = NULL;
+}
+
+int ps_layout_copy(ps_layout_t *dst, const ps_layout_t *src)
+{
+    *dst = *src;
+    if (!src->tab) return 0;
+    if (!(dst->tab = malloc((size_t)src->n_tab * sizeof *dst->tab))) return -1;
+    memcpy(dst->tab, src->tab, (size_t)src->n_tab * sizeof *dst->tab);
+    return 0;
+}
+
+void ps_unit_tensors(const ps_layout_t *l, int u, size_t from, size_t n,
+                     void (*f)(const ps_tensor_info_t *t, int k, size_t off, size_t n, void *arg), void *arg)
+{
+    const ps_tensor_info_t *ut = &l->t[u];
+    for (int k = ut->first; k < ut->first + ut->count; k++) {
+        const ps_tensor_info_t *t = ps_layout_tensor(l, k);
+        const size_t at = t->offset - ut->offset, lo = from > at ? from : at,
+                     hi = from + n < at + t->numel ? from + n : at + t->numel;
+        if (lo < hi) f(t, k, lo - at, hi - lo, arg);
+    }
 }
 
 int ps_layout_same_table(const ps_layout_t *a, const ps_layout_t *b, char *why, size_t n)
@@ -60,8 +178,9 @@ int ps_layout_same_table(const ps_layout_t *a, const ps_layout_t *b, char *why, 
 int ps_layout_same_table_as(const ps_layout_t *a, const ps_layout_t *b, const char *an, const char *bn, char *why,
                             size_t n)
 {
-    for (int t = 0; t < a->n_tensors && t < b->n_tensors; t++) {
-        const ps_tensor_info_t *x = &a->t[t], *y = &b->t[t];
+    const int na = ps_layout_ntab(a), nb = ps_layout_ntab(b);
+    for (int t = 0; t < na && t < nb; t++) {
+        const ps_tensor_info_t *x = ps_layout_tensor(a, t), *y = ps_layout_tensor(b, t);
         char sx[256], sy[256];
         ps_shape_str(x->ndim, x->shape, sx, sizeof sx);
         ps_shape_str(y->ndim, y->shape, sy, sizeof sy);
@@ -79,10 +198,10 @@ int ps_layout_same_table_as(const ps_layout_t *a, const ps_layout_t *b, const ch
             return 0;
         }
     }
-    if (a->n_tensors != b->n_tensors) {
-        int t = a->n_tensors < b->n_tensors ? a->n_tensors : b->n_tensors;
-        snprintf(why, n, "%d tensors %s, %d %s (the first one missing: %s)", a->n_tensors, an, b->n_tensors, bn,
-                 a->n_tensors > t ? a->t[t].name : b->t[t].name);
+    if (na != nb) {
+        int t = na < nb ? na : nb;
+        snprintf(why, n, "%d tensors %s, %d %s (the first one missing: %s)", na, an, nb, bn,
+                 na > t ? ps_layout_tensor(a, t)->name : ps_layout_tensor(b, t)->name);
         return 0;
     }
     return 1;
@@ -118,7 +237,7 @@ int ps_layout_init_table(ps_layout_t *l, const int *sizes, int n_sizes, uint64_t
         sp[n++].init.kind = PS_INIT_HE;
     }
     char err[320];
-    if (ps_layout_init_specs(l, sp, n, err, sizeof err) != 0) return -1;
+    if (lay_out(l, sp, n, false, err, sizeof err) != 0) return -1;
     l->n_sizes = n_sizes;
     for (int i = 0; i < n_sizes; i++) l->sizes[i] = sizes[i];
     l->n_layers = n_sizes - 1;
@@ -146,25 +265,37 @@ void ps_model_init_params(const ps_layout_t *l, float *params, uint64_t seed)
     ps_model_init_pieces(l, params, seed, NULL);
 }
 
+typedef struct {
+    float *params;
+    uint64_t seed;
+} init_arg_t;
+
+/* Floats [off, off + n) of tensor k of the table (t) as its init says. */
+static void init_range(const ps_tensor_info_t *w, int k, size_t off, size_t n, void *arg)
+{
+    const init_arg_t *a = arg;
+    const size_t from = off, to = off + n;
+    float *p = a->params + w->offset;
+    if (w->init.kind != PS_INIT_HE) {
+        ps_tensor_init_values(&w->init, w->ndim, w->shape, k, a->seed, from, to, p + from);
+        return;
+    }
+    ps_rng_t r;
+    ps_rng_seed(&r, a->seed, PS_INIT_STREAM + (uint64_t)k);
+    /* He-uniform: Var = bound^2 / 3 = 2 / fan_in. The stream is drawn
+     * from the tensor's first float on, whatever part is written. */
+    const float bound = (float)sqrt(6.0 / (double)w->cols);
+    for (size_t j = 0; j < from; j++) (void)ps_rng_next(&r);
+    for (size_t j = from; j < to; j++) p[j] = (2.0f * ps_rng_uniform(&r) - 1.0f) * bound;
+}
+
 void ps_model_init_pieces(const ps_layout_t *l, float *params, uint64_t seed, const ps_piece_t *own)
 {
     assert(l && params);
-    for (int k = 0; k < l->n_tensors; k++) {
-        const ps_tensor_info_t *w = &l->t[k];
-        const size_t from = own ? own[k].off : 0, to = own ? own[k].off + own[k].n : w->numel;
-        float *p = params + w->offset;
-        if (to <= from) continue;
-        if (w->init.kind != PS_INIT_HE) {
-            ps_tensor_init_values(&w->init, w->ndim, w->shape, k, seed, from, to, p + from);
-            continue;
-        }
-        ps_rng_t r;
-        ps_rng_seed(&r, seed, PS_INIT_STREAM + (uint64_t)k);
-        /* He-uniform: Var = bound^2 / 3 = 2 / fan_in. The stream is drawn
-         * from the tensor's first float on, whatever part is written. */
-        const float bound = (float)sqrt(6.0 / (double)w->cols);
-        for (size_t j = 0; j < from; j++) (void)ps_rng_next(&r);
-        for (size_t j = from; j < to; j++) p[j] = (2.0f * ps_rng_uniform(&r) - 1.0f) * bound;
+    init_arg_t a = {params, seed};
+    for (int u = 0; u < l->n_tensors; u++) {
+        const size_t from = own ? own[u].off : 0, to = own ? own[u].off + own[u].n : l->t[u].numel;
+        if (to > from) ps_unit_tensors(l, u, from, to - from, init_range, &a);
     }
 }
 

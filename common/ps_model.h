@@ -23,23 +23,57 @@ typedef struct {
     uint64_t rows, cols; /* as a matrix: rows = shape[0] (1 for a scalar), cols = numel / rows */
     size_t offset;       /* in floats, from the start of the arena */
     size_t numel;
+    int unit;            /* a tensor of the table: the unit holding it */
+    int first, count;    /* a unit: the tensors of the table it holds, [first, first + count) */
 } ps_tensor_info_t;
+
+/* Units. What travels and is stepped is a unit: one tensor, or a run of
+ * small dense tensors of the table packed one after the other with no gap
+ * between them (a general table: tensors under PS_PACK_SMALL floats, up to
+ * PS_PACK_UNIT floats a unit), so that a model of hundreds of small
+ * tensors costs a few frames. Frames, pieces, chunks, push masks, norm
+ * blocks, shared memory and checkpoints see units only (t[], n_tensors,
+ * at most PS_MAX_TENSORS); names, shapes and inits are the table's
+ * (ps_layout_ntab, ps_layout_tensor). A unit starts on a 64-byte boundary;
+ * the file formats hold the units' floats one after the other, which is
+ * the table's tensors one after the other. The built-in models never pack:
+ * each tensor is its unit, as before. */
+#define PS_PACK_SMALL (1u << 16) /* floats: a tensor this big or bigger is a unit alone */
+#define PS_PACK_UNIT (1u << 20)  /* floats: a unit of packed tensors at most (at first: see ps_layout_init_specs) */
 
 typedef struct {
     int n_sizes;      /* the built-in models: their MLP's sizes; 0 for a general table */
     int sizes[PS_MAX_LAYERS + 1];
     int n_layers;     /* n_sizes - 1 */
-    int n_tensors;    /* built-in: 2 * n_layers: fc1.weight, fc1.bias, ..., then the table if there is one */
-    int table;        /* the first tensor of kind PS_TENSOR_ROWS (the click-through table), -1: none */
+    int n_tensors;    /* units; built-in: 2 * n_layers: fc1.weight, fc1.bias, ..., then the table if there is one */
+    int table;        /* the unit of the first tensor of kind PS_TENSOR_ROWS (the click-through table), -1: none */
     ps_tensor_info_t t[PS_MAX_TENSORS];
     size_t n_params;
+    /* the table's tensors where units pack several (owned: ps_layout_free;
+     * a copy by value is a view that must not outlive it); NULL: t[] are
+     * the table's tensors, one a unit */
+    int n_tab;
+    ps_tensor_info_t *tab;
 } ps_layout_t;
 
-/* Lay out a table of n tensors in order. 0, or -1 with a message naming
- * the tensor that does not fit (no tensors or more than PS_MAX_TENSORS, an
+/* Tensors of the table, and tensor k of it (any layout). */
+static inline int ps_layout_ntab(const ps_layout_t *l) { return l->tab ? l->n_tab : l->n_tensors; }
+static inline const ps_tensor_info_t *ps_layout_tensor(const ps_layout_t *l, int k)
+{
+    return l->tab ? &l->tab[k] : &l->t[k];
+}
+
+/* Lay out a table of n tensors in order, packing small dense tensors into
+ * units (as few as fit PS_MAX_TENSORS). 0, or -1 with a message naming the
+ * tensor that does not fit (no tensors or more than PS_MAX_TABLE, an
  * empty, too long or repeated name, a dimension 0 or too many, too many
- * elements, a sparse-rows tensor of fewer than 2 dimensions). */
+ * elements, a sparse-rows tensor of fewer than 2 dimensions), or out of
+ * memory. The layout owns what it allocates: ps_layout_free. */
 int ps_layout_init_specs(ps_layout_t *l, const ps_tensor_spec_t *specs, int n, char *err, size_t errlen);
+/* Free what l owns (safe on a zeroed or built-in layout, and twice). */
+void ps_layout_free(ps_layout_t *l);
+/* A deep copy of src into dst (dst owns its own). 0 or -1 (out of memory). */
+int ps_layout_copy(ps_layout_t *dst, const ps_layout_t *src);
 
 
 /* Two tables alike (names, shapes, kinds, order): 1, or 0 with why naming
@@ -67,6 +101,11 @@ int ps_layout_init_table(ps_layout_t *l, const int *sizes, int n_sizes, uint64_t
  * model.tensors lists (one read from model.init's file: ps_run_layout).
  * 0, or -1 as ps_layout_init_table. */
 int ps_config_layout(const ps_config_t *c, ps_layout_t *l);
+
+/* A unit's floats [from, from + n) (n > 0) as pieces of the table's tensors in it:
+ * calls f(tensor, its first float, count, arg) for each, in order. */
+void ps_unit_tensors(const ps_layout_t *l, int u, size_t from, size_t n,
+                     void (*f)(const ps_tensor_info_t *t, int k, size_t off, size_t n, void *arg), void *arg);
 
 /* Every tensor's initial values as its init says, drawn from seed only
  * (same seed -> same bits). Padding between tensors is zeroed. */

@@ -10,23 +10,32 @@
 int ps_table_pack(const ps_layout_t *l, uint8_t **buf, size_t *len)
 {
     Psd__TensorTable tt = PSD__TENSOR_TABLE__INIT;
-    Psd__TensorSpec specs[PS_MAX_TENSORS], *sp[PS_MAX_TENSORS];
-    uint64_t shapes[PS_MAX_TENSORS][PS_MAX_DIMS];
-    for (int t = 0; t < l->n_tensors; t++) {
+    const int n = ps_layout_ntab(l);
+    Psd__TensorSpec *specs = calloc((size_t)n, sizeof *specs), **sp = calloc((size_t)n, sizeof *sp);
+    uint64_t(*shapes)[PS_MAX_DIMS] = calloc((size_t)n, sizeof *shapes);
+    int rc = -1;
+    if (!specs || !sp || !shapes) goto out;
+    for (int t = 0; t < n; t++) {
+        const ps_tensor_info_t *ti = ps_layout_tensor(l, t);
         psd__tensor_spec__init(&specs[t]);
-        specs[t].name = (char *)l->t[t].name;
-        memcpy(shapes[t], l->t[t].shape, sizeof shapes[t]);
+        specs[t].name = (char *)ti->name;
+        memcpy(shapes[t], ti->shape, sizeof shapes[t]);
         specs[t].shape = shapes[t];
-        specs[t].n_shape = (size_t)l->t[t].ndim;
-        specs[t].sparse_rows = l->t[t].kind == PS_TENSOR_ROWS;
+        specs[t].n_shape = (size_t)ti->ndim;
+        specs[t].sparse_rows = ti->kind == PS_TENSOR_ROWS;
         sp[t] = &specs[t];
     }
     tt.tensors = sp;
-    tt.n_tensors = (size_t)l->n_tensors;
+    tt.n_tensors = (size_t)n;
     *len = psd__tensor_table__get_packed_size(&tt);
-    if (!(*buf = malloc(*len ? *len : 1))) return -1;
+    if (!(*buf = malloc(*len ? *len : 1))) goto out;
     psd__tensor_table__pack(&tt, *buf);
-    return 0;
+    rc = 0;
+out:
+    free(specs);
+    free(sp);
+    free(shapes);
+    return rc;
 }
 
 int ps_table_unpack(const uint8_t *buf, size_t len, ps_layout_t *l, char *err, size_t errlen)
@@ -38,8 +47,8 @@ int ps_table_unpack(const uint8_t *buf, size_t len, ps_layout_t *l, char *err, s
     }
     int rc = -1;
     ps_tensor_spec_t *sp = NULL;
-    if (tt->n_tensors < 1 || tt->n_tensors > PS_MAX_TENSORS) {
-        snprintf(err, errlen, "a table of %zu tensors (1 to %d)", tt->n_tensors, PS_MAX_TENSORS);
+    if (tt->n_tensors < 1 || tt->n_tensors > PS_MAX_TABLE) {
+        snprintf(err, errlen, "a table of %zu tensors (1 to %d)", tt->n_tensors, PS_MAX_TABLE);
         goto out;
     }
     if (!(sp = calloc(tt->n_tensors, sizeof *sp))) {

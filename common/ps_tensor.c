@@ -134,12 +134,49 @@ void ps_tensor_init_values(const ps_init_t *init, int ndim, const uint64_t *shap
     }
 }
 
-int ps_tensors_check(const ps_tensor_spec_t *specs, int n, char *err, size_t errlen)
+typedef struct {
+    const char *name;
+    int i;
+} named_t;
+
+static int by_name(const void *a, const void *b)
 {
-    if (n < 1 || n > PS_MAX_TENSORS || !specs) {
-        snprintf(err, errlen, "a model of %d tensors (1 to %d)", n, PS_MAX_TENSORS);
+    const named_t *x = a, *y = b;
+    int c = strncmp(x->name, y->name, PS_NAME_MAX + 1);
+    return c ? c : (x->i > y->i) - (x->i < y->i);
+}
+
+int ps_tensors_unique(const ps_tensor_spec_t *specs, int n, char *err, size_t errlen)
+{
+    named_t *ix = malloc((size_t)n * sizeof *ix);
+    int bad = -1, was = -1;
+    if (!ix) {
+        snprintf(err, errlen, "out of memory");
         return -1;
     }
+    for (int i = 0; i < n; i++) ix[i] = (named_t){specs[i].name, i};
+    qsort(ix, (size_t)n, sizeof *ix, by_name);
+    for (int i = 1, first = 0; i < n; i++) {
+        if (strncmp(ix[i].name, ix[i - 1].name, PS_NAME_MAX + 1) != 0) {
+            first = i;
+        } else if (bad < 0 || ix[i].i < bad) {
+            bad = ix[i].i;
+            was = ix[first].i;
+        }
+    }
+    free(ix);
+    if (bad < 0) return 0;
+    snprintf(err, errlen, "tensor %d: the name %.*s is also tensor %d's", bad, PS_NAME_MAX, specs[bad].name, was);
+    return -1;
+}
+
+int ps_tensors_check(const ps_tensor_spec_t *specs, int n, char *err, size_t errlen)
+{
+    if (n < 1 || n > PS_MAX_TABLE || !specs) {
+        snprintf(err, errlen, "a model of %d tensors (1 to %d)", n, PS_MAX_TABLE);
+        return -1;
+    }
+    if (ps_tensors_unique(specs, n, err, errlen) != 0) return -1;
     uint64_t total = 0;
     for (int i = 0; i < n; i++) {
         const ps_tensor_spec_t *sp = &specs[i];
@@ -149,11 +186,6 @@ int ps_tensors_check(const ps_tensor_spec_t *specs, int n, char *err, size_t err
             snprintf(err, errlen, "tensor %d: a name of 1 to %d bytes is needed", i, PS_NAME_MAX);
             return -1;
         }
-        for (int j = 0; j < i; j++)
-            if (strcmp(specs[j].name, sp->name) == 0) {
-                snprintf(err, errlen, "tensor %d: the name %s is also tensor %d's", i, sp->name, j);
-                return -1;
-            }
         if (sp->ndim < 0 || sp->ndim > PS_MAX_DIMS) {
             snprintf(err, errlen, "tensor %s: %d dimensions (0 to %d)", sp->name, sp->ndim, PS_MAX_DIMS);
             return -1;

@@ -8,7 +8,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define PS_MAX_TENSORS 64  /* tensors in a table */
+#define PS_MAX_TENSORS 64  /* units of a layout (ps_model.h: one tensor, or small ones packed) */
+#define PS_MAX_TABLE 16384 /* tensors in a table */
 #define PS_NAME_MAX 255    /* bytes of a tensor's name */
 #define PS_MAX_DIMS 8      /* dimensions of a tensor's shape */
 #define PS_MAX_NUMEL (1ull << 61) /* elements of a tensor, and of the whole arena */
@@ -53,11 +54,15 @@ void ps_shape_str(int ndim, const uint64_t *shape, char *out, size_t n);
  * dimension is 0. */
 uint64_t ps_shape_numel(int ndim, const uint64_t *shape);
 
-/* A table of n tensors that a layout can hold: 1 to PS_MAX_TENSORS of
+/* A table of n tensors that a layout can hold: 1 to PS_MAX_TABLE of
  * them, names of 1 to PS_NAME_MAX bytes and none twice, 0 to PS_MAX_DIMS
  * dimensions none 0, at most 2^61 floats in all, sparse rows of 2
  * dimensions or more. 0, or -1 with a message naming the tensor. */
 int ps_tensors_check(const ps_tensor_spec_t *specs, int n, char *err, size_t errlen);
+/* No name given twice: 0, or -1 naming the first tensor (in order) whose
+ * name an earlier one has ("tensor 3: the name b is also tensor 1's").
+ * Sorted, not pairwise: a table may have thousands. */
+int ps_tensors_unique(const ps_tensor_spec_t *specs, int n, char *err, size_t errlen);
 
 /* fan_in, fan_out as torch.nn.init computes them: shape[1] x the receptive
  * field (the product of shape[2:]) and shape[0] x it; a 1-D tensor has

@@ -69,15 +69,25 @@ static int seg_cmp(const void *a, const void *b)
 static int st_header(const ps_layout_t *l, const ps_weights_meta_t *meta, uint8_t **hdr, size_t *len, char *err,
                      size_t errlen)
 {
-    ps_st_out_t t[PS_MAX_TENSORS];
-    for (int i = 0; i < l->n_tensors; i++) t[i] = (ps_st_out_t){l->t[i].name, l->t[i].ndim, l->t[i].shape, NULL};
+    const int n = ps_layout_ntab(l);
+    ps_st_out_t *t = malloc((size_t)n * sizeof *t);
+    if (!t) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        const ps_tensor_info_t *ti = ps_layout_tensor(l, i);
+        t[i] = (ps_st_out_t){ti->name, ti->ndim, ti->shape, NULL};
+    }
     char run[24], step[24], epoch[16];
     snprintf(run, sizeof run, "%016" PRIx64, meta->run_id);
     snprintf(step, sizeof step, "%" PRIu64, meta->step);
     snprintf(epoch, sizeof epoch, "%u", meta->epoch + 1);
     const char *mk[5] = {"format", "run_id", "step", "epoch", "activation"};
     const char *mv[5] = {"psd", run, step, epoch, "relu"};
-    return ps_st_header(t, (size_t)l->n_tensors, mk, mv, l->n_sizes ? 5 : 4, hdr, len, err, errlen);
+    int rc = ps_st_header(t, (size_t)n, mk, mv, l->n_sizes ? 5 : 4, hdr, len, err, errlen);
+    free(t);
+    return rc;
 }
 
 static bool is_st(const char *path)
@@ -266,6 +276,7 @@ int ps_weights_load(const char *path, ps_layout_t *l, float **params, ps_weights
     int rc = -1;
     float *arena = NULL;
     *params = NULL;
+    memset(l, 0, sizeof *l);
     FILE *f = fopen(path, "rb");
     if (!f) {
         snprintf(err, errlen, "%s: %s", path, strerror(errno));
@@ -373,12 +384,13 @@ io:
 out:
     if (f) fclose(f);
     free(arena);
+    if (rc != 0) ps_layout_free(l);
     return rc;
 }
 
 int ps_weights_same(const char *a, const char *b, char *why, size_t n)
 {
-    ps_layout_t la, lb;
+    ps_layout_t la = {0}, lb = {0};
     float *pa = NULL, *pb = NULL;
     ps_weights_meta_t ma, mb;
     int same = -1;
@@ -395,9 +407,9 @@ int ps_weights_same(const char *a, const char *b, char *why, size_t n)
                  (unsigned long long)ma.step, ma.epoch, (unsigned long long)mb.step, mb.epoch);
         goto out;
     }
-    for (int t = 0; t < la.n_tensors; t++) {
-        const ps_tensor_info_t *ti = &la.t[t];
-        if (!ps_layout_same_table(&la, &lb, why, n)) goto out;
+    if (!ps_layout_same_table(&la, &lb, why, n)) goto out;
+    for (int t = 0; t < ps_layout_ntab(&la); t++) {
+        const ps_tensor_info_t *ti = ps_layout_tensor(&la, t);
         const float *x = pa + ti->offset, *y = pb + ti->offset;
         if (memcmp(x, y, ti->numel * sizeof(float)) != 0) {
             size_t i = 0;
@@ -411,5 +423,7 @@ int ps_weights_same(const char *a, const char *b, char *why, size_t n)
 out:
     free(pa);
     free(pb);
+    ps_layout_free(&la);
+    ps_layout_free(&lb);
     return same;
 }

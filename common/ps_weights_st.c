@@ -25,12 +25,14 @@ int ps_weights_save_st(const char *path, const ps_layout_t *l, const float *para
     return ps_weights_save(path, l, params, meta, err, errlen);
 }
 
-/* The values of file tensor i among v (ps_st_load's: each tensor's floats
- * after those of the ones before it). */
-static const float *values_of(const ps_st_file_t *f, const float *v, size_t i)
+/* Where each file tensor's values start among v (ps_st_load's: each
+ * tensor's floats after those of the ones before it): f->n pointers, or
+ * NULL when out of memory. */
+static const float **values_of(const ps_st_file_t *f, const float *v)
 {
-    for (size_t k = 0; k < i; k++) v += f->t[k].numel;
-    return v;
+    const float **at = malloc((f->n ? f->n : 1) * sizeof *at);
+    for (size_t k = 0; at && k < f->n; v += f->t[k].numel, k++) at[k] = v;
+    return at;
 }
 
 /* The index of tensor `name` in f, or f->n. */
@@ -43,12 +45,15 @@ static size_t index_of(const ps_st_file_t *f, const char *name)
 /* A layout of f's tensors in their order. 0, or -1 with a message. */
 static int layout_of(const ps_st_file_t *f, const char *path, ps_layout_t *l, char *err, size_t errlen)
 {
-    if (f->n > PS_MAX_TENSORS) {
-        snprintf(err, errlen, "%s: %zu tensors, psd takes at most %d", path, f->n, PS_MAX_TENSORS);
+    if (f->n > PS_MAX_TABLE) {
+        snprintf(err, errlen, "%s: %zu tensors, psd takes at most %d", path, f->n, PS_MAX_TABLE);
         return -1;
     }
-    ps_tensor_spec_t sp[PS_MAX_TENSORS];
-    memset(sp, 0, sizeof sp);
+    ps_tensor_spec_t *sp = calloc(f->n ? f->n : 1, sizeof *sp);
+    if (!sp) {
+        snprintf(err, errlen, "%s: out of memory", path);
+        return -1;
+    }
     for (size_t i = 0; i < f->n; i++) {
         snprintf(sp[i].name, sizeof sp[i].name, "%s", f->t[i].name);
         sp[i].ndim = f->t[i].ndim;
@@ -56,11 +61,10 @@ static int layout_of(const ps_st_file_t *f, const char *path, ps_layout_t *l, ch
         sp[i].init.kind = PS_INIT_ZEROS; /* the file's values replace them */
     }
     char why[400];
-    if (ps_layout_init_specs(l, sp, (int)f->n, why, sizeof why) != 0) {
-        snprintf(err, errlen, "%s: %s", path, why);
-        return -1;
-    }
-    return 0;
+    int rc = ps_layout_init_specs(l, sp, (int)f->n, why, sizeof why);
+    if (rc != 0) snprintf(err, errlen, "%s: %s", path, why);
+    free(sp);
+    return rc;
 }
 
 int ps_layout_from_st(const char *path, ps_layout_t *l, char *err, size_t errlen)
@@ -74,6 +78,17 @@ int ps_layout_from_st(const char *path, ps_layout_t *l, char *err, size_t errlen
     return rc;
 }
 
+typedef struct {
+    float *params;
+    const float *const *src; /* each tensor of the table's values */
+} copy_arg_t;
+
+static void copy_piece(const ps_tensor_info_t *t, int k, size_t off, size_t n, void *arg)
+{
+    const copy_arg_t *a = arg;
+    memcpy(a->params + t->offset + off, a->src[k] + off, n * sizeof *a->params);
+}
+
 int ps_st_init_values(const char *path, const ps_layout_t *l, float *params, const ps_piece_t *own, char *err,
                       size_t errlen)
 {
@@ -81,16 +96,15 @@ int ps_st_init_values(const char *path, const ps_layout_t *l, float *params, con
     float *v = NULL;
     if (ps_st_load(path, &f, &v, err, errlen) != 0) return -1;
     int rc = -1;
-    for (size_t i = 0; i < f.n; i++) { /* every tensor of the file is one of the run's */
-        int t = 0;
-        while (t < l->n_tensors && strcmp(l->t[t].name, f.t[i].name) != 0) t++;
-        if (t == l->n_tensors) {
-            snprintf(err, errlen, "%s: tensor %s is not in the run's model (model.tensors)", path, f.t[i].name);
-            goto out;
-        }
+    const int nt = ps_layout_ntab(l);
+    const float **at = values_of(&f, v), **src = calloc((size_t)nt, sizeof *src);
+    bool *seen = calloc(f.n ? f.n : 1, 1);
+    if (!at || !src || !seen) {
+        snprintf(err, errlen, "%s: out of memory", path);
+        goto out;
     }
-    for (int t = 0; t < l->n_tensors; t++) {
-        const ps_tensor_info_t *ti = &l->t[t];
+    for (int t = 0; t < nt; t++) {
+        const ps_tensor_info_t *ti = ps_layout_tensor(l, t);
         const size_t i = index_of(&f, ti->name);
         char a[256], b[256];
         if (i == f.n) {
@@ -103,11 +117,24 @@ int ps_st_init_values(const char *path, const ps_layout_t *l, float *params, con
             snprintf(err, errlen, "%s: tensor %s has shape %s, the run's model %s", path, ti->name, b, a);
             goto out;
         }
-        size_t from = own ? own[t].off : 0, n = own ? own[t].n : ti->numel;
-        if (n) memcpy(params + ti->offset + from, values_of(&f, v, i) + from, n * sizeof *params);
+        src[t] = at[i];
+        seen[i] = true;
+    }
+    for (size_t i = 0; i < f.n; i++) /* every tensor of the file is one of the run's */
+        if (!seen[i]) {
+            snprintf(err, errlen, "%s: tensor %s is not in the run's model (model.tensors)", path, f.t[i].name);
+            goto out;
+        }
+    copy_arg_t ca = {params, src};
+    for (int u = 0; u < l->n_tensors; u++) {
+        size_t from = own ? own[u].off : 0, n = own ? own[u].n : l->t[u].numel;
+        if (n) ps_unit_tensors(l, u, from, n, copy_piece, &ca);
     }
     rc = 0;
 out:
+    free(at);
+    free(src);
+    free(seen);
     free(v);
     ps_st_free(&f);
     return rc;
@@ -150,7 +177,8 @@ static int take(const ps_st_file_t *f, const float *v, const char *path, const c
                  "make (%" PRIu64 " x %" PRIu64 ")", path, name, r, c ? c : 1);
         return -1;
     }
-    memcpy(dst, values_of(f, v, i), t->numel * sizeof *dst);
+    for (size_t k = 0; k < i; k++) v += f->t[k].numel;
+    memcpy(dst, v, t->numel * sizeof *dst);
     return 0;
 }
 
@@ -159,6 +187,7 @@ int ps_weights_load_any(const char *path, ps_layout_t *l, float **params, ps_wei
 {
     if (!ps_weights_is_st(path)) return ps_weights_load(path, l, params, meta, err, errlen);
     *params = NULL;
+    memset(l, 0, sizeof *l);
     ps_st_file_t f;
     float *v = NULL;
     if (ps_st_load(path, &f, &v, err, errlen) != 0) return -1;
@@ -171,8 +200,8 @@ int ps_weights_load_any(const char *path, ps_layout_t *l, float **params, ps_wei
             goto out;
         }
         const float *src = v;
-        for (int t = 0; t < l->n_tensors; src += l->t[t].numel, t++)
-            memcpy(*params + l->t[t].offset, src, l->t[t].numel * sizeof **params);
+        for (int t = 0; t < ps_layout_ntab(l); src += ps_layout_tensor(l, t)->numel, t++)
+            memcpy(*params + ps_layout_tensor(l, t)->offset, src, ps_layout_tensor(l, t)->numel * sizeof **params);
         goto meta;
     }
     for (int k = 1; k <= PS_MAX_LAYERS; k++) { /* fc1..fcK: the sizes from their weights */
@@ -223,6 +252,7 @@ out:
     if (rc != 0) {
         free(*params);
         *params = NULL;
+        ps_layout_free(l);
     }
     free(v);
     ps_st_free(&f);

@@ -205,8 +205,8 @@ static size_t hdr_len(const uint8_t b[8])
 
 /* Parse and sanity-check a header (hdr_len(b) bytes): its format and model
  * layout too. NULL, or the reason it is unusable. */
-static const char *meta_unpack(psd_ckpt_meta_t *m, uint32_t *format_out, ps_layout_t *l_out,
-                               const uint8_t b[CKPT_HDR_LEN], const uint8_t *table, size_t table_len)
+static const char *header_unpack(psd_ckpt_meta_t *m, uint32_t *format_out, ps_layout_t *lp,
+                                 const uint8_t b[CKPT_HDR_LEN], const uint8_t *table, size_t table_len)
 {
     const uint8_t *p = b + 8;
     uint32_t format, n_sizes, sizes[PS_MAX_LAYERS + 1], reserved = 0;
@@ -249,14 +249,14 @@ static const char *meta_unpack(psd_ckpt_meta_t *m, uint32_t *format_out, ps_layo
         return "bad reserved field";
     }
 
-    ps_layout_t l;
+    ps_layout_t *const l = lp;
     char why[400];
-    if (format >= 5 && ps_table_unpack(table, table_len, &l, why, sizeof why) != 0) return "bad tensor table";
+    if (format >= 5 && ps_table_unpack(table, table_len, l, why, sizeof why) != 0) return "bad tensor table";
     if (format >= 5 && n_sizes == 0) { /* any table: it is the model */
         for (uint32_t i = 0; i < PS_MAX_LAYERS + 1; i++)
             if (sizes[i] != 0) return "bad layer size";
-        uint64_t rows = l.table >= 0 ? (uint64_t)l.t[l.table].rows : 0, dim = l.table >= 0 ? l.t[l.table].cols : 0;
-        if (l.n_params != m->n_params || m->table_rows != rows || m->table_dim != dim)
+        uint64_t rows = l->table >= 0 ? (uint64_t)l->t[l->table].rows : 0, dim = l->table >= 0 ? l->t[l->table].cols : 0;
+        if (l->n_params != m->n_params || m->table_rows != rows || m->table_dim != dim)
             return "parameter count does not match the tensor table";
         goto checked;
     }
@@ -272,15 +272,26 @@ static const char *meta_unpack(psd_ckpt_meta_t *m, uint32_t *format_out, ps_layo
         ps_layout_init_table(&bl, m->sizes, m->n_sizes, m->table_rows, (int)m->table_dim) != 0 ||
         bl.n_params != m->n_params)
         return "parameter count does not match the layer sizes";
-    if (format >= 5 && !ps_layout_same_table(&bl, &l, why, sizeof why)) return "its tensor table is not its sizes'";
-    l = bl;
+    if (format >= 5 && !ps_layout_same_table(&bl, l, why, sizeof why)) return "its tensor table is not its sizes'";
+    ps_layout_free(l);
+    *l = bl;
 checked:
     if (m->n_slots > 2) return "bad optimizer slot count";
     if (m->train_count > CKPT_MAX_TRAIN) return "bad training set size";
     *format_out = format;
-    m->table_crc = psd_ckpt_table_crc(&l);
-    *l_out = l;
+    m->table_crc = psd_ckpt_table_crc(l);
     return NULL;
+}
+
+/* header_unpack into l_out (its own: ps_layout_free), nothing kept on failure */
+static const char *meta_unpack(psd_ckpt_meta_t *m, uint32_t *format_out, ps_layout_t *l_out,
+                               const uint8_t b[CKPT_HDR_LEN], const uint8_t *table, size_t table_len)
+{
+    ps_layout_t l = {0};
+    const char *why = header_unpack(m, format_out, &l, b, table, table_len);
+    if (why) ps_layout_free(&l);
+    else *l_out = l;
+    return why;
 }
 
 uint32_t psd_ckpt_table_crc(const ps_layout_t *l)
@@ -801,6 +812,7 @@ typedef struct {
 
 static void data_free(ckpt_data_t *d)
 {
+    ps_layout_free(&d->layout);
     free(d->table);
     free(d->seen);
     free(d->w);
@@ -1005,6 +1017,7 @@ int psd_ckpt_read_weights(const char *path, ps_layout_t *l, float **weights, psd
         return -1;
     }
     *l = d.layout;
+    d.layout.tab = NULL; /* moved */
     *weights = d.w;
     *meta = d.meta;
     d.w = NULL;
@@ -1017,6 +1030,7 @@ int psd_ckpt_newest_layout(const char *dir, ps_layout_t *l, char *err, size_t er
     ckpt_data_t d;
     if (load_newest(dir, &d, NULL, 0, NULL, err, errlen) != 0) return -1;
     *l = d.layout;
+    d.layout.tab = NULL; /* moved */
     data_free(&d);
     return 0;
 }

@@ -25,8 +25,10 @@ int psd_eval_run(const ps_config_t *c, const char *weights_path, int threads)
     }
     if (l.n_sizes == 0) { /* any table: psd does not know what computes it */
         fprintf(stderr, "psd eval: %s holds a model of %d tensors (%s, ...) that is not one of psd's built-in models: "
-                        "evaluate it with the program that trained it\n", weights_path, l.n_tensors, l.t[0].name);
+                        "evaluate it with the program that trained it\n", weights_path, ps_layout_ntab(&l),
+                ps_layout_tensor(&l, 0)->name);
         free(params);
+        ps_layout_free(&l);
         return 2;
     }
     psm_eval_t e;
@@ -73,9 +75,11 @@ int psd_export_run(const char *weights_path, const char *out_path)
     free(params);
     if (rc != 0) {
         fprintf(stderr, "psd export: %s\n", err);
+        ps_layout_free(&l);
         return 1;
     }
-    printf("psd export: wrote %s: %d tensors, %zu parameters, run %016llx, step %llu\n", out_path, l.n_tensors,
+    printf("psd export: wrote %s: %d tensors, %zu parameters, run %016llx, step %llu\n", out_path, ps_layout_ntab(&l),
            l.n_params, (unsigned long long)meta.run_id, (unsigned long long)meta.step);
+    ps_layout_free(&l);
     return 0;
 }

@@ -255,16 +255,16 @@ int psd_hold_reply(psd_hold_t *h, psd_push_t *p, ps_frame_t *fr, uint32_t *crc, 
 {
     const ps_layout_t *l = h->layout;
     const uint16_t *w16;
-    int n = frames_of(h, fr, crc, &w16);
+    int n = frames_of(h, fr, crc, &w16), tf = n - 1; /* the table's frame (in layout order) */
+    while (tf >= 0 && fr[tf].id != (uint32_t)l->table) tf--;
     *rows = -1;
-    if ((p->want.has || h->table_on_psd) && !w16 && n > 0 && fr[n - 1].id == (uint32_t)l->table) {
+    if ((p->want.has || h->table_on_psd) && !w16 && tf >= 0 && l->table >= 0) {
         /* only the table rows its next batch reads (a shard: those in its piece, none maybe); with
-         * the table on psd, none when it asked for none. The table is the last tensor, so the last
-         * frame. */
+         * the table on psd, none when it asked for none */
         const size_t D = (size_t)l->t[l->table].cols, nr = p->want.has ? p->want.n : 0;
-        if (fr[n - 1].ffn) fr[n - 1].ffn((void *)fr[n - 1].data, fr[n - 1].hint); /* its reference on the version */
+        if (fr[tf].ffn) fr[tf].ffn((void *)fr[tf].data, fr[tf].hint); /* its reference on the version */
         psd_rows_gather(p->want.vals, h->store->cur->w + l->t[l->table].offset, D, p->want.ids, nr);
-        fr[n - 1] = (ps_frame_t){.data = p->want.vals, .nbytes = nr * D * sizeof(float), .id = (uint32_t)l->table,
+        fr[tf] = (ps_frame_t){.data = p->want.vals, .nbytes = nr * D * sizeof(float), .id = (uint32_t)l->table,
                                  .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)nr,
                                  .cols = (uint32_t)D}; /* copied at send */
         *crc = 0; /* the CRC covers whole versions */

@@ -176,6 +176,7 @@ static int check_outputs(const ps_config_t *c, const psd_run_opts_t *run, char *
 
 int main(int argc, char **argv)
 {
+    static ps_config_t cfg; /* zero until read; freed at out */
     enum {
         OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
         OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
@@ -374,7 +375,6 @@ int main(int argc, char **argv)
             fprintf(stderr, "psd: --%s: %s\n", eps[i].flag, err);
             goto out;
         }
-    ps_config_t cfg;
     ps_config_defaults(&cfg);
     if (config && ps_config_load_file(&cfg, config, err, sizeof err) != 0) {
         fprintf(stderr, "psd: %s\n", err);
@@ -443,5 +443,6 @@ int main(int argc, char **argv)
     code = run.shard > 0 ? psd_shard_run(&cfg, &run) : psd_server_run(&cfg, &run);
 out:
     free(over);
+    ps_config_free(&cfg);
     return code;
 }

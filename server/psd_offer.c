@@ -36,46 +36,60 @@ static bool refuse(srv_t *s, const ps_msg_t *m, const char *why)
     return false;
 }
 
+static bool offer_table(srv_t *s, ps_msg_t *m, ps_layout_t *l, int has, char *why, size_t why_len, char *msg,
+                        size_t msg_len);
+
 bool offer_gate(srv_t *s, ps_msg_t *m)
 {
     if (s->cfg.kind != PS_MODEL_FROM_WORKER) return true;
-    ps_layout_t l;
+    ps_layout_t l = {0};
     char why[400], msg[600];
     int has = offered_table(m, &l, why, sizeof why);
+    bool ok = offer_table(s, m, &l, has, why, sizeof why, msg, sizeof msg);
+    ps_layout_free(&l); /* kept: moved into s->offer.layout */
+    return ok;
+}
+
+/* offer_gate's decision on the table l (has: offered_table's) */
+static bool offer_table(srv_t *s, ps_msg_t *m, ps_layout_t *l, int has, char *why, size_t why_len, char *msg,
+                        size_t msg_len)
+{
     if (has < 0) {
-        snprintf(msg, sizeof msg, "the tensor table it offers: %s", why);
+        snprintf(msg, msg_len, "the tensor table it offers: %s", why);
         return refuse(s, m, msg);
     }
     if (has == 0)
         return refuse(s, m, "this run (model.kind from_worker) trains the model its first worker offers; this worker "
                             "offers none (pworker trains the built-in models only)");
     if (s->model_ready) { /* every later worker's table is the run's */
-        if (ps_layout_same_table_as(&l, &s->layout, "in this worker's", "in the run's", why, sizeof why)) return true;
-        snprintf(msg, sizeof msg, "its model is not the run's: %s", why);
+        if (ps_layout_same_table_as(l, &s->layout, "in this worker's", "in the run's", why, why_len)) return true;
+        snprintf(msg, msg_len, "its model is not the run's: %s", why);
         return refuse(s, m, msg);
     }
-    if ((int64_t)l.n_params > s->cfg.max_params) {
-        snprintf(msg, sizeof msg, "its model has %zu floats, more than model.max_params (%lld)", l.n_params,
+    if ((int64_t)l->n_params > s->cfg.max_params) {
+        snprintf(msg, msg_len, "its model has %zu floats, more than model.max_params (%lld)", l->n_params,
                  (long long)s->cfg.max_params);
         return refuse(s, m, msg);
     }
     const bool again = s->offer.ident_len == m->ident_len && memcmp(s->offer.ident, m->ident, m->ident_len) == 0;
     if (s->offer.ident_len && !again && ps_now() - s->offer.at < s->silence * 3 + 10) {
         /* the first worker's values are on their way: the same table waits, another is refused */
-        if (!ps_layout_same_table_as(&l, &s->offer.layout, "in this worker's", "in the first one's", why,
-                                     sizeof why)) {
-            snprintf(msg, sizeof msg, "its model is not the one the first worker offers: %s", why);
+        if (!ps_layout_same_table_as(l, &s->offer.layout, "in this worker's", "in the first one's", why,
+                                     why_len)) {
+            snprintf(msg, msg_len, "its model is not the one the first worker offers: %s", why);
             return refuse(s, m, msg);
         }
         send_offer(s, m, false);
         return false;
     }
-    s->offer.layout = l;
+    ps_layout_free(&s->offer.layout);
+    s->offer.layout = *l;
+    l->tab = NULL; /* moved */
     memcpy(s->offer.ident, m->ident, m->ident_len);
     s->offer.ident_len = m->ident_len;
     s->offer.at = ps_now();
     PS_INFO("a worker from %s pid %u offers the model: %d tensors, %zu parameters; asking for its values",
-            m->hdr->reg->hostname ? m->hdr->reg->hostname : "?", m->hdr->reg->pid, l.n_tensors, l.n_params);
+            m->hdr->reg->hostname ? m->hdr->reg->hostname : "?", m->hdr->reg->pid, ps_layout_ntab(l), l->n_params);
     send_offer(s, m, true);
     return false;
 }
@@ -89,7 +103,7 @@ void on_values(srv_t *s, ps_msg_t *m)
         return;
     }
     if (m->n_frames != l->n_tensors) {
-        drop(s, NULL, "VALUES of %d tensors, the offered table has %d", m->n_frames, l->n_tensors);
+        drop(s, NULL, "VALUES of %d frames, the offered table has %d units", m->n_frames, l->n_tensors);
         return;
     }
     const float *v[PS_MAX_TENSORS];
@@ -98,12 +112,13 @@ void on_values(srv_t *s, ps_msg_t *m)
         size_t n = 0;
         v[t] = d->id == (uint32_t)t && d->offset == 0 ? ps_msg_f32(m, t, &n) : NULL;
         if (!v[t] || n != l->t[t].numel) {
-            drop(s, NULL, "VALUES: frame %d is not tensor %s whole (%zu floats, f32)", t, l->t[t].name,
+            drop(s, NULL, "VALUES: frame %d is not unit %s whole (%zu floats, f32)", t, l->t[t].name,
                  l->t[t].numel);
             return;
         }
     }
     s->layout = *l;
+    s->offer.layout.tab = NULL; /* moved */
     int code = psd_model_setup(s, v);
     if (code != 0) {
         finish(s, code, "psd could not set up the model the first worker offered");
@@ -111,5 +126,5 @@ void on_values(srv_t *s, ps_msg_t *m)
     }
     s->silence = psd_silence_limit(&s->cfg, s->layout.n_params); /* sized for max_params until now */
     PS_INFO("the model is the first worker's: %d tensors, %zu parameters; a silent worker is lost after %.1f s",
-            s->layout.n_tensors, s->layout.n_params, s->silence);
+            ps_layout_ntab(&s->layout), s->layout.n_params, s->silence);
 }

@@ -920,7 +920,7 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
                 path, m.config_hash, h);
         return PSD_EXIT_USAGE;
     }
-    ps_layout_t l;
+    ps_layout_t l = {0};
     psd_optim_t o;
     psd_optim_from_config(&o, c);
     char why[256];
@@ -928,6 +928,7 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
                                                           : ps_run_layout(c, &l, why, sizeof why)) != 0
                              ? why
                              : ckpt_misfit(&m, &l, &o, shards > 1 ? shards : 1, why, sizeof why);
+    ps_layout_free(&l);
     if (misfit) {
         fprintf(stderr, "psd: cannot resume from %s: %s\n", path, misfit);
         return PSD_EXIT_USAGE;

@@ -851,8 +851,9 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     PS_INFO("psd %s (protocol %u): run %016" PRIx64 ", listening on %s, waiting for %d workers", PSD_VERSION,
             PS_PROTOCOL_VERSION, s->run_id, ep, c->workers);
     if (s->model_ready)
-        PS_INFO("model %zu parameters, %zu training / %zu test samples, optimizer %s, schedule %s",
-                s->layout.n_params, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
+        PS_INFO("model %zu parameters in %d tensors (%d units on the wire), %zu training / %zu test samples, "
+                "optimizer %s, schedule %s", s->layout.n_params, ps_layout_ntab(&s->layout), s->layout.n_tensors,
+                s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
     else
         PS_INFO("model from the first worker (model.kind from_worker, at most %lld parameters), %zu training / %zu "
                 "test samples, optimizer %s, schedule %s",
@@ -962,6 +963,8 @@ out:
     psd_locks_release(&s->locks);
     psd_hold_deinit(&s->holder);
     psd_store_deinit(&s->store);
+    ps_layout_free(&s->layout);
+    ps_layout_free(&s->offer.layout);
     psd_samples_free(&s->smp);
     free(s->val_scores);
     free(s->test_labels);

@@ -1103,6 +1103,7 @@ out:
     if (s->zctx) zmq_ctx_term(s->zctx);
     psd_locks_release(&s->locks);
     psd_store_deinit(&s->store);
+    ps_layout_free(&s->layout);
     free(s->w);
     free(s);
     return code;

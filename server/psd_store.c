@@ -67,14 +67,22 @@ int psd_store_init_part(psd_store_t *s, const ps_layout_t *l, const psd_optim_t 
     return 0;
 }
 
-/* The items of the dense step: all of them, or those before the table's
- * (the last tensor) when it is stepped lazily. */
+/* The items of the dense step: all of them, or, when the table is stepped
+ * lazily, all but the table's, which go last (wherever the table is in the
+ * layout: items are independent ranges, their order is the pool's only). */
 static void dense_part(psd_store_t *s)
 {
     const ps_layout_t *l = &s->layout;
     s->step_items = s->n_items;
     if (!s->lazy) return;
-    while (s->step_items > 0 && s->items[s->step_items - 1].t == l->table) s->step_items--;
+    int k = 0;
+    for (int i = 0; i < s->n_items; i++) /* the dense items first, in order; then the table's */
+        if (s->items[i].t != l->table) {
+            psd_chunk_t c = s->items[i];
+            memmove(&s->items[k + 1], &s->items[k], (size_t)(i - k) * sizeof c);
+            s->items[k++] = c;
+        }
+    s->step_items = k;
 }
 
 /* Items of chunk c: floats [o, o + PSD_ITEM_FLOATS) of it, the last shorter. */

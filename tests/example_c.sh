@@ -178,7 +178,7 @@ psd_pid=$!
 pids+=("$psd_pid")
 worker >"$T/f0.log" 2>&1 &
 pids+=($!)
-wait_for "$T/fw1.log" "the model is the first worker.s: 3 tensors, 36016 parameters" 30
+wait_for "$T/fw1.log" "the model is the first worker.s: 3 tensors, 36001 parameters" 30
 grep -q "psd asked for this worker's model" "$T/f0.log" || fail "the first worker was not asked for its model"
 if worker 4 >"$T/fbad.log" 2>&1; then fail "a worker with another model was let in"; fi
 grep -q "tensor 2 (factors.weight): shape \[4000, 4\] in this worker's, \[4000, 8\] in the run's" "$T/fbad.log" ||

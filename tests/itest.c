@@ -344,7 +344,10 @@ void lib_next(psw_client_t *c, psw_event_t *ev, psw_event_kind_t kind)
 
 void lib_grads(lib_grads_t *a, const ps_layout_t *l, const float *grad)
 {
-    for (int t = 0; t < l->n_tensors; t++) a->gr[t] = (psw_grad_t){.tensor = (uint32_t)t, .data = grad + l->t[t].offset};
+    a->n = ps_layout_ntab(l);
+    cr_assert_leq(a->n, LIB_GRADS_MAX);
+    for (int t = 0; t < a->n; t++)
+        a->gr[t] = (psw_grad_t){.tensor = (uint32_t)t, .data = grad + ps_layout_tensor(l, t)->offset};
 }
 
 void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull, const float *zero,
@@ -352,7 +355,7 @@ void lib_push(psw_client_t *c, uint64_t version, uint32_t batch, int pull, const
 {
     lib_grads_t a;
     lib_grads(&a, l, zero);
-    psw_push_t p = {.version = version, .batch = batch, .loss_sum = 0.5 * batch, .pull = pull, .n_grads = l->n_tensors,
+    psw_push_t p = {.version = version, .batch = batch, .loss_sum = 0.5 * batch, .pull = pull, .n_grads = a.n,
                     .grads = a.gr};
     cr_assert_eq(psw_client_push_v(c, &p), 0);
 }

@@ -85,9 +85,12 @@ bool a_run_ok(const run_t *r);
 psw_client_t *lib_worker(const char *ep, char *err, size_t n);
 psw_client_t *lib_worker_shm(const char *ep, int shm, char *err, size_t n);
 
-/* A push's arguments for every tensor of l, the gradient from grad (laid out as l). */
+/* A push's arguments for every tensor of l's table (at most LIB_GRADS_MAX),
+ * the gradient from grad (laid out as l). */
+#define LIB_GRADS_MAX 512
 typedef struct {
-    psw_grad_t gr[PSW_MAX_TENSORS]; /* every tensor whole, in order */
+    psw_grad_t gr[LIB_GRADS_MAX]; /* every tensor whole, in order */
+    int n;
 } lib_grads_t;
 void lib_grads(lib_grads_t *a, const ps_layout_t *l, const float *grad);
 

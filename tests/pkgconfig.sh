@@ -64,6 +64,7 @@ pid=$!
 out=$(LD_LIBRARY_PATH=$(dirname "$so") timeout 90 "$T/prog" "tcp://127.0.0.1:$port") ||
     { cat "$T/psd.log" >&2; fail "the program built with pkg-config did not register"; }
 echo "$out"
-LD_LIBRARY_PATH=$(dirname "$so") ldd "$T/prog" | grep -q "$(dirname "$so")/libpsworker.so.2" || fail "the program is not linked to the installed library"
+libs=$(LD_LIBRARY_PATH=$(dirname "$so") ldd "$T/prog") # whole, then searched: grep -q would end ldd early (pipefail)
+grep -q "$(dirname "$so")/libpsworker.so.2" <<<"$libs" || fail "the program is not linked to the installed library"
 grep -q "worker registered: rank 0" "$T/psd.log" || { cat "$T/psd.log" >&2; fail "psd did not see it register"; }
 echo "pkgconfig: ok ($flags)"

@@ -5,7 +5,7 @@
 #include "ps_table.h"
 
 
-_Static_assert(PSW_MAX_TENSORS == PS_MAX_TENSORS && PSW_NAME_MAX == PS_NAME_MAX && PSW_MAX_DIMS == PS_MAX_DIMS,
+_Static_assert(PSW_MAX_TENSORS == PS_MAX_TABLE && PSW_NAME_MAX == PS_NAME_MAX && PSW_MAX_DIMS == PS_MAX_DIMS,
                "the public table is the layout's");
 
 static void defer_free(psw_client_t *c)
@@ -199,6 +199,55 @@ void pswc_stream_release(psw_client_t *c)
     c->sver = 0;
 }
 
+/* The table's tensors for the caller, and the push's packing state */
+static void table_free(psw_client_t *c)
+{
+    free(c->tab);
+    free(c->ev_t);
+    free(c->ev_n);
+    free(c->pack);
+    free(c->pk_src);
+    free(c->pk_in);
+    c->tab = NULL;
+    c->ev_t = NULL;
+    c->ev_n = NULL;
+    c->pack = NULL;
+    c->pk_src = NULL;
+    c->pk_in = NULL;
+    memset(c->pk_have, 0, sizeof c->pk_have);
+}
+
+/* Made for c->layout's table: 0 or -ENOMEM. */
+static int table_make(psw_client_t *c)
+{
+    const ps_layout_t *l = &c->layout;
+    const size_t nt = (size_t)ps_layout_ntab(l);
+    table_free(c);
+    c->tab = calloc(nt, sizeof *c->tab);
+    c->ev_t = calloc(nt, sizeof *c->ev_t);
+    c->ev_n = calloc(nt, sizeof *c->ev_n);
+    if (l->tab) { /* units pack several: their gradients are put together (or sent from the caller's, when in one piece) */
+        c->pack = calloc(l->n_params ? l->n_params : 1, sizeof *c->pack);
+        c->pk_src = calloc(nt, sizeof *c->pk_src);
+        c->pk_in = calloc(nt, 1);
+    }
+    if (!c->tab || !c->ev_t || !c->ev_n || (l->tab && (!c->pack || !c->pk_src || !c->pk_in))) {
+        table_free(c);
+        return -ENOMEM;
+    }
+    for (size_t k = 0; k < nt; k++) {
+        const ps_tensor_info_t *ti = ps_layout_tensor(l, (int)k);
+        psw_tensor_t *o = &c->tab[k];
+        memcpy(o->name, ti->name, sizeof o->name);
+        o->ndim = ti->ndim;
+        memcpy(o->shape, ti->shape, sizeof o->shape);
+        o->numel = ti->numel;
+        o->sparse_rows = ti->kind == PS_TENSOR_ROWS;
+        o->offset = ti->offset;
+    }
+    return 0;
+}
+
 void psw_client_destroy(psw_client_t **cp)
 {
     psw_client_t *c = *cp;
@@ -211,6 +260,8 @@ void psw_client_destroy(psw_client_t **cp)
     free(c->wconv);
     free(c->want);
     free(c->replica);
+    table_free(c);
+    ps_layout_free(&c->layout);
     if (c->sock) ps_msg_drain(c->sock, 0.05, 0.3); /* weights psd sent before we left */
     ps_zmq_close_monitored(c->sock, c->mon);
     if (c->ctx) zmq_ctx_term(c->ctx);
@@ -491,17 +542,32 @@ static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, cha
     return 0;
 }
 
-/* The model info.offer describes, laid out and packed. 0, or -1 (why). */
+static int offer_specs(const psw_client_t *c, ps_tensor_spec_t *sp, ps_layout_t *l, uint8_t **tb, size_t *tlen,
+                       char *why, size_t why_len, char *err, size_t errlen);
+
+/* The model info.offer describes, laid out (l owns: ps_layout_free) and packed. 0, or -1 (why). */
 static int offer_table(const psw_client_t *c, ps_layout_t *l, uint8_t **tb, size_t *tlen, char *err, size_t errlen)
 {
-    ps_tensor_spec_t sp[PS_MAX_TENSORS];
     char why[400];
-    if (c->info.n_offer > PS_MAX_TENSORS || !c->info.offer || !c->info.offer_values) {
+    if (c->info.n_offer > PS_MAX_TABLE || !c->info.offer || !c->info.offer_values) {
         snprintf(err, errlen, "the model offered: %d tensors (1 to %d), with their values", c->info.n_offer,
-                 PS_MAX_TENSORS);
+                 PS_MAX_TABLE);
         return -1;
     }
-    memset(sp, 0, sizeof sp);
+    ps_tensor_spec_t *sp = calloc((size_t)c->info.n_offer, sizeof *sp);
+    if (!sp) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    int rc = offer_specs(c, sp, l, tb, tlen, why, sizeof why, err, errlen);
+    free(sp);
+    return rc;
+}
+
+/* offer_table's work, into sp (n_offer of them) */
+static int offer_specs(const psw_client_t *c, ps_tensor_spec_t *sp, ps_layout_t *l, uint8_t **tb, size_t *tlen,
+                       char *why, size_t why_len, char *err, size_t errlen)
+{
     for (int t = 0; t < c->info.n_offer; t++) {
         const psw_tensor_t *o = &c->info.offer[t];
         memcpy(sp[t].name, o->name, sizeof sp[t].name);
@@ -514,31 +580,42 @@ static int offer_table(const psw_client_t *c, ps_layout_t *l, uint8_t **tb, size
             return -1;
         }
     }
-    if (ps_layout_init_specs(l, sp, c->info.n_offer, why, sizeof why) != 0) {
+    if (ps_layout_init_specs(l, sp, c->info.n_offer, why, why_len) != 0) {
         snprintf(err, errlen, "the model offered: %s", why);
         return -1;
     }
     if (ps_table_pack(l, tb, tlen) != 0) {
+        ps_layout_free(l);
         snprintf(err, errlen, "out of memory");
         return -1;
     }
     return 0;
 }
 
-/* VALUES: each tensor of the offered model whole, in order (copied). */
+/* VALUES: each unit of the offered model whole, in order (copied; a
+ * packed unit's tensors put together first). */
 static int send_values(psw_client_t *c, const ps_layout_t *l)
 {
     Psd__Header h;
     Psd__Values v = PSD__VALUES__INIT;
     ps_frame_t fr[PS_MAX_TENSORS];
+    float *packed = l->tab ? malloc((l->n_params ? l->n_params : 1) * sizeof *packed) : NULL;
+    if (l->tab && !packed) return -ENOMEM;
     header_init(c, &h, PSD__MSG_TYPE__MSG_VALUES);
     h.body_case = PSD__HEADER__BODY_VALUES;
     h.values = &v;
-    for (int t = 0; t < l->n_tensors; t++)
-        fr[t] = (ps_frame_t){.data = c->info.offer_values[t], .nbytes = l->t[t].numel * sizeof(float),
-                             .id = (uint32_t)t, .dtype = PSD__DTYPE__DT_F32, .rows = l->t[t].numel, .copy = true};
-    PS_INFO("psd asked for this worker's model: sending its %d tensors (%zu parameters)", l->n_tensors, l->n_params);
-    return send_msg(c, &h, fr, l->n_tensors);
+    for (int k = 0; packed && k < l->n_tab; k++)
+        memcpy(packed + l->tab[k].offset, c->info.offer_values[k], l->tab[k].numel * sizeof *packed);
+    for (int u = 0; u < l->n_tensors; u++) {
+        const float *src = packed ? packed + l->t[u].offset : c->info.offer_values[u];
+        fr[u] = (ps_frame_t){.data = src, .nbytes = l->t[u].numel * sizeof(float), .id = (uint32_t)u,
+                             .dtype = PSD__DTYPE__DT_F32, .rows = l->t[u].numel, .copy = true};
+    }
+    PS_INFO("psd asked for this worker's model: sending its %d tensors (%zu parameters)", ps_layout_ntab(l),
+            l->n_params);
+    int rc = send_msg(c, &h, fr, l->n_tensors);
+    free(packed);
+    return rc;
 }
 
 int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, char *err, size_t errlen)
@@ -561,7 +638,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     h.body_case = PSD__HEADER__BODY_REG;
     h.reg = &r;
     /* this worker's own model, offered (model.kind from_worker: psd asks for its values with OFFER) */
-    ps_layout_t offer;
+    ps_layout_t offer = {0};
     uint8_t *tb = NULL;
     size_t tlen = 0;
     if (c->info.n_offer > 0 && offer_table(c, &offer, &tb, &tlen, err, errlen) != 0) return -EINVAL;
@@ -569,6 +646,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     int rc = send_msg(c, &h, tb ? &tf : NULL, tb ? 1 : 0);
     if (rc < 0) {
         free(tb);
+        ps_layout_free(&offer);
         snprintf(err, errlen, "cannot send to psd: %s", zmq_strerror(-rc));
         return rc;
     }
@@ -576,6 +654,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         rc = pswc_recv_msg(c, deadline, timeout_s, err, errlen);
         if (rc < 0) {
             free(tb);
+            ps_layout_free(&offer);
             return rc;
         }
         if (c->cur.hdr->type == PSD__MSG_TYPE__MSG_ASSIGN) break;
@@ -587,6 +666,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
             if (rc == 0) rc = send_msg(c, &h, &tf, 1);
             if (rc < 0) {
                 free(tb);
+                ps_layout_free(&offer);
                 snprintf(err, errlen, "cannot send to psd: %s", zmq_strerror(-rc));
                 return rc;
             }
@@ -603,6 +683,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         PS_WARN("dropped an unexpected %s before the assignment", ps_msg_type_name((int)c->cur.hdr->type));
     }
     free(tb);
+    ps_layout_free(&offer);
     Psd__Header *ah = c->cur.hdr;
     Psd__Assign *a = ah->assign;
     memset(out, 0, sizeof *out);
@@ -698,6 +779,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     shm_unmap(c);
     char why[400];
     ps_layout_t built;
+    ps_layout_free(&c->layout); /* a registration before this one's */
     if (ps_table_unpack(zmq_msg_data(&c->cur.frames[0]), zmq_msg_size(&c->cur.frames[0]), &c->layout, why,
                         sizeof why) != 0) {
         snprintf(err, errlen, "psd sent an invalid tensor table: %s", why);
@@ -709,18 +791,15 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
             snprintf(err, errlen, "psd sent an invalid model");
             return -EPROTO;
         }
+        ps_layout_free(&c->layout);
         c->layout = built;
     }
-    out->n_tensors = c->layout.n_tensors;
-    for (int t = 0; t < c->layout.n_tensors; t++) {
-        const ps_tensor_info_t *ti = &c->layout.t[t];
-        psw_tensor_t *o = &out->tensors[t];
-        memcpy(o->name, ti->name, sizeof o->name);
-        o->ndim = ti->ndim;
-        memcpy(o->shape, ti->shape, sizeof o->shape);
-        o->numel = ti->numel;
-        o->sparse_rows = ti->kind == PS_TENSOR_ROWS;
+    if (table_make(c) != 0) {
+        snprintf(err, errlen, "out of memory for the model's table");
+        return -ENOMEM;
     }
+    out->n_tensors = ps_layout_ntab(&c->layout);
+    out->tensors = c->tab;
     if (a->shm_socket && a->shm_socket[0] && a->shm_token.len == PS_SHM_TOKEN && !c->info.no_shm) {
         if (shm_connect(c, a->shm_socket, a->shm_token.data, why, sizeof why) == 0)
             PS_DEBUG("tensors go through shared memory with psd");
@@ -997,29 +1076,87 @@ int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum
     return ps_msg_send(c->sock, NULL, 0, &h, fr, n);
 }
 
+/* The gradients of packed unit u's tensors given in this call (c->pk_src):
+ * put together in c->pack (or, when this call gives all of u in one piece
+ * of the caller's memory, sent from there). Returns the unit's floats to
+ * send once u is whole, else NULL (*bad: a tensor given twice). */
+static const float *pack_unit(psw_client_t *c, int u, bool *bad)
+{
+    const ps_layout_t *l = &c->layout;
+    const ps_tensor_info_t *ut = &l->t[u];
+    int here = 0;
+    for (int k = ut->first; k < ut->first + ut->count; k++) here += c->pk_src[k] != NULL;
+    if (here == ut->count) { /* all of it now: from the caller's memory if it is one piece */
+        const float *base = c->pk_src[ut->first];
+        bool piece = true;
+        for (int k = ut->first + 1; k < ut->first + ut->count && piece; k++)
+            piece = c->pk_src[k] == base + (l->tab[k].offset - ut->offset);
+        for (int k = ut->first; k < ut->first + ut->count; k++) {
+            if (!piece) memcpy(c->pack + l->tab[k].offset, c->pk_src[k], l->tab[k].numel * sizeof(float));
+            c->pk_src[k] = NULL;
+        }
+        return piece ? base : c->pack + ut->offset;
+    }
+    for (int k = ut->first; k < ut->first + ut->count; k++) { /* a part now: kept until the rest comes */
+        if (!c->pk_src[k]) continue;
+        if (c->pk_in[k]) *bad = true;
+        c->pk_in[k] = 1;
+        c->pk_have[u]++;
+        memcpy(c->pack + l->tab[k].offset, c->pk_src[k], l->tab[k].numel * sizeof(float));
+        c->pk_src[k] = NULL;
+    }
+    if (*bad || c->pk_have[u] < ut->count) return NULL;
+    for (int k = ut->first; k < ut->first + ut->count; k++) c->pk_in[k] = 0;
+    c->pk_have[u] = 0;
+    return c->pack + ut->offset;
+}
+
 int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
 {
-    if (!p || p->n_grads < 0 || p->n_grads > PSW_MAX_TENSORS || (p->n_grads && !p->grads)) return -EINVAL;
-    int ids[PSW_MAX_TENSORS], rows_at = -1;
-    const float *g[PSW_MAX_TENSORS];
-    size_t numel[PSW_MAX_TENSORS];
-    for (int i = 0; i < p->n_grads; i++) { /* each: whole (data) or the table's rows (row_ids, row_vals) */
+    const ps_layout_t *l = &c->layout;
+    const int nt = ps_layout_ntab(l);
+    if (!p || p->n_grads < 0 || p->n_grads > nt || (p->n_grads && !p->grads) || !c->tab) return -EINVAL;
+    int ids[PS_MAX_TENSORS], n = 0, rows_at = -1;
+    const float *g[PS_MAX_TENSORS];
+    size_t numel[PS_MAX_TENSORS];
+    bool bad = false;
+    for (int i = 0; i < p->n_grads && !bad; i++) { /* each: whole (data) or the table's rows (row_ids, row_vals) */
         const psw_grad_t *x = &p->grads[i];
-        if (x->tensor >= (uint32_t)c->layout.n_tensors || !x->data == !x->row_ids) return -EINVAL;
-        if (x->row_ids) {
-            if (rows_at >= 0 || (int)x->tensor != c->layout.table || !x->row_vals || x->n_rows == 0) return -EINVAL;
-            rows_at = i;
+        if (x->tensor >= (uint32_t)nt || !x->data == !x->row_ids) bad = true;
+        const int u = bad ? 0 : l->tab ? l->tab[x->tensor].unit : (int)x->tensor;
+        if (bad) break;
+        if (x->row_ids && (rows_at >= 0 || u != l->table || !x->row_vals || x->n_rows == 0)) bad = true;
+        if (x->row_ids) rows_at = i;
+        if (l->t[u].count > 1) { /* packed with others: put together below */
+            bad = bad || c->pk_src[x->tensor] != NULL;
+            c->pk_src[x->tensor] = x->data;
+            continue;
         }
-        ids[i] = (int)x->tensor;
-        g[i] = x->data;
-        numel[i] = c->layout.t[x->tensor].numel;
+        ids[n] = u;
+        g[n] = x->data;
+        numel[n++] = l->t[u].numel;
     }
+    for (int i = 0; i < p->n_grads && c->pk_src && !bad; i++) { /* the packed units this push completes */
+        const uint32_t k = p->grads[i].tensor;
+        const int u = l->tab[k].unit;
+        if (l->t[u].count == 1 || !c->pk_src[k]) continue; /* not packed, or its unit done already */
+        const float *src = pack_unit(c, u, &bad);
+        if (src && !bad) {
+            ids[n] = u;
+            g[n] = src;
+            numel[n++] = l->t[u].numel;
+        }
+    }
+    if (c->pk_src)
+        for (int i = 0; i < p->n_grads; i++)
+            if (p->grads[i].tensor < (uint32_t)nt) c->pk_src[p->grads[i].tensor] = NULL;
+    if (bad) return -EINVAL;
     if (rows_at >= 0)
-        return pswc_push_rows(c, p->version, p->batch, p->loss_sum, p->correct, p->pull, p->n_grads, ids, g, numel,
+        return pswc_push_rows(c, p->version, p->batch, p->loss_sum, p->correct, p->pull, n, ids, g, numel,
                               p->grads[rows_at].row_ids, p->grads[rows_at].n_rows, p->grads[rows_at].row_vals, p->want,
                               p->n_want);
     if (p->n_want) return -EINVAL; /* rows asked for with the table's rows pushed */
-    return pswc_push(c, p->version, p->batch, p->loss_sum, p->correct, p->pull, p->n_grads, ids, g, numel);
+    return pswc_push(c, p->version, p->batch, p->loss_sum, p->correct, p->pull, n, ids, g, numel);
 }
 
 void psw_client_release_on_push(psw_client_t *c, int on) { c->release_on_push = on != 0; }

@@ -31,6 +31,29 @@
 #include "ps_util.h"
 #include "ps_wire.h"
 
+/* An event as the client puts it together: tensors by unit of the layout
+ * (ps_model.h); psw_client_next gives it to the caller by tensor of the
+ * table (pswc_event_t -> psw_event_t). */
+typedef struct {
+    psw_event_kind_t kind;
+    uint32_t epoch;
+    uint64_t version;
+    uint64_t step;
+    uint32_t world, workers_on_host;
+    const uint32_t *samples;
+    size_t n_samples;
+    int append;
+    uint64_t keep;
+    int n_tensors; /* units */
+    const float *tensors[PS_MAX_TENSORS];
+    size_t tensor_numel[PS_MAX_TENSORS];
+    uint64_t val_begin, val_end;
+    const uint32_t *row_ids;
+    size_t n_row_ids;
+    int exit_code;
+    char message[256];
+} pswc_event_t;
+
 struct psw_client {
     /* the table rows the last push asked for (Push.want_rows), and the
      * worker's replica of the table the replies' rows are scattered into */
@@ -85,7 +108,17 @@ struct psw_client {
     uint64_t got[PS_MAX_SHARDS]; /* version + 1 of each shard's part in wbuf (0: none) */
     uint32_t rows_part;          /* shards whose last part was rows only (the rest of their piece is older) */
     int from;               /* shard the message in cur came from */
-    psw_event_t pend;       /* WEIGHTS/VALIDATE from shard 0 waiting for the other parts */
+    pswc_event_t pend;      /* WEIGHTS/VALIDATE from shard 0 waiting for the other parts */
+    /* the table, by tensor (the layout's units pack small ones): what
+     * ASSIGN and events give the caller, and a push's packed units */
+    psw_tensor_t *tab;      /* ps_layout_ntab of them (psw_assign_t.tensors) */
+    pswc_event_t iev;       /* the event by unit */
+    const float **ev_t;     /* and by tensor of the table (psw_event_t.tensors) */
+    size_t *ev_n;
+    float *pack;            /* packed units' gradients put together (laid out like the model) */
+    const float **pk_src;   /* a push: each tensor of the table given in this call, or NULL */
+    uint8_t *pk_in;         /* tensors of packed units given since their unit was last sent */
+    int pk_have[PS_MAX_TENSORS]; /* how many of each unit's */
     int pending;
     /* VALIDATEs from shard 0 that came while one waited for the other
      * shards' parts (psd may give a worker several parts at once): taken

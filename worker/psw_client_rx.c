@@ -39,7 +39,7 @@ static int frames_by_id(const ps_msg_t *m, int nf, int n_tensors, int at[PS_MAX_
  * it), and, when psd sends one (psd --x-verify-weights), matching the CRC-32
  * of the version they claim to be: a frame psd changed while ZeroMQ was
  * still sending it would show here. */
-static int take_tensors(psw_client_t *c, psw_event_t *ev, uint32_t slot, uint32_t crc, bool rows, char *err,
+static int take_tensors(psw_client_t *c, pswc_event_t *ev, uint32_t slot, uint32_t crc, bool rows, char *err,
                         size_t errlen)
 {
     uLong got = crc32(0L, Z_NULL, 0); /* over what came: the frames as sent, or the shared slot */
@@ -108,7 +108,7 @@ static void scatter_rows(float *E, size_t D, const uint32_t *ids, size_t n, cons
  * for, in its order. Scattered into the replica, which the event then
  * gives as the table: the rows the next batch reads are this version's;
  * the others are older, and nothing reads them. */
-static int take_rows(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
+static int take_rows(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen)
 {
     const int t = c->layout.table;
     const size_t D = t >= 0 ? (size_t)c->layout.t[t].cols : 0;
@@ -130,7 +130,7 @@ static int take_rows(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
 
 /* VALIDATE with rows (the table on psd): the MLP's tensors, then the rows
  * the range's examples read (ids strictly increasing) and their values. */
-static int take_val_rows(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
+static int take_val_rows(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen)
 {
     const ps_layout_t *l = &c->layout;
     const int t = l->table;
@@ -230,7 +230,7 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
 /* Streamed weights: the whole tensors of a WEIGHTS in parts, kept where
  * they arrived (valid until the next version's first part comes). 1: the
  * version is complete (*ev set), 0: more to come, < 0: error. */
-static int stream_part(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
+static int stream_part(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen)
 {
     const Psd__Weights *wt = c->cur.hdr->weights;
     const int nt = c->layout.n_tensors;
@@ -288,7 +288,7 @@ static int stream_part(psw_client_t *c, psw_event_t *ev, char *err, size_t errle
 }
 
 /* With shards: the pending event, once every part of its version is here. */
-static int parts_done(psw_client_t *c, psw_event_t *ev)
+static int parts_done(psw_client_t *c, pswc_event_t *ev)
 {
     if (!c->pending) return 0;
     for (int k = 0; k < c->n_shards; k++) /* a validation reads the whole table: no part of rows only */
@@ -352,7 +352,7 @@ static int take_val_part0(psw_client_t *c, uint64_t v, char *err, size_t errlen)
 
 /* With shards: a message of cur, from shard c->from. 1: *ev is an event to
  * return; 0: wait for more; < 0: error. */
-static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t errlen)
+static int shard_message(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen)
 {
     Psd__Header *h = c->cur.hdr;
     int k = c->from;
@@ -420,7 +420,7 @@ static int shard_message(psw_client_t *c, psw_event_t *ev, char *err, size_t err
     return parts_done(c, ev);
 }
 
-static int next_event(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
+static int next_event(psw_client_t *c, pswc_event_t *ev, double timeout_s, char *err, size_t errlen)
 {
     for (double deadline = ps_now() + timeout_s;;) {
         int rc = 0;
@@ -520,9 +520,56 @@ static int next_event(psw_client_t *c, psw_event_t *ev, double timeout_s, char *
     }
 }
 
+/* iv (by unit) as the caller sees it (by tensor of the table) */
+static void to_table(psw_client_t *c, const pswc_event_t *iv, psw_event_t *ev)
+{
+    const ps_layout_t *l = &c->layout;
+    memset(ev, 0, sizeof *ev);
+    ev->kind = iv->kind;
+    ev->epoch = iv->epoch;
+    ev->version = iv->version;
+    ev->step = iv->step;
+    ev->world = iv->world;
+    ev->workers_on_host = iv->workers_on_host;
+    ev->samples = iv->samples;
+    ev->n_samples = iv->n_samples;
+    ev->append = iv->append;
+    ev->keep = iv->keep;
+    ev->val_begin = iv->val_begin;
+    ev->val_end = iv->val_end;
+    ev->row_ids = iv->row_ids;
+    ev->n_row_ids = iv->n_row_ids;
+    ev->exit_code = iv->exit_code;
+    memcpy(ev->message, iv->message, sizeof ev->message);
+    const int nt = c->ev_t ? ps_layout_ntab(l) : 0;
+    ev->tensors = c->ev_t; /* always the arrays: NULLs in an event without tensors */
+    ev->tensor_numel = c->ev_n;
+    if (iv->n_tensors != l->n_tensors || !nt) {
+        if (nt && c->ev_t[0]) { /* the last event's, gone */
+            memset(c->ev_t, 0, (size_t)nt * sizeof *c->ev_t);
+            memset(c->ev_n, 0, (size_t)nt * sizeof *c->ev_n);
+        }
+        return;
+    }
+    for (int k = 0; k < nt; k++) {
+        const ps_tensor_info_t *t = ps_layout_tensor(l, k);
+        const int u = l->tab ? t->unit : k;
+        if (l->t[u].count == 1) { /* the unit is the tensor (the table's rows maybe) */
+            c->ev_t[k] = iv->tensors[u];
+            c->ev_n[k] = iv->tensor_numel[u];
+        } else {
+            c->ev_t[k] = iv->tensors[u] + (t->offset - l->t[u].offset);
+            c->ev_n[k] = t->numel;
+        }
+    }
+    ev->n_tensors = nt;
+}
+
 int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen)
 {
-    int rc = next_event(c, ev, timeout_s, err, errlen);
-    if (rc == 0 && ev->kind == PSW_EV_WEIGHTS) c->weights_due = false; /* what it asked for came */
+    int rc = next_event(c, &c->iev, timeout_s, err, errlen);
+    if (rc == 0 && c->iev.kind == PSW_EV_WEIGHTS) c->weights_due = false; /* what it asked for came */
+    if (rc == 0) to_table(c, &c->iev, ev);
+    else memset(ev, 0, sizeof *ev);
     return rc;
 }

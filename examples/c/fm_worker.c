@@ -76,7 +76,8 @@ int main(int argc, char **argv)
     static const size_t sizes[3] = {1, N, (size_t)N * K};
     char err[512];
     psw_info_t info = {.device = "cpu", .device_index = -1};
-    psw_tensor_t offer[3] = {{"bias", 1, {1}, 1, 0}, {"linear.weight", 1, {N}, N, 0}, {"factors.weight", 2, {N, K}, 0, 0}};
+    psw_tensor_t offer[3] = {{.name = "bias", .ndim = 1, .shape = {1}}, {.name = "linear.weight", .ndim = 1, .shape = {N}},
+                             {.name = "factors.weight", .ndim = 2, .shape = {N, K}}};
     float *init = calloc(1 + N + (size_t)N * K, sizeof *init); /* zeros, zeros, U(-0.01, 0.01) */
     for (size_t i = 0; i < (size_t)N * K; i++) init[1 + N + i] = 0.02f * (float)(unit(i * 3 + 7) - 0.5);
     const float *values[3] = {init, init + 1, init + 1 + N};

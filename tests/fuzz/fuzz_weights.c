@@ -27,6 +27,7 @@ static void load(const char *path)
             FUZZ_DIE("bad layout after success");
         fuzz_touch(params, l.n_params * sizeof *params);
         free(params);
+        ps_layout_free(&l);
     } else {
         if (params) FUZZ_DIE("arena left after failure");
         if (!memchr(err, '\0', sizeof err) || !err[0]) FUZZ_DIE("failure without a message");

@@ -27,7 +27,7 @@
 #include <stdint.h>
 
 #define PSW_MAX_LAYERS 16
-#define PSW_MAX_TENSORS 64   /* tensors in a run's table */
+#define PSW_MAX_TENSORS 16384 /* tensors in a run's table */
 #define PSW_NAME_MAX 255     /* bytes of a tensor's name */
 #define PSW_MAX_DIMS 8
 #define PSW_PATH_MAX 1024
@@ -40,6 +40,9 @@ typedef struct {
     uint64_t shape[PSW_MAX_DIMS];
     uint64_t numel;
     int sparse_rows;               /* stepped by rows (an embedding table) */
+    uint64_t offset;               /* ASSIGN: where psd lays it out, in floats from the model's start (small
+                                    * tensors packed one after another): gradients in one buffer laid out so
+                                    * are pushed without a copy (psw_client_push_v); not read in an offer */
 } psw_tensor_t;
 
 typedef struct psw_client psw_client_t;
@@ -86,7 +89,7 @@ typedef struct {
     uint64_t run_id;
     psw_model_kind_t model;
     int n_tensors;                 /* the model's tensors, in order (every model) */
-    psw_tensor_t tensors[PSW_MAX_TENSORS];
+    const psw_tensor_t *tensors;   /* n_tensors of them: the client's, until it registers again or is destroyed */
     int n_sizes;                   /* the built-in models' MLP sizes (0 for PSW_MODEL_TENSORS) */
     int sizes[PSW_MAX_LAYERS + 1];
     int n_files;
@@ -133,10 +136,10 @@ typedef struct {
     int append;                /* EPOCH: more samples for the current epoch, after the ones given */
     uint64_t keep;             /* EPOCH with append: > 0: the current epoch's samples end after the first
                                 * keep (async/ssp: psd gave the rest to workers done with theirs) */
-    int n_tensors;
-    const float *tensors[PSW_MAX_TENSORS]; /* borrowed until the next psw_client_next (with
-                                            * psw_client_release_on_push: until a push with pull) */
-    size_t tensor_numel[PSW_MAX_TENSORS];
+    int n_tensors;                 /* WEIGHTS, VALIDATE: every tensor of the table, in order */
+    const float *const *tensors;   /* borrowed until the next psw_client_next (with
+                                    * psw_client_release_on_push: until a push with pull) */
+    const size_t *tensor_numel;
     uint64_t val_begin, val_end;
     /* the table on psd (ctr.table_on_psd): tensors[table] holds these rows
      * (strictly increasing), n_row_ids x dim floats: a WEIGHTS event the

@@ -1,0 +1,158 @@
+/* table_worker.c - a test worker for any table psd gives it (model.kind
+ * tensors), through the public worker API only. It fits every tensor to a
+ * target drawn from (tensor, element), scaled by the batch: the gradient of
+ * tensor k is w - m c_k, m the mean over the batch of a number of each
+ * sample. Each tensor is pushed from its own buffer (the library packs the
+ * small ones into units); a sparse-rows tensor as the rows the batch
+ * touches (row s mod rows of sample s), where psd takes rows.
+ *
+ *   table_worker ENDPOINT TRAIN TEST [flat] [wire]
+ *                                      train (data.train_size, test_size);
+ *                                      flat: the gradients in one buffer laid
+ *                                      out as psd lays them out (psw_tensor_t
+ *                                      .offset: pushed without copies), wire:
+ *                                      no shared memory with psd
+ *   table_worker --yaml N [small]      print a model.tensors list of N
+ *                                      assorted tensors: scalars, vectors,
+ *                                      matrices, one of 1,100,000 floats
+ *                                      every 100th (not with small),
+ *                                      tensor 7 sparse rows */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "psworker.h"
+
+static void yaml(int n, int big)
+{
+    static const char *const part[4] = {"weight", "bias", "norm", "scale"};
+    printf("model:\n  kind: tensors\n  tensors:\n");
+    for (int k = 0; k < n; k++) {
+        printf("    - {name: layers.%d.%s, ", k / 4, part[k % 4]);
+        if (k == 7) printf("shape: [1000, 8], kind: sparse_rows, init: \"normal:0.02\"}\n");
+        else if (k % 100 == 50 && big) printf("shape: [1100000], init: \"uniform:0.01\"}\n");
+        else if (k % 4 == 0) printf("shape: [%d, %d], init: kaiming_uniform}\n", 8 + k % 5, 3 + k % 7);
+        else if (k % 4 == 3) printf("shape: [], init: ones}\n");
+        else printf("shape: [%d], init: zeros}\n", 1 + k % 11);
+    }
+}
+
+static double m_of(uint32_t s) { return 0.5 + (double)(s % 13) / 13.0; }
+
+int main(int argc, char **argv)
+{
+    if (argc >= 3 && strcmp(argv[1], "--yaml") == 0) {
+        yaml(atoi(argv[2]), argc == 3 || strcmp(argv[3], "small") != 0);
+        return 0;
+    }
+    char err[512];
+    psw_info_t info = {.device = "cpu", .device_index = -1};
+    int flat = 0;
+    for (int i = 4; i < argc; i++) {
+        if (strcmp(argv[i], "flat") == 0) flat = 1;
+        if (strcmp(argv[i], "wire") == 0) info.no_shm = 1;
+    }
+    psw_client_t *c = argc >= 4 ? psw_client_new(argv[1], &info, err, sizeof err) : NULL;
+    psw_assign_t a;
+    if (!c || psw_client_register(c, &a, 60, err, sizeof err) != 0) {
+        fprintf(stderr, "table_worker: %s\n", argc >= 4 ? err : "usage: table_worker ENDPOINT TRAIN TEST [flat] [wire] | --yaml N [small]");
+        return 1;
+    }
+    const int n = a.n_tensors;
+    float **cst = calloc((size_t)n, sizeof *cst), **grad = calloc((size_t)n, sizeof *grad);
+    psw_grad_t *g = calloc((size_t)n, sizeof *g);
+    uint32_t *rows = NULL; /* the sparse tensor's rows a batch touches */
+    int sparse = -1;
+    uint64_t end = 0;
+    for (int k = 0; k < n; k++)
+        if (a.tensors[k].offset + a.tensors[k].numel > end) end = a.tensors[k].offset + a.tensors[k].numel;
+    float *all = flat ? calloc(end, sizeof *all) : NULL;
+    for (int k = 0; k < n; k++) {
+        cst[k] = malloc(a.tensors[k].numel * sizeof(float));
+        grad[k] = flat ? all + a.tensors[k].offset : malloc(a.tensors[k].numel * sizeof(float));
+        for (uint64_t j = 0; j < a.tensors[k].numel; j++) cst[k][j] = (float)(0.1 * sin(0.37 * k + 0.011 * (double)j));
+        if (a.tensors[k].sparse_rows) sparse = k;
+    }
+    psw_client_ready(c, strtoull(argv[2], NULL, 10), strtoull(argv[3], NULL, 10));
+    uint32_t *ids = NULL, epoch = 0;
+    size_t n_ids = 0, pos = 0;
+    for (;;) {
+        psw_event_t ev;
+        int rc = psw_client_next(c, &ev, 120, err, sizeof err);
+        if (rc != 0) {
+            fprintf(stderr, "table_worker: %s\n", err);
+            return 1;
+        }
+        if (ev.kind == PSW_EV_SHUTDOWN) {
+            int code = ev.exit_code;
+            psw_client_destroy(&c);
+            for (int k = 0; k < n; k++) {
+                free(cst[k]);
+                if (!flat) free(grad[k]);
+            }
+            free(cst), free(grad), free(g), free(all), free(rows), free(ids);
+            return code;
+        } else if (ev.kind == PSW_EV_EPOCH) {
+            size_t keep = ev.append ? n_ids : 0;
+            if (ev.keep) n_ids = ev.keep;
+            if (ev.keep) continue;
+            ids = realloc(ids, (keep + ev.n_samples + 1) * sizeof *ids);
+            memcpy(ids + keep, ev.samples, ev.n_samples * sizeof *ids);
+            n_ids = keep + ev.n_samples;
+            int idle = !ev.append || pos >= keep;
+            if (!ev.append) pos = 0;
+            epoch = ev.epoch;
+            if (pos >= n_ids) rc = psw_client_barrier(c, epoch, n_ids);
+            else if (idle) rc = psw_client_pull(c, ev.version);
+        } else if (ev.kind == PSW_EV_WEIGHTS) {
+            while (!psw_client_push_done(c)) {
+            }
+            size_t b = n_ids - pos < a.batch_size ? n_ids - pos : a.batch_size, nr = 0;
+            double m = 0, loss = 0;
+            for (size_t j = 0; j < b; j++) m += m_of(ids[pos + j]) / (double)b;
+            for (int k = 0; k < n; k++) {
+                for (uint64_t j = 0; j < a.tensors[k].numel; j++) {
+                    float d = ev.tensors[k][j] - (float)m * cst[k][j];
+                    grad[k][j] = d;
+                    loss += 0.5 * (double)d * d;
+                }
+                g[k] = (psw_grad_t){.tensor = (uint32_t)k, .data = grad[k]};
+            }
+            if (sparse >= 0) { /* only the rows the batch touches */
+                const uint64_t R = a.tensors[sparse].shape[0], D = a.tensors[sparse].numel / R;
+                char *hit = calloc(R, 1);
+                for (size_t j = 0; j < b; j++) hit[ids[pos + j] % R] = 1;
+                rows = realloc(rows, R * sizeof *rows);
+                for (uint64_t r = 0; r < R; r++)
+                    if (hit[r]) rows[nr++] = (uint32_t)r;
+                    else memset(grad[sparse] + r * D, 0, D * sizeof(float));
+                for (size_t i = 0; i < nr && psw_client_rows_ok(c); i++) /* the rows' gradients, packed */
+                    memmove(grad[sparse] + i * D, grad[sparse] + rows[i] * D, D * sizeof(float));
+                if (psw_client_rows_ok(c))
+                    g[sparse] = (psw_grad_t){.tensor = (uint32_t)sparse, .row_ids = rows, .n_rows = nr,
+                                             .row_vals = grad[sparse]};
+                free(hit);
+            }
+            pos += b;
+            int last = pos >= n_ids;
+            psw_push_t p = {ev.version, (uint32_t)b, loss * (double)b, 0, !last, n, g, NULL, 0};
+            rc = psw_client_push_v(c, &p);
+            if (rc == 0 && last) rc = psw_client_barrier(c, epoch, n_ids);
+        } else if (ev.kind == PSW_EV_VALIDATE) {
+            double loss = 0;
+            for (int k = 0; k < n; k++)
+                for (uint64_t j = 0; j < a.tensors[k].numel; j++) {
+                    double d = (double)ev.tensors[k][j] - cst[k][j];
+                    loss += 0.5 * d * d;
+                }
+            rc = psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, loss * (double)(ev.val_end - ev.val_begin),
+                                       0, ev.val_end - ev.val_begin, NULL);
+        }
+        if (rc != 0) {
+            fprintf(stderr, "table_worker: psd is gone (%d)\n", rc);
+            return 1;
+        }
+    }
+}

@@ -1,0 +1,72 @@
+#!/bin/bash
+# tables.sh BUILD_DIR: models of many named tensors end to end, trained by
+# tests/table_worker (the public worker API; each tensor pushed from its own
+# buffer, or all from one buffer laid out as psd lays them out; the
+# sparse one as rows over the wire): 300 tensors of assorted shapes (some of
+# one element, some over 1M floats, one sparse), 3 workers, one psd and 2
+# psd shards give the same weights bit for bit; a table of 4,100 tensors
+# trains and its weights hold every tensor.
+set -u
+B=$1
+T=$(mktemp -d /tmp/psd-tab-XXXXXX)
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
+    rm -rf "$T"
+}
+trap cleanup EXIT
+fail() { echo "tables: $*" >&2; exit 1; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# run NAME CONFIG WORKERS SHARDS TRAIN TEST: a run to its end, weights in $T/NAME.bin
+run() {
+    local name=$1 cfg=$2 nw=$3 shards=$4 lep wep sh1=
+    lep=$(free_port)
+    local set=(--config "$cfg" --workers "$nw" --set checkpoint.dir= --start-timeout 60 --metrics "")
+    if [ "$shards" = 2 ]; then
+        wep=$(free_port)
+        "$B/psd" "${set[@]}" --listen "tcp://127.0.0.1:$wep" --shard 1/2 --leader "tcp://127.0.0.1:$lep" \
+            --save "" >"$T/$name-s1.log" 2>&1 &
+        sh1=$!
+        pids+=("$sh1")
+        set+=(--shard 0/2)
+    fi
+    "$B/psd" "${set[@]}" --listen "tcp://127.0.0.1:$lep" --save "$T/$name.bin" >"$T/$name.log" 2>&1 &
+    local p0=$!
+    pids+=("$p0")
+    local how=("" flat "wire") # worker 0 pushes each tensor from its own buffer, 1 from one flat buffer,
+    for ((w = 0; w < nw; w++)); do # 2 over the wire (the sparse tensor as rows there with one psd)
+        "$B/tests/table_worker" "tcp://127.0.0.1:$lep" "$5" "$6" ${how[$w]} >"$T/$name-w$w.log" 2>&1 &
+        pids+=($!)
+    done
+    wait "$p0" || { tail -20 "$T/$name.log" "$T/$name-w0.log" >&2; fail "run $name failed"; }
+    [ -z "$sh1" ] || wait "$sh1" || { tail -20 "$T/$name-s1.log" >&2; fail "shard 1 of run $name failed"; }
+}
+
+{
+    "$B/tests/table_worker" --yaml 300
+    printf 'run: {epochs: 2}\ndata: {train_size: 960, test_size: 30}\ntrain: {batch_size: 64}\n'
+    printf 'optimizer: {name: adam, lr: 0.01, weight_decay: 0.001, clip_norm: 0.5}\nschedule: {name: constant}\n'
+} >"$T/m300.yaml"
+run one "$T/m300.yaml" 3 1 960 30
+grep -q "in 300 tensors" "$T/one.log" || fail "psd did not train 300 tensors: $(grep -m1 'model ' "$T/one.log")"
+run two "$T/m300.yaml" 3 2 960 30
+grep -q "psd shard 0 of 2" "$T/two.log" || fail "the second run had no psd shards"
+"$B/tests/weights_cmp" "$T/one.bin" "$T/two.bin" || fail "2 psd shards gave other weights than one psd"
+"$B/tests/weights_cmp" "$T/one.bin" "$T/one.bin" >/dev/null || fail "weights_cmp"
+units=$(grep -o "in 300 tensors ([0-9]* units" "$T/one.log" | grep -o "([0-9]*" | tr -d '(')
+loss=$(grep -o "val_loss [0-9.e+-]*" "$T/one.log" | tail -1)
+echo "tables: 300 tensors in $units units, 3 workers, 2 epochs ($loss): one psd and 2 psd shards, the same weights"
+
+{
+    "$B/tests/table_worker" --yaml 4100 small
+    printf 'run: {epochs: 1}\ndata: {train_size: 128, test_size: 8}\ntrain: {batch_size: 64}\n'
+    printf 'optimizer: {name: sgd, lr: 0.1}\nschedule: {name: constant}\n'
+} >"$T/m4100.yaml"
+run big "$T/m4100.yaml" 1 1 128 8
+grep -q "in 4100 tensors" "$T/big.log" || fail "psd did not train 4100 tensors"
+"$B/psd" export "$T/big.bin" "$T/big.safetensors" >/dev/null || fail "psd export of 4100 tensors"
+n=$(python3 -c 'import json,struct,sys; f=open(sys.argv[1],"rb"); n=struct.unpack("<Q",f.read(8))[0]; h=json.loads(f.read(n)); h.pop("__metadata__",None); print(len(h))' "$T/big.safetensors")
+[ "$n" = 4100 ] || fail "the exported weights hold $n tensors, not 4100"
+echo "tables: 4100 tensors trained; their weights exported as safetensors hold all 4100"
+echo "tables: ok"
