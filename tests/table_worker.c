@@ -11,12 +11,16 @@
  *                                      flat: the gradients in one buffer laid
  *                                      out as psd lays them out (psw_tensor_t
  *                                      .offset: pushed without copies), wire:
- *                                      no shared memory with psd
+ *                                      no shared memory with psd, parts: each
+ *                                      push in two calls (tensor 0, then the
+ *                                      rest; between them tensor 0 again,
+ *                                      refused while its unit waits)
  *   table_worker --yaml N [small]      print a model.tensors list of N
  *                                      assorted tensors: scalars, vectors,
  *                                      matrices, one of 1,100,000 floats
  *                                      every 100th (not with small),
  *                                      tensor 7 sparse rows */
+#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -49,9 +53,10 @@ int main(int argc, char **argv)
     }
     char err[512];
     psw_info_t info = {.device = "cpu", .device_index = -1};
-    int flat = 0;
+    int flat = 0, parts = 0;
     for (int i = 4; i < argc; i++) {
         if (strcmp(argv[i], "flat") == 0) flat = 1;
+        if (strcmp(argv[i], "parts") == 0) parts = 1;
         if (strcmp(argv[i], "wire") == 0) info.no_shm = 1;
     }
     psw_client_t *c = argc >= 4 ? psw_client_new(argv[1], &info, err, sizeof err) : NULL;
@@ -138,7 +143,18 @@ int main(int argc, char **argv)
             pos += b;
             int last = pos >= n_ids;
             psw_push_t p = {ev.version, (uint32_t)b, loss * (double)b, 0, !last, n, g, NULL, 0};
-            rc = psw_client_push_v(c, &p);
+            if (parts && n >= 2) { /* tensor 0 alone, again (refused where it waits for the rest of its unit), the rest */
+                psw_push_t p1 = p;
+                p1.pull = 0, p1.n_grads = 1;
+                rc = psw_client_push_v(c, &p1);
+                if (rc == 0 && a.tensors[1].offset == a.tensors[0].offset + a.tensors[0].numel &&
+                    psw_client_push_v(c, &p1) != -EINVAL) { /* packed with tensor 1: its unit waits */
+                    fprintf(stderr, "table_worker: a tensor pushed twice was taken\n");
+                    return 1;
+                }
+                p.n_grads = n - 1, p.grads = g + 1;
+            }
+            if (rc == 0) rc = psw_client_push_v(c, &p);
             if (rc == 0 && last) rc = psw_client_barrier(c, epoch, n_ids);
         } else if (ev.kind == PSW_EV_VALIDATE) {
             double loss = 0;

@@ -1079,14 +1079,14 @@ int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum
 /* The gradients of packed unit u's tensors given in this call (c->pk_src):
  * put together in c->pack (or, when this call gives all of u in one piece
  * of the caller's memory, sent from there). Returns the unit's floats to
- * send once u is whole, else NULL (*bad: a tensor given twice). */
-static const float *pack_unit(psw_client_t *c, int u, bool *bad)
+ * send once u is whole, else NULL. (A tensor given twice is refused before.) */
+static const float *pack_unit(psw_client_t *c, int u)
 {
     const ps_layout_t *l = &c->layout;
     const ps_tensor_info_t *ut = &l->t[u];
     int here = 0;
     for (int k = ut->first; k < ut->first + ut->count; k++) here += c->pk_src[k] != NULL;
-    if (here == ut->count) { /* all of it now: from the caller's memory if it is one piece */
+    if (here == ut->count && c->pk_have[u] == 0) { /* all of it now: from the caller's memory if it is one piece */
         const float *base = c->pk_src[ut->first];
         bool piece = true;
         for (int k = ut->first + 1; k < ut->first + ut->count && piece; k++)
@@ -1099,13 +1099,12 @@ static const float *pack_unit(psw_client_t *c, int u, bool *bad)
     }
     for (int k = ut->first; k < ut->first + ut->count; k++) { /* a part now: kept until the rest comes */
         if (!c->pk_src[k]) continue;
-        if (c->pk_in[k]) *bad = true;
         c->pk_in[k] = 1;
         c->pk_have[u]++;
         memcpy(c->pack + l->tab[k].offset, c->pk_src[k], l->tab[k].numel * sizeof(float));
         c->pk_src[k] = NULL;
     }
-    if (*bad || c->pk_have[u] < ut->count) return NULL;
+    if (c->pk_have[u] < ut->count) return NULL;
     for (int k = ut->first; k < ut->first + ut->count; k++) c->pk_in[k] = 0;
     c->pk_have[u] = 0;
     return c->pack + ut->offset;
@@ -1136,12 +1135,14 @@ int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
         g[n] = x->data;
         numel[n++] = l->t[u].numel;
     }
+    for (int i = 0; i < p->n_grads && c->pk_src && !bad; i++) /* given in a part before: refused, nothing kept */
+        bad = c->pk_src[p->grads[i].tensor] && c->pk_in[p->grads[i].tensor];
     for (int i = 0; i < p->n_grads && c->pk_src && !bad; i++) { /* the packed units this push completes */
         const uint32_t k = p->grads[i].tensor;
         const int u = l->tab[k].unit;
         if (l->t[u].count == 1 || !c->pk_src[k]) continue; /* not packed, or its unit done already */
-        const float *src = pack_unit(c, u, &bad);
-        if (src && !bad) {
+        const float *src = pack_unit(c, u);
+        if (src) {
             ids[n] = u;
             g[n] = src;
             numel[n++] = l->t[u].numel;
