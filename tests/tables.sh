@@ -5,7 +5,7 @@
 # sparse one as rows over the wire): 300 tensors of assorted shapes (some of
 # one element, some over 1M floats, one sparse), 3 workers, one psd and 2
 # psd shards give the same weights bit for bit; a table of 4,100 tensors
-# trains and its weights hold every tensor.
+# trains, stops, resumes from its checkpoint, and its weights hold every tensor.
 set -u
 B=$1
 T=$(mktemp -d /tmp/psd-tab-XXXXXX)
@@ -22,7 +22,10 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 run() {
     local name=$1 cfg=$2 nw=$3 shards=$4 lep wep sh1=
     lep=$(free_port)
-    local set=(--config "$cfg" --workers "$nw" --set checkpoint.dir= --start-timeout 60 --metrics "")
+    local set=(--config "$cfg" --workers "$nw" --start-timeout 60 --metrics "")
+    [ -n "${CKPT:-}" ] || set+=(--set checkpoint.dir=)
+    # shellcheck disable=SC2206
+    set+=(${EXTRA:-})
     if [ "$shards" = 2 ]; then
         wep=$(free_port)
         "$B/psd" "${set[@]}" --listen "tcp://127.0.0.1:$wep" --shard 1/2 --leader "tcp://127.0.0.1:$lep" \
@@ -39,8 +42,8 @@ run() {
         "$B/tests/table_worker" "tcp://127.0.0.1:$lep" "$5" "$6" ${how[$w]} >"$T/$name-w$w.log" 2>&1 &
         pids+=($!)
     done
-    wait "$p0" || { tail -20 "$T/$name.log" "$T/$name-w0.log" >&2; fail "run $name failed"; }
-    [ -z "$sh1" ] || wait "$sh1" || { tail -20 "$T/$name-s1.log" >&2; fail "shard 1 of run $name failed"; }
+    wait "$p0" || { tail -n 20 "$T/$name.log" "$T/$name-w0.log" >&2; fail "run $name failed"; }
+    [ -z "$sh1" ] || wait "$sh1" || { tail -n 20 "$T/$name-s1.log" >&2; fail "shard 1 of run $name failed"; }
 }
 
 {
@@ -62,13 +65,20 @@ echo "tables: the same with pushes in two parts (a tensor given twice refused)"
 
 {
     "$B/tests/table_worker" --yaml 4100 small
-    printf 'run: {epochs: 1}\ndata: {train_size: 128, test_size: 8}\ntrain: {batch_size: 64}\n'
-    printf 'optimizer: {name: sgd, lr: 0.1}\nschedule: {name: constant}\n'
+    printf 'run: {epochs: 2}\ndata: {train_size: 128, test_size: 8}\ntrain: {batch_size: 64}\n'
+    printf 'optimizer: {name: sgd, lr: 0.1}\nschedule: {name: constant}\ncheckpoint: {dir: %s}\n' "$T/ck"
 } >"$T/m4100.yaml"
-run big "$T/m4100.yaml" 1 1 128 8
+CKPT=1 EXTRA="--stop-after-epoch 1" run big "$T/m4100.yaml" 1 1 128 8
 grep -q "in 4100 tensors" "$T/big.log" || fail "psd did not train 4100 tensors"
-"$B/psd" export "$T/big.bin" "$T/big.safetensors" >/dev/null || fail "psd export of 4100 tensors"
-n=$(python3 -c 'import json,struct,sys; f=open(sys.argv[1],"rb"); n=struct.unpack("<Q",f.read(8))[0]; h=json.loads(f.read(n)); h.pop("__metadata__",None); print(len(h))' "$T/big.safetensors")
+CKPT=1 EXTRA="--resume $T/ck" run again "$T/m4100.yaml" 1 1 128 8
+grep -q "resuming run" "$T/again.log" || { tail -n 20 "$T/again.log" >&2; fail "the 4100 tensors' run did not resume"; }
+grep -q "epoch 2/2" "$T/again.log" || fail "the resumed run did not train its second epoch"
+"$B/psd" export "$T/again.bin" "$T/again.safetensors" >/dev/null || fail "psd export of 4100 tensors"
+ck=$(ls "$T"/ck/run-*/ckpt-*.psdc | sort | tail -n 1)
+"$B/psd" export "$ck" "$T/ck.safetensors" >/dev/null || fail "psd export of the 4100 tensors' checkpoint"
+cmp -s "$T/again.safetensors" "$T/ck.safetensors" || fail "the last checkpoint's weights are not the saved ones"
+n=$(python3 -c 'import json,struct,sys; f=open(sys.argv[1],"rb"); n=struct.unpack("<Q",f.read(8))[0]; h=json.loads(f.read(n)); h.pop("__metadata__",None); print(len(h))' "$T/again.safetensors")
 [ "$n" = 4100 ] || fail "the exported weights hold $n tensors, not 4100"
-echo "tables: 4100 tensors trained; their weights exported as safetensors hold all 4100"
+echo "tables: 4100 tensors: stopped after epoch 1, resumed from its checkpoint to the end; the weights saved and the"
+echo "tables: last checkpoint exported as safetensors hold all 4100 tensors, the same bytes"
 echo "tables: ok"
