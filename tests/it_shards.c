@@ -32,6 +32,7 @@
 #include "ps_ctr.h"
 #include "ps_model.h"
 #include "ps_shm.h"
+#include "ps_table.h"
 #include "psworker.h"
 #include "ps_util.h"
 #include "ps_weights.h"
@@ -118,8 +119,9 @@ static void shard_step(void *lead, const uint8_t *ident, size_t ilen, uint64_t v
 
 /* The test as shard 0 of 2 against a real `psd --shard 1/2` (started with
  * the extra arguments, its log in `log`): it joins (the test answers its
- * HELLO), learns that rank 0 may register with fake_token, and rank 0 is
- * registered with it (w). */
+ * HELLO with l's table; the shard draws its part of the initial values as
+ * its config says and says so), learns that rank 0 may register with
+ * fake_token, and rank 0 is registered with it (w). */
 typedef struct {
     void *ctx, *lead, *w; /* shard 0's ROUTER; rank 0's DEALER to the shard */
     char wep[64], log[256];
@@ -131,7 +133,7 @@ typedef struct {
 
 static const uint8_t fake_token[PS_SHM_TOKEN] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
 
-static void fake_lead_start(fake_lead_t *f, const char *logname, const char *const *extra)
+static void fake_lead_start(fake_lead_t *f, const char *logname, const char *const *extra, const ps_layout_t *l)
 {
     memset(f, 0, sizeof *f);
     f->ctx = zmq_ctx_new();
@@ -160,7 +162,17 @@ static void fake_lead_start(fake_lead_t *f, const char *logname, const char *con
     hb.shards = 2;
     h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     h.shard_hello = &hb;
-    cr_assert_eq(ps_msg_send(f->lead, f->ident, f->ilen, &h, NULL, 0), 0);
+    uint8_t *tb;
+    size_t tlen;
+    cr_assert_eq(ps_table_pack(l, &tb, &tlen), 0);
+    ps_frame_t table = {.data = tb, .nbytes = tlen, .dtype = PSD__DTYPE__DT_U8, .rows = tlen};
+    cr_assert_eq(ps_msg_send(f->lead, f->ident, f->ilen, &h, &table, 1), 0);
+    free(tb);
+    cr_assert_eq(recv_type(f->lead, true, PSD__MSG_TYPE__MSG_SHARD_INIT_DONE, &m, 60), 0, "no INIT_DONE (%s)", f->log);
+    ps_piece_t p[PS_MAX_TENSORS];
+    ps_shard_pieces(l, 1, 2, p);
+    cr_assert_eq(m.hdr->shard_fetch->count, ps_part_size(p, l->n_tensors), "its part, drawn");
+    ps_msg_deinit(&m);
     h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_WORKER, ++f->lseq);
     Psd__ShardWorker sw = PSD__SHARD_WORKER__INIT;
     sw.token.data = (uint8_t *)fake_token;
@@ -196,7 +208,9 @@ Test(short, a_psd_shard_keeps_pushes_across_registrations_and_refuses_repeated_r
     const char *extra[] = {"--set", "model.layers=[784,4]", "--set", "optimizer.momentum=0", "--set",
                            "optimizer.weight_decay=0", "--set", "data.train_limit=1000", "--log-level", "debug", NULL};
     fake_lead_t f;
-    fake_lead_start(&f, "fakelead-shard.log", extra);
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, (const int[]){784, 4}, 2), 0);
+    fake_lead_start(&f, "fakelead-shard.log", extra, &l);
     ps_msg_t m;
     Psd__Header h;
     shard_push(f.w, 0, &f.seq);
@@ -245,7 +259,9 @@ Test(short, a_psd_shard_forgets_a_rank_given_to_a_new_worker)
     const char *extra[] = {"--set", "model.layers=[784,4]", "--set", "optimizer.momentum=0", "--set",
                            "optimizer.weight_decay=0", "--set", "data.train_limit=1000", NULL};
     fake_lead_t f;
-    fake_lead_start(&f, "fakelead-reuse.log", extra);
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, (const int[]){784, 4}, 2), 0);
+    fake_lead_start(&f, "fakelead-reuse.log", extra, &l);
     ps_msg_t m;
     shard_push(f.w, 0, &f.seq); /* the old worker's push, complete here */
     cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE");
@@ -350,7 +366,7 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
     snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
     const char *extra[] = {"--config", cfg, NULL};
     fake_lead_t f;
-    fake_lead_start(&f, "fakelead-rows.log", extra);
+    fake_lead_start(&f, "fakelead-rows.log", extra, &l);
     ps_msg_t m;
     Psd__Header h;
     void *w = f.w;
@@ -468,7 +484,9 @@ Test(short, a_psd_shard_refuses_a_negative_norm)
     const char *extra[] = {"--set", "model.layers=[784,4]", "--set", "optimizer.clip_norm=1", "--set",
                            "data.train_limit=1000", NULL};
     fake_lead_t f;
-    fake_lead_start(&f, "fakelead-norm.log", extra);
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, (const int[]){784, 4}, 2), 0);
+    fake_lead_start(&f, "fakelead-norm.log", extra, &l);
     ps_msg_t m;
     shard_push(f.w, 0, &f.seq);
     cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE");
