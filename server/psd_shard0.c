@@ -192,14 +192,18 @@ static void on_init_fetch(srv_t *s, int i, ps_msg_t *m)
     shard_t *sh = &s->sh.shard[i];
     const Psd__ShardFetch *f = m->hdr->shard_fetch;
     ps_piece_t part[PS_MAX_TENSORS], r[PS_MAX_TENSORS];
+    const char *why = !s->sh.init || sh->valued ? "no values are kept for it"
+                      : f->from != sh->init_from ? "not where the chunk before ended"
+                      : f->count == 0 || f->count > PSD_FETCH_FLOATS ? "none, or more than 16 MiB"
+                                                                      : NULL;
     int nr = 0;
-    if (s->sh.init && !sh->valued && f->from == sh->init_from && f->count > 0 && f->count <= PSD_FETCH_FLOATS) {
+    if (!why) {
         ps_shard_pieces(&s->layout, i, s->sh.n, part);
         nr = ps_part_range(part, s->layout.n_tensors, f->from, f->count, r);
+        why = nr == 0 ? "not in its part" : NULL;
     }
-    if (nr == 0) {
-        drop_shard(s, i, "INIT_FETCH of floats [%" PRIu64 ", +%" PRIu64 ") of its part: %s", f->from, f->count,
-                   !s->sh.init || sh->valued ? "no values are kept for it" : "not the next chunk of its part");
+    if (why) {
+        drop_shard(s, i, "INIT_FETCH of floats [%" PRIu64 ", +%" PRIu64 ") of its part: %s", f->from, f->count, why);
         return;
     }
     ps_frame_t fr[PS_MAX_TENSORS];
