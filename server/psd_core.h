@@ -12,7 +12,7 @@
  *   psd_model.c    the model's set-up: store, holder, tensor table, streamed
  *                  chunks (at start, or when the first worker's values come)
  *   psd_shard0.c   shard 0's side of the psd shard protocol: joining, the
- *                  weights file from the shards' parts
+ *                  shards' initial values, the weights file from their parts
  *   psd_push.c     pushes, pulls, the shards' HAVE and NORM, maybe_step
  *   psd_stream.c   streamed steps (train.stream)
  *   psd_step.c     the step, its accounting, pull answers, weights replies
