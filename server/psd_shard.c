@@ -1062,7 +1062,11 @@ static void on_tick(uv_timer_t *t)
     }
     if (!s->joined) {
         if (now - s->start > c->start_timeout) {
-            PS_ERROR("shard %d: shard 0 at %s did not answer in %.0f s", shard, s->opts.leader, c->start_timeout);
+            if (s->told_wait)
+                PS_ERROR("shard %d: shard 0 at %s had no model in %.0f s (model.kind from_worker: no worker offered "
+                         "one)", shard, s->opts.leader, c->start_timeout);
+            else
+                PS_ERROR("shard %d: shard 0 at %s did not answer in %.0f s", shard, s->opts.leader, c->start_timeout);
             s->exit_code = PSD_EXIT_START_TIMEOUT;
             s->done = true;
             uv_stop(&s->loop);
