@@ -91,8 +91,9 @@ typedef struct {
     bool joined;
     /* its model: the config's layout (draws: laid out at the start, its
      * values drawn as the config says) or shard 0's table (model.init,
-     * from_worker: fetched), set up when shard 0 answers HELLO (model_ready) */
-    bool draws, model_ready, told_wait;
+     * from_worker: fetched), set up when shard 0 answers HELLO (model_setup);
+     * told_wait: shard 0 answered that it has no model yet */
+    bool draws, told_wait;
     bool valued;               /* a run not resumed: this part's initial values are all here */
     uint64_t init_size, init_from, init_count, init_chunks; /* this part's floats, those in, the chunk asked for */
     double init_asked;         /* when that chunk was asked for (0: none is) */
@@ -597,7 +598,6 @@ static int model_setup(shard_t *s)
         }
         s->hold.table_on_psd = psd_table_on_psd(c, &s->layout, true); /* as shard 0 decides */
     }
-    s->model_ready = true;
     s->silence = psd_silence_limit(c, s->layout.n_params);
     PS_INFO("shard %d/%d holds %" PRIu64 " of %zu parameters (%.1f MB)", shard, shards, s->init_size,
             s->layout.n_params, (double)s->init_size * sizeof(float) / 1e6);
