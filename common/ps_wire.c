@@ -14,7 +14,8 @@ const char *ps_msg_type_name(int type)
                                   "VAL_RESULT", "SHUTDOWN", "ERROR",    "HEARTBEAT", "LEAVE",
                                   "SHARD_HELLO", "SHARD_WORKER", "SHARD_HAVE", "SHARD_STEP", "SHARD_NORM",
                                   "SHARD_APPLY", "SHARD_FETCH", "SHARD_CKPT", "CONTROL", "CONTROL_REPLY",
-                                  "SHARD_CKPT_DONE", "SHARD_RESUMED", "SHARD_RESUME", "OFFER", "VALUES"};
+                                  "SHARD_CKPT_DONE", "SHARD_RESUMED", "SHARD_RESUME", "OFFER", "VALUES",
+                                  "SHARD_INIT_FETCH", "SHARD_INIT_VALUES", "SHARD_INIT_DONE"};
     if (type < 0 || type >= (int)(sizeof names / sizeof names[0])) return "UNKNOWN";
     return names[type];
 }
@@ -52,6 +53,9 @@ static int body_for_type(int type)
     case PSD__MSG_TYPE__MSG_SHARD_RESUME: return PSD__HEADER__BODY_SHARD_HELLO;
     case PSD__MSG_TYPE__MSG_OFFER: return PSD__HEADER__BODY_OFFER;
     case PSD__MSG_TYPE__MSG_VALUES: return PSD__HEADER__BODY_VALUES;
+    case PSD__MSG_TYPE__MSG_SHARD_INIT_FETCH:
+    case PSD__MSG_TYPE__MSG_SHARD_INIT_VALUES:
+    case PSD__MSG_TYPE__MSG_SHARD_INIT_DONE: return PSD__HEADER__BODY_SHARD_FETCH;
     default: return -1;
     }
 }

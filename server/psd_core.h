@@ -12,7 +12,7 @@
  *   psd_model.c    the model's set-up: store, holder, tensor table, streamed
  *                  chunks (at start, or when the first worker's values come)
  *   psd_shard0.c   shard 0's side of the psd shard protocol: joining, the
- *                  weights file from the shards' parts
+ *                  shards' initial values, the weights file from their parts
  *   psd_push.c     pushes, pulls, the shards' HAVE and NORM, maybe_step
  *   psd_stream.c   streamed steps (train.stream)
  *   psd_step.c     the step, its accounting, pull answers, weights replies
@@ -202,6 +202,9 @@ typedef struct {
     uint64_t resumed_step, resumed_version;
     int conn;             /* the connection its messages come on (as a worker's) */
     bool conn_closed;     /* that connection closed: the run stops at the next tick */
+    bool told_wait;       /* its HELLO came before the model (from_worker): told to wait (logged once) */
+    bool valued;          /* a run not resumed: its part of the initial values is all in (SHARD_INIT_DONE) */
+    uint64_t init_from, init_chunks; /* floats of its part sent so far (SHARD_INIT_FETCH asks in order), chunks */
 } shard_t;
 
 /* The parts of srv_t, each kept by the file named (it sets the part up and
@@ -268,6 +271,12 @@ typedef struct {
     uint64_t resume_steps[PSD_RESUME_STEPS_MAX];
     size_t n_resume_steps;
     bool resume_agreed;   /* every shard resumed at shard 0's step: training may begin */
+    /* a run not resumed whose initial values are not the config's to draw
+     * (model.init's file, the first worker's): the other shards' pieces of
+     * them, laid out as the model (pages of shard 0's own part never
+     * taken), kept until every shard has fetched its part; NULL: none */
+    float *init;
+    size_t init_bytes;    /* its mapping's length */
 } psd_shards_part_t;
 
 /* Checkpoints: the one being written and those asked for meanwhile
@@ -467,9 +476,21 @@ static inline int shards_joined(const srv_t *s)
 
 static inline bool all_shards(const srv_t *s) { return shards_joined(s) == s->sh.n - 1; }
 
-/* Every shard joined and, after a resume, resumed its part at shard 0's step:
- * workers are sent their ASSIGN (which names every shard) from then on. */
-static inline bool shards_ready(const srv_t *s) { return all_shards(s) && (!s->opts.resume_dir || s->sh.resume_agreed); }
+/* Every shard has its part of the initial values (a run not resumed). */
+static inline bool shards_valued(const srv_t *s)
+{
+    for (int i = 1; i < s->sh.n; i++)
+        if (!s->sh.shard[i].joined || !s->sh.shard[i].valued) return false;
+    return true;
+}
+
+/* Every shard joined and holds its part: its initial values, or after a
+ * resume, its checkpoint of shard 0's step. Workers are sent their ASSIGN
+ * (which names every shard) from then on. */
+static inline bool shards_ready(const srv_t *s)
+{
+    return all_shards(s) && (s->opts.resume_dir ? s->sh.resume_agreed : shards_valued(s));
+}
 
 /* Bits of the shards 1..n-1 (bit i: shard i). */
 static inline uint32_t shard_bits(const srv_t *s) { return ((1u << s->sh.n) - 1u) & ~1u; }
@@ -528,8 +549,12 @@ void take_checkpoint(srv_t *s, bool epoch_done);
 void worker_gone(srv_t *s, worker_t *w);
 worker_t *least_busy(srv_t *s);
 
-/* psd_shard0.c: shard 0's side of the shard protocol (joining, the weights file's parts) */
+/* psd_shard0.c: shard 0's side of the shard protocol (joining, the initial values, the weights file's parts) */
 bool begin_save(srv_t *s);
+int shards_check_parts(const srv_t *s);
+int shards_init_new(srv_t *s);
+void shards_init_keep(srv_t *s, const float *const *values);
+void shards_init_free(srv_t *s);
 bool shards_resumed(const srv_t *s);
 int find_shard(const srv_t *s, const uint8_t *ident, size_t len);
 void fetch_next(srv_t *s);

@@ -393,11 +393,6 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: %s%s%s\n", config ? config : "", config ? ": " : "", err);
         goto out;
     }
-    if (run.shards > 1 && cfg.kind == PS_MODEL_FROM_WORKER) {
-        fprintf(stderr, "psd: model.kind from_worker needs one psd for now: psd shards (--shard) take a model of the "
-                        "config (model.kind tensors, model.init)\n");
-        goto out;
-    }
     if (run.shards > 1 && cfg.stream) {
         fprintf(stderr, "psd: train.stream: true needs one psd; psd shards (--shard) take whole pushes\n");
         goto out;

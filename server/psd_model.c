@@ -14,6 +14,18 @@ static int oom(srv_t *s)
     return PSD_EXIT_ERROR;
 }
 
+/* The store's pieces (own[]: whole tensors for one psd) of the initial
+ * values: each tensor whole in values[t], or (values NULL) laid out as the
+ * model in arena. */
+static void take_values(srv_t *s, const float *const *values, const float *arena)
+{
+    for (int t = 0; t < s->layout.n_tensors; t++) {
+        const ps_piece_t *p = &s->store.own[t];
+        const float *src = values ? values[t] : arena + s->layout.t[t].offset;
+        if (p->n) memcpy(s->store.cur->w + s->layout.t[t].offset + p->off, src + p->off, p->n * sizeof(float));
+    }
+}
+
 int psd_model_setup(srv_t *s, const float *const *values)
 {
     const ps_config_t *c = &s->cfg;
@@ -25,16 +37,27 @@ int psd_model_setup(srv_t *s, const float *const *values)
         psd_hold_init(&s->holder, &s->store, &s->layout, c, opts->shards > 1, MAX_WORKERS) != 0) {
         return oom(s);
     }
+    int code;
+    if (sharded(s) && (code = shards_check_parts(s)) != 0) return code;
+    /* values the config does not draw (model.init's file, the first
+     * worker's): psd shards that do not resume fetch their parts of them
+     * from here (psd_shard0.c), so the file is read here only, once */
+    const bool file = c->kind == PS_MODEL_TENSORS && c->init_file[0];
+    if (sharded(s) && !opts->resume_dir && (file || values) && shards_init_new(s) != 0) return oom(s);
     char lerr[512];
-    if (c->kind == PS_MODEL_TENSORS && c->init_file[0] &&
-        ps_st_init_values(c->init_file, &s->layout, s->store.cur->w, opts->shards > 1 ? s->store.own : NULL, lerr,
-                          sizeof lerr) != 0) {
-        PS_ERROR("model.init: %s", lerr);
-        return PSD_EXIT_USAGE;
+    if (file) {
+        float *to = s->sh.init ? s->sh.init : s->store.cur->w; /* every piece, or this store's */
+        if (ps_st_init_values(c->init_file, &s->layout, to, s->sh.init || !sharded(s) ? NULL : s->store.own, lerr,
+                              sizeof lerr) != 0) {
+            PS_ERROR("model.init: %s", lerr);
+            return PSD_EXIT_USAGE;
+        }
+        if (s->sh.init) take_values(s, NULL, s->sh.init);
     }
-    if (values) /* the first worker's (model.kind from_worker) */
-        for (int t = 0; t < s->layout.n_tensors; t++)
-            memcpy(s->store.cur->w + s->layout.t[t].offset, values[t], s->layout.t[t].numel * sizeof(float));
+    if (values) { /* the first worker's (model.kind from_worker) */
+        take_values(s, values, NULL);
+        if (s->sh.init) shards_init_keep(s, values);
+    }
     s->holder.verify = opts->verify_weights;
     int threads = psd_step_threads(c);
     if (psd_store_set_parallel(&s->store, threads, (size_t)c->chunk_bytes) != 0) {

@@ -1155,7 +1155,9 @@ void on_register(srv_t *s, ps_msg_t *m)
             m->hdr->run_id ? ", rejoining" : "", live_workers(s));
     if (sharded(s) && !shards_ready(s)) { /* its ASSIGN names every shard */
         w->assign_wait = true;
-        if (all_shards(s)) PS_INFO("rank %u waits for the psd shards to resume", w->rank);
+        if (all_shards(s))
+            PS_INFO("rank %u waits for the psd shards to %s", w->rank,
+                    s->opts.resume_dir ? "resume" : "have their parts of the initial values");
         else
             PS_INFO("rank %u waits for %d more psd shard%s", w->rank, s->sh.n - 1 - shards_joined(s),
                     s->sh.n - 1 - shards_joined(s) == 1 ? "" : "s");

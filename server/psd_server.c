@@ -396,9 +396,11 @@ static void on_timer(uv_timer_t *t)
             int ready = 0;
             for (int i = 0; i < s->n; i++) ready += s->w[i].state == W_READY;
             PS_ERROR("start timeout: %d of %d workers registered, %d ready after %.0f s%s", s->n, s->cfg.workers,
-                     ready, s->cfg.start_timeout, sharded(s) && !all_shards(s)    ? " (not every psd shard joined)"
-                     : sharded(s) && !shards_ready(s) ? " (not every psd shard resumed)"
-                                                      : "");
+                     ready, s->cfg.start_timeout, sharded(s) && !all_shards(s) ? " (not every psd shard joined)"
+                     : sharded(s) && !shards_ready(s)
+                         ? (s->opts.resume_dir ? " (not every psd shard resumed)"
+                                               : " (not every psd shard has its part of the initial values)")
+                         : "");
             finish(s, PSD_EXIT_START_TIMEOUT, "not all workers came in time");
         }
     } else if (s->phase == PHASE_TRAIN || s->phase == PHASE_VALIDATE) {
@@ -961,6 +963,7 @@ out:
         code = PSD_EXIT_METRICS;
     }
     psd_locks_release(&s->locks);
+    shards_init_free(s);
     psd_hold_deinit(&s->holder);
     psd_store_deinit(&s->store);
     ps_layout_free(&s->layout);

@@ -5,7 +5,15 @@
  * tensor (ps_shard_pieces) with their optimizer state, and does what shard
  * 0 tells it over one DEALER connection:
  *
- *   SHARD_HELLO   ->        (retried until answered; the answer has the run id)
+ *   SHARD_HELLO   ->        (retried until answered; the answer has the run id
+ *                           and the run's tensor table, or says to wait: shard 0
+ *                           has no model yet, model.kind from_worker)
+ *   SHARD_INIT_FETCH ->     (a run not resumed, values the config does not draw:
+ *   <- SHARD_INIT_VALUES    model.init's, the first worker's) this part's initial
+ *                           values, a chunk at a time, each asked for once the one
+ *                           before is in
+ *   SHARD_INIT_DONE  ->     this part holds its initial values (fetched, or drawn
+ *                           as the config says): the shard has joined
  *   <- SHARD_WORKER         a worker's rank and token: it may now register here
  *   SHARD_HAVE    ->        a worker's push for the current version is all here
  *   <- SHARD_STEP           reduce these contributors in this order, and apply
@@ -38,6 +46,7 @@
 
 #include "ps_auth.h"
 #include "ps_log.h"
+#include "ps_table.h"
 #include "ps_weights_st.h"
 #include "ps_shm.h"
 #include "ps_util.h"
@@ -80,6 +89,14 @@ typedef struct {
     uint64_t hs_failed;
     uint64_t run_id, config_hash, seq_out;
     bool joined;
+    /* its model: the config's layout (draws: laid out at the start, its
+     * values drawn as the config says) or shard 0's table (model.init,
+     * from_worker: fetched), set up when shard 0 answers HELLO (model_setup);
+     * told_wait: shard 0 answered that it has no model yet */
+    bool draws, told_wait;
+    bool valued;               /* a run not resumed: this part's initial values are all here */
+    uint64_t init_size, init_from, init_count, init_chunks; /* this part's floats, those in, the chunk asked for */
+    double init_asked;         /* when that chunk was asked for (0: none is) */
     double leader_seen;
     int leader_tcp_fd;         /* the connection to shard 0 given server.tcp_congestion (fd + 1) */
     char bound[256];           /* the endpoint it listens on, its port found (ZMQ_LAST_ENDPOINT) */
@@ -146,7 +163,7 @@ static void hello(shard_t *s)
     b.shards = (uint32_t)s->opts.shards;
     b.endpoint = (char *)s->opts.advertise;
     b.config_hash = s->config_hash;
-    b.n_params = s->layout.n_params;
+    b.n_params = s->draws ? s->layout.n_params : 0; /* 0: the model is shard 0's to say */
     b.hostname = host;
     b.pid = (uint32_t)getpid();
     b.version = PSD_VERSION;
@@ -539,6 +556,204 @@ none:
     return -1;
 }
 
+/* ---- the model: shard 0's table, this part's initial values ------------- */
+
+/* This part's store, holder and step buffers for s->layout. 0, or an exit
+ * code after a message. */
+static int model_setup(shard_t *s)
+{
+    const ps_config_t *c = &s->cfg;
+    const int shard = s->opts.shard, shards = s->opts.shards;
+    psd_optim_t opt;
+    psd_optim_from_config(&opt, c);
+    if (psd_store_init_part(&s->store, &s->layout, &opt, c->seed, shard, shards) != 0 ||
+        psd_store_set_parallel(&s->store, psd_step_threads(c), (size_t)c->chunk_bytes) != 0) {
+        PS_ERROR("shard %d: out of memory for %zu parameters", shard, s->layout.n_params);
+        return PSD_EXIT_ERROR;
+    }
+    if (psd_hold_init(&s->hold, &s->store, &s->layout, c, true, SHARD_MAX_WORKERS) != 0) {
+        PS_ERROR("shard %d: out of memory for the workers' pushes", shard);
+        return PSD_EXIT_ERROR;
+    }
+    s->hold.verify = s->opts.verify_weights;
+    s->init_size = ps_part_size(s->store.own, s->layout.n_tensors);
+    for (int t = 0; t < s->layout.n_tensors; t++)
+        s->n_norm_blk += (s->store.own[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
+    if (!(s->norm_blk = calloc(s->n_norm_blk ? s->n_norm_blk : 1, sizeof *s->norm_blk))) {
+        PS_ERROR("shard %d: out of memory for %zu parameters", shard, s->layout.n_params);
+        return PSD_EXIT_ERROR;
+    }
+    if (s->init_size == 0) { /* shard 0 refuses such a model first: this one's config, then */
+        PS_ERROR("shard %d of %d holds no parameters: the model has fewer blocks of %d floats than shards; use fewer "
+                 "shards", shard, shards, PSD_NORM_BLOCK);
+        return PSD_EXIT_USAGE;
+    }
+    /* the table stepped by rows when every shard's piece of it is whole rows
+     * (as shard 0 and the workers decide: they then send rows) */
+    if (ps_shards_table_rows(&s->layout, shards)) {
+        size_t room = (size_t)c->workers * s->hold.batch_rows;
+        if (psd_store_lazy_table(&s->store, room ? room : 1, SHARD_MAX_WORKERS) != 0) {
+            PS_ERROR("shard %d: out of memory for the table's row steps", shard);
+            return PSD_EXIT_ERROR;
+        }
+        s->hold.table_on_psd = psd_table_on_psd(c, &s->layout, true); /* as shard 0 decides */
+    }
+    s->silence = psd_silence_limit(c, s->layout.n_params);
+    PS_INFO("shard %d/%d holds %" PRIu64 " of %zu parameters (%.1f MB)", shard, shards, s->init_size,
+            s->layout.n_params, (double)s->init_size * sizeof(float) / 1e6);
+    return 0;
+}
+
+/* The model of shard 0's answer to HELLO (its one DT_U8 frame: the run's
+ * tensor table) set up: the config's layout when this shard draws its
+ * values (it must be the same table), else the table itself (this shard
+ * never reads model.init's file). 0, or -1 after fail(). */
+static int take_model(shard_t *s, const ps_msg_t *m)
+{
+    ps_layout_t l;
+    char why[400] = "no DT_U8 frame", msg[600];
+    if (m->n_frames != 1 || m->hdr->tensors[0]->dtype != PSD__DTYPE__DT_U8 ||
+        ps_table_unpack(zmq_msg_data((zmq_msg_t *)&m->frames[0]), zmq_msg_size((zmq_msg_t *)&m->frames[0]), &l, why,
+                        sizeof why) != 0) {
+        snprintf(msg, sizeof msg, "shard 0's answer holds no tensor table this shard can read: %s", why);
+        fail(s, msg);
+        return -1;
+    }
+    if (s->draws && !ps_layout_same_table_as(&s->layout, &l, "in this shard's config", "in shard 0's", why,
+                                             sizeof why)) {
+        snprintf(msg, sizeof msg, "the model of this shard's config is not shard 0's: %s", why);
+        fail(s, msg);
+        s->exit_code = PSD_EXIT_USAGE;
+        ps_layout_free(&l);
+        return -1;
+    }
+    if (s->draws) {
+        ps_layout_free(&l);
+    } else {
+        ps_layout_free(&s->layout);
+        s->layout = l; /* moved */
+    }
+    int code = model_setup(s);
+    if (code != 0) {
+        fail(s, code == PSD_EXIT_USAGE ? "its part of the model is empty (more shards than blocks)"
+                                       : "out of memory for its part of the model");
+        s->exit_code = code;
+        return -1;
+    }
+    return 0;
+}
+
+/* SHARD_INIT_FETCH or SHARD_INIT_DONE to shard 0: floats [from, from + count)
+ * of this part. */
+static void init_send(shard_t *s, int type, uint64_t from, uint64_t count)
+{
+    Psd__Header h;
+    Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
+    psd__header__init(&h);
+    h.type = type;
+    f.from = from;
+    f.count = count;
+    h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
+    h.shard_fetch = &f;
+    int rc = to_leader(s, &h, NULL, 0);
+    if (rc < 0) PS_WARN("shard %d cannot send %s: %s", s->opts.shard, ps_msg_type_name(type), zmq_strerror(-rc));
+}
+
+/* This part holds its initial values: shard 0 is told (it counts this shard
+ * joined only then). */
+static void init_done(shard_t *s, bool fetched)
+{
+    s->valued = true;
+    init_send(s, PSD__MSG_TYPE__MSG_SHARD_INIT_DONE, 0, s->init_size);
+    if (fetched)
+        PS_INFO("shard %d has its part of the initial values from shard 0: %" PRIu64 " floats in %" PRIu64 " chunks",
+                s->opts.shard, s->init_size, s->init_chunks);
+    else
+        PS_INFO("shard %d drew its part of the initial values as the config says: %" PRIu64 " floats", s->opts.shard,
+                s->init_size);
+}
+
+/* Ask shard 0 for the next chunk of this part's initial values (psd
+ * --x-fetch-floats N sets its size, tests only; 16 MiB at most), or, all
+ * in, say so. */
+static void init_next(shard_t *s)
+{
+    if (s->init_from >= s->init_size) {
+        init_done(s, true);
+        return;
+    }
+    uint64_t chunk = s->opts.fetch_floats && s->opts.fetch_floats < PSD_FETCH_FLOATS ? s->opts.fetch_floats
+                                                                                     : PSD_FETCH_FLOATS;
+    s->init_count = s->init_size - s->init_from < chunk ? s->init_size - s->init_from : chunk;
+    s->init_asked = ps_now();
+    s->init_chunks++;
+    init_send(s, PSD__MSG_TYPE__MSG_SHARD_INIT_FETCH, s->init_from, s->init_count);
+}
+
+/* SHARD_INIT_VALUES: the chunk asked for, checked against the pieces of
+ * this part it must hold (ps_part_range, as shard 0 cut it), into the
+ * store. One that was not asked for is dropped; the chunk asked for that
+ * does not match fails the run (shard 0 sends it once). */
+static void on_init_values(shard_t *s, ps_msg_t *m)
+{
+    const Psd__ShardFetch *f = m->hdr->shard_fetch;
+    if (s->init_asked == 0 || f->from != s->init_from || f->count != s->init_count) {
+        sdrop(s, "INIT_VALUES of floats [%" PRIu64 ", +%" PRIu64 ") of its part, which it did not ask for", f->from,
+              f->count);
+        return;
+    }
+    ps_piece_t r[PS_MAX_TENSORS];
+    int nr = ps_part_range(s->store.own, s->layout.n_tensors, s->init_from, s->init_count, r);
+    bool ok = nr > 0 && nr == m->n_frames;
+    for (int k = 0; ok && k < nr; k++) {
+        size_t n = 0;
+        ok = ps_msg_f32(m, k, &n) && m->hdr->tensors[k]->id == (uint32_t)r[k].t &&
+             m->hdr->tensors[k]->offset == r[k].off && n == r[k].n;
+    }
+    if (!ok) {
+        fail(s, "shard 0 sent initial values that are not the chunk of this shard's part asked for");
+        return;
+    }
+    for (int k = 0; k < nr; k++) {
+        size_t n = 0;
+        const float *src = ps_msg_f32(m, k, &n);
+        memcpy(s->store.cur->w + s->layout.t[r[k].t].offset + r[k].off, src, n * sizeof(float));
+    }
+    s->init_from += s->init_count;
+    s->init_asked = 0;
+    init_next(s);
+}
+
+/* Shard 0's answer to HELLO (not a wait): the run, its model, then this
+ * part: resumed from this shard's checkpoints, fetched from shard 0, or
+ * drawn as the config says. */
+static void on_joined(shard_t *s, ps_msg_t *m)
+{
+    const Psd__ShardHello *a = m->hdr->shard_hello;
+    s->joined = true;
+    s->run_id = m->hdr->run_id;
+    if (a->resume && !s->opts.resume_dir) {
+        fail(s, "shard 0 resumed a run, and this shard was started without --resume DIR");
+        s->exit_code = PSD_EXIT_USAGE;
+        return;
+    }
+    if (a->resume && a->n_resume_steps > PSD_RESUME_STEPS_MAX) {
+        fail(s, "shard 0 sent more steps to resume at than a run keeps");
+        return;
+    }
+    if (take_model(s, m) != 0) return;
+    PS_INFO("shard %d/%d joined run %016" PRIx64 "; workers reach it at %s", s->opts.shard, s->opts.shards, s->run_id,
+            s->opts.advertise);
+    if (a->resume)
+        resume_part(s, a->resume_steps, a->n_resume_steps);
+    else if (a->fetch_values)
+        init_next(s);
+    else if (s->draws)
+        init_done(s, false); /* drawn by psd_store_init_part */
+    else
+        fail(s, "shard 0 sends no initial values, and this shard's config does not draw them");
+}
+
 static void on_leader(shard_t *s, ps_msg_t *m)
 {
     Psd__Header *h = m->hdr;
@@ -549,31 +764,30 @@ static void on_leader(shard_t *s, ps_msg_t *m)
         return;
     }
     if (h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
-        if (s->joined) return;
-        s->joined = true;
-        s->run_id = h->run_id;
-        if (h->shard_hello->resume && !s->opts.resume_dir) {
-            fail(s, "shard 0 resumed a run, and this shard was started without --resume DIR");
-            s->exit_code = PSD_EXIT_USAGE;
+        if (s->joined) return; /* an answer to a HELLO said again */
+        if (h->shard_hello->wait) { /* model.kind from_worker: until the first worker's values come */
+            if (!s->told_wait)
+                PS_INFO("shard %d: shard 0 has no model yet (model.kind from_worker: the first worker's); waiting",
+                        s->opts.shard);
+            s->told_wait = true;
             return;
         }
-        if (h->shard_hello->resume && h->shard_hello->n_resume_steps > PSD_RESUME_STEPS_MAX) {
-            fail(s, "shard 0 sent more steps to resume at than a run keeps");
-            return;
-        }
-        if (h->shard_hello->resume &&
-            resume_part(s, h->shard_hello->resume_steps, h->shard_hello->n_resume_steps) != 0)
-            return;
-        PS_INFO("shard %d/%d joined run %016" PRIx64 "; workers reach it at %s", s->opts.shard, s->opts.shards,
-                s->run_id, s->opts.advertise);
+        on_joined(s, m);
         return;
     }
     if (!s->joined || h->run_id != s->run_id) {
         sdrop(s, "%s from shard 0 before joining or of another run", ps_msg_type_name((int)h->type));
         return;
     }
+    /* a run not resumed: nothing but this part's values (and the run's end) until they are all here */
+    if (!s->opts.resume_dir && !s->valued && h->type != PSD__MSG_TYPE__MSG_SHARD_INIT_VALUES &&
+        h->type != PSD__MSG_TYPE__MSG_HEARTBEAT && h->type != PSD__MSG_TYPE__MSG_SHUTDOWN) {
+        sdrop(s, "%s from shard 0 before this shard has its initial values", ps_msg_type_name((int)h->type));
+        return;
+    }
     switch (h->type) {
     case PSD__MSG_TYPE__MSG_HEARTBEAT: break;
+    case PSD__MSG_TYPE__MSG_SHARD_INIT_VALUES: on_init_values(s, m); break;
     case PSD__MSG_TYPE__MSG_SHARD_WORKER: {
         Psd__ShardWorker *sw = h->shard_worker;
         if (sw->rank >= SHARD_MAX_WORKERS || sw->token.len != PS_SHM_TOKEN) {
@@ -854,7 +1068,11 @@ static void on_tick(uv_timer_t *t)
     }
     if (!s->joined) {
         if (now - s->start > c->start_timeout) {
-            PS_ERROR("shard %d: shard 0 at %s did not answer in %.0f s", shard, s->opts.leader, c->start_timeout);
+            if (s->told_wait)
+                PS_ERROR("shard %d: shard 0 at %s had no model in %.0f s (model.kind from_worker: no worker offered "
+                         "one)", shard, s->opts.leader, c->start_timeout);
+            else
+                PS_ERROR("shard %d: shard 0 at %s did not answer in %.0f s", shard, s->opts.leader, c->start_timeout);
             s->exit_code = PSD_EXIT_START_TIMEOUT;
             s->done = true;
             uv_stop(&s->loop);
@@ -879,6 +1097,15 @@ static void on_tick(uv_timer_t *t)
                          now - s->leader_seen);
             s->exit_code = PSD_EXIT_SHARD_LOST;
             s->done = true;
+            uv_stop(&s->loop);
+            return;
+        }
+        if (s->init_asked > 0 && now - ps_heard_at(&s->hearing, s->init_asked) > s->silence) {
+            char why[160];
+            snprintf(why, sizeof why, "shard 0 did not send the chunk of this shard's initial values asked for %.1f s "
+                     "ago", now - s->init_asked);
+            fail(s, why);
+            s->exit_code = PSD_EXIT_SHARD_LOST;
             uv_stop(&s->loop);
             return;
         }
@@ -975,59 +1202,24 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->w = calloc(SHARD_MAX_WORKERS, sizeof *s->w);
     ps_arena_init(&s->rx_arena, s->rx_buf, sizeof s->rx_buf);
     if (!s->w) goto out;
+    /* the model is shard 0's (its answer to HELLO holds the table); a config
+     * that draws the initial values (not model.init's file, not the first
+     * worker's) is laid out now, and checked against shard 0's table then */
+    s->draws = c->kind != PS_MODEL_FROM_WORKER && !(c->kind == PS_MODEL_TENSORS && c->init_file[0]);
     char lerr[512];
-    if (ps_run_layout(c, &s->layout, lerr, sizeof lerr) != 0) {
+    if (s->draws && ps_run_layout(c, &s->layout, lerr, sizeof lerr) != 0) {
         PS_ERROR("%s", lerr);
         code = PSD_EXIT_USAGE;
         goto out;
     }
-    psd_optim_t opt;
-    psd_optim_from_config(&opt, c);
-    if (psd_store_init_part(&s->store, &s->layout, &opt, c->seed, opts->shard, opts->shards) != 0 ||
-        psd_store_set_parallel(&s->store, psd_step_threads(c), (size_t)c->chunk_bytes) != 0) {
-        PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
-        goto out;
-    }
-    if (c->kind == PS_MODEL_TENSORS && c->init_file[0] &&
-        ps_st_init_values(c->init_file, &s->layout, s->store.cur->w, s->store.own, lerr, sizeof lerr) != 0) {
-        PS_ERROR("model.init: %s", lerr);
-        code = PSD_EXIT_USAGE;
-        goto out;
-    }
-    if (psd_hold_init(&s->hold, &s->store, &s->layout, c, true, SHARD_MAX_WORKERS) != 0) {
-        PS_ERROR("out of memory for the workers' pushes");
-        goto out;
-    }
-    s->hold.verify = opts->verify_weights;
-    size_t owned = 0;
-    for (int t = 0; t < s->layout.n_tensors; t++) owned += s->store.own[t].n;
-    for (int t = 0; t < s->layout.n_tensors; t++)
-        s->n_norm_blk += (s->store.own[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
-    if (!(s->norm_blk = calloc(s->n_norm_blk ? s->n_norm_blk : 1, sizeof *s->norm_blk))) {
-        PS_ERROR("out of memory for %zu parameters", s->layout.n_params);
-        goto out;
-    }
-    if (owned == 0) {
-        PS_ERROR("shard %d of %d holds no parameters: the model has fewer blocks of %d floats than shards; use fewer "
-                 "shards", opts->shard, opts->shards, PSD_NORM_BLOCK);
-        code = PSD_EXIT_USAGE;
-        goto out;
-    }
-    /* the table stepped by rows when every shard's piece of it is whole rows
-     * (as shard 0 and the workers decide: they then send rows) */
-    if (ps_shards_table_rows(&s->layout, opts->shards)) {
-        size_t room = (size_t)c->workers * s->hold.batch_rows;
-        if (psd_store_lazy_table(&s->store, room ? room : 1, SHARD_MAX_WORKERS) != 0) {
-            PS_ERROR("out of memory for the table's row steps");
-            goto out;
-        }
-        s->hold.table_on_psd = psd_table_on_psd(c, &s->layout, true); /* as shard 0 decides */
-    }
+    /* messages and silences sized for the model, or before it is known for
+     * the largest shard 0 takes (model.max_params) */
+    const size_t n_params = s->draws ? s->layout.n_params : (size_t)c->max_params;
     s->zctx = psd_zmq_context(c);
-    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, s->layout.n_params, false, false, &s->locks, &s->router, &s->zap,
-                                &s->mon)) != 0)
+    if ((code = psd_router_open(s->zctx, c, c->listen, opts->no_zap, n_params, false, false, &s->locks, &s->router,
+                                &s->zap, &s->mon)) != 0)
         goto out;
-    const double silence = psd_silence_limit(c, s->layout.n_params);
+    const double silence = psd_silence_limit(c, n_params);
     code = PSD_EXIT_ERROR;
     char *ep = s->bound, bad[400];
     size_t eplen = sizeof s->bound;
@@ -1073,10 +1265,7 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         code = PSD_EXIT_USAGE;
         goto out;
     }
-    size_t bytes = 0;
-    for (int t = 0; t < s->layout.n_tensors; t++) bytes += s->store.own[t].n * sizeof(float);
-    PS_INFO("psd %s shard %d/%d: %zu of %zu parameters (%.1f MB), listening on %s, joining shard 0 at %s",
-            PSD_VERSION, opts->shard, opts->shards, bytes / sizeof(float), s->layout.n_params, (double)bytes / 1e6, ep,
+    PS_INFO("psd %s shard %d/%d: listening on %s, joining shard 0 at %s", PSD_VERSION, opts->shard, opts->shards, ep,
             opts->leader);
     s->silence = silence;
     s->start = s->leader_seen = ps_now();

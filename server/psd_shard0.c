@@ -1,7 +1,8 @@
 /* psd_shard0.c - shard 0's side of the psd shard protocol: shards join
- * (SHARD_HELLO), resume their parts, send their blocks' norms for
- * clipping, confirm checkpoints, and give their parts for the weights file
- * at the end of a run. psd_shard.c is the other side. */
+ * (SHARD_HELLO: the run and its tensor table), take their parts of the
+ * initial values (SHARD_INIT_FETCH) or resume them, send their blocks'
+ * norms for clipping, confirm checkpoints, and give their parts for the
+ * weights file at the end of a run. psd_shard.c is the other side. */
 #include "psd_core.h"
 
 int find_shard(const srv_t *s, const uint8_t *ident, size_t len)
@@ -15,6 +16,34 @@ static void refuse_shard(srv_t *s, ps_msg_t *m, const char *why)
 {
     PS_ERROR("refused a psd shard: %s", why);
     send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, why);
+}
+
+/* Shard i said HELLO before shard 0 has a model (model.kind from_worker,
+ * before the first worker's values): it is told to wait and says hello
+ * again every second; it joins, and fetches its part, once the model is
+ * here. Nothing of it is kept meanwhile. */
+static void wait_shard(srv_t *s, ps_msg_t *m, int i)
+{
+    shard_t *sh = &s->sh.shard[i];
+    const Psd__ShardHello *h = m->hdr->shard_hello;
+    if (!sh->told_wait)
+        PS_INFO("psd shard %d/%d is here (%s pid %u); it joins once the model is (model.kind from_worker: the first "
+                "worker's)", i, s->sh.n, h->hostname ? h->hostname : "?", h->pid);
+    sh->told_wait = true;
+    Psd__Header r;
+    Psd__ShardHello rb = PSD__SHARD_HELLO__INIT;
+    psd__header__init(&r);
+    r.type = PSD__MSG_TYPE__MSG_SHARD_HELLO;
+    r.run_id = s->run_id;
+    r.rank = (uint32_t)i;
+    rb.shard = (uint32_t)i;
+    rb.shards = (uint32_t)s->sh.n;
+    rb.config_hash = s->config_hash;
+    rb.wait = true;
+    r.body_case = PSD__HEADER__BODY_SHARD_HELLO;
+    r.shard_hello = &rb;
+    int rc = ps_msg_send(s->net.sock, m->ident, m->ident_len, &r, NULL, 0);
+    if (rc < 0) PS_WARN("cannot tell psd shard %d to wait: %s", i, zmq_strerror(-rc));
 }
 
 static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
@@ -35,7 +64,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
         refuse_shard(s, m, why);
         return;
     }
-    if (h->config_hash != s->config_hash || h->n_params != s->layout.n_params) {
+    if (h->config_hash != s->config_hash || (h->n_params && s->model_ready && h->n_params != s->layout.n_params)) {
         snprintf(why, sizeof why, "shard %d was started with another config (hash %016" PRIx64 ", shard 0's %016" PRIx64
                  "): give every shard the same config", i, h->config_hash, s->config_hash);
         refuse_shard(s, m, why);
@@ -59,6 +88,10 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
     }
     if (!h->endpoint || !h->endpoint[0] || strlen(h->endpoint) >= sizeof sh->endpoint) {
         refuse_shard(s, m, "no endpoint for the workers");
+        return;
+    }
+    if (!s->model_ready) { /* model.kind from_worker: the shard says hello again until the first worker's model came */
+        wait_shard(s, m, i);
         return;
     }
     memcpy(sh->ident, m->ident, m->ident_len);
@@ -86,9 +119,19 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
         rb.n_resume_steps = s->sh.n_resume_steps;
         sh->resumed = false;
     }
+    /* its model: the run's table; its part of the initial values: fetched from here when the config does not
+     * draw them (kept in s->sh.init), unless it resumes (from its checkpoints). A HELLO said again (the answer
+     * crossed it) keeps what was fetched so far: the shard takes the first answer only. */
+    if (!again) {
+        sh->valued = false;
+        sh->init_from = sh->init_chunks = 0;
+    }
+    rb.fetch_values = !resumed && s->sh.init != NULL;
+    ps_frame_t table = {.data = s->table_pb, .nbytes = s->table_pb_len, .dtype = PSD__DTYPE__DT_U8,
+                        .rows = s->table_pb_len, .copy = true};
     r.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     r.shard_hello = &rb;
-    send_shard(s, i, &r, NULL, 0);
+    send_shard(s, i, &r, &table, 1);
     if (again)
         PS_DEBUG("psd shard %d/%d said hello again (pid %u): answered again", i, s->sh.n, sh->pid);
     else
@@ -97,8 +140,121 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
     raise_event(s, PSD_EV_SHARDS_JOINED);
 }
 
-/* Every shard is there (and resumed): the workers that waited get their
- * ASSIGN. */
+/* ---- the shards' initial values (a run not resumed) ---------------------- */
+
+int shards_check_parts(const srv_t *s)
+{
+    ps_piece_t p[PS_MAX_TENSORS];
+    for (int k = 1; k < s->sh.n; k++) {
+        ps_shard_pieces(&s->layout, k, s->sh.n, p);
+        if (ps_part_size(p, s->layout.n_tensors) > 0) continue;
+        PS_ERROR("psd shard %d of %d would hold no parameters: the model (%zu parameters) has fewer blocks of %d "
+                 "floats than there are shards; use fewer shards", k, s->sh.n, s->layout.n_params, PS_NORM_BLOCK);
+        return PSD_EXIT_USAGE;
+    }
+    return 0;
+}
+
+int shards_init_new(srv_t *s)
+{
+    const size_t bytes = (s->layout.n_params ? s->layout.n_params : 1) * sizeof(float);
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return -errno;
+    s->sh.init = p;
+    s->sh.init_bytes = bytes;
+    return 0;
+}
+
+void shards_init_keep(srv_t *s, const float *const *values)
+{
+    ps_piece_t p[PS_MAX_TENSORS];
+    for (int k = 1; k < s->sh.n; k++) {
+        ps_shard_pieces(&s->layout, k, s->sh.n, p);
+        for (int t = 0; t < s->layout.n_tensors; t++)
+            if (p[t].n)
+                memcpy(s->sh.init + s->layout.t[t].offset + p[t].off, values[t] + p[t].off, p[t].n * sizeof(float));
+    }
+}
+
+void shards_init_free(srv_t *s)
+{
+    if (s->sh.init) munmap(s->sh.init, s->sh.init_bytes);
+    s->sh.init = NULL;
+    s->sh.init_bytes = 0;
+}
+
+/* SHARD_INIT_FETCH: floats [from, from + count) of shard i's part of the
+ * initial values kept for it, asked for in order, 16 MiB at most: sent as
+ * one F32 frame a piece of a tensor (copied into the message: the values
+ * kept go once every shard has its part, whatever ZeroMQ still sends). */
+static void on_init_fetch(srv_t *s, int i, ps_msg_t *m)
+{
+    shard_t *sh = &s->sh.shard[i];
+    const Psd__ShardFetch *f = m->hdr->shard_fetch;
+    ps_piece_t part[PS_MAX_TENSORS], r[PS_MAX_TENSORS];
+    const char *why = !s->sh.init || sh->valued ? "no values are kept for it"
+                      : f->from != sh->init_from ? "not where the chunk before ended"
+                      : f->count == 0 || f->count > PSD_FETCH_FLOATS ? "none, or more than 16 MiB"
+                                                                      : NULL;
+    int nr = 0;
+    if (!why) {
+        ps_shard_pieces(&s->layout, i, s->sh.n, part);
+        nr = ps_part_range(part, s->layout.n_tensors, f->from, f->count, r);
+        why = nr == 0 ? "not in its part" : NULL;
+    }
+    if (why) {
+        drop_shard(s, i, "INIT_FETCH of floats [%" PRIu64 ", +%" PRIu64 ") of its part: %s", f->from, f->count, why);
+        return;
+    }
+    ps_frame_t fr[PS_MAX_TENSORS];
+    for (int k = 0; k < nr; k++) {
+        const ps_tensor_info_t *ti = &s->layout.t[r[k].t];
+        fr[k] = (ps_frame_t){.data = s->sh.init + ti->offset + r[k].off, .nbytes = r[k].n * sizeof(float),
+                             .id = (uint32_t)r[k].t, .dtype = PSD__DTYPE__DT_F32, .rows = ti->rows,
+                             .cols = ti->ndim >= 2 ? ti->cols : 0, .offset = r[k].off, .copy = true};
+    }
+    Psd__Header h;
+    Psd__ShardFetch a = PSD__SHARD_FETCH__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_SHARD_INIT_VALUES;
+    a.from = f->from;
+    a.count = f->count;
+    h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
+    h.shard_fetch = &a;
+    if (send_shard(s, i, &h, fr, nr) != 0) return; /* logged; the shard gives up after the silence limit */
+    sh->init_from += f->count;
+    sh->init_chunks++;
+}
+
+/* SHARD_INIT_DONE: shard i holds its part of the initial values (fetched
+ * whole, or drawn as the config says): it has joined. Once every shard
+ * has, the values kept for them go, and the workers that wait are
+ * assigned. */
+static void on_init_done(srv_t *s, int i, ps_msg_t *m)
+{
+    shard_t *sh = &s->sh.shard[i];
+    const Psd__ShardFetch *f = m->hdr->shard_fetch;
+    ps_piece_t part[PS_MAX_TENSORS];
+    ps_shard_pieces(&s->layout, i, s->sh.n, part);
+    const uint64_t size = ps_part_size(part, s->layout.n_tensors);
+    if (s->opts.resume_dir || sh->valued || f->from != 0 || f->count != size || (s->sh.init && sh->init_from != size)) {
+        drop_shard(s, i, "INIT_DONE of %" PRIu64 " floats (its part: %" PRIu64 ", %" PRIu64 " sent)", f->count, size,
+                   sh->init_from);
+        return;
+    }
+    sh->valued = true;
+    if (s->sh.init)
+        PS_INFO("psd shard %d/%d has its part of the initial values: %" PRIu64 " floats, sent in %" PRIu64 " chunks", i,
+                s->sh.n, size, sh->init_chunks);
+    else
+        PS_INFO("psd shard %d/%d has its part of the initial values: %" PRIu64 " floats, drawn as the config says", i,
+                s->sh.n, size);
+    if (shards_valued(s)) shards_init_free(s);
+    raise_event(s, PSD_EV_SHARDS_JOINED);
+}
+
+/* Every shard is there with its part (its initial values, or resumed): the
+ * workers that waited get their ASSIGN. */
 void shards_go(srv_t *s)
 {
     if (!shards_ready(s)) return;
@@ -275,6 +431,8 @@ bool on_shard(srv_t *s, int i, ps_msg_t *m)
     case PSD__MSG_TYPE__MSG_SHARD_CKPT_DONE:
     case PSD__MSG_TYPE__MSG_SHARD_RESUMED: return true;
     case PSD__MSG_TYPE__MSG_WEIGHTS: on_shard_weights(s, i, m); break;
+    case PSD__MSG_TYPE__MSG_SHARD_INIT_FETCH: on_init_fetch(s, i, m); break;
+    case PSD__MSG_TYPE__MSG_SHARD_INIT_DONE: on_init_done(s, i, m); break;
     case PSD__MSG_TYPE__MSG_ERROR:
         PS_ERROR("psd shard %d (%s pid %u) failed: %s", i, sh->hostname, sh->pid,
                  h->error->message ? h->error->message : "(no message)");

@@ -14,7 +14,8 @@
 # workers of the resumed run are not asked for theirs; its last checkpoint
 # exported (psd export) holds the weights it saved, bit for bit. Last, the
 # config's table trained by 3 workers with 2 psd shards gives the weights 3
-# workers with one psd give, bit for bit.
+# workers with one psd give, bit for bit; and so does from_worker (shard 1
+# takes the model and its part of the first worker's values from shard 0).
 #   bash tests/example_c.sh BUILD_DIR SOURCE_ROOT
 set -euo pipefail
 B=$(cd "${1:?usage: tests/example_c.sh BUILD_DIR SOURCE_ROOT}" && pwd)
@@ -221,10 +222,12 @@ assert a == b, sorted(a)
 print("example_c: the last checkpoint exported holds the saved weights bit for bit (%d tensors)" % len(a))
 PY
 # ---- the same table, 3 workers: one psd, then 2 psd shards; the same weights
-run3() { # NAME SHARDS: psd (and shard 1), 3 workers, 1 epoch, weights in $T/NAME.bin (psd's format 3)
-    local lep wep sh1=
+run3() { # NAME SHARDS CONFIG [WORKER ARGS]: psd (and shard 1), 3 workers, 1 epoch, weights in $T/NAME.bin (format 3)
+    local lep wep sh1= name=$1 shards=$2 cfg=$3
+    shift 3
+    set -- "$name" "$shards" "$@"
     lep=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-    local set=(--config "$S/examples/c/fm.yaml" --epochs 1 --workers 3 --set checkpoint.dir= --start-timeout 60)
+    local set=(--config "$cfg" --epochs 1 --workers 3 --set checkpoint.dir= --start-timeout 60)
     if [ "$2" = 2 ]; then
         wep=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
         "$B/psd" "${set[@]}" --listen "tcp://127.0.0.1:$wep" --shard 1/2 --leader "tcp://127.0.0.1:$lep" \
@@ -237,15 +240,23 @@ run3() { # NAME SHARDS: psd (and shard 1), 3 workers, 1 epoch, weights in $T/NAM
     local p0=$!
     pids+=("$p0")
     for w in 0 1 2; do
-        LD_LIBRARY_PATH=$(dirname "$so") "$T/fm_worker" "tcp://127.0.0.1:$lep" >"$T/$1-w$w.log" 2>&1 &
+        LD_LIBRARY_PATH=$(dirname "$so") "$T/fm_worker" "tcp://127.0.0.1:$lep" "${@:3}" >"$T/$1-w$w.log" 2>&1 &
         pids+=($!)
     done
     wait "$p0" || { cat "$T/$1.log" >&2; fail "run $1 failed"; }
     [ -z "$sh1" ] || wait "$sh1" || { cat "$T/$1-s1.log" >&2; fail "shard 1 of run $1 failed"; }
 }
-run3 one 1
-run3 two 2
+run3 one 1 "$S/examples/c/fm.yaml"
+run3 two 2 "$S/examples/c/fm.yaml"
 grep -q "psd shard 0 of 2" "$T/two.log" || fail "the second run had no psd shards"
 "$B/tests/weights_cmp" "$T/one.bin" "$T/two.bin" || fail "2 psd shards gave other weights than one psd"
 echo "example_c: 3 workers, one psd or 2 psd shards: the same weights, bit for bit"
+# model.kind from_worker: the first worker's model and values; with 2 shards shard 1 takes its part from shard 0
+run3 fwone 1 "$T/fw.yaml" offer
+run3 fwtwo 2 "$T/fw.yaml" offer
+grep -q "the model is the first worker.s" "$T/fwtwo.log" || { cat "$T/fwtwo.log" >&2; fail "fwtwo: no offered model"; }
+grep -q "has its part of the initial values from shard 0" "$T/fwtwo-s1.log" ||
+    { cat "$T/fwtwo-s1.log" >&2; fail "shard 1 of the from_worker run did not take its values from shard 0"; }
+"$B/tests/weights_cmp" "$T/fwone.bin" "$T/fwtwo.bin" || fail "from_worker: 2 psd shards gave other weights than one psd"
+echo "example_c: from_worker, 3 workers, one psd or 2 psd shards: the same weights, bit for bit"
 echo "example_c: ok"

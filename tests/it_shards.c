@@ -31,7 +31,9 @@
 #include "ps_auth.h"
 #include "ps_ctr.h"
 #include "ps_model.h"
+#include "ps_safetensors.h"
 #include "ps_shm.h"
+#include "ps_table.h"
 #include "psworker.h"
 #include "ps_util.h"
 #include "ps_weights.h"
@@ -118,8 +120,9 @@ static void shard_step(void *lead, const uint8_t *ident, size_t ilen, uint64_t v
 
 /* The test as shard 0 of 2 against a real `psd --shard 1/2` (started with
  * the extra arguments, its log in `log`): it joins (the test answers its
- * HELLO), learns that rank 0 may register with fake_token, and rank 0 is
- * registered with it (w). */
+ * HELLO with l's table; the shard draws its part of the initial values as
+ * its config says and says so), learns that rank 0 may register with
+ * fake_token, and rank 0 is registered with it (w). */
 typedef struct {
     void *ctx, *lead, *w; /* shard 0's ROUTER; rank 0's DEALER to the shard */
     char wep[64], log[256];
@@ -131,7 +134,7 @@ typedef struct {
 
 static const uint8_t fake_token[PS_SHM_TOKEN] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
 
-static void fake_lead_start(fake_lead_t *f, const char *logname, const char *const *extra)
+static void fake_lead_start(fake_lead_t *f, const char *logname, const char *const *extra, const ps_layout_t *l)
 {
     memset(f, 0, sizeof *f);
     f->ctx = zmq_ctx_new();
@@ -160,7 +163,17 @@ static void fake_lead_start(fake_lead_t *f, const char *logname, const char *con
     hb.shards = 2;
     h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     h.shard_hello = &hb;
-    cr_assert_eq(ps_msg_send(f->lead, f->ident, f->ilen, &h, NULL, 0), 0);
+    uint8_t *tb;
+    size_t tlen;
+    cr_assert_eq(ps_table_pack(l, &tb, &tlen), 0);
+    ps_frame_t table = {.data = tb, .nbytes = tlen, .dtype = PSD__DTYPE__DT_U8, .rows = tlen};
+    cr_assert_eq(ps_msg_send(f->lead, f->ident, f->ilen, &h, &table, 1), 0);
+    free(tb);
+    cr_assert_eq(recv_type(f->lead, true, PSD__MSG_TYPE__MSG_SHARD_INIT_DONE, &m, 60), 0, "no INIT_DONE (%s)", f->log);
+    ps_piece_t p[PS_MAX_TENSORS];
+    ps_shard_pieces(l, 1, 2, p);
+    cr_assert_eq(m.hdr->shard_fetch->count, ps_part_size(p, l->n_tensors), "its part, drawn");
+    ps_msg_deinit(&m);
     h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_WORKER, ++f->lseq);
     Psd__ShardWorker sw = PSD__SHARD_WORKER__INIT;
     sw.token.data = (uint8_t *)fake_token;
@@ -196,7 +209,9 @@ Test(short, a_psd_shard_keeps_pushes_across_registrations_and_refuses_repeated_r
     const char *extra[] = {"--set", "model.layers=[784,4]", "--set", "optimizer.momentum=0", "--set",
                            "optimizer.weight_decay=0", "--set", "data.train_limit=1000", "--log-level", "debug", NULL};
     fake_lead_t f;
-    fake_lead_start(&f, "fakelead-shard.log", extra);
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, (const int[]){784, 4}, 2), 0);
+    fake_lead_start(&f, "fakelead-shard.log", extra, &l);
     ps_msg_t m;
     Psd__Header h;
     shard_push(f.w, 0, &f.seq);
@@ -245,7 +260,9 @@ Test(short, a_psd_shard_forgets_a_rank_given_to_a_new_worker)
     const char *extra[] = {"--set", "model.layers=[784,4]", "--set", "optimizer.momentum=0", "--set",
                            "optimizer.weight_decay=0", "--set", "data.train_limit=1000", NULL};
     fake_lead_t f;
-    fake_lead_start(&f, "fakelead-reuse.log", extra);
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, (const int[]){784, 4}, 2), 0);
+    fake_lead_start(&f, "fakelead-reuse.log", extra, &l);
     ps_msg_t m;
     shard_push(f.w, 0, &f.seq); /* the old worker's push, complete here */
     cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE");
@@ -350,7 +367,7 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
     snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
     const char *extra[] = {"--config", cfg, NULL};
     fake_lead_t f;
-    fake_lead_start(&f, "fakelead-rows.log", extra);
+    fake_lead_start(&f, "fakelead-rows.log", extra, &l);
     ps_msg_t m;
     Psd__Header h;
     void *w = f.w;
@@ -468,7 +485,9 @@ Test(short, a_psd_shard_refuses_a_negative_norm)
     const char *extra[] = {"--set", "model.layers=[784,4]", "--set", "optimizer.clip_norm=1", "--set",
                            "data.train_limit=1000", NULL};
     fake_lead_t f;
-    fake_lead_start(&f, "fakelead-norm.log", extra);
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, (const int[]){784, 4}, 2), 0);
+    fake_lead_start(&f, "fakelead-norm.log", extra, &l);
     ps_msg_t m;
     shard_push(f.w, 0, &f.seq);
     cr_assert_eq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "no SHARD_HAVE");
@@ -504,9 +523,9 @@ Test(short, a_psd_shard_refuses_a_negative_norm)
     fake_lead_end(&f);
 }
 
-/* A shard's HELLO to shard 0 (as shard i of n, config hash `hash`, MLP
- * 784-10), from the fake shard's DEALER d. */
-static void fake_hello(void *d, uint32_t i, uint32_t n, uint64_t hash, uint64_t *seq)
+/* A shard's HELLO to shard 0 (as shard i of n, config hash `hash`, a model
+ * of n_params: 0 when it takes shard 0's), from the fake shard's DEALER d. */
+static void fake_hello_of(void *d, uint32_t i, uint32_t n, uint64_t hash, uint64_t n_params, uint64_t *seq)
 {
     Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_HELLO, ++*seq);
     h.run_id = 0;
@@ -516,12 +535,18 @@ static void fake_hello(void *d, uint32_t i, uint32_t n, uint64_t hash, uint64_t 
     b.shards = n;
     b.endpoint = "tcp://127.0.0.1:1";
     b.config_hash = hash;
-    b.n_params = 784 * 10 + 10;
+    b.n_params = n_params;
     b.hostname = "fake";
     b.pid = 4242;
     h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     h.shard_hello = &b;
     cr_assert_eq(ps_msg_send(d, NULL, 0, &h, NULL, 0), 0);
+}
+
+/* ... of the MLP 784-10 */
+static void fake_hello(void *d, uint32_t i, uint32_t n, uint64_t hash, uint64_t *seq)
+{
+    fake_hello_of(d, i, n, hash, 784 * 10 + 10, seq);
 }
 
 /* Shard 0 keeps watching a joined shard whose connection says HELLO again
@@ -557,6 +582,189 @@ Test(short, a_joined_shard_saying_hello_as_another_is_still_watched)
     cr_expect(strstr(l, "psd shard 1 (fake pid 4242) lost"), "%s", l);
     free(l);
     zmq_close(d);
+    zmq_ctx_term(ctx);
+}
+
+/* ---- a shard's part of the initial values, each side against a fake ---- */
+
+/* A table of two tensors, w [410, 160] and b [160] (6 blocks of 16384
+ * floats), and (name not NULL) their initial values as model.init's file
+ * dir/name: value j of the two one after the other is 0.001 j. */
+static void fake_model(ps_layout_t *l, const char *name)
+{
+    ps_tensor_spec_t sp[2];
+    memset(sp, 0, sizeof sp);
+    snprintf(sp[0].name, sizeof sp[0].name, "w");
+    sp[0].ndim = 2, sp[0].shape[0] = 410, sp[0].shape[1] = 160; /* over PS_PACK_SMALL floats: w and b are two units */
+    snprintf(sp[1].name, sizeof sp[1].name, "b");
+    sp[1].ndim = 1, sp[1].shape[0] = 160;
+    char err[512], file[256];
+    cr_assert_eq(ps_layout_init_specs(l, sp, 2, err, sizeof err), 0, "%s", err);
+    if (!name) return;
+    float *v = malloc((410 * 160 + 160) * sizeof *v);
+    cr_assert(v);
+    for (int j = 0; j < 410 * 160 + 160; j++) v[j] = 0.001f * (float)j;
+    ps_st_out_t t[2] = {{"w", 2, sp[0].shape, v}, {"b", 1, sp[1].shape, v + 410 * 160}};
+    path(file, sizeof file, name);
+    cr_assert_eq(ps_st_save(file, t, 2, NULL, NULL, 0, err, sizeof err), 0, "%s", err);
+    free(v);
+}
+
+/* A psd shard of a model.init run never opens the file (here there is
+ * none): shard 0 (this test) first says it has no model yet, and the
+ * shard says hello again; then it sends the table and has the shard fetch
+ * its part (1000 floats a chunk: --x-fetch-floats). A chunk the shard did
+ * not ask for is dropped; the chunk it asked for with a piece at another
+ * offset fails the run (ERROR to shard 0, exit 1): nothing unchecked goes
+ * into its part. */
+Test(short, a_psd_shard_takes_only_the_chunk_of_initial_values_it_asked_for)
+{
+    ps_layout_t l;
+    fake_model(&l, NULL);
+    void *ctx = zmq_ctx_new(), *lead = zmq_socket(ctx, ZMQ_ROUTER);
+    int zero = 0;
+    zmq_setsockopt(lead, ZMQ_LINGER, &zero, sizeof zero);
+    char lep[64], wep[64], log[256];
+    snprintf(lep, sizeof lep, "tcp://127.0.0.1:%d", free_port());
+    snprintf(wep, sizeof wep, "tcp://127.0.0.1:%d", free_port());
+    cr_assert_eq(zmq_bind(lead, lep), 0);
+    path(log, sizeof log, "fakeinit-shard.log");
+    const char *argv[] = {psd_bin, "--listen", wep, "--shard", "1/2", "--leader", lep, "--set", "checkpoint.dir=",
+                          "--set", "model.kind=tensors", "--set", "model.init=missing.safetensors", "--set",
+                          "data.train_size=512", "--set", "data.test_size=64", "--x-fetch-floats", "1000", NULL};
+    pid_t sh = proc_spawn(argv, log);
+    ps_msg_t m;
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HELLO, &m, 60), 0, "no HELLO (%s)", log);
+    cr_assert_eq(m.hdr->shard_hello->n_params, 0, "the model is shard 0's to say");
+    uint8_t ident[PS_MAX_IDENTITY];
+    size_t ilen = m.ident_len;
+    memcpy(ident, m.ident, ilen);
+    ps_msg_deinit(&m);
+    uint64_t seq = 0;
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_HELLO, ++seq);
+    Psd__ShardHello hb = PSD__SHARD_HELLO__INIT;
+    hb.shard = 1, hb.shards = 2, hb.wait = true;
+    h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
+    h.shard_hello = &hb;
+    cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, NULL, 0), 0);
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HELLO, &m, 5), 0, "no HELLO again after a wait");
+    ps_msg_deinit(&m);
+    wait_log(log, "shard 0 has no model yet", 10);
+    hb.wait = false, hb.fetch_values = true;
+    h.seq = ++seq;
+    uint8_t *tb;
+    size_t tlen;
+    cr_assert_eq(ps_table_pack(&l, &tb, &tlen), 0);
+    ps_frame_t table = {.data = tb, .nbytes = tlen, .dtype = PSD__DTYPE__DT_U8, .rows = tlen};
+    cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, &table, 1), 0);
+    free(tb);
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_INIT_FETCH, &m, 30), 0, "no INIT_FETCH (%s)", log);
+    cr_assert(m.hdr->shard_fetch->from == 0 && m.hdr->shard_fetch->count == 1000, "the first 1000 floats");
+    ps_msg_deinit(&m);
+    ps_piece_t part[PS_MAX_TENSORS], r[PS_MAX_TENSORS];
+    ps_shard_pieces(&l, 1, 2, part);
+    int nr = ps_part_range(part, l.n_tensors, 0, 1000, r);
+    cr_assert_eq(nr, 1);
+    float v[1000] = {0};
+    ps_frame_t fr = {.data = v, .nbytes = sizeof v, .id = (uint32_t)r[0].t, .dtype = PSD__DTYPE__DT_F32,
+                     .rows = l.t[r[0].t].rows, .cols = l.t[r[0].t].cols, .offset = r[0].off};
+    Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
+    h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_INIT_VALUES, ++seq);
+    h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
+    h.shard_fetch = &f;
+    f.from = 1000, f.count = 1000; /* not asked for */
+    cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, &fr, 1), 0);
+    wait_log(log, "which it did not ask for", 10);
+    f.from = 0;
+    fr.offset = r[0].off + 1; /* asked for, but not those floats of the tensor */
+    h.seq = ++seq;
+    cr_assert_eq(ps_msg_send(lead, ident, ilen, &h, &fr, 1), 0);
+    cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_ERROR, &m, 30), 0, "a chunk of other floats was taken");
+    cr_expect(m.hdr->error->message && strstr(m.hdr->error->message, "not the chunk of this shard's part asked for"),
+              "%s", m.hdr->error->message ? m.hdr->error->message : "");
+    ps_msg_deinit(&m);
+    cr_expect_eq(proc_wait(sh, 30), 1, "the shard exits 1");
+    zmq_close(lead);
+    zmq_ctx_term(ctx);
+}
+
+/* Shard 0 of a model.init run answers a shard's HELLO with the table and
+ * has it fetch its part (this test is shard 1): a chunk asked for out of
+ * order, a chunk larger than 16 MiB and an INIT_DONE of a part not sent
+ * are dropped with a line saying so; the chunk asked for in order comes as
+ * the pieces of shard 1's part it covers, with the file's values. */
+Test(short, shard_0_sends_a_shard_its_initial_values_in_order_only)
+{
+    ps_layout_t l;
+    fake_model(&l, "init.safetensors");
+    run_t r;
+    const char *args[] = {"--set", "model.kind=tensors", "--set", "model.init=init.safetensors", "--set",
+                          "data.train_size=512", "--set", "data.test_size=64", "--set", "checkpoint.dir=", "--shard",
+                          "0/2", "--worker-timeout", "2", "--start-timeout", "60", NULL};
+    pid_t p = start_psd(&r, "initorder", 1, args);
+    void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
+    int zero = 0;
+    zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof zero);
+    cr_assert_eq(zmq_connect(d, r.endpoint), 0);
+    uint64_t seq = 0, hash = 0;
+    ps_msg_t m;
+    fake_hello_of(d, 1, 2, 0, 0, &seq); /* a wrong hash: the refusal names shard 0's */
+    cr_assert_eq(recv_type(d, false, PSD__MSG_TYPE__MSG_ERROR, &m, 60), 0, "no refusal");
+    const char *at = m.hdr->error->message ? strstr(m.hdr->error->message, "shard 0's ") : NULL;
+    cr_assert(at && sscanf(at, "shard 0's %" SCNx64, &hash) == 1, "%s", m.hdr->error->message);
+    ps_msg_deinit(&m);
+    fake_hello_of(d, 1, 2, hash, 0, &seq);
+    cr_assert_eq(recv_type(d, false, PSD__MSG_TYPE__MSG_SHARD_HELLO, &m, 30), 0, "not joined");
+    ps_layout_t got;
+    char err[400];
+    cr_assert(m.hdr->shard_hello->fetch_values && m.n_frames == 1, "the table, and values to fetch");
+    cr_assert_eq(ps_table_unpack(zmq_msg_data(&m.frames[0]), zmq_msg_size(&m.frames[0]), &got, err, sizeof err), 0,
+                 "%s", err);
+    cr_assert(ps_layout_same_table(&got, &l, err, sizeof err), "%s", err);
+    const uint64_t run_id = m.hdr->run_id;
+    ps_msg_deinit(&m);
+    Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
+    const struct { int type; uint64_t from, count; const char *log; } bad[] = {
+        {PSD__MSG_TYPE__MSG_SHARD_INIT_FETCH, 5, 10, "[5, +10) of its part: not where the chunk before ended"},
+        {PSD__MSG_TYPE__MSG_SHARD_INIT_FETCH, 0, (uint64_t)1 << 40, "of its part: none, or more than 16 MiB"},
+        {PSD__MSG_TYPE__MSG_SHARD_INIT_DONE, 0, 100, "INIT_DONE of 100 floats"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        Psd__Header h = fake_hdr(bad[k].type, ++seq);
+        h.run_id = run_id;
+        h.rank = 1;
+        f.from = bad[k].from, f.count = bad[k].count;
+        h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
+        h.shard_fetch = &f;
+        cr_assert_eq(ps_msg_send(d, NULL, 0, &h, NULL, 0), 0);
+        wait_log(r.psd_log, bad[k].log, 10);
+    }
+    ps_piece_t part[PS_MAX_TENSORS], want[PS_MAX_TENSORS];
+    ps_shard_pieces(&l, 1, 2, part);
+    const uint64_t count = part[0].n + 100; /* over the end of w's piece: two pieces */
+    cr_assert(part[0].n > 0 && part[1].n >= 100);
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_INIT_FETCH, ++seq);
+    h.run_id = run_id;
+    h.rank = 1;
+    f.from = 0, f.count = count;
+    h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
+    h.shard_fetch = &f;
+    cr_assert_eq(ps_msg_send(d, NULL, 0, &h, NULL, 0), 0);
+    cr_assert_eq(recv_type(d, false, PSD__MSG_TYPE__MSG_SHARD_INIT_VALUES, &m, 30), 0, "no chunk (%s)", r.psd_log);
+    int nw = ps_part_range(part, l.n_tensors, 0, count, want);
+    cr_assert(nw == 2 && m.n_frames == 2 && m.hdr->shard_fetch->from == 0 && m.hdr->shard_fetch->count == count);
+    for (int k = 0; k < nw; k++) {
+        size_t n = 0;
+        const float *v = ps_msg_f32(&m, k, &n);
+        cr_assert(v && n == want[k].n && m.hdr->tensors[k]->id == (uint32_t)want[k].t &&
+                      m.hdr->tensors[k]->offset == want[k].off, "frame %d: piece %d of tensor %d", k, k, want[k].t);
+        const size_t first = (want[k].t ? 410 * 160 : 0) + want[k].off; /* in the file's values */
+        for (size_t j = 0; j < n; j++)
+            cr_assert_eq(v[j], 0.001f * (float)(first + j), "tensor %d float %zu", want[k].t, want[k].off + j);
+    }
+    ps_msg_deinit(&m);
+    zmq_close(d); /* the shard is gone: shard 0 ends the run (its part is gone) */
+    cr_assert_eq(proc_wait(p, 30), 5, "(log %s)", r.psd_log);
     zmq_ctx_term(ctx);
 }
 
