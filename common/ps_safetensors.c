@@ -455,7 +455,7 @@ static int read_at(int fd, void *buf, size_t n, uint64_t off)
 int ps_st_load(const char *path, ps_st_file_t *f, float **values, char *err, size_t errlen)
 {
     memset(f, 0, sizeof *f);
-    *values = NULL;
+    if (values) *values = NULL;
     char why[480];
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
@@ -486,6 +486,10 @@ int ps_st_load(const char *path, ps_st_file_t *f, float **values, char *err, siz
     }
     if (ps_st_parse(hdr, hl, (uint64_t)st.st_size, f, why, sizeof why) != 0) {
         snprintf(err, errlen, "%s: %s", path, why);
+        goto out;
+    }
+    if (!values) { /* the header only */
+        rc = 0;
         goto out;
     }
     uint64_t total = 0, biggest = 0;

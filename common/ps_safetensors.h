@@ -60,7 +60,8 @@ const ps_st_tensor_t *ps_st_find(const ps_st_file_t *f, const char *name);
 
 /* Read a whole file: its header into f and every tensor's values as f32
  * into *values (one array, tensor i at offset sum of the numel before it;
- * caller frees). 0, or -1 with the reason in err (naming the file). */
+ * caller frees; values NULL: the header only, checked against the file's
+ * size). 0, or -1 with the reason in err (naming the file). */
 int ps_st_load(const char *path, ps_st_file_t *f, float **values, char *err, size_t errlen);
 
 /* One tensor to write: its name, shape and f32 values. */

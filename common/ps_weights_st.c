@@ -70,9 +70,7 @@ static int layout_of(const ps_st_file_t *f, const char *path, ps_layout_t *l, ch
 int ps_layout_from_st(const char *path, ps_layout_t *l, char *err, size_t errlen)
 {
     ps_st_file_t f;
-    float *v = NULL;
-    if (ps_st_load(path, &f, &v, err, errlen) != 0) return -1;
-    free(v);
+    if (ps_st_load(path, &f, NULL, err, errlen) != 0) return -1; /* the header: the values are read when needed */
     int rc = layout_of(&f, path, l, err, errlen);
     ps_st_free(&f);
     return rc;
