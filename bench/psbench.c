@@ -51,6 +51,7 @@ typedef struct {
     size_t n_lat;
     int pulls;                 /* pull-only rounds first */
     int push_only;             /* async psd: push every batch back to back, no pulls */
+    int apart;                 /* each tensor's gradient in a buffer of its own (--apart) */
     uint64_t data[2];          /* model.kind tensors: the training and test samples (--data T,V) */
     uint64_t pushes, push_bytes;
     double q_first;            /* the current epoch's first push (0: none open) */
@@ -101,6 +102,9 @@ static void *bench_worker(void *p)
     }
     for (int t = 0; t < a.n_tensors; t++)
         gr[t] = (psw_grad_t){.tensor = (uint32_t)t, .data = (region ? region : zero) + a.tensors[t].offset};
+    float **own = b->apart ? calloc((size_t)a.n_tensors, sizeof *own) : NULL; /* --apart: as torch's .grad are */
+    for (int t = 0; own && t < a.n_tensors; t++)
+        if ((own[t] = calloc(a.tensors[t].numel ? a.tensors[t].numel : 1, sizeof **own))) gr[t].data = own[t];
     psw_push_t push = {.n_grads = a.n_tensors, .grads = gr};
     /* the sample counts psd checks: from the IDX headers of the files it names */
     uint64_t count[2] = {a.ctr.train, a.ctr.test}; /* model.kind ctr: no files */
@@ -123,6 +127,8 @@ static void *bench_worker(void *p)
         psw_client_destroy(&c);
         free(zero);
         free(gr);
+        for (int t = 0; own && t < a.n_tensors; t++) free(own[t]);
+        free(own);
         return NULL;
     }
     psw_client_release_on_push(c, 1); /* it never reads the weights */
@@ -224,6 +230,8 @@ static void *bench_worker(void *p)
     psw_client_destroy(&c);
     free(zero);
     free(gr);
+    for (int t = 0; own && t < a.n_tensors; t++) free(own[t]);
+    free(own);
     return NULL;
 }
 
@@ -243,19 +251,21 @@ static double report(int i, const char *unit, const char *what, uint64_t rounds,
 static void usage(FILE *f)
 {
     fprintf(f, "usage: psbench --connect ENDPOINT [--workers W] [--pulls N | --push-only] [--no-shm]\n"
-               "               [--key FILE --server-key FILE] [--data TRAIN,TEST]\n"
+               "               [--key FILE --server-key FILE] [--data TRAIN,TEST] [--apart]\n"
                "  W simulated workers (threads) push zero gradients and pull weights from psd\n"
                "  until psd ends the run; prints push+pull GB/s and round latencies. On psd's\n"
                "  host tensors go through shared memory unless --no-shm. --pulls N: N pull-only\n"
                "  rounds first. --push-only (psd in async mode): push every batch back to back,\n"
                "  no pulls; GB/s = bytes pushed / time until psd has applied them. Any model psd\n"
-               "  trains (model.kind tensors: --data gives the samples the workers say they hold)\n");
+               "  trains (model.kind tensors: --data gives the samples the workers say they hold).\n"
+               "  --apart: each tensor's gradient in a buffer of its own (else one buffer laid out\n"
+               "  as psd lays the model out: small tensors go without being copied together)\n");
 }
 
 int main(int argc, char **argv)
 {
     const char *ep = NULL, *key = NULL, *server_key = NULL;
-    int W = 1, no_shm = 0, pulls = 0, push_only = 0;
+    int W = 1, no_shm = 0, pulls = 0, push_only = 0, apart = 0;
     unsigned long long data[2] = {0, 0};
     static const struct option opts[] = {{"connect", required_argument, 0, 'c'},
                                          {"workers", required_argument, 0, 'w'},
@@ -265,6 +275,7 @@ int main(int argc, char **argv)
                                          {"pulls", required_argument, 0, 'p'},
                                          {"push-only", no_argument, 0, 'P'},
                                          {"data", required_argument, 0, 'd'},
+                                         {"apart", no_argument, 0, 'a'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     int o;
@@ -277,6 +288,7 @@ int main(int argc, char **argv)
         case 'n': no_shm = 1; break;
         case 'p': pulls = atoi(optarg); break;
         case 'P': push_only = 1; break;
+        case 'a': apart = 1; break;
         case 'd':
             if (sscanf(optarg, "%llu,%llu", &data[0], &data[1]) != 2) data[0] = 0;
             break;
@@ -316,6 +328,7 @@ int main(int argc, char **argv)
         b[i].plat = malloc(MAX_ROUNDS * sizeof(double));
         b[i].pulls = pulls;
         b[i].push_only = push_only;
+        b[i].apart = apart;
         b[i].data[0] = data[0], b[i].data[1] = data[1];
         pthread_create(&th[i], NULL, bench_worker, &b[i]);
     }

@@ -5,6 +5,7 @@
 #include "ps_table.h"
 
 
+_Static_assert(PS_MAX_TENSORS <= 64, "a push's units fit a 64-bit mask");
 _Static_assert(PSW_MAX_TENSORS == PS_MAX_TABLE && PSW_NAME_MAX == PS_NAME_MAX && PSW_MAX_DIMS == PS_MAX_DIMS,
                "the public table is the layout's");
 
@@ -919,7 +920,7 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
                        const size_t *numel, const uint32_t *row_ids,
                        size_t n_rows, const float *row_vals, const uint32_t *want, size_t n_want)
 {
-    const void *src[PSW_MAX_TENSORS];
+    const void *src[PS_MAX_TENSORS];
     for (int i = 0; i < n; i++) {
         if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
         src[i] = grads[i];
@@ -932,7 +933,7 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
     size_t es = c->grad_bf16 ? 2 : 4;
     int pull = h->push->pull;
     for (int k = c->n_shards - 1; k >= 0; k--) { /* shard 0 last: its push completes the step's wait */
-        ps_frame_t fr[PSW_MAX_TENSORS + 2];
+        ps_frame_t fr[PS_MAX_TENSORS + 2];
         int m = 0, owed = 0; /* frames, and those sent without copies (push_frame_done) */
         h->push->want_rows = false;
         size_t wa = 0, wn = 0; /* want[wa, wa + wn): the rows of this shard's piece wanted */
@@ -1038,12 +1039,12 @@ static void push_header(psw_client_t *c, Psd__Header *h, Psd__Push *p, uint64_t 
 int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct, int pull, int n,
               const int *ids, const float *const *grads, const size_t *numel)
 {
-    if (n < 0 || n > PSW_MAX_TENSORS) return -EINVAL;
+    if (n < 0 || n > PS_MAX_TENSORS) return -EINVAL;
     Psd__Header h;
     Psd__Push p = PSD__PUSH__INIT;
     push_header(c, &h, &p, version, batch, loss_sum, correct, pull);
     if (c->shm) { /* into the region psd reads (no copy if computed there) */
-        uint32_t sid[PSW_MAX_TENSORS];
+        uint32_t sid[PS_MAX_TENSORS];
         for (int i = 0; i < n; i++) {
             if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
             float *dst = c->shm_grad + c->layout.t[ids[i]].offset;
@@ -1054,7 +1055,7 @@ int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum
         p.n_shm_tensors = (size_t)n;
         return ps_msg_send(c->sock, NULL, 0, &h, NULL, 0);
     }
-    ps_frame_t fr[PSW_MAX_TENSORS];
+    ps_frame_t fr[PS_MAX_TENSORS];
     if (c->n_shards > 1) return push_shards(c, &h, n, ids, grads, numel, NULL, 0, NULL, NULL, 0);
     if (c->stream_cf) return push_stream(c, &h, n, ids, grads, numel);
     for (int i = 0; i < n; i++) {
@@ -1077,13 +1078,15 @@ int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum
 }
 
 /* The gradients of packed unit u's tensors given in this call (c->pk_src):
- * put together in c->pack (or, when this call gives all of u in one piece
- * of the caller's memory, sent from there). Returns the unit's floats to
+ * put together in c->pack, or on psd's host in the region psd reads (or,
+ * when this call gives all of u in one piece of the caller's memory, sent
+ * from there). Returns the unit's floats to
  * send once u is whole, else NULL. (A tensor given twice is refused before.) */
 static const float *pack_unit(psw_client_t *c, int u)
 {
     const ps_layout_t *l = &c->layout;
     const ps_tensor_info_t *ut = &l->t[u];
+    float *const to = c->shm ? c->shm_grad : c->pack; /* on psd's host straight into the region psd reads */
     int here = 0;
     for (int k = ut->first; k < ut->first + ut->count; k++) here += c->pk_src[k] != NULL;
     if (here == ut->count && c->pk_have[u] == 0) { /* all of it now: from the caller's memory if it is one piece */
@@ -1092,22 +1095,22 @@ static const float *pack_unit(psw_client_t *c, int u)
         for (int k = ut->first + 1; k < ut->first + ut->count && piece; k++)
             piece = c->pk_src[k] == base + (l->tab[k].offset - ut->offset);
         for (int k = ut->first; k < ut->first + ut->count; k++) {
-            if (!piece) memcpy(c->pack + l->tab[k].offset, c->pk_src[k], l->tab[k].numel * sizeof(float));
+            if (!piece) memcpy(to + l->tab[k].offset, c->pk_src[k], l->tab[k].numel * sizeof(float));
             c->pk_src[k] = NULL;
         }
-        return piece ? base : c->pack + ut->offset;
+        return piece ? base : to + ut->offset;
     }
     for (int k = ut->first; k < ut->first + ut->count; k++) { /* a part now: kept until the rest comes */
         if (!c->pk_src[k]) continue;
         c->pk_in[k] = 1;
         c->pk_have[u]++;
-        memcpy(c->pack + l->tab[k].offset, c->pk_src[k], l->tab[k].numel * sizeof(float));
+        memcpy(to + l->tab[k].offset, c->pk_src[k], l->tab[k].numel * sizeof(float));
         c->pk_src[k] = NULL;
     }
     if (c->pk_have[u] < ut->count) return NULL;
     for (int k = ut->first; k < ut->first + ut->count; k++) c->pk_in[k] = 0;
     c->pk_have[u] = 0;
-    return c->pack + ut->offset;
+    return to + ut->offset;
 }
 
 int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
@@ -1116,6 +1119,7 @@ int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
     const int nt = ps_layout_ntab(l);
     if (!p || p->n_grads < 0 || p->n_grads > nt || (p->n_grads && !p->grads) || !c->tab) return -EINVAL;
     int ids[PS_MAX_TENSORS], n = 0, rows_at = -1;
+    uint64_t sent = 0; /* units in this push (at most one each: PS_MAX_TENSORS bits) */
     const float *g[PS_MAX_TENSORS];
     size_t numel[PS_MAX_TENSORS];
     bool bad = false;
@@ -1131,6 +1135,11 @@ int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
             c->pk_src[x->tensor] = x->data;
             continue;
         }
+        if (sent & (1ull << u)) { /* a unit twice in one push */
+            bad = true;
+            break;
+        }
+        sent |= 1ull << u;
         ids[n] = u;
         g[n] = x->data;
         numel[n++] = l->t[u].numel;
@@ -1142,7 +1151,7 @@ int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
         const int u = l->tab[k].unit;
         if (l->t[u].count == 1 || !c->pk_src[k]) continue; /* not packed, or its unit done already */
         const float *src = pack_unit(c, u);
-        if (src) {
+        if (src) { /* (never twice a unit: its tensors are taken) */
             ids[n] = u;
             g[n] = src;
             numel[n++] = l->t[u].numel;
@@ -1233,7 +1242,7 @@ int pswc_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double los
                    size_t n_rows, const float *row_vals, const uint32_t *want, size_t n_want)
 {
     const int table = c->layout.table;
-    if (!psw_client_rows_ok(c) || n < 1 || n > PSW_MAX_TENSORS || !pswc_table_rows(c, row_ids, n_rows) ||
+    if (!psw_client_rows_ok(c) || n < 1 || n > PS_MAX_TENSORS || !pswc_table_rows(c, row_ids, n_rows) ||
         (n_want && (!pull || !pswc_table_rows(c, want, n_want))))
         return -EINVAL;
     if (c->weight_bf16) n_want = 0; /* psd sends bfloat16 weights whole */
@@ -1245,7 +1254,7 @@ int pswc_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double los
     if (c->n_shards > 1)
         return push_shards(c, &h, n, ids, grads, numel, row_ids, n_rows, row_vals, want, n_want);
     p.want_rows = n_want > 0;
-    ps_frame_t fr[PSW_MAX_TENSORS + 2];
+    ps_frame_t fr[PS_MAX_TENSORS + 2];
     int m = 0, dim = c->layout.t[table].cols;
     for (int i = 0; i < n; i++) {
         if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;

@@ -477,7 +477,7 @@ static int train_step(wk_t *w, const psw_event_t *ev)
     int last = w->pos >= w->n_ids;
 
     const float *base = w->be->host_visible ? psw_model_grads(w->m) : w->grads_host; /* laid out as mlayout */
-    psw_grad_t gr[PSW_MAX_TENSORS];
+    psw_grad_t gr[PS_MAX_TENSORS];
     const int n = w->layout.n_tensors;
     for (int k = 0; k < n; k++) {
         int t = w->split ? w->ready_order[k] : k;
