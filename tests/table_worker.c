@@ -14,7 +14,9 @@
  *                                      no shared memory with psd, parts: each
  *                                      push in two calls (tensor 0, then the
  *                                      rest; between them tensor 0 again,
- *                                      refused while its unit waits)
+ *                                      refused while its unit waits),
+ *                                      offer=N: offer the table of --yaml N
+ *                                      with values of its own (from_worker)
  *   table_worker --yaml N [small]      print a model.tensors list of N
  *                                      assorted tensors: scalars, vectors,
  *                                      matrices, one of 1,100,000 floats
@@ -29,17 +31,32 @@
 
 #include "psworker.h"
 
-static void yaml(int n, int big)
+/* Tensor k of the assorted table (--yaml), and its init's name. */
+static const char *assorted(int k, int big, psw_tensor_t *t)
 {
     static const char *const part[4] = {"weight", "bias", "norm", "scale"};
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "layers.%d.%s", k / 4, part[k % 4]);
+    const char *init = "zeros";
+    if (k == 7) t->ndim = 2, t->shape[0] = 1000, t->shape[1] = 8, t->sparse_rows = 1, init = "\"normal:0.02\"";
+    else if (k % 100 == 50 && big) t->ndim = 1, t->shape[0] = 1100000, init = "\"uniform:0.01\"";
+    else if (k % 4 == 0) t->ndim = 2, t->shape[0] = 8 + k % 5, t->shape[1] = 3 + k % 7, init = "kaiming_uniform";
+    else if (k % 4 == 3) t->ndim = 0, init = "ones";
+    else t->ndim = 1, t->shape[0] = 1 + (uint64_t)(k % 11);
+    t->numel = 1;
+    for (int d = 0; d < t->ndim; d++) t->numel *= t->shape[d];
+    return init;
+}
+
+static void yaml(int n, int big)
+{
     printf("model:\n  kind: tensors\n  tensors:\n");
     for (int k = 0; k < n; k++) {
-        printf("    - {name: layers.%d.%s, ", k / 4, part[k % 4]);
-        if (k == 7) printf("shape: [1000, 8], kind: sparse_rows, init: \"normal:0.02\"}\n");
-        else if (k % 100 == 50 && big) printf("shape: [1100000], init: \"uniform:0.01\"}\n");
-        else if (k % 4 == 0) printf("shape: [%d, %d], init: kaiming_uniform}\n", 8 + k % 5, 3 + k % 7);
-        else if (k % 4 == 3) printf("shape: [], init: ones}\n");
-        else printf("shape: [%d], init: zeros}\n", 1 + k % 11);
+        psw_tensor_t t;
+        const char *init = assorted(k, big, &t);
+        printf("    - {name: %s, shape: [", t.name);
+        for (int d = 0; d < t.ndim; d++) printf("%s%llu", d ? ", " : "", (unsigned long long)t.shape[d]);
+        printf("], init: %s%s}\n", init, t.sparse_rows ? ", kind: sparse_rows" : "");
     }
 }
 
@@ -53,12 +70,21 @@ int main(int argc, char **argv)
     }
     char err[512];
     psw_info_t info = {.device = "cpu", .device_index = -1};
-    int flat = 0, parts = 0;
+    int flat = 0, parts = 0, n_offer = 0;
     for (int i = 4; i < argc; i++) {
+        if (strncmp(argv[i], "offer=", 6) == 0) n_offer = atoi(argv[i] + 6);
         if (strcmp(argv[i], "flat") == 0) flat = 1;
         if (strcmp(argv[i], "parts") == 0) parts = 1;
         if (strcmp(argv[i], "wire") == 0) info.no_shm = 1;
     }
+    psw_tensor_t *offer = n_offer > 0 ? calloc((size_t)n_offer, sizeof *offer) : NULL;
+    float **values = n_offer > 0 ? calloc((size_t)n_offer, sizeof *values) : NULL;
+    for (int k = 0; k < n_offer; k++) { /* the assorted table (--yaml N) and values of its own */
+        assorted(k, 1, &offer[k]);
+        values[k] = malloc(offer[k].numel * sizeof(float));
+        for (uint64_t j = 0; j < offer[k].numel; j++) values[k][j] = (float)(0.01 * cos(0.3 * k + 0.001 * (double)j));
+    }
+    info.n_offer = n_offer, info.offer = offer, info.offer_values = (const float *const *)values;
     psw_client_t *c = argc >= 4 ? psw_client_new(argv[1], &info, err, sizeof err) : NULL;
     psw_assign_t a;
     if (!c || psw_client_register(c, &a, 60, err, sizeof err) != 0) {
@@ -97,7 +123,8 @@ int main(int argc, char **argv)
                 free(cst[k]);
                 if (!flat) free(grad[k]);
             }
-            free(cst), free(grad), free(g), free(all), free(rows), free(ids);
+            for (int k = 0; k < n_offer; k++) free(values[k]);
+            free(cst), free(grad), free(g), free(all), free(rows), free(ids), free(offer), free(values);
             return code;
         } else if (ev.kind == PSW_EV_EPOCH) {
             size_t keep = ev.append ? n_ids : 0;

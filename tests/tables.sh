@@ -4,7 +4,8 @@
 # buffer, or all from one buffer laid out as psd lays them out; the
 # sparse one as rows over the wire): 300 tensors of assorted shapes (some of
 # one element, some over 1M floats, one sparse), 3 workers, one psd and 2
-# psd shards give the same weights bit for bit; a table of 4,100 tensors
+# psd shards give the same weights bit for bit, with the config's table and
+# with the first worker's (from_worker); a table of 4,100 tensors
 # trains, stops, resumes from its checkpoint, and its weights hold every tensor.
 set -u
 B=$1
@@ -39,7 +40,7 @@ run() {
     pids+=("$p0")
     local how=("${HOW0:-}" flat "wire") # worker 0 pushes each tensor from its own buffer, 1 from one flat buffer,
     for ((w = 0; w < nw; w++)); do # 2 over the wire (the sparse tensor as rows there with one psd)
-        "$B/tests/table_worker" "tcp://127.0.0.1:$lep" "$5" "$6" ${how[$w]} >"$T/$name-w$w.log" 2>&1 &
+        "$B/tests/table_worker" "tcp://127.0.0.1:$lep" "$5" "$6" ${how[$w]} ${OFFER:-} >"$T/$name-w$w.log" 2>&1 &
         pids+=($!)
     done
     wait "$p0" || { tail -n 20 "$T/$name.log" "$T/$name-w0.log" >&2; fail "run $name failed"; }
@@ -62,6 +63,37 @@ units=$(grep -o "in 300 tensors ([0-9]* units" "$T/one.log" | grep -o "([0-9]*" 
 loss=$(grep -o "val_loss [0-9.e+-]*" "$T/one.log" | tail -1)
 echo "tables: 300 tensors in $units units, 3 workers, 2 epochs ($loss): one psd and 2 psd shards, the same weights;"
 echo "tables: the same with pushes in two parts (a tensor given twice refused)"
+
+{
+    printf 'model: {kind: from_worker}\nrun: {epochs: 1}\ndata: {train_size: 960, test_size: 30}\n'
+    printf 'train: {batch_size: 64}\noptimizer: {name: adam, lr: 0.01}\nschedule: {name: constant}\n'
+} >"$T/fw.yaml"
+OFFER=offer=300 run fw1 "$T/fw.yaml" 3 1 960 30
+grep -q "the model is the first worker.s: 300 tensors" "$T/fw1.log" || fail "psd did not take the 300 tensors offered"
+OFFER=offer=300 run fw2 "$T/fw.yaml" 3 2 960 30
+"$B/tests/weights_cmp" "$T/fw1.bin" "$T/fw2.bin" || fail "from_worker, 300 tensors: 2 psd shards gave other weights"
+sed 's/name: adam, lr: 0.01/name: sgd, lr: 1e-30, momentum: 0, weight_decay: 0/' "$T/fw.yaml" >"$T/fw0.yaml"
+OFFER=offer=300 run fw0 "$T/fw0.yaml" 1 1 960 30 # steps too small to change a float: the values offered
+"$B/psd" export "$T/fw0.bin" "$T/fw0.safetensors" >/dev/null || fail "psd export"
+if /usr/bin/python3 -c 'import numpy' 2>/dev/null; then
+/usr/bin/python3 - "$T/fw0.safetensors" <<'PY' || fail "psd did not train from the values the first worker offered"
+import json, struct, sys
+import numpy as np
+f = open(sys.argv[1], "rb"); n = struct.unpack("<Q", f.read(8))[0]; h = json.loads(f.read(n)); data = f.read()
+h.pop("__metadata__", None)
+names = sorted(h, key=lambda k: h[k]["data_offsets"][0])
+assert len(names) == 300, len(names)
+for k, name in enumerate(names):
+    a, b = h[name]["data_offsets"]
+    v = np.frombuffer(data[a:b], dtype="<f4")
+    want = (0.01 * np.cos(0.3 * k + 0.001 * np.arange(v.size))).astype(np.float32)
+    assert np.allclose(v, want, rtol=0, atol=1e-9), (name, v[:3], want[:3])
+PY
+    echo "tables: from_worker, 300 tensors: psd trains from the values offered (read back with numpy)"
+else
+    echo "tables: no numpy for /usr/bin/python3: the values offered not read back"
+fi
+echo "tables: from_worker, 300 tensors offered (values in units): one psd and 2 psd shards, the same weights"
 
 {
     "$B/tests/table_worker" --yaml 4100 small
