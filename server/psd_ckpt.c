@@ -939,6 +939,7 @@ int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, ui
     *weights = d.w;
     slots[0] = d.slots[0];
     slots[1] = d.slots[1];
+    ps_layout_free(&d.layout);
     if (path && pathlen) snprintf(path, pathlen, "%s", p);
     return 0;
 }
@@ -1001,6 +1002,7 @@ int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen,
     *weights = d.w;
     slots[0] = d.slots[0];
     slots[1] = d.slots[1];
+    ps_layout_free(&d.layout); /* the caller's layout is checked against meta's table CRC */
     return 0;
 }
 
