@@ -264,6 +264,7 @@ Test(short, psd_shards_take_the_model_and_its_initial_values_from_shard_0)
         free(sl);
         free(l0);
     }
+    ps_layout_free(&l);
     char *s1 = shard_log("two", 1);
     cr_assert(strstr(s1, "in 1 chunks"), "16 MiB at a time: %s", s1);
     free(s1);
