@@ -255,10 +255,13 @@ int psd_hold_reply(psd_hold_t *h, psd_push_t *p, ps_frame_t *fr, uint32_t *crc, 
 {
     const ps_layout_t *l = h->layout;
     const uint16_t *w16;
-    int n = frames_of(h, fr, crc, &w16), tf = n - 1; /* the table's frame (in layout order) */
-    while (tf >= 0 && fr[tf].id != (uint32_t)l->table) tf--;
+    int n = frames_of(h, fr, crc, &w16), tf = -1; /* the table's frame, when rows replace it */
     *rows = -1;
-    if ((p->want.has || h->table_on_psd) && !w16 && tf >= 0 && l->table >= 0) {
+    if ((p->want.has || h->table_on_psd) && !w16 && l->table >= 0) {
+        tf = n - 1;
+        while (tf >= 0 && fr[tf].id != (uint32_t)l->table) tf--;
+    }
+    if (tf >= 0) {
         /* only the table rows its next batch reads (a shard: those in its piece, none maybe); with
          * the table on psd, none when it asked for none */
         const size_t D = (size_t)l->t[l->table].cols, nr = p->want.has ? p->want.n : 0;
