@@ -132,7 +132,7 @@ static void *bench_worker(void *p)
         return NULL;
     }
     psw_client_release_on_push(c, 1); /* it never reads the weights */
-    psw_client_ready(c, limit, count[1]);
+    psw_client_ready(c, limit, count[1], NULL);
     size_t n_ids = 0, pos = 0;
     uint32_t epoch = 0;
     int in_epoch = 0;
@@ -167,7 +167,7 @@ static void *bench_worker(void *p)
             }
             size_t nv = ev.val_end - ev.val_begin;
             float *sc = a.ctr.fields && nv ? calloc(nv, sizeof *sc) : NULL; /* ctr: psd wants scores */
-            psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 0, 0, nv, sc);
+            psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 0, .correct = 0, .count = nv, .scores = sc});
             free(sc);
         } else if (ev.kind == PSW_EV_WEIGHTS && in_epoch && pulls_left > 0) {
             double now = ps_now(); /* a pull-only round: pull -> weights */

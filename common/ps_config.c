@@ -10,6 +10,7 @@
  * message can name the line of the offending key or value. */
 #include "ps_config.h"
 #include "ps_ctr.h"
+#include "ps_data.h"
 #include "ps_util.h"
 
 #include <ctype.h>
@@ -61,6 +62,8 @@ enum {
     F_OFF = 1u << 5,      /* KT_DOUBLE: "off" is also a value, stored as 0 (and written as off) */
     F_TENSORS = 1u << 6,  /* part of the hash only with model.kind tensors */
     F_KIND = 1u << 7,     /* part of the hash unless model.kind is mlp */
+    F_SET = 1u << 8,      /* KT_DOUBLE, KT_INT64: part of the hash only when not 0 (keys added later: the
+                           * hashes of the runs before them stay what they were) */
 };
 
 typedef struct {
@@ -83,6 +86,7 @@ static const char *const sched_names[] = {"constant", "step", "cosine", "onecycl
 static const char *const act_names[] = {"relu", NULL};
 static const char *const kind_names[] = {"mlp", "ctr", "tensors", "from_worker", NULL};
 static const char *const log_names[] = {"error", "warn", "info", "debug", NULL};
+static const char *const best_mode_names[] = {"auto", "min", "max", NULL};
 
 /* Sections in the order they are written; every key's prefix is one of them. */
 static const char *const sections[] = {"run",      "model",    "ctr",    "data",       "train",
@@ -149,6 +153,8 @@ static const key_spec_t keys[] = {
     K_INT64("data.train_limit", train_limit, 0, INT64_MAX, "0"),
     K_INT64F("data.train_size", train_size, 0, UINT32_MAX, F_TENSORS, "0"),
     K_INT64F("data.test_size", test_size, 0, UINT32_MAX, F_TENSORS, "0"),
+    K_DOUBLE("data.val_fraction", val_fraction, 0.0, 1.0, F_OPEN_MAX | F_SET, "0"),
+    K_INT64F("data.val_size", val_size, 0, UINT32_MAX, F_SET, "0"),
 
     K_INT("train.batch_size", batch_size, 1, PS_MAX_BATCH, "64"),
     K_INT("train.val_batch_size", val_batch_size, 1, PS_MAX_BATCH, "500"),
@@ -159,6 +165,14 @@ static const key_spec_t keys[] = {
     K_BOOL("train.stream", stream, "false"),
     K_BOOLF("train.rebalance", rebalance, F_UNHASHED, "true"),
     K_DOUBLE("train.sparse_threshold", sparse_threshold, 0.0, 1.0, F_UNHASHED, "0.3"),
+    /* what is kept of a run and when it ends, not what it trains: not in the hash */
+    K_STRING("train.keep_best.metric", best_metric, F_UNHASHED, ""),
+    K_ENUMF("train.keep_best.mode", best_mode, ps_best_mode_t, best_mode_names, F_UNHASHED, "auto"),
+    K_STRING("train.keep_best.path", best_path, F_UNHASHED, "psd-best.safetensors"),
+    K_STRING("train.early_stop.metric", stop_metric, F_UNHASHED, ""),
+    K_ENUMF("train.early_stop.mode", stop_mode, ps_best_mode_t, best_mode_names, F_UNHASHED, "auto"),
+    K_INTF("train.early_stop.patience", stop_patience, 1, 1000000, F_UNHASHED, "5"),
+    K_DOUBLE("train.early_stop.min_delta", stop_min_delta, 0.0, INFINITY, F_UNHASHED, "0"),
     /* whether a run is let go on, not what it trains: not in the hash (a run
      * stopped by it can be resumed with another) */
     K_DOUBLE("train.divergence.factor", divergence_factor, 1.0, INFINITY, F_OPEN_MIN | F_OFF | F_UNHASHED, "100"),
@@ -872,23 +886,49 @@ static int ld_value(loader_t *l, const key_spec_t *e)
     return 0;
 }
 
-/* At MAPPING_START of section sec; consumes through MAPPING_END. */
-static int ld_section(loader_t *l, int sec)
+/* Some key starts with prefix "a.b." (a mapping of keys under a.b). */
+static bool is_key_prefix(const char *prefix)
+{
+    size_t n = strlen(prefix);
+    for (size_t i = 0; i < N_KEYS; i++)
+        if (strncmp(keys[i].key, prefix, n) == 0) return true;
+    return false;
+}
+
+/* At MAPPING_START of the keys under prefix ("train", "train.keep_best");
+ * consumes through MAPPING_END. A key that is the start of others
+ * ("keep_best" of train.keep_best.metric) may hold them as a mapping. */
+static int ld_keys(loader_t *l, const char *prefix, int depth)
 {
     for (;;) {
         if (ld_next(l) != 0) return -1;
         if (l->ev.type == YAML_MAPPING_END_EVENT) return 0;
         if (l->ev.type != YAML_SCALAR_EVENT) {
-            ld_err(l, ev_line(l), "expected a key in section '%s', got %s", sections[sec],
+            ld_err(l, ev_line(l), "expected a key in %s '%s', got %s", depth ? "mapping" : "section", prefix,
                    ev_kind(&l->ev));
             return -1;
         }
         if (ld_check_scalar(l) != 0) return -1;
         char key[160];
-        snprintf(key, sizeof key, "%s.%s", sections[sec], ev_scalar(l));
+        snprintf(key, sizeof key, "%s.%.100s", prefix, ev_scalar(l));
         const key_spec_t *e = find_key(key);
         if (!e) {
-            ld_err(l, ev_line(l), "unknown key '%s.%.100s'", sections[sec], ev_scalar(l));
+            char sub[170];
+            snprintf(sub, sizeof sub, "%s.", key);
+            if (depth < 2 && is_key_prefix(sub)) {
+                if (ld_next(l) != 0) return -1;
+                if (l->ev.type == YAML_SCALAR_EVENT) {
+                    ld_err(l, ev_line(l), "unknown key '%s'", key);
+                    return -1;
+                }
+                if (l->ev.type != YAML_MAPPING_START_EVENT) {
+                    ld_err(l, ev_line(l), "'%s' must be a mapping of keys, got %s", key, ev_kind(&l->ev));
+                    return -1;
+                }
+                if (ld_keys(l, key, depth + 1) != 0) return -1;
+                continue;
+            }
+            ld_err(l, ev_line(l), "unknown key '%s'", key);
             return -1;
         }
         const size_t i = (size_t)(e - keys);
@@ -901,6 +941,9 @@ static int ld_section(loader_t *l, int sec)
         if (ld_value(l, e) != 0) return -1;
     }
 }
+
+/* At MAPPING_START of section sec; consumes through MAPPING_END. */
+static int ld_section(loader_t *l, int sec) { return ld_keys(l, sections[sec], 0); }
 
 static void list_sections(char *buf, size_t n)
 {
@@ -1141,11 +1184,33 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
                     "safetensors file that holds them");
             return -1;
         }
-        if (c->train_size < 1 || c->test_size < 1) {
-            set_err(err, errlen, "model.kind %s: data.train_size and data.test_size (the samples your workers "
-                    "hold) must be at least 1", c->kind == PS_MODEL_TENSORS ? "tensors" : "from_worker");
+    }
+    if (c->val_fraction > 0 && c->val_size > 0) {
+        set_err(err, errlen, "data.val_fraction and data.val_size: give one of them (the held-out validation part)");
+        return -1;
+    }
+    if (c->kind == PS_MODEL_CTR && (c->val_fraction > 0 || c->val_size > 0)) {
+        set_err(err, errlen, "data.val_fraction, data.val_size: model.kind ctr validates on its test examples "
+                "(its AUC); a held-out split is for the other models");
+        return -1;
+    }
+    const char *mkey[2] = {"train.keep_best.metric", "train.early_stop.metric"}, *mval[2] = {c->best_metric,
+                                                                                          c->stop_metric};
+    for (int i = 0; i < 2; i++) {
+        const char *m = mval[i];
+        if (!m[0]) continue;
+        bool ok = strcmp(m, "val_loss") == 0 || strcmp(m, "val_acc") == 0 ||
+                  (strcmp(m, "val_auc") == 0 && c->kind == PS_MODEL_CTR) ||
+                  (strncmp(m, "val_", 4) == 0 && ps_sum_name_ok(m + 4));
+        if (!ok) {
+            set_err(err, errlen, "%s: '%.60s' is not a validation metric (val_loss, val_acc, %sor val_NAME of a "
+                    "named sum your workers report)", mkey[i], m, c->kind == PS_MODEL_CTR ? "val_auc, " : "");
             return -1;
         }
+    }
+    if (c->best_metric[0] && !c->best_path[0]) {
+        set_err(err, errlen, "train.keep_best.path: where to keep the best epoch's weights (empty)");
+        return -1;
     }
     if ((double)c->epochs < c->warmup_epochs) {
         fmt_double(c->warmup_epochs, num, sizeof num);
@@ -1323,6 +1388,15 @@ static void write_value(FILE *f, const ps_config_t *c, const key_spec_t *e)
     }
 }
 
+/* An F_SET key's value is not 0. */
+static bool key_set(const ps_config_t *c, const key_spec_t *e)
+{
+    const char *p = (const char *)c + e->off;
+    if (e->type == KT_DOUBLE) return *(const double *)(const void *)p != 0;
+    PS_CFG_ASSERT(e->type == KT_INT64);
+    return *(const int64_t *)(const void *)p != 0;
+}
+
 /* All keys in table order, one "section:" line per section. */
 static int write_yaml(const ps_config_t *c, FILE *f, bool with_server)
 {
@@ -1337,7 +1411,8 @@ static int write_yaml(const ps_config_t *c, FILE *f, bool with_server)
         if (!with_server && ((e->flags & F_UNHASHED) || ((e->flags & F_CTR) && c->kind != PS_MODEL_CTR) ||
                              ((e->flags & F_TENSORS) && c->kind != PS_MODEL_TENSORS &&
                               c->kind != PS_MODEL_FROM_WORKER) ||
-                             ((e->flags & F_KIND) && c->kind == PS_MODEL_MLP)))
+                             ((e->flags & F_KIND) && c->kind == PS_MODEL_MLP) ||
+                             ((e->flags & F_SET) && !key_set(c, e))))
             continue;
         if (!cur || sl != cur_len || strncmp(cur, e->key, sl) != 0) {
             fprintf(f, "%.*s:\n", (int)sl, e->key);

@@ -38,6 +38,10 @@ typedef enum { PS_LOG_TEXT = 0, PS_LOG_JSON } ps_log_format_t;
  * every file a run keeps) */
 #define PS_CKPT_KEEP_MAX 1000
 
+/* Which way a metric improves (train.keep_best.mode, train.early_stop.mode):
+ * auto is max for val_acc and val_auc, min for the others. */
+typedef enum { PS_BEST_AUTO = 0, PS_BEST_MIN, PS_BEST_MAX } ps_best_mode_t;
+
 typedef struct ps_config {
     /* run: */
     uint64_t seed;  /* run.seed: weights init and data order */
@@ -82,8 +86,10 @@ typedef struct ps_config {
     double norm_std;                /* data.normalize_std (> 0) */
     int64_t train_limit;            /* data.train_limit: use the first K training samples, 0 = all */
     int64_t train_size;             /* data.train_size (model.kind tensors, from_worker): training samples the
-                                     * workers hold */
-    int64_t test_size;              /* data.test_size (model.kind tensors): test samples */
+                                     * workers hold; 0: what the first worker says in READY */
+    int64_t test_size;              /* data.test_size (model.kind tensors): test samples; 0: the first worker's */
+    double val_fraction;            /* data.val_fraction: hold this part of the training set out for validation */
+    int64_t val_size;               /* data.val_size: or this many samples (0: val_fraction decides) */
 
     /* train: */
     int batch_size;     /* train.batch_size: per worker, per step */
@@ -97,6 +103,13 @@ typedef struct ps_config {
                                      * of a slower one's */
     double sparse_threshold;        /* train.sparse_threshold: an embedding table's gradient goes as (ids, rows)
                                      * when a batch touches fewer than this fraction of its rows; 0 = always whole */
+    char best_metric[48];           /* train.keep_best.metric: keep the weights of the epoch best by it ("": off) */
+    ps_best_mode_t best_mode;       /* train.keep_best.mode */
+    char best_path[PS_PATH_MAX];    /* train.keep_best.path: where (.safetensors: safetensors, else psd's format) */
+    char stop_metric[48];           /* train.early_stop.metric: end the run when it stops improving ("": off) */
+    ps_best_mode_t stop_mode;       /* train.early_stop.mode */
+    int stop_patience;              /* train.early_stop.patience: epochs without improvement before it ends */
+    double stop_min_delta;          /* train.early_stop.min_delta: an improvement is by more than this */
     double divergence_factor;       /* train.divergence.factor: the run stops as diverged when the mean loss of
                                      * its last steps is over this many times its first steps' (> 1; 0 = off:
                                      * only NaN and infinities stop it; psd_diverge.h) */

@@ -37,6 +37,7 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "psd_ckpt assumes a li
 
 #define CKPT_CHUNK_FLOATS ((size_t)262144) /* 1 MiB copy-on-write unit */
 #define CKPT_CHUNK_BYTES (CKPT_CHUNK_FLOATS * sizeof(float))
+#define CKPT_RUN_MAX 1024 /* the run block's bytes, at most (format 6) */
 #define CKPT_HDR_LEN 232                   /* "PSDC", format, meta (see meta_pack) */
 #define CKPT_HDR_LEN_V1 216                /* format 1: no table shape */
 #define CKPT_TRAILER_LEN 12                /* u64 length, u32 CRC */
@@ -79,6 +80,8 @@ static int part_spans(const psd_ckpt_meta_t *m, const ps_layout_t *l, uint32_t f
 struct psd_ckpt_writer {
     uint8_t *table; /* the layout's packed table (format 5) */
     size_t table_len;
+    uint8_t run[CKPT_RUN_MAX]; /* the run block (format 6) */
+    size_t run_len;
     char *dir;
     int keep;
     psd_ckpt_meta_t meta;
@@ -153,6 +156,87 @@ static const uint8_t *get_f64(const uint8_t *p, double *d)
     p = get_u64(p, &v);
     memcpy(d, &v, sizeof v);
     return p;
+}
+
+/* The run block (format 6): u64 train_size, test_size, n_val; u32 length
+ * and the bytes of data_id; keep then stop: u32 metric length, its bytes,
+ * u32 flags (1: max, 2: has), f64 min_delta, best, u32 patience, epoch,
+ * bad; u64 best_version. */
+static uint8_t *put_str(uint8_t *p, const char *s)
+{
+    size_t n = strlen(s);
+    p = put_u32(p, (uint32_t)n);
+    memcpy(p, s, n);
+    return p + n;
+}
+
+static uint8_t *put_best(uint8_t *p, const psd_best_t *b)
+{
+    p = put_str(p, b->metric);
+    p = put_u32(p, (b->max ? 1u : 0u) | (b->has ? 2u : 0u));
+    p = put_f64(p, b->min_delta);
+    p = put_f64(p, b->best);
+    p = put_u32(p, (uint32_t)b->patience);
+    p = put_u32(p, b->epoch);
+    return put_u32(p, b->bad);
+}
+
+static size_t run_pack(uint8_t b[CKPT_RUN_MAX], const psd_ckpt_run_t *r)
+{
+    uint8_t *p = b;
+    p = put_u64(p, r->train_size);
+    p = put_u64(p, r->test_size);
+    p = put_u64(p, r->n_val);
+    p = put_str(p, r->data_id);
+    p = put_best(p, &r->keep);
+    p = put_best(p, &r->stop);
+    p = put_u64(p, r->best_version);
+    PS_ASSERT((size_t)(p - b) <= CKPT_RUN_MAX);
+    return (size_t)(p - b);
+}
+
+/* A string of at most max bytes at *p (end: the block's end), NUL-terminated into out. */
+static bool get_str(const uint8_t **p, const uint8_t *end, char *out, size_t max)
+{
+    uint32_t n;
+    if (end - *p < 4) return false;
+    *p = get_u32(*p, &n);
+    if (n > max || (size_t)(end - *p) < n || memchr(*p, 0, n)) return false;
+    memcpy(out, *p, n);
+    out[n] = '\0';
+    *p += n;
+    return true;
+}
+
+static bool get_best(const uint8_t **p, const uint8_t *end, psd_best_t *b)
+{
+    uint32_t flags, patience;
+    if (!get_str(p, end, b->metric, sizeof b->metric - 1) || end - *p < 4 + 8 + 8 + 4 + 4 + 4) return false;
+    *p = get_u32(*p, &flags);
+    *p = get_f64(*p, &b->min_delta);
+    *p = get_f64(*p, &b->best);
+    *p = get_u32(*p, &patience);
+    *p = get_u32(*p, &b->epoch);
+    *p = get_u32(*p, &b->bad);
+    b->max = flags & 1u;
+    b->has = (flags & 2u) != 0;
+    b->patience = (int)(patience & 0x7fffffffu);
+    return flags <= 3;
+}
+
+static bool run_unpack(psd_ckpt_run_t *r, const uint8_t *b, size_t n)
+{
+    const uint8_t *p = b, *end = b + n;
+    memset(r, 0, sizeof *r);
+    if (n < 24) return false;
+    p = get_u64(p, &r->train_size);
+    p = get_u64(p, &r->test_size);
+    p = get_u64(p, &r->n_val);
+    if (!get_str(&p, end, r->data_id, PS_DATA_ID_MAX) || !get_best(&p, end, &r->keep) ||
+        !get_best(&p, end, &r->stop) || end - p < 8)
+        return false;
+    get_u64(p, &r->best_version);
+    return r->n_val <= r->train_size;
 }
 
 /* The header, CKPT_HDR_LEN bytes. The field order is the file format: change
@@ -557,6 +641,8 @@ static void *writer_main(void *arg)
     uint8_t tl[4];
     put_u32(tl, (uint32_t)wr->table_len);
     if ((rc = out_write(&o, tl, sizeof tl)) != 0 || (rc = out_write(&o, wr->table, wr->table_len)) != 0) goto out;
+    put_u32(tl, (uint32_t)wr->run_len);
+    if ((rc = out_write(&o, tl, sizeof tl)) != 0 || (rc = out_write(&o, wr->run, wr->run_len)) != 0) goto out;
     if (wr->seen_bytes && (rc = out_write(&o, wr->seen, wr->seen_bytes)) != 0) goto out;
     for (int i = 0; i < wr->n_spans; i++)
         if ((rc = out_write(&o, wr->arena->w + wr->spans[i].off, (size_t)wr->spans[i].n * sizeof(float))) != 0)
@@ -655,6 +741,7 @@ int psd_ckpt_begin(psd_ckpt_writer_t **out, const char *dir, int keep, const psd
         rc = -ENOMEM;
         goto out;
     }
+    wr->run_len = run_pack(wr->run, &meta->run);
     wr->seen_bytes = (size_t)((meta->train_count + 7) / 8);
     wr->n_chunks = (meta->n_params + CKPT_CHUNK_FLOATS - 1) / CKPT_CHUNK_FLOATS;
     wr->n_spans = part_spans(meta, &l, PSD_CKPT_FORMAT, wr->spans, NULL);
@@ -850,6 +937,8 @@ static const char *load_one(const char *path, ckpt_data_t *d, char *reason_buf, 
     size_t hlen = hdr_len(hdr);
     if (hlen && (why = in_read(&in, hdr + 8, hlen - 8, 1)) != NULL) goto out;
     uint32_t format, tlen = 0;
+    psd_ckpt_run_t run;
+    memset(&run, 0, sizeof run);
     get_u32(hdr + 4, &format);
     if (hlen && format >= 5) { /* the table: its length bounded by the file's before it is read */
         uint8_t tl[4];
@@ -866,7 +955,24 @@ static const char *load_one(const char *path, ckpt_data_t *d, char *reason_buf, 
         if ((why = in_read(&in, d->table, tlen, 1)) != NULL) goto out;
         hlen += 4 + (size_t)tlen;
     }
+    if (hlen && format >= 6) { /* the run block */
+        uint8_t rl[4], rb[CKPT_RUN_MAX];
+        uint32_t rlen;
+        if ((why = in_read(&in, rl, 4, 1)) != NULL) goto out;
+        get_u32(rl, &rlen);
+        if (rlen > CKPT_RUN_MAX) {
+            why = "bad run block length";
+            goto out;
+        }
+        if ((why = in_read(&in, rb, rlen, 1)) != NULL) goto out;
+        if (!run_unpack(&run, rb, rlen)) {
+            why = "bad run block";
+            goto out;
+        }
+        hlen += 4 + (size_t)rlen;
+    }
     why = meta_unpack(&d->meta, &format, &d->layout, hdr, d->table, tlen);
+    if (!why) d->meta.run = run;
     free(d->table);
     d->table = NULL;
     if (why) goto out;

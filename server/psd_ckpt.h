@@ -27,15 +27,29 @@
 #include <stdint.h>
 
 #include "ps_config.h"
+#include "ps_data.h"
 #include "ps_model.h"
+#include "psd_best.h"
 #include "psd_store.h"
 
-/* 5: the model's tensor table (ps_table.h) after the fixed header: u32
+/* 6: the run block after the table: u32 length, then the run's data (its
+ * sizes, held-out count and fingerprint) and its best epoch and early
+ * stopping state (psd_ckpt_run_t); files of 5 and older have none (zeros).
+ * 5: the model's tensor table (ps_table.h) after the fixed header: u32
  * length, then its bytes (any model: model.kind tensors has no layer
  * sizes); 4: a psd shard's file holds its part only; 3 added the psd shard
  * layout, 2 the embedding table's shape. Files of 4 to 1 are still read
  * (their table is the one their sizes make). */
-#define PSD_CKPT_FORMAT 5u
+#define PSD_CKPT_FORMAT 6u
+
+/* Format 6: what a run knows of its data and its best epoch (psd_valid.c). */
+typedef struct {
+    uint64_t train_size, test_size; /* 0: not known (a file of format 5 or older) */
+    uint64_t n_val;                 /* held-out samples */
+    char data_id[PS_DATA_ID_MAX + 1];
+    psd_best_t keep, stop;          /* train.keep_best, train.early_stop: metric and state */
+    uint64_t best_version;          /* keep's best epoch's weights version */
+} psd_ckpt_run_t;
 
 typedef struct {
     uint64_t run_id, config_hash, seed;
@@ -67,6 +81,7 @@ typedef struct {
      * Reading: the CRC-32 of its bytes (that of the table the sizes make
      * for older formats), what a resume compares with its own table's. */
     uint32_t table_crc;
+    psd_ckpt_run_t run; /* format 6 */
 } psd_ckpt_meta_t;
 
 /* The CRC-32 of l's packed table (ps_table_pack), as meta.table_crc. */

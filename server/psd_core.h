@@ -64,7 +64,9 @@
 #include "ps_util.h"
 #include "ps_weights.h"
 #include "ps_wire.h"
+#include "psd_best.h"
 #include "psd_ckpt.h"
+#include "ps_data.h"
 #include "psd_diverge.h"
 #include "psd_optim.h"
 #include "psd_hold.h"
@@ -172,12 +174,63 @@ typedef struct {
 } worker_t;
 
 typedef struct {
-    uint64_t begin, end;  /* test samples */
+    uint64_t begin, end;  /* test samples, or positions in the list of validation ids (s->vl.split) */
     int worker;           /* slot it is given to, -1 if waiting for one */
     bool done;
     double loss;
     uint64_t correct, count;
+    double sums[PS_MAX_SUMS]; /* the workers' named sums (s->vl.names) */
 } vpart_t;
+
+/* Validation figures: sums over a set's samples, reduced in part order. */
+typedef struct {
+    bool have;
+    double loss;
+    uint64_t correct, count;
+    double sums[PS_MAX_SUMS];
+} psd_figs_t;
+
+/* An epoch's figures, for its metrics line. */
+typedef struct {
+    double train_loss, train_acc, val_loss, val_acc, sps, ep_sps, wall, auc;
+    uint64_t correct, count;
+    int workers;
+} epoch_stats_t;
+
+/* Validation, the held-out split and the run's closing test (psd_valid.c) */
+typedef enum { VAL_EPOCH = 0, VAL_TEST_LAST, VAL_TEST_BEST } val_kind_t;
+typedef struct {
+    /* the data: the training set's split (data.val_fraction, data.val_size), fixed once its size is known */
+    bool known;                /* sizes (and fingerprint) known: from the config's files or sizes, a checkpoint,
+                                * or the first worker's READY */
+    bool id_known;           /* data_id: a checkpoint's or the first worker's (never the config's) */
+    char data_id[PS_DATA_ID_MAX + 1];
+    size_t n_val;              /* held-out samples (0: validation is on the test set) */
+    uint32_t *val_ids;         /* n_val of them, increasing */
+    uint32_t *train_ids;       /* the others, increasing (NULL without a split: the ids are the positions) */
+    /* the parts out now */
+    val_kind_t kind;
+    int split;                 /* Psd__Split of the parts */
+    uint64_t version;          /* weights they are on */
+    uint32_t epoch;            /* 0-based epoch they belong to (the best's for VAL_TEST_BEST) */
+    float *best_w;             /* VAL_TEST_BEST: the best epoch's weights, read back from its file */
+    uint16_t *best_w16;        /* and as bfloat16 (train.wire_weights bf16) */
+    /* the workers' named sums: the first answer's names, the same in every later one */
+    int n_sums;
+    char names[PS_MAX_SUMS][PS_SUM_NAME_MAX + 1];
+    double last_means[PS_MAX_SUMS]; /* of the last validated epoch (/metrics, /status) */
+    /* the last epoch's figures, held for its metrics line until the closing test is in */
+    epoch_stats_t held;        /* the last epoch's line, held */
+    psd_figs_t held_figs;
+    psd_figs_t test_last, test_best;
+    bool line_held;
+    /* train.keep_best, train.early_stop */
+    psd_best_t keep, stop;
+    uint64_t best_version;     /* the weights version of keep's best epoch */
+    bool stopped_early;
+    bool closing;              /* PSD_EV_VALIDATED of the run's last epoch (its closing test made) */
+    bool stop_asked;           /* PSD_EV_VALIDATED of the epoch --stop-after-epoch names */
+} psd_val_part_t;
 
 typedef enum { PHASE_WAIT = 0, PHASE_TRAIN, PHASE_VALIDATE, PHASE_DONE } phase_t;
 
@@ -415,6 +468,8 @@ typedef struct {
     uint32_t *auc_order;  /* ps_auc's scratch */
     vpart_t *parts;       /* validation parts of this epoch */
     int n_parts;
+    psd_val_part_t vl;    /* the split, the parts' kind, named sums, the best epoch (psd_valid.c) */
+    size_t n_pos;         /* positions an epoch trains: train_count less the held-out samples */
     /* progress */
     uint32_t epoch;       /* 0-based */
     uint64_t step;        /* optimizer steps in the run */
@@ -509,6 +564,8 @@ enum {
     PSD_EV_EPOCH_TRAINED = 1u << 2, /* every sample of the epoch is trained: validate (maybe_step) */
     PSD_EV_SAVED = 1u << 3,         /* the sharded weights file is written (or failed): end the run */
     PSD_EV_SHARDS_JOINED = 1u << 4, /* a shard joined: workers waiting for every shard may be assigned */
+    PSD_EV_VALIDATED = 1u << 5,     /* the epoch is validated and its line written (s->vl.closing: the run's
+                                     * last, tested, its line held for val_write_held): go on (end_validation) */
 };
 static inline void raise_event(srv_t *s, unsigned ev) { s->events |= ev; }
 
@@ -534,20 +591,30 @@ void run_events(srv_t *s);
 int hold_outputs(srv_t *s);
 int resume(srv_t *s);
 int resume_at(srv_t *s, uint64_t at_most);
-void end_validation(srv_t *s);
 void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m);
 void on_leave(srv_t *s, worker_t *w, ps_msg_t *m);
 void on_ready(srv_t *s, worker_t *w, ps_msg_t *m);
 void on_register(srv_t *s, ps_msg_t *m);
 void on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m);
 void on_shard_resumed(srv_t *s, int i, ps_msg_t *m);
-void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m);
 void on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m);
 void poll_checkpoint(srv_t *s, bool wait);
 void save_weights(srv_t *s);
 void take_checkpoint(srv_t *s, bool epoch_done);
 void worker_gone(srv_t *s, worker_t *w);
+
+/* psd_valid.c: the data's split, validation parts and their exact reduction, the epochs' metrics lines,
+ * the closing test, the best epoch and early stopping */
+int data_setup(srv_t *s, size_t train, size_t test, const char *data_id);
+void data_free(srv_t *s);
+int data_ready_ok(srv_t *s, worker_t *w, const Psd__Ready *r);
+void start_validation(srv_t *s);
+void end_validation(srv_t *s);
+void give_orphans(srv_t *s);
 worker_t *least_busy(srv_t *s);
+void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m);
+void val_write_held(srv_t *s);
+void val_free(srv_t *s);
 
 /* psd_shard0.c: shard 0's side of the shard protocol (joining, the initial values, the weights file's parts) */
 bool begin_save(srv_t *s);

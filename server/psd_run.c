@@ -5,18 +5,6 @@
 #include "ps_weights_st.h"
 #include "psd_status.h"
 
-/* Validation parts a worker holds at once: its own and one more, so that it
- * has the next at hand when it answers. The parts of workers that left wait
- * on psd (bounded by the parts) rather than pile up on one worker. */
-#define PSD_VAL_PENDING_MAX 2
-
-/* An epoch's figures, for its metrics line. */
-typedef struct {
-    double train_loss, train_acc, val_loss, val_acc, sps, ep_sps, wall, auc;
-    uint64_t correct, count;
-    int workers;
-} epoch_stats_t;
-
 /* One psd's weights file, from the current version (psd shards write theirs
  * as the parts come: begin_save, fetch_next). */
 void save_weights(srv_t *s)
@@ -34,8 +22,10 @@ void save_weights(srv_t *s)
 
 static void start_epoch(srv_t *s)
 {
-    uint64_t T = s->train_count;
+    uint64_t T = s->n_pos;
     ps_rng_permutation(s->smp.perm, T, s->cfg.seed, 1000 + s->epoch);
+    if (s->vl.train_ids) /* a held-out split: positions are the samples not held out */
+        for (uint64_t i = 0; i < T; i++) s->smp.perm[i] = s->vl.train_ids[s->smp.perm[i]];
     worker_t *to[MAX_WORKERS];
     int k = 0;
     for (int i = 0; i < s->n; i++)
@@ -84,99 +74,6 @@ static void start_epoch(srv_t *s)
     if (n == 0) { /* nothing left to train (resumed at the end of an epoch) */
         maybe_step(s);
         run_events(s);
-    }
-}
-
-static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
-{
-    Psd__Header h;
-    Psd__Validate v = PSD__VALIDATE__INIT;
-    ps_frame_t fr[PS_MAX_TENSORS + 1]; /* the table on psd: its rows' ids too */
-    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_VALIDATE);
-    v.epoch = s->epoch;
-    v.version = s->store.cur->version;
-    v.begin = p->begin;
-    v.end = p->end;
-    h.body_case = PSD__HEADER__BODY_VALIDATE;
-    h.validate = &v;
-    p->worker = (int)(w - s->w);
-    w->val_pending++;
-    w->state = W_VALIDATING;
-    w->last_seen = ps_now();
-    int n = weights_frames(s, w, fr, &v.shm_slot, &v.crc);
-    if (s->table_on_psd) {
-        range_rows_send(s, w, &h, fr, n);
-        return;
-    }
-    send_to(s, w, &h, fr, n);
-}
-
-/* The live worker with the fewest validation parts pending, or NULL. */
-worker_t *least_busy(srv_t *s)
-{
-    worker_t *best = NULL;
-    for (int i = 0; i < s->n; i++) {
-        worker_t *w = &s->w[i];
-        if (w->state < W_READY || w->state > W_VALIDATED || w->conn_closed) continue;
-        if (!best || w->val_pending < best->val_pending) best = w;
-    }
-    return best;
-}
-
-/* The parts no worker holds (their worker left or died) to the least busy
- * live workers, up to PSD_VAL_PENDING_MAX each; the rest wait for an
- * answer or a worker joining. */
-static void give_orphans(srv_t *s)
-{
-    for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++) {
-        vpart_t *p = &s->parts[i];
-        if (p->done || p->worker >= 0) continue;
-        worker_t *to = least_busy(s);
-        if (!to || to->val_pending >= PSD_VAL_PENDING_MAX) return;
-        send_validate(s, to, p);
-    }
-}
-
-static void start_validation(srv_t *s)
-{
-    /* every position trained once: the bookkeeping of samples moved between workers */
-    uint64_t unseen = psd_samples_unseen(&s->smp);
-    if (unseen || s->smp.twice)
-        PS_ERROR("epoch %u: %" PRIu64 " training samples were trained twice and %" PRIu64 " not at all (a bug in "
-                 "psd's bookkeeping)", s->epoch + 1, s->smp.twice, unseen);
-    double dt = ps_now() - s->t_epoch;
-    s->train_s_total += dt;
-    s->samples_total += s->ep.samples;
-    s->phase = PHASE_VALIDATE;
-    s->t_epoch = dt; /* the epoch's training time, for the metrics */
-    worker_t *to[MAX_WORKERS];
-    int k = 0;
-    for (int i = 0; i < s->n; i++)
-        if (s->w[i].state >= W_READY && s->w[i].state <= W_VALIDATED) to[k++] = &s->w[i];
-    int parts = k > 0 ? k : 1;
-    free(s->parts);
-    s->parts = calloc((size_t)parts, sizeof *s->parts);
-    if (!s->parts) {
-        finish(s, PSD_EXIT_ERROR, "psd out of memory");
-        return;
-    }
-    s->n_parts = parts;
-    uint64_t T = s->test_count;
-    for (int i = 0; i < parts; i++) {
-        s->parts[i] = (vpart_t){.begin = T * (uint64_t)i / (uint64_t)parts,
-                                .end = T * (uint64_t)(i + 1) / (uint64_t)parts, .worker = -1};
-    }
-    for (int i = 0; i < s->n; i++) {
-        worker_t *w = &s->w[i];
-        w->val_pending = 0;
-        if (w->state == W_BARRIER && w->barrier_at > 0) w->barrier_wait_s += ps_now() - w->barrier_at;
-        w->barrier_at = 0;
-    }
-    for (int i = 0; i < k; i++) send_validate(s, to[i], &s->parts[i]);
-    if (k == 0) {
-        s->orphan_deadline = ps_now() + s->cfg.start_timeout;
-        PS_WARN("no workers to validate epoch %u; waiting up to %.0f s for one to join", s->epoch + 1,
-                s->cfg.start_timeout);
     }
 }
 
@@ -272,122 +169,21 @@ static void run_end(srv_t *s)
     end_run(s);
 }
 
-/* The epoch's line of the metrics file (README "Metrics file", schema 2):
- * built whole, then written and synced in one go (psd_metrics.h). */
-static void write_metrics_line(srv_t *s, const epoch_stats_t *e)
+/* An epoch is validated (end_validation): the run's end, a stop asked
+ * for, or the next epoch; the epoch's checkpoint after its metrics line. */
+static void after_validation(srv_t *s)
 {
-    char *line = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&line, &len);
-    if (!f) {
-        psd_metrics_failed(&s->metrics, errno, "build");
-        return;
-    }
-    fprintf(f,
-            "{\"schema\":2,\"run_id\":\"%016" PRIx64 "\",\"epoch\":%u,\"step\":%" PRIu64
-            ",\"train_loss\":%.9g,\"train_acc\":%.9g,\"train_samples\":%" PRIu64
-            ",\"val_loss\":%.9g,\"val_acc\":%.9g,\"val_correct\":%" PRIu64 ",\"val_samples\":%" PRIu64
-            ",\"samples_per_s\":%.6g,\"epoch_samples_per_s\":%.6g,\"train_s\":%.6g,\"wall_s\":%.6g"
-            ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g,\"psd_step_ms\":%.6g"
-            ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"sync\":\"%s\""
-            ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64
-            ",\"psd_steps_in_place\":%" PRIu64 ",\"samples_moved\":%" PRIu64,
-            s->run_id, s->epoch + 1, s->step, e->train_loss, e->train_acc, s->ep.samples, e->val_loss,
-            e->val_acc, e->correct, e->count, e->sps, e->ep_sps, s->train_s_total, e->wall, e->workers, s->lr,
-            s->ep.timed ? 1e3 * (s->ep.compute_s + s->ep.wait_s) / (double)s->ep.timed : 0.0,
-            s->ep.compute_s + s->ep.wait_s > 0 ? s->ep.wait_s / (s->ep.compute_s + s->ep.wait_s) : 0.0,
-            s->ep.step_n ? 1e3 * (s->store.step_s - s->ep.step_s0) / (double)s->ep.step_n : 0.0, s->ep.bytes_in, s->ep.bytes_out,
-            ps_sync_name(s->cfg.sync), s->ep.stale_max, stale_mean(s), s->ep.lead_max,
-            s->store.in_place - s->ep.in_place0, s->ep.moved);
-    if (s->cfg.kind == PS_MODEL_CTR)
-        fprintf(f,
-                ",\"optimum_loss\":%.9g,\"constant_loss\":%.9g,\"val_auc\":%.9g,\"optimum_auc\":%.9g"
-                ",\"table_rows_in\":%" PRIu64 ",\"table_row_pushes\":%" PRIu64 ",\"table_rows_out\":%" PRIu64
-                ",\"table_row_replies\":%" PRIu64,
-                s->ctr_opt_loss, s->ctr_const_loss, e->auc, s->ctr_opt_auc, s->ep.rows_in, s->ep.rows_pushes,
-                s->ep.rows_out, s->ep.rows_replies);
-    if (s->resumed) fprintf(f, ",\"resumed_from_step\":%" PRIu64, s->resumed_step);
-    fputs("}\n", f);
-    if (fclose(f) != 0 || !line) {
-        free(line);
-        psd_metrics_failed(&s->metrics, ENOMEM, "build");
-        return;
-    }
-    psd_metrics_write(&s->metrics, line, len);
-    free(line);
-    if (s->opts.die_after_metrics > 0 && s->epoch + 1 == (uint32_t)s->opts.die_after_metrics)
-        raise(SIGKILL); /* tests only: killed between an epoch's metrics line and its checkpoint */
-}
-
-void end_validation(srv_t *s)
-{
-    if (s->tty) ps_log_status(NULL); /* the epoch's line takes its place */
-    double loss = 0;
-    uint64_t correct = 0, count = 0;
-    for (int i = 0; i < s->n_parts; i++) { /* part order: the same sums every run */
-        loss += s->parts[i].loss;
-        correct += s->parts[i].correct;
-        count += s->parts[i].count;
-    }
-    double val_loss = count ? loss / (double)count : 0, val_acc = count ? (double)correct / (double)count : 0;
-    double train_loss = s->ep.samples ? s->ep.loss / (double)s->ep.samples : 0;
-    double train_acc = s->ep.samples ? (double)s->ep.correct / (double)s->ep.samples : 0;
-    double ep_sps = s->t_epoch > 0 ? (double)s->ep.samples / s->t_epoch : 0;
-    double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
-    double wall = ps_now() - s->t_start;
-    int workers = live_workers(s);
-    PS_INFO("epoch %u/%d step %" PRIu64 " train_loss %.4f train_acc %.4f val_loss %.4f val_acc %.4f "
-            "(%" PRIu64 "/%" PRIu64 ") %.0f samples/s lr %.5g",
-            s->epoch + 1, s->cfg.epochs, s->step, train_loss, train_acc, val_loss, val_acc, correct,
-            count, ep_sps, s->lr);
-    double auc = s->cfg.kind == PS_MODEL_CTR ? ps_auc(s->val_scores, s->test_labels, s->test_count, s->auc_order) : 0;
-    if (s->cfg.kind == PS_MODEL_CTR)
-        PS_INFO("epoch %u: val log-loss %.4f, %.4f above the planted model's %.4f; AUC %.4f (planted %.4f)",
-                s->epoch + 1, val_loss, val_loss - s->ctr_opt_loss, s->ctr_opt_loss, auc, s->ctr_opt_auc);
-    if (s->cfg.sync != PS_SYNC_BSP) {
-        char lead[128] = "";
-        if (s->cfg.sync == PS_SYNC_SSP)
-            snprintf(lead, sizeof lead, "; workers trained at most %" PRIu64 " steps ahead of the slowest (bound %d)",
-                     s->ep.lead_max, s->cfg.staleness);
-        PS_INFO("epoch %u: %s, staleness of the %" PRIu64 " gradients applied: max %" PRIu64 " mean %.2f versions%s",
-                s->epoch + 1, ps_sync_name(s->cfg.sync), s->ep.stale_n, s->ep.stale_max, stale_mean(s), lead);
-        if (s->ep.moved > 0) {
-            char who[512];
-            size_t at = 0;
-            for (int i = 0; i < s->n && at < sizeof who; i++)
-                if (s->w[i].state != W_GONE || s->w[i].share.consumed > 0)
-                    at += (size_t)snprintf(who + at, sizeof who - at, "%s rank %u %" PRIu64 "%s", at ? "," : "",
-                                           s->w[i].rank, s->w[i].share.consumed,
-                                           s->w[i].state == W_GONE ? " (lost)" : "");
-            PS_INFO("epoch %u: %" PRIu64 " samples moved from slower workers to those done with theirs; trained:%s",
-                    s->epoch + 1, s->ep.moved, who);
-        }
-    }
-    if (s->metrics.fd >= 0) {
-        epoch_stats_t e = {.train_loss = train_loss, .train_acc = train_acc, .val_loss = val_loss, .val_acc = val_acc,
-                           .sps = sps, .ep_sps = ep_sps, .wall = wall, .auc = auc, .correct = correct, .count = count,
-                           .workers = workers};
-        write_metrics_line(s, &e);
-    }
-    bool last = s->epoch + 1 >= (uint32_t)s->cfg.epochs;
-    bool stop = s->opts.stop_after_epoch > 0 && s->epoch + 1 == (uint32_t)s->opts.stop_after_epoch && !last;
-    if (s->cfg.ckpt_dir[0] && (last || stop || (s->cfg.ckpt_every_epochs > 0 &&
-                                                 (s->epoch + 1) % (uint32_t)s->cfg.ckpt_every_epochs == 0)))
-        take_checkpoint(s, true);
-    s->val_acc_last = val_acc;
-    s->val_loss_last = val_loss;
-    s->val_epoch_last = s->epoch + 1;
-    if (s->val_curve && s->n_val_curve < s->cfg.epochs) {
-        s->val_curve[s->n_val_curve].epoch = s->epoch + 1;
-        s->val_curve[s->n_val_curve].step = s->step;
-        s->val_curve[s->n_val_curve].train_loss = (float)train_loss;
-        s->val_curve[s->n_val_curve].val_loss = (float)val_loss;
-        s->val_curve[s->n_val_curve++].val_acc = (float)val_acc;
-    }
-    if (last) {
+    if (s->phase != PHASE_VALIDATE) return; /* ended meanwhile */
+    if (s->vl.closing) {
+        val_write_held(s);
+        if (s->cfg.ckpt_dir[0]) take_checkpoint(s, true);
         run_end(s);
         return;
     }
+    bool stop = s->vl.stop_asked;
+    if (s->cfg.ckpt_dir[0] && (stop || (s->cfg.ckpt_every_epochs > 0 &&
+                                         (s->epoch + 1) % (uint32_t)s->cfg.ckpt_every_epochs == 0)))
+        take_checkpoint(s, true);
     if (stop) {
         PS_INFO("stopping after epoch %u as asked (--stop-after-epoch); resume with --resume %s",
                 s->epoch + 1, s->cfg.ckpt_dir[0] ? s->ck.run_dir : "DIR");
@@ -431,11 +227,14 @@ void take_checkpoint(srv_t *s, bool epoch_done)
         .epoch_done = epoch_done, .epoch_step = s->epoch_step, .steps_per_epoch = s->spe,
         .ep_loss = s->ep.loss, .ep_correct = s->ep.correct, .ep_samples = s->ep.samples,
         .train_s_total = s->train_s_total + (s->phase == PHASE_TRAIN ? ps_now() - s->t_epoch : 0),
-        .samples_total = s->samples_total, .lr = s->lr, .train_count = s->train_count,
+        .samples_total = s->samples_total, .lr = s->lr, .train_count = s->n_pos,
         .n_sizes = s->layout.n_sizes, .opt_kind = (uint32_t)s->cfg.opt,
         .n_slots = (uint32_t)psd_optim_slots(&s->store.opt), .n_params = s->layout.n_params,
         .shard = 0, .shards = (uint32_t)s->sh.n, .keep_step = sharded(s) ? s->ck.safe : 0};
     memcpy(m.sizes, s->layout.sizes, sizeof m.sizes);
+    m.run = (psd_ckpt_run_t){.train_size = s->train_count, .test_size = s->test_count, .n_val = s->vl.n_val,
+                             .keep = s->vl.keep, .stop = s->vl.stop, .best_version = s->vl.best_version};
+    if (s->vl.id_known) snprintf(m.run.data_id, sizeof m.run.data_id, "%s", s->vl.data_id);
     if (s->layout.table >= 0) {
         m.table_rows = (uint64_t)s->layout.t[s->layout.table].rows;
         m.table_dim = (uint32_t)s->layout.t[s->layout.table].cols;
@@ -581,10 +380,9 @@ void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
         return;
     }
     Psd__Ready *r = m->hdr->ready;
-    if (r->train_count != s->train_count || r->test_count != s->test_count) {
-        PS_ERROR("rank %u (%s pid %u) loaded %" PRIu64 "/%" PRIu64 " samples, psd has %zu/%zu; not using it",
-                 w->rank, w->hostname, w->pid, r->train_count, r->test_count, s->train_count, s->test_count);
-        send_shutdown(s, w, 2, "data differs from psd's");
+    int ok = data_ready_ok(s, w, r);
+    if (ok < 0) return; /* dropped */
+    if (ok == 0) {
         shm_forget(s, w); /* its region, if it sent its hello: unmapped, and the slot free for reuse */
         rows_free(w);
         w->state = W_GONE;
@@ -645,45 +443,6 @@ void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m)
         maybe_step(s);
         run_events(s);
     }
-}
-
-void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m)
-{
-    Psd__ValResult *v = m->hdr->val_result;
-    vpart_t *p = NULL;
-    for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++)
-        if (s->parts[i].begin == v->begin && s->parts[i].worker == (int)(w - s->w) && !s->parts[i].done)
-            p = &s->parts[i];
-    if (!p || w->state != W_VALIDATING || v->epoch != s->epoch || v->version != s->store.cur->version) {
-        drop(s, w, "VAL_RESULT for epoch %u version %" PRIu64 " from %" PRIu64 " while %s", v->epoch + 1,
-             v->version, v->begin, wstate_name[w->state]);
-        return;
-    }
-    if (v->count != p->end - p->begin || v->correct > v->count || !isfinite(v->loss_sum) || v->loss_sum < 0) {
-        drop(s, w, "VAL_RESULT with invalid sums (count %" PRIu64 ", expected %" PRIu64 ")", v->count,
-             p->end - p->begin);
-        return;
-    }
-    if (s->cfg.kind == PS_MODEL_CTR && v->count > 0) { /* the click probabilities of the range, for the AUC */
-        size_t n = 0;
-        const float *sc = m->n_frames == 1 ? ps_msg_f32(m, 0, &n) : NULL;
-        bool ok = sc && n == v->count;
-        for (size_t i = 0; ok && i < n; i++) ok = sc[i] >= 0 && sc[i] <= 1; /* NaN fails too */
-        if (!ok) {
-            drop(s, w, "VAL_RESULT without the range's %" PRIu64 " scores in [0, 1]", v->count);
-            return;
-        }
-        memcpy(s->val_scores + p->begin, sc, n * sizeof *sc);
-    }
-    p->loss = v->loss_sum;
-    p->correct = v->correct;
-    p->count = v->count;
-    p->done = true;
-    if (--w->val_pending == 0) w->state = W_VALIDATED;
-    give_orphans(s);
-    for (int i = 0; i < s->n_parts; i++)
-        if (!s->parts[i].done) return;
-    end_validation(s);
 }
 
 void on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m)
@@ -763,6 +522,61 @@ static const char *ckpt_misfit(const psd_ckpt_meta_t *m, const ps_layout_t *l, c
     return NULL;
 }
 
+/* The run's data and best epoch from checkpoint m: its sizes, split and
+ * fingerprint where psd does not know them yet (the workers state them),
+ * else they must match; keep_best and early_stop go on where they were
+ * (for the same metric). 0, or -1 after saying why not. */
+static int resume_data(srv_t *s, const psd_ckpt_meta_t *m, const char *path)
+{
+    const psd_ckpt_run_t *r = &m->run;
+    if (!r->train_size) { /* format 5 or older: its positions are the whole training set */
+        if (!s->vl.known) {
+            PS_ERROR("cannot resume from %s: it does not say how many samples the data has (an older psd wrote it): "
+                     "set data.train_size and data.test_size", path);
+            return -1;
+        }
+        if (m->train_count != s->n_pos || s->vl.n_val) {
+            PS_ERROR("cannot resume from %s: its data (%" PRIu64 " training samples) does not match this run's", path,
+                     m->train_count);
+            return -1;
+        }
+        return 0;
+    }
+    if (!s->vl.known) {
+        if (r->train_size > UINT32_MAX || r->test_size > UINT32_MAX ||
+            data_setup(s, (size_t)r->train_size, (size_t)r->test_size, r->data_id[0] ? r->data_id : NULL) != 0)
+            return -1;
+    } else if (!s->vl.id_known && r->data_id[0]) {
+        snprintf(s->vl.data_id, sizeof s->vl.data_id, "%s", r->data_id);
+        s->vl.id_known = true;
+    }
+    if (r->train_size != s->train_count || r->test_size != s->test_count || r->n_val != s->vl.n_val ||
+        m->train_count != s->n_pos) {
+        PS_ERROR("cannot resume from %s: its data (%" PRIu64 " training samples, %" PRIu64 " held out, %" PRIu64
+                 " test) does not match this run's (%zu, %zu, %zu)", path, r->train_size, r->n_val, r->test_size,
+                 s->train_count, s->vl.n_val, s->test_count);
+        return -1;
+    }
+    psd_best_t *b[2] = {&s->vl.keep, &s->vl.stop};
+    const psd_best_t *was[2] = {&r->keep, &r->stop};
+    for (int i = 0; i < 2; i++) {
+        if (!psd_best_on(b[i]) || !was[i]->has) continue;
+        if (strcmp(b[i]->metric, was[i]->metric) != 0 || b[i]->max != was[i]->max) {
+            PS_WARN("train.%s: the checkpoint's best epoch was by %s; this run's is by %s: it starts over",
+                    i ? "early_stop" : "keep_best", was[i]->metric, b[i]->metric);
+            continue;
+        }
+        b[i]->has = true;
+        b[i]->best = was[i]->best;
+        b[i]->epoch = was[i]->epoch;
+        b[i]->bad = was[i]->bad;
+        if (i == 0) s->vl.best_version = r->best_version;
+        PS_INFO("train.%s: the best epoch so far is %u (%s %.6g)%s", i ? "early_stop" : "keep_best", b[i]->epoch,
+                b[i]->metric, b[i]->best, i ? "" : ", its weights in train.keep_best.path");
+    }
+    return 0;
+}
+
 /* A checkpoint read (path) into the store and the run, if it fits: 0, or
  * PSD_EXIT_USAGE after saying why not. */
 static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen, const float *weights,
@@ -776,10 +590,11 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
                  path, m->config_hash, s->config_hash);
         return PSD_EXIT_USAGE;
     }
-    if (misfit || m->train_count != s->train_count) {
-        PS_ERROR("cannot resume from %s: %s", path, misfit ? misfit : "its data does not match this config");
+    if (misfit) {
+        PS_ERROR("cannot resume from %s: %s", path, misfit);
         return PSD_EXIT_USAGE;
     }
+    if (resume_data(s, m, path) != 0) return PSD_EXIT_USAGE;
     if (m->config_hash != s->config_hash) PS_WARN("resuming with another config, as forced");
     psd_store_load_part(&s->store, weights, (const float *const *)slots, m->n_slots); /* a shard: its part only */
     s->store.steps = m->step;
@@ -799,7 +614,7 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
         s->ep.loss = m->ep_loss;
         s->ep.correct = m->ep_correct;
         s->ep.samples = m->ep_samples;
-        memcpy(s->smp.seen, seen, (s->train_count + 7) / 8);
+        memcpy(s->smp.seen, seen, (s->n_pos + 7) / 8);
         s->resumed_mid_epoch = true;
     }
     PS_INFO("resuming run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s", s->run_id, path, s->step,
@@ -1016,6 +831,9 @@ void run_events(srv_t *s)
         } else if (s->events & PSD_EV_EPOCH_TRAINED) {
             s->events &= ~PSD_EV_EPOCH_TRAINED;
             if (s->phase == PHASE_TRAIN) start_validation(s);
+        } else if (s->events & PSD_EV_VALIDATED) {
+            s->events &= ~PSD_EV_VALIDATED;
+            after_validation(s);
         } else if (s->events & PSD_EV_SAVED) {
             s->events &= ~PSD_EV_SAVED;
             end_run(s);

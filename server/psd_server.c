@@ -623,7 +623,7 @@ static int ctr_setup(srv_t *s)
             "the planted model's log-loss is %.4f (AUC %.4f), a constant's %.4f (click rate %.4f)",
             g.fields, g.per_field, (long long)s->cfg.ctr_vocab, g.zipf, (long long)s->cfg.ctr_rows,
             s->cfg.ctr_dim, s->test_count, s->ctr_opt_loss, s->ctr_opt_auc, s->ctr_const_loss, r);
-    return 0;
+    return data_setup(s, s->train_count, s->test_count, NULL);
 }
 
 static int check_data(srv_t *s)
@@ -631,11 +631,10 @@ static int check_data(srv_t *s)
     if (s->cfg.kind == PS_MODEL_CTR) return ctr_setup(s);
     if (s->cfg.kind == PS_MODEL_TENSORS || s->cfg.kind == PS_MODEL_FROM_WORKER) { /* the workers hold the data;
                                                                                     * psd hands out indices */
-        s->train_count = (size_t)s->cfg.train_size;
-        if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < s->train_count)
-            s->train_count = (size_t)s->cfg.train_limit;
-        s->test_count = (size_t)s->cfg.test_size;
-        return 0;
+        if (s->cfg.train_size < 1 || s->cfg.test_size < 1) return 0; /* the first worker's (data_ready_ok) */
+        size_t train = (size_t)s->cfg.train_size;
+        if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < train) train = (size_t)s->cfg.train_limit;
+        return data_setup(s, train, (size_t)s->cfg.test_size, NULL); /* the fingerprint: the first worker's */
     }
     const char *roles[4] = {"train_images", "train_labels", "test_images", "test_labels"};
     const char *paths[4] = {s->cfg.train_images, s->cfg.train_labels, s->cfg.test_images, s->cfg.test_labels};
@@ -679,7 +678,7 @@ static int check_data(srv_t *s)
     if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < s->train_count)
         s->train_count = (size_t)s->cfg.train_limit;
     s->test_count = idx[2].count;
-    rc = 0;
+    rc = data_setup(s, s->train_count, s->test_count, NULL); /* the files' hashes are checked in ASSIGN */
 out:
     for (int i = 0; i < 4; i++) ps_idx_deinit(&idx[i]);
     return rc;
@@ -793,11 +792,21 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         code = PSD_EXIT_USAGE;
         goto out;
     }
+    psd_best_init(&s->vl.keep, c->best_metric, c->best_mode, 0, 0);
+    psd_best_init(&s->vl.stop, c->stop_metric, c->stop_mode, c->stop_min_delta, c->stop_patience);
+    if (c->best_metric[0] && opts->shards > 1) {
+        PS_ERROR("train.keep_best: not with psd shards yet (each holds a part of the weights); use one psd");
+        code = PSD_EXIT_USAGE;
+        goto out;
+    }
+    if ((c->best_metric[0] || c->stop_metric[0]) && c->val_fraction <= 0 && c->val_size <= 0)
+        PS_WARN("train.%s: no held-out validation set (data.val_fraction): the best epoch is chosen on the test "
+                "set, whose figures then flatter it", c->best_metric[0] ? "keep_best" : "early_stop");
     s->step_bf16 = calloc(MAX_WORKERS, sizeof *s->step_bf16);
     s->step_wt = calloc(MAX_WORKERS, sizeof *s->step_wt);
     ps_arena_init(&s->net.rx_arena, s->net.rx_buf, sizeof s->net.rx_buf);
-    if (psd_samples_init(&s->smp, s->train_count) != 0 || !s->step_bf16 || !s->step_wt) {
-        PS_ERROR("out of memory for %zu training samples", s->train_count);
+    if (!s->step_bf16 || !s->step_wt) {
+        PS_ERROR("psd out of memory");
         goto out;
     }
     s->sh.n = opts->shards > 1 ? opts->shards : 1; /* the store owns shard 0's part (psd_store_init_part) */
@@ -969,6 +978,7 @@ out:
     ps_layout_free(&s->layout);
     ps_layout_free(&s->offer.layout);
     psd_samples_free(&s->smp);
+    val_free(s);
     free(s->val_scores);
     free(s->test_labels);
     free(s->auc_order);

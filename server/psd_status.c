@@ -117,6 +117,16 @@ static void render_metrics(srv_t *s, FILE *f)
            s->val_epoch_last ? s->val_acc_last : NAN);
     metric(f, "psd_val_loss", "gauge", "Validation loss of the last validated epoch (NaN before one).",
            s->val_epoch_last ? s->val_loss_last : NAN);
+    if (s->vl.n_sums > 0) { /* the workers' named sums, as means per sample */
+        fprintf(f, "# HELP psd_val_mean The workers' named validation sums of the last validated epoch, per sample.\n"
+                   "# TYPE psd_val_mean gauge\n");
+        for (int j = 0; j < s->vl.n_sums; j++)
+            fprintf(f, "psd_val_mean{name=\"%s\"} %.17g\n", s->vl.names[j],
+                    s->val_epoch_last ? s->vl.last_means[j] : NAN);
+    }
+    if (psd_best_on(&s->vl.keep))
+        metric(f, "psd_best_epoch", "gauge", "The best epoch so far by train.keep_best.metric (0: none yet).",
+               s->vl.keep.has ? s->vl.keep.epoch : 0);
     metric(f, "psd_wire_received_bytes_total", "counter", "Tensor bytes received on the wire.",
            (double)(s->bytes_in_done + s->ep.bytes_in));
     metric(f, "psd_wire_sent_bytes_total", "counter", "Tensor bytes sent on the wire.",
@@ -179,6 +189,13 @@ void psd_status_json(const srv_t *s, FILE *f)
     json_num(f, s->val_epoch_last ? s->val_acc_last : NAN);
     fputs(",\"val_loss\":", f);
     json_num(f, s->val_epoch_last ? s->val_loss_last : NAN);
+    fputs(",\"val_means\":{", f);
+    for (int j = 0; j < s->vl.n_sums; j++) {
+        fprintf(f, "%s\"%s\":", j ? "," : "", s->vl.names[j]);
+        json_num(f, s->val_epoch_last ? s->vl.last_means[j] : NAN);
+    }
+    fprintf(f, "},\"val_set\":\"%s\",\"best_epoch\":%u", s->vl.n_val ? "held_out" : "test",
+            s->vl.keep.has ? s->vl.keep.epoch : 0);
     fprintf(f, ",\"lr\":");
     json_num(f, s->lr);
     fprintf(f, ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"checkpoints\":%" PRIu64
@@ -206,9 +223,10 @@ void psd_status_json(const srv_t *s, FILE *f)
     fprintf(f, "],\"params\":%zu,\"optimizer\":\"%s\",\"lr\":", s->layout.n_params, ps_opt_name(s->cfg.opt));
     json_num(f, s->cfg.lr);
     fprintf(f, ",\"schedule\":\"%s\",\"batch_size\":%d,\"workers\":%d,\"shards\":%d,\"seed\":%" PRIu64
-               ",\"train_samples\":%zu,\"test_samples\":%zu,\"sync\":\"%s\",\"staleness\":%d}}\n",
+               ",\"train_samples\":%zu,\"val_samples\":%zu,\"test_samples\":%zu,\"sync\":\"%s\","
+               "\"staleness\":%d}}\n",
             ps_sched_name(s->cfg.sched), s->cfg.batch_size, s->cfg.workers, s->sh.n, (uint64_t)s->cfg.seed,
-            s->train_count, s->test_count, ps_sync_name(s->cfg.sync), s->cfg.staleness);
+            s->train_count, s->vl.n_val, s->test_count, ps_sync_name(s->cfg.sync), s->cfg.staleness);
 }
 
 int psd_status_http(void *ud, const char *path, char **body, size_t *len, const char **ctype)

@@ -30,7 +30,7 @@ fail() { echo "example_c: $*" >&2; exit 1; }
 DESTDIR=$T/root meson install -C "$B" --no-rebuild --quiet >"$T/install.log" 2>&1 ||
     { cat "$T/install.log" >&2; fail "meson install failed"; }
 pc=$(find "$T/root" -name psworker.pc | head -n 1)
-so=$(find "$T/root" -name 'libpsworker.so.2' | head -n 1)
+so=$(find "$T/root" -name 'libpsworker.so.3' | head -n 1)
 export PKG_CONFIG_PATH=$(dirname "$pc") PKG_CONFIG_SYSROOT_DIR=$T/root
 flags=$(pkg-config --cflags --libs psworker) || fail "pkg-config --cflags --libs psworker failed"
 # shellcheck disable=SC2086  # the flags are words

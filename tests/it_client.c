@@ -460,8 +460,7 @@ static uint64_t lib_train_to_end(psw_client_t *c, uint64_t left, uint64_t assign
             lib_push(c, ev.version, batch, left > 0, zero, l);
             if (left == 0) psw_client_barrier(c, 0, assigned);
         } else if (ev.kind == PSW_EV_VALIDATE) {
-            psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, 0.1 * (double)(ev.val_end - ev.val_begin), 0,
-                                  ev.val_end - ev.val_begin, NULL);
+            psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 0.1 * (double)(ev.val_end - ev.val_begin), .correct = 0, .count = ev.val_end - ev.val_begin, .scores = NULL});
         }
     }
 }
@@ -624,7 +623,7 @@ Test(short, worker_slots_are_reused_once_every_one_was_taken)
     psw_client_t *b = psw_client_new(r.endpoint, &info, err, sizeof err); /* rank 1 takes the samples A left */
     cr_assert(b && psw_client_register(b, &as, 30, err, sizeof err) == 0, "%s", err);
     cr_assert_eq(as.rank, 1);
-    cr_assert_eq(psw_client_ready(b, 384, 10000), 0);
+    cr_assert_eq(psw_client_ready(b, 384, 10000, NULL), 0);
     lib_next(b, &ev, PSW_EV_EPOCH);
     wait_log(r.psd_log, "lost: nothing from it", 10); /* B: silent while training */
     psw_client_destroy(&b);
@@ -658,7 +657,7 @@ Test(short, worker_slots_are_reused_once_every_one_was_taken)
     cr_assert(strstr(log, "refused a worker from") && strstr(log, "no free worker slot"), "%s", log);
     cr_assert(strstr(log, "rank 0 is given to a new worker: every one of psd's 2 worker slots was taken"), "%s", log);
     free(log);
-    cr_assert_eq(psw_client_ready(c, 384, 10000), 0);
+    cr_assert_eq(psw_client_ready(c, 384, 10000, NULL), 0);
     cr_assert_eq(lib_train_to_end(c, 0, 0, false, zero, &l), 384, "the reused slot's worker trained the epoch");
     psw_client_destroy(&c);
     free(zero);

@@ -90,7 +90,7 @@ static int fit(const char *ep, bool offer)
         cr_assert(f[i].c && psw_client_register(f[i].c, &a, 60, err, sizeof err) == 0, "worker %d: %s", i, err);
         cr_assert(a.n_tensors == 2 && strcmp(a.tensors[0].name, "w") == 0 && a.tensors[1].numel == COLS,
                   "the model's table");
-        cr_assert_eq(psw_client_ready(f[i].c, TRAIN, TEST), 0);
+        cr_assert_eq(psw_client_ready(f[i].c, TRAIN, TEST, NULL), 0);
         for (int t = 0; t < 2; t++) cr_assert((f[i].grad[t] = malloc(model[t].numel * sizeof(float))));
     }
     free(v);
@@ -133,8 +133,7 @@ static int fit(const char *ep, bool offer)
                 if (last) cr_assert_eq(psw_client_barrier(w->c, w->epoch, w->n_ids), 0);
             } else if (ev.kind == PSW_EV_VALIDATE) {
                 uint64_t n = ev.val_end - ev.val_begin;
-                cr_assert_eq(psw_client_val_result(w->c, ev.epoch, ev.version, ev.val_begin, 0.5 * (double)n, 0, n,
-                                                   NULL), 0);
+                cr_assert_eq(psw_client_val_result(w->c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 0.5 * (double)n, .correct = 0, .count = n, .scores = NULL}), 0);
             }
         }
     }

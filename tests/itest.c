@@ -508,6 +508,6 @@ psw_client_t *lib_worker_shm(const char *ep, int shm, char *err, size_t n)
     psw_client_t *c = psw_client_new(ep, &info, err, n);
     psw_assign_t a;
     cr_assert(c && psw_client_register(c, &a, 60, err, n) == 0, "%s", err);
-    cr_assert_eq(psw_client_ready(c, 384, 10000), 0);
+    cr_assert_eq(psw_client_ready(c, 384, 10000, NULL), 0);
     return c;
 }

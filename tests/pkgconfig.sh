@@ -1,6 +1,6 @@
 #!/bin/bash
 # The shared worker library as a program outside this build sees it:
-# `meson install` into a scratch root; libpsworker.so.2 exports psw_*
+# `meson install` into a scratch root; libpsworker.so.3 exports psw_*
 # symbols only; a small C program built with `pkg-config --cflags --libs
 # psworker` and nothing else registers with a real psd (loopback, a free
 # port, psd ended by its pid).
@@ -16,16 +16,16 @@ fail() { echo "pkgconfig: $*" >&2; exit 1; }
 DESTDIR=$T meson install -C "$B" --no-rebuild --quiet >"$T/install.log" 2>&1 ||
     { cat "$T/install.log" >&2; fail "meson install failed"; }
 pc=$(find "$T" -name psworker.pc | head -n 1)
-so=$(find "$T" -name 'libpsworker.so.2' | head -n 1)
+so=$(find "$T" -name 'libpsworker.so.3' | head -n 1)
 [ -n "$pc" ] || fail "no psworker.pc installed"
-[ -n "$so" ] || fail "no libpsworker.so.2 installed"
+[ -n "$so" ] || fail "no libpsworker.so.3 installed"
 [ -f "$(dirname "$so")/libpsworker.so" ] || fail "no libpsworker.so link for -lpsworker"
 
 # the library exports the protocol client's API only
 others=$(nm -D --defined-only "$so" | awk '{print $NF}' | grep -v '^psw_' || true)
-[ -z "$others" ] || fail "libpsworker.so.2 exports more than psw_*: $others"
+[ -z "$others" ] || fail "libpsworker.so.3 exports more than psw_*: $others"
 n=$(nm -D --defined-only "$so" | grep -c ' psw_' || true)
-[ "$n" -gt 10 ] || fail "libpsworker.so.2 exports $n psw_* symbols"
+[ "$n" -gt 10 ] || fail "libpsworker.so.3 exports $n psw_* symbols"
 
 cat >"$T/prog.c" <<'C'
 #include <psworker.h>
@@ -65,6 +65,6 @@ out=$(LD_LIBRARY_PATH=$(dirname "$so") timeout 90 "$T/prog" "tcp://127.0.0.1:$po
     { cat "$T/psd.log" >&2; fail "the program built with pkg-config did not register"; }
 echo "$out"
 libs=$(LD_LIBRARY_PATH=$(dirname "$so") ldd "$T/prog") # whole, then searched: grep -q would end ldd early (pipefail)
-grep -q "$(dirname "$so")/libpsworker.so.2" <<<"$libs" || fail "the program is not linked to the installed library"
+grep -q "$(dirname "$so")/libpsworker.so.3" <<<"$libs" || fail "the program is not linked to the installed library"
 grep -q "worker registered: rank 0" "$T/psd.log" || { cat "$T/psd.log" >&2; fail "psd did not see it register"; }
 echo "pkgconfig: ok ($flags)"

@@ -16,7 +16,16 @@
  *                                      rest; between them tensor 0 again,
  *                                      refused while its unit waits),
  *                                      offer=N: offer the table of --yaml N
- *                                      with values of its own (from_worker)
+ *                                      with values of its own (from_worker),
+ *                                      id=S: S is its data's fingerprint,
+ *                                      sums: validation answers carry the
+ *                                      named sum sev (0.25 (s mod 7) over
+ *                                      the part's samples s) and correct
+ *                                      counts the samples s with s mod 3 0,
+ *                                      script=a,b,...: epoch e's validation
+ *                                      loss is the e-th number (the closing
+ *                                      test's: the weights' own), die=K:
+ *                                      SIGKILL itself after K pushes
  *   table_worker --yaml N [small]      print a model.tensors list of N
  *                                      assorted tensors: scalars, vectors,
  *                                      matrices, one of 1,100,000 floats
@@ -24,6 +33,7 @@
  *                                      tensor 7 sparse rows */
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,8 +80,17 @@ int main(int argc, char **argv)
     }
     char err[512];
     psw_info_t info = {.device = "cpu", .device_index = -1};
-    int flat = 0, parts = 0, n_offer = 0;
+    int flat = 0, parts = 0, n_offer = 0, sums = 0, n_script = 0, die = 0, pushes = 0;
+    const char *data_id = NULL;
+    double script[64];
     for (int i = 4; i < argc; i++) {
+        if (strncmp(argv[i], "id=", 3) == 0) data_id = argv[i] + 3;
+        if (strcmp(argv[i], "sums") == 0) sums = 1;
+        if (strncmp(argv[i], "die=", 4) == 0) die = atoi(argv[i] + 4);
+        for (char *p = strncmp(argv[i], "script=", 7) == 0 ? argv[i] + 7 : NULL; p && *p && n_script < 64;) {
+            script[n_script++] = strtod(p, &p);
+            if (*p == ',') p++;
+        }
         if (strncmp(argv[i], "offer=", 6) == 0) n_offer = atoi(argv[i] + 6);
         if (strcmp(argv[i], "flat") == 0) flat = 1;
         if (strcmp(argv[i], "parts") == 0) parts = 1;
@@ -106,7 +125,7 @@ int main(int argc, char **argv)
         for (uint64_t j = 0; j < a.tensors[k].numel; j++) cst[k][j] = (float)(0.1 * sin(0.37 * k + 0.011 * (double)j));
         if (a.tensors[k].sparse_rows) sparse = k;
     }
-    psw_client_ready(c, strtoull(argv[2], NULL, 10), strtoull(argv[3], NULL, 10));
+    psw_client_ready(c, strtoull(argv[2], NULL, 10), strtoull(argv[3], NULL, 10), data_id);
     uint32_t *ids = NULL, epoch = 0;
     size_t n_ids = 0, pos = 0;
     for (;;) {
@@ -118,6 +137,7 @@ int main(int argc, char **argv)
         }
         if (ev.kind == PSW_EV_SHUTDOWN) {
             int code = ev.exit_code;
+            if (code) fprintf(stderr, "table_worker: psd ended this worker (%d): %s\n", code, ev.message);
             psw_client_destroy(&c);
             for (int k = 0; k < n; k++) {
                 free(cst[k]);
@@ -182,16 +202,26 @@ int main(int argc, char **argv)
                 p.n_grads = n - 1, p.grads = g + 1;
             }
             if (rc == 0) rc = psw_client_push_v(c, &p);
+            if (die && ++pushes == die) raise(SIGKILL); /* a worker lost mid-epoch */
             if (rc == 0 && last) rc = psw_client_barrier(c, epoch, n_ids);
         } else if (ev.kind == PSW_EV_VALIDATE) {
-            double loss = 0;
+            double loss = 0, sev = 0;
+            uint64_t right = 0;
             for (int k = 0; k < n; k++)
                 for (uint64_t j = 0; j < a.tensors[k].numel; j++) {
                     double d = (double)ev.tensors[k][j] - cst[k][j];
                     loss += 0.5 * d * d;
                 }
-            rc = psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, loss * (double)(ev.val_end - ev.val_begin),
-                                       0, ev.val_end - ev.val_begin, NULL);
+            if (!ev.final && ev.epoch < (uint32_t)n_script) loss = script[ev.epoch];
+            for (size_t i = 0; i < ev.n_val_ids; i++) {
+                sev += 0.25 * (double)(ev.val_ids[i] % 7);
+                right += ev.val_ids[i] % 3 == 0;
+            }
+            psw_val_t r = psw_val_for(&ev);
+            psw_sum_t sv = {"sev", sev};
+            r.loss_sum = loss * (double)ev.n_val_ids;
+            if (sums) r.correct = right, r.n_sums = 1, r.sums = &sv;
+            rc = psw_client_val_result(c, &r);
         }
         if (rc != 0) {
             fprintf(stderr, "table_worker: psd is gone (%d)\n", rc);

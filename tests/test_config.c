@@ -766,7 +766,18 @@ Test(config, divergence_factor_is_a_number_over_1_or_off)
     cr_expect_eq(ps_config_set(&c, "train.divergence.factor", "0", err, sizeof err), 0, "0 is off: %s", err);
     cr_expect_eq(c.divergence_factor, 0.0);
     expect_load_error("train:\n  divergence.factor: 0.5\n", "test.yaml:2", "must be > 1, or off");
-    expect_load_error("train:\n  divergence:\n    factor: 5\n", "train.divergence", NULL);
+    /* a key's parts as a nested mapping, as for train.keep_best */
+    ps_config_t n;
+    ps_config_defaults(&n);
+    const char *nested = "train:\n  divergence:\n    factor: 5\n  keep_best: {metric: val_acc, path: b.bin}\n";
+    cr_expect_eq(ps_config_load_string(&n, nested, strlen(nested), "t.yaml", err, sizeof err), 0, "%s", err);
+    cr_expect_eq(n.divergence_factor, 5.0);
+    cr_expect_str_eq(n.best_metric, "val_acc");
+    cr_expect_str_eq(n.best_path, "b.bin");
+    ps_config_free(&n);
+    expect_load_error("train:\n  divergence:\n    factors: 5\n", "unknown key 'train.divergence.factors'", NULL);
+    expect_load_error("train:\n  divergence: 5\n", "unknown key 'train.divergence'", NULL);
+    expect_load_error("train:\n  keep_best: [val_loss]\n", "'train.keep_best' must be a mapping", NULL);
     /* "off" is a value of this key only */
     cr_expect_eq(ps_config_set(&c, "optimizer.clip_norm", "off", err, sizeof err), -1);
 

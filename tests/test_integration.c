@@ -147,7 +147,7 @@ static int stalled_client(const char *endpoint, long stall_ns)
     psw_assign_t a;
     psw_event_t ev;
     if (!c || psw_client_register(c, &a, 60, err, sizeof err) != 0) return 10;
-    psw_client_ready(c, 6000, 10000); /* data.train_limit below */
+    psw_client_ready(c, 6000, 10000, NULL); /* data.train_limit below */
     do {
         if (psw_client_next(c, &ev, 60, err, sizeof err) != 0) return 11;
     } while (ev.kind != PSW_EV_EPOCH);

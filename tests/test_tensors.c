@@ -96,7 +96,12 @@ Test(tensors, a_bad_table_is_refused_with_the_tensor_named)
         {"model: {kind: tensors, tensors: [{name: e, shape: [9], kind: sparse_rows}]}\n"
          "data: {train_size: 1, test_size: 1}",
          "tensor e: sparse rows need", 1},
-        {"model: {kind: tensors, tensors: [{name: e, shape: [9]}]}", "data.train_size and data.test_size", 1},
+        {"model: {kind: tensors, tensors: [{name: e, shape: [9]}]}\ndata: {val_fraction: 0.1, val_size: 5}",
+         "give one of them", 1},
+        {"model: {kind: tensors, tensors: [{name: e, shape: [9]}]}\ntrain: {keep_best: {metric: val_mae!}}",
+         "is not a validation metric", 1},
+        {"model: {kind: tensors, tensors: [{name: e, shape: [9]}]}\ntrain: {early_stop: {metric: val_auc}}",
+         "is not a validation metric", 1},
         {"model: {kind: tensors}\ndata: {train_size: 1, test_size: 1}", "model.tensors lists the tensors", 1},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {

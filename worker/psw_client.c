@@ -1,8 +1,11 @@
 /* psw_client.c - worker side of the psd protocol (see include/psworker.h). */
 #include "psworker.h"
 
+#include <math.h>
+
 #include "psw_client_int.h"
 #include "ps_table.h"
+#include "ps_data.h"
 
 
 _Static_assert(PS_MAX_TENSORS <= 64, "a push's units fit a 64-bit mask");
@@ -260,6 +263,7 @@ void psw_client_destroy(psw_client_t **cp)
     free(c->gconv);
     free(c->wconv);
     free(c->want);
+    free(c->val_ids);
     free(c->replica);
     table_free(c);
     ps_layout_free(&c->layout);
@@ -843,14 +847,16 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     return 0;
 }
 
-int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count)
+int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count, const char *data_id)
 {
+    if (data_id && !ps_data_id_ok(data_id)) return -EINVAL;
     Psd__Header h;
     Psd__Ready r = PSD__READY__INIT;
     header_init(c, &h, PSD__MSG_TYPE__MSG_READY);
     r.train_count = train_count;
     r.test_count = test_count;
     r.shm = c->shm != 0;
+    r.data_id = (char *)(data_id ? data_id : "");
     h.body_case = PSD__HEADER__BODY_READY;
     h.ready = &r;
     return send_hdr(c, &h);
@@ -1297,23 +1303,40 @@ int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples)
     return send_hdr(c, &h);
 }
 
-int psw_client_val_result(psw_client_t *c, uint32_t epoch, uint64_t version, uint64_t begin,
-                          double loss_sum, uint64_t correct, uint64_t count, const float *scores)
+psw_val_t psw_val_for(const psw_event_t *ev)
 {
+    return (psw_val_t){.epoch = ev->epoch, .version = ev->version, .begin = ev->val_begin, .split = ev->split,
+                       .count = ev->n_val_ids};
+}
+
+int psw_client_val_result(psw_client_t *c, const psw_val_t *r)
+{
+    if (r->n_sums < 0 || r->n_sums > PSW_MAX_SUMS || (r->n_sums && !r->sums)) return -EINVAL;
+    Psd__NamedSum sums[PSW_MAX_SUMS], *sp[PSW_MAX_SUMS];
+    for (int i = 0; i < r->n_sums; i++) {
+        if (!r->sums[i].name || !ps_sum_name_ok(r->sums[i].name) || !isfinite(r->sums[i].value)) return -EINVAL;
+        psd__named_sum__init(&sums[i]);
+        sums[i].name = (char *)r->sums[i].name;
+        sums[i].value = r->sums[i].value;
+        sp[i] = &sums[i];
+    }
     Psd__Header h;
     Psd__ValResult v = PSD__VAL_RESULT__INIT;
     header_init(c, &h, PSD__MSG_TYPE__MSG_VAL_RESULT);
-    v.epoch = epoch;
-    v.version = version;
-    v.begin = begin;
-    v.loss_sum = loss_sum;
-    v.correct = correct;
-    v.count = count;
+    v.epoch = r->epoch;
+    v.version = r->version;
+    v.begin = r->begin;
+    v.split = r->split == PSW_SPLIT_VAL ? PSD__SPLIT__SPLIT_VAL : PSD__SPLIT__SPLIT_TEST;
+    v.loss_sum = r->loss_sum;
+    v.correct = r->correct;
+    v.count = r->count;
+    v.n_sums = (size_t)r->n_sums;
+    v.sums = sp;
     h.body_case = PSD__HEADER__BODY_VAL_RESULT;
     h.val_result = &v;
-    if (!scores) return send_hdr(c, &h);
-    ps_frame_t fr = {.data = scores, .nbytes = count * sizeof(float), .dtype = PSD__DTYPE__DT_F32,
-                     .rows = (uint32_t)count}; /* copied at send */
+    if (!r->scores) return send_hdr(c, &h);
+    ps_frame_t fr = {.data = r->scores, .nbytes = r->count * sizeof(float), .dtype = PSD__DTYPE__DT_F32,
+                     .rows = (uint32_t)r->count}; /* copied at send */
     return send_msg(c, &h, &fr, 1);
 }
 

@@ -48,6 +48,10 @@ typedef struct {
     const float *tensors[PS_MAX_TENSORS];
     size_t tensor_numel[PS_MAX_TENSORS];
     uint64_t val_begin, val_end;
+    psw_split_t split;
+    int final;
+    const uint32_t *val_ids; /* c->val_ids */
+    size_t n_val_ids;
     const uint32_t *row_ids;
     size_t n_row_ids;
     int exit_code;
@@ -58,6 +62,9 @@ struct psw_client {
     /* the table rows the last push asked for (Push.want_rows), and the
      * worker's replica of the table the replies' rows are scattered into */
     uint32_t *want;
+    /* the last VALIDATE's samples (psw_event_t.val_ids): its ids, or its test range's */
+    uint32_t *val_ids;
+    size_t val_ids_cap;
     size_t n_want, want_cap;
     float *replica;
     int table_on_psd;       /* CtrTask.table_on_psd: no replica; events bring the rows asked for */

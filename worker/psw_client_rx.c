@@ -352,6 +352,37 @@ static int take_val_part0(psw_client_t *c, uint64_t v, char *err, size_t errlen)
 
 /* With shards: a message of cur, from shard c->from. 1: *ev is an event to
  * return; 0: wait for more; < 0: error. */
+/* A VALIDATE's part: its range, split and samples (kept in c->val_ids:
+ * the message may go before the event does, with psd shards). */
+static int take_val_ids(psw_client_t *c, const Psd__Validate *v, pswc_event_t *ev, char *err, size_t errlen)
+{
+    const bool val = v->split == PSD__SPLIT__SPLIT_VAL;
+    const uint64_t n = v->end - v->begin;
+    if (v->end < v->begin || (v->split != PSD__SPLIT__SPLIT_TEST && !val) || (val && v->n_ids != n) ||
+        (!val && (v->n_ids != 0 || v->end > (uint64_t)UINT32_MAX + 1)) || n > SIZE_MAX / sizeof(uint32_t)) {
+        snprintf(err, errlen, "psd sent an invalid validation part");
+        return -EPROTO;
+    }
+    if (n > c->val_ids_cap) {
+        uint32_t *p = realloc(c->val_ids, (size_t)n * sizeof *p);
+        if (!p) {
+            snprintf(err, errlen, "out of memory for %llu validation samples", (unsigned long long)n);
+            return -ENOMEM;
+        }
+        c->val_ids = p;
+        c->val_ids_cap = (size_t)n;
+    }
+    if (val && n) memcpy(c->val_ids, v->ids, (size_t)n * sizeof *c->val_ids);
+    for (uint64_t i = 0; !val && i < n; i++) c->val_ids[i] = (uint32_t)(v->begin + i);
+    ev->val_begin = v->begin;
+    ev->val_end = v->end;
+    ev->split = val ? PSW_SPLIT_VAL : PSW_SPLIT_TEST;
+    ev->final = v->final;
+    ev->val_ids = c->val_ids;
+    ev->n_val_ids = (size_t)n;
+    return 0;
+}
+
 static int shard_message(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen)
 {
     Psd__Header *h = c->cur.hdr;
@@ -397,12 +428,7 @@ static int shard_message(psw_client_t *c, pswc_event_t *ev, char *err, size_t er
     c->pend.version = v;
     if (val) {
         c->pend.epoch = h->validate->epoch;
-        c->pend.val_begin = h->validate->begin;
-        c->pend.val_end = h->validate->end;
-        if (c->pend.val_end < c->pend.val_begin) {
-            snprintf(err, errlen, "psd sent an invalid validation range");
-            return -EPROTO;
-        }
+        if ((rc = take_val_ids(c, h->validate, &c->pend, err, errlen)) < 0) return rc;
         for (int j = 1; j < c->n_shards; j++) { /* the other parts of that version */
             size_t a = 0, m = 0;
             if (c->table_on_psd) { /* and the rows of their pieces the part reads */
@@ -491,12 +517,7 @@ static int next_event(psw_client_t *c, pswc_event_t *ev, double timeout_s, char 
             ev->kind = PSW_EV_VALIDATE;
             ev->epoch = h->validate->epoch;
             ev->version = h->validate->version;
-            ev->val_begin = h->validate->begin;
-            ev->val_end = h->validate->end;
-            if (ev->val_end < ev->val_begin) {
-                snprintf(err, errlen, "psd sent an invalid validation range");
-                return -EPROTO;
-            }
+            if ((rc = take_val_ids(c, h->validate, ev, err, errlen)) < 0) return rc;
             if (c->table_on_psd != h->validate->rows) {
                 snprintf(err, errlen, "psd sent a validation part with%s the table's rows",
                          h->validate->rows ? "" : "out");
@@ -537,6 +558,10 @@ static void to_table(psw_client_t *c, const pswc_event_t *iv, psw_event_t *ev)
     ev->keep = iv->keep;
     ev->val_begin = iv->val_begin;
     ev->val_end = iv->val_end;
+    ev->split = iv->split;
+    ev->final = iv->final;
+    ev->val_ids = iv->val_ids;
+    ev->n_val_ids = iv->n_val_ids;
     ev->row_ids = iv->row_ids;
     ev->n_row_ids = iv->n_row_ids;
     ev->exit_code = iv->exit_code;

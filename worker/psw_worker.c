@@ -533,7 +533,10 @@ static int train_step(wk_t *w, const psw_event_t *ev)
 
 static int validate(wk_t *w, const psw_event_t *ev)
 {
-    if (ev->val_end > w->test.count) return -EPROTO;
+    const bool held_out = ev->split == PSW_SPLIT_VAL; /* training samples psd holds out */
+    if (held_out ? w->ctr : ev->val_end > w->test.count) return -EPROTO;
+    for (size_t i = 0; held_out && i < ev->n_val_ids; i++)
+        if (ev->val_ids[i] >= w->train.count) return -EPROTO;
     if (!w->m) { /* joined while an epoch ended: validating before its first epoch */
         char err[512];
         if (make_model(w, 0, err, sizeof err) != 0) {
@@ -571,7 +574,8 @@ static int validate(wk_t *w, const psw_event_t *ev)
             psw_model_eval_bags(w->m, bags, w->y, B, &loss, &correct);
             psw_model_prob1(w->m, w->scores + (i - ev->val_begin), B);
         } else {
-            psw_data_slice(&w->test, (size_t)i, B, w->x, w->y);
+            if (held_out) psw_data_gather(&w->train, ev->val_ids + (i - ev->val_begin), B, w->x, w->y);
+            else psw_data_slice(&w->test, (size_t)i, B, w->x, w->y);
             psw_model_eval(w->m, w->x, w->y, B, &loss, &correct);
         }
         i += (uint64_t)B;
@@ -580,8 +584,11 @@ static int validate(wk_t *w, const psw_event_t *ev)
             last_sent = ps_now();
         }
     }
-    return psw_client_val_result(w->c, ev->epoch, ev->version, ev->val_begin, loss, (uint64_t)correct, n,
-                                 w->ctr && n > 0 ? w->scores : NULL);
+    psw_val_t r = psw_val_for(ev);
+    r.loss_sum = loss;
+    r.correct = (uint64_t)correct;
+    r.scores = w->ctr && n > 0 ? w->scores : NULL;
+    return psw_client_val_result(w->c, &r);
 }
 
 /* EPOCH: this worker's samples for an epoch, or (append) more samples for
@@ -754,7 +761,7 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
      * its push; the push that asks for the next ones ends that: psd may
      * step its shared slot in place */
     psw_client_release_on_push(w->c, 1);
-    psw_client_ready(w->c, w->train.count, w->test.count);
+    psw_client_ready(w->c, w->train.count, w->test.count, NULL); /* psd checked the files' hashes in ASSIGN */
 
     double timeout = w->a.start_timeout_s;
     for (;;) {

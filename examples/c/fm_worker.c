@@ -100,7 +100,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "fm_worker: psd's model is not fm.yaml's\n");
         return 1;
     }
-    psw_client_ready(c, TRAIN, TEST);
+    psw_client_ready(c, TRAIN, TEST, NULL);
     float *grad[3];
     for (int k = 0; k < 3; k++) grad[k] = malloc(sizes[k] * sizeof(float));
     uint32_t *ids = NULL;
@@ -156,8 +156,7 @@ int main(int argc, char **argv)
                 loss += fm(t, feat, y, NULL, 0, &hit);
                 right += (uint64_t)hit;
             }
-            rc = psw_client_val_result(c, ev.epoch, ev.version, ev.val_begin, loss, right, ev.val_end - ev.val_begin,
-                                       NULL);
+            rc = psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = loss, .correct = right, .count = ev.val_end - ev.val_begin, .scores = NULL});
         }
         if (rc != 0) {
             fprintf(stderr, "fm_worker: psd is gone (%d)\n", rc);

@@ -14,7 +14,9 @@
  * model.kind from_worker, the one the first worker offers (psw_info_t.offer).
  * Tensors are named by their index in that table. examples/c/fm_worker.c is
  * a whole worker of a model psd has never heard of. Version 2 of the
- * library (libpsworker.so.2): the table, and the push as one struct.
+ * library (libpsworker.so.2): the table, and the push as one struct;
+ * version 3: the data's fingerprint in READY, validation on a held-out
+ * split (psw_event_t.split, val_ids) and named sums (psw_val_t).
  *
  * Every call is blocking with a deadline; nothing waits forever. Functions
  * return 0 or a negative errno (-ETIMEDOUT when psd stayed silent, -EPROTO for
@@ -121,9 +123,19 @@ typedef struct {
 typedef enum {
     PSW_EV_EPOCH = 1,   /* samples[]: this worker's training sample ids for the epoch */
     PSW_EV_WEIGHTS,     /* tensors[]: new weights at `version` */
-    PSW_EV_VALIDATE,    /* tensors[] + [val_begin, val_end) of the test set */
+    PSW_EV_VALIDATE,    /* tensors[] + the samples val_ids[] of the set `split` to evaluate them on */
     PSW_EV_SHUTDOWN,    /* exit with exit_code */
 } psw_event_kind_t;
+
+/* Which data a VALIDATE event is on. */
+typedef enum {
+    PSW_SPLIT_TEST = 0, /* the test set: val_ids are test sample ids (val_begin..val_end-1) */
+    PSW_SPLIT_VAL = 1,  /* the held-out validation part of the training set (psd's data.val_fraction or
+                         * data.val_size): val_ids are training sample ids; psd never trains on them */
+} psw_split_t;
+
+#define PSW_MAX_SUMS 16   /* named sums in one validation result */
+#define PSW_SUM_NAME_MAX 32
 
 typedef struct {
     psw_event_kind_t kind;
@@ -140,7 +152,18 @@ typedef struct {
     const float *const *tensors;   /* borrowed until the next psw_client_next (with
                                     * psw_client_release_on_push: until a push with pull) */
     const size_t *tensor_numel;
+    /* VALIDATE: evaluate tensors on samples val_ids[0, n_val_ids) of the
+     * set `split` (borrowed until the next psw_client_next) and answer with
+     * psw_client_val_result (psw_val_for fills in what identifies it);
+     * [val_begin, val_end) names the part (test: the ids themselves;
+     * val: positions in psd's list of validation ids). final: the run's
+     * closing test evaluation (of the last weights, or of the best epoch's:
+     * `version` and `epoch` are then that epoch's) */
     uint64_t val_begin, val_end;
+    psw_split_t split;
+    const uint32_t *val_ids;
+    size_t n_val_ids;
+    int final;
     /* the table on psd (ctr.table_on_psd): tensors[table] holds these rows
      * (strictly increasing), n_row_ids x dim floats: a WEIGHTS event the
      * rows asked for with the push or pull that asked for it, a VALIDATE
@@ -163,8 +186,13 @@ void psw_client_destroy(psw_client_t **c);
 int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, char *err, size_t errlen);
 int psw_client_shutdown_code(const psw_client_t *c);
 
-/* Data checked; ready to train. */
-int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count);
+/* Data checked; ready to train: the sizes of this worker's training and
+ * test sets, and a fingerprint of their contents the worker computes (a
+ * hash of its files, a data set version: up to 255 printable bytes; NULL
+ * or "" for none). psd refuses a worker whose sizes or fingerprint differ
+ * from the run's (the first worker's, or its config's data.train_size and
+ * data.test_size): psw_client_next then gives SHUTDOWN with both named. */
+int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count, const char *data_id);
 
 /* Wait up to timeout_s for the next instruction from psd. */
 int psw_client_next(psw_client_t *c, psw_event_t *ev, double timeout_s, char *err, size_t errlen);
@@ -244,11 +272,36 @@ float *psw_client_push_region(psw_client_t *c);
 /* My part of the epoch is done. */
 int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples);
 
-/* Validation partial sums for the test range given by VALIDATE. scores:
- * NULL, or (model.kind ctr, where psd needs them for the AUC) each test
- * example's click probability, count floats in the range's order. */
-int psw_client_val_result(psw_client_t *c, uint32_t epoch, uint64_t version, uint64_t begin,
-                          double loss_sum, uint64_t correct, uint64_t count, const float *scores);
+/* A named sum of a validation result: name 1 to PSW_SUM_NAME_MAX of
+ * [a-z0-9_], not loss, acc, correct, count, samples or auc; value finite. */
+typedef struct {
+    const char *name;
+    double value;
+} psw_sum_t;
+
+/* The answer to a VALIDATE event: its part's sums over its samples. psd
+ * adds the parts up in a fixed order and reports each sum as a mean per
+ * sample: loss_sum as val_loss, correct as val_acc, sums[i] as
+ * val_<name> (test_... for the closing test evaluation). Every answer of
+ * a run names the same sums in the same order. scores: NULL, or
+ * (model.kind ctr, where psd needs them for the AUC) each example's click
+ * probability, count floats in the part's order. */
+typedef struct {
+    uint32_t epoch;        /* these four: the event's (psw_val_for) */
+    uint64_t version;
+    uint64_t begin;
+    psw_split_t split;
+    double loss_sum;
+    uint64_t correct;
+    uint64_t count;        /* the part's samples: n_val_ids */
+    const float *scores;
+    int n_sums;
+    const psw_sum_t *sums;
+} psw_val_t;
+
+/* A psw_val_t for VALIDATE event ev, its sums zero. */
+psw_val_t psw_val_for(const psw_event_t *ev);
+int psw_client_val_result(psw_client_t *c, const psw_val_t *v);
 
 /* Still alive (send while computing for more than a second). */
 int psw_client_heartbeat(psw_client_t *c, uint32_t epoch);
