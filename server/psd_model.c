@@ -14,6 +14,14 @@ static int oom(srv_t *s)
     return PSD_EXIT_ERROR;
 }
 
+/* psd_groups_describe's lines into the log */
+static void say_group(void *ud, bool warn, const char *line)
+{
+    (void)ud;
+    if (warn) PS_WARN("%s", line);
+    else PS_INFO("%s", line);
+}
+
 /* The store's pieces (own[]: whole tensors for one psd) of the initial
  * values: each tensor whole in values[t], or (values NULL) laid out as the
  * model in arena. */
@@ -34,9 +42,11 @@ int psd_model_setup(srv_t *s, const float *const *values)
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
     if (psd_store_init_part(&s->store, &s->layout, &opt, c->seed, 0, opts->shards) != 0 ||
+        psd_store_groups(&s->store, c->groups, c->n_groups) != 0 ||
         psd_hold_init(&s->holder, &s->store, &s->layout, c, opts->shards > 1, MAX_WORKERS) != 0) {
         return oom(s);
     }
+    psd_groups_describe(&s->layout, c->groups, c->n_groups, say_group, NULL); /* once: the table is known now */
     int code;
     if (sharded(s) && (code = shards_check_parts(s)) != 0) return code;
     /* values the config does not draw (model.init's file, the first

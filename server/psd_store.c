@@ -174,8 +174,15 @@ int psd_store_rows_room(psd_store_t *s, int k, const psd_rowgrad_t *rows, int ma
     return psd_store_lazy_table(s, total > 2 * have ? total : 2 * have, max_k);
 }
 
+int psd_store_groups(psd_store_t *s, const ps_group_t *groups, int n)
+{
+    psd_groups_deinit(&s->groups);
+    return psd_groups_init(&s->groups, &s->layout, s->opt.weight_decay, groups, n);
+}
+
 void psd_store_deinit(psd_store_t *s)
 {
+    psd_groups_deinit(&s->groups);
     ps_pool_free(&s->pool);
     free(s->chunks);
     free(s->items);
@@ -384,14 +391,36 @@ static void reduce_part(step_t *st, int j, const psd_chunk_t *c, size_t o, size_
         s->blk_sq[b] = psd_sumsq(acc + o, e - o < PSD_NORM_BLOCK ? e - o : PSD_NORM_BLOCK);
 }
 
+/* the optimizer o with rate lr over floats [off, off + n) of the layout */
+static void apply_floats(const step_t *st, const psd_optim_t *o, size_t off, size_t n, const float *g, double lr,
+                         psd_amax_t *am)
+{
+    psd_store_t *s = st->s;
+    psd_optim_apply_amax(o, s->cur->w + off, st->next->w + off, g, st->scale, s->s0 ? s->s0 + off : NULL,
+                         s->s1 ? s->s1 + off : NULL, n, lr, s->steps, am);
+}
+
 /* the optimizer over elements [o, o + n) of chunk c, from g: their
- * gradient; the largest magnitudes met go into *am */
+ * gradient; the largest magnitudes met go into *am. With groups, cut at
+ * the spans the range meets (one call where it meets one). */
 static void apply_range(const step_t *st, const psd_chunk_t *c, size_t o, size_t n, const float *g, psd_amax_t *am)
 {
     psd_store_t *s = st->s;
     const size_t off = c->off + o;
-    psd_optim_apply_amax(&s->opt, s->cur->w + off, st->next->w + off, g, st->scale,
-                         s->s0 ? s->s0 + off : NULL, s->s1 ? s->s1 + off : NULL, n, st->lr, s->steps, am);
+    if (!s->groups.span) {
+        apply_floats(st, &s->opt, off, n, g, st->lr, am);
+        return;
+    }
+    const size_t u0 = s->layout.t[c->t].offset, at = off - u0;
+    int a, b;
+    psd_groups_range(&s->groups, c->t, at, n, &a, &b);
+    psd_optim_t opt = s->opt;
+    for (int i = a; i < b; i++) {
+        const psd_span_t *sp = &s->groups.span[i];
+        const size_t lo = sp->begin > at ? sp->begin : at, hi = sp->end < at + n ? sp->end : at + n;
+        opt.weight_decay = sp->weight_decay;
+        apply_floats(st, &opt, u0 + lo, hi - lo, g + (lo - at), st->lr * sp->lr_scale, am);
+    }
 }
 
 /* A task's largest magnitudes into the step's (any thread; once per work
@@ -581,7 +610,13 @@ static void table_apply(psd_store_t *s, psd_arena_t *next, float scale, double l
     const ps_piece_t *own = &s->own[s->layout.table];
     if (next != s->cur)
         memcpy(next->w + e->offset + own->off, s->cur->w + e->offset + own->off, own->n * sizeof(float));
-    psd_rows_apply(&s->rows, &s->opt, next->w + e->offset, s->s0 ? s->s0 + e->offset : NULL,
+    psd_optim_t opt = s->opt;
+    if (s->groups.span) { /* a sparse-rows tensor is a unit alone: one span */
+        const psd_span_t *sp = &s->groups.span[s->groups.first[s->layout.table]];
+        opt.weight_decay = sp->weight_decay;
+        lr *= sp->lr_scale;
+    }
+    psd_rows_apply(&s->rows, &opt, next->w + e->offset, s->s0 ? s->s0 + e->offset : NULL,
                    s->s1 ? s->s1 + e->offset : NULL, scale, lr, s->steps);
     /* the rows stepped, just written (in cache): a pass of their own */
     const size_t dim = s->rows.dim;

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "ps_model.h"
+#include "psd_groups.h"
 #include "psd_optim.h"
 #include "psd_rows.h"
 #include "ps_wire.h"
@@ -48,6 +49,7 @@ typedef struct psd_arena {
 typedef struct {
     ps_layout_t layout;
     psd_optim_t opt;
+    psd_groups_t groups; /* optimizer.groups' spans (psd_store_groups); span NULL: none, every float takes opt */
     psd_arena_t arenas[PSD_MAX_ARENAS];
     int n_arenas;
     psd_arena_t *cur;
@@ -96,6 +98,13 @@ int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt,
  * take memory; n <= 1 is psd_store_init. */
 int psd_store_init_part(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt, uint64_t seed, int k, int n);
 void psd_store_deinit(psd_store_t *s);
+
+/* Step with optimizer groups (optimizer.groups) from now on: each tensor
+ * takes the weight decay and lr scale of the first of groups[0, n) that
+ * matches its name (psd_groups.h), the rest opt's and 1; n == 0: none.
+ * Any number of times (psd shards: each its part, alike). 0 or -ENOMEM
+ * (no groups then). */
+int psd_store_groups(psd_store_t *s, const ps_group_t *groups, int n);
 
 /* Split steps into chunks of about chunk_bytes (rounded up to whole norm
  * blocks; a tensor is at least one chunk) run on `threads` threads (including
