@@ -93,7 +93,7 @@ int psd_model_setup(srv_t *s, const float *const *values)
     if (s->layout.table >= 0) {
         const double mb = (double)s->layout.t[s->layout.table].numel * 4.0 / 1048576.0;
         bool big = mb > c->ctr_worker_table_mb;
-        s->table_on_psd = psd_table_on_psd(c, &s->layout, s->store.lazy);
+        s->table_on_psd = psd_table_on_psd(c, &s->layout, s->store.n_lazy > 0);
         s->holder.table_on_psd = s->table_on_psd;
         if (s->table_on_psd)
             PS_INFO("the embedding table (%.0f MiB) stays on psd: workers hold only the rows of their batch, "
@@ -101,7 +101,7 @@ int psd_model_setup(srv_t *s, const float *const *values)
         else if (big)
             PS_WARN("the embedding table (%.0f MiB, over ctr.worker_table_mb %g) goes to every worker whole: a table "
                     "only psd holds needs its rows stepped lazily (one psd, or shards whose pieces are whole rows), "
-                    "steps not streamed and f32 weights and gradients", mb,
+                    "steps not streamed, f32 weights and gradients, and no other sparse-rows tensor", mb,
                     c->ctr_worker_table_mb);
     }
     if (s->stream) {
