@@ -1,4 +1,5 @@
-/* psd_rows.h - row-sparse updates of an embedding table held by psd.
+/* psd_rows.h - row-sparse updates of an embedding table held by psd
+ * (each sparse-rows tensor of a model, one psd_rows_t each).
  *
  * A worker whose batch touches a few rows of a table (rows x dim floats)
  * pushes (ids, rows) instead of the whole gradient. psd merges the
