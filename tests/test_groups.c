@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "ps_model.h"
+#include "ps_rng.h"
 #include "psd_store.h"
 
 /* Packed: a.weight .. c.weight share one unit of ~80K floats (each under
@@ -56,16 +57,12 @@ static int groups(ps_group_t *g)
     return 3;
 }
 
+/* seeded values in (-scale, scale) */
 static void fill(float *x, size_t n, uint64_t seed, float scale)
 {
-    uint64_t st = seed;
-    for (size_t i = 0; i < n; i++) {
-        uint64_t z = (st += 0x9e3779b97f4a7c15ULL);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-        z ^= z >> 31;
-        x[i] = ((float)(z >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale;
-    }
+    ps_rng_t r;
+    ps_rng_seed(&r, seed, 5);
+    for (size_t i = 0; i < n; i++) x[i] = (ps_rng_uniform(&r) * 2.0f - 1.0f) * scale;
 }
 
 static psd_optim_t opt_of(ps_opt_kind_t kind, float mom, int nesterov)
