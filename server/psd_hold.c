@@ -150,9 +150,9 @@ int psd_push_take(psd_hold_t *h, psd_push_t *p, ps_msg_t *m, bool bf16, uint64_t
             size_t nv = 0;
             if (bf16 || !(h->store->lazy_mask & (1ull << t)) || !(h->all & (1ull << t)) ||
                 !ps_msg_rows(m, i, &ids, &n, &nv) || !psd_rows_fit(l, &h->store->own[t], ids, n, nv, h->sharded)) {
-                snprintf(why, why_len, "of rows of tensor %u that are not rows of %s stepped by rows (strictly "
-                         "increasing ids below its row count, then their f32 rows)", t,
-                         h->sharded ? "this shard's piece of a sparse-rows tensor" : "a sparse-rows tensor");
+                snprintf(why, why_len, "of rows of tensor %u that are not rows of %s (a sparse-rows tensor "
+                         "stepped by rows: strictly increasing ids below its row count, then their f32 rows)", t,
+                         rows_of(h));
                 return -1;
             }
             rows_at[n_at++] = i++;
