@@ -51,6 +51,7 @@ typedef enum {
     KT_ENUM,   /* an enum stored as int, 0..n-1 = names[] */
     KT_LAYERS, /* model.layers: n_sizes + sizes[] */
     KT_TENSORS, /* model.tensors: n_tensors + tensors[] (YAML only) */
+    KT_GROUPS,  /* optimizer.groups: n_groups + groups[] (YAML only) */
 } key_type_t;
 
 enum {
@@ -186,6 +187,8 @@ static const key_spec_t keys[] = {
     K_DOUBLE("optimizer.beta2", beta2, 0.0, 1.0, F_OPEN_MAX, "0.999"),
     K_DOUBLE("optimizer.eps", eps, 0.0, INFINITY, F_OPEN_MIN, "1e-8"),
     K_DOUBLE("optimizer.clip_norm", clip_norm, 0.0, INFINITY, 0, "0"),
+    /* in the hash only when given (the hash of a config without groups stays what it was) */
+    {.key = "optimizer.groups", .type = KT_GROUPS, .off = offsetof(ps_config_t, groups), .def = "[]"},
 
     K_ENUM("schedule.name", sched, ps_sched_kind_t, sched_names, "onecycle"),
     K_DOUBLE("schedule.warmup_epochs", warmup_epochs, 0.0, INFINITY, 0, "0"),
@@ -280,6 +283,7 @@ static void describe_type(const key_spec_t *e, char *buf, size_t n)
     case KT_STRING: snprintf(buf, n, "a string"); return;
     case KT_LAYERS: snprintf(buf, n, "a list of layer sizes"); return;
     case KT_TENSORS: snprintf(buf, n, "a list of tensors"); return;
+    case KT_GROUPS: snprintf(buf, n, "a list of groups"); return;
     case KT_ENUM: {
         size_t used = (size_t)snprintf(buf, n, "one of");
         for (int i = 0; e->names[i] && used < n; i++)
@@ -290,23 +294,14 @@ static void describe_type(const key_spec_t *e, char *buf, size_t n)
     PS_CFG_ASSERT(!"unknown key type");
 }
 
-/* Shortest of %.15g..%.17g that reads back as exactly v. */
-static void fmt_double(double v, char *buf, size_t n)
-{
-    for (int prec = 15; prec <= 17; prec++) {
-        snprintf(buf, n, "%.*g", prec, v);
-        if (strtod(buf, NULL) == v) return;
-    }
-}
-
 /* "must be in [0, 1)", "must be > 0", "" when unbounded. */
 static void describe_range(const key_spec_t *e, char *buf, size_t n)
 {
     buf[0] = '\0';
     if (e->type == KT_DOUBLE) {
         char lo[32], hi[32];
-        fmt_double(e->dmin, lo, sizeof lo);
-        fmt_double(e->dmax, hi, sizeof hi);
+        ps_fmt_double(e->dmin, lo, sizeof lo);
+        ps_fmt_double(e->dmax, hi, sizeof hi);
         const bool has_lo = isfinite(e->dmin), has_hi = isfinite(e->dmax);
         const bool olo = e->flags & F_OPEN_MIN, ohi = e->flags & F_OPEN_MAX;
         const char *off = e->flags & F_OFF ? ", or off" : "";
@@ -551,6 +546,14 @@ static int parse_value(const key_spec_t *e, const char *text, ps_config_t *c, ch
             return 0;
         }
         set_err(msg, n, "%s: a list of tensors is given in a config file (- {name: ..., shape: [...], init: ...})",
+                e->key);
+        return -1;
+    case KT_GROUPS:
+        if (strcmp(text, "[]") == 0) {
+            c->n_groups = 0;
+            return 0;
+        }
+        set_err(msg, n, "%s: a list of groups is given in a config file (- {match: \"*.bias\", weight_decay: 0})",
                 e->key);
         return -1;
     }
@@ -855,11 +858,99 @@ fail:
     return -1;
 }
 
+/* At MAPPING_START of group i: {match, weight_decay, lr_scale}; consumes it. */
+static int ld_group(loader_t *l, ps_group_t *g, int i)
+{
+    const size_t line = ev_line(l);
+    static const char *const fields[3] = {"match", "weight_decay", "lr_scale"};
+    bool seen[3] = {false, false, false};
+    ps_group_clear(g);
+    for (;;) {
+        if (ld_next(l) != 0) return -1;
+        if (l->ev.type == YAML_MAPPING_END_EVENT) break;
+        const char *k = ld_scalar(l, "optimizer.groups: a field");
+        if (!k) return -1;
+        int f = 0;
+        while (f < 3 && strcmp(k, fields[f]) != 0) f++;
+        if (f == 3) {
+            ld_err(l, ev_line(l), "optimizer.groups[%d]: unknown field '%.60s' (match, weight_decay, lr_scale; "
+                   "momentum, betas and eps are the same for every tensor)", i, k);
+            return -1;
+        }
+        if (seen[f]) {
+            ld_err(l, ev_line(l), "optimizer.groups[%d]: %s given twice", i, fields[f]);
+            return -1;
+        }
+        seen[f] = true;
+        if (ld_next(l) != 0) return -1;
+        const char *v = ld_scalar(l, "optimizer.groups: a value");
+        if (!v) return -1;
+        if (f == 0) {
+            if (strlen(v) > PS_GROUP_MATCH_MAX) {
+                ld_err(l, ev_line(l), "optimizer.groups[%d]: match: longer than %d bytes", i, PS_GROUP_MATCH_MAX);
+                return -1;
+            }
+            strcpy(g->match, v);
+            continue;
+        }
+        double d;
+        if (parse_double(v, &d) != 0) {
+            ld_err(l, ev_line(l), "optimizer.groups[%d]: %s: expected a number, got '" SHOW "'", i, fields[f], v);
+            return -1;
+        }
+        if (f == 1) {
+            g->has_wd = true;
+            g->weight_decay = d;
+        } else {
+            g->lr_scale = d;
+        }
+    }
+    char why[400];
+    if (!seen[0]) {
+        ld_err(l, line, "optimizer.groups[%d]: a group needs a match (a glob on tensor names)", i);
+        return -1;
+    }
+    if (ps_group_check(g, i, why, sizeof why) != 0) {
+        ld_err(l, line, "%s", why);
+        return -1;
+    }
+    return 0;
+}
+
+/* At SEQUENCE_START of optimizer.groups; consumes through SEQUENCE_END. */
+static int ld_groups(loader_t *l)
+{
+    int n = 0;
+    for (;;) {
+        if (ld_next(l) != 0) return -1;
+        if (l->ev.type == YAML_SEQUENCE_END_EVENT) break;
+        if (l->ev.type != YAML_MAPPING_START_EVENT) {
+            ld_err(l, ev_line(l), "optimizer.groups[%d]: expected {match: GLOB, weight_decay: ..., lr_scale: ...}, "
+                   "got %s", n, ev_kind(&l->ev));
+            return -1;
+        }
+        if (n == PS_GROUPS_MAX) {
+            ld_err(l, ev_line(l), "optimizer.groups: more than %d groups", PS_GROUPS_MAX);
+            return -1;
+        }
+        if (ld_group(l, &l->c->groups[n], n) != 0) return -1;
+        n++;
+    }
+    l->c->n_groups = n;
+    return 0;
+}
+
 /* At the event after a key; consumes the whole value. */
 static int ld_value(loader_t *l, const key_spec_t *e)
 {
     char want[96], msg[512];
     const yaml_event_type_t t = l->ev.type;
+    if (e->type == KT_GROUPS) {
+        if (t == YAML_SEQUENCE_START_EVENT) return ld_groups(l);
+        ld_err(l, ev_line(l), "%s: expected a list of groups (- {match: \"*.bias\", weight_decay: 0}), got %s",
+               e->key, ev_kind(&l->ev));
+        return -1;
+    }
     if (e->type == KT_TENSORS) {
         if (t == YAML_SEQUENCE_START_EVENT) return ld_tensors(l);
         ld_err(l, ev_line(l), "%s: expected a list of tensors (- {name: ..., shape: [...], init: ...}), got %s",
@@ -1113,7 +1204,7 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
             memcpy(&v, src, sizeof v);
             if (!double_in_range(e, v)) {
                 describe_range(e, range, sizeof range);
-                fmt_double(v, num, sizeof num);
+                ps_fmt_double(v, num, sizeof num);
                 set_err(err, errlen, "%s: %s is out of range%s", e->key, num, range);
                 return -1;
             }
@@ -1169,6 +1260,14 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
             }
             break;
         }
+        case KT_GROUPS:
+            if (c->n_groups < 0 || c->n_groups > PS_GROUPS_MAX) {
+                set_err(err, errlen, "%s: %d groups, at most %d", e->key, c->n_groups, PS_GROUPS_MAX);
+                return -1;
+            }
+            for (int g = 0; g < c->n_groups; g++)
+                if (ps_group_check(&c->groups[g], g, err, errlen) != 0) return -1;
+            break;
         case KT_UINT64:
         case KT_BOOL: break;
         }
@@ -1213,15 +1312,15 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
         return -1;
     }
     if ((double)c->epochs < c->warmup_epochs) {
-        fmt_double(c->warmup_epochs, num, sizeof num);
+        ps_fmt_double(c->warmup_epochs, num, sizeof num);
         set_err(err, errlen, "schedule.warmup_epochs: %s exceeds run.epochs (%d)", num,
                 c->epochs);
         return -1;
     }
     if (c->sched == PS_SCHED_COSINE && c->min_lr > c->lr) {
         char lr[32];
-        fmt_double(c->min_lr, num, sizeof num);
-        fmt_double(c->lr, lr, sizeof lr);
+        ps_fmt_double(c->min_lr, num, sizeof num);
+        ps_fmt_double(c->lr, lr, sizeof lr);
         set_err(err, errlen, "schedule.min_lr: %s exceeds optimizer.lr (%s)", num, lr);
         return -1;
     }
@@ -1262,8 +1361,8 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
         const double in_max = fmax(fabs(c->norm_mean), fabs(1.0 - c->norm_mean)) / c->norm_std;
         if (!(in_max <= MAX_NORM_INPUT)) {
             char mean[32];
-            fmt_double(c->norm_std, num, sizeof num);
-            fmt_double(c->norm_mean, mean, sizeof mean);
+            ps_fmt_double(c->norm_std, num, sizeof num);
+            ps_fmt_double(c->norm_mean, mean, sizeof mean);
             set_err(err, errlen,
                     "data.normalize_std: %s (with data.normalize_mean %s) makes the inputs (pixel/255 - mean) / std "
                     "as large as %.3g, and f32 training cannot learn from inputs beyond 1e6; the pixels' std is about "
@@ -1285,40 +1384,6 @@ int ps_config_validate(const ps_config_t *c, char *err, size_t errlen)
 }
 
 /* ---------------------------------------------------------------- output */
-
-/* A double-quoted YAML scalar that reads back byte for byte (for UTF-8 text). */
-static void write_quoted(FILE *f, const char *s)
-{
-    fputc('"', f);
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        switch (*p) {
-        case '"': fputs("\\\"", f); break;
-        case '\\': fputs("\\\\", f); break;
-        case '\n': fputs("\\n", f); break;
-        case '\t': fputs("\\t", f); break;
-        case '\r': fputs("\\r", f); break;
-        default:
-            if (*p < 0x20 || *p == 0x7f) {
-                fprintf(f, "\\x%02x", *p);
-            } else if (p[0] == 0xc2 && p[1] == 0x85) { /* NEL: a line break to YAML */
-                fputs("\\N", f);
-                p++;
-            } else if (p[0] == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f) { /* C1 controls: not allowed raw */
-                fprintf(f, "\\x%02x", p[1]);
-                p++;
-            } else if (p[0] == 0xef && p[1] == 0xbf && (p[2] == 0xbe || p[2] == 0xbf)) { /* non-characters */
-                fputs(p[2] == 0xbe ? "\\uFFFE" : "\\uFFFF", f);
-                p += 2;
-            } else if (p[0] == 0xe2 && p[1] == 0x80 && (p[2] == 0xa8 || p[2] == 0xa9)) { /* LS, PS */
-                fputs(p[2] == 0xa8 ? "\\L" : "\\P", f);
-                p += 2;
-            } else {
-                fputc(*p, f);
-            }
-        }
-    }
-    fputc('"', f);
-}
 
 static void write_value(FILE *f, const ps_config_t *c, const key_spec_t *e)
 {
@@ -1350,7 +1415,7 @@ static void write_value(FILE *f, const ps_config_t *c, const key_spec_t *e)
             fputs("off", f);
             return;
         }
-        fmt_double(v, num, sizeof num);
+        ps_fmt_double(v, num, sizeof num);
         fputs(num, f);
         return;
     }
@@ -1360,7 +1425,7 @@ static void write_value(FILE *f, const ps_config_t *c, const key_spec_t *e)
         fputs(v ? "true" : "false", f);
         return;
     }
-    case KT_STRING: write_quoted(f, src); return;
+    case KT_STRING: ps_yaml_quoted(f, src); return;
     case KT_ENUM: {
         int v;
         memcpy(&v, src, sizeof v);
@@ -1381,8 +1446,22 @@ static void write_value(FILE *f, const ps_config_t *c, const key_spec_t *e)
             ps_shape_str(t->ndim, t->shape, shape, sizeof shape);
             ps_init_str(&t->init, init, sizeof init);
             fputs("\n    - {name: ", f);
-            write_quoted(f, t->name);
+            ps_yaml_quoted(f, t->name);
             fprintf(f, ", shape: %s, init: \"%s\"%s}", shape, init, t->kind == PS_TENSOR_ROWS ? ", kind: sparse_rows" : "");
+        }
+        return;
+    case KT_GROUPS:
+        if (c->n_groups == 0) fputs("[]", f);
+        for (int i = 0; i < c->n_groups; i++) {
+            const ps_group_t *g = &c->groups[i];
+            fputs("\n    - {match: ", f);
+            ps_yaml_quoted(f, g->match);
+            if (g->has_wd) {
+                ps_fmt_double(g->weight_decay, num, sizeof num);
+                fprintf(f, ", weight_decay: %s", num);
+            }
+            ps_fmt_double(g->lr_scale, num, sizeof num);
+            fprintf(f, ", lr_scale: %s}", num);
         }
         return;
     }
@@ -1412,7 +1491,8 @@ static int write_yaml(const ps_config_t *c, FILE *f, bool with_server)
                              ((e->flags & F_TENSORS) && c->kind != PS_MODEL_TENSORS &&
                               c->kind != PS_MODEL_FROM_WORKER) ||
                              ((e->flags & F_KIND) && c->kind == PS_MODEL_MLP) ||
-                             ((e->flags & F_SET) && !key_set(c, e))))
+                             ((e->flags & F_SET) && !key_set(c, e)) ||
+                             (e->type == KT_GROUPS && c->n_groups == 0)))
             continue;
         if (!cur || sl != cur_len || strncmp(cur, e->key, sl) != 0) {
             fprintf(f, "%.*s:\n", (int)sl, e->key);
@@ -1442,11 +1522,7 @@ uint64_t ps_config_hash(const ps_config_t *c)
     int rc = write_yaml(c, f, false);
     if (fclose(f) != 0) rc = -1;
     PS_CFG_ASSERT(rc == 0);
-    uint64_t h = 0xcbf29ce484222325ULL; /* FNV-1a 64 */
-    for (size_t i = 0; i < len; i++) {
-        h ^= (unsigned char)text[i];
-        h *= 0x100000001b3ULL;
-    }
+    uint64_t h = ps_fnv1a(0xcbf29ce484222325ULL, text, len); /* FNV-1a 64 */
     free(text);
     return h;
 }

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "ps_groups.h"
 #include "ps_tensor.h"
 
 #define PS_MAX_LAYERS 16 /* dense layers; sizes[] holds PS_MAX_LAYERS + 1 */
@@ -124,6 +125,8 @@ typedef struct ps_config {
     double beta2;        /* optimizer.beta2 */
     double eps;          /* optimizer.eps */
     double clip_norm;    /* optimizer.clip_norm: global-norm clipping, 0 = off */
+    int n_groups;        /* optimizer.groups: per-tensor weight_decay / lr_scale by name (ps_groups.h) */
+    ps_group_t groups[PS_GROUPS_MAX];
 
     /* schedule: all positions are in epochs (fractional), independent of N */
     ps_sched_kind_t sched;   /* schedule.name: constant | step | cosine | onecycle */

@@ -407,8 +407,8 @@ int ps_part_range(const ps_piece_t part[PS_MAX_TENSORS], int n_tensors, uint64_t
 
 int ps_piece_rows(const ps_layout_t *l, const ps_piece_t *p, size_t *r0, size_t *r1)
 {
-    if (l->table < 0 || p->t != l->table) return 0;
-    size_t D = (size_t)l->t[l->table].cols;
+    if (p->t < 0 || p->t >= l->n_tensors || l->t[p->t].kind != PS_TENSOR_ROWS) return 0;
+    size_t D = (size_t)l->t[p->t].cols;
     if (D == 0 || p->off % D != 0 || p->n % D != 0) return 0;
     *r0 = p->off / D;
     *r1 = (p->off + p->n) / D;
@@ -422,7 +422,8 @@ int ps_shards_table_rows(const ps_layout_t *l, int n)
         ps_piece_t p[PS_MAX_TENSORS];
         size_t r0, r1;
         ps_shard_pieces(l, k, n, p);
-        if (!ps_piece_rows(l, &p[l->table], &r0, &r1)) return 0;
+        for (int t = 0; t < l->n_tensors; t++)
+            if (l->t[t].kind == PS_TENSOR_ROWS && !ps_piece_rows(l, &p[t], &r0, &r1)) return 0;
     }
     return 1;
 }

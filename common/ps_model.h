@@ -56,6 +56,14 @@ typedef struct {
     ps_tensor_info_t *tab;
 } ps_layout_t;
 
+/* Units of sparse-rows tensors (each a unit alone): l->table is the first. */
+static inline int ps_layout_sparse_units(const ps_layout_t *l)
+{
+    int n = 0;
+    for (int u = 0; u < l->n_tensors; u++) n += l->t[u].kind == PS_TENSOR_ROWS;
+    return n;
+}
+
 /* Tensors of the table, and tensor k of it (any layout). */
 static inline int ps_layout_ntab(const ps_layout_t *l) { return l->tab ? l->n_tab : l->n_tensors; }
 static inline const ps_tensor_info_t *ps_layout_tensor(const ps_layout_t *l, int k)
@@ -138,10 +146,11 @@ uint64_t ps_part_size(const ps_piece_t part[PS_MAX_TENSORS], int n_tensors);
 int ps_part_range(const ps_piece_t part[PS_MAX_TENSORS], int n_tensors, uint64_t from, uint64_t count,
                   ps_piece_t out[PS_MAX_TENSORS]);
 
-/* The table's rows a piece of it holds whole: 1 with [*r0, *r1) when the
- * piece is whole rows (always when the table's width divides
- * PS_NORM_BLOCK; an empty piece holds none), 0 when a row straddles its
- * ends or the piece is not the table's. */
+/* The rows a piece of a sparse-rows tensor (any of them, not only
+ * l->table) holds whole: 1 with [*r0, *r1) when the piece is whole rows
+ * (always when the tensor's width divides PS_NORM_BLOCK; an empty piece
+ * holds none), 0 when a row straddles its ends or the piece is not of a
+ * sparse-rows tensor. */
 int ps_piece_rows(const ps_layout_t *l, const ps_piece_t *p, size_t *r0, size_t *r1);
 
 /* ps_model_init_params' values written only inside the pieces own[t] (one
@@ -150,9 +159,10 @@ int ps_piece_rows(const ps_layout_t *l, const ps_piece_t *p, size_t *r0, size_t 
  * tensor whole. */
 void ps_model_init_pieces(const ps_layout_t *l, float *params, uint64_t seed, const ps_piece_t *own);
 
-/* 1 when the layout has a table and every piece of it among n shards is
- * whole rows (ps_piece_rows): table rows then go to the shard owning them,
- * and each shard steps its rows lazily; 0 otherwise. */
+/* 1 when the layout has a table and every piece of every sparse-rows
+ * tensor among n shards is whole rows (ps_piece_rows): their rows then go
+ * to the shard owning them, and each shard steps its rows lazily; 0
+ * otherwise. */
 int ps_shards_table_rows(const ps_layout_t *l, int n);
 
 /* Blocks of the layout in order, and the first block of tensor t. */

@@ -509,3 +509,46 @@ bool ps_endpoint_wants_ipv6(const char *ep)
     freeaddrinfo(res);
     return v6 && !v4;
 }
+
+/* Shortest of %.15g..%.17g that reads back as exactly v. */
+void ps_fmt_double(double v, char *buf, size_t n)
+{
+    for (int prec = 15; prec <= 17; prec++) {
+        snprintf(buf, n, "%.*g", prec, v);
+        if (strtod(buf, NULL) == v) return;
+    }
+}
+
+/* A double-quoted YAML scalar that reads back byte for byte (for UTF-8 text). */
+void ps_yaml_quoted(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        switch (*p) {
+        case '"': fputs("\\\"", f); break;
+        case '\\': fputs("\\\\", f); break;
+        case '\n': fputs("\\n", f); break;
+        case '\t': fputs("\\t", f); break;
+        case '\r': fputs("\\r", f); break;
+        default:
+            if (*p < 0x20 || *p == 0x7f) {
+                fprintf(f, "\\x%02x", *p);
+            } else if (p[0] == 0xc2 && p[1] == 0x85) { /* NEL: a line break to YAML */
+                fputs("\\N", f);
+                p++;
+            } else if (p[0] == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f) { /* C1 controls: not allowed raw */
+                fprintf(f, "\\x%02x", p[1]);
+                p++;
+            } else if (p[0] == 0xef && p[1] == 0xbf && (p[2] == 0xbe || p[2] == 0xbf)) { /* non-characters */
+                fputs(p[2] == 0xbe ? "\\uFFFE" : "\\uFFFF", f);
+                p += 2;
+            } else if (p[0] == 0xe2 && p[1] == 0x80 && (p[2] == 0xa8 || p[2] == 0xa9)) { /* LS, PS */
+                fputs(p[2] == 0xa8 ? "\\L" : "\\P", f);
+                p += 2;
+            } else {
+                fputc(*p, f);
+            }
+        }
+    }
+    fputc('"', f);
+}

@@ -4,6 +4,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 
 /* Monotonic seconds. */
@@ -129,5 +130,10 @@ int ps_early_stop_signal(void);
  * signals). */
 #define PS_SIGNAL_ECHO_S 0.1
 int ps_stop_signal_note(int sig);
+
+/* The shortest of %.15g..%.17g that reads back as exactly v, into buf. */
+void ps_fmt_double(double v, char *buf, size_t n);
+/* s as a double-quoted YAML scalar that reads back byte for byte (UTF-8 text). */
+void ps_yaml_quoted(FILE *f, const char *s);
 
 #endif

@@ -23,8 +23,11 @@ int psd_hold_init(psd_hold_t *h, psd_store_t *store, const ps_layout_t *l, const
     h->wire_bf16 = c->wire_gradients == PS_WIRE_BF16;
     h->wire_w16 = c->wire_weights == PS_WIRE_BF16;
     h->max_k = max_k;
-    for (int t = 0; t < l->n_tensors; t++)
+    for (int t = 0; t < l->n_tensors; t++) {
         if (store->own[t].n) h->all |= 1ull << t;
+        h->n_sparse += l->t[t].kind == PS_TENSOR_ROWS;
+    }
+    const size_t nb = (size_t)max_k * (size_t)(h->n_sparse ? h->n_sparse : 1);
     if (l->table >= 0) {
         h->piece_rows = store->own[l->table].n / (size_t)l->t[l->table].cols;
         size_t reads = (size_t)c->batch_size * (size_t)c->ctr_fields * (size_t)c->ctr_per_field;
@@ -32,8 +35,8 @@ int psd_hold_init(psd_hold_t *h, psd_store_t *store, const ps_layout_t *l, const
     }
     h->g = calloc((size_t)max_k, sizeof *h->g);
     h->bf16 = calloc((size_t)max_k, 1);
-    h->rg = calloc((size_t)max_k, sizeof *h->rg);
-    h->sp_free = calloc((size_t)max_k, sizeof *h->sp_free);
+    h->rg = calloc(nb, sizeof *h->rg);
+    h->sp_free = calloc(nb, sizeof *h->sp_free);
     if (!h->g || !h->bf16 || !h->rg || !h->sp_free) {
         psd_hold_deinit(h);
         return -ENOMEM;
@@ -54,26 +57,35 @@ void psd_hold_deinit(psd_hold_t *h)
     memset(h, 0, sizeof *h);
 }
 
-/* p's row buffer: its own, one from the pool, or a new one (NULL: out of
- * memory). As many exist as contributors had rows between two steps. */
-static psd_rowbuf_t *rowbuf_of(psd_hold_t *h, psd_push_t *p)
+/* p's row buffer for lazy table j: its own, one from the pool, or a new
+ * one (NULL: out of memory). As many exist as contributors had rows of a
+ * table between two steps. */
+static psd_rowbuf_t *rowbuf_of(psd_hold_t *h, psd_push_t *p, int j)
 {
-    if (!p->sp && h->n_sp_free) p->sp = h->sp_free[--h->n_sp_free];
-    if (!p->sp && h->n_sp < h->max_k && (p->sp = calloc(1, sizeof *p->sp))) h->n_sp++;
-    return p->sp;
+    if (!p->sp[j] && h->n_sp_free) p->sp[j] = h->sp_free[--h->n_sp_free];
+    if (!p->sp[j] && h->n_sp < h->max_k * h->n_sparse && (p->sp[j] = calloc(1, sizeof *p->sp[j]))) h->n_sp++;
+    return p->sp[j];
+}
+
+/* The index of unit t among the store's lazy tables, or -1. */
+static int lazy_of(const psd_hold_t *h, uint32_t t)
+{
+    for (int j = 0; j < h->store->n_lazy; j++)
+        if (h->store->lazy_t[j] == (int)t) return j;
+    return -1;
 }
 
 void psd_push_release(psd_hold_t *h, psd_push_t *p)
 {
     for (int t = 0; t < PS_MAX_TENSORS; t++)
         if (p->frames & (1ull << t)) zmq_msg_close(&p->grad[t]);
-    p->frames = p->mask = p->shm = 0;
-    p->rows = false;
-    if (p->sp) {
-        p->sp->n = 0;
-        h->sp_free[h->n_sp_free++] = p->sp;
-        p->sp = NULL;
-    }
+    p->frames = p->mask = p->shm = p->rows = 0;
+    for (int j = 0; j < PS_MAX_TENSORS; j++)
+        if (p->sp[j]) {
+            p->sp[j]->n = 0;
+            h->sp_free[h->n_sp_free++] = p->sp[j];
+            p->sp[j] = NULL;
+        }
 }
 
 void psd_push_free(psd_push_t *p) { psd_want_free(&p->want); }
@@ -123,7 +135,7 @@ int psd_push_take(psd_hold_t *h, psd_push_t *p, ps_msg_t *m, bool bf16, uint64_t
     const Psd__Push *pu = m->hdr->push;
     const int nf = m->n_frames - (pu->want_rows && m->n_frames > 0); /* gradient frames; then the rows wanted */
     uint64_t mask = 0;
-    int rows_at = -1; /* the table's gradient as rows: frames rows_at (ids) and rows_at + 1 */
+    int rows_at[PS_MAX_TENSORS], n_at = 0; /* gradients as rows: frames rows_at[a] (ids) and rows_at[a] + 1 */
     *took = (psd_took_t){0};
     for (int i = 0; i < nf; i++) {
         const Psd__TensorDesc *d = m->hdr->tensors[i];
@@ -136,13 +148,14 @@ int psd_push_take(psd_hold_t *h, psd_push_t *p, ps_msg_t *m, bool bf16, uint64_t
         if (d->dtype == PSD__DTYPE__DT_U32) {
             const uint32_t *ids;
             size_t nv = 0;
-            if (bf16 || !h->store->lazy || (int)t != l->table || !(h->all & (1ull << t)) ||
+            if (bf16 || !(h->store->lazy_mask & (1ull << t)) || !(h->all & (1ull << t)) ||
                 !ps_msg_rows(m, i, &ids, &n, &nv) || !psd_rows_fit(l, &h->store->own[t], ids, n, nv, h->sharded)) {
-                snprintf(why, why_len, "of rows of tensor %u that are not rows of %s (strictly increasing ids "
-                         "below its row count, then their f32 rows)", t, rows_of(h));
+                snprintf(why, why_len, "of rows of tensor %u that are not rows of %s (a sparse-rows tensor "
+                         "stepped by rows: strictly increasing ids below its row count, then their f32 rows)", t,
+                         rows_of(h));
                 return -1;
             }
-            rows_at = i++;
+            rows_at[n_at++] = i++;
             mask |= 1ull << t;
             continue;
         }
@@ -167,25 +180,30 @@ int psd_push_take(psd_hold_t *h, psd_push_t *p, ps_msg_t *m, bool bf16, uint64_t
         if (psd_want_take(h, p, m, h->batch_rows, why, why_len) != 0) return -1;
         took->want_bytes = zmq_msg_size(&m->frames[m->n_frames - 1]);
     }
-    if (rows_at >= 0) { /* copied: the step merges them */
+    uint64_t rows = 0;
+    for (int a = 0; a < n_at; a++) { /* copied: the step merges them */
         size_t n = 0, nv = 0;
-        const uint32_t *ids = ps_msg_u32(m, rows_at, &n);
-        const float *v = ps_msg_f32(m, rows_at + 1, &nv);
-        psd_rowbuf_t *b = rowbuf_of(h, p);
-        if (!b || psd_rowbuf_set(b, ids, v, n, (size_t)l->t[l->table].cols, h->batch_rows) != 0) {
+        const uint32_t t = m->hdr->tensors[rows_at[a]]->id;
+        const uint32_t *ids = ps_msg_u32(m, rows_at[a], &n);
+        const float *v = ps_msg_f32(m, rows_at[a] + 1, &nv);
+        psd_rowbuf_t *b = rowbuf_of(h, p, lazy_of(h, t));
+        if (!b || psd_rowbuf_set(b, ids, v, n, (size_t)l->t[t].cols, h->batch_rows) != 0) {
+            for (int j = 0; j < PS_MAX_TENSORS; j++) /* p as it was: none of this push's rows */
+                if (p->sp[j] && (rows & (1ull << h->store->lazy_t[j]))) p->sp[j]->n = 0;
             p->want.has = false;
             snprintf(why, why_len, "of table rows: out of memory");
             return -1;
         }
-        p->rows = true;
+        rows |= 1ull << t;
         took->row_push = true;
-        took->rows = n;
+        took->rows += n;
     }
+    p->rows |= rows;
     /* the rest kept without copying: reduced in rank order at the step */
     for (int i = 0; i < nf; i++) {
         const uint32_t t = m->hdr->tensors[i]->id;
         took->bytes += zmq_msg_size(&m->frames[i]);
-        if (rows_at >= 0 && (i == rows_at || i == rows_at + 1)) continue;
+        if (rows & (1ull << t)) continue; /* its ids and rows frames */
         zmq_msg_init(&p->grad[t]);
         zmq_msg_move(&p->grad[t], &m->frames[i]);
         p->frames |= 1ull << t;
@@ -198,7 +216,7 @@ int psd_push_take(psd_hold_t *h, psd_push_t *p, ps_msg_t *m, bool bf16, uint64_t
 int psd_hold_gather(psd_hold_t *h, psd_push_t *const *p, const float *const *shm, int k)
 {
     const ps_layout_t *l = h->layout;
-    const int T = l->table;
+    const psd_store_t *st = h->store;
     for (int j = 0; j < k; j++) {
         const void **g = h->g[j];
         for (int t = 0; t < l->n_tensors; t++)
@@ -206,27 +224,31 @@ int psd_hold_gather(psd_hold_t *h, psd_push_t *const *p, const float *const *shm
                    : p[j]->frames & (1ull << t)                ? (const void *)zmq_msg_data(&p[j]->grad[t])
                                                                : NULL;
         h->bf16[j] = !(shm && shm[j]) && h->wire_bf16;
-        if (!h->store->lazy) continue;
-        /* the table by rows: pushed as rows, or the nonzero rows of the piece pushed whole */
-        if (!p[j]->rows && g[T]) {
-            const size_t D = (size_t)l->t[T].cols;
-            const ps_piece_t *own = &h->store->own[T];
-            psd_rowbuf_t *b = rowbuf_of(h, p[j]);
-            if (!b || psd_rowbuf_dense(b, g[T], h->bf16[j], own->off / D, own->n / D, D) != 0) return -ENOMEM;
-        } else if (!p[j]->rows && p[j]->sp) {
-            p[j]->sp->n = 0;
+        for (int x = 0; x < st->n_lazy; x++) {
+            /* each table by rows: pushed as rows, or the nonzero rows of the piece pushed whole */
+            const int T = st->lazy_t[x];
+            const bool as_rows = p[j]->rows & (1ull << T);
+            psd_rowbuf_t **sp = &p[j]->sp[x];
+            if (!as_rows && g[T]) {
+                const size_t D = (size_t)l->t[T].cols;
+                const ps_piece_t *own = &st->own[T];
+                psd_rowbuf_t *b = rowbuf_of(h, p[j], x);
+                if (!b || psd_rowbuf_dense(b, g[T], h->bf16[j], own->off / D, own->n / D, D) != 0) return -ENOMEM;
+            } else if (!as_rows && *sp) {
+                (*sp)->n = 0;
+            }
+            g[T] = NULL;
+            h->rg[(size_t)x * (size_t)k + (size_t)j] = *sp ? psd_rowbuf_grad(*sp) : (psd_rowgrad_t){0};
         }
-        g[T] = NULL;
-        h->rg[j] = p[j]->sp ? psd_rowbuf_grad(p[j]->sp) : (psd_rowgrad_t){0};
     }
-    if (h->store->lazy && psd_store_rows_room(h->store, k, h->rg, h->max_k) != 0) return -ENOMEM;
+    if (st->n_lazy && psd_store_rows_room(h->store, k, h->rg, h->max_k) != 0) return -ENOMEM;
     return 0;
 }
 
 double psd_hold_step(psd_hold_t *h, int k, const double *wt, double clip_norm, double lr, bool reduce_only)
 {
     const void *const(*g)[PS_MAX_TENSORS] = (const void *const(*)[PS_MAX_TENSORS])h->g;
-    const psd_rowgrad_t *rows = h->store->lazy ? h->rg : NULL;
+    const psd_rowgrad_t *rows = h->store->n_lazy ? h->rg : NULL;
     if (reduce_only) return psd_store_reduce_rows(h->store, k, g, h->bf16, wt, rows) != 0 ? -2 : 0;
     return psd_store_step_rows(h->store, k, g, h->bf16, wt, rows, clip_norm, lr);
 }

@@ -39,8 +39,9 @@ typedef struct {
     uint64_t frames;   /* tensors whose grad[] holds a frame */
     uint64_t mask;     /* tensors received so far: frames, rows, shared memory */
     uint64_t shm;      /* of which in the contributor's shared region (shard 0) */
-    bool rows;         /* the table's gradient came as rows (in sp) */
-    psd_rowbuf_t *sp;  /* its table rows, lent by the holder until released; NULL: none */
+    uint64_t rows;     /* units whose gradient came as rows (in sp[]) */
+    psd_rowbuf_t *sp[PS_MAX_TENSORS]; /* sp[j]: its rows of the store's lazy table j (store->lazy_t[j]),
+                                       * lent by the holder until released; NULL: none */
     psd_want_t want;   /* the rows its next reply brings (has), Push/Pull.want_rows */
 } psd_push_t;
 
@@ -56,12 +57,13 @@ typedef struct {
     size_t batch_rows; /* the most rows of the piece of the table one batch reads */
     size_t piece_rows; /* the rows of the piece of the table (0: none) */
     int max_k;         /* contributors a step may have */
-    psd_rowbuf_t **sp_free; /* row buffers not lent (max_k room) */
+    int n_sparse;      /* sparse-rows units of the layout */
+    psd_rowbuf_t **sp_free; /* row buffers not lent (max_k x n_sparse room) */
     int n_sp_free, n_sp;
     /* a step's contributors (psd_hold_gather), max_k rows: made once */
     const void *(*g)[PS_MAX_TENSORS];
     uint8_t *bf16;
-    psd_rowgrad_t *rg;
+    psd_rowgrad_t *rg; /* rg[j * k + c]: contributor c's rows of lazy table j (n_sparse x max_k) */
 } psd_hold_t;
 
 /* What a taken push brought, for the caller's counters. */
@@ -69,8 +71,8 @@ typedef struct {
     uint64_t mask;        /* tensors of this message */
     uint64_t bytes;       /* bytes of its gradient frames */
     uint64_t want_bytes;  /* and of the list of rows wanted */
-    bool row_push;        /* the table came as rows */
-    size_t rows;          /* how many (none maybe, on a shard) */
+    bool row_push;        /* a sparse-rows tensor came as rows */
+    size_t rows;          /* how many, of all of them (none maybe, on a shard) */
 } psd_took_t;
 
 /* Hold store's pieces (laid out by l) for up to max_k contributors a step.
@@ -81,8 +83,8 @@ void psd_hold_deinit(psd_hold_t *h);
 
 /* A PUSH's gradient for this holder: each frame a tensor's piece held here
  * (f32, or bfloat16 where bf16), not in p->mask nor in `also` (tensors the
- * caller takes from elsewhere: shared memory); u32 ids then f32 rows of the
- * table where it is stepped by rows; with want_rows the last frame lists the
+ * caller takes from elsewhere: shared memory); u32 ids then f32 rows of
+ * any sparse-rows tensor stepped by rows; with want_rows the last frame lists the
  * rows the reply brings (psd_want_take's rules). Everything is checked
  * before anything is kept: on success the frames move into p (p->frames,
  * p->mask), and *took says what came; -1 (why: the reason, e.g. "of tensor
@@ -102,7 +104,7 @@ void psd_push_free(psd_push_t *p);
 
 /* The step's contributors p[0..k) in rank order (shm[j]: contributor j's
  * shared gradient region, whose tensors p[j]->shm names, or NULL) into
- * h->g, h->bf16 and, for a table stepped by rows, h->rg (a piece pushed
+ * h->g, h->bf16 and, for the tables stepped by rows, h->rg (a piece pushed
  * whole becomes its nonzero rows), with room in the store's merge. 0, or
  * -ENOMEM. */
 int psd_hold_gather(psd_hold_t *h, psd_push_t *const *p, const float *const *shm, int k);

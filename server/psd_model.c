@@ -14,6 +14,14 @@ static int oom(srv_t *s)
     return PSD_EXIT_ERROR;
 }
 
+/* psd_groups_describe's lines into the log */
+static void say_group(void *ud, bool warn, const char *line)
+{
+    (void)ud;
+    if (warn) PS_WARN("%s", line);
+    else PS_INFO("%s", line);
+}
+
 /* The store's pieces (own[]: whole tensors for one psd) of the initial
  * values: each tensor whole in values[t], or (values NULL) laid out as the
  * model in arena. */
@@ -34,9 +42,11 @@ int psd_model_setup(srv_t *s, const float *const *values)
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
     if (psd_store_init_part(&s->store, &s->layout, &opt, c->seed, 0, opts->shards) != 0 ||
+        psd_store_groups(&s->store, c->groups, c->n_groups) != 0 ||
         psd_hold_init(&s->holder, &s->store, &s->layout, c, opts->shards > 1, MAX_WORKERS) != 0) {
         return oom(s);
     }
+    psd_groups_describe(&s->layout, c->groups, c->n_groups, say_group, NULL); /* once: the table is known now */
     int code;
     if (sharded(s) && (code = shards_check_parts(s)) != 0) return code;
     /* values the config does not draw (model.init's file, the first
@@ -83,7 +93,7 @@ int psd_model_setup(srv_t *s, const float *const *values)
     if (s->layout.table >= 0) {
         const double mb = (double)s->layout.t[s->layout.table].numel * 4.0 / 1048576.0;
         bool big = mb > c->ctr_worker_table_mb;
-        s->table_on_psd = psd_table_on_psd(c, &s->layout, s->store.lazy);
+        s->table_on_psd = psd_table_on_psd(c, &s->layout, s->store.n_lazy > 0);
         s->holder.table_on_psd = s->table_on_psd;
         if (s->table_on_psd)
             PS_INFO("the embedding table (%.0f MiB) stays on psd: workers hold only the rows of their batch, "
@@ -91,7 +101,7 @@ int psd_model_setup(srv_t *s, const float *const *values)
         else if (big)
             PS_WARN("the embedding table (%.0f MiB, over ctr.worker_table_mb %g) goes to every worker whole: a table "
                     "only psd holds needs its rows stepped lazily (one psd, or shards whose pieces are whole rows), "
-                    "steps not streamed and f32 weights and gradients", mb,
+                    "steps not streamed, f32 weights and gradients, and no other sparse-rows tensor", mb,
                     c->ctr_worker_table_mb);
     }
     if (s->stream) {

@@ -173,7 +173,8 @@ bool psd_rows_fit(const ps_layout_t *l, const ps_piece_t *own, const uint32_t *i
                   bool empty_ok)
 {
     size_t r0, r1;
-    return l->table >= 0 && nv == n * (size_t)l->t[l->table].cols && (n > 0 || empty_ok) &&
+    return own->t >= 0 && own->t < l->n_tensors && l->t[own->t].kind == PS_TENSOR_ROWS &&
+           nv == n * (size_t)l->t[own->t].cols && (n > 0 || empty_ok) &&
            ps_piece_rows(l, own, &r0, &r1) && r0 < r1 && psd_rows_in(ids, n, r0, r1);
 }
 

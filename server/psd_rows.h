@@ -1,4 +1,5 @@
-/* psd_rows.h - row-sparse updates of an embedding table held by psd.
+/* psd_rows.h - row-sparse updates of an embedding table held by psd
+ * (each sparse-rows tensor of a model, one psd_rows_t each).
  *
  * A worker whose batch touches a few rows of a table (rows x dim floats)
  * pushes (ids, rows) instead of the whole gradient. psd merges the
@@ -107,9 +108,10 @@ bool psd_rows_sparse(size_t touched, uint64_t n_rows, double threshold);
  * push a psd shard owning the table's rows [r0, r1) takes. */
 bool psd_rows_in(const uint32_t *ids, size_t n, size_t r0, size_t r1);
 
-/* A push's rows for a psd owning piece `own` of the table (all of it for
- * one psd): nv values for the n ids (dim each), ids strictly increasing
- * inside the piece, which is whole rows; none only when empty_ok. */
+/* A push's rows for a psd owning piece `own` of a sparse-rows tensor (all
+ * of it for one psd): nv values for the n ids (dim each), ids strictly
+ * increasing inside the piece, which is whole rows; none only when
+ * empty_ok. */
 bool psd_rows_fit(const ps_layout_t *l, const ps_piece_t *own, const uint32_t *ids, size_t n, size_t nv,
                   bool empty_ok);
 

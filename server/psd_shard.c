@@ -567,6 +567,7 @@ static int model_setup(shard_t *s)
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
     if (psd_store_init_part(&s->store, &s->layout, &opt, c->seed, shard, shards) != 0 ||
+        psd_store_groups(&s->store, c->groups, c->n_groups) != 0 || /* shard 0's groups: the same config */
         psd_store_set_parallel(&s->store, psd_step_threads(c), (size_t)c->chunk_bytes) != 0) {
         PS_ERROR("shard %d: out of memory for %zu parameters", shard, s->layout.n_params);
         return PSD_EXIT_ERROR;

@@ -67,17 +67,16 @@ int psd_store_init_part(psd_store_t *s, const ps_layout_t *l, const psd_optim_t 
     return 0;
 }
 
-/* The items of the dense step: all of them, or, when the table is stepped
- * lazily, all but the table's, which go last (wherever the table is in the
- * layout: items are independent ranges, their order is the pool's only). */
+/* The items of the dense step: all of them, or, when sparse-rows tensors
+ * are stepped lazily, all but theirs, which go last (wherever they are in
+ * the layout: items are independent ranges, their order is the pool's only). */
 static void dense_part(psd_store_t *s)
 {
-    const ps_layout_t *l = &s->layout;
     s->step_items = s->n_items;
-    if (!s->lazy) return;
+    if (!s->n_lazy) return;
     int k = 0;
-    for (int i = 0; i < s->n_items; i++) /* the dense items first, in order; then the table's */
-        if (s->items[i].t != l->table) {
+    for (int i = 0; i < s->n_items; i++) /* the dense items first, in order; then the tables' */
+        if (!(s->lazy_mask & (1ull << s->items[i].t))) {
             psd_chunk_t c = s->items[i];
             memmove(&s->items[k + 1], &s->items[k], (size_t)(i - k) * sizeof c);
             s->items[k++] = c;
@@ -152,30 +151,58 @@ int psd_store_set_parallel(psd_store_t *s, int threads, size_t chunk_bytes)
     return 0;
 }
 
+/* Lazy table j's merge made again with room for max_entries from max_k. */
+static int lazy_room(psd_store_t *s, int j, size_t max_entries, int max_k)
+{
+    psd_rows_t r;
+    if (psd_rows_init(&r, (size_t)s->layout.t[s->lazy_t[j]].cols, max_entries, max_k) != 0) return -ENOMEM;
+    psd_rows_deinit(&s->rows[j]);
+    s->rows[j] = r;
+    return 0;
+}
+
 int psd_store_lazy_table(psd_store_t *s, size_t max_entries, int max_k)
 {
     const ps_layout_t *l = &s->layout;
-    size_t r0, r1;
-    if (l->table < 0 || !ps_piece_rows(l, &s->own[l->table], &r0, &r1)) return -EINVAL;
-    psd_rows_t r;
-    if (psd_rows_init(&r, (size_t)l->t[l->table].cols, max_entries, max_k) != 0) return -ENOMEM;
-    psd_rows_deinit(&s->rows);
-    s->rows = r;
-    s->lazy = true;
+    int n = 0, at[PS_MAX_TENSORS];
+    for (int t = 0; t < l->n_tensors; t++) {
+        size_t r0, r1;
+        if (l->t[t].kind != PS_TENSOR_ROWS) continue;
+        if (!ps_piece_rows(l, &s->own[t], &r0, &r1)) return -EINVAL;
+        at[n++] = t;
+    }
+    if (n == 0) return -EINVAL;
+    for (int j = 0; j < n; j++) {
+        s->lazy_t[j] = at[j];
+        if (lazy_room(s, j, max_entries, max_k) != 0) return -ENOMEM; /* the tables before keep their room */
+        s->lazy_mask |= 1ull << at[j];
+        if (j >= s->n_lazy) s->n_lazy = j + 1;
+    }
     dense_part(s);
     return 0;
 }
 
 int psd_store_rows_room(psd_store_t *s, int k, const psd_rowgrad_t *rows, int max_k)
 {
-    size_t total = 0, have = s->rows.max_entries;
-    for (int j = 0; j < k; j++) total += rows[j].n;
-    if (total <= have && k <= s->rows.max_k) return 0;
-    return psd_store_lazy_table(s, total > 2 * have ? total : 2 * have, max_k);
+    for (int j = 0; j < s->n_lazy; j++) {
+        size_t total = 0, have = s->rows[j].max_entries;
+        for (int c = 0; c < k; c++) total += rows[(size_t)j * (size_t)k + (size_t)c].n;
+        if ((total > have || k > s->rows[j].max_k) &&
+            lazy_room(s, j, total > 2 * have ? total : 2 * have, max_k > k ? max_k : k) != 0)
+            return -ENOMEM;
+    }
+    return 0;
+}
+
+int psd_store_groups(psd_store_t *s, const ps_group_t *groups, int n)
+{
+    psd_groups_deinit(&s->groups);
+    return psd_groups_init(&s->groups, &s->layout, s->opt.weight_decay, groups, n);
 }
 
 void psd_store_deinit(psd_store_t *s)
 {
+    psd_groups_deinit(&s->groups);
     ps_pool_free(&s->pool);
     free(s->chunks);
     free(s->items);
@@ -191,7 +218,7 @@ void psd_store_deinit(psd_store_t *s)
     free_floats(s->grad, s->layout.n_params);
     free_floats(s->s0, s->layout.n_params);
     free_floats(s->s1, s->layout.n_params);
-    psd_rows_deinit(&s->rows);
+    for (int j = 0; j < s->n_lazy; j++) psd_rows_deinit(&s->rows[j]);
     memset(s, 0, sizeof *s);
 }
 
@@ -384,14 +411,36 @@ static void reduce_part(step_t *st, int j, const psd_chunk_t *c, size_t o, size_
         s->blk_sq[b] = psd_sumsq(acc + o, e - o < PSD_NORM_BLOCK ? e - o : PSD_NORM_BLOCK);
 }
 
+/* the optimizer o with rate lr over floats [off, off + n) of the layout */
+static void apply_floats(const step_t *st, const psd_optim_t *o, size_t off, size_t n, const float *g, double lr,
+                         psd_amax_t *am)
+{
+    psd_store_t *s = st->s;
+    psd_optim_apply_amax(o, s->cur->w + off, st->next->w + off, g, st->scale, s->s0 ? s->s0 + off : NULL,
+                         s->s1 ? s->s1 + off : NULL, n, lr, s->steps, am);
+}
+
 /* the optimizer over elements [o, o + n) of chunk c, from g: their
- * gradient; the largest magnitudes met go into *am */
+ * gradient; the largest magnitudes met go into *am. With groups, cut at
+ * the spans the range meets (one call where it meets one). */
 static void apply_range(const step_t *st, const psd_chunk_t *c, size_t o, size_t n, const float *g, psd_amax_t *am)
 {
     psd_store_t *s = st->s;
     const size_t off = c->off + o;
-    psd_optim_apply_amax(&s->opt, s->cur->w + off, st->next->w + off, g, st->scale,
-                         s->s0 ? s->s0 + off : NULL, s->s1 ? s->s1 + off : NULL, n, st->lr, s->steps, am);
+    if (!s->groups.span) {
+        apply_floats(st, &s->opt, off, n, g, st->lr, am);
+        return;
+    }
+    const size_t u0 = s->layout.t[c->t].offset, at = off - u0;
+    int a, b;
+    psd_groups_range(&s->groups, c->t, at, n, &a, &b);
+    psd_optim_t opt = s->opt;
+    for (int i = a; i < b; i++) {
+        const psd_span_t *sp = &s->groups.span[i];
+        const size_t lo = sp->begin > at ? sp->begin : at, hi = sp->end < at + n ? sp->end : at + n;
+        opt.weight_decay = sp->weight_decay;
+        apply_floats(st, &opt, u0 + lo, hi - lo, g + (lo - at), st->lr * sp->lr_scale, am);
+    }
 }
 
 /* A task's largest magnitudes into the step's (any thread; once per work
@@ -500,23 +549,38 @@ void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_T
     step_run(s, s->step_items, norm_task, &st);
 }
 
-/* The lazy table's norm blocks (the piece this store owns) from the merged
- * rows: zero but where rows were touched */
+/* Each lazy table's norm blocks (the piece this store owns) from its
+ * merged rows: zero but where rows were touched */
 static void table_norms(psd_store_t *s)
 {
     const ps_layout_t *l = &s->layout;
-    const ps_piece_t *own = &s->own[l->table];
-    double *blk = s->blk_sq + ps_layout_first_block(l, l->table);
-    for (size_t o = own->off; o < own->off + own->n; o += PSD_NORM_BLOCK) blk[o / PSD_NORM_BLOCK] = 0;
-    psd_rows_norms(&s->rows, blk);
+    for (int j = 0; j < s->n_lazy; j++) {
+        const int t = s->lazy_t[j];
+        const ps_piece_t *own = &s->own[t];
+        double *blk = s->blk_sq + ps_layout_first_block(l, t);
+        for (size_t o = own->off; o < own->off + own->n; o += PSD_NORM_BLOCK) blk[o / PSD_NORM_BLOCK] = 0;
+        psd_rows_norms(&s->rows[j], blk);
+    }
+}
+
+/* Merge each lazy table's rows (rows[j * n + k]: contributor k's of table
+ * j; NULL: none touched). 0, or -2 when they hold more than there is room for. */
+static int merge_rows(psd_store_t *s, int n, const double *weight, const psd_rowgrad_t *rows)
+{
+    for (int j = 0; j < s->n_lazy; j++) {
+        s->rows[j].n_ids = 0;
+        if (rows && psd_rows_merge(&s->rows[j], n, rows + (size_t)j * (size_t)n, weight,
+                                   s->layout.t[s->lazy_t[j]].rows) != 0)
+            return -2;
+    }
+    return 0;
 }
 
 int psd_store_reduce_rows(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16,
                           const double *weight, const psd_rowgrad_t *rows)
 {
-    if (s->lazy) {
-        s->rows.n_ids = 0;
-        if (rows && psd_rows_merge(&s->rows, n, rows, weight, s->layout.t[s->layout.table].rows) != 0) return -2;
+    if (s->n_lazy) {
+        if (merge_rows(s, n, weight, rows) != 0) return -2;
         table_norms(s);
     }
     psd_store_reduce(s, n, grads, bf16, weight);
@@ -571,26 +635,36 @@ static psd_arena_t *begin_update(psd_store_t *s)
     return next;
 }
 
-/* The lazy table's step on the merged rows: the untouched rows (of the
+/* Each lazy table's step on its merged rows: the untouched rows (of the
  * piece this store owns) of an out-of-place version are copied from the
  * current one */
 static void table_apply(psd_store_t *s, psd_arena_t *next, float scale, double lr)
 {
-    if (!s->lazy) return;
-    const ps_tensor_info_t *e = &s->layout.t[s->layout.table];
-    const ps_piece_t *own = &s->own[s->layout.table];
-    if (next != s->cur)
-        memcpy(next->w + e->offset + own->off, s->cur->w + e->offset + own->off, own->n * sizeof(float));
-    psd_rows_apply(&s->rows, &s->opt, next->w + e->offset, s->s0 ? s->s0 + e->offset : NULL,
-                   s->s1 ? s->s1 + e->offset : NULL, scale, lr, s->steps);
-    /* the rows stepped, just written (in cache): a pass of their own */
-    const size_t dim = s->rows.dim;
-    psd_amax_t am = {psd_amax_bits(s->rows.sum, s->rows.n_ids * dim), 0};
-    for (size_t i = 0; i < s->rows.n_ids; i++) {
-        uint32_t a = psd_amax_bits(next->w + e->offset + (size_t)s->rows.ids[i] * dim, dim);
-        if (a > am.w) am.w = a;
+    for (int j = 0; j < s->n_lazy; j++) {
+        const int t = s->lazy_t[j];
+        const ps_tensor_info_t *e = &s->layout.t[t];
+        const ps_piece_t *own = &s->own[t];
+        const psd_rows_t *r = &s->rows[j];
+        if (next != s->cur)
+            memcpy(next->w + e->offset + own->off, s->cur->w + e->offset + own->off, own->n * sizeof(float));
+        psd_optim_t opt = s->opt;
+        double tlr = lr;
+        if (s->groups.span) { /* a sparse-rows tensor is a unit alone: one span */
+            const psd_span_t *sp = &s->groups.span[s->groups.first[t]];
+            opt.weight_decay = sp->weight_decay;
+            tlr *= sp->lr_scale;
+        }
+        psd_rows_apply(r, &opt, next->w + e->offset, s->s0 ? s->s0 + e->offset : NULL,
+                       s->s1 ? s->s1 + e->offset : NULL, scale, tlr, s->steps);
+        /* the rows stepped, just written (in cache): a pass of their own */
+        const size_t dim = r->dim;
+        psd_amax_t am = {psd_amax_bits(r->sum, r->n_ids * dim), 0};
+        for (size_t i = 0; i < r->n_ids; i++) {
+            uint32_t a = psd_amax_bits(next->w + e->offset + (size_t)r->ids[i] * dim, dim);
+            if (a > am.w) am.w = a;
+        }
+        amax_add(s, &am);
     }
-    amax_add(s, &am);
 }
 
 int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr)
@@ -620,10 +694,7 @@ double psd_store_step_rows(psd_store_t *s, int n, const void *const (*grads)[PS_
         double sumsq = psd_store_sumsq(s);
         return psd_store_apply(s, sumsq, clip_norm, lr) == 0 ? sqrt(sumsq) : -1;
     }
-    if (s->lazy) {
-        s->rows.n_ids = 0;
-        if (rows && psd_rows_merge(&s->rows, n, rows, weight, s->layout.t[s->layout.table].rows) != 0) return -2;
-    }
+    if (s->n_lazy && merge_rows(s, n, weight, rows) != 0) return -2;
     /* without clipping every chunk is reduced and applied at once (no second pass) */
     psd_arena_t *next = begin_update(s);
     if (!next) return -1;

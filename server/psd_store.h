@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "ps_model.h"
+#include "psd_groups.h"
 #include "psd_optim.h"
 #include "psd_rows.h"
 #include "ps_wire.h"
@@ -48,6 +49,7 @@ typedef struct psd_arena {
 typedef struct {
     ps_layout_t layout;
     psd_optim_t opt;
+    psd_groups_t groups; /* optimizer.groups' spans (psd_store_groups); span NULL: none, every float takes opt */
     psd_arena_t arenas[PSD_MAX_ARENAS];
     int n_arenas;
     psd_arena_t *cur;
@@ -78,11 +80,14 @@ typedef struct {
     int n_items, step_items;
     double *blk_sq;     /* squared norm of each norm block */
     size_t n_blk;
-    /* the table stepped row by row (psd_store_lazy_table): the dense step
-     * runs the first step_items items (those before the table's); `rows`
-     * merges the table's rows, whose norm blocks come from them */
-    bool lazy;
-    psd_rows_t rows;
+    /* the sparse-rows tensors stepped row by row (psd_store_lazy_table):
+     * the dense step runs the first step_items items (those before the
+     * tables'); rows[j] merges the rows of unit lazy_t[j] (units in
+     * layout order), whose norm blocks come from them */
+    int n_lazy;
+    uint64_t lazy_mask; /* the units lazy_t[0, n_lazy) */
+    int lazy_t[PS_MAX_TENSORS];
+    psd_rows_t rows[PS_MAX_TENSORS];
     /* shared arenas (psd_store_share): slot i of one memfd is arena i */
     float *shm_base;
     size_t shm_slot_floats;
@@ -96,6 +101,13 @@ int psd_store_init(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt,
  * take memory; n <= 1 is psd_store_init. */
 int psd_store_init_part(psd_store_t *s, const ps_layout_t *l, const psd_optim_t *opt, uint64_t seed, int k, int n);
 void psd_store_deinit(psd_store_t *s);
+
+/* Step with optimizer groups (optimizer.groups) from now on: each tensor
+ * takes the weight decay and lr scale of the first of groups[0, n) that
+ * matches its name (psd_groups.h), the rest opt's and 1; n == 0: none.
+ * Any number of times (psd shards: each its part, alike). 0 or -ENOMEM
+ * (no groups then). */
+int psd_store_groups(psd_store_t *s, const ps_group_t *groups, int n);
 
 /* Split steps into chunks of about chunk_bytes (rounded up to whole norm
  * blocks; a tensor is at least one chunk) run on `threads` threads (including
@@ -160,26 +172,28 @@ int psd_store_range_frames(psd_store_t *s, uint64_t from, uint64_t count, ps_fra
 double psd_store_step(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
                       const uint8_t *bf16, const double *weight, double clip_norm, double lr);
 
-/* Step the layout's table lazily from now on (one psd, or a psd shard
- * whose piece of the table is whole rows: after psd_store_own): each step
- * merges the contributors' row gradients (psd_rows_merge: room for
- * max_entries entries from up to max_k contributors; ids of the table, in
- * the piece owned) and updates only those rows and their optimizer state
- * (psd_rows.h); the dense step leaves the table out. Called again with more
- * room, it grows. 0, -EINVAL (no table, or a piece that is not whole rows)
- * or -ENOMEM. */
+/* Step every sparse-rows tensor of the layout lazily from now on (one
+ * psd, or a psd shard whose pieces of them are whole rows: after
+ * psd_store_own): s->lazy_t[j] is the unit of the j-th, in layout order.
+ * Each step merges the contributors' row gradients of each (psd_rows_merge:
+ * room for max_entries entries a table from up to max_k contributors; ids
+ * of the table, in the piece owned) and updates only those rows and their
+ * optimizer state (psd_rows.h); the dense step leaves them out. Called
+ * again with more room, it grows. 0, -EINVAL (no sparse-rows tensor, or a
+ * piece that is not whole rows) or -ENOMEM. */
 int psd_store_lazy_table(psd_store_t *s, size_t max_entries, int max_k);
 
-/* Room in the row merge for the k contributors' rows[0..k) of a step (a
- * lazy table), from up to max_k contributors: grown, by doubling at least,
- * only when a step has more entries than any before. 0 or -ENOMEM. */
+/* Room in the row merges for the k contributors' rows of a step:
+ * rows[j * k + c] is contributor c's of lazy table j (n_lazy x k), from up
+ * to max_k contributors: each table's grown, by doubling at least, only
+ * when a step has more entries than any before. 0 or -ENOMEM. */
 int psd_store_rows_room(psd_store_t *s, int k, const psd_rowgrad_t *rows, int max_k);
 
-/* psd_store_step with the table's gradient as rows[k] for contributor k
- * (lazy tables; rows may be NULL: no row touched), in the same order and
- * weights as grads. With clipping, the global norm includes the merged
- * rows. Returns as psd_store_step, or -2 if the rows hold more entries
- * than psd_store_lazy_table made room for. */
+/* psd_store_step with the lazy tables' gradients as rows: rows[j * n + k]
+ * is contributor k's of lazy table j (n_lazy x n; rows may be NULL: no row
+ * touched), in the same order and weights as grads. With clipping, the
+ * global norm includes the merged rows. Returns as psd_store_step, or -2
+ * if the rows hold more entries than psd_store_lazy_table made room for. */
 double psd_store_step_rows(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS],
                            const uint8_t *bf16, const double *weight, const psd_rowgrad_t *rows,
                            double clip_norm, double lr);

@@ -4,7 +4,8 @@
  * tensor k is w - m c_k, m the mean over the batch of a number of each
  * sample. Each tensor is pushed from its own buffer (the library packs the
  * small ones into units); a sparse-rows tensor as the rows the batch
- * touches (row s mod rows of sample s), where psd takes rows.
+ * touches (row s mod rows of sample s), where psd takes rows (every
+ * sparse-rows tensor of the table so).
  *
  *   table_worker ENDPOINT TRAIN TEST [flat] [wire]
  *                                      train (data.train_size, test_size);
@@ -30,7 +31,7 @@
  *                                      assorted tensors: scalars, vectors,
  *                                      matrices, one of 1,100,000 floats
  *                                      every 100th (not with small),
- *                                      tensor 7 sparse rows */
+ *                                      tensors 7 and 21 sparse rows */
 #include <errno.h>
 #include <math.h>
 #include <signal.h>
@@ -49,6 +50,7 @@ static const char *assorted(int k, int big, psw_tensor_t *t)
     snprintf(t->name, sizeof t->name, "layers.%d.%s", k / 4, part[k % 4]);
     const char *init = "zeros";
     if (k == 7) t->ndim = 2, t->shape[0] = 1000, t->shape[1] = 8, t->sparse_rows = 1, init = "\"normal:0.02\"";
+    else if (k == 21) t->ndim = 2, t->shape[0] = 300, t->shape[1] = 4, t->sparse_rows = 1, init = "\"uniform:0.1\"";
     else if (k % 100 == 50 && big) t->ndim = 1, t->shape[0] = 1100000, init = "\"uniform:0.01\"";
     else if (k % 4 == 0) t->ndim = 2, t->shape[0] = 8 + k % 5, t->shape[1] = 3 + k % 7, init = "kaiming_uniform";
     else if (k % 4 == 3) t->ndim = 0, init = "ones";
@@ -113,8 +115,7 @@ int main(int argc, char **argv)
     const int n = a.n_tensors;
     float **cst = calloc((size_t)n, sizeof *cst), **grad = calloc((size_t)n, sizeof *grad);
     psw_grad_t *g = calloc((size_t)n, sizeof *g);
-    uint32_t *rows = NULL; /* the sparse tensor's rows a batch touches */
-    int sparse = -1;
+    uint32_t **rows = calloc((size_t)n, sizeof *rows); /* a sparse tensor's rows a batch touches */
     uint64_t end = 0;
     for (int k = 0; k < n; k++)
         if (a.tensors[k].offset + a.tensors[k].numel > end) end = a.tensors[k].offset + a.tensors[k].numel;
@@ -123,7 +124,6 @@ int main(int argc, char **argv)
         cst[k] = malloc(a.tensors[k].numel * sizeof(float));
         grad[k] = flat ? all + a.tensors[k].offset : malloc(a.tensors[k].numel * sizeof(float));
         for (uint64_t j = 0; j < a.tensors[k].numel; j++) cst[k][j] = (float)(0.1 * sin(0.37 * k + 0.011 * (double)j));
-        if (a.tensors[k].sparse_rows) sparse = k;
     }
     psw_client_ready(c, strtoull(argv[2], NULL, 10), strtoull(argv[3], NULL, 10), data_id);
     uint32_t *ids = NULL, epoch = 0;
@@ -144,6 +144,7 @@ int main(int argc, char **argv)
                 if (!flat) free(grad[k]);
             }
             for (int k = 0; k < n_offer; k++) free(values[k]);
+            for (int k = 0; k < n; k++) free(rows[k]);
             free(cst), free(grad), free(g), free(all), free(rows), free(ids), free(offer), free(values);
             return code;
         } else if (ev.kind == PSW_EV_EPOCH) {
@@ -172,18 +173,25 @@ int main(int argc, char **argv)
                 }
                 g[k] = (psw_grad_t){.tensor = (uint32_t)k, .data = grad[k]};
             }
-            if (sparse >= 0) { /* only the rows the batch touches */
+            for (int sparse = 0; sparse < n; sparse++) { /* only the rows the batch touches */
+                if (!a.tensors[sparse].sparse_rows) continue;
                 const uint64_t R = a.tensors[sparse].shape[0], D = a.tensors[sparse].numel / R;
                 char *hit = calloc(R, 1);
+                uint32_t *rs = realloc(rows[sparse], R * sizeof *rs);
+                if (!hit || !rs) {
+                    fprintf(stderr, "table_worker: out of memory\n");
+                    return 1;
+                }
+                rows[sparse] = rs;
+                nr = 0;
                 for (size_t j = 0; j < b; j++) hit[ids[pos + j] % R] = 1;
-                rows = realloc(rows, R * sizeof *rows);
                 for (uint64_t r = 0; r < R; r++)
-                    if (hit[r]) rows[nr++] = (uint32_t)r;
+                    if (hit[r]) rs[nr++] = (uint32_t)r;
                     else memset(grad[sparse] + r * D, 0, D * sizeof(float));
                 for (size_t i = 0; i < nr && psw_client_rows_ok(c); i++) /* the rows' gradients, packed */
-                    memmove(grad[sparse] + i * D, grad[sparse] + rows[i] * D, D * sizeof(float));
+                    memmove(grad[sparse] + i * D, grad[sparse] + rs[i] * D, D * sizeof(float));
                 if (psw_client_rows_ok(c))
-                    g[sparse] = (psw_grad_t){.tensor = (uint32_t)sparse, .row_ids = rows, .n_rows = nr,
+                    g[sparse] = (psw_grad_t){.tensor = (uint32_t)sparse, .row_ids = rs, .n_rows = nr,
                                              .row_vals = grad[sparse]};
                 free(hit);
             }

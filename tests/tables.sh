@@ -64,12 +64,37 @@ loss=$(grep -o "val_loss [0-9.e+-]*" "$T/one.log" | tail -1)
 echo "tables: 300 tensors in $units units, 3 workers, 2 epochs ($loss): one psd and 2 psd shards, the same weights;"
 echo "tables: the same with pushes in two parts (a tensor given twice refused)"
 
+# optimizer groups: biases without weight decay, the norms and the sparse
+# tensor (stepped by rows) at other rates, one group that fits nothing; the
+# units pack tensors of different groups. 2 psd shards step their parts with
+# the same groups: the same weights as one psd, and not those without groups.
+{
+    "$B/tests/table_worker" --yaml 300
+    printf 'run: {epochs: 2}\ndata: {train_size: 960, test_size: 30}\ntrain: {batch_size: 64}\n'
+    printf 'optimizer:\n  name: adam\n  lr: 0.01\n  weight_decay: 0.001\n  clip_norm: 0.5\n  groups:\n'
+    printf '    - {match: "*.bias", weight_decay: 0}\n    - {match: "*.norm", lr_scale: 2}\n'
+    printf '    - {match: "layers.1.scale", lr_scale: 0.5}\n    - {match: "nothing.*", lr_scale: 2}\n'
+    printf 'schedule: {name: constant}\n'
+} >"$T/m300g.yaml"
+run g1 "$T/m300g.yaml" 3 1 960 30
+run g2 "$T/m300g.yaml" 3 2 960 30
+grep -q 'optimizer.groups\[0\] (\*.bias): 75 tensors: layers.0.bias, layers.1.bias, layers.2.bias, ...' "$T/g1.log" ||
+    fail "psd did not log the biases' group: $(grep -m1 'groups\[0\]' "$T/g1.log")"
+grep -q 'optimizer.groups\[3\] (nothing.\*) matches none' "$T/g1.log" || fail "psd did not warn of a group that fits nothing"
+"$B/tests/weights_cmp" "$T/g1.bin" "$T/g2.bin" || fail "optimizer groups: 2 psd shards gave other weights than one psd"
+if "$B/tests/weights_cmp" "$T/one.bin" "$T/g1.bin" >/dev/null 2>&1; then fail "optimizer groups changed no weight"; fi
+echo "tables: optimizer groups (biases without weight decay, norms and the sparse tensor at other rates): one psd and"
+echo "tables: 2 psd shards, the same weights, other than without groups"
+
 {
     printf 'model: {kind: from_worker}\nrun: {epochs: 1}\ndata: {train_size: 960, test_size: 30}\n'
-    printf 'train: {batch_size: 64}\noptimizer: {name: adam, lr: 0.01}\nschedule: {name: constant}\n'
+    printf 'train: {batch_size: 64}\noptimizer: {name: adam, lr: 0.01, groups: [{match: "*.norm", lr_scale: 2}]}\n'
+    printf 'schedule: {name: constant}\n'
 } >"$T/fw.yaml"
 OFFER=offer=300 run fw1 "$T/fw.yaml" 3 1 960 30
 grep -q "the model is the first worker.s: 300 tensors" "$T/fw1.log" || fail "psd did not take the 300 tensors offered"
+# the groups are matched once the first worker has offered the tensors' names
+grep -q 'optimizer.groups\[0\] (\*.norm): 75 tensors' "$T/fw1.log" || fail "from_worker: the group got no tensor"
 OFFER=offer=300 run fw2 "$T/fw.yaml" 3 2 960 30
 "$B/tests/weights_cmp" "$T/fw1.bin" "$T/fw2.bin" || fail "from_worker, 300 tensors: 2 psd shards gave other weights"
 sed 's/name: adam, lr: 0.01/name: sgd, lr: 1e-30, momentum: 0, weight_decay: 0/' "$T/fw.yaml" >"$T/fw0.yaml"

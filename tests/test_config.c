@@ -72,6 +72,13 @@ static void expect_same(const ps_config_t *a, const ps_config_t *b)
     cr_expect_eq(a->beta2, b->beta2);
     cr_expect_eq(a->eps, b->eps);
     cr_expect_eq(a->clip_norm, b->clip_norm);
+    cr_expect_eq(a->n_groups, b->n_groups);
+    for (int i = 0; i < a->n_groups && i < b->n_groups; i++) {
+        cr_expect_str_eq(a->groups[i].match, b->groups[i].match, "groups[%d]", i);
+        cr_expect_eq(a->groups[i].has_wd, b->groups[i].has_wd, "groups[%d]", i);
+        cr_expect_eq(a->groups[i].weight_decay, b->groups[i].weight_decay, "groups[%d]", i);
+        cr_expect_eq(a->groups[i].lr_scale, b->groups[i].lr_scale, "groups[%d]", i);
+    }
     cr_expect_eq(a->divergence_factor, b->divergence_factor);
     cr_expect_eq(a->sched, b->sched);
     cr_expect_eq(a->warmup_epochs, b->warmup_epochs);
@@ -908,6 +915,93 @@ Test(config, hash_ignores_server_section)
     cr_assert_eq(load(&b, text), 0, "%s", err);
     cr_expect_eq(ps_config_hash(&b), h);
     free(text);
+}
+
+/* ------------------------------------------------------------ optimizer.groups */
+
+Test(config, groups_read_written_and_hashed)
+{
+    ps_config_t c, d;
+    cr_assert_eq(load(&c, "optimizer:\n  weight_decay: 0.01\n  groups:\n"
+                          "    - {match: \"*.bias\", weight_decay: 0}\n"
+                          "    - match: \"emb*\"\n      lr_scale: 2.5\n"
+                          "    - {match: \"a \\\"q\\\" b\", weight_decay: 1e-3, lr_scale: 0.5}\n"), 0, "%s", err);
+    cr_assert_eq(c.n_groups, 3);
+    cr_expect_str_eq(c.groups[0].match, "*.bias");
+    cr_expect(c.groups[0].has_wd);
+    cr_expect_eq(c.groups[0].weight_decay, 0.0);
+    cr_expect_eq(c.groups[0].lr_scale, 1.0);
+    cr_expect_not(c.groups[1].has_wd);
+    cr_expect_eq(c.groups[1].lr_scale, 2.5);
+    cr_expect_str_eq(c.groups[2].match, "a \"q\" b");
+    cr_expect_eq(ps_config_validate(&c, err, sizeof err), 0, "%s", err);
+    expect_round_trip(&c);
+    /* first match wins; a glob's '*' crosses dots */
+    cr_expect_eq(ps_groups_find(c.groups, c.n_groups, "fc1.bias"), 0);
+    cr_expect_eq(ps_groups_find(c.groups, c.n_groups, "embedding.weight"), 1);
+    cr_expect_eq(ps_groups_find(c.groups, c.n_groups, "fc1.weight"), -1);
+
+    /* the hash: a config without groups keeps its hash; groups change it */
+    ps_config_defaults(&d);
+    const uint64_t h = ps_config_hash(&d);
+    cr_assert_eq(load(&d, "optimizer:\n  groups: []\n"), 0, "%s", err);
+    cr_expect_eq(ps_config_hash(&d), h, "no groups: the hash of before");
+    cr_assert_eq(load(&d, "optimizer:\n  groups:\n    - {match: \"*.bias\", weight_decay: 0}\n"), 0, "%s", err);
+    const uint64_t hg = ps_config_hash(&d);
+    cr_expect_neq(hg, h);
+    d.groups[0].weight_decay = 1e-4;
+    cr_expect_neq(ps_config_hash(&d), hg);
+    cr_expect_eq(ps_config_set(&d, "optimizer.groups", "[]", err, sizeof err), 0, "%s", err);
+    cr_expect_eq(d.n_groups, 0);
+    cr_expect_eq(ps_config_hash(&d), h);
+}
+
+Test(config, bad_groups_are_errors_naming_the_group)
+{
+    expect_load_error("optimizer:\n  groups:\n    - {match: \"\", weight_decay: 0}\n", "test.yaml:3",
+                      "optimizer.groups[0]: match");
+    expect_load_error("optimizer:\n  groups:\n    - {weight_decay: 0}\n", "optimizer.groups[0]", "needs a match");
+    expect_load_error("optimizer:\n  groups:\n    - {match: a}\n    - {match: b, momentum: 0}\n", "test.yaml:4",
+                      "optimizer.groups[1]: unknown field 'momentum'");
+    expect_load_error("optimizer:\n  groups:\n    - {match: a, wd: 0}\n", "optimizer.groups[0]", "unknown field 'wd'");
+    expect_load_error("optimizer:\n  groups:\n    - {match: a, weight_decay: -0.1}\n", "optimizer.groups[0] (a)",
+                      "weight_decay -0.1 must be >= 0");
+    expect_load_error("optimizer:\n  groups:\n    - {match: a, lr_scale: 0}\n", "optimizer.groups[0]", "lr_scale 0 must be > 0");
+    expect_load_error("optimizer:\n  groups:\n    - {match: a, lr_scale: -2}\n", "optimizer.groups[0]", "must be > 0");
+    expect_load_error("optimizer:\n  groups:\n    - {match: a, lr_scale: .nan}\n", "optimizer.groups[0]: lr_scale",
+                      "expected a number");
+    expect_load_error("optimizer:\n  groups:\n    - {match: a, lr_scale: 1e999}\n", "optimizer.groups[0]: lr_scale",
+                      "expected a number");
+    expect_load_error("optimizer:\n  groups:\n    - {match: a, lr_scale: 1, lr_scale: 2}\n", "optimizer.groups[0]",
+                      "lr_scale given twice");
+    expect_load_error("optimizer:\n  groups:\n    - {match: [a]}\n", "optimizer.groups: a value", "expected a scalar");
+    expect_load_error("optimizer:\n  groups:\n    - \"*.bias\"\n", "optimizer.groups[0]: expected {match", NULL);
+    expect_load_error("optimizer:\n  groups: {match: a}\n", "optimizer.groups: expected a list of groups", NULL);
+    /* at most PS_GROUPS_MAX */
+    char *yaml = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&yaml, &len);
+    cr_assert_not_null(f);
+    fputs("optimizer:\n  groups:\n", f);
+    for (int i = 0; i <= PS_GROUPS_MAX; i++) fprintf(f, "    - {match: \"t%d\"}\n", i);
+    cr_assert_eq(fclose(f), 0);
+    expect_load_error(yaml, "optimizer.groups: more than 64 groups", NULL);
+    free(yaml);
+    /* a flag cannot give a list; validate checks a struct filled by hand */
+    ps_config_t c;
+    ps_config_defaults(&c);
+    cr_expect_eq(ps_config_set(&c, "optimizer.groups", "*.bias", err, sizeof err), -1);
+    cr_expect(strstr(err, "in a config file") != NULL, "%s", err);
+    c.n_groups = 1;
+    ps_group_clear(&c.groups[0]);
+    strcpy(c.groups[0].match, "x");
+    c.groups[0].lr_scale = INFINITY;
+    expect_invalid(&c, "optimizer.groups[0] (x): lr_scale inf must be > 0");
+    c.groups[0].lr_scale = 1;
+    c.groups[0].match[0] = '\0';
+    expect_invalid(&c, "optimizer.groups[0]: match");
+    c.n_groups = PS_GROUPS_MAX + 1;
+    expect_invalid(&c, "at most 64");
 }
 
 /* ------------------------------------------------------------ files */

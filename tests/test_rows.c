@@ -569,3 +569,145 @@ Test(rows, shard_parts_are_initialised_as_the_whole_model_and_nothing_else)
     free(part);
     free(whole);
 }
+
+/* Two sparse-rows tensors (and dense ones between, packed) stepped lazily,
+ * each from its own rows, against the same steps with both dense: the same
+ * bits for SGD without weight decay and for Adagrad without it (a zero
+ * gradient changes neither a row nor its state), clipped or not (the
+ * norms of the merged rows are the dense blocks'), in place or out, one
+ * psd or two psd shards (each its pieces of both tables). */
+#define T2 2
+static const uint64_t t2_rows[T2] = {5000, 90}, t2_dim[T2] = {8, 16}; /* emb.a: 3 norm blocks, split by 2 shards */
+
+static void two_tables_layout(ps_layout_t *l)
+{
+    ps_tensor_spec_t sp[4];
+    memset(sp, 0, sizeof sp);
+    strcpy(sp[0].name, "emb.a");
+    sp[0].ndim = 2, sp[0].shape[0] = t2_rows[0], sp[0].shape[1] = t2_dim[0], sp[0].kind = PS_TENSOR_ROWS;
+    sp[0].init = (ps_init_t){PS_INIT_UNIFORM, 0.1};
+    strcpy(sp[1].name, "fc.weight");
+    sp[1].ndim = 2, sp[1].shape[0] = 5, sp[1].shape[1] = 6, sp[1].init = (ps_init_t){PS_INIT_UNIFORM, 0.3};
+    strcpy(sp[2].name, "fc.bias");
+    sp[2].ndim = 1, sp[2].shape[0] = 5;
+    strcpy(sp[3].name, "emb.b");
+    sp[3].ndim = 2, sp[3].shape[0] = t2_rows[1], sp[3].shape[1] = t2_dim[1], sp[3].kind = PS_TENSOR_ROWS;
+    sp[3].init = (ps_init_t){PS_INIT_NORMAL, 0.05};
+    char err[256];
+    cr_assert_eq(ps_layout_init_specs(l, sp, 4, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(l->n_tensors, 3, "emb.a | fc.weight fc.bias | emb.b");
+    cr_assert_eq(ps_layout_sparse_units(l), 2);
+}
+
+/* Contributor k's gradient of step `step`: a few rows of each table (dense
+ * in g[k], zero elsewhere, and as ascending ids and rows), the dense unit whole. */
+typedef struct {
+    float g[3][5000 * 8];
+    uint32_t ids[T2][64];
+    float vals[T2][64 * 16];
+    size_t n[T2];
+} t2_grad_t;
+
+static void t2_make(const ps_layout_t *l, t2_grad_t *x, int k, uint64_t step)
+{
+    memset(x, 0, sizeof *x);
+    ps_rng_t r;
+    ps_rng_seed(&r, 1000 * step + (uint64_t)k, 3);
+    for (size_t i = 0; i < l->t[1].numel; i++) x->g[1][i] = (ps_rng_uniform(&r) - 0.5f) * 0.3f;
+    for (int j = 0; j < T2; j++) {
+        const int u = j == 0 ? 0 : 2;
+        const size_t D = t2_dim[j];
+        for (uint32_t row = 0; row < t2_rows[j] && x->n[j] < 64; row++) {
+            if (ps_rng_below(&r, t2_rows[j] / 40) != 0) continue; /* about 40 rows, across the table */
+            x->ids[j][x->n[j]] = row;
+            for (size_t d = 0; d < D; d++) {
+                const float v = (ps_rng_uniform(&r) - 0.5f) * 0.2f;
+                x->vals[j][x->n[j] * D + d] = v;
+                x->g[u][row * D + d] = v;
+            }
+            x->n[j]++;
+        }
+    }
+}
+
+/* steps on store st (its pieces own[]), tables lazily (rows) or dense */
+static void t2_steps(psd_store_t *st, const ps_layout_t *l, bool lazy, double clip, bool hold)
+{
+    static t2_grad_t x[2];
+    const double w[2] = {0.75, 0.25};
+    for (uint64_t step = 1; step <= 4; step++) {
+        const void *g[2][PS_MAX_TENSORS];
+        psd_rowgrad_t rg[T2 * 2]; /* rg[j * 2 + k]: contributor k's rows of table j */
+        for (int k = 0; k < 2; k++) {
+            t2_make(l, &x[k], k, step);
+            for (int u = 0; u < 3; u++) g[k][u] = lazy && u != 1 ? NULL : (const void *)(x[k].g[u] + st->own[u].off);
+            for (int j = 0; j < T2; j++) {
+                /* a shard: the ids of its piece only */
+                size_t r0 = 0, r1 = 0, a = 0, b = 0;
+                const int u = j == 0 ? 0 : 2;
+                if (st->own[u].n) cr_assert(ps_piece_rows(l, &st->own[u], &r0, &r1));
+                while (a < x[k].n[j] && x[k].ids[j][a] < r0) a++;
+                for (b = a; b < x[k].n[j] && x[k].ids[j][b] < r1; b++) {}
+                rg[j * 2 + k] = (psd_rowgrad_t){x[k].ids[j] + a, x[k].vals[j] + a * t2_dim[j], b - a};
+            }
+        }
+        psd_arena_t *held = hold ? psd_store_ref_current(st) : NULL;
+        cr_assert_eq(psd_store_rows_room(st, 2, rg, 2), 0);
+        cr_assert_geq(psd_store_step_rows(st, 2, (const void *const(*)[PS_MAX_TENSORS])g, NULL, w, lazy ? rg : NULL,
+                                          clip, 0.05),
+                      0);
+        if (held) psd_store_frame_free(NULL, held);
+    }
+}
+
+Test(rows, two_sparse_tensors_step_lazily_each_with_the_dense_steps_bits)
+{
+    ps_layout_t l;
+    two_tables_layout(&l);
+    psd_optim_t opts[2] = {{.kind = PS_OPT_SGD}, {.kind = PS_OPT_ADAGRAD, .eps = 1e-10f}};
+    for (int o = 0; o < 2; o++)
+        for (int c = 0; c < 2; c++)
+            for (int hold = 0; hold < 2; hold++) {
+                const double clip = c ? 0.05 : 0;
+                psd_store_t dense, lazy;
+                cr_assert_eq(psd_store_init(&dense, &l, &opts[o], 4), 0);
+                cr_assert_eq(psd_store_init(&lazy, &l, &opts[o], 4), 0);
+                cr_assert_eq(psd_store_lazy_table(&lazy, 4, 1), 0, "grown by rows_room");
+                cr_assert_eq(lazy.n_lazy, 2);
+                cr_assert(lazy.lazy_t[0] == 0 && lazy.lazy_t[1] == 2);
+                t2_steps(&dense, &l, false, clip, hold);
+                t2_steps(&lazy, &l, true, clip, hold);
+                cr_expect_eq(memcmp(dense.cur->w, lazy.cur->w, l.n_params * sizeof(float)), 0,
+                             "optimizer %d, clip %g, hold %d: other bits", o, clip, hold);
+                bool moved = false; /* the steps changed both tables */
+                for (int u = 0; u < 3; u += 2) {
+                    psd_store_t init;
+                    cr_assert_eq(psd_store_init(&init, &l, &opts[o], 4), 0);
+                    moved = memcmp(init.cur->w + l.t[u].offset, lazy.cur->w + l.t[u].offset,
+                                   l.t[u].numel * sizeof(float)) != 0;
+                    cr_expect(moved, "table unit %d did not move", u);
+                    psd_store_deinit(&init);
+                }
+                /* two psd shards, each stepping its pieces of both tables lazily: one store's bits */
+                psd_store_t sh[2];
+                for (int k = 0; k < 2; k++) {
+                    cr_assert_eq(psd_store_init_part(&sh[k], &l, &opts[o], 4, k, 2), 0);
+                    cr_assert_eq(psd_store_lazy_table(&sh[k], 4, 1), 0, "pieces of whole rows");
+                }
+                cr_assert(sh[0].own[0].n && sh[1].own[0].n, "emb.a split between the shards");
+                if (!clip) { /* (clipped shards need the norm exchange: psd_store_reduce_rows + apply) */
+                    for (int k = 0; k < 2; k++) t2_steps(&sh[k], &l, true, 0, hold);
+                    for (int u = 0; u < 3; u++)
+                        for (int k = 0; k < 2; k++) {
+                            const ps_piece_t *p = &sh[k].own[u];
+                            const size_t at = l.t[u].offset + p->off;
+                            cr_expect_eq(memcmp(sh[k].cur->w + at, dense.cur->w + at, p->n * sizeof(float)), 0,
+                                         "shard %d, unit %d: other bits", k, u);
+                        }
+                }
+                for (int k = 0; k < 2; k++) psd_store_deinit(&sh[k]);
+                psd_store_deinit(&dense);
+                psd_store_deinit(&lazy);
+            }
+    ps_layout_free(&l);
+}

@@ -916,15 +916,14 @@ size_t pswc_first_row_at(const uint32_t *ids, size_t n, size_t r)
 /* A push to psd shards: each shard gets one message with its pieces
  * (sent from the gradients without copies; none if it holds none of them:
  * then, when the push asks for the next version, a PULL for it instead).
- * With row_ids, the table goes
+ * With rows (rows[i].ids), a sparse-rows tensor goes
  * as rows: to each shard the ids and values of the rows in its piece
  * (slices of the caller's arrays; two empty frames when none are); with
  * want, each shard holding a piece of the table gets the rows of it the
  * next batch reads (a last frame, copied; empty when none), and answers
  * with those rows of its piece. */
 static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
-                       const size_t *numel, const uint32_t *row_ids,
-                       size_t n_rows, const float *row_vals, const uint32_t *want, size_t n_want)
+                       const size_t *numel, const pswc_rows_t *rows, const uint32_t *want, size_t n_want)
 {
     const void *src[PS_MAX_TENSORS];
     for (int i = 0; i < n; i++) {
@@ -939,7 +938,7 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
     size_t es = c->grad_bf16 ? 2 : 4;
     int pull = h->push->pull;
     for (int k = c->n_shards - 1; k >= 0; k--) { /* shard 0 last: its push completes the step's wait */
-        ps_frame_t fr[PS_MAX_TENSORS + 2];
+        ps_frame_t fr[2 * PS_MAX_TENSORS + 1];
         int m = 0, owed = 0; /* frames, and those sent without copies (push_frame_done) */
         h->push->want_rows = false;
         size_t wa = 0, wn = 0; /* want[wa, wa + wn): the rows of this shard's piece wanted */
@@ -947,7 +946,10 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
             const ps_piece_t *p = &c->pieces[k][ids[i]];
             if (p->n == 0) continue;
             size_t r0, r1;
-            if (row_ids && ids[i] == c->layout.table && ps_piece_rows(&c->layout, p, &r0, &r1)) {
+            if (rows && rows[i].ids && ps_piece_rows(&c->layout, p, &r0, &r1)) {
+                const uint32_t *row_ids = rows[i].ids;
+                const float *row_vals = rows[i].vals;
+                const size_t n_rows = rows[i].n;
                 size_t a = pswc_first_row_at(row_ids, n_rows, r0), nr = pswc_first_row_at(row_ids, n_rows, r1) - a;
                 size_t D = (size_t)c->layout.t[ids[i]].cols;
                 void (*ffn)(void *, void *) = nr ? push_frame_done : NULL; /* none: two empty frames */
@@ -957,7 +959,7 @@ static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
                                        .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_F32,
                                        .rows = (uint32_t)nr, .cols = (uint32_t)D};
                 owed += nr ? 2 : 0;
-                if (n_want) {
+                if (n_want && ids[i] == c->layout.table) {
                     wa = pswc_first_row_at(want, n_want, r0);
                     wn = pswc_first_row_at(want, n_want, r1) - wa;
                     h->push->want_rows = true;
@@ -1062,7 +1064,7 @@ int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum
         return ps_msg_send(c->sock, NULL, 0, &h, NULL, 0);
     }
     ps_frame_t fr[PS_MAX_TENSORS];
-    if (c->n_shards > 1) return push_shards(c, &h, n, ids, grads, numel, NULL, 0, NULL, NULL, 0);
+    if (c->n_shards > 1) return push_shards(c, &h, n, ids, grads, numel, NULL, NULL, 0);
     if (c->stream_cf) return push_stream(c, &h, n, ids, grads, numel);
     for (int i = 0; i < n; i++) {
         if (c->grad_bf16) { /* rounded into the conversion buffer, sent from there */
@@ -1124,18 +1126,18 @@ int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
     const ps_layout_t *l = &c->layout;
     const int nt = ps_layout_ntab(l);
     if (!p || p->n_grads < 0 || p->n_grads > nt || (p->n_grads && !p->grads) || !c->tab) return -EINVAL;
-    int ids[PS_MAX_TENSORS], n = 0, rows_at = -1;
+    int ids[PS_MAX_TENSORS], n = 0, n_as_rows = 0;
+    pswc_rows_t rows[PS_MAX_TENSORS];
     uint64_t sent = 0; /* units in this push (at most one each: PS_MAX_TENSORS bits) */
     const float *g[PS_MAX_TENSORS];
     size_t numel[PS_MAX_TENSORS];
     bool bad = false;
-    for (int i = 0; i < p->n_grads && !bad; i++) { /* each: whole (data) or the table's rows (row_ids, row_vals) */
+    for (int i = 0; i < p->n_grads && !bad; i++) { /* each: whole (data) or a sparse tensor's rows (row_ids, row_vals) */
         const psw_grad_t *x = &p->grads[i];
         if (x->tensor >= (uint32_t)nt || !x->data == !x->row_ids) bad = true;
         const int u = bad ? 0 : l->tab ? l->tab[x->tensor].unit : (int)x->tensor;
         if (bad) break;
-        if (x->row_ids && (rows_at >= 0 || u != l->table || !x->row_vals || x->n_rows == 0)) bad = true;
-        if (x->row_ids) rows_at = i;
+        if (x->row_ids && (l->t[u].kind != PS_TENSOR_ROWS || !x->row_vals || x->n_rows == 0)) bad = true;
         if (l->t[u].count > 1) { /* packed with others: put together below */
             bad = bad || c->pk_src[x->tensor] != NULL;
             c->pk_src[x->tensor] = x->data;
@@ -1148,6 +1150,8 @@ int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
         sent |= 1ull << u;
         ids[n] = u;
         g[n] = x->data;
+        rows[n] = (pswc_rows_t){.ids = x->row_ids, .vals = x->row_vals, .n = x->row_ids ? x->n_rows : 0};
+        n_as_rows += x->row_ids != NULL;
         numel[n++] = l->t[u].numel;
     }
     for (int i = 0; i < p->n_grads && c->pk_src && !bad; i++) /* given in a part before: refused, nothing kept */
@@ -1160,6 +1164,7 @@ int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
         if (src) { /* (never twice a unit: its tensors are taken) */
             ids[n] = u;
             g[n] = src;
+            rows[n] = (pswc_rows_t){0};
             numel[n++] = l->t[u].numel;
         }
     }
@@ -1167,10 +1172,9 @@ int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
         for (int i = 0; i < p->n_grads; i++)
             if (p->grads[i].tensor < (uint32_t)nt) c->pk_src[p->grads[i].tensor] = NULL;
     if (bad) return -EINVAL;
-    if (rows_at >= 0)
-        return pswc_push_rows(c, p->version, p->batch, p->loss_sum, p->correct, p->pull, n, ids, g, numel,
-                              p->grads[rows_at].row_ids, p->grads[rows_at].n_rows, p->grads[rows_at].row_vals, p->want,
-                              p->n_want);
+    if (n_as_rows > 0)
+        return pswc_push_rows(c, p->version, p->batch, p->loss_sum, p->correct, p->pull, n, ids, g, numel, rows,
+                              p->want, p->n_want);
     if (p->n_want) return -EINVAL; /* rows asked for with the table's rows pushed */
     return pswc_push(c, p->version, p->batch, p->loss_sum, p->correct, p->pull, n, ids, g, numel);
 }
@@ -1244,13 +1248,17 @@ int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *
 }
 
 int pswc_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct, int pull,
-                   int n, const int *ids, const float *const *grads, const size_t *numel, const uint32_t *row_ids,
-                   size_t n_rows, const float *row_vals, const uint32_t *want, size_t n_want)
+                   int n, const int *ids, const float *const *grads, const size_t *numel, const pswc_rows_t *rows,
+                   const uint32_t *want, size_t n_want)
 {
     const int table = c->layout.table;
-    if (!psw_client_rows_ok(c) || n < 1 || n > PS_MAX_TENSORS || !pswc_table_rows(c, row_ids, n_rows) ||
-        (n_want && (!pull || !pswc_table_rows(c, want, n_want))))
+    if (!psw_client_rows_ok(c) || n < 1 || n > PS_MAX_TENSORS || (n_want && (!pull || !pswc_table_rows(c, want, n_want))))
         return -EINVAL;
+    for (int i = 0; i < n; i++) /* each tensor given as rows: rows of it, strictly increasing */
+        if (rows[i].ids && (ids[i] < 0 || ids[i] >= c->layout.n_tensors ||
+                            c->layout.t[ids[i]].kind != PS_TENSOR_ROWS || rows[i].n == 0 ||
+                            !ps_rows_valid(rows[i].ids, rows[i].n, (uint64_t)c->layout.t[ids[i]].rows)))
+            return -EINVAL;
     if (c->weight_bf16) n_want = 0; /* psd sends bfloat16 weights whole */
     int rc = pswc_keep_want(c, want, n_want);
     if (rc < 0) return rc;
@@ -1258,19 +1266,20 @@ int pswc_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double los
     Psd__Push p = PSD__PUSH__INIT;
     push_header(c, &h, &p, version, batch, loss_sum, correct, pull);
     if (c->n_shards > 1)
-        return push_shards(c, &h, n, ids, grads, numel, row_ids, n_rows, row_vals, want, n_want);
+        return push_shards(c, &h, n, ids, grads, numel, rows, want, n_want);
     p.want_rows = n_want > 0;
-    ps_frame_t fr[PS_MAX_TENSORS + 2];
-    int m = 0, dim = c->layout.t[table].cols;
+    ps_frame_t fr[2 * PS_MAX_TENSORS + 1];
+    int m = 0;
     for (int i = 0; i < n; i++) {
         if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
-        if (ids[i] == table) { /* the rows instead of the whole table */
-            fr[m++] = (ps_frame_t){.data = row_ids, .nbytes = n_rows * sizeof *row_ids, .ffn = push_frame_done,
-                                   .hint = c, .id = (uint32_t)table, .dtype = PSD__DTYPE__DT_U32,
-                                   .rows = (uint32_t)n_rows};
-            fr[m++] = (ps_frame_t){.data = row_vals, .nbytes = n_rows * (size_t)dim * sizeof(float),
-                                   .ffn = push_frame_done, .hint = c, .id = (uint32_t)table,
-                                   .dtype = PSD__DTYPE__DT_F32, .rows = (uint32_t)n_rows, .cols = (uint32_t)dim};
+        if (rows[i].ids) { /* the rows instead of the whole tensor */
+            const uint32_t id = (uint32_t)ids[i], dim = (uint32_t)c->layout.t[ids[i]].cols;
+            fr[m++] = (ps_frame_t){.data = rows[i].ids, .nbytes = rows[i].n * sizeof *rows[i].ids,
+                                   .ffn = push_frame_done, .hint = c, .id = id, .dtype = PSD__DTYPE__DT_U32,
+                                   .rows = (uint32_t)rows[i].n};
+            fr[m++] = (ps_frame_t){.data = rows[i].vals, .nbytes = rows[i].n * (size_t)dim * sizeof(float),
+                                   .ffn = push_frame_done, .hint = c, .id = id, .dtype = PSD__DTYPE__DT_F32,
+                                   .rows = (uint32_t)rows[i].n, .cols = dim};
             continue;
         }
         fr[m++] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float), .ffn = push_frame_done,

@@ -155,14 +155,23 @@ struct psw_client {
 /* psw_client.c's, for psw_client_rx.c */
 size_t pswc_first_row_at(const uint32_t *ids, size_t n, size_t r);
 int pswc_keep_want(psw_client_t *c, const uint32_t *want, size_t n);
+/* A sparse-rows unit's gradient as rows: n >= 1 strictly increasing ids
+ * and their rows (n x its width); ids NULL: the unit goes whole. */
+typedef struct {
+    const uint32_t *ids;
+    const float *vals;
+    size_t n;
+} pswc_rows_t;
+
 /* psw_client_push_v's two ways, with the tensors as arrays: whole
- * tensors; and with the table's gradient as rows (row_ids, n_rows >= 1,
- * row_vals) and the rows wanted next. Internal: not exported (pswc_). */
+ * tensors; and with some sparse-rows tensors' gradients as rows (rows[i]
+ * for ids[i]; any number of them) and the rows of the table (l->table)
+ * wanted next. Internal: not exported (pswc_). */
 int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct, int pull, int n,
               const int *ids, const float *const *grads, const size_t *numel);
 int pswc_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct, int pull,
-                   int n, const int *ids, const float *const *grads, const size_t *numel, const uint32_t *row_ids,
-                   size_t n_rows, const float *row_vals, const uint32_t *want, size_t n_want);
+                   int n, const int *ids, const float *const *grads, const size_t *numel, const pswc_rows_t *rows,
+                   const uint32_t *want, size_t n_want);
 int pswc_pull_on(psw_client_t *c, void *sock, uint64_t min_version, const uint32_t *want, size_t n);
 int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err, size_t errlen);
 void pswc_shard_slice(const psw_client_t *c, int k, const uint32_t *want, size_t n, size_t *a, size_t *m);

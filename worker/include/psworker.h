@@ -205,11 +205,12 @@ int psw_client_pull(psw_client_t *c, uint64_t min_version);
 int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *want, size_t n);
 
 /* One tensor's gradient in a push: tensor `tensor` of the run's table
- * (psw_assign_t.tensors), whole (data: its numel floats), or, for the
- * run's sparse-rows table where psw_client_rows_ok, as rows: n_rows ids
- * (strictly increasing, n_rows >= 1) and their gradient rows (row_vals,
- * n_rows x the row's floats); psd takes the other rows' gradient as zero,
- * so the step is the one the whole table would give. */
+ * (psw_assign_t.tensors), whole (data: its numel floats), or, for any
+ * of the run's sparse-rows tensors where psw_client_rows_ok, as rows:
+ * n_rows ids (strictly increasing, n_rows >= 1) and their gradient rows
+ * (row_vals, n_rows x the row's floats); psd takes the other rows'
+ * gradient as zero, so the step is the one the whole tensor would give.
+ * Each tensor given as rows takes two frames of the message's 64. */
 typedef struct {
     uint32_t tensor;
     const float *data;
