@@ -184,8 +184,11 @@ int ps_config_load_string(ps_config_t *c, const char *yaml, size_t len, const ch
  * unchanged. */
 int ps_config_set(ps_config_t *c, const char *key, const char *value, char *err, size_t errlen);
 
-/* Check cross-field constraints (layer sizes, ranges). -1 + message. */
+/* Check each key against its range, then the rules between keys
+ * (ps_config_check_rules). -1 + message. */
 int ps_config_validate(const ps_config_t *c, char *err, size_t errlen);
+/* The rules between keys alone (ps_config_rules.c). -1 + message. */
+int ps_config_check_rules(const ps_config_t *c, char *err, size_t errlen);
 
 /* Write the whole config as YAML that ps_config_load_* reads back to the
  * same values. Returns 0 or -1 on I/O error. */
