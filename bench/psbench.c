@@ -167,7 +167,8 @@ static void *bench_worker(void *p)
             }
             size_t nv = ev.val_end - ev.val_begin;
             float *sc = a.ctr.fields && nv ? calloc(nv, sizeof *sc) : NULL; /* ctr: psd wants scores */
-            psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 0, .correct = 0, .count = nv, .scores = sc});
+            psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
+                    .loss_sum = 0, .correct = 0, .count = nv, .scores = sc});
             free(sc);
         } else if (ev.kind == PSW_EV_WEIGHTS && in_epoch && pulls_left > 0) {
             double now = ps_now(); /* a pull-only round: pull -> weights */

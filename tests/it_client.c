@@ -460,7 +460,9 @@ static uint64_t lib_train_to_end(psw_client_t *c, uint64_t left, uint64_t assign
             lib_push(c, ev.version, batch, left > 0, zero, l);
             if (left == 0) psw_client_barrier(c, 0, assigned);
         } else if (ev.kind == PSW_EV_VALIDATE) {
-            psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 0.1 * (double)(ev.val_end - ev.val_begin), .correct = 0, .count = ev.val_end - ev.val_begin, .scores = NULL});
+            psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
+                    .loss_sum = 0.1 * (double)(ev.val_end - ev.val_begin), .correct = 0,
+                    .count = ev.val_end - ev.val_begin, .scores = NULL});
         }
     }
 }

@@ -133,7 +133,8 @@ static int fit(const char *ep, bool offer)
                 if (last) cr_assert_eq(psw_client_barrier(w->c, w->epoch, w->n_ids), 0);
             } else if (ev.kind == PSW_EV_VALIDATE) {
                 uint64_t n = ev.val_end - ev.val_begin;
-                cr_assert_eq(psw_client_val_result(w->c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 0.5 * (double)n, .correct = 0, .count = n, .scores = NULL}), 0);
+                cr_assert_eq(psw_client_val_result(w->c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
+                        .loss_sum = 0.5 * (double)n, .correct = 0, .count = n, .scores = NULL}), 0);
             }
         }
     }

@@ -911,7 +911,8 @@ Test(short, a_shared_slot_is_stepped_in_place_only_once_released)
         }
         psw_client_barrier(c, 0, 384);
         lib_next(c, &ev, PSW_EV_VALIDATE);
-        cr_assert_eq(psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 0, .correct = 0, .count = ev.val_end - ev.val_begin, .scores = NULL}),
+        cr_assert_eq(psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
+                .loss_sum = 0, .correct = 0, .count = ev.val_end - ev.val_begin, .scores = NULL}),
                      0);
         lib_next(c, &ev, PSW_EV_SHUTDOWN);
         r.psd_code = proc_wait(p, 30);
@@ -976,7 +977,8 @@ Test(short, a_slot_another_worker_still_reads_is_not_stepped_in_place)
     for (int i = 0; i < 2; i++) psw_client_barrier(c[i], 0, 192);
     for (int i = 0; i < 2; i++) {
         lib_next(c[i], &ev[i], PSW_EV_VALIDATE);
-        cr_assert_eq(psw_client_val_result(c[i], &(psw_val_t){.epoch = ev[i].epoch, .version = ev[i].version, .begin = ev[i].val_begin, .loss_sum = 0, .correct = 0, .count = ev[i].val_end - ev[i].val_begin, .scores = NULL}),
+        cr_assert_eq(psw_client_val_result(c[i], &(psw_val_t){.epoch = ev[i].epoch, .version = ev[i].version, .begin = ev[i].val_begin,
+                .loss_sum = 0, .correct = 0, .count = ev[i].val_end - ev[i].val_begin, .scores = NULL}),
                      0);
     }
     for (int i = 0; i < 2; i++) lib_next(c[i], &ev[i], PSW_EV_SHUTDOWN);
@@ -1033,15 +1035,19 @@ Test(short, ctr_results_without_scores_are_dropped)
         uint8_t y;
         sc[i] = (float)ps_ctr_example(&g, a.ctr.train + (uint64_t)i, rows, NULL, &y);
     }
-    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 50, .correct = 60, .count = 100, .scores = NULL});
+    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
+            .loss_sum = 50, .correct = 60, .count = 100, .scores = NULL});
     wait_log(r.psd_log, "without the range's 100 scores", 20);
     float keep = sc[37];
     sc[37] = NAN;
-    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 50, .correct = 60, .count = 100, .scores = sc});
+    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
+            .loss_sum = 50, .correct = 60, .count = 100, .scores = sc});
     sc[37] = 1.5f;
-    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 50, .correct = 60, .count = 100, .scores = sc});
+    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
+            .loss_sum = 50, .correct = 60, .count = 100, .scores = sc});
     sc[37] = keep;
-    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 50, .correct = 60, .count = 100, .scores = sc});
+    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
+            .loss_sum = 50, .correct = 60, .count = 100, .scores = sc});
     lib_next(c, &ev, PSW_EV_SHUTDOWN);
     r.psd_code = proc_wait(p, 30);
     psw_client_destroy(&c);
@@ -1140,7 +1146,8 @@ Test(short, a_worker_gets_the_table_rows_it_asks_for)
     }
     float sc[100];
     for (int i = 0; i < 100; i++) sc[i] = 0.5f;
-    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 50, .correct = 60, .count = 100, .scores = sc});
+    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
+            .loss_sum = 50, .correct = 60, .count = 100, .scores = sc});
     lib_next(c, &ev, PSW_EV_SHUTDOWN);
     cr_assert_eq(proc_wait(p, 30), 0);
     psw_client_destroy(&c);
@@ -1220,7 +1227,8 @@ Test(short, two_validation_parts_at_once_with_the_table_on_psd_shards)
             cr_assert(memcmp(ev.tensors[4] + j * 8, E0 + (size_t)want[j] * 8, 8 * sizeof(float)) == 0,
                       "part %d, row %u: psd's values (from shard %d)", k, want[j], want[j] < 32768 ? 0 : 1);
         covered += ev.val_end - ev.val_begin;
-        psw_client_val_result(c[0], &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 50, .correct = 60, .count = ev.val_end - ev.val_begin, .scores = sc});
+        psw_client_val_result(c[0], &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
+                .loss_sum = 50, .correct = 60, .count = ev.val_end - ev.val_begin, .scores = sc});
     }
     cr_assert_eq(covered, 200, "both parts");
     lib_next(c[0], &ev, PSW_EV_SHUTDOWN);
@@ -1289,7 +1297,9 @@ Test(short, validation_parts_of_workers_that_left_come_one_at_a_time)
         n--;
         covered += ev.val_end - ev.val_begin;
         answered++;
-        psw_client_val_result(w[0], &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 0.5 * (double)(ev.val_end - ev.val_begin), .correct = 0, .count = ev.val_end - ev.val_begin, .scores = NULL});
+        psw_client_val_result(w[0], &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
+                .loss_sum = 0.5 * (double)(ev.val_end - ev.val_begin), .correct = 0,
+                .count = ev.val_end - ev.val_begin, .scores = NULL});
     }
 done:
     cr_assert_eq(n, 0);

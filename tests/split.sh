@@ -27,6 +27,7 @@ trap cleanup EXIT
 fail() { echo "split: $*" >&2; exit 1; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 PY=/usr/bin/python3
+get() { $PY -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1" 2>/dev/null; }
 
 # a model of 3 small tensors; each run sets the rest (--set)
 {
@@ -98,7 +99,21 @@ for n in 1 2 3; do
     finish sums$n
     check sums$n "len(L) == 3" "all(x['val_sev'] == $sev and x['val_acc'] == $acc and x['val_samples'] == 100 for x in L)"
 done
-echo "split: a named sum's mean is exact for 1, 2 and 3 workers (val_sev $sev)"
+# and as psd serves it while the run goes on: /status, /metrics
+hp=$(free_port)
+start http "$T/base.yaml" 1 --set run.epochs=4 --http "127.0.0.1:$hp"
+worker http 0 1000 100 sums slow=20 # 20 pushes of 50 an epoch, 0.4 s
+for _ in $(seq 200); do
+    st=$(get "http://127.0.0.1:$hp/status" || true)
+    case $st in *'"val_means":{"sev":'*) break ;; esac
+    sleep 0.05
+done
+$PY -c 'import json,sys; s=json.loads(sys.argv[1]); assert s["val_means"]["sev"] == float(sys.argv[2]), s["val_means"]' \
+    "$st" "$sev" || fail "/status does not show the named sum's mean: $st"
+get "http://127.0.0.1:$hp/metrics" | grep -q "^psd_val_mean{name=\"sev\"} $sev" ||
+    fail "/metrics does not show the named sum's mean: $(get "http://127.0.0.1:$hp/metrics" | grep val_mean)"
+finish http
+echo "split: a named sum's mean is exact for 1, 2 and 3 workers (val_sev $sev), and so in /status and /metrics"
 
 # -- the held-out split: exact counts every epoch for 1, 2, 3 workers and with one killed mid-epoch
 for n in 1 2 3 k; do
@@ -112,7 +127,7 @@ for n in 1 2 3 k; do
         [ "$n" = k ] && [ $i = 2 ] && killed=$wpid
     done
     if [ "$n" = k ]; then
-        wait "$killed"
+        wait "$killed" 2>/dev/null
         [ $? = 137 ] || fail "the worker meant to be killed mid-epoch was not"
     fi
     finish held$n

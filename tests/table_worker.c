@@ -26,7 +26,8 @@
  *                                      script=a,b,...: epoch e's validation
  *                                      loss is the e-th number (the closing
  *                                      test's: the weights' own), die=K:
- *                                      SIGKILL itself after K pushes
+ *                                      SIGKILL itself after K pushes,
+ *                                      slow=MS: sleep MS before each push
  *   table_worker --yaml N [small]      print a model.tensors list of N
  *                                      assorted tensors: scalars, vectors,
  *                                      matrices, one of 1,100,000 floats
@@ -39,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "psworker.h"
 
@@ -82,13 +84,14 @@ int main(int argc, char **argv)
     }
     char err[512];
     psw_info_t info = {.device = "cpu", .device_index = -1};
-    int flat = 0, parts = 0, n_offer = 0, sums = 0, n_script = 0, die = 0, pushes = 0;
+    int flat = 0, parts = 0, n_offer = 0, sums = 0, n_script = 0, die = 0, pushes = 0, slow_ms = 0;
     const char *data_id = NULL;
     double script[64];
     for (int i = 4; i < argc; i++) {
         if (strncmp(argv[i], "id=", 3) == 0) data_id = argv[i] + 3;
         if (strcmp(argv[i], "sums") == 0) sums = 1;
         if (strncmp(argv[i], "die=", 4) == 0) die = atoi(argv[i] + 4);
+        if (strncmp(argv[i], "slow=", 5) == 0) slow_ms = atoi(argv[i] + 5);
         for (char *p = strncmp(argv[i], "script=", 7) == 0 ? argv[i] + 7 : NULL; p && *p && n_script < 64;) {
             script[n_script++] = strtod(p, &p);
             if (*p == ',') p++;
@@ -197,6 +200,7 @@ int main(int argc, char **argv)
             }
             pos += b;
             int last = pos >= n_ids;
+            if (slow_ms > 0) nanosleep(&(struct timespec){slow_ms / 1000, (long)(slow_ms % 1000) * 1000000L}, NULL);
             psw_push_t p = {ev.version, (uint32_t)b, loss * (double)b, 0, !last, n, g, NULL, 0};
             if (parts && n >= 2) { /* tensor 0 alone, again (refused where it waits for the rest of its unit), the rest */
                 psw_push_t p1 = p;

@@ -100,7 +100,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "fm_worker: psd's model is not fm.yaml's\n");
         return 1;
     }
-    psw_client_ready(c, TRAIN, TEST, NULL);
+    psw_client_ready(c, TRAIN, TEST, "fm-synthetic-v1"); /* a fingerprint: the generator's version */
     float *grad[3];
     for (int k = 0; k < 3; k++) grad[k] = malloc(sizes[k] * sizeof(float));
     uint32_t *ids = NULL;
@@ -148,15 +148,15 @@ int main(int argc, char **argv)
             psw_push_t p = {ev.version, (uint32_t)b, loss, right, !last, 3, g, NULL, 0};
             rc = psw_client_push_v(c, &p);
             if (rc == 0 && last) rc = psw_client_barrier(c, epoch, n_ids);
-        } else if (ev.kind == PSW_EV_VALIDATE) { /* test examples [TRAIN + begin, TRAIN + end) */
-            double loss = 0;
-            uint64_t right = 0;
-            for (uint64_t i = ev.val_begin; i < ev.val_end; i++) {
-                int feat[F], hit, y = example(TRAIN + i, feat);
-                loss += fm(t, feat, y, NULL, 0, &hit);
-                right += (uint64_t)hit;
+        } else if (ev.kind == PSW_EV_VALIDATE) { /* test examples follow the TRAIN training ones */
+            psw_val_t r = psw_val_for(&ev);
+            for (size_t i = 0; i < ev.n_val_ids; i++) {
+                uint64_t s = ev.split == PSW_SPLIT_TEST ? TRAIN + ev.val_ids[i] : ev.val_ids[i];
+                int feat[F], hit, y = example(s, feat);
+                r.loss_sum += fm(t, feat, y, NULL, 0, &hit);
+                r.correct += (uint64_t)hit;
             }
-            rc = psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = loss, .correct = right, .count = ev.val_end - ev.val_begin, .scores = NULL});
+            rc = psw_client_val_result(c, &r);
         }
         if (rc != 0) {
             fprintf(stderr, "fm_worker: psd is gone (%d)\n", rc);
