@@ -119,13 +119,14 @@ int data_ready_ok(srv_t *s, worker_t *w, const Psd__Ready *r)
 
 /* ---- parts ------------------------------------------------------------ */
 
-/* The weights of the best epoch as frames (VAL_TEST_BEST): copied at send. */
-static int best_frames(srv_t *s, ps_frame_t *fr)
+/* The weights of the best epoch as frames (VAL_TEST_BEST) for w: copied
+ * at send; bfloat16 where w takes weights so (over the wire). */
+static int best_frames(srv_t *s, const worker_t *w, ps_frame_t *fr)
 {
     const ps_layout_t *l = &s->layout;
     for (int i = 0; i < l->n_tensors; i++) {
         const ps_tensor_info_t *t = &l->t[i];
-        bool h = s->vl.best_w16 != NULL;
+        bool h = s->vl.best_w16 != NULL && !w->shm;
         fr[i] = (ps_frame_t){.data = h ? (const void *)(s->vl.best_w16 + t->offset) : (const void *)(s->vl.best_w + t->offset),
                              .nbytes = t->numel * (h ? 2 : 4), .id = (uint32_t)i,
                              .dtype = h ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32, .rows = t->rows,
@@ -158,7 +159,7 @@ static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
     w->state = W_VALIDATING;
     w->last_seen = ps_now();
     if (s->vl.kind == VAL_TEST_BEST) {
-        int n = best_frames(s, fr);
+        int n = best_frames(s, w, fr);
         send_to(s, w, &h, fr, n);
         return;
     }

@@ -166,6 +166,13 @@ meta = json.loads(open(sys.argv[1], "rb").read(8 + n)[8:])["__metadata__"]
 L = [json.loads(x) for x in open(sys.argv[2])]
 assert int(meta["epoch"]) == 5 and int(meta["step"]) == L[4]["step"], (meta, L[4]["step"])
 PY
+# the same with weights over the wire in bfloat16: the best epoch's test too
+start stopw "$T/stop.yaml" 2 --set checkpoint.dir= --set run.epochs=10 --set train.wire_weights=bf16 \
+    --set train.keep_best.path="$T/bestw.safetensors"
+worker stopw 0 1000 100 "$script" wire
+worker stopw 1 1000 100 "$script" # on psd's host: f32 in shared memory
+finish stopw
+check stopw "len(L) == 6" "L[-1]['best_epoch'] == 5" "L[-1]['best_test_samples'] == 100 and L[-1]['test_samples'] == 100"
 # the same stopped after epoch 5 and resumed: it still stops after 6, with epoch 5 the best
 rm -f "$T/best.safetensors"
 start stopa "$T/stop.yaml" 2 --set checkpoint.dir="$T/ck2" --set run.epochs=10 --stop-after-epoch 5
