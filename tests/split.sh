@@ -13,6 +13,9 @@
 #  - early stopping ends the run at the epoch its rule names (a scripted
 #    loss), keep_best keeps that epoch's weights, and both go on where they
 #    were after a stop and --resume;
+#  - optimizer groups: each tensor of a run with groups (one unit, cut by
+#    them) is the one a run with its group's settings for every tensor
+#    gives, bit for bit (table_worker's gradient of a tensor reads only it);
 #  - pworker on Fashion-MNIST: keep_best's file holds the epoch the metrics
 #    file shows as best, and its closing test figures are psd eval's.
 set -u
@@ -29,9 +32,10 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 PY=/usr/bin/python3
 get() { $PY -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1" 2>/dev/null; }
 
-# a model of 3 small tensors; each run sets the rest (--set)
+# a model of 3 small tensors (packed into one unit); each run sets the rest (--set)
+"$B/tests/table_worker" --yaml 3 small >"$T/model.yaml"
 {
-    "$B/tests/table_worker" --yaml 3 small
+    cat "$T/model.yaml"
     printf 'optimizer: {name: sgd, lr: 0.1}\nschedule: {name: constant}\n'
 } >"$T/base.yaml"
 
@@ -187,6 +191,37 @@ check stopa "len(L) == 6" "L[-1].get('stopped_early') is True" "L[-1]['best_epoc
     "L[-1]['best_test_loss'] == $($PY -c 'import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1])["best_test_loss"])' "$T/stop.jsonl")"
 grep -q "keep_best: the best epoch so far is 5" "$T/stopa.log" || fail "the resumed run did not take up the best epoch"
 echo "split: early stopping ends a scripted run after epoch 6; keep_best keeps epoch 5; both go on after --resume"
+
+# -- optimizer groups against runs with one setting for every tensor, sgd (momentum) and adamw
+for opt in "sgd, momentum: 0.9" "adamw"; do
+    for g in A B C D; do
+        case $g in
+        A) o='lr: 0.1, weight_decay: 0.1, groups: [{match: "*.bias", weight_decay: 0}, {match: "*.norm", lr_scale: 2}]' ;;
+        B) o='lr: 0.1, weight_decay: 0.1' ;;
+        C) o='lr: 0.1, weight_decay: 0' ;;
+        D) o='lr: 0.2, weight_decay: 0.1' ;;
+        esac
+        { cat "$T/model.yaml"; printf 'optimizer: {name: %s, %s}\nschedule: {name: constant}\n' "$opt" "$o"; } >"$T/g$g.yaml"
+        start g$g "$T/g$g.yaml" 1 --save "$T/g$g.safetensors"
+        worker g$g 0 1000 100
+        finish g$g
+    done
+    grep -q 'optimizer.groups\[0\] (\*.bias): 1 tensor' "$T/gA.log" || fail "psd did not say what groups[0] got: $(grep groups "$T/gA.log")"
+    $PY - "$T" <<'PY' || fail "$opt: a tensor of the run with groups is not its group's settings' run's"
+import json, struct, sys
+def tensors(path):
+    b = open(path, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n])
+    return {k: b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in h.items() if k != "__metadata__"}
+A, B, C, D = (tensors("%s/g%s.safetensors" % (sys.argv[1], g)) for g in "ABCD")
+assert A["layers.0.weight"] == B["layers.0.weight"], "weight: the default weight decay"
+assert A["layers.0.bias"] == C["layers.0.bias"], "bias: weight decay 0"
+assert A["layers.0.norm"] == D["layers.0.norm"], "norm: lr x 2"
+assert A["layers.0.bias"] != B["layers.0.bias"] and A["layers.0.norm"] != B["layers.0.norm"], "groups changed nothing"
+PY
+done
+echo "split: optimizer groups (sgd with momentum, adamw): every tensor of a run with groups is bit for bit its group's settings' run's"
 
 # -- pworker, Fashion-MNIST: the best epoch's file, and its closing test figures are psd eval's
 FM=/usr/share/datasets/fashion-mnist
