@@ -216,6 +216,7 @@ typedef struct {
     float *best_w;             /* VAL_TEST_BEST: the best epoch's weights, read back from its file */
     uint16_t *best_w16;        /* and as bfloat16 (train.wire_weights bf16) */
     /* the workers' named sums: the first answer's names, the same in every later one */
+    bool sums_known;
     int n_sums;
     char names[PS_MAX_SUMS][PS_SUM_NAME_MAX + 1];
     double last_means[PS_MAX_SUMS]; /* of the last validated epoch (/metrics, /status) */

@@ -279,13 +279,11 @@ static bool take_sums(srv_t *s, worker_t *w, const Psd__ValResult *v, vpart_t *p
                 return false;
             }
     }
-    bool first = vl->n_sums == 0 && vl->names[0][0] == '\0';
-    if (first && v->n_sums > 0) {
+    if (!vl->sums_known) { /* the run's first answer: its names are the run's */
         for (size_t i = 0; i < v->n_sums; i++) snprintf(vl->names[i], sizeof vl->names[i], "%s", v->sums[i]->name);
         vl->n_sums = (int)v->n_sums;
-        vl->names[PS_MAX_SUMS - 1][PS_SUM_NAME_MAX] = '\0';
+        vl->sums_known = true;
     }
-    if (first && v->n_sums == 0) vl->names[0][0] = '\0';
     bool same = v->n_sums == (size_t)vl->n_sums;
     for (size_t i = 0; same && i < v->n_sums; i++) same = strcmp(v->sums[i]->name, vl->names[i]) == 0;
     if (!same) {
