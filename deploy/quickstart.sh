@@ -41,7 +41,7 @@ train)
     ;;
 test)
     meson test -C build --print-errorlogs --suite unit --suite integration --suite long --suite gpu --suite emu \
-        --suite deploy
+        --suite python --suite deploy
     ;;
 *)
     echo "usage: sh deploy/quickstart.sh train|test" >&2

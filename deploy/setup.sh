@@ -3,7 +3,8 @@
 # Idempotent: installs only what is missing. Runs as root, or through sudo.
 #   deploy/setup.sh            build + test + train dependencies
 #   deploy/setup.sh --bench    also python3-torch, for bench/
-#   deploy/setup.sh --deploy   also what the tests start: a Docker engine
+#   deploy/setup.sh --deploy   also what the tests start: PyTorch and pytest
+#                              (the python suite), a Docker engine
 #                              and docker-compose, debootstrap, SLURM and munge
 #                              (each engine only when none is installed), and
 #                              Prometheus' promtool (checks psd's /metrics) and
@@ -18,7 +19,7 @@ for opt in "$@"; do
     case "$opt" in
     --bench) PKGS="$PKGS python3-torch python3-numpy" ;;
     --deploy)
-        PKGS="$PKGS python3 debootstrap iptables iproute2 procps munge prometheus chromium"
+        PKGS="$PKGS python3 python3-torch python3-pytest debootstrap iptables iproute2 procps munge prometheus chromium"
         command -v dockerd >/dev/null 2>&1 || PKGS="$PKGS docker.io"
         command -v docker-compose >/dev/null 2>&1 || PKGS="$PKGS docker-compose"
         command -v slurmctld >/dev/null 2>&1 || PKGS="$PKGS slurm-wlm"

@@ -1395,3 +1395,20 @@ void psw_make_identity(uint8_t id[16], uint64_t salt)
     }
     id[0] |= 1; /* ZeroMQ reserves routing ids starting with a zero byte */
 }
+
+size_t psw_struct_size(const char *name)
+{
+#define PSW_SIZE(T) \
+    if (strcmp(name, #T) == 0) return sizeof(T)
+    PSW_SIZE(psw_tensor_t);
+    PSW_SIZE(psw_info_t);
+    PSW_SIZE(psw_file_t);
+    PSW_SIZE(psw_assign_t);
+    PSW_SIZE(psw_event_t);
+    PSW_SIZE(psw_grad_t);
+    PSW_SIZE(psw_push_t);
+    PSW_SIZE(psw_sum_t);
+    PSW_SIZE(psw_val_t);
+#undef PSW_SIZE
+    return 0;
+}

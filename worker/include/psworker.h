@@ -327,6 +327,11 @@ int psw_client_fail(psw_client_t *c, int data_error, const char *message);
 
 uint32_t psw_client_rank(const psw_client_t *c);
 
+/* sizeof the library's struct `name` ("psw_event_t", ...; 0: no such
+ * struct): how a binding that mirrors them (python/psd/_lib.py) checks
+ * its copies against the library it loaded. */
+size_t psw_struct_size(const char *name);
+
 /* A 16-byte ZeroMQ routing id for psw_info_t.identity, unique to this host,
  * process, moment and salt (several clients in one process: other salts).
  * Keep it for the process: psd recognises a worker reconnecting by it. */

@@ -1,0 +1,137 @@
+"""psd.torch end to end: a real psd (PSD_BIN) and torch workers
+(mlp_worker.py, each its own process) on loopback, free ports, every
+process ended by its PID."""
+import ctypes
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from psd import _lib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PSD = os.environ.get("PSD_BIN", "psd")
+CONFIG = """model: {kind: from_worker}
+run: {epochs: 3}
+data: {val_fraction: 0.1}
+train: {batch_size: 32}
+optimizer: {name: sgd, lr: 0.1, momentum: 0.9}
+schedule: {name: constant}
+"""
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Run:
+    """psd and its workers in tmp; kill() ends what is left by PID."""
+
+    def __init__(self, tmp, workers, config=CONFIG, extra=()):
+        self.tmp = tmp
+        self.ep = "tcp://127.0.0.1:%d" % free_port()
+        (tmp / "c.yaml").write_text(config)
+        self.log = open(tmp / "psd.log", "w")
+        self.psd = subprocess.Popen([PSD, "--config", str(tmp / "c.yaml"), "--workers", str(workers), "--listen",
+                                     self.ep, "--metrics", str(tmp / "m.jsonl"), "--save", "",
+                                     "--set", "checkpoint.dir=", "--start-timeout", "30", *extra],
+                                    stdout=self.log, stderr=subprocess.STDOUT)
+        self.procs = [self.psd]
+
+    def worker(self, *args):
+        p = subprocess.Popen([sys.executable, os.path.join(HERE, "mlp_worker.py"), self.ep, *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs.append(p)
+        return p
+
+    def metrics(self):
+        return [json.loads(x) for x in (self.tmp / "m.jsonl").read_text().splitlines()]
+
+    def psd_log(self):
+        self.log.flush()
+        return (self.tmp / "psd.log").read_text()
+
+    def wait_log(self, text, timeout=30):
+        deadline = time.time() + timeout
+        while text not in self.psd_log():
+            assert time.time() < deadline, "psd did not log %r:\n%s" % (text, self.psd_log())
+            time.sleep(0.05)
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def run(tmp_path):
+    runs = []
+
+    def make(*a, **kw):
+        r = Run(tmp_path, *a, **kw)
+        runs.append(r)
+        return r
+
+    yield make
+    for r in runs:
+        r.kill()
+
+
+def test_the_binding_matches_the_library():
+    lib = _lib.load()
+    for name, cls in _lib._STRUCTS.items():
+        assert lib.psw_struct_size(name.encode()) == ctypes.sizeof(cls), name
+    assert lib.psw_struct_size(b"no_such_t") == 0
+
+
+def test_two_torch_workers_train_with_exact_counts(run):
+    r = run(2)
+    w = [r.worker(), r.worker()]
+    out = [p.communicate(timeout=120) for p in w]
+    assert r.psd.wait(timeout=60) == 0, r.psd_log()
+    for p, (o, e) in zip(w, out):
+        assert p.returncode == 0, o + e
+    L = r.metrics()
+    assert len(L) == 3
+    for x in L:
+        assert x["train_samples"] == 1800 and x["val_samples"] == 200 and x["val_set"] == "held_out", x
+        assert "val_abs_err" in x
+    assert L[-1]["test_samples"] == 500 and L[-1]["test_acc"] >= 0.85, L[-1]
+    # rank 0 logs, rank 1 prints nothing at INFO; the model keeps its own attributes and methods
+    said = [o for o, _ in out]
+    chief = [o for o in said if "rank 0 epoch 2 done" in o]
+    assert len(chief) == 1 and "model intact: Net(mine)" in chief[0], said
+    quiet = [o for o in said if o is not chief[0]][0]
+    assert quiet == "", quiet
+
+
+def test_a_worker_with_other_data_is_refused(run):
+    r = run(2)
+    a = r.worker("--data-id", "v1")
+    r.wait_log("the run's data is rank")
+    b = r.worker("--data-id", "v2")
+    r.wait_log("refused")  # psd waits for a second worker with its data
+    c = r.worker("--data-id", "v1")
+    outs = {p: p.communicate(timeout=120) for p in (a, b, c)}
+    assert r.psd.wait(timeout=60) == 0, r.psd_log()
+    assert a.returncode == 0 and c.returncode == 0 and b.returncode != 0, [(p.returncode, outs[p]) for p in (a, b, c)]
+    err = outs[b][1]
+    assert "'v1'" in err and "'v2'" in err, err
+
+
+def test_a_foreign_optimizer_step_is_refused(run):
+    r = run(1)
+    p = r.worker("--optimizer")
+    o, e = p.communicate(timeout=120)
+    assert p.returncode != 0
+    assert "changed in place" in e and "optimizer" in e, e
