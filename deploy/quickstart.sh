@@ -5,14 +5,21 @@
 #                                   localhost, then evaluate the saved weights
 #   sh deploy/quickstart.sh test    install what is missing, build, run all tests
 #                                   (deploy tests: root, Docker engine, SLURM)
-# Extra arguments after `train` go to psd (e.g. --epochs 3).
+#   sh deploy/quickstart.sh torch   install what is missing (PyTorch too), build,
+#                                   train examples/torch/fashion_cnn.py with psd +
+#                                   2 torch workers (1 thread each) on localhost
+# Extra arguments after `train` or `torch` go to psd (e.g. --epochs 3).
 set -eu
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 what=${1:-train}
 [ $# -gt 0 ] && shift
 
-if [ "$what" = test ]; then sh deploy/setup.sh --deploy; else sh deploy/setup.sh; fi
+case "$what" in
+test) sh deploy/setup.sh --deploy ;;
+torch) sh deploy/setup.sh --bench ;;
+*) sh deploy/setup.sh ;;
+esac
 if [ ! -f build/build.ninja ]; then
     meson setup build -Dwerror=true >/dev/null
 fi
@@ -39,12 +46,33 @@ train)
     echo "metrics: $ROOT/run/psd-metrics.jsonl   weights: $ROOT/run/psd-weights.bin"
     "$ROOT/build/psd" eval psd-weights.bin
     ;;
+torch)
+    mkdir -p run
+    cd run
+    PORT=${PSD_PORT:-5555}
+    EP="tcp://127.0.0.1:$PORT"
+    export PYTHONPATH="$ROOT/python" PSD_WORKER_LIB="$ROOT/build/libpsworker.so.3"
+    "$ROOT/build/psd" --config "$ROOT/examples/torch/fashion_cnn.yaml" --listen "$EP" "$@" &
+    PSD=$!
+    /usr/bin/python3 "$ROOT/examples/torch/fashion_cnn.py" "$EP" --threads 1 &
+    W0=$!
+    /usr/bin/python3 "$ROOT/examples/torch/fashion_cnn.py" "$EP" --threads 1 &
+    W1=$!
+    trap 'kill $PSD $W0 $W1 2>/dev/null || true' INT TERM EXIT
+    rc=0
+    wait $PSD || rc=$?
+    wait $W0 || true
+    wait $W1 || true
+    trap - INT TERM EXIT
+    [ $rc -ne 0 ] && { echo "psd exited $rc" >&2; exit $rc; }
+    echo "metrics: $ROOT/run/psd-metrics.jsonl   best epoch's weights: $ROOT/run/fashion_cnn.safetensors"
+    ;;
 test)
     meson test -C build --print-errorlogs --suite unit --suite integration --suite long --suite gpu --suite emu \
         --suite python --suite deploy
     ;;
 *)
-    echo "usage: sh deploy/quickstart.sh train|test" >&2
+    echo "usage: sh deploy/quickstart.sh train|torch|test" >&2
     exit 2
     ;;
 esac

@@ -46,6 +46,10 @@ map '^sh deploy/quickstart\.sh train$' \
     'deploy: quickstart-train runs it as written (one epoch, a free port: PSD_PORT, --epochs 1)' \
     'tests/deploy/quickstart_train.sh:sh deploy/quickstart\.sh train --epochs 1' \
     'tests/meson.build:test\('"'"'quickstart-train'"'"
+map '^sh deploy/quickstart\.sh torch$' \
+    'python: test_quickstart_torch_runs_as_written runs it as written (one epoch of 3,000 samples, a free port)' \
+    'python/tests/test_torch.py:"deploy/quickstart.sh", "torch"' \
+    'meson.build:suite : '"'"'python'"'"
 map '^build/psd --workers [0-9]+ --listen tcp://127\.0\.0\.1:[0-9]+$' \
     'integration: every short/ test starts psd so (tests/itest.c start_psd), e.g. short/two_workers_count_every_test_sample; deploy-docker: the run by hand' \
     'tests/itest.c:psd_bin, "--listen", r->endpoint, "--workers"' \

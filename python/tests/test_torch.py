@@ -135,3 +135,18 @@ def test_a_foreign_optimizer_step_is_refused(run):
     o, e = p.communicate(timeout=120)
     assert p.returncode != 0
     assert "changed in place" in e and "optimizer" in e, e
+
+
+def test_quickstart_torch_runs_as_written():
+    """The README's `sh deploy/quickstart.sh torch`, for one epoch of 3,000 samples on a free port."""
+    root = os.path.normpath(os.path.join(HERE, "..", ".."))
+    env = dict(os.environ, PSD_PORT=str(free_port()))
+    p = subprocess.run(["sh", "deploy/quickstart.sh", "torch", "--epochs", "1", "--set", "data.train_limit=3000",
+                        "--metrics", "quickstart-torch.jsonl"], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    path = os.path.join(root, "run", "quickstart-torch.jsonl")
+    L = [json.loads(x) for x in open(path)]
+    os.unlink(path)
+    assert len(L) == 1 and L[0]["train_samples"] == 2700 and L[0]["val_samples"] == 300, L
+    assert L[0]["test_samples"] == 10000 and L[0]["best_epoch"] == 1, L
