@@ -17,6 +17,7 @@ do not step a torch optimizer on the model (w.step says so if one did). The prot
 worker library's (libpsworker.so.3, through ctypes); nothing here is compiled.
 """
 import ctypes
+import errno
 import os
 import signal
 import socket
@@ -269,7 +270,13 @@ class Worker:
         self._ev_i ^= 1
         ev = self._ev[self._ev_i]
         err = ctypes.create_string_buffer(512)
-        rc = self._lib.psw_client_next(self._c, ctypes.byref(ev), timeout, err, 512)
+        while True:
+            if self._leaving:  # SIGTERM: leave the run cleanly (psd gives this worker's samples to the others)
+                self.leave("SIGTERM")
+                raise SystemExit(0)
+            rc = self._lib.psw_client_next(self._c, ctypes.byref(ev), timeout, err, 512)
+            if rc != -errno.EINTR:
+                break
         if rc != 0:
             msg = err.value.decode(errors="replace")
             self.close()

@@ -2,10 +2,11 @@
 from a fixed random linear map of the inputs), its own data of N train and
 M test samples drawn from a seed. Prints its rank's figures at the end.
 
-    mlp_worker.py ENDPOINT [--train N] [--test M] [--data-id S] [--verbose] [--optimizer]
+    mlp_worker.py ENDPOINT [--train N] [--test M] [--data-id S] [--verbose] [--optimizer] [--slow S]
 """
 import argparse
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,7 @@ def main():
     ap.add_argument("--data-id", default="synthetic-v1")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--optimizer", action="store_true", help="also step a torch optimizer (refused)")
+    ap.add_argument("--slow", type=float, default=0, help="seconds to sleep a step")
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -66,6 +68,8 @@ def main():
             (loss / len(idx)).backward()
             if opt:
                 opt.step()
+            if a.slow:
+                time.sleep(a.slow)
             w.step(loss_sum=loss.item(), batch=len(idx), correct=int((out.argmax(1) == ytr[idx]).sum()))
         w.validate(evaluate)
         w.log("rank %d epoch %d done (world %d)" % (w.rank, epoch, w.world))

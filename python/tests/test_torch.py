@@ -4,6 +4,7 @@ process ended by its PID."""
 import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -150,3 +151,24 @@ def test_quickstart_torch_runs_as_written():
     os.unlink(path)
     assert len(L) == 1 and L[0]["train_samples"] == 2700 and L[0]["val_samples"] == 300, L
     assert L[0]["test_samples"] == 10000 and L[0]["best_epoch"] == 1, L
+
+
+def test_sigterm_leaves_and_kill9_costs_only_samples(run):
+    """3 torch workers, 50 ms a step (about 1 s an epoch): one is sent SIGTERM (it leaves:
+    exit 0), one is killed with SIGKILL, mid-epoch; the third trains the run to its end,
+    every sample once an epoch."""
+    r = run(3, extra=("--set", "run.epochs=2"))
+    w = [r.worker("--slow", "0.05") for _ in range(3)]
+    r.wait_log("training 2 epochs")
+    time.sleep(0.3)
+    w[0].send_signal(signal.SIGTERM)
+    w[1].send_signal(signal.SIGKILL)
+    out = [p.communicate(timeout=120) for p in w]
+    assert r.psd.wait(timeout=60) == 0, r.psd_log()
+    assert w[0].returncode == 0, out[0]
+    assert w[1].returncode == -signal.SIGKILL
+    assert w[2].returncode == 0, out[2]
+    assert "left the run" in r.psd_log()
+    L = r.metrics()
+    assert len(L) == 2 and all(x["train_samples"] == 1800 and x["val_samples"] == 200 for x in L), L
+    assert L[-1]["test_samples"] == 500
