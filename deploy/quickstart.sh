@@ -25,47 +25,44 @@ if [ ! -f build/build.ninja ]; then
 fi
 ninja -C build >/dev/null
 
+# wait_run PSD W0 W1: psd's exit code (the workers' are theirs); all three killed on INT/TERM
+wait_run() {
+    trap "kill $1 $2 $3 2>/dev/null || true" INT TERM EXIT
+    rc=0
+    wait "$1" || rc=$?
+    wait "$2" || true
+    wait "$3" || true
+    trap - INT TERM EXIT
+    [ $rc -ne 0 ] && { echo "psd exited $rc" >&2; exit $rc; }
+    return 0
+}
+
 case "$what" in
-train)
+train|torch)
     mkdir -p run
     cd run
-    PORT=${PSD_PORT:-5555}
-    "$ROOT/build/psd" --listen "tcp://127.0.0.1:$PORT" --workers 2 "$@" &
-    PSD=$!
-    "$ROOT/build/pworker" --connect "tcp://127.0.0.1:$PORT" &
-    W0=$!
-    "$ROOT/build/pworker" --connect "tcp://127.0.0.1:$PORT" &
-    W1=$!
-    trap 'kill $PSD $W0 $W1 2>/dev/null || true' INT TERM EXIT
-    rc=0
-    wait $PSD || rc=$?
-    wait $W0 || true
-    wait $W1 || true
-    trap - INT TERM EXIT
-    [ $rc -ne 0 ] && { echo "psd exited $rc" >&2; exit $rc; }
-    echo "metrics: $ROOT/run/psd-metrics.jsonl   weights: $ROOT/run/psd-weights.bin"
-    "$ROOT/build/psd" eval psd-weights.bin
-    ;;
-torch)
-    mkdir -p run
-    cd run
-    PORT=${PSD_PORT:-5555}
-    EP="tcp://127.0.0.1:$PORT"
-    export PYTHONPATH="$ROOT/python" PSD_WORKER_LIB="$ROOT/build/libpsworker.so.3"
-    "$ROOT/build/psd" --config "$ROOT/examples/torch/fashion_cnn.yaml" --listen "$EP" "$@" &
-    PSD=$!
-    /usr/bin/python3 "$ROOT/examples/torch/fashion_cnn.py" "$EP" --threads 1 &
-    W0=$!
-    /usr/bin/python3 "$ROOT/examples/torch/fashion_cnn.py" "$EP" --threads 1 &
-    W1=$!
-    trap 'kill $PSD $W0 $W1 2>/dev/null || true' INT TERM EXIT
-    rc=0
-    wait $PSD || rc=$?
-    wait $W0 || true
-    wait $W1 || true
-    trap - INT TERM EXIT
-    [ $rc -ne 0 ] && { echo "psd exited $rc" >&2; exit $rc; }
-    echo "metrics: $ROOT/run/psd-metrics.jsonl   best epoch's weights: $ROOT/run/fashion_cnn.safetensors"
+    EP="tcp://127.0.0.1:${PSD_PORT:-5555}"
+    if [ "$what" = train ]; then
+        "$ROOT/build/psd" --listen "$EP" --workers 2 "$@" &
+        PSD=$!
+        "$ROOT/build/pworker" --connect "$EP" &
+        W0=$!
+        "$ROOT/build/pworker" --connect "$EP" &
+        W1=$!
+        wait_run $PSD $W0 $W1
+        echo "metrics: $ROOT/run/psd-metrics.jsonl   weights: $ROOT/run/psd-weights.bin"
+        "$ROOT/build/psd" eval psd-weights.bin
+    else
+        export PYTHONPATH="$ROOT/python" PSD_WORKER_LIB="$ROOT/build/libpsworker.so.3"
+        "$ROOT/build/psd" --config "$ROOT/examples/torch/fashion_cnn.yaml" --listen "$EP" "$@" &
+        PSD=$!
+        /usr/bin/python3 "$ROOT/examples/torch/fashion_cnn.py" "$EP" --threads 1 &
+        W0=$!
+        /usr/bin/python3 "$ROOT/examples/torch/fashion_cnn.py" "$EP" --threads 1 &
+        W1=$!
+        wait_run $PSD $W0 $W1
+        echo "metrics: $ROOT/run/psd-metrics.jsonl   best epoch's weights: $ROOT/run/fashion_cnn.safetensors"
+    fi
     ;;
 test)
     meson test -C build --print-errorlogs --suite unit --suite integration --suite long --suite gpu --suite emu \
