@@ -69,7 +69,6 @@ def main():
     for epoch in w.epochs():
         model.train()
         for ids in w.batches():
-            model.zero_grad()
             out = model(xtr[ids])
             loss = F.cross_entropy(out, ytr[ids], reduction="sum")
             (loss / len(ids)).backward()

@@ -134,6 +134,9 @@ def _declare(lib):
         "psw_client_leave": (c.c_int, [c.c_void_p, c.c_char_p]),
         "psw_client_fail": (c.c_int, [c.c_void_p, c.c_int, c.c_char_p]),
         "psw_client_rank": (c.c_uint32, [c.c_void_p]),
+        "psw_client_run_id": (c.c_uint64, [c.c_void_p]),
+        "psw_client_push_region": (c.c_void_p, [c.c_void_p]),
+        "psw_client_release_on_push": (None, [c.c_void_p, c.c_int]),
         "psw_make_identity": (None, [c.c_char_p, c.c_uint64]),
         "psw_struct_size": (c.c_size_t, [c.c_char_p]),
     }

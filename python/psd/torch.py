@@ -12,15 +12,25 @@
             w.step(loss_sum=loss.item(), batch=len(idx))  # push the gradients, new weights into the parameters
         w.validate(lambda split, idx: {"loss": ..., "correct": ..., "count": len(idx)})
 
+With a DataLoader: DataLoader(dataset, batch_sampler=w.sampler(), num_workers=...) and
+`for x, y in w.batches(loader)`: the loader's processes read ahead; batches psd took back
+(rebalancing, a lost worker's share) are dropped, and samples it adds are read in another pass.
+
 psd holds the master weights and the optimizer (its config's optimizer, schedule and clipping):
-do not step a torch optimizer on the model (w.step says so if one did). The protocol is the C
-worker library's (libpsworker.so.3, through ctypes); nothing here is compiled.
+do not step a torch optimizer on the model (w.step says so if one did). psd zeroes the
+gradients before each batch; on psd's host they are computed straight into the memory psd
+reads. A worker that loses psd (killed, restarted with --resume) registers again for up to
+retry_s seconds and carries on. The protocol is the C worker library's (libpsworker.so.3,
+through ctypes); nothing here is compiled.
 """
+import collections
 import ctypes
 import errno
 import os
 import signal
 import socket
+import sys
+import time
 
 import torch
 
@@ -28,9 +38,21 @@ from . import _lib as L
 
 __all__ = ["Worker", "RunError"]
 
+_LOST = (-errno.ETIMEDOUT, -errno.ECONNRESET, -errno.ENOLINK)
+
 
 class RunError(RuntimeError):
     """psd ended this worker's run with an error (the message says why)."""
+
+
+class _End:
+    """SHUTDOWN that psd gave while this worker registered again."""
+    kind = L.EV_SHUTDOWN
+    append = 0
+
+    def __init__(self, code, message):
+        self.exit_code = code
+        self.message = message.encode()
 
 
 def _view(ptr, n):
@@ -41,94 +63,103 @@ def _view(ptr, n):
     return torch.frombuffer((ctypes.c_float * n).from_address(addr), dtype=torch.float32)
 
 
+class _Sampler:
+    """A batch sampler for DataLoader(batch_sampler=w.sampler()): this
+    worker's samples of the epoch not yet handed to the loader, a batch at a
+    time. Iterate the loader through w.batches(loader)."""
+
+    def __init__(self, w):
+        self._w = w
+
+    def __iter__(self):
+        w = self._w
+        if not w._in_loader:
+            raise RuntimeError("psd: iterate the DataLoader of w.sampler() through w.batches(loader)")
+        while w._handed < len(w._ids):
+            a = w._handed
+            b = w._ids[a:a + w.batch_size]
+            w._handed += len(b)
+            w._fifo.append([a, a + len(b), w._gen])
+            yield list(b)
+
+    def __len__(self):
+        w = self._w
+        return (max(0, len(w._ids) - w._handed) + w.batch_size - 1) // max(1, w.batch_size)
+
+
 class Worker:
     """One psd worker around a torch.nn.Module. Registers at once: offers the
     module's parameters as the run's model (psd's model.kind from_worker:
     the first worker's table and values are the run's; later workers must
     offer the same names and shapes), then says its data's sizes and
     fingerprint. rank, world and is_chief are psd's; log() prints on rank 0
-    only (verbose=True: on every rank)."""
+    only (verbose=True: on every rank). wait_s, train_s and steps: seconds
+    this worker waited for psd while training (its pushes, the next weights,
+    its barriers), seconds in its batches() loops, and its steps."""
 
     def __init__(self, endpoint, model, train_size, test_size, data_id="", threads=0, verbose=False,
-                 shared_memory=True, timeout_s=300.0, validate_fn=None):
+                 shared_memory=True, timeout_s=300.0, validate_fn=None, retry_s=120.0):
         self._lib = L.load()
         self.model = model
         self.verbose = verbose
         self._val_fn = validate_fn
         self._c = None
+        self._endpoint = endpoint
+        self._data = (int(train_size), int(test_size), data_id.encode())
+        self._threads = threads
+        self._shared_memory = shared_memory
+        self._retry_s = retry_s
         self._params = list(model.named_parameters())
         if not self._params:
             raise ValueError("psd: the model has no parameters")
-        n = len(self._params)
-        offer = (L.Tensor * n)()
-        values = (L.c_float_p * n)()
-        for i, (name, p) in enumerate(self._params):
+        for name, p in self._params:
             if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
                 raise ValueError("psd: parameter %s is %s on %s%s: psd workers train float32 CPU parameters" %
                                  (name, p.dtype, p.device, "" if p.is_contiguous() else ", not contiguous"))
             if len(name.encode()) > L.NAME_MAX or p.dim() > L.MAX_DIMS:
                 raise ValueError("psd: parameter %s: a name of at most %d bytes and at most %d dimensions" %
                                  (name, L.NAME_MAX, L.MAX_DIMS))
-            offer[i].name = name.encode()
-            offer[i].ndim = p.dim()
-            for d, s in enumerate(p.shape):
-                offer[i].shape[d] = s
-            values[i] = ctypes.cast(p.data_ptr(), L.c_float_p)
+        if len(data_id.encode()) > 255 or not all(32 <= ord(ch) < 127 for ch in data_id):
+            raise ValueError("psd: data_id must be at most 255 printable characters")
         self._identity = ctypes.create_string_buffer(16)
         self._lib.psw_make_identity(self._identity, id(self) ^ os.getpid())
-        info = L.Info(device=b"cpu", device_index=-1, threads=threads, n_offer=n, offer=offer, offer_values=values,
-                      identity=ctypes.cast(self._identity, ctypes.c_void_p), identity_len=16,
-                      no_shm=0 if shared_memory else 1, identity_hint=socket.gethostname().encode())
-        err = ctypes.create_string_buffer(512)
-        c = self._lib.psw_client_new(endpoint.encode(), ctypes.byref(info), err, 512)
-        if not c:
-            raise RunError("psd: %s" % err.value.decode(errors="replace"))
-        self._c = ctypes.c_void_p(c)
-        a = L.Assign()
-        rc = self._lib.psw_client_register(self._c, ctypes.byref(a), timeout_s, err, 512)
-        if rc != 0:
-            self.close()
-            raise RunError("psd: cannot join the run at %s: %s" % (endpoint, err.value.decode(errors="replace")))
-        if a.model != L.MODEL_TENSORS:
-            self.close()
-            raise RunError("psd trains one of its built-in models: a torch worker needs model.kind from_worker "
-                           "(or tensors)")
-        by_name = dict(self._params)
-        self._table = []  # the run's tensors in table order: (name, parameter)
-        for k in range(a.n_tensors):
-            t = a.tensors[k]
-            name = t.name.decode()
-            p = by_name.get(name)
-            if p is None or p.numel() != t.numel:
-                self.close()
-                raise RunError("psd: the run's tensor %d (%s, %d floats) is not one of this model's parameters" %
-                               (k, name, t.numel))
-            self._table.append((name, p))
-        self.rank = a.rank
+        self._run_id = 0
+        self._table = None  # the run's tensors in table order: (name, parameter)
+        self.rank = 0
         self.world = 1
-        self.batch_size = a.batch_size
-        self.val_batch_size = a.val_batch_size
-        self._timeout = max(a.step_timeout_s, 1.0)
-        self._start_timeout = max(a.start_timeout_s, 1.0)
-        self._zeros = {}
+        self.wait_s = 0.0
+        self.train_s = 0.0
+        self.steps = 0
+        self.copies = 0     # steps whose gradients were copied into shared memory (a zero_grad dropped the views)
+        self.rejoins = 0    # times this worker registered again after losing psd
+        self.dropped = 0    # batches a DataLoader had read that psd took back before they were stepped
         self._ids = []
-        self._pos = 0
+        self._pos = 0       # samples of _ids pushed
+        self._cur = None    # the batch being computed: (start, end) in _ids
         self._epoch = 0
         self._version = 0
         self._pending = None  # an event taken and not acted on yet (the next epoch's, SHUTDOWN, VALIDATE)
         self._versions = None
         self._leaving = False
+        self._in_loader = False
+        self._handed = 0      # samples of _ids handed to a DataLoader
+        self._fifo = collections.deque()  # handed batches [start, end, gen] in the loader's order
+        self._gen = 0         # bumped when _ids is replaced: every handed batch is void
+        self._zeros = {}
+        self._views = None
+        self._warned_copy = False
         self.exit_code = None
         self.message = ""
         self._ev = [L.Event(), L.Event()]  # alternated: a pending event stays valid until the next call
         self._ev_i = 0
+        rc, msg = self._session(timeout_s)
+        if rc != 0:
+            raise RunError("psd: cannot join the run at %s: %s" % (endpoint, msg))
         self._sigterm_prev = None
         try:
             self._sigterm_prev = signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread
             pass
-        if self._lib.psw_client_ready(self._c, train_size, test_size, data_id.encode()) != 0:
-            raise RunError("psd: data_id must be at most 255 printable characters")
 
     # -- the user's side --------------------------------------------------
 
@@ -142,17 +173,14 @@ class Worker:
             print(*args, **kw, flush=True)
 
     def epochs(self):
-        """psd's epochs (0-based numbers), until psd ends the run."""
+        """psd's epochs (0-based numbers), until psd ends the run. An epoch
+        psd trains again (resumed from a checkpoint) comes again."""
         timeout = self._start_timeout
         while self._c is not None:
             ev = self._take(timeout)
             timeout = self._timeout
             if ev.kind == L.EV_EPOCH and not ev.append:
-                self._epoch = ev.epoch
-                self.world = ev.world
-                self._ids = [ev.samples[i] for i in range(ev.n_samples)]
-                self._pos = 0
-                self._version = ev.version
+                self._adopt(ev)
                 yield ev.epoch
             elif ev.kind == L.EV_VALIDATE:  # joined while an epoch was validated
                 if self._val_fn is None:
@@ -163,40 +191,42 @@ class Worker:
                 self._shutdown(ev)
                 return
 
-    def batches(self):
-        """This worker's sample ids of the epoch, a batch (a list) at a time;
-        call step() once for each. Ends when psd has no more for it."""
-        if self._pos >= len(self._ids):
-            self._barrier()
-            if not self._after_barrier():
-                return
-        else:
-            self._lib.psw_client_pull(self._c, self._version)
-        while True:
-            if not self._wait_weights():
-                return
-            b = self._ids[self._pos:self._pos + self.batch_size]
-            self._stepped = False
-            yield b
-            if not self._stepped:
-                raise RuntimeError("psd: call w.step() once for each batch")
-            if self._pos >= len(self._ids):
-                if not self._after_barrier():
-                    return
+    def sampler(self):
+        """A batch sampler for torch.utils.data.DataLoader(batch_sampler=...);
+        iterate that loader through w.batches(loader)."""
+        return _Sampler(self)
+
+    def batches(self, loader=None):
+        """This worker's samples of the epoch, a batch at a time: lists of
+        sample ids, or with loader (a DataLoader on w.sampler()) its
+        batches; call step() once for each. Ends when psd has no more for it."""
+        t0 = time.perf_counter()
+        try:
+            if loader is None:
+                yield from self._id_batches()
+            else:
+                yield from self._loader_batches(loader)
+        finally:
+            self._in_loader = False
+            self.train_s += time.perf_counter() - t0
 
     def step(self, loss_sum=0.0, batch=None, correct=0):
         """Push the batch's mean gradient (the parameters' .grad) and, while
-        the epoch has more for this worker, put the next weights into the
-        parameters. loss_sum and correct: the batch's sums, for psd's
-        training figures."""
-        b = self._ids[self._pos:self._pos + self.batch_size]
-        n = len(b) if batch is None else int(batch)
+        the epoch has more for this worker, ask for the next weights.
+        loss_sum and correct: the batch's sums, for psd's training figures.
+        When it returns, the gradients are the caller's again."""
+        if self._cur is None:
+            raise RuntimeError("psd: w.step() without a batch of w.batches()")
+        a, b = self._cur
+        n = b - a if batch is None else int(batch)
         self._check_versions()
         if self._leaving:
             self.leave("SIGTERM")
             raise SystemExit(0)
+        t0 = time.perf_counter()
         grads = (L.Grad * len(self._table))()
         keep = []
+        copied = False
         for k, (name, p) in enumerate(self._table):
             g = p.grad
             if g is None:  # not used in this forward: a zero gradient
@@ -208,22 +238,40 @@ class Worker:
                                  (name, g.dtype, " sparse" if g.is_sparse else "", g.device))
             elif not g.is_contiguous():
                 g = g.contiguous()
+            if self._views is not None and p.grad is not None and g.data_ptr() != self._views[k].data_ptr():
+                copied = True
             keep.append(g)
             grads[k].tensor = k
             grads[k].data = ctypes.cast(g.data_ptr(), L.c_float_p)
-        self._pos += len(b)
+        if copied:
+            self.copies += 1
+            if not self._warned_copy:
+                self._warned_copy = True
+                print("psd: worker %d: the gradients are not in psd's shared memory (model.zero_grad() with "
+                      "set_to_none=True dropped them?): each step copies them there; psd zeroes the gradients "
+                      "before each batch, so the zero_grad() call can go" % self.rank, file=sys.stderr, flush=True)
+        self._pos = b
+        self._cur = None
         last = self._pos >= len(self._ids)
         push = L.Push(version=self._version, batch=n, loss_sum=float(loss_sum), correct=int(correct),
                       pull=0 if last else 1, n_grads=len(self._table), grads=grads)
         rc = self._lib.psw_client_push_v(self._c, ctypes.byref(push))
-        if rc != 0:
+        if rc in _LOST:  # the batch is trained again by whoever gets it
+            self._pending = self._lost("the push failed (%d)" % rc)
+            last = False
+        elif rc != 0:
             raise RunError("psd: push failed (%d)" % rc)
-        while not self._lib.psw_client_push_done(self._c):  # the gradients are read from the tensors themselves
-            pass
+        else:
+            pause = 20e-6  # sent from the tensors themselves: they stay untouched until the send is done
+            while not self._lib.psw_client_push_done(self._c):
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
         del keep
+        self.steps += 1
         self._stepped = True
-        if last:
+        if last and self._c is not None:
             self._barrier()
+        self.wait_s += time.perf_counter() - t0
 
     def validate(self, fn):
         """Answer psd's validation parts of this epoch (and, after the last
@@ -248,15 +296,81 @@ class Worker:
             self.close()
 
     def close(self):
+        self._drop_views()
         if self._c is not None:
             self._lib.psw_client_destroy(ctypes.byref(self._c))
             self._c = None
-        if self._sigterm_prev is not None:
+        if getattr(self, "_sigterm_prev", None) is not None:
             try:
                 signal.signal(signal.SIGTERM, self._sigterm_prev)
             except ValueError:
                 pass
             self._sigterm_prev = None
+
+    # -- batches -----------------------------------------------------------
+
+    def _id_batches(self):
+        if not self._start_batches():
+            return
+        while True:
+            if not self._wait_weights():
+                return
+            a = self._pos
+            b = self._ids[a:a + self.batch_size]
+            self._cur = (a, a + len(b))
+            self._stepped = False
+            yield b
+            if not self._stepped:
+                raise RuntimeError("psd: call w.step() once for each batch")
+            if self._pos >= len(self._ids) and not self._after_barrier():
+                return
+
+    def _loader_batches(self, loader):
+        if not isinstance(getattr(loader, "batch_sampler", None), _Sampler) or loader.batch_sampler._w is not self:
+            raise ValueError("psd: batches(loader) takes a DataLoader made with batch_sampler=w.sampler()")
+        if not self._start_batches():
+            return
+        self._handed = self._pos
+        self._fifo.clear()
+        weights = False  # the weights of the batch to come are here
+        while True:  # passes over the loader: another when psd added samples after the sampler ended
+            self._in_loader = True
+            for data in loader:
+                ent = self._fifo.popleft()
+                if self._valid(ent) and not weights:
+                    if not self._wait_weights():
+                        return
+                    weights = True
+                if not self._valid(ent):  # psd took its samples back (or gave the epoch anew)
+                    self.dropped += 1
+                    continue
+                self._cur = (ent[0], ent[1])
+                self._stepped = False
+                weights = False
+                yield data
+                if not self._stepped:
+                    raise RuntimeError("psd: call w.step() once for each batch")
+                if self._pos >= len(self._ids) and not self._after_barrier():
+                    return
+            self._in_loader = False
+            self._fifo.clear()
+            self._handed = self._pos
+            if self._pos >= len(self._ids):  # not one batch this pass
+                self._barrier()
+                if not self._after_barrier():
+                    return
+
+    def _valid(self, ent):
+        return ent[2] == self._gen and ent[0] == self._pos and ent[1] <= len(self._ids)
+
+    def _start_batches(self):
+        """Ask for the first weights of the epoch's batches; False if this
+        worker has none this epoch and psd gave it no more."""
+        if self._pos >= len(self._ids):
+            self._barrier()
+            return self._after_barrier()
+        self._lib.psw_client_pull(self._c, self._version)
+        return True
 
     # -- events ------------------------------------------------------------
 
@@ -267,56 +381,202 @@ class Worker:
         if self._pending is not None:
             ev, self._pending = self._pending, None
             return ev
-        self._ev_i ^= 1
-        ev = self._ev[self._ev_i]
         err = ctypes.create_string_buffer(512)
         while True:
             if self._leaving:  # SIGTERM: leave the run cleanly (psd gives this worker's samples to the others)
                 self.leave("SIGTERM")
                 raise SystemExit(0)
+            if self._c is None:
+                raise RunError("psd: this worker has left the run")
+            self._ev_i ^= 1
+            ev = self._ev[self._ev_i]
             rc = self._lib.psw_client_next(self._c, ctypes.byref(ev), timeout, err, 512)
-            if rc != -errno.EINTR:
-                break
+            if rc == -errno.EINTR:
+                continue
+            if rc in _LOST:
+                end = self._lost(err.value.decode(errors="replace"))
+                if end is not None:
+                    return end
+                timeout = self._start_timeout
+                continue
+            if rc != 0:
+                msg = err.value.decode(errors="replace")
+                self.close()
+                raise RunError("psd: %s (%d)" % (msg or "no answer", rc))
+            return ev
+
+    def _lost(self, why):
+        """psd was lost (killed, restarted, silent): register again until
+        retry_s has passed. Returns None once back in the run (its events
+        follow: the epoch it trains now), or SHUTDOWN if psd ended it."""
+        print("psd: worker %d lost psd (%s): registering again for up to %.0f s" % (self.rank, why, self._retry_s),
+              file=sys.stderr, flush=True)
+        self._drop_views()
+        self._lib.psw_client_destroy(ctypes.byref(self._c))
+        self._c = None
+        start, pause = time.monotonic(), 0.25
+        while True:
+            if self._leaving:
+                raise SystemExit(0)
+            time.sleep(pause)
+            pause = min(pause * 2, 5.0)
+            rc, msg = self._session(5.0)
+            if rc == 0:
+                self.rejoins += 1
+                self._versions = None
+                self._pending = None
+                self._gen += 1
+                self._fifo.clear()
+                print("psd: worker %d registered again (rank %d)" % (self.rank, self.rank), file=sys.stderr,
+                      flush=True)
+                return None
+            if rc == -errno.ESHUTDOWN:
+                return _End(self._ended_code, msg)
+            if rc not in _LOST:
+                raise RunError("psd: cannot join the run again: %s" % msg)
+            if time.monotonic() - start > self._retry_s:
+                raise RunError("psd at %s did not come back within %.0f s" % (self._endpoint, self._retry_s))
+
+    def _session(self, timeout):
+        """A client, registered, its table checked, its data said. Returns
+        (0, "") or (-errno, why)."""
+        n = len(self._params)  # offered again when registering again: psd checks it against the run's
+        offer = (L.Tensor * n)()
+        values = (L.c_float_p * n)()
+        for i, (name, p) in enumerate(self._params):
+            offer[i].name = name.encode()
+            offer[i].ndim = p.dim()
+            for d, s in enumerate(p.shape):
+                offer[i].shape[d] = s
+            values[i] = ctypes.cast(p.data_ptr(), L.c_float_p)
+        info = L.Info(device=b"cpu", device_index=-1, threads=self._threads, n_offer=n, offer=offer,
+                      offer_values=values, identity=ctypes.cast(self._identity, ctypes.c_void_p), identity_len=16,
+                      no_shm=0 if self._shared_memory else 1, identity_hint=socket.gethostname().encode(),
+                      run_id=self._run_id, prev_rank=self.rank)
+        err = ctypes.create_string_buffer(512)
+        c = self._lib.psw_client_new(self._endpoint.encode(), ctypes.byref(info), err, 512)
+        if not c:
+            return -errno.EINVAL, err.value.decode(errors="replace")
+        self._c = ctypes.c_void_p(c)
+        a = L.Assign()
+        rc = self._lib.psw_client_register(self._c, ctypes.byref(a), timeout, err, 512)
         if rc != 0:
-            msg = err.value.decode(errors="replace")
+            self._ended_code = self._lib.psw_client_shutdown_code(self._c)
+            self._lib.psw_client_destroy(ctypes.byref(self._c))
+            self._c = None
+            return rc, err.value.decode(errors="replace")
+        why = self._check_table(a)
+        if why:
+            self._lib.psw_client_fail(self._c, 0, why.encode())
             self.close()
-            raise RunError("psd: %s (%d)" % (msg or "no answer", rc))
-        return ev
+            raise RunError(why)
+        self.rank = a.rank
+        self._run_id = self._lib.psw_client_run_id(self._c)
+        self.batch_size = a.batch_size
+        self.val_batch_size = a.val_batch_size
+        self._timeout = max(a.step_timeout_s, 1.0)
+        self._start_timeout = max(a.start_timeout_s, 1.0)
+        self._offsets = [a.tensors[k].offset for k in range(a.n_tensors)]
+        self._region = self._lib.psw_client_push_region(self._c)
+        # the weights of an event are copied into the parameters at once: psd may reuse its slot after a push
+        self._lib.psw_client_release_on_push(self._c, 1)
+        if self._lib.psw_client_ready(self._c, *self._data) != 0:
+            raise RunError("psd: data_id must be at most 255 printable characters")
+        return 0, ""
+
+    def _check_table(self, a):
+        if a.model != L.MODEL_TENSORS:
+            return ("psd trains one of its built-in models: a torch worker needs model.kind from_worker "
+                    "(or tensors)")
+        by_name = dict(self._params)
+        table = []
+        for k in range(a.n_tensors):
+            t = a.tensors[k]
+            name = t.name.decode()
+            p = by_name.get(name)
+            if p is None or p.numel() != t.numel:
+                return "psd: the run's tensor %d (%s, %d floats) is not one of this model's parameters" % (
+                    k, name, t.numel)
+            table.append((name, p))
+        if self._table is not None and [x for x, _ in table] != [x for x, _ in self._table]:
+            return "psd's model changed since this worker joined: not rejoining"
+        self._table = table
+        return ""
+
+    def _adopt(self, ev):
+        """EPOCH (not append): this worker's samples of epoch ev.epoch."""
+        self._epoch = ev.epoch
+        self.world = ev.world
+        self._ids = [ev.samples[i] for i in range(ev.n_samples)]
+        self._pos = 0
+        self._cur = None
+        self._version = ev.version
+        self._gen += 1
+        self._handed = 0
+        self._fifo.clear()
 
     def _more(self, ev):
-        """EPOCH with append: more samples for this epoch, or (keep) fewer."""
+        """EPOCH: more samples for this epoch, fewer (keep), or, not
+        append, the same epoch's anew (psd resumed it, or a pool came):
+        True if this epoch goes on."""
+        if not ev.append:
+            if ev.epoch != self._epoch:
+                return False
+            self._adopt(ev)
+            if self._ids:
+                self._lib.psw_client_pull(self._c, self._version)
+            return True
         if ev.keep:
             del self._ids[ev.keep:]
+            # a loader's batches past keep are dropped (_valid); the part of one before keep is handed again
+            cut = min(self._handed, len(self._ids))
+            for ent in self._fifo:
+                if ent[2] == self._gen and ent[1] > len(self._ids):
+                    cut = min(cut, ent[0])
+                    break
+            self._handed = max(cut, self._pos)
         else:
             self._ids.extend(ev.samples[i] for i in range(ev.n_samples))
+        return True
 
     def _wait_weights(self):
-        while True:
-            ev = self._take(self._timeout)
-            if ev.kind == L.EV_WEIGHTS:
-                self._set_weights(ev)
-                self._version = ev.version
-                return True
-            if ev.kind == L.EV_EPOCH and ev.append:
-                self._more(ev)
-                continue
-            self._pending = ev  # SHUTDOWN (or what ends the epoch)
-            return False
+        t0 = time.perf_counter()
+        try:
+            while True:
+                ev = self._take(self._timeout)
+                if ev.kind == L.EV_WEIGHTS:
+                    self._set_weights(ev)
+                    self._version = ev.version
+                    self._grads_ready()
+                    return True
+                if ev.kind == L.EV_EPOCH and self._more(ev):
+                    if self._pos >= len(self._ids):  # psd gave it nothing left of the epoch
+                        self._barrier()
+                        return self._after_barrier() and self._wait_weights()
+                    continue
+                self._pending = ev  # SHUTDOWN (or what ends the epoch)
+                return False
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
     def _after_barrier(self):
         """After this worker's barrier: more samples (a worker was lost), or
         the epoch's end (the event is kept for validate/epochs)."""
-        while True:
-            ev = self._take(self._timeout)
-            if ev.kind == L.EV_EPOCH and ev.append:
-                self._more(ev)
-                if self._pos < len(self._ids):
-                    self._lib.psw_client_pull(self._c, self._version)
-                    return True
-                self._barrier()
-                continue
-            self._pending = ev
-            return False
+        t0 = time.perf_counter()
+        try:
+            while True:
+                ev = self._take(self._timeout)
+                if ev.kind == L.EV_EPOCH and self._more(ev):
+                    if self._pos < len(self._ids):
+                        if ev.append:
+                            self._lib.psw_client_pull(self._c, self._version)
+                        return True
+                    self._barrier()
+                    continue
+                self._pending = ev
+                return False
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
     def _barrier(self):
         if self._lib.psw_client_barrier(self._c, self._epoch, len(self._ids)) != 0:
@@ -327,6 +587,34 @@ class Worker:
             for k, (name, p) in enumerate(self._table):
                 p.data.copy_(_view(ev.tensors[k], ev.tensor_numel[k]).view(p.shape))
         self._versions = [p._version for _, p in self._table]
+
+    def _grads_ready(self):
+        """Before a batch: the gradients zeroed; on psd's host, each
+        parameter's .grad a view of psd's push region (backward adds into
+        it in place: the push copies nothing)."""
+        with torch.no_grad():
+            if self._region:
+                if self._views is None:
+                    n = max(int(o) + p.numel() for o, (_, p) in zip(self._offsets, self._table))
+                    flat = _view(ctypes.cast(self._region, L.c_float_p), n)
+                    self._views = [flat[int(o):int(o) + p.numel()].view(p.shape)
+                                   for o, (_, p) in zip(self._offsets, self._table)]
+                for (name, p), v in zip(self._table, self._views):
+                    v.zero_()
+                    if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                        p.grad = v
+            else:
+                for name, p in self._table:
+                    if p.grad is not None:
+                        p.grad.zero_()
+
+    def _drop_views(self):
+        """The push region is unmapped with its client: no .grad may point there then."""
+        if self._views is not None:
+            for (name, p), v in zip(self._table, self._views):
+                if p.grad is not None and p.grad.data_ptr() == v.data_ptr():
+                    p.grad = None
+            self._views = None
 
     def _check_versions(self):
         if self._versions is None:
@@ -364,6 +652,8 @@ class Worker:
         r = L.Val(epoch=ev.epoch, version=ev.version, begin=ev.val_begin, split=ev.split, loss_sum=loss,
                   correct=correct, count=count, n_sums=len(names), sums=arr)
         rc = self._lib.psw_client_val_result(self._c, ctypes.byref(r))
+        if rc in _LOST:
+            return  # psd is gone: the next event says what comes (this part is validated again)
         if rc != 0:
             raise RunError("psd: a validation answer was refused (%d): named sums are 1 to 32 of [a-z0-9_], not "
                            "loss, acc, correct, count, samples or auc, at most 16, finite" % rc)

@@ -3,8 +3,13 @@ from a fixed random linear map of the inputs), its own data of N train and
 M test samples drawn from a seed. Prints its rank's figures at the end.
 
     mlp_worker.py ENDPOINT [--train N] [--test M] [--data-id S] [--verbose] [--optimizer] [--slow S]
+                  [--loader K] [--ids FILE] [--set-to-none] [--no-shm]
+
+--loader K: the batches come from a DataLoader (w.sampler(), K reader processes); --ids FILE:
+each stepped batch's epoch and sample ids, a line each, written before the next batch.
 """
 import argparse
+import json
 import sys
 import time
 
@@ -44,13 +49,18 @@ def main():
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--optimizer", action="store_true", help="also step a torch optimizer (refused)")
     ap.add_argument("--slow", type=float, default=0, help="seconds to sleep a step")
+    ap.add_argument("--loader", type=int, default=-1, help="a DataLoader with this many reader processes")
+    ap.add_argument("--ids", help="write each stepped batch's epoch and ids here")
+    ap.add_argument("--set-to-none", action="store_true", help="model.zero_grad(set_to_none=True) each batch")
+    ap.add_argument("--no-shm", action="store_true")
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = Net()
     xtr, ytr = data(a.train, 1)
     xte, yte = data(a.test, 2)
-    w = pst.Worker(a.endpoint, model, train_size=a.train, test_size=a.test, data_id=a.data_id, verbose=a.verbose)
+    w = pst.Worker(a.endpoint, model, train_size=a.train, test_size=a.test, data_id=a.data_id, verbose=a.verbose,
+                   shared_memory=not a.no_shm)
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if a.optimizer else None
 
     def evaluate(split, idx):
@@ -60,21 +70,35 @@ def main():
                 "correct": int((out.argmax(1) == y[idx]).sum()), "count": len(idx),
                 "abs_err": float((out.argmax(1) - y[idx]).abs().sum())}
 
+    loader = None
+    if a.loader >= 0:
+        ds = torch.utils.data.TensorDataset(xtr, ytr, torch.arange(a.train))
+        loader = torch.utils.data.DataLoader(ds, batch_sampler=w.sampler(), num_workers=a.loader)
+    ids = open(a.ids, "w") if a.ids else None
     for epoch in w.epochs():
-        for idx in w.batches():
-            model.zero_grad()
-            out = model(xtr[idx])
-            loss = F.cross_entropy(out, ytr[idx], reduction="sum")
+        for batch in w.batches(loader):
+            if loader is None:
+                x, y, idx = xtr[batch], ytr[batch], batch
+            else:
+                x, y, idx = batch[0], batch[1], batch[2].tolist()
+            if a.set_to_none:
+                model.zero_grad(set_to_none=True)
+            out = model(x)
+            loss = F.cross_entropy(out, y, reduction="sum")
             (loss / len(idx)).backward()
             if opt:
                 opt.step()
             if a.slow:
                 time.sleep(a.slow)
-            w.step(loss_sum=loss.item(), batch=len(idx), correct=int((out.argmax(1) == ytr[idx]).sum()))
+            w.step(loss_sum=loss.item(), batch=len(idx), correct=int((out.argmax(1) == y).sum()))
+            if ids:
+                ids.write(json.dumps([epoch, idx]) + "\n")
+                ids.flush()
         w.validate(evaluate)
         w.log("rank %d epoch %d done (world %d)" % (w.rank, epoch, w.world))
     assert isinstance(model, Net) and model.tag == "mine" and model.describe() == "Net(mine)"
     w.log("model intact: %s" % model.describe())
+    w.log("copies %d rejoins %d steps %d dropped %d" % (w.copies, w.rejoins, w.steps, w.dropped))
     return 0
 
 

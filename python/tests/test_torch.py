@@ -41,17 +41,29 @@ class Run:
         self.ep = "tcp://127.0.0.1:%d" % free_port()
         (tmp / "c.yaml").write_text(config)
         self.log = open(tmp / "psd.log", "w")
-        self.psd = subprocess.Popen([PSD, "--config", str(tmp / "c.yaml"), "--workers", str(workers), "--listen",
-                                     self.ep, "--metrics", str(tmp / "m.jsonl"), "--save", "",
-                                     "--set", "checkpoint.dir=", "--start-timeout", "30", *extra],
-                                    stdout=self.log, stderr=subprocess.STDOUT)
-        self.procs = [self.psd]
+        self.args = [PSD, "--config", str(tmp / "c.yaml"), "--workers", str(workers), "--listen", self.ep,
+                     "--metrics", str(tmp / "m.jsonl"), "--save", "", "--set", "checkpoint.dir=",
+                     "--start-timeout", "30", *extra]
+        self.procs = []
+        self.start_psd()
+
+    def start_psd(self, *more):
+        self.psd = subprocess.Popen(self.args + list(more), stdout=self.log, stderr=subprocess.STDOUT)
+        self.procs.append(self.psd)
 
     def worker(self, *args):
         p = subprocess.Popen([sys.executable, os.path.join(HERE, "mlp_worker.py"), self.ep, *args],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.procs.append(p)
         return p
+
+    def ids(self, path, epochs):
+        """The sample ids a worker's --ids file says it stepped, by epoch."""
+        by = [[] for _ in range(epochs)]
+        for line in open(path):
+            e, ids = json.loads(line)
+            by[e].extend(ids)
+        return by
 
     def metrics(self):
         return [json.loads(x) for x in (self.tmp / "m.jsonl").read_text().splitlines()]
@@ -172,3 +184,116 @@ def test_sigterm_leaves_and_kill9_costs_only_samples(run):
     L = r.metrics()
     assert len(L) == 2 and all(x["train_samples"] == 1800 and x["val_samples"] == 200 for x in L), L
     assert L[-1]["test_samples"] == 500
+
+
+def safetensors(path):
+    """name -> raw bytes of each tensor of a safetensors file."""
+    b = open(path, "rb").read()
+    n = int.from_bytes(b[:8], "little")
+    head = json.loads(b[8:8 + n])
+    return {k: b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]]
+            for k, v in head.items() if k != "__metadata__"}
+
+
+def test_psd_killed_and_resumed_torch_workers_carry_on(run, tmp_path):
+    """psd is killed with SIGKILL in the middle of epoch 2 and started again with --resume:
+    the 2 running torch workers register again by themselves and the run ends with every
+    epoch's counts exact."""
+    r = run(2, extra=("--set", "checkpoint.dir=%s" % (tmp_path / "ck"), "--set", "checkpoint.every_steps=10"))
+    w = [r.worker("--slow", "0.04"), r.worker("--slow", "0.04")]
+    r.wait_log("epoch 1/3 step")
+    time.sleep(0.6)
+    r.psd.kill()
+    r.psd.wait()
+    r.start_psd("--resume", str(tmp_path / "ck"))
+    out = [p.communicate(timeout=180) for p in w]
+    assert r.psd.wait(timeout=60) == 0, r.psd_log()
+    for p, (o, e) in zip(w, out):
+        assert p.returncode == 0, o + e
+        assert "registered again" in e, e
+    assert "resuming run" in r.psd_log()
+    L = r.metrics()
+    assert [x["epoch"] for x in L] == [1, 2, 3], L
+    for x in L:
+        assert x["train_samples"] == 1800 and x["val_samples"] == 200, x
+    assert L[-1]["test_samples"] == 500 and L[-1]["test_acc"] >= 0.85, L[-1]
+
+
+def test_stopped_and_resumed_at_an_epoch_boundary_gives_the_same_tensors(run, tmp_path):
+    """One torch worker, one thread: 3 epochs straight, against 1 epoch, --stop-after-epoch,
+    --resume and a new worker process for the other 2: the saved tensors are bit for bit the
+    same. The second run's worker drops its gradients (zero_grad(set_to_none=True)) each batch
+    and the first's never zeroes them: psd zeroes them before each batch either way."""
+    a = tmp_path / "a"
+    b = tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    r1 = run(1, extra=("--save", str(a / "w.safetensors")))
+    p = r1.worker()
+    o, e = p.communicate(timeout=120)
+    assert p.returncode == 0 and r1.psd.wait(timeout=60) == 0, e + r1.psd_log()
+    assert "copies 0 " in o, o  # the gradients were computed in psd's shared memory
+    ck = ("--set", "checkpoint.dir=%s" % (b / "ck"))
+    r2 = Run(b, 1, extra=("--save", str(b / "w.safetensors")) + ck + ("--stop-after-epoch", "1"))
+    try:
+        p = r2.worker("--set-to-none")
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and r2.psd.wait(timeout=60) == 0, e + r2.psd_log()
+        assert "stopping after epoch 1" in r2.psd_log()
+        r2.start_psd("--resume", str(b / "ck"))
+        p = r2.worker("--set-to-none")
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and r2.psd.wait(timeout=60) == 0, e + r2.psd_log()
+        assert "copies 0 " not in o and "the gradients are not in psd's shared memory" in e, o + e
+    finally:
+        r2.kill()
+    ta, tb = safetensors(a / "w.safetensors"), safetensors(b / "w.safetensors")
+    assert sorted(ta) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    assert ta == tb
+
+
+def test_a_dataloader_trains_every_sample_once_as_psd_moves_them(run, tmp_path):
+    """3 torch workers reading through DataLoader(batch_sampler=w.sampler(), num_workers=2),
+    async with rebalancing, rank 0 slowed down: psd moves its samples to the others while
+    their loaders read ahead. Each epoch every training sample is stepped exactly once (the
+    workers' own lists of what they stepped), and no held-out one."""
+    r = run(3, extra=("--set", "train.sync=async", "--set", "run.epochs=2"))
+    files = [tmp_path / ("ids%d" % i) for i in range(3)]
+    w = [r.worker("--loader", "2", "--ids", str(files[0]), "--slow", "0.03")]
+    r.wait_log("the run's data is rank")
+    w += [r.worker("--loader", "2", "--ids", str(f)) for f in files[1:]]
+    out = [p.communicate(timeout=180) for p in w]
+    assert r.psd.wait(timeout=60) == 0, r.psd_log()
+    for p, (o, e) in zip(w, out):
+        assert p.returncode == 0, o + e
+    assert "samples moved from slower workers" in r.psd_log(), r.psd_log()
+    dropped = int(out[0][0].split(" dropped ")[1].split()[0])  # rank 0's loader had read past what it kept
+    assert dropped > 0, out[0]
+    by = [r.ids(f, 2) for f in files]
+    for e in range(2):
+        stepped = sorted(i for k in range(3) for i in by[k][e])
+        assert len(stepped) == 1800 and len(set(stepped)) == 1800, (e, len(stepped), len(set(stepped)))
+    L = r.metrics()
+    assert all(x["train_samples"] == 1800 for x in L) and L[-1]["test_samples"] == 500, L
+
+
+def test_a_dataloader_worker_killed_mid_epoch(run, tmp_path):
+    """3 DataLoader torch workers, one killed with SIGKILL mid-epoch: the two left train its
+    samples (a second pass over their loaders), none of them twice, and psd's counts are exact."""
+    r = run(3, extra=("--set", "run.epochs=2"))
+    files = [tmp_path / ("ids%d" % i) for i in range(3)]
+    w = [r.worker("--loader", "1", "--ids", str(f), "--slow", "0.03") for f in files]
+    r.wait_log("training 2 epochs")
+    time.sleep(0.5)
+    w[2].kill()
+    out = [p.communicate(timeout=180) for p in w]
+    assert r.psd.wait(timeout=60) == 0, r.psd_log()
+    assert w[2].returncode == -signal.SIGKILL and "rank 2" in r.psd_log()
+    assert w[0].returncode == 0 and w[1].returncode == 0, out
+    by = [r.ids(f, 2) for f in files[:2]]
+    for e in range(2):
+        stepped = [i for k in range(2) for i in by[k][e]]
+        assert len(stepped) == len(set(stepped)), e
+    assert len(by[0][1]) + len(by[1][1]) == 1800
+    L = r.metrics()
+    assert len(L) == 2 and all(x["train_samples"] == 1800 and x["val_samples"] == 200 for x in L), L
