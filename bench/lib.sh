@@ -31,3 +31,28 @@ same() {
         echo "$1 != $2: the weights differ (a bug)"
     fi
 }
+
+# After bench_setup, for the scripts that run torch workers and DDP
+# (torch_cnn.sh, torch_mlp.sh): PY, PIDS (what the script started: ended by
+# PID on exit, with the children of each, DDP's ranks), the machine line,
+# one thread each, the package from the tree, EP.
+bench_torch_setup() {
+    PY=/usr/bin/python3
+    PIDS=()
+    trap bench_torch_cleanup EXIT
+    trap 'exit 130' INT # a trapped signal ends `wait` at once; the exit runs the cleanup
+    trap 'exit 143' TERM
+    machine_line # before OMP_NUM_THREADS=1: nproc reads it
+    export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+    export PYTHONPATH="$ROOT/python" PSD_WORKER_LIB="$ROOT/build/libpsworker.so.3"
+    EP="tcp://127.0.0.1:$PORT"
+}
+
+bench_torch_cleanup() {
+    local p
+    for p in "${PIDS[@]}"; do
+        pkill -TERM -P "$p" 2>/dev/null || true
+        kill "$p" 2>/dev/null || true
+    done
+    rm -rf "$WORK"
+}
