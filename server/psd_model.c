@@ -100,7 +100,8 @@ int psd_model_setup(srv_t *s, const float *const *values)
                     "over the wire (ctr.worker_table_mb %g)", mb, c->ctr_worker_table_mb);
         else if (big)
             PS_WARN("the embedding table (%.0f MiB, over ctr.worker_table_mb %g) goes to every worker whole: a table "
-                    "only psd holds needs its rows stepped lazily (one psd, or shards whose pieces are whole rows), "
+                    "only psd holds needs model.kind ctr, its rows stepped lazily (one psd, or shards whose pieces are "
+                    "whole rows), "
                     "steps not streamed, f32 weights and gradients, and no other sparse-rows tensor", mb,
                     c->ctr_worker_table_mb);
     }

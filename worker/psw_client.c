@@ -1409,6 +1409,7 @@ size_t psw_struct_size(const char *name)
     PSW_SIZE(psw_push_t);
     PSW_SIZE(psw_sum_t);
     PSW_SIZE(psw_val_t);
+    PSW_SIZE(psw_ctr_gen_t);
 #undef PSW_SIZE
     return 0;
 }

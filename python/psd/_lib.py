@@ -96,7 +96,14 @@ class Val(ctypes.Structure):
                 ("sums", ctypes.POINTER(Sum))]
 
 
-_STRUCTS = {"psw_tensor_t": Tensor, "psw_info_t": Info, "psw_file_t": File, "psw_assign_t": Assign,
+class CtrGen(ctypes.Structure):
+    _fields_ = [("fields", ctypes.c_int), ("per_field", ctypes.c_int), ("vocab", ctypes.c_uint64),
+                ("zipf", ctypes.c_double), ("rows", ctypes.c_uint64), ("weight_std", ctypes.c_double),
+                ("bias", ctypes.c_double), ("seed", ctypes.c_uint64)]
+
+
+_STRUCTS = {"psw_ctr_gen_t": CtrGen,
+            "psw_tensor_t": Tensor, "psw_info_t": Info, "psw_file_t": File, "psw_assign_t": Assign,
             "psw_event_t": Event, "psw_grad_t": Grad, "psw_push_t": Push, "psw_sum_t": Sum, "psw_val_t": Val}
 
 
@@ -139,6 +146,9 @@ def _declare(lib):
         "psw_client_release_on_push": (None, [c.c_void_p, c.c_int]),
         "psw_make_identity": (None, [c.c_char_p, c.c_uint64]),
         "psw_struct_size": (c.c_size_t, [c.c_char_p]),
+        "psw_client_rows_ok": (c.c_int, [c.c_void_p]),
+        "psw_ctr_examples": (c.c_int, [c.POINTER(CtrGen), c.POINTER(c.c_uint64), c.c_size_t, c_u32_p,
+                                       c.POINTER(c.c_uint8), c.POINTER(c.c_double), c.c_char_p, c.c_size_t]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)

@@ -98,7 +98,7 @@ class Worker:
     its barriers), seconds in its batches() loops, and its steps."""
 
     def __init__(self, endpoint, model, train_size, test_size, data_id="", threads=0, verbose=False,
-                 shared_memory=True, timeout_s=300.0, validate_fn=None, retry_s=120.0):
+                 shared_memory=True, timeout_s=300.0, validate_fn=None, retry_s=120.0, rows_of=None):
         self._lib = L.load()
         self.model = model
         self.verbose = verbose
@@ -112,6 +112,15 @@ class Worker:
         self._params = list(model.named_parameters())
         if not self._params:
             raise ValueError("psd: the model has no parameters")
+        # Embedding/EmbeddingBag(sparse=True): sparse-rows tensors, their gradient pushed as rows
+        self._sparse = {(m_name + "." if m_name else "") + "weight" for m_name, m in model.named_modules()
+                        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+        if self._sparse:
+            self._shared_memory = False  # rows go over the wire; psd's shared memory takes whole tensors
+        self._rows_of = rows_of
+        self.bytes_pushed = 0   # gradient bytes handed to the pushes (rows: their ids and values)
+        self.rows_pushed = 0    # sparse rows pushed
+        self._densified = False
         for name, p in self._params:
             if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
                 raise ValueError("psd: parameter %s is %s on %s%s: psd workers train float32 CPU parameters" %
@@ -145,6 +154,7 @@ class Worker:
         self._handed = 0      # samples of _ids handed to a DataLoader
         self._fifo = collections.deque()  # handed batches [start, end, gen] in the loader's order
         self._gen = 0         # bumped when _ids is replaced: every handed batch is void
+        self._head = None     # the handed batch whose weights are awaited
         self._zeros = {}
         self._views = None
         self._warned_copy = False
@@ -227,8 +237,29 @@ class Worker:
         grads = (L.Grad * len(self._table))()
         keep = []
         copied = False
+        n_rows = 0
         for k, (name, p) in enumerate(self._table):
             g = p.grad
+            if g is not None and g.is_sparse and g.dtype == torch.float32 and g.device.type == "cpu":
+                g = g.coalesce()
+                if g._nnz() > 0 and name in self._sparse and self._rows_ok:  # as rows: ids, then their values
+                    ids = g.indices()[0].to(torch.int32).contiguous()
+                    vals = g.values().contiguous()
+                    keep += [ids, vals]
+                    grads[k].tensor = k
+                    grads[k].row_ids = ctypes.cast(ids.data_ptr(), L.c_u32_p)
+                    grads[k].n_rows = ids.numel()
+                    grads[k].row_vals = ctypes.cast(vals.data_ptr(), L.c_float_p)
+                    n_rows += ids.numel()
+                    self.bytes_pushed += 4 * ids.numel() + 4 * vals.numel()
+                    continue
+                if g._nnz() > 0 and not self._densified:
+                    self._densified = True
+                    print("psd: worker %d: the sparse gradient of %s goes whole: %s" % (
+                        self.rank, name, "its parameter is not an Embedding(sparse=True)" if name not in self._sparse
+                        else "this run cannot take rows (psd shards whose pieces are not whole rows, or "
+                        "bfloat16 gradients)"), file=sys.stderr, flush=True)
+                g = g.to_dense()
             if g is None:  # not used in this forward: a zero gradient
                 g = self._zeros.get(k)
                 if g is None:
@@ -243,6 +274,7 @@ class Worker:
             keep.append(g)
             grads[k].tensor = k
             grads[k].data = ctypes.cast(g.data_ptr(), L.c_float_p)
+            self.bytes_pushed += 4 * g.numel()
         if copied:
             self.copies += 1
             if not self._warned_copy:
@@ -253,8 +285,17 @@ class Worker:
         self._pos = b
         self._cur = None
         last = self._pos >= len(self._ids)
+        self.rows_pushed += n_rows
         push = L.Push(version=self._version, batch=n, loss_sum=float(loss_sum), correct=int(correct),
                       pull=0 if last else 1, n_grads=len(self._table), grads=grads)
+        if n_rows and not last and self._rows_of is not None and self._in_loader is False:
+            # the reply brings only the table rows the next batch reads (the others stay as they were)
+            nxt = self._ids[self._pos:self._pos + self.batch_size]
+            want = torch.unique(torch.as_tensor(self._rows_of(nxt), dtype=torch.int64).reshape(-1)).to(torch.int32)
+            if want.numel():
+                keep.append(want)
+                push.want = ctypes.cast(want.data_ptr(), L.c_u32_p)
+                push.n_want = want.numel()
         rc = self._lib.psw_client_push_v(self._c, ctypes.byref(push))
         if rc in _LOST:  # the batch is trained again by whoever gets it
             self._pending = self._lost("the push failed (%d)" % rc)
@@ -338,7 +379,10 @@ class Worker:
             for data in loader:
                 ent = self._fifo.popleft()
                 if self._valid(ent) and not weights:
-                    if not self._wait_weights():
+                    self._head = ent  # voided too if psd takes its samples back meanwhile
+                    ok = self._wait_weights()
+                    self._head = None
+                    if not ok:
                         return
                     weights = True
                 if not self._valid(ent):  # psd took its samples back (or gave the epoch anew)
@@ -445,6 +489,7 @@ class Worker:
         values = (L.c_float_p * n)()
         for i, (name, p) in enumerate(self._params):
             offer[i].name = name.encode()
+            offer[i].sparse_rows = 1 if name in self._sparse else 0
             offer[i].ndim = p.dim()
             for d, s in enumerate(p.shape):
                 offer[i].shape[d] = s
@@ -477,7 +522,12 @@ class Worker:
         self._timeout = max(a.step_timeout_s, 1.0)
         self._start_timeout = max(a.start_timeout_s, 1.0)
         self._offsets = [a.tensors[k].offset for k in range(a.n_tensors)]
+        if a.ctr.table_on_psd:
+            self._lib.psw_client_destroy(ctypes.byref(self._c))
+            self._c = None
+            raise RunError("psd keeps the embedding table and sends rows only: not with psd.torch")
         self._region = self._lib.psw_client_push_region(self._c)
+        self._rows_ok = bool(self._lib.psw_client_rows_ok(self._c))
         # the weights of an event are copied into the parameters at once: psd may reuse its slot after a push
         self._lib.psw_client_release_on_push(self._c, 1)
         if self._lib.psw_client_ready(self._c, *self._data) != 0:
@@ -528,12 +578,13 @@ class Worker:
             return True
         if ev.keep:
             del self._ids[ev.keep:]
-            # a loader's batches past keep are dropped (_valid); the part of one before keep is handed again
+            # a loader's batches past keep are void for good (samples added later take those
+            # positions: other samples); the part of one before keep is handed again
             cut = min(self._handed, len(self._ids))
-            for ent in self._fifo:
+            for ent in ([self._head] if self._head else []) + list(self._fifo):
                 if ent[2] == self._gen and ent[1] > len(self._ids):
                     cut = min(cut, ent[0])
-                    break
+                    ent[2] = -1
             self._handed = max(cut, self._pos)
         else:
             self._ids.extend(ev.samples[i] for i in range(ev.n_samples))
@@ -584,8 +635,16 @@ class Worker:
 
     def _set_weights(self, ev):
         with torch.no_grad():
+            rows = None
+            if ev.n_row_ids:  # the reply to a push with want: only those rows of the table are new
+                rows = torch.frombuffer((ctypes.c_uint32 * ev.n_row_ids).from_address(
+                    ctypes.cast(ev.row_ids, ctypes.c_void_p).value), dtype=torch.int32).long()
             for k, (name, p) in enumerate(self._table):
-                p.data.copy_(_view(ev.tensors[k], ev.tensor_numel[k]).view(p.shape))
+                src = _view(ev.tensors[k], ev.tensor_numel[k]).view(p.shape)
+                if rows is not None and name in self._sparse:
+                    p.data.index_copy_(0, rows, src.index_select(0, rows))
+                else:
+                    p.data.copy_(src)
         self._versions = [p._version for _, p in self._table]
 
     def _grads_ready(self):
@@ -605,7 +664,9 @@ class Worker:
                         p.grad = v
             else:
                 for name, p in self._table:
-                    if p.grad is not None:
+                    if p.grad is not None and p.grad.is_sparse:
+                        p.grad = None  # backward makes the next batch's
+                    elif p.grad is not None:
                         p.grad.zero_()
 
     def _drop_views(self):

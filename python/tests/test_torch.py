@@ -5,99 +5,12 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-
-import pytest
 
 from psd import _lib
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PSD = os.environ.get("PSD_BIN", "psd")
-CONFIG = """model: {kind: from_worker}
-run: {epochs: 3}
-data: {val_fraction: 0.1}
-train: {batch_size: 32}
-optimizer: {name: sgd, lr: 0.1, momentum: 0.9}
-schedule: {name: constant}
-"""
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-class Run:
-    """psd and its workers in tmp; kill() ends what is left by PID."""
-
-    def __init__(self, tmp, workers, config=CONFIG, extra=()):
-        self.tmp = tmp
-        self.ep = "tcp://127.0.0.1:%d" % free_port()
-        (tmp / "c.yaml").write_text(config)
-        self.log = open(tmp / "psd.log", "w")
-        self.args = [PSD, "--config", str(tmp / "c.yaml"), "--workers", str(workers), "--listen", self.ep,
-                     "--metrics", str(tmp / "m.jsonl"), "--save", "", "--set", "checkpoint.dir=",
-                     "--start-timeout", "30", *extra]
-        self.procs = []
-        self.start_psd()
-
-    def start_psd(self, *more):
-        self.psd = subprocess.Popen(self.args + list(more), stdout=self.log, stderr=subprocess.STDOUT)
-        self.procs.append(self.psd)
-
-    def worker(self, *args):
-        p = subprocess.Popen([sys.executable, os.path.join(HERE, "mlp_worker.py"), self.ep, *args],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.procs.append(p)
-        return p
-
-    def ids(self, path, epochs):
-        """The sample ids a worker's --ids file says it stepped, by epoch."""
-        by = [[] for _ in range(epochs)]
-        for line in open(path):
-            e, ids = json.loads(line)
-            by[e].extend(ids)
-        return by
-
-    def metrics(self):
-        return [json.loads(x) for x in (self.tmp / "m.jsonl").read_text().splitlines()]
-
-    def psd_log(self):
-        self.log.flush()
-        return (self.tmp / "psd.log").read_text()
-
-    def wait_log(self, text, timeout=30):
-        deadline = time.time() + timeout
-        while text not in self.psd_log():
-            assert time.time() < deadline, "psd did not log %r:\n%s" % (text, self.psd_log())
-            time.sleep(0.05)
-
-    def kill(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        self.log.close()
-
-
-@pytest.fixture
-def run(tmp_path):
-    runs = []
-
-    def make(*a, **kw):
-        r = Run(tmp_path, *a, **kw)
-        runs.append(r)
-        return r
-
-    yield make
-    for r in runs:
-        r.kill()
+from conftest import HERE, Run, free_port, safetensors  # the run fixture: conftest.py
 
 
 def test_the_binding_matches_the_library():
@@ -184,15 +97,6 @@ def test_sigterm_leaves_and_kill9_costs_only_samples(run):
     L = r.metrics()
     assert len(L) == 2 and all(x["train_samples"] == 1800 and x["val_samples"] == 200 for x in L), L
     assert L[-1]["test_samples"] == 500
-
-
-def safetensors(path):
-    """name -> raw bytes of each tensor of a safetensors file."""
-    b = open(path, "rb").read()
-    n = int.from_bytes(b[:8], "little")
-    head = json.loads(b[8:8 + n])
-    return {k: b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]]
-            for k, v in head.items() if k != "__metadata__"}
 
 
 def test_psd_killed_and_resumed_torch_workers_carry_on(run, tmp_path):

@@ -337,4 +337,27 @@ size_t psw_struct_size(const char *name);
  * Keep it for the process: psd recognises a worker reconnecting by it. */
 void psw_make_identity(uint8_t id[16], uint64_t salt);
 
+/* The click-through task's generator (model.kind ctr's data, common/ps_ctr.h)
+ * for workers that bring their own model of it: examples are a pure function
+ * of (generator, index), the same bits as pworker's. psd.ctr in the Python
+ * package is this. Training examples are indices [0, train), test ones
+ * [train, train + test), as psd gives them. */
+typedef struct {
+    int fields;          /* categorical fields an example */
+    int per_field;       /* values a field (1: one-hot; more: a bag) */
+    uint64_t vocab;      /* distinct values a field */
+    double zipf;         /* exponent of the values' Zipf distribution */
+    uint64_t rows;       /* embedding rows (field, value) pairs are hashed into */
+    double weight_std;   /* the planted model's weights' spread */
+    double bias;         /* the planted model's bias */
+    uint64_t seed;
+} psw_ctr_gen_t;
+
+/* Examples index[0..n): rows[i * fields * per_field + f * per_field + j] =
+ * the embedding row of field f's j-th value of example i, labels[i] = 0 or
+ * 1, p_click[i] (p_click may be NULL) = the planted click probability.
+ * 0, or -EINVAL with the reason in err (a generator that cannot be). */
+int psw_ctr_examples(const psw_ctr_gen_t *g, const uint64_t *index, size_t n, uint32_t *rows, uint8_t *labels,
+                     double *p_click, char *err, size_t errlen);
+
 #endif
