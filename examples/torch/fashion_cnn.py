@@ -51,28 +51,31 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("endpoint")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: the model and batches on that GPU")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)  # the first worker's initial values are the run's
     xtr, ytr = load("train")
     xte, yte = load("t10k")
-    model = Net()
+    model = Net().to(a.device)
     w = pst.Worker(a.endpoint, model, train_size=len(ytr), test_size=len(yte), data_id="fashion-mnist-debian",
                    threads=a.threads)
 
     def evaluate(split, ids):
         x, y = (xtr, ytr) if split == "val" else (xte, yte)
-        out = model(x[ids])
-        return {"loss": F.cross_entropy(out, y[ids], reduction="sum").item(),
-                "correct": int((out.argmax(1) == y[ids]).sum()), "count": len(ids)}
+        xs, ys = x[ids].to(a.device), y[ids].to(a.device)
+        out = model(xs)
+        return {"loss": F.cross_entropy(out, ys, reduction="sum").item(),
+                "correct": int((out.argmax(1) == ys).sum()), "count": len(ids)}
 
     for epoch in w.epochs():
         model.train()
         for ids in w.batches():
-            out = model(xtr[ids])
-            loss = F.cross_entropy(out, ytr[ids], reduction="sum")
-            (loss / len(ids)).backward()
-            w.step(loss_sum=loss.item(), batch=len(ids), correct=int((out.argmax(1) == ytr[ids]).sum()))
+            xs, ys = xtr[ids].to(a.device), ytr[ids].to(a.device)
+            out = model(xs)
+            loss = F.cross_entropy(out, ys, reduction="sum")
+            # backward, each layer's gradient to psd as soon as it is computed, then the step
+            w.backward(loss / len(ids), loss_sum=loss.item(), batch=len(ids), correct=int((out.argmax(1) == ys).sum()))
         model.eval()
         w.validate(evaluate)
         w.log("epoch %d done" % (epoch + 1))

@@ -35,6 +35,7 @@ import time
 import torch
 
 from . import _lib as L
+from ._staging import Staging
 
 __all__ = ["Worker", "RunError"]
 
@@ -98,7 +99,8 @@ class Worker:
     its barriers), seconds in its batches() loops, and its steps."""
 
     def __init__(self, endpoint, model, train_size, test_size, data_id="", threads=0, verbose=False,
-                 shared_memory=True, timeout_s=300.0, validate_fn=None, retry_s=120.0, rows_of=None):
+                 shared_memory=True, timeout_s=300.0, validate_fn=None, retry_s=120.0, rows_of=None,
+                 staging=None):
         self._lib = L.load()
         self.model = model
         self.verbose = verbose
@@ -121,9 +123,20 @@ class Worker:
         self.bytes_pushed = 0   # gradient bytes handed to the pushes (rows: their ids and values)
         self.rows_pushed = 0    # sparse rows pushed
         self._densified = False
+        # parameters on a device (or staging=True on the CPU, as the tests do): through host buffers
+        devices = {p.device for _, p in self._params}
+        if len(devices) > 1:
+            raise ValueError("psd: the model's parameters are on %s: one device only" %
+                             ", ".join(sorted(str(d) for d in devices)))
+        self.device = devices.pop()
+        self._staged = self.device.type != "cpu" if staging is None else bool(staging)
+        self._stg = None
+        self._early_sent = set()  # tensors of this batch pushed during backward (w.backward)
+        self.layer_pushes = 0     # tensors pushed on their own during backward (w.backward)
         for name, p in self._params:
-            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
-                raise ValueError("psd: parameter %s is %s on %s%s: psd workers train float32 CPU parameters" %
+            if p.dtype != torch.float32 or not p.is_contiguous() or p.device.type not in ("cpu", "cuda"):
+                raise ValueError("psd: parameter %s is %s on %s%s: psd workers train float32 parameters on the "
+                                 "CPU or a CUDA device" %
                                  (name, p.dtype, p.device, "" if p.is_contiguous() else ", not contiguous"))
             if len(name.encode()) > L.NAME_MAX or p.dim() > L.MAX_DIMS:
                 raise ValueError("psd: parameter %s: a name of at most %d bytes and at most %d dimensions" %
@@ -238,7 +251,20 @@ class Worker:
         keep = []
         copied = False
         n_rows = 0
+        n_grads = 0
+        if self._stg is not None:
+            self._stg.finish()
         for k, (name, p) in enumerate(self._table):
+            if self._stg is not None:  # from the host buffer (the tensors pushed during backward aside)
+                if k in self._early_sent:
+                    continue
+                g = self._stg.gviews[k]
+                grads[n_grads].tensor = k
+                grads[n_grads].data = ctypes.cast(g.data_ptr(), L.c_float_p)
+                n_grads += 1
+                self.bytes_pushed += 4 * g.numel()
+                continue
+            n_grads += 1
             g = p.grad
             if g is not None and g.is_sparse and g.dtype == torch.float32 and g.device.type == "cpu":
                 g = g.coalesce()
@@ -246,10 +272,11 @@ class Worker:
                     ids = g.indices()[0].to(torch.int32).contiguous()
                     vals = g.values().contiguous()
                     keep += [ids, vals]
-                    grads[k].tensor = k
-                    grads[k].row_ids = ctypes.cast(ids.data_ptr(), L.c_u32_p)
-                    grads[k].n_rows = ids.numel()
-                    grads[k].row_vals = ctypes.cast(vals.data_ptr(), L.c_float_p)
+                    k_ = n_grads - 1
+                    grads[k_].tensor = k
+                    grads[k_].row_ids = ctypes.cast(ids.data_ptr(), L.c_u32_p)
+                    grads[k_].n_rows = ids.numel()
+                    grads[k_].row_vals = ctypes.cast(vals.data_ptr(), L.c_float_p)
                     n_rows += ids.numel()
                     self.bytes_pushed += 4 * ids.numel() + 4 * vals.numel()
                     continue
@@ -272,8 +299,8 @@ class Worker:
             if self._views is not None and p.grad is not None and g.data_ptr() != self._views[k].data_ptr():
                 copied = True
             keep.append(g)
-            grads[k].tensor = k
-            grads[k].data = ctypes.cast(g.data_ptr(), L.c_float_p)
+            grads[n_grads - 1].tensor = k
+            grads[n_grads - 1].data = ctypes.cast(g.data_ptr(), L.c_float_p)
             self.bytes_pushed += 4 * g.numel()
         if copied:
             self.copies += 1
@@ -287,7 +314,7 @@ class Worker:
         last = self._pos >= len(self._ids)
         self.rows_pushed += n_rows
         push = L.Push(version=self._version, batch=n, loss_sum=float(loss_sum), correct=int(correct),
-                      pull=0 if last else 1, n_grads=len(self._table), grads=grads)
+                      pull=0 if last else 1, n_grads=n_grads, grads=grads)
         if n_rows and not last and self._rows_of is not None and self._in_loader is False:
             # the reply brings only the table rows the next batch reads (the others stay as they were)
             nxt = self._ids[self._pos:self._pos + self.batch_size]
@@ -314,6 +341,42 @@ class Worker:
             self._barrier()
         self.wait_s += time.perf_counter() - t0
 
+    def backward(self, loss, loss_sum=0.0, batch=None, correct=0):
+        """loss.backward() and step(loss_sum, batch, correct), where the
+        parameters are staged (a device's): each layer's gradient goes to psd
+        as soon as backward has computed it and it is in host memory, while
+        backward goes on with the layers below; the last one with step()."""
+        if self._stg is None:
+            loss.backward()
+            return self.step(loss_sum=loss_sum, batch=batch, correct=correct)
+        if self._cur is None:
+            raise RuntimeError("psd: w.backward() without a batch of w.batches()")
+        a, b = self._cur
+        push = L.Push(version=self._version, batch=b - a if batch is None else int(batch), loss_sum=float(loss_sum),
+                      correct=int(correct), pull=0, n_grads=1)
+        pending = []
+
+        def ready(k):
+            pending.append(k)
+            while len(pending) > 1 and self._stg.ready(pending[0]):  # the newest stays for step()
+                j = pending.pop(0)
+                self._stg.wait(j)
+                g = L.Grad(tensor=j, data=ctypes.cast(self._stg.gviews[j].data_ptr(), L.c_float_p))
+                push.grads = ctypes.pointer(g)
+                rc = self._lib.psw_client_push_v(self._c, ctypes.byref(push))
+                if rc != 0:
+                    raise RunError("psd: a push of one layer failed (%d)" % rc)
+                self._early_sent.add(j)
+                self.layer_pushes += 1
+                self.bytes_pushed += 4 * self._stg.gviews[j].numel()
+
+        self._stg.on_ready = ready
+        try:
+            loss.backward()
+        finally:
+            self._stg.on_ready = None
+        return self.step(loss_sum=loss_sum, batch=batch, correct=correct)
+
     def validate(self, fn):
         """Answer psd's validation parts of this epoch (and, after the last
         epoch, its closing test) with fn(split, ids) -> {"loss": sum,
@@ -338,6 +401,9 @@ class Worker:
 
     def close(self):
         self._drop_views()
+        if self._stg is not None:
+            self._stg.close()
+            self._stg = None
         if self._c is not None:
             self._lib.psw_client_destroy(ctypes.byref(self._c))
             self._c = None
@@ -487,13 +553,16 @@ class Worker:
         n = len(self._params)  # offered again when registering again: psd checks it against the run's
         offer = (L.Tensor * n)()
         values = (L.c_float_p * n)()
+        hosts = []
         for i, (name, p) in enumerate(self._params):
             offer[i].name = name.encode()
             offer[i].sparse_rows = 1 if name in self._sparse else 0
             offer[i].ndim = p.dim()
             for d, s in enumerate(p.shape):
                 offer[i].shape[d] = s
-            values[i] = ctypes.cast(p.data_ptr(), L.c_float_p)
+            host = p.detach() if p.device.type == "cpu" else p.detach().to("cpu")
+            hosts.append(host)  # read during the registration only
+            values[i] = ctypes.cast(host.data_ptr(), L.c_float_p)
         info = L.Info(device=b"cpu", device_index=-1, threads=self._threads, n_offer=n, offer=offer,
                       offer_values=values, identity=ctypes.cast(self._identity, ctypes.c_void_p), identity_len=16,
                       no_shm=0 if self._shared_memory else 1, identity_hint=socket.gethostname().encode(),
@@ -527,6 +596,10 @@ class Worker:
             self._c = None
             raise RunError("psd keeps the embedding table and sends rows only: not with psd.torch")
         self._region = self._lib.psw_client_push_region(self._c)
+        if self._staged:
+            self._region = None  # the gradients are staged in host buffers of their own
+            if self._stg is None:
+                self._stg = Staging(self._table, self._offsets)
         self._rows_ok = bool(self._lib.psw_client_rows_ok(self._c))
         # the weights of an event are copied into the parameters at once: psd may reuse its slot after a push
         self._lib.psw_client_release_on_push(self._c, 1)
@@ -634,6 +707,11 @@ class Worker:
             raise RunError("psd: barrier failed")
 
     def _set_weights(self, ev):
+        if self._stg is not None:
+            self._stg.load([_view(ev.tensors[k], ev.tensor_numel[k]).view(p.shape)
+                            for k, (_, p) in enumerate(self._table)])
+            self._versions = [p._version for _, p in self._table]
+            return
         with torch.no_grad():
             rows = None
             if ev.n_row_ids:  # the reply to a push with want: only those rows of the table are new
@@ -651,6 +729,10 @@ class Worker:
         """Before a batch: the gradients zeroed; on psd's host, each
         parameter's .grad a view of psd's push region (backward adds into
         it in place: the push copies nothing)."""
+        if self._stg is not None:
+            self._stg.begin()
+            self._early_sent = set()
+            return
         with torch.no_grad():
             if self._region:
                 if self._views is None:

@@ -53,6 +53,8 @@ def main():
     ap.add_argument("--ids", help="write each stepped batch's epoch and ids here")
     ap.add_argument("--set-to-none", action="store_true", help="model.zero_grad(set_to_none=True) each batch")
     ap.add_argument("--no-shm", action="store_true")
+    ap.add_argument("--staging", action="store_true", help="the device path on CPU tensors (host buffers, hooks)")
+    ap.add_argument("--early", action="store_true", help="w.backward(): each layer pushed once computed")
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -60,7 +62,7 @@ def main():
     xtr, ytr = data(a.train, 1)
     xte, yte = data(a.test, 2)
     w = pst.Worker(a.endpoint, model, train_size=a.train, test_size=a.test, data_id=a.data_id, verbose=a.verbose,
-                   shared_memory=not a.no_shm)
+                   shared_memory=not a.no_shm, staging=a.staging or None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if a.optimizer else None
 
     def evaluate(split, idx):
@@ -85,12 +87,16 @@ def main():
                 model.zero_grad(set_to_none=True)
             out = model(x)
             loss = F.cross_entropy(out, y, reduction="sum")
-            (loss / len(idx)).backward()
-            if opt:
-                opt.step()
-            if a.slow:
-                time.sleep(a.slow)
-            w.step(loss_sum=loss.item(), batch=len(idx), correct=int((out.argmax(1) == y).sum()))
+            figures = dict(loss_sum=loss.item(), batch=len(idx), correct=int((out.argmax(1) == y).sum()))
+            if a.early:
+                w.backward(loss / len(idx), **figures)
+            else:
+                (loss / len(idx)).backward()
+                if opt:
+                    opt.step()
+                if a.slow:
+                    time.sleep(a.slow)
+                w.step(**figures)
             if ids:
                 ids.write(json.dumps([epoch, idx]) + "\n")
                 ids.flush()
@@ -98,7 +104,8 @@ def main():
         w.log("rank %d epoch %d done (world %d)" % (w.rank, epoch, w.world))
     assert isinstance(model, Net) and model.tag == "mine" and model.describe() == "Net(mine)"
     w.log("model intact: %s" % model.describe())
-    w.log("copies %d rejoins %d steps %d dropped %d" % (w.copies, w.rejoins, w.steps, w.dropped))
+    w.log("copies %d rejoins %d steps %d dropped %d layer_pushes %d" % (w.copies, w.rejoins, w.steps, w.dropped,
+                                                                          w.layer_pushes))
     return 0
 
 

@@ -201,3 +201,26 @@ def test_a_dataloader_worker_killed_mid_epoch(run, tmp_path):
     assert len(by[0][1]) + len(by[1][1]) == 1800
     L = r.metrics()
     assert len(L) == 2 and all(x["train_samples"] == 1800 and x["val_samples"] == 200 for x in L), L
+
+
+def test_the_device_path_on_cpu_tensors_gives_the_same_tensors(run, tmp_path):
+    """The staging of device parameters (host buffers laid out as psd's model, a hook a
+    parameter, weights loaded through a second buffer), run on CPU tensors with the copies
+    made synchronously, and with each layer pushed during backward (w.backward): one worker,
+    2 epochs, bit for bit the tensors of the plain CPU path."""
+    got = {}
+    for mode, flags in (("plain", ()), ("staged", ("--staging",)), ("early", ("--staging", "--early"))):
+        d = tmp_path / mode
+        d.mkdir()
+        r = run(1, extra=("--set", "run.epochs=2", "--save", str(d / "w.safetensors")))
+        p = r.worker(*flags)
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+        got[mode] = safetensors(d / "w.safetensors")
+        r.kill()
+        steps = int(o.split(" steps ")[1].split()[0])
+        layers = int(o.split(" layer_pushes ")[1].split()[0])
+        # backward gives fc2's two tensors, then fc1's: all but the newest go before step()
+        assert layers == (3 * steps if mode == "early" else 0), o
+    assert got["staged"] == got["plain"]
+    assert got["early"] == got["plain"]
