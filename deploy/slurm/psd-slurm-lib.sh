@@ -46,7 +46,11 @@ psd_setup() {
     : "${SLURM_JOB_ID:?not inside a SLURM job (submit with sbatch)}"
     PSD_HOME=$(psd_abs "${PSD_HOME:-$SLURM_SUBMIT_DIR}")
     PSD_BIN=$(psd_find_bin psd "${PSD_BIN:-}") || exit 2
-    PWORKER_BIN=$(psd_find_bin pworker "${PWORKER_BIN:-}") || exit 2
+    if [ -z "${PSD_WORKER_CMD:-}" ]; then
+        PWORKER_BIN=$(psd_find_bin pworker "${PWORKER_BIN:-}") || exit 2
+    else
+        PWORKER_BIN="(PSD_WORKER_CMD: $PSD_WORKER_CMD)"
+    fi
     PSD_CONFIG=$(psd_abs "${PSD_CONFIG:-$PSD_HOME/deploy/configs/fashion-mnist.yaml}")
     [ -r "$PSD_CONFIG" ] || psd_die "PSD_CONFIG: cannot read $PSD_CONFIG"
     PSD_PORT=${PSD_PORT:-5555}
@@ -119,6 +123,22 @@ psd_keys() {
     ) || psd_die "cannot make the keys in $k"
     PSD_AUTH_ARGS=(--key "$k/psd.key" --allow "$k/allow")
     PWORKER_AUTH_ARGS=(--key "$k/worker.key" --server-key "$k/psd.pub")
+}
+
+# psd_worker_argv ENDPOINT: WORKER_ARGV, what each worker task runs: pworker, or the
+# user's PSD_WORKER_CMD (their training script, such as a psd.torch worker) through sh -c,
+# with PSD_ENDPOINT and, with keys, PSD_KEY_FILE and PSD_SERVER_KEY in its environment
+# (psd.torch.Worker reads all three).
+psd_worker_argv() {
+    if [ -n "${PSD_WORKER_CMD:-}" ]; then
+        export PSD_ENDPOINT=$1
+        if [ ${#PWORKER_AUTH_ARGS[@]} -eq 4 ]; then
+            export PSD_KEY_FILE=${PWORKER_AUTH_ARGS[1]} PSD_SERVER_KEY=${PWORKER_AUTH_ARGS[3]}
+        fi
+        WORKER_ARGV=(sh -c "$PSD_WORKER_CMD")
+    else
+        WORKER_ARGV=("$PWORKER_BIN" --connect "$1" --devices auto "${PWORKER_AUTH_ARGS[@]}" "${PWORKER_EXTRA[@]}")
+    fi
 }
 
 # psd_node_addr NODELIST: an address of the first node of NODELIST that the workers can

@@ -1,6 +1,6 @@
 """A PyTorch CNN on Fashion-MNIST trained by psd: run one of these per worker.
 
-    python3 examples/torch/fashion_cnn.py tcp://127.0.0.1:5555 [--threads 1]
+    python3 examples/torch/fashion_cnn.py tcp://127.0.0.1:5555 [--threads 1] [--device cuda]
 
 with psd started on examples/torch/fashion_cnn.yaml (sh deploy/quickstart.sh torch does
 both, with 2 workers). The data are Debian's dataset-fashion-mnist files, read with numpy.
@@ -49,7 +49,7 @@ class Net(torch.nn.Module):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("endpoint")
+    ap.add_argument("endpoint", nargs="?", help="psd's tcp://HOST:PORT (default: $PSD_ENDPOINT)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: the model and batches on that GPU")
     a = ap.parse_args()

@@ -147,6 +147,8 @@ def _declare(lib):
         "psw_make_identity": (None, [c.c_char_p, c.c_uint64]),
         "psw_struct_size": (c.c_size_t, [c.c_char_p]),
         "psw_client_rows_ok": (c.c_int, [c.c_void_p]),
+        "psw_load_keys": (c.c_int, [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p,
+                                    c.c_size_t]),
         "psw_ctr_examples": (c.c_int, [c.POINTER(CtrGen), c.POINTER(c.c_uint64), c.c_size_t, c_u32_p,
                                        c.POINTER(c.c_uint8), c.POINTER(c.c_double), c.c_char_p, c.c_size_t]),
     }

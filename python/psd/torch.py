@@ -100,8 +100,22 @@ class Worker:
 
     def __init__(self, endpoint, model, train_size, test_size, data_id="", threads=0, verbose=False,
                  shared_memory=True, timeout_s=300.0, validate_fn=None, retry_s=120.0, rows_of=None,
-                 staging=None):
+                 staging=None, key_file=None, server_key=None):
         self._lib = L.load()
+        # endpoint None: PSD_ENDPOINT, as the SLURM and compose deployments set it for PSD_WORKER_CMD;
+        # CurveZMQ keys (psd keygen's files): key_file/server_key, else PSD_KEY_FILE/PSD_SERVER_KEY
+        endpoint = endpoint or os.environ.get("PSD_ENDPOINT")
+        if not endpoint:
+            raise ValueError("psd: no endpoint: give one (tcp://HOST:PORT) or set PSD_ENDPOINT")
+        key_file = key_file or os.environ.get("PSD_KEY_FILE") or None
+        server_key = server_key or os.environ.get("PSD_SERVER_KEY") or None
+        self._keys = None
+        if key_file or server_key:
+            keys = [ctypes.create_string_buffer(41) for _ in range(3)]
+            err = ctypes.create_string_buffer(512)
+            if self._lib.psw_load_keys((key_file or "").encode(), (server_key or "").encode(), *keys, err, 512) != 0:
+                raise ValueError("psd: %s" % err.value.decode(errors="replace"))
+            self._keys = keys
         self.model = model
         self.verbose = verbose
         self._val_fn = validate_fn
@@ -567,6 +581,8 @@ class Worker:
                       offer_values=values, identity=ctypes.cast(self._identity, ctypes.c_void_p), identity_len=16,
                       no_shm=0 if self._shared_memory else 1, identity_hint=socket.gethostname().encode(),
                       run_id=self._run_id, prev_rank=self.rank)
+        if self._keys:
+            info.curve_public, info.curve_secret, info.curve_server = (k.value for k in self._keys)
         err = ctypes.create_string_buffer(512)
         c = self._lib.psw_client_new(self._endpoint.encode(), ctypes.byref(info), err, 512)
         if not c:

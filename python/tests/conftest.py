@@ -46,9 +46,11 @@ class Run:
         self.psd = subprocess.Popen(self.args + list(more), stdout=self.log, stderr=subprocess.STDOUT)
         self.procs.append(self.psd)
 
-    def worker(self, *args, script="mlp_worker.py"):
-        p = subprocess.Popen([sys.executable, os.path.join(HERE, script), self.ep, *args],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def worker(self, *args, script="mlp_worker.py", env=None):
+        """A worker script; with env, its endpoint comes from PSD_ENDPOINT (and env's other variables)."""
+        argv = [sys.executable, os.path.join(HERE, script)] + ([""] if env else [self.ep]) + list(args)
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PSD_ENDPOINT=self.ep, **env) if env else None)
         self.procs.append(p)
         return p
 

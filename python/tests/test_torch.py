@@ -4,13 +4,14 @@ process ended by its PID."""
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
 
 from psd import _lib
 
-from conftest import HERE, Run, free_port, safetensors  # the run fixture: conftest.py
+from conftest import HERE, PSD, Run, free_port, safetensors  # the run fixture: conftest.py
 
 
 def test_the_binding_matches_the_library():
@@ -224,3 +225,22 @@ def test_the_device_path_on_cpu_tensors_gives_the_same_tensors(run, tmp_path):
         assert layers == (3 * steps if mode == "early" else 0), o
     assert got["staged"] == got["plain"]
     assert got["early"] == got["plain"]
+
+
+def test_keys_and_endpoint_from_the_environment(run, tmp_path):
+    """As the SLURM script starts PSD_WORKER_CMD: PSD_ENDPOINT, PSD_KEY_FILE and PSD_SERVER_KEY
+    in the environment; psd with CurveZMQ keys. A worker with psd's key wrong is refused, the
+    right one trains."""
+    for name in ("psd", "worker", "other"):
+        subprocess.run([PSD, "keygen", str(tmp_path / name)], check=True, capture_output=True)
+    (tmp_path / "allow").mkdir()
+    shutil.copy(tmp_path / "worker.pub", tmp_path / "allow")
+    r = run(1, extra=("--set", "run.epochs=1", "--key", str(tmp_path / "psd.key"), "--allow", str(tmp_path / "allow")))
+    keys = {"PSD_KEY_FILE": str(tmp_path / "worker.key")}
+    bad = r.worker(env=dict(keys, PSD_SERVER_KEY=str(tmp_path / "other.pub")))
+    o, e = bad.communicate(timeout=120)
+    assert bad.returncode != 0 and "authentication failed" in e, e
+    good = r.worker(env=dict(keys, PSD_SERVER_KEY=str(tmp_path / "psd.pub")))
+    o, e = good.communicate(timeout=120)
+    assert good.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+    assert "authentication: CURVE" in r.psd_log() and "model intact" in o

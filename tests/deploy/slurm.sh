@@ -7,13 +7,16 @@
 #   3. the same job preempted: SIGUSR1 to the batch shell after epoch 1 -> psd checkpoints
 #      and stops, the job requeues itself and resumes; final epoch, val_correct as by hand
 #   4. psd-nodes.sbatch on 2 nodes x 1 worker: as 2
+#   5. psd-het.sbatch with PSD_WORKER_CMD: the user's script as the workers (2 psd.torch
+#      workers of examples/torch/fashion_cnn.py, 1 epoch of 3000 samples): exact counts
 # Authentication stays on (the scripts' default): keys are made in the temp dir.
 #
 #   bash tests/deploy/slurm.sh
 # Needs root, slurm-wlm (slurmctld, slurmd, sbatch...), munge and a built build/psd and
 # build/pworker; without root or SLURM/munge it prints SKIP and exits 77 (1 when CI=true).
 # Env: PSD_BUILD (default ROOT/build), PSD_TEST_EPOCHS (default 3), PSD_TEST_KEEP=1 keeps
-# the temp dir, PSD_TEST_NODES=0 skips step 4, PSD_TEST_PREEMPT=0 skips step 3.
+# the temp dir, PSD_TEST_NODES=0 skips step 4, PSD_TEST_PREEMPT=0 skips step 3,
+# PSD_TEST_TORCH=0 skips step 5 (which needs /usr/bin/python3 with torch).
 # It stops every daemon and process it started (by PID) and leaves nothing behind.
 set -euo pipefail
 
@@ -166,7 +169,7 @@ for _ in range(int(sys.argv[1])):
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 EOF
 }
-read -r P_CTLD P_N0 P_N1 P_HAND P_HET P_PRE P_NODES <<<"$(free_ports 7)"
+read -r P_CTLD P_N0 P_N1 P_HAND P_HET P_PRE P_NODES P_TORCH <<<"$(free_ports 8)"
 
 metric() { # FILE KEY: KEY of the last line
     tail -n 1 "$1" | sed -n "s/.*\"$2\":\([0-9.e+-]*\).*/\1/p"
@@ -291,7 +294,7 @@ submit() {
     shift 2
     mkdir -p "$T/jobs/$name"
     out=$(cd "$T/jobs/$name" && env SLURM_CONF="$CONF" PSD_HOME="$ROOT" PSD_BIN="$BUILD/psd" \
-        PWORKER_BIN="$BUILD/pworker" PSD_PORT="$port" PSD_ARGS="${PSD_RUN_ARGS[*]}" \
+        PWORKER_BIN="$BUILD/pworker" PSD_PORT="$port" PSD_ARGS="${SUBMIT_PSD_ARGS:-${PSD_RUN_ARGS[*]}}" \
         PWORKER_ARGS="--devices cpu --threads 1" sbatch --parsable "$@") ||
         die "sbatch $* failed: $out"
     echo "${out%%;*}"
@@ -386,4 +389,29 @@ if [ "${PSD_TEST_NODES:-1}" = 1 ]; then
     say "nodes job $J_NODES: val_correct $NODES_CORRECT (as by hand)"
 fi
 
-say "PASS: by hand $HAND_CORRECT, het ${HET_CORRECT:-}, preempted+resumed ${PRE_CORRECT:-skipped}, nodes ${NODES_CORRECT:-skipped}"
+# ---------------------------------------------------------------- 5. the user's script as the workers
+if [ "${PSD_TEST_TORCH:-1}" = 1 ] && ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+    [ "${CI:-}" = true ] && die "no torch for /usr/bin/python3 (sh deploy/setup.sh --deploy installs it)"
+    say "step 5 skipped: no torch for /usr/bin/python3"
+    PSD_TEST_TORCH=0
+fi
+if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
+    say "psd-het.sbatch, PSD_WORKER_CMD: 2 torch workers (examples/torch/fashion_cnn.py), port $P_TORCH"
+    J_TORCH=$(PSD_CONFIG="$ROOT/examples/torch/fashion_cnn.yaml" PYTHONPATH="$ROOT/python" \
+        PSD_WORKER_LIB="$BUILD/libpsworker.so" SUBMIT_PSD_ARGS="--epochs 1 --set data.train_limit=3000" \
+        PSD_WORKER_CMD="/usr/bin/python3 $ROOT/examples/torch/fashion_cnn.py --threads 1" \
+        submit torch "$P_TORCH" : --ntasks=2 "$ROOT/deploy/slurm/psd-het.sbatch")
+    JOBS+=("$J_TORCH")
+    wait_job "$J_TORCH" 240
+    m=$T/jobs/torch/psd-run-$J_TORCH/psd-metrics.jsonl
+    [ -s "$m" ] || die "torch: no metrics file $m"
+    for kv in epoch=1 train_samples=2700 val_samples=300 test_samples=10000; do
+        [ "$(metric "$m" "${kv%=*}")" = "${kv#*=}" ] || die "torch: ${kv%=*} $(metric "$m" "${kv%=*}"), not ${kv#*=}"
+    done
+    [ "$(job_field "$J_TORCH" ExitCode)" = 0:0 ] || die "torch: job exit code $(job_field "$J_TORCH" ExitCode)"
+    grep -q "authentication: CURVE" "$T/jobs/torch/psd-$J_TORCH.out" || die "torch: psd did not use CURVE"
+    TORCH_ACC=$(metric "$m" test_acc)
+    say "torch job $J_TORCH: 2700 trained, 300 validated, 10000 tested (test_acc $TORCH_ACC)"
+fi
+
+say "PASS: by hand $HAND_CORRECT, het ${HET_CORRECT:-}, preempted+resumed ${PRE_CORRECT:-skipped}, nodes ${NODES_CORRECT:-skipped}, torch ${TORCH_ACC:-skipped}"

@@ -337,6 +337,13 @@ size_t psw_struct_size(const char *name);
  * Keep it for the process: psd recognises a worker reconnecting by it. */
 void psw_make_identity(uint8_t id[16], uint64_t salt);
 
+/* psd keygen's key files for psw_info_t.curve_*: this worker's key pair
+ * (key_file, mode 0600) and psd's public key, as pworker's --key and
+ * --server-key read them: 40 Z85 characters and a NUL into each out. 0, or
+ * -EINVAL with the reason in err. */
+int psw_load_keys(const char *key_file, const char *server_key_file, char public_z85[41], char secret_z85[41],
+                  char server_z85[41], char *err, size_t errlen);
+
 /* The click-through task's generator (model.kind ctr's data, common/ps_ctr.h)
  * for workers that bring their own model of it: examples are a pure function
  * of (generator, index), the same bits as pworker's. psd.ctr in the Python
