@@ -106,8 +106,12 @@ map '^sbatch --nodes=[0-9]+ --ntasks-per-node=[0-9]+ .*deploy/slurm/psd-nodes\.s
     'tests/deploy/slurm.sh:--nodes=2 --ntasks-per-node=1 "\$ROOT/deploy/slurm/psd-nodes\.sbatch"'
 map '^PSD_ARGS="[^"]*" sbatch deploy/slurm/psd-het\.sbatch$' \
     'deploy-slurm (tests/deploy/slurm.sh): every job is submitted with PSD_ARGS' \
-    'tests/deploy/slurm.sh:PSD_ARGS="\$\{PSD_RUN_ARGS\[\*\]\}"' \
+    'tests/deploy/slurm.sh:PSD_ARGS="\$\{SUBMIT_PSD_ARGS:-\$\{PSD_RUN_ARGS\[\*\]\}\}"' \
     'tests/deploy/slurm.sh:deploy/slurm/psd-het\.sbatch'
+map '^PSD_CONFIG=[^ ]+ PSD_WORKER_CMD="[^"]+" +sbatch : --ntasks=2 deploy/slurm/psd-het\.sbatch' \
+    'deploy-slurm (tests/deploy/slurm.sh): step 5, PSD_WORKER_CMD: 2 fashion_cnn.py workers as the het job'"'"'s tasks' \
+    'tests/deploy/slurm.sh:PSD_WORKER_CMD="/usr/bin/python3 \$ROOT/examples/torch/fashion_cnn\.py' \
+    'tests/deploy/slurm.sh:PSD_CONFIG="\$ROOT/examples/torch/fashion_cnn\.yaml"'
 map '^build/pworker --connect [^ ]+ --devices auto$' \
     'integration: short/devices_auto_without_gpu_trains_on_cpu_with_one_warning (tests/it_client.c), short/gpu_workers_train_like_cpu_workers_on_the_cuda_emulator (tests/it_gpu.c, 2 emulated GPUs)' \
     'tests/it_client.c:Test\(short, devices_auto_without_gpu_trains_on_cpu_with_one_warning\)' \
