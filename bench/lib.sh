@@ -56,3 +56,17 @@ bench_torch_cleanup() {
     done
     rm -rf "$WORK"
 }
+
+# bench_wait_all LABEL DIR PID...: wait for a run's psd and workers (PIDS emptied: nothing of
+# theirs to kill later, a PID may be reused); on a failure the ends of DIR's logs, exit 1
+bench_wait_all() {
+    local label=$1 d=$2 rc=0 p
+    shift 2
+    for p in "$@"; do wait "$p" || rc=$?; done
+    PIDS=()
+    if [ $rc != 0 ]; then
+        echo "$label: a process failed (exit $rc); the logs' ends:" >&2
+        tail -n 5 "$d/psd.log" "$d/w0.log" "$d/w1.log" >&2
+        exit 1
+    fi
+}

@@ -46,7 +46,7 @@ bench_setup --bench
 bench_torch_setup
 
 psd_run() { # ROUND: psd + 2 torch workers; appends a "psd ..." line to $WORK/results
-    local d="$WORK/psd-$1" rc=0
+    local d="$WORK/psd-$1"
     mkdir -p "$d"
     (cd "$d" && exec "$ROOT/build/psd" --config "$ROOT/examples/torch/fashion_cnn.yaml" --listen "$EP" \
         --workers 2 --epochs "$EPOCHS" --metrics "$d/metrics.jsonl" --set server.save= --set checkpoint.dir= \
@@ -62,15 +62,7 @@ psd_run() { # ROUND: psd + 2 torch workers; appends a "psd ..." line to $WORK/re
     (cd "$d" && exec "$PY" "$ROOT/bench/torch_cnn_worker.py" "$EP" --threads 1) >"$d/w1.out" 2>"$d/w1.log" &
     local w1=$!
     PIDS+=("$w1")
-    wait "$psd" || rc=$?
-    wait "$w0" || rc=$?
-    wait "$w1" || rc=$?
-    PIDS=() # all ended: no PID of theirs to kill later (it may be reused)
-    if [ $rc != 0 ]; then
-        echo "psd round $1: a process failed (exit $rc); the logs' ends:" >&2
-        tail -n 5 "$d/psd.log" "$d/w0.log" "$d/w1.log" >&2
-        exit 1
-    fi
+    bench_wait_all "psd round $1" "$d" "$psd" "$w0" "$w1"
     [ -z "$(ls "$d"/*.safetensors "$d"/*.bin 2>/dev/null)" ] || echo "note: psd left weights files in $d" >&2
     python3 - "$1" "$d" "$WORK/results" <<'PY'
 import json, sys

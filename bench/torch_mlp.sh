@@ -46,7 +46,7 @@ done
 CORE=${OPENBLAS_CORETYPE:-}
 
 psd_run() { # KIND ROUND: psd + 2 workers of KIND (pworker, torch); appends a line to $WORK/results
-    local kind=$1 d="$WORK/$1-$2" rc=0 k
+    local kind=$1 d="$WORK/$1-$2" k
     mkdir -p "$d"
     (cd "$d" && exec "$ROOT/build/psd" --config "$WORK/$kind.yaml" --listen "$EP" --workers 2 \
         --metrics "$d/metrics.jsonl") 2>"$d/psd.log" &
@@ -63,15 +63,7 @@ psd_run() { # KIND ROUND: psd + 2 workers of KIND (pworker, torch); appends a li
         ws+=($!)
         PIDS+=($!)
     done
-    wait "$psd" || rc=$?
-    wait "${ws[0]}" || rc=$?
-    wait "${ws[1]}" || rc=$?
-    PIDS=() # all ended: no PID of theirs to kill later (it may be reused)
-    if [ $rc != 0 ]; then
-        echo "$kind round $2: a process failed (exit $rc); the logs' ends:" >&2
-        tail -n 5 "$d/psd.log" "$d/w0.log" "$d/w1.log" >&2
-        exit 1
-    fi
+    bench_wait_all "$kind round $2" "$d" "$psd" "${ws[@]}"
     if [ "$kind" = pworker ] && [ -z "$CORE" ]; then
         CORE=$(sed -n 's/.*OpenBLAS \([A-Za-z0-9]*\) kernels.*/\1/p' "$d/w0.log" | head -n 1)
         [ -n "$CORE" ] || { echo "pworker's log names no OpenBLAS kernels:" >&2; tail -n 5 "$d/w0.log" >&2; exit 1; }
