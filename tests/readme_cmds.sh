@@ -97,6 +97,11 @@ map '^PSD_WORKERS=[0-9]+ PSD_ARGS="[^"]*" docker-compose up --build --scale pwor
 map '^docker-compose run --rm --no-deps pworker ' \
     'deploy-docker (tests/deploy/docker.sh): docker-compose run --rm --no-deps pworker, reading /var/lib/psd' \
     'tests/deploy/docker.sh:run --rm --no-deps --entrypoint stat pworker'
+map '^PSD_TORCH=1 PSD_CONFIG_FILE=[^ ]+ PSD_WORKER_CMD="[^"]+" +docker-compose up --build --scale pworker=2' \
+    'deploy-docker (tests/deploy/docker.sh): step 5, the image built with TORCH=1, fashion_cnn.py as 2 compose workers' \
+    'tests/deploy/docker.sh:--build-arg TORCH=1' \
+    'tests/deploy/docker.sh:PSD_CONFIG_FILE=\$SRC/examples/torch/fashion_cnn\.yaml' \
+    'tests/deploy/docker.sh:PSD_WORKER_CMD="python3 fashion_cnn\.py"'
 map '^sbatch .* : .*deploy/slurm/psd-het\.sbatch$' \
     'deploy-slurm (tests/deploy/slurm.sh): psd-het.sbatch, a heterogeneous job with 2 worker tasks' \
     'tests/meson.build:test\('"'"'deploy-slurm'"'"'' \

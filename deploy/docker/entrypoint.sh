@@ -1,7 +1,9 @@
 #!/bin/sh
 # Entrypoint of the psd image.  One image, three roles:
 #   psd [FLAGS...]       the parameter server; makes the CurveZMQ keys on first start
-#   pworker [FLAGS...]   a worker; waits for psd's keys, then connects with them
+#   pworker [FLAGS...]   a worker; waits for psd's keys, then connects with them; with
+#                        PSD_WORKER_CMD set, runs that command instead (your training
+#                        script, e.g. a psd.torch worker), FLAGS appended to it
 #   health psd|pworker   the compose healthchecks
 #   anything else        run as a command (e.g. `psd eval ...` goes through role psd)
 #
@@ -14,6 +16,10 @@
 #   PSD_WORKERS   workers psd waits for (2); keep equal to --scale pworker=N
 #   PSD_INSECURE  1: no keys, plain TCP (psd --insecure); only on a trusted network
 #   PSD_KEY_WAIT  seconds a worker waits for psd's keys to appear (300)
+#   PSD_WORKER_CMD  the worker is this command (sh -c) instead of pworker, run in
+#                 PSD_WORKDIR with PSD_ENDPOINT, PSD_KEY_FILE and PSD_SERVER_KEY in its
+#                 environment (a psd.torch.Worker given no endpoint reads all three)
+#   PSD_WORKDIR   working directory of PSD_WORKER_CMD (compose mounts your code there)
 #   PSD_HTTP_PORT psd's HTTP endpoint (/metrics, /status, /healthz) on the
 #                 container's loopback (9100); the healthcheck asks /healthz
 set -eu
@@ -79,8 +85,19 @@ pworker)
             sleep 1
             i=$((i + 1))
         done
-        set -- --key "$KEYS/worker.key" --server-key "$KEYS/psd.pub" "$@"
     fi
+    if [ -n "${PSD_WORKER_CMD:-}" ]; then
+        # the user's worker: where to connect and the keys through the environment
+        export PSD_ENDPOINT="tcp://$PSD_SERVER:$PSD_PORT"
+        if [ "$PSD_INSECURE" != 1 ]; then
+            export PSD_KEY_FILE="$KEYS/worker.key" PSD_SERVER_KEY="$KEYS/psd.pub"
+        fi
+        if [ -n "${PSD_WORKDIR:-}" ]; then
+            cd "$PSD_WORKDIR" || die "PSD_WORKDIR $PSD_WORKDIR: no such directory (is your code mounted there?)"
+        fi
+        exec sh -c "$PSD_WORKER_CMD \"\$@\"" psd-worker "$@"
+    fi
+    [ "$PSD_INSECURE" = 1 ] || set -- --key "$KEYS/worker.key" --server-key "$KEYS/psd.pub" "$@"
     exec pworker --connect "tcp://$PSD_SERVER:$PSD_PORT" "$@"
     ;;
 health)

@@ -12,7 +12,11 @@
 #    (authentication on, as by default) for 2 epochs, and asserts the metrics,
 #    the key files' modes, and that the final correct count equals that of the same
 #    run by hand (BUILD_DIR/psd + 2 BUILD_DIR/pworker on 127.0.0.1);
-# 5. removes every container, network, volume and image, stops dockerd by PID and
+# 5. the user's script as the workers: the image built again with TORCH=1, compose with
+#    PSD_WORKER_CMD="python3 fashion_cnn.py" (examples/torch, mounted as PSD_WORKER_DIR)
+#    and examples/torch/fashion_cnn.yaml for one epoch: exact sample counts, CURVE, the
+#    best weights kept by psd in the volume;
+# 6. removes every container, network, volume and image, stops dockerd by PID and
 #    restores iptables, the docker0 bridge and ip_forward as they were.
 # Without root or the tools it skips (exit 77) with a message; with CI=true a skip
 # is a failure.  PSD_TEST_KEEP=1 keeps the temp dir (logs).
@@ -47,6 +51,7 @@ fi
 T=$(mktemp -d /tmp/psd-docker.XXXXXX)
 PROJECT=psdtest$$
 IMAGE=psd-test:$$
+IMAGE_TORCH=psd-test-torch:$$
 export DOCKER_HOST=unix://$T/docker.sock
 DOCKERD_PID=""
 HAND_PIDS=()
@@ -84,8 +89,10 @@ cleanup() {
     set +e
     for p in "${HAND_PIDS[@]}"; do kill "$p" 2>/dev/null; done
     if [ -n "$DOCKERD_PID" ] && kill -0 "$DOCKERD_PID" 2>/dev/null; then
-        docker-compose -p "$PROJECT" -f "$SRC/deploy/compose/docker-compose.yml" down -v --rmi all \
-            --remove-orphans >"$T/down.log" 2>&1
+        for p in "$PROJECT" "${PROJECT}t"; do
+            docker-compose -p "$p" -f "$SRC/deploy/compose/docker-compose.yml" down -v --rmi all \
+                --remove-orphans >>"$T/down.log" 2>&1
+        done
         docker ps -aq | xargs -r docker rm -f >/dev/null 2>&1
         docker images -q | sort -u | xargs -r docker rmi -f >/dev/null 2>&1
         docker network prune -f >/dev/null 2>&1
@@ -194,5 +201,37 @@ COMP=$(last "$T/compose-metrics.jsonl" val_correct)
 grep -qx "700 psd /var/lib/psd/keys" "$T/modes.txt" || fail "keys dir mode: $(cat "$T/modes.txt")"
 grep -qx "600 psd /var/lib/psd/keys/psd.key" "$T/modes.txt" || fail "psd.key mode: $(cat "$T/modes.txt")"
 grep -qx "600 psd /var/lib/psd/keys/worker.key" "$T/modes.txt" || fail "worker.key mode: $(cat "$T/modes.txt")"
-log "PASS: compose val_correct $COMP/10000 = by hand $HAND/10000 after $EPOCHS epochs (seed $SEED), CURVE on, shared memory"
+log "compose val_correct $COMP/10000 = by hand $HAND/10000 after $EPOCHS epochs (seed $SEED), CURVE on, shared memory"
 grep -E "run finished" "$T/compose.log" | sed 's/^/  /'
+
+# -- 5. the user's script as the workers (PSD_WORKER_CMD, TORCH=1) --------------
+if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
+    log "docker build --build-arg TORCH=1"
+    docker build -f "$SRC/deploy/docker/Dockerfile" --build-arg TORCH=1 -t "$IMAGE_TORCH" "$SRC" \
+        >"$T/build-torch.log" 2>&1
+    log "docker-compose up, psd + 2 workers running PSD_WORKER_CMD (examples/torch/fashion_cnn.py), 1 epoch"
+    export PSD_IMAGE=$IMAGE_TORCH PSD_PUBLISH=127.0.0.1:$(free_port)
+    export PSD_CONFIG_FILE=$SRC/examples/torch/fashion_cnn.yaml PSD_WORKER_DIR=$SRC/examples/torch
+    export PSD_ARGS="--epochs 1 --seed $SEED" PSD_WORKER_CMD="python3 fashion_cnn.py" PWORKER_ARGS="--threads 1"
+    COMPOSE_T=(docker-compose -p "${PROJECT}t" -f "$SRC/deploy/compose/docker-compose.yml")
+    rc=0
+    timeout 600 "${COMPOSE_T[@]}" up --no-build --scale pworker=2 --exit-code-from psd >"$T/compose-torch.log" 2>&1 ||
+        rc=$?
+    [ "$rc" -eq 0 ] || fail "docker-compose up (torch workers) exited $rc"
+    PSD_CID=$("${COMPOSE_T[@]}" ps -q psd)
+    docker cp "$PSD_CID:/var/lib/psd/psd-metrics.jsonl" "$T/torch-metrics.jsonl"
+    docker cp "$PSD_CID:/var/lib/psd/fashion_cnn.safetensors" "$T/torch-best.safetensors" ||
+        fail "psd kept no best weights (train.keep_best) in the volume"
+    grep -q "authentication: CURVE" "$T/compose-torch.log" || fail "torch run: psd did not run with CURVE authentication"
+    [ "$(grep -c "worker registered: rank [01]" "$T/compose-torch.log")" = 2 ] || fail "torch run: 2 workers did not register"
+    # w.log() prints on rank 0 only
+    [ "$(grep -c "epoch 1 done" "$T/compose-torch.log")" = 1 ] || fail "torch run: 'epoch 1 done' not logged once"
+    for kv in epoch=1 train_samples=54000 val_samples=6000 test_samples=10000; do
+        [ "$(last "$T/torch-metrics.jsonl" "${kv%=*}")" = "${kv#*=}" ] ||
+            fail "torch run: ${kv%=*} $(last "$T/torch-metrics.jsonl" "${kv%=*}"), not ${kv#*=}"
+    done
+    TACC=$(last "$T/torch-metrics.jsonl" test_acc)
+    python3 -c "import sys; sys.exit(0 if float('$TACC') >= 0.80 else 1)" || fail "torch run: test_acc $TACC < 0.80 after 1 epoch"
+    log "torch workers: 54000 trained, 6000 validated, 10000 tested, test_acc $TACC, best weights kept"
+fi
+log "PASS: compose pworkers = by hand ($COMP/10000), compose torch workers test_acc ${TACC:-skipped}"
