@@ -9,6 +9,15 @@ machine_line() {
     echo "machine: ${cpu:-unknown CPU}, $(nproc) cores usable ($(grep -c ^processor /proc/cpuinfo) online)," \
         "kernel $(uname -r), tcp congestion control $(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null ||
         echo unknown) (psd: server.tcp_congestion auto = reno on loopback)"
+    # the CPU as the VM shows it, and page-table isolation (every system call pays for it)
+    echo "cpu: family $(sed -n 's/^cpu family[[:space:]]*: //p' /proc/cpuinfo | head -n 1)" \
+        "model $(sed -n 's/^model[[:space:]]*: //p' /proc/cpuinfo | head -n 1)," \
+        "meltdown: $(cat /sys/devices/system/cpu/vulnerabilities/meltdown 2>/dev/null || echo unknown)," \
+        "clocksource $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource 2>/dev/null || echo unknown)"
+    # which host: tables from two hosts are told apart by these
+    echo "host: machine-id $(cut -c1-12 /etc/machine-id 2>/dev/null || echo unknown)," \
+        "DMI product uuid $(cat /sys/class/dmi/id/product_uuid 2>/dev/null || echo unreadable)," \
+        "boot id $(cut -c1-8 /proc/sys/kernel/random/boot_id 2>/dev/null || echo unknown)"
 }
 
 bench_setup() { # [--bench]

@@ -1,6 +1,7 @@
 #include "ps_util.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
 #include <errno.h>
@@ -485,6 +486,33 @@ bool ps_endpoint_is_loopback(const char *ep)
     if (ipv6_literal(host, strlen(host), &a6)) /* ::1, or 127.0.0.0/8 mapped */
         return IN6_IS_ADDR_LOOPBACK(&a6) || (IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127);
     return strcmp(host, "localhost") == 0 || (inet_aton(host, &a) && (ntohl(a.s_addr) >> 24) == 127);
+}
+
+bool ps_endpoint_is_this_host(const char *ep)
+{
+    if (ps_endpoint_is_loopback(ep)) return true;
+    char host[256], me[256];
+    if (tcp_host(ep, host, sizeof host) != 0) return false;
+    if (gethostname(me, sizeof me - 1) == 0) {
+        me[sizeof me - 1] = '\0';
+        if (strcmp(host, me) == 0) return true;
+    }
+    struct in_addr a4;
+    struct in6_addr a6;
+    const bool v6 = ipv6_literal(host, strlen(host), &a6);
+    if (!v6 && inet_pton(AF_INET, host, &a4) != 1) return false; /* a name other than ours */
+    struct ifaddrs *ifs = NULL;
+    if (getifaddrs(&ifs) != 0) return false;
+    bool mine = false;
+    for (const struct ifaddrs *i = ifs; i && !mine; i = i->ifa_next) {
+        if (!i->ifa_addr) continue;
+        if (!v6 && i->ifa_addr->sa_family == AF_INET)
+            mine = ((const struct sockaddr_in *)(const void *)i->ifa_addr)->sin_addr.s_addr == a4.s_addr;
+        else if (v6 && i->ifa_addr->sa_family == AF_INET6)
+            mine = memcmp(&((const struct sockaddr_in6 *)(const void *)i->ifa_addr)->sin6_addr, &a6, sizeof a6) == 0;
+    }
+    freeifaddrs(ifs);
+    return mine;
 }
 
 bool ps_endpoint_is_ipv6(const char *ep)

@@ -106,6 +106,11 @@ int ps_endpoint_bindable(const char *ep, char *why, size_t n);
 /* Whether ep reaches this host only: ipc://, inproc://, or tcp:// to
  * 127.0.0.0/8 (as numbers, or mapped into IPv6), [::1] or localhost. */
 bool ps_endpoint_is_loopback(const char *ep);
+/* Whether ep names this host: loopback (above), tcp:// to an address of one
+ * of its interfaces (getifaddrs), or to its host name (gethostname). No name
+ * is looked up (a DNS name of this host other than its own counts as
+ * another host). */
+bool ps_endpoint_is_this_host(const char *ep);
 /* Whether ep is tcp:// to an IPv6 address ([ADDR]): its socket needs
  * ZMQ_IPV6 (ps_zmq_endpoint_opts, ps_wire.h). */
 bool ps_endpoint_is_ipv6(const char *ep);

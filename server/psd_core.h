@@ -309,6 +309,7 @@ typedef struct {
     int n;                /* shards; 1: one psd */
     shard_t shard[PS_MAX_SHARDS];
     double hb;            /* when shard 0 last sent them a heartbeat */
+    bool said_one_host;   /* "every shard is on this host" logged (once a run) */
     /* end of the run with --save: the weights file (wr; not NULL while it is
      * written) is written as the other shards' parts come, PSD_FETCH_FLOATS at
      * a time from shard fetch_k, whose part is fetch_part (never the whole

@@ -18,6 +18,21 @@ static void refuse_shard(srv_t *s, ps_msg_t *m, const char *why)
     send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, why);
 }
 
+/* Once every shard has joined: when each is reached at an address of this
+ * host, shards only share its cores and memory bandwidth (on the 2-core VM
+ * two shards cost more than one psd at every worker count: README), and
+ * psd says so, once. */
+static void say_one_host(srv_t *s)
+{
+    if (s->sh.said_one_host || !all_shards(s)) return;
+    for (int i = 1; i < s->sh.n; i++)
+        if (!ps_endpoint_is_this_host(s->sh.shard[i].endpoint)) return;
+    s->sh.said_one_host = true;
+    PS_WARN("all %d psd shards run on this host (the workers reach every shard at an address of it): shards help "
+            "only across hosts, where each adds its own cores and network; on one host one psd is faster",
+            s->sh.n);
+}
+
 /* Shard i said HELLO before shard 0 has a model (model.kind from_worker,
  * before the first worker's values): it is told to wait and says hello
  * again every second; it joins, and fetches its part, once the model is
@@ -137,6 +152,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
     else
         PS_INFO("psd shard %d/%d joined from %s pid %u; workers reach it at %s", i, s->sh.n, sh->hostname,
                 sh->pid, sh->endpoint);
+    say_one_host(s);
     raise_event(s, PSD_EV_SHARDS_JOINED);
 }
 

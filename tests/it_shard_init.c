@@ -268,6 +268,13 @@ Test(short, psd_shards_take_the_model_and_its_initial_values_from_shard_0)
     char *s1 = shard_log("two", 1);
     cr_assert(strstr(s1, "in 1 chunks"), "16 MiB at a time: %s", s1);
     free(s1);
+    /* every shard on 127.0.0.1: said once; one psd says nothing of shards */
+    char *t0 = slurp(three.psd_log), *o0 = slurp(one.psd_log);
+    const char *said = "all 3 psd shards run on this host", *at = strstr(t0, said);
+    cr_assert(at && !strstr(at + 1, said), "once: %s", t0);
+    cr_assert(!strstr(o0, "shards run on this host"), "%s", o0);
+    free(t0);
+    free(o0);
     char *f0 = slurp(fw.psd_log), *f1 = shard_log("fw", 1);
     cr_assert(strstr(f0, "the model is the first worker's: 2 tensors"), "%s", f0);
     cr_assert(strstr(f1, "has its part of the initial values from shard 0"), "%s", f1);

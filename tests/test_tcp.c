@@ -3,8 +3,10 @@
 #include <criterion/criterion.h>
 #include <arpa/inet.h>
 #include <errno.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -231,6 +233,35 @@ Test(endpoints, loopback_is_numeric_or_localhost)
     cr_expect(!ps_endpoint_is_loopback("tcp://[::ffff:10.0.0.1]:5555"));
     cr_expect(!ps_endpoint_is_loopback("tcp://[2001:db8::1]:5555"));
     cr_expect(!ps_endpoint_is_loopback("tcp://[::2]:5555"));
+}
+
+/* This host: loopback, its host name, an address of one of its interfaces;
+ * nothing else (and no name is looked up). */
+Test(endpoints, this_host_is_loopback_its_name_or_its_addresses)
+{
+    cr_expect(ps_endpoint_is_this_host("tcp://127.0.0.1:5555"));
+    cr_expect(ps_endpoint_is_this_host("ipc:///tmp/x"));
+    char me[256] = "", ep[300];
+    cr_assert_eq(gethostname(me, sizeof me - 1), 0);
+    snprintf(ep, sizeof ep, "tcp://%s:5555", me);
+    cr_expect(ps_endpoint_is_this_host(ep), "%s", ep);
+    struct ifaddrs *ifs = NULL;
+    cr_assert_eq(getifaddrs(&ifs), 0);
+    int seen = 0;
+    for (const struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+        if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &((const struct sockaddr_in *)(const void *)i->ifa_addr)->sin_addr, a, sizeof a);
+        snprintf(ep, sizeof ep, "tcp://%s:5555", a);
+        cr_expect(ps_endpoint_is_this_host(ep), "%s (interface %s)", ep, i->ifa_name);
+        seen++;
+    }
+    freeifaddrs(ifs);
+    cr_expect(seen >= 1, "no IPv4 address on any interface (not even 127.0.0.1)");
+    cr_expect(!ps_endpoint_is_this_host("tcp://192.0.2.1:5555"), "TEST-NET-1 is nobody's");
+    cr_expect(!ps_endpoint_is_this_host("tcp://[2001:db8::1]:5555"));
+    cr_expect(!ps_endpoint_is_this_host("tcp://node-elsewhere.invalid:5555"));
+    cr_expect(!ps_endpoint_is_this_host("tcp://:5555"));
 }
 
 /* A tcp:// endpoint to an IPv6 address: its socket needs ZMQ_IPV6. */

@@ -8,7 +8,8 @@
 #      and stops, the job requeues itself and resumes; final epoch, val_correct as by hand
 #   4. psd-nodes.sbatch on 2 nodes x 1 worker: as 2
 #   5. psd-het.sbatch with PSD_WORKER_CMD: the user's script as the workers (2 psd.torch
-#      workers of examples/torch/fashion_cnn.py, 1 epoch): exact counts
+#      workers of examples/torch/fashion_cnn.py, 1 epoch of 3000 samples; deploy-docker runs a
+#      whole epoch): exact counts
 # Authentication stays on (the scripts' default): keys are made in the temp dir.
 #
 #   bash tests/deploy/slurm.sh
@@ -398,20 +399,20 @@ fi
 if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
     say "psd-het.sbatch, PSD_WORKER_CMD: 2 torch workers (examples/torch/fashion_cnn.py), port $P_TORCH"
     J_TORCH=$(PSD_CONFIG="$ROOT/examples/torch/fashion_cnn.yaml" PYTHONPATH="$ROOT/python" \
-        PSD_WORKER_LIB="$BUILD/libpsworker.so" SUBMIT_PSD_ARGS="--epochs 1" \
+        PSD_WORKER_LIB="$BUILD/libpsworker.so" SUBMIT_PSD_ARGS="--epochs 1 --set data.train_limit=3000" \
         PSD_WORKER_CMD="/usr/bin/python3 $ROOT/examples/torch/fashion_cnn.py --threads 1" \
         submit torch "$P_TORCH" : --ntasks=2 "$ROOT/deploy/slurm/psd-het.sbatch")
     JOBS+=("$J_TORCH")
     wait_job "$J_TORCH" 240
     m=$T/jobs/torch/psd-run-$J_TORCH/psd-metrics.jsonl
     [ -s "$m" ] || die "torch: no metrics file $m"
-    for kv in epoch=1 train_samples=54000 val_samples=6000 test_samples=10000; do
+    for kv in epoch=1 train_samples=2700 val_samples=300 test_samples=10000; do
         [ "$(metric "$m" "${kv%=*}")" = "${kv#*=}" ] || die "torch: ${kv%=*} $(metric "$m" "${kv%=*}"), not ${kv#*=}"
     done
     [ "$(job_field "$J_TORCH" ExitCode)" = 0:0 ] || die "torch: job exit code $(job_field "$J_TORCH" ExitCode)"
     grep -q "authentication: CURVE" "$T/jobs/torch/psd-$J_TORCH.out" || die "torch: psd did not use CURVE"
     TORCH_ACC=$(metric "$m" test_acc)
-    say "torch job $J_TORCH: 54000 trained, 6000 validated, 10000 tested (test_acc $TORCH_ACC)"
+    say "torch job $J_TORCH: 2700 trained, 300 validated, 10000 tested (test_acc $TORCH_ACC)"
 fi
 
 say "PASS: by hand $HAND_CORRECT, het ${HET_CORRECT:-}, preempted+resumed ${PRE_CORRECT:-skipped}, nodes ${NODES_CORRECT:-skipped}, torch ${TORCH_ACC:-skipped}"
