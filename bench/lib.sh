@@ -79,3 +79,26 @@ bench_wait_all() {
         exit 1
     fi
 }
+
+# psd + psbench on the 784-1338 model (one 4 MiB tensor + 5 KiB of bias), ROUNDS
+# training rounds a worker (default 800): $1 workers, $2 endpoint, $3 psbench flags,
+# $4 psd optimizer flags (default PLAIN: plain SGD, one read of the weights and the
+# gradient, one write). Prints the aggregate GB/s; psbench's lines go to stderr, psd's
+# metrics to $WORK/metrics-$1.jsonl. Needs ROOT and WORK (bench_setup).
+PLAIN="--set optimizer.momentum=0 --set optimizer.weight_decay=0"
+psbench_run() {
+    local w=$1 ep=$2 flags=${3:-} opt=${4:-$PLAIN} limit=$((${ROUNDS:-800} * 64 * $1))
+    # shellcheck disable=SC2086
+    "$ROOT/build/psd" --listen "$ep" --workers "$w" --epochs 1 --set 'model.layers=[784,1338]' $opt \
+        --set "data.train_limit=$limit" --set schedule.name=constant --set checkpoint.dir= \
+        --metrics "$WORK/metrics-$w.jsonl" --save "" 2>"$WORK/psd-$w.log" &
+    local psd=$!
+    # shellcheck disable=SC2086
+    "$ROOT/build/psbench" --connect "$ep" --workers "$w" $flags >"$WORK/psbench-$w.txt"
+    wait $psd
+    sed 's/^/    /' "$WORK/psbench-$w.txt" >&2
+    awk '/^aggregate/ {print $3}' "$WORK/psbench-$w.txt"
+}
+# psd's own step (psd_step_ms) in the last psbench_run with $1 workers
+step_ms() { python3 -c "import json, sys; print(f\"{json.loads(open(sys.argv[1]).readlines()[-1])['psd_step_ms']:.2f}\")" \
+    "$WORK/metrics-$1.jsonl"; }

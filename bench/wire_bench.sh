@@ -63,25 +63,7 @@ ZS2=$("$ROOT/build/wire_probe" --cc=auto 4 1 2 sync | tee /dev/stderr)
 ZS2N=$(awk '/^zmq_tcp_sync_aggregate/ {print $6}' <<<"$ZS2")
 ZS2S=$(awk '/^zmq_tcp_sync_sgd/ {print $6}' <<<"$ZS2")
 
-# one psd + psbench run: $1 workers, $2 endpoint, $3 psbench flags, $4 psd
-# optimizer flags (default: plain SGD); prints the aggregate GB/s
-PLAIN="--set optimizer.momentum=0 --set optimizer.weight_decay=0"
-run() {
-    local w=$1 ep=$2 flags=${3:-} opt=${4:-$PLAIN} limit=$((ROUNDS * 64 * $1))
-    # shellcheck disable=SC2086
-    "$ROOT/build/psd" --listen "$ep" --workers "$w" --epochs 1 --set 'model.layers=[784,1338]' $opt \
-        --set "data.train_limit=$limit" --set schedule.name=constant --set checkpoint.dir= \
-        --metrics "$WORK/metrics-$w.jsonl" --save "" 2>"$WORK/psd-$w.log" &
-    local psd=$!
-    # shellcheck disable=SC2086
-    "$ROOT/build/psbench" --connect "$ep" --workers "$w" $flags >"$WORK/psbench-$w.txt"
-    wait $psd
-    sed 's/^/    /' "$WORK/psbench-$w.txt" >&2
-    awk '/^aggregate/ {print $3}' "$WORK/psbench-$w.txt"
-}
-# psd's own step (psd_step_ms) in the last run with $1 workers
-step_ms() { python3 -c "import json, sys; print(f\"{json.loads(open(sys.argv[1]).readlines()[-1])['psd_step_ms']:.2f}\")" \
-    "$WORK/metrics-$1.jsonl"; }
+run() { psbench_run "$@"; } # bench/lib.sh
 # the same over 2 psd shards (tcp): shard 0 on $PORT, shard 1 on $PORT2
 PORT2=$((PORT + 1))
 run2() {

@@ -88,6 +88,7 @@ cleanup() {
     local rc=$?
     set +e
     for p in "${HAND_PIDS[@]}"; do kill "$p" 2>/dev/null; done
+    [ -n "${TORCH_BUILD_PID:-}" ] && kill "$TORCH_BUILD_PID" 2>/dev/null
     if [ -n "$DOCKERD_PID" ] && kill -0 "$DOCKERD_PID" 2>/dev/null; then
         for p in "$PROJECT" "${PROJECT}t"; do
             docker-compose -p "$p" -f "$SRC/deploy/compose/docker-compose.yml" down -v --rmi all \
@@ -149,6 +150,15 @@ log "docker build"
 docker build -f "$SRC/deploy/docker/Dockerfile" -t "$IMAGE" "$SRC" >"$T/build.log" 2>&1
 docker run --rm "$IMAGE" id -un | grep -qx psd || { echo "image does not run as user psd" >&2; exit 1; }
 
+# the image with PyTorch (step 5) builds meanwhile: every layer above its own is cached now
+TORCH_BUILD_PID=""
+if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
+    log "docker build --build-arg TORCH=1 (in the background)"
+    docker build -f "$SRC/deploy/docker/Dockerfile" --build-arg TORCH=1 -t "$IMAGE_TORCH" "$SRC" \
+        >"$T/build-torch.log" 2>&1 &
+    TORCH_BUILD_PID=$!
+fi
+
 # -- 4a. the same run by hand -------------------------------------------------
 log "the run by hand"
 PORT=$(free_port)
@@ -206,9 +216,9 @@ grep -E "run finished" "$T/compose.log" | sed 's/^/  /'
 
 # -- 5. the user's script as the workers (PSD_WORKER_CMD, TORCH=1) --------------
 if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
-    log "docker build --build-arg TORCH=1"
-    docker build -f "$SRC/deploy/docker/Dockerfile" --build-arg TORCH=1 -t "$IMAGE_TORCH" "$SRC" \
-        >"$T/build-torch.log" 2>&1
+    wait "$TORCH_BUILD_PID" || fail "docker build --build-arg TORCH=1 failed (see build-torch.log)"
+    TORCH_BUILD_PID=""
+    log "docker build --build-arg TORCH=1 done"
     log "docker-compose up, psd + 2 workers running PSD_WORKER_CMD (examples/torch/fashion_cnn.py), 1 epoch"
     export PSD_IMAGE=$IMAGE_TORCH PSD_PUBLISH=127.0.0.1:$(free_port)
     export PSD_CONFIG_FILE=$SRC/examples/torch/fashion_cnn.yaml PSD_WORKER_DIR=$SRC/examples/torch
