@@ -3,7 +3,8 @@
 #   psd [FLAGS...]       the parameter server; makes the CurveZMQ keys on first start
 #   pworker [FLAGS...]   a worker; waits for psd's keys, then connects with them; with
 #                        PSD_WORKER_CMD set, runs that command instead (your training
-#                        script, e.g. a psd.torch worker), FLAGS appended to it
+#                        script, e.g. a psd.torch worker); FLAGS are pworker's and are
+#                        not passed to it (put your script's flags in the command)
 #   health psd|pworker   the compose healthchecks
 #   anything else        run as a command (e.g. `psd eval ...` goes through role psd)
 #
@@ -95,7 +96,8 @@ pworker)
         if [ -n "${PSD_WORKDIR:-}" ]; then
             cd "$PSD_WORKDIR" || die "PSD_WORKDIR $PSD_WORKDIR: no such directory (is your code mounted there?)"
         fi
-        exec sh -c "$PSD_WORKER_CMD \"\$@\"" psd-worker "$@"
+        # pworker's flags (PWORKER_ARGS) are not the script's: as under SLURM, dropped
+        exec sh -c "$PSD_WORKER_CMD"
     fi
     [ "$PSD_INSECURE" = 1 ] || set -- --key "$KEYS/worker.key" --server-key "$KEYS/psd.pub" "$@"
     exec pworker --connect "tcp://$PSD_SERVER:$PSD_PORT" "$@"

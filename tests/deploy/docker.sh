@@ -222,7 +222,8 @@ if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
     log "docker-compose up, psd + 2 workers running PSD_WORKER_CMD (examples/torch/fashion_cnn.py), 1 epoch"
     export PSD_IMAGE=$IMAGE_TORCH PSD_PUBLISH=127.0.0.1:$(free_port)
     export PSD_CONFIG_FILE=$SRC/examples/torch/fashion_cnn.yaml PSD_WORKER_DIR=$SRC/examples/torch
-    export PSD_ARGS="--epochs 1 --seed $SEED" PSD_WORKER_CMD="python3 fashion_cnn.py" PWORKER_ARGS="--threads 1"
+    # PWORKER_ARGS are pworker's: set to one the script does not take, to show they are not passed
+    export PSD_ARGS="--epochs 1 --seed $SEED" PSD_WORKER_CMD="python3 fashion_cnn.py --threads 1" PWORKER_ARGS="--no-shm"
     COMPOSE_T=(docker-compose -p "${PROJECT}t" -f "$SRC/deploy/compose/docker-compose.yml")
     rc=0
     timeout 600 "${COMPOSE_T[@]}" up --no-build --scale pworker=2 --exit-code-from psd >"$T/compose-torch.log" 2>&1 ||
