@@ -279,6 +279,7 @@ int main(int argc, char **argv)
                                          {"apart", no_argument, 0, 'a'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
+    ps_malloc_keep(); /* as pworker */
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {

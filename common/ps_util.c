@@ -8,6 +8,8 @@
 #include <sched.h>
 #include <fcntl.h>
 #include <libgen.h>
+#include <limits.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -223,6 +225,17 @@ out:
     close(fd);
     return rc;
 }
+
+void ps_malloc_keep(void)
+{
+    /* under a sanitizer's allocator these are no-ops */
+    mallopt(M_ARENA_MAX, 1);                /* ZeroMQ's I/O threads too: a thread's arena caps at 64 MiB heaps */
+    mallopt(M_MMAP_MAX, 0);                 /* large blocks from the heap, reused */
+    mallopt(M_TRIM_THRESHOLD, INT_MAX);     /* the heap's top is kept */
+    mallopt(M_TOP_PAD, 16 << 20);           /* and grows by 16 MiB at least */
+}
+
+void ps_malloc_settle(void) { malloc_trim(0); }
 
 void ps_hostname(char *buf, size_t n)
 {

@@ -34,6 +34,22 @@ uint64_t ps_fnv1a(uint64_t h, const void *data, size_t n);
 /* Size and FNV-1a 64 of a whole file. 0, or -errno. */
 int ps_file_hash(const char *path, uint64_t *size, uint64_t *hash);
 
+/* Keep freed memory for the next message instead of giving it back to the
+ * kernel (glibc): one arena, no mmap for large blocks, no trimming. ZeroMQ
+ * allocates every large message it receives; by default glibc maps such a
+ * block fresh (above its mmap threshold, 32 MiB at most, or when a thread's
+ * arena trims the one before), and every 4 KiB page of it then faults when
+ * the message is read in: 17,500 faults a round for an 80 MB model, more than
+ * the wire itself on a VM. Memory stays at its high-water mark (the messages
+ * in flight at once). Call first thing in main, before any thread starts; the
+ * programs of this project call it, a library never does. */
+void ps_malloc_keep(void);
+
+/* Give back what a process's start freed (its data files' decoding and the
+ * like), which ps_malloc_keep would otherwise hold for good: called once,
+ * when the start's loading is done. */
+void ps_malloc_settle(void);
+
 /* Host name and a stable host id (/etc/machine-id, else the host name). */
 void ps_hostname(char *buf, size_t n);
 void ps_host_id(char *buf, size_t n);

@@ -231,6 +231,7 @@ int main(int argc, char **argv)
         [OPT_ALLOW - OPT_CONFIG] = "server.allow",
         [OPT_HTTP - OPT_CONFIG] = "server.http",
     };
+    ps_malloc_keep(); /* before ZeroMQ's threads start */
     const char *config = NULL, *eval_path = NULL;
     int print = 0, check = 0, n_over = 0, threads = 1;
     psd_run_opts_t run = {0};

@@ -921,6 +921,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     int early = ps_early_stop_signal();
     if (early) request_stop(s, early, strsignal(early));
     drain(s);
+    ps_malloc_settle(); /* the data's decoding */
     if (s->phase != PHASE_DONE) uv_run(&s->net.loop, UV_RUN_DEFAULT);
     if (s->tty) ps_log_status(NULL);
     code = s->exit_code;

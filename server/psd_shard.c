@@ -1165,6 +1165,7 @@ static int run_loop(shard_t *s)
         s->stop_signal = ps_early_stop_signal();
         s->stop_count = 1;
     }
+    ps_malloc_settle(); /* what loading freed */
     uv_run(&s->loop, UV_RUN_DEFAULT);
     return 0;
 }

@@ -118,6 +118,7 @@ static int load_data(wk_t *w, char *err, size_t errlen)
                  w->a.sizes[0]);
         return -1;
     }
+    ps_malloc_settle(); /* the files' decoding (pworker keeps freed memory: ps_malloc_keep) */
     return 0;
 }
 

@@ -255,6 +255,7 @@ int main(int argc, char **argv)
     psw_blas_tune(argv);
     long v;
     int c;
+    ps_malloc_keep(); /* before ZeroMQ's and OpenBLAS's threads start */
     opterr = 0;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
         switch (c) {
