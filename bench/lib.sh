@@ -18,6 +18,10 @@ machine_line() {
     echo "host: machine-id $(cut -c1-12 /etc/machine-id 2>/dev/null || echo unknown)," \
         "DMI product uuid $(cat /sys/class/dmi/id/product_uuid 2>/dev/null || echo unreadable)," \
         "boot id $(cut -c1-8 /proc/sys/kernel/random/boot_id 2>/dev/null || echo unknown)"
+    # what the kernel's entries cost (a deprivileged guest kernel pays several times bare metal's)
+    local kp
+    kp=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/build/kernel_probe
+    [ ! -x "$kp" ] || "$kp"
 }
 
 bench_setup() { # [--bench]
