@@ -1383,6 +1383,8 @@ int psw_client_fail(psw_client_t *c, int data_error, const char *message)
     return send_hdr(c, &h);
 }
 
+void psw_keep_freed_memory(void) { ps_malloc_keep(); }
+
 void psw_make_identity(uint8_t id[16], uint64_t salt)
 {
     char hostname[64];

@@ -145,6 +145,7 @@ def _declare(lib):
         "psw_client_push_region": (c.c_void_p, [c.c_void_p]),
         "psw_client_release_on_push": (None, [c.c_void_p, c.c_int]),
         "psw_make_identity": (None, [c.c_char_p, c.c_uint64]),
+        "psw_keep_freed_memory": (None, []),
         "psw_struct_size": (c.c_size_t, [c.c_char_p]),
         "psw_client_rows_ok": (c.c_int, [c.c_void_p]),
         "psw_load_keys": (c.c_int, [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p,

@@ -96,12 +96,18 @@ class Worker:
     fingerprint. rank, world and is_chief are psd's; log() prints on rank 0
     only (verbose=True: on every rank). wait_s, train_s and steps: seconds
     this worker waited for psd while training (its pushes, the next weights,
-    its barriers), seconds in its batches() loops, and its steps."""
+    its barriers), seconds in its batches() loops, and its steps.
+    keep_memory (default True): this process keeps freed memory for the next
+    message (psw_keep_freed_memory: glibc's malloc settings, process-wide),
+    so large weights received over tcp do not fault page by page; False
+    leaves the allocator as it was."""
 
     def __init__(self, endpoint, model, train_size, test_size, data_id="", threads=0, verbose=False,
                  shared_memory=True, timeout_s=300.0, validate_fn=None, retry_s=120.0, rows_of=None,
-                 staging=None, key_file=None, server_key=None):
+                 staging=None, key_file=None, server_key=None, keep_memory=True):
         self._lib = L.load()
+        if keep_memory:  # before the client's threads start: large replies then do not fault page by page
+            self._lib.psw_keep_freed_memory()
         # endpoint None: PSD_ENDPOINT, as the SLURM and compose deployments set it for PSD_WORKER_CMD;
         # CurveZMQ keys (psd keygen's files): key_file/server_key, else PSD_KEY_FILE/PSD_SERVER_KEY
         endpoint = endpoint or os.environ.get("PSD_ENDPOINT")

@@ -337,6 +337,16 @@ size_t psw_struct_size(const char *name);
  * Keep it for the process: psd recognises a worker reconnecting by it. */
 void psw_make_identity(uint8_t id[16], uint64_t salt);
 
+/* For the program (not called by the library itself): keep freed memory for
+ * the next message instead of giving it back to the kernel (glibc: one
+ * arena, no mmap for large blocks, no trimming), so that every large message
+ * received over tcp does not fault in every 4 KiB page (an 80 MB model: 640
+ * against 186 ms a step for a psd.torch worker here). The process's memory
+ * then stays at its high-water mark. Call it first, before threads start (a
+ * psw_client's are ZeroMQ's); pworker does, psd.torch.Worker does unless
+ * keep_memory=False. */
+void psw_keep_freed_memory(void);
+
 /* psd keygen's key files for psw_info_t.curve_*: this worker's key pair
  * (key_file, mode 0600) and psd's public key, as pworker's --key and
  * --server-key read them: 40 Z85 characters and a NUL into each out. 0, or
