@@ -41,8 +41,9 @@ int ps_file_hash(const char *path, uint64_t *size, uint64_t *hash);
  * arena trims the one before), and every 4 KiB page of it then faults when
  * the message is read in: 17,500 faults a round for an 80 MB model, more than
  * the wire itself on a VM. Memory stays at its high-water mark (the messages
- * in flight at once). Call first thing in main, before any thread starts; the
- * programs of this project call it, a library never does. */
+ * in flight at once). Call first thing in main, before any thread starts: psd,
+ * pworker and psbench do; a library never does on its own (libpsworker
+ * exports it to its program as psw_keep_freed_memory). */
 void ps_malloc_keep(void);
 
 /* Give back what a process's start freed (its data files' decoding and the

@@ -340,8 +340,8 @@ void psw_make_identity(uint8_t id[16], uint64_t salt);
 /* For the program (not called by the library itself): keep freed memory for
  * the next message instead of giving it back to the kernel (glibc: one
  * arena, no mmap for large blocks, no trimming), so that every large message
- * received over tcp does not fault in every 4 KiB page (an 80 MB model: 640
- * against 186 ms a step for a psd.torch worker here). The process's memory
+ * received over tcp does not fault in every 4 KiB page (an 80 MB model: 634-641
+ * against 173-182 ms a step for a psd.torch worker here, bench/torch_keep_memory.sh). The process's memory
  * then stays at its high-water mark. Call it first, before threads start (a
  * psw_client's are ZeroMQ's); pworker does, psd.torch.Worker does unless
  * keep_memory=False. */
