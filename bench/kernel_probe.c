@@ -26,11 +26,19 @@
 #include <time.h>
 #include <unistd.h>
 
-static double now(void)
+static int64_t now_ns(void)
 {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static double now(void) { return (double)now_ns() * 1e-9; }
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
 }
 
 static _Atomic uint32_t turn; /* 0: the main thread's, 1: the other's */
@@ -55,12 +63,7 @@ static double median5(double (*f)(void))
 {
     double v[5];
     for (int i = 0; i < 5; i++) v[i] = f();
-    for (int i = 1; i < 5; i++)
-        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
-            double t = v[j];
-            v[j] = v[j - 1];
-            v[j - 1] = t;
-        }
+    qsort(v, 5, sizeof v[0], cmp_double);
     return v[2];
 }
 
@@ -109,13 +112,6 @@ static _Atomic int64_t stamp_ns;
 enum { COLD = 200 };
 static double cold_lat[COLD];
 
-static int64_t now_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
 static void *sleeper(void *arg)
 {
     (void)arg;
@@ -124,12 +120,6 @@ static void *sleeper(void *arg)
         cold_lat[i] = (double)(now_ns() - atomic_load(&stamp_ns)) / 1e3;
     }
     return NULL;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 /* the median latency from a futex wake to the woken thread running, both idle 1 ms before */
