@@ -22,6 +22,8 @@ machine_line() {
     local kp
     kp=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/build/kernel_probe
     [ ! -x "$kp" ] || "$kp"
+    # whether the kernel copies a send slowly from a page's last bytes (psd pads around it)
+    [ ! -x "${kp%/*}/frame_probe" ] || "${kp%/*}/frame_probe" 0.2
 }
 
 bench_setup() { # [--bench]

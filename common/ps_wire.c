@@ -186,6 +186,30 @@ int ps_msg_recv(void *sock, ps_msg_t *m, bool router, int flags, char *err, size
     return ps_msg_recv_arena(sock, m, router, flags, NULL, err, errlen);
 }
 
+/* The message without its pad frames (ps_msg_send's; their descriptors go
+ * with them), the other frames in their order */
+static void drop_pads(ps_msg_t *m)
+{
+    Psd__Header *h = m->hdr;
+    size_t k = 0;
+    for (size_t i = 0; i < h->n_tensors; i++) {
+        if (h->tensors[i]->dtype == PSD__DTYPE__DT_PAD) {
+            zmq_msg_close(&m->frames[i]);
+            psd__tensor_desc__free_unpacked(h->tensors[i], m->arena ? &m->arena->al : NULL);
+            continue;
+        }
+        h->tensors[k] = h->tensors[i];
+        if (k != i) {
+            zmq_msg_init(&m->frames[k]);
+            zmq_msg_move(&m->frames[k], &m->frames[i]);
+            zmq_msg_close(&m->frames[i]);
+        }
+        k++;
+    }
+    h->n_tensors = k;
+    m->n_frames = (int)k;
+}
+
 int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_t *arena, char *err,
                       size_t errlen)
 {
@@ -251,8 +275,16 @@ int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_
     }
     if ((size_t)m->n_frames != h->n_tensors)
         FAIL("%d frames for %zu tensor descriptors", m->n_frames, h->n_tensors);
+    int pads = 0;
     for (size_t i = 0; i < h->n_tensors; i++) {
         Psd__TensorDesc *d = h->tensors[i];
+        if (d->dtype == PSD__DTYPE__DT_PAD) {
+            if (d->nbytes != zmq_msg_size(&m->frames[i]) || d->nbytes < 1 || d->nbytes > PS_WIRE_PAD_MAX)
+                FAIL("pad frame %zu: %llu bytes, frame has %zu", i, (unsigned long long)d->nbytes,
+                     zmq_msg_size(&m->frames[i]));
+            pads++;
+            continue;
+        }
         if (ps_desc_check(d, zmq_msg_size(&m->frames[i]), why, sizeof why) != 0) FAIL("tensor %zu: %s", i, why);
         size_t es = dtype_size(d->dtype);
         if (((uintptr_t)zmq_msg_data(&m->frames[i]) & (es - 1)) != 0) {
@@ -265,6 +297,7 @@ int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_
             m->frames[i] = c;
         }
     }
+    if (pads) drop_pads(m);
     zmq_msg_close(&f);
     return 0;
 
@@ -335,32 +368,130 @@ void ps_frames_small_first(ps_frame_t *fr, int n)
     }
 }
 
+/* ZMTP 3 frame header: flags and a one-byte size up to 255, else 8 bytes */
+static size_t zmtp_head(size_t n) { return n > 255 ? 9 : 2; }
+
+bool ps_wire_slow_start(uintptr_t addr) { return (addr & 4095) > 4096 - 64; }
+
+/* Where frame i's data begins in the batch stream (pos bytes before its
+ * framing): *from is the offset within the frame from which ZeroMQ writes
+ * it from its own memory; false if it copies the whole frame. */
+static bool own_write(size_t pos, size_t size, size_t *from)
+{
+    size_t into = (pos + zmtp_head(size)) % PS_WIRE_BATCH;
+    *from = into ? PS_WIRE_BATCH - into : 0;
+    return size >= *from + PS_WIRE_BATCH;
+}
+
+int ps_wire_pads(size_t hlen, const void *const *data, const size_t *sizes, int n, uint8_t *pad)
+{
+    int k = 0;
+    size_t pos = zmtp_head(hlen) + hlen, from; /* since the last frame written from its own memory */
+    for (int i = 0; i < n; i++) {
+        pad[i] = 0;
+        for (size_t s = 0; s <= PS_WIRE_PAD_MAX && n + k < PS_MAX_FRAMES; s++) {
+            size_t p = pos + (s ? zmtp_head(s) + s : 0);
+            if (!own_write(p, sizes[i], &from) || !ps_wire_slow_start((uintptr_t)data[i] + from)) {
+                pad[i] = (uint8_t)s;
+                break;
+            }
+        }
+        if (pad[i]) {
+            pos += zmtp_head(pad[i]) + pad[i];
+            k++;
+        }
+        pos = own_write(pos, sizes[i], &from) ? 0 : pos + zmtp_head(sizes[i]) + sizes[i];
+    }
+    return k;
+}
+
+/* The descriptors of frames fr[0, n) and of the pad frames planned before
+ * them (pad), in the order they go */
+static int fill_descs(Psd__TensorDesc *descs, Psd__TensorDesc **dptr, uint64_t (*shapes)[2], const ps_frame_t *frames,
+                      int n, const uint8_t *pad)
+{
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        if (pad[i]) {
+            psd__tensor_desc__init(&descs[k]);
+            descs[k].dtype = PSD__DTYPE__DT_PAD;
+            descs[k].nbytes = pad[i];
+            dptr[k] = &descs[k];
+            k++;
+        }
+        const ps_frame_t *fr = &frames[i];
+        psd__tensor_desc__init(&descs[k]);
+        descs[k].id = fr->id;
+        descs[k].dtype = fr->dtype;
+        shapes[k][0] = fr->rows;
+        shapes[k][1] = fr->cols;
+        descs[k].shape = shapes[k];
+        descs[k].n_shape = fr->cols ? 2 : 1;
+        descs[k].nbytes = fr->nbytes;
+        descs[k].offset = fr->offset;
+        dptr[k] = &descs[k];
+        k++;
+    }
+    return k;
+}
+
 int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header *hdr,
                 const ps_frame_t *frames, int n_frames)
 {
     Psd__TensorDesc descs[PS_MAX_FRAMES], *dptr[PS_MAX_FRAMES];
     uint64_t shapes[PS_MAX_FRAMES][2];
-    int rc = 0, passed = 0; /* frames whose ownership went to ZeroMQ */
+    zmq_msg_t fm[PS_MAX_FRAMES], pm[PS_MAX_FRAMES]; /* the frames, the pad frames before them */
+    const void *fdata[PS_MAX_FRAMES];
+    size_t fsize[PS_MAX_FRAMES];
+    uint8_t pad[PS_MAX_FRAMES] = {0}, plan[PS_MAX_FRAMES];
+    int rc = 0, made = 0, padded = 0, sent = 0; /* frames made into messages (ownership passed to ZeroMQ),
+                                                 * their pad frames made, frames sent */
     if (n_frames > PS_MAX_FRAMES) {
         rc = -E2BIG;
         goto out;
     }
-    for (int i = 0; i < n_frames; i++) {
-        const ps_frame_t *fr = &frames[i];
-        psd__tensor_desc__init(&descs[i]);
-        descs[i].id = fr->id;
-        descs[i].dtype = fr->dtype;
-        shapes[i][0] = fr->rows;
-        shapes[i][1] = fr->cols;
-        descs[i].shape = shapes[i];
-        descs[i].n_shape = fr->cols ? 2 : 1;
-        descs[i].nbytes = fr->nbytes;
-        descs[i].offset = fr->offset;
-        dptr[i] = &descs[i];
+    /* the frames first: where their bytes lie decides the pad frames */
+    for (; made < n_frames; made++) {
+        const ps_frame_t *fr = &frames[made];
+        if (fr->ffn && !fr->copy) {
+            if (zmq_msg_init_data(&fm[made], (void *)fr->data, fr->nbytes, fr->ffn, fr->hint) != 0) {
+                rc = -ENOMEM;
+                goto out;
+            }
+        } else {
+            if (zmq_msg_init_size(&fm[made], fr->nbytes) != 0) {
+                rc = -ENOMEM;
+                goto out;
+            }
+            if (fr->nbytes) memcpy(zmq_msg_data(&fm[made]), fr->data, fr->nbytes);
+            if (fr->ffn) fr->ffn((void *)fr->data, fr->hint); /* copied: its reference is given back now */
+        }
+        fdata[made] = zmq_msg_data(&fm[made]);
+        fsize[made] = fr->nbytes;
     }
     if (!hdr->protocol) hdr->protocol = PS_PROTOCOL_VERSION; /* an answer in an older peer's protocol may set it */
-    hdr->n_tensors = (size_t)n_frames;
-    hdr->tensors = n_frames ? dptr : NULL;
+    /* the pads' own descriptors lengthen the header, which moves the
+     * frames: plan again until the plan holds (once or twice) */
+    int n_desc = 0;
+    for (int round = 0; round < 4; round++) {
+        n_desc = fill_descs(descs, dptr, shapes, frames, n_frames, pad);
+        hdr->n_tensors = (size_t)n_desc;
+        hdr->tensors = n_desc ? dptr : NULL;
+        ps_wire_pads(psd__header__get_packed_size(hdr), fdata, fsize, n_frames, plan);
+        if (memcmp(plan, pad, (size_t)n_frames) == 0) break;
+        memcpy(pad, plan, (size_t)n_frames);
+    }
+    n_desc = fill_descs(descs, dptr, shapes, frames, n_frames, pad);
+    hdr->n_tensors = (size_t)n_desc;
+    hdr->tensors = n_desc ? dptr : NULL;
+    for (; padded < n_frames; padded++) { /* their bytes are zeros */
+        if (!pad[padded]) continue;
+        if (zmq_msg_init_size(&pm[padded], pad[padded]) != 0) {
+            rc = -ENOMEM;
+            goto out;
+        }
+        memset(zmq_msg_data(&pm[padded]), 0, pad[padded]);
+    }
 
     if (ident) {
         zmq_msg_t im;
@@ -385,34 +516,21 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
         zmq_msg_close(&hm);
         goto out;
     }
-    for (int i = 0; i < n_frames; i++) {
-        const ps_frame_t *fr = &frames[i];
-        zmq_msg_t fm;
-        int flags = i + 1 < n_frames ? ZMQ_SNDMORE : 0;
-        if (fr->ffn && !fr->copy) {
-            if (zmq_msg_init_data(&fm, (void *)fr->data, fr->nbytes, fr->ffn, fr->hint) != 0) {
-                rc = -ENOMEM;
-                goto out;
-            }
-            passed = i + 1; /* zmq_msg_close calls ffn from here on */
-        } else {
-            if (zmq_msg_init_size(&fm, fr->nbytes) != 0) {
-                rc = -ENOMEM;
-                goto out;
-            }
-            if (fr->nbytes) memcpy(zmq_msg_data(&fm), fr->data, fr->nbytes);
-            if (fr->ffn) fr->ffn((void *)fr->data, fr->hint); /* copied: its reference is given back now */
-            passed = i + 1;
+    for (; sent < n_frames; sent++) {
+        if (pad[sent]) {
+            if ((rc = send_frame(&pm[sent], sock, ZMQ_SNDMORE)) < 0) goto out;
+            pad[sent] = 0; /* sent */
         }
-        if ((rc = send_frame(&fm, sock, flags)) < 0) {
-            zmq_msg_close(&fm);
-            goto out;
-        }
+        if ((rc = send_frame(&fm[sent], sock, sent + 1 < n_frames ? ZMQ_SNDMORE : 0)) < 0) goto out;
     }
 out:
-    /* release the references of frames ZeroMQ never took */
-    for (int i = passed; i < n_frames; i++)
+    /* frames not sent: closing their messages gives their references back
+     * (ffn); those never made into one get their ffn here */
+    for (int i = sent; i < made; i++) zmq_msg_close(&fm[i]);
+    for (int i = made; i < n_frames; i++)
         if (frames[i].ffn) frames[i].ffn((void *)frames[i].data, frames[i].hint);
+    for (int i = 0; i < padded; i++)
+        if (pad[i]) zmq_msg_close(&pm[i]);
     hdr->n_tensors = 0;
     hdr->tensors = NULL;
     return rc;

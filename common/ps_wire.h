@@ -16,9 +16,10 @@
 
 #include "psd.pb-c.h"
 
-#define PS_PROTOCOL_VERSION 8u /* 5: tensor frames in any order (ps_frames_small_first); 6: EPOCH keep;
+#define PS_PROTOCOL_VERSION 9u /* 5: tensor frames in any order (ps_frames_small_first); 6: EPOCH keep;
                                 * 7: the model as a table of named tensors (ASSIGN's table frame), 64-bit shapes;
-                                * 8: READY data_id, VALIDATE split and ids, VAL_RESULT named sums */
+                                * 8: READY data_id, VALIDATE split and ids, VAL_RESULT named sums;
+                                * 9: pad frames (DT_PAD) */
 #define PS_MAX_FRAMES 64         /* tensor frames in one message */
 #define PS_MAX_IDENTITY 255      /* ZeroMQ routing ids are at most 255 bytes */
 #define PS_MAX_HEADER (1u << 20) /* header frame bytes */
@@ -126,6 +127,28 @@ typedef struct {
  * push+pull). Models with an embedding table keep tensor order: their
  * table (rows) frames are found by position. */
 void ps_frames_small_first(ps_frame_t *fr, int n);
+
+/* Pad frames. libzmq 4.3 copies a message's frames, their ZMTP framing
+ * included, into an 8 KiB batch and writes each full batch; a frame with
+ * 8 KiB or more still to go at a batch boundary is written from its own
+ * memory from there on. On this project's AMD Zen 5 VMs the kernel's copy
+ * of such a write runs at half speed when it starts in the last 63 bytes
+ * of a page (the source then sits just below the socket buffer's
+ * page-aligned destination: 4 KiB aliasing, by all appearances), which a
+ * page-aligned tensor after a short header or after another large frame
+ * does; measured in docs/design.md ("The send copy's 4 KiB aliasing"). So
+ * ps_msg_send puts a pad frame (DT_PAD, 1 to PS_WIRE_PAD_MAX bytes) before
+ * a frame that would start there, sized to move the start, and
+ * ps_msg_recv drops pad frames: no caller sees them.
+ *
+ * ps_wire_pads plans them for a header of hlen bytes and frames sizes[i]
+ * at data[i]: pad[i] is the pad frame's size before frame i, 0 for none;
+ * returns how many. ps_wire_slow_start: whether a write from addr starts
+ * in those bytes. */
+#define PS_WIRE_BATCH 8192
+#define PS_WIRE_PAD_MAX 127
+bool ps_wire_slow_start(uintptr_t addr);
+int ps_wire_pads(size_t hlen, const void *const *data, const size_t *sizes, int n, uint8_t *pad);
 
 /* Send header (+frames). hdr->protocol (unless set: a refusal worded for an
  * older peer goes in its protocol, so that it shows the words) and the

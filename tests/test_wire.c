@@ -19,15 +19,18 @@ static void setup(void)
     cr_assert_eq(zmq_connect(dealer, "inproc://wire"), 0);
 }
 
-static void teardown(void)
+/* a context and its two sockets, closed at once */
+static void close_pair(void *c, void *r, void *d)
 {
     int z = 0;
-    zmq_setsockopt(router, ZMQ_LINGER, &z, sizeof z);
-    zmq_setsockopt(dealer, ZMQ_LINGER, &z, sizeof z);
-    zmq_close(router);
-    zmq_close(dealer);
-    zmq_ctx_term(ctx);
+    zmq_setsockopt(r, ZMQ_LINGER, &z, sizeof z);
+    zmq_setsockopt(d, ZMQ_LINGER, &z, sizeof z);
+    zmq_close(r);
+    zmq_close(d);
+    zmq_ctx_term(c);
 }
+
+static void teardown(void) { close_pair(ctx, router, dealer); }
 
 TestSuite(wire, .init = setup, .fini = teardown);
 
@@ -37,6 +40,14 @@ static void count_free(void *data, void *hint)
     (void)data;
     (void)hint;
     atomic_fetch_add(&freed, 1);
+}
+
+/* h, a PULL with body p */
+static void as_pull(Psd__Header *h, Psd__Pull *p)
+{
+    h->type = PSD__MSG_TYPE__MSG_PULL;
+    h->body_case = PSD__HEADER__BODY_PULL;
+    h->pull = p;
 }
 
 static int recv_router(ps_msg_t *m, char *err)
@@ -132,9 +143,7 @@ Test(wire, frames_marked_copy_are_copied_and_released_at_send)
     memcpy(sent, a, sizeof a);
     Psd__Header h = PSD__HEADER__INIT;
     Psd__Pull p = PSD__PULL__INIT;
-    h.type = PSD__MSG_TYPE__MSG_PULL;
-    h.body_case = PSD__HEADER__BODY_PULL;
-    h.pull = &p;
+    as_pull(&h, &p);
     ps_frame_t fr[2] = {
         {.data = a, .nbytes = sizeof a, .ffn = count_free, .id = 0, .dtype = PSD__DTYPE__DT_F32, .rows = 4,
          .copy = true},
@@ -417,9 +426,7 @@ Test(wire, extra_frames_after_a_bare_header_are_drained)
     uint8_t buf[256], forged[256];
     Psd__Header h = PSD__HEADER__INIT;
     Psd__Pull p = PSD__PULL__INIT;
-    h.type = PSD__MSG_TYPE__MSG_PULL;
-    h.body_case = PSD__HEADER__BODY_PULL;
-    h.pull = &p;
+    as_pull(&h, &p);
     size_t n = pack(&h, buf);
     p.min_version = 666;
     size_t fn = pack(&h, forged);
@@ -454,4 +461,131 @@ Test(wire, bf16_rounds_to_nearest_even)
     ps_f32_to_bf16_n(h, x, 5);
     ps_bf16_to_f32_n(y, h, 5);
     for (int i = 0; i < 5; i++) cr_assert(fabsf(y[i] - x[i]) <= fabsf(x[i]) * 0x1p-8f, "%g -> %g", x[i], y[i]);
+}
+
+/* Where ZeroMQ starts writing a large frame from its own memory: after a
+ * full 8 KiB batch of what came before it since the last such frame (bytes
+ * with their framing, the frame's own 9) */
+static uintptr_t own_start(uintptr_t data, size_t before) { return data + PS_WIRE_BATCH - (before + 9); }
+
+Test(wire, pads_move_large_frame_starts_off_the_last_bytes_of_a_page)
+{
+    const size_t big = 4u << 20;
+    const uintptr_t page = 0x7f0000200000u; /* page-aligned tensors, as psd's arenas */
+    cr_assert(ps_wire_slow_start(page + 4095) && ps_wire_slow_start(page + 4033));
+    cr_assert(!ps_wire_slow_start(page + 4032) && !ps_wire_slow_start(page) && !ps_wire_slow_start(page + 64));
+    const void *one[1] = {(const void *)page};
+    size_t sizes[2] = {big, big};
+    uint8_t pad[2];
+    int padded = 0;
+    for (size_t h = 1; h < 240; h++) {
+        int k = ps_wire_pads(h, one, sizes, 1, pad);
+        if (!ps_wire_slow_start(own_start(page, 2 + h))) {
+            cr_assert(k == 0 && pad[0] == 0, "header of %zu bytes: no pad where the start is fine", h);
+            continue;
+        }
+        padded++;
+        cr_assert(k == 1 && pad[0] > 0, "header of %zu bytes starts the frame at page offset %lu", h,
+                  (unsigned long)(own_start(page, 2 + h) & 4095));
+        cr_assert(!ps_wire_slow_start(own_start(page, 2 + h + 2 + pad[0])), "header of %zu, pad of %u", h, pad[0]);
+        cr_assert_leq(pad[0], PS_WIRE_PAD_MAX);
+    }
+    cr_assert_gt(padded, 40, "short headers put a page-aligned frame's start in the page's last bytes");
+    /* a large frame after another starts after 9 bytes of framing: a
+     * page-aligned one in the page's last bytes */
+    const void *two[2] = {(const void *)page, (const void *)(page + big)};
+    cr_assert_eq(ps_wire_pads(100, two, sizes, 2, pad), 1);
+    cr_assert_eq(pad[0], 0);
+    cr_assert(pad[1] > 0 && !ps_wire_slow_start(own_start(page + big, 2 + pad[1])));
+    /* frames ZeroMQ copies whole (under 8 KiB past the batch) need none */
+    size_t small[2] = {5352, 9000};
+    for (size_t h = 1; h < 240; h++) cr_assert_eq(ps_wire_pads(h, two, small, 2, pad), 0);
+}
+
+/* A message of page-aligned 4 MiB frames (sent from their memory) over tcp:
+ * on the wire with pad frames, from ps_msg_recv without them. */
+Test(wire, pad_frames_go_on_the_wire_and_are_dropped_at_receive)
+{
+    void *c2 = zmq_ctx_new(), *r = zmq_socket(c2, ZMQ_ROUTER), *d = zmq_socket(c2, ZMQ_DEALER);
+    cr_assert_eq(zmq_bind(r, "tcp://127.0.0.1:*"), 0);
+    char ep[64];
+    size_t epl = sizeof ep;
+    zmq_getsockopt(r, ZMQ_LAST_ENDPOINT, ep, &epl);
+    cr_assert_eq(zmq_connect(d, ep), 0);
+    const size_t n = 1u << 20;
+    float *w = aligned_alloc(4096, 2 * n * sizeof *w);
+    cr_assert_not_null(w);
+    for (size_t i = 0; i < 2 * n; i++) w[i] = (float)i;
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Pull p = PSD__PULL__INIT;
+    as_pull(&h, &p);
+    ps_frame_t fr[2] = {
+        {.data = w, .nbytes = n * sizeof *w, .ffn = count_free, .id = 0, .dtype = PSD__DTYPE__DT_F32, .rows = n},
+        {.data = w + n, .nbytes = n * sizeof *w, .ffn = count_free, .id = 1, .dtype = PSD__DTYPE__DT_F32, .rows = n},
+    };
+    atomic_store(&freed, 0);
+    for (int round = 0; round < 2; round++) {
+        cr_assert_eq(ps_msg_send(d, NULL, 0, &h, fr, 2), 0);
+        cr_assert_null(h.tensors, "the caller's header is left as it was");
+        zmq_pollitem_t it = {r, 0, ZMQ_POLLIN, 0};
+        cr_assert_eq(zmq_poll(&it, 1, 5000), 1);
+        if (round == 0) { /* as it went: identity, header, the frames and a pad before each */
+            int parts = 0, more = 1;
+            size_t sz[8];
+            while (more && parts < 8) {
+                zmq_msg_t f;
+                zmq_msg_init(&f);
+                cr_assert_geq(zmq_msg_recv(&f, r, 0), 0);
+                sz[parts++] = zmq_msg_size(&f);
+                more = zmq_msg_more(&f);
+                zmq_msg_close(&f);
+            }
+            cr_assert_eq(parts, 6, "identity, header, pad, frame, pad, frame: %d parts", parts);
+            cr_assert(sz[2] >= 1 && sz[2] <= PS_WIRE_PAD_MAX && sz[3] == n * sizeof *w);
+            cr_assert(sz[4] >= 1 && sz[4] <= PS_WIRE_PAD_MAX && sz[5] == n * sizeof *w);
+            continue;
+        }
+        ps_msg_t m;
+        char err[256];
+        cr_assert_eq(ps_msg_recv(r, &m, true, ZMQ_DONTWAIT, err, sizeof err), 0, "%s", err);
+        cr_assert_eq(m.n_frames, 2);
+        cr_assert_eq(m.hdr->n_tensors, 2);
+        for (int t = 0; t < 2; t++) {
+            size_t got;
+            const float *g = ps_msg_f32(&m, t, &got);
+            cr_assert_eq(m.hdr->tensors[t]->id, (uint32_t)t);
+            cr_assert_eq(got, n);
+            cr_assert_arr_eq(g, w + (size_t)t * n, n * sizeof *w);
+        }
+        ps_msg_deinit(&m);
+    }
+    for (int i = 0; i < 400 && atomic_load(&freed) < 4; i++) zmq_poll(NULL, 0, 5);
+    cr_assert_eq(atomic_load(&freed), 4);
+    close_pair(c2, r, d);
+    free(w);
+}
+
+Test(wire, a_pad_frame_of_the_wrong_size_is_dropped)
+{
+    Psd__Header h = PSD__HEADER__INIT;
+    Psd__Pull p = PSD__PULL__INIT;
+    Psd__TensorDesc pd = PSD__TENSOR_DESC__INIT, *dp[1] = {&pd};
+    h.protocol = PS_PROTOCOL_VERSION;
+    h.type = PSD__MSG_TYPE__MSG_PULL;
+    h.body_case = PSD__HEADER__BODY_PULL;
+    h.pull = &p;
+    pd.dtype = PSD__DTYPE__DT_PAD;
+    pd.nbytes = 200; /* over PS_WIRE_PAD_MAX, and not the frame's */
+    h.n_tensors = 1;
+    h.tensors = dp;
+    uint8_t buf[256], zeros[16] = {0};
+    size_t len = psd__header__pack(&h, buf);
+    cr_assert_eq(zmq_send(dealer, buf, len, ZMQ_SNDMORE), (int)len);
+    cr_assert_eq(zmq_send(dealer, zeros, sizeof zeros, 0), (int)sizeof zeros);
+    ps_msg_t m;
+    char err[256];
+    cr_assert_eq(recv_router(&m, err), -EPROTO);
+    cr_assert(strstr(err, "pad frame"), "%s", err);
+    send_valid_pull(3);
+    expect_valid_pull(3);
 }
