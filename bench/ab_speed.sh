@@ -10,9 +10,10 @@
 # (a build dir holds psd and psbench: e.g. bench/same_weights.sh's, or
 #  `git worktree add /tmp/old REV && meson setup /tmp/old/b /tmp/old && ninja -C /tmp/old/b psd psbench`)
 # ROWS picks rows (default "tcp1 tcp2 shm1"); LAYERS another MLP (default
-# [784,1338]; e.g. [784,4096,4096,10], 80 MB, with ROUNDS=50); PSD_SET more psd
-# flags for both (e.g. "--set train.stream=true"). Not a test: nothing here
-# passes or fails on speed.
+# [784,1338]; e.g. [784,4096,4096,10], 80 MB, with ROUNDS=50); MODEL_CONFIG a
+# config file of a `model.kind: tensors` table instead (e.g.
+# bench/one_tensor.yaml); PSD_SET more psd flags for both (e.g. "--set
+# train.stream=true"). Not a test: nothing here passes or fails on speed.
 set -euo pipefail
 OLD=${1:?usage: bash bench/ab_speed.sh OLD_BUILD_DIR NEW_BUILD_DIR [ROUNDS]}
 NEW=${2:?usage: bash bench/ab_speed.sh OLD_BUILD_DIR NEW_BUILD_DIR [ROUNDS]}
@@ -26,9 +27,14 @@ machine_line
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 # one run: $1 build dir, $2 workers, $3 endpoint, $4 psbench flags; prints the aggregate GB/s
 run() {
-    local bin=$1 w=$2 ep=$3 flags=${4:-} limit=$((ROUNDS * 64 * $2))
+    local bin=$1 w=$2 ep=$3 flags=${4:-} limit=$((ROUNDS * 64 * $2)) model
+    model=(--set "model.layers=${LAYERS:-[784,1338]}")
+    if [ -n "${MODEL_CONFIG:-}" ]; then # the workers give the data's sizes
+        model=(--config "$MODEL_CONFIG")
+        flags="$flags --data $limit,640"
+    fi
     # shellcheck disable=SC2086
-    "$bin/psd" --listen "$ep" --workers "$w" --epochs 1 --set "model.layers=${LAYERS:-[784,1338]}" ${PSD_SET:-} \
+    "$bin/psd" --listen "$ep" --workers "$w" --epochs 1 "${model[@]}" ${PSD_SET:-} \
         --set optimizer.momentum=0 --set optimizer.weight_decay=0 --set "data.train_limit=$limit" \
         --set schedule.name=constant --set checkpoint.dir= --metrics "" --save "" 2>"$WORK/psd.log" &
     local psd=$!

@@ -27,6 +27,7 @@
 #include <zmq.h>
 
 #include "bench_util.h"
+#include "ps_tcp.h"
 
 static double now(void)
 {
@@ -35,8 +36,10 @@ static double now(void)
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* every part of one message; its size, -1 on error */
-static long recv_msg(void *s)
+/* every part of one message; its size, -1 on error. The connection gets
+ * psd's congestion control for loopback (server.tcp_congestion auto), as
+ * wire_probe --cc=auto's; *last: the connection that has it (0 for none) */
+static long recv_msg(void *s, int *last)
 {
     long n = 0;
     int more = 1;
@@ -47,6 +50,7 @@ static long recv_msg(void *s)
             zmq_msg_close(&m);
             return -1;
         }
+        ps_tcp_cc_conn(last, zmq_msg_get(&m, ZMQ_SRCFD), "auto", false);
         n += (long)zmq_msg_size(&m);
         more = zmq_msg_more(&m);
         zmq_msg_close(&m);
@@ -72,10 +76,11 @@ static void echo(int fd, char *buf, size_t n)
     size_t len = sizeof ep;
     if (zmq_bind(s, "tcp://127.0.0.1:*") != 0 || zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, ep, &len) != 0) _exit(1);
     if (write(fd, ep, strlen(ep) + 1) < 0) _exit(1);
+    int last = 0;
     for (;;) {
         zmq_msg_t id;
         zmq_msg_init(&id);
-        if (zmq_msg_recv(&id, s, 0) < 0 || recv_msg(s) <= 0) break;
+        if (zmq_msg_recv(&id, s, 0) < 0 || recv_msg(s, &last) <= 0) break;
         if (zmq_msg_send(&id, s, ZMQ_SNDMORE) < 0 || send_frame(s, buf, n, 0) != 0) break;
     }
     _exit(0);
@@ -98,11 +103,11 @@ static double round_us(size_t off, size_t n, double seconds)
     void *ctx = zmq_ctx_new(), *c = zmq_socket(ctx, ZMQ_DEALER);
     double us = -1;
     if (zmq_connect(c, ep) == 0) {
-        int k = 0, bad = 0;
-        for (int i = 0; i < 10 && !bad; i++) bad = send_frame(c, page + off, n, 0) != 0 || recv_msg(c) < 0;
+        int k = 0, bad = 0, last = 0;
+        for (int i = 0; i < 10 && !bad; i++) bad = send_frame(c, page + off, n, 0) != 0 || recv_msg(c, &last) < 0;
         double t0 = now(), t = t0;
         for (; !bad && t - t0 < seconds; k++, t = now())
-            bad = send_frame(c, page + off, n, 0) != 0 || recv_msg(c) < 0;
+            bad = send_frame(c, page + off, n, 0) != 0 || recv_msg(c, &last) < 0;
         if (!bad && k > 0) us = (t - t0) / k * 1e6;
         zmq_send(c, "", 0, 0);
     }
