@@ -280,8 +280,9 @@ int ps_msg_recv_arena(void *sock, ps_msg_t *m, bool router, int flags, ps_arena_
         Psd__TensorDesc *d = h->tensors[i];
         if (d->dtype == PSD__DTYPE__DT_PAD) {
             if (d->nbytes != zmq_msg_size(&m->frames[i]) || d->nbytes < 1 || d->nbytes > PS_WIRE_PAD_MAX)
-                FAIL("pad frame %zu: %llu bytes, frame has %zu", i, (unsigned long long)d->nbytes,
-                     zmq_msg_size(&m->frames[i]));
+                FAIL("pad frame %zu: %llu bytes, frame has %zu (1 to %d)", i, (unsigned long long)d->nbytes,
+                     zmq_msg_size(&m->frames[i]), PS_WIRE_PAD_MAX);
+            if (d->id || d->n_shape || d->offset || d->chunk || d->shard) FAIL("pad frame %zu describes a tensor", i);
             pads++;
             continue;
         }
@@ -385,19 +386,23 @@ static bool own_write(size_t pos, size_t size, size_t *from)
 
 int ps_wire_pads(size_t hlen, const void *const *data, const size_t *sizes, int n, uint8_t *pad)
 {
-    int k = 0;
-    size_t pos = zmtp_head(hlen) + hlen, from; /* since the last frame written from its own memory */
+    int k = 0, planned = 0;
+    for (int i = 0; i < n; i++) planned += pad[i] != 0;
+    size_t from, pos = own_write(0, hlen, &from) ? 0 : zmtp_head(hlen) + hlen; /* since the last in-place write */
     for (int i = 0; i < n; i++) {
-        pad[i] = 0;
-        for (size_t s = 0; s <= PS_WIRE_PAD_MAX && n + k < PS_MAX_FRAMES; s++) {
+        bool kept = pad[i] != 0; /* its descriptor is in hlen: it stays (so the plans converge), resized */
+        bool room = kept || n + planned < PS_MAX_FRAMES;
+        size_t s = kept ? 1 : 0;
+        for (; room && s <= PS_WIRE_PAD_MAX; s++) {
             size_t p = pos + (s ? zmtp_head(s) + s : 0);
-            if (!own_write(p, sizes[i], &from) || !ps_wire_slow_start((uintptr_t)data[i] + from)) {
-                pad[i] = (uint8_t)s;
-                break;
-            }
+            if (!own_write(p, sizes[i], &from) || !ps_wire_slow_start((uintptr_t)data[i] + from)) break;
         }
-        if (pad[i]) {
-            pos += zmtp_head(pad[i]) + pad[i];
+        if (!room) s = 0;
+        if (s > PS_WIRE_PAD_MAX) s = kept ? 1 : 0; /* unreachable: the slow bytes are 63 wide */
+        if (s && !kept) planned++;
+        pad[i] = (uint8_t)s;
+        if (s) {
+            pos += zmtp_head(s) + s;
             k++;
         }
         pos = own_write(pos, sizes[i], &from) ? 0 : pos + zmtp_head(sizes[i]) + sizes[i];
@@ -471,12 +476,17 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
     }
     if (!hdr->protocol) hdr->protocol = PS_PROTOCOL_VERSION; /* an answer in an older peer's protocol may set it */
     /* the pads' own descriptors lengthen the header, which moves the
-     * frames: plan again until the plan holds (once or twice) */
-    int n_desc = 0;
-    for (int round = 0; round < 4; round++) {
+     * frames: plan again until the plan holds. A pad once planned stays
+     * (ps_wire_pads), so the plans only grow and this ends. Under CURVE
+     * libzmq sends encrypted copies of the frames: nothing to plan. */
+    int mech = ZMQ_NULL, n_desc = 0;
+    size_t ml = sizeof mech;
+    zmq_getsockopt(sock, ZMQ_MECHANISM, &mech, &ml);
+    for (int round = 0; mech != ZMQ_CURVE && round <= n_frames; round++) {
         n_desc = fill_descs(descs, dptr, shapes, frames, n_frames, pad);
         hdr->n_tensors = (size_t)n_desc;
         hdr->tensors = n_desc ? dptr : NULL;
+        memcpy(plan, pad, (size_t)n_frames);
         ps_wire_pads(psd__header__get_packed_size(hdr), fdata, fsize, n_frames, plan);
         if (memcmp(plan, pad, (size_t)n_frames) == 0) break;
         memcpy(pad, plan, (size_t)n_frames);

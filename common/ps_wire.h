@@ -143,8 +143,11 @@ void ps_frames_small_first(ps_frame_t *fr, int n);
  *
  * ps_wire_pads plans them for a header of hlen bytes and frames sizes[i]
  * at data[i]: pad[i] is the pad frame's size before frame i, 0 for none;
- * returns how many. ps_wire_slow_start: whether a write from addr starts
- * in those bytes. */
+ * on entry the pads whose descriptors hlen counts (they stay, at 1 byte or
+ * more; zeros for none); returns how many. Not modelled: a message queued
+ * behind another's unsent bytes, heartbeats between frames, the later
+ * writes of a frame larger than the socket's buffer. ps_wire_slow_start:
+ * whether a write from addr starts in those bytes. */
 #define PS_WIRE_BATCH 8192
 #define PS_WIRE_PAD_MAX 127
 bool ps_wire_slow_start(uintptr_t addr);

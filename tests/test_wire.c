@@ -479,6 +479,7 @@ Test(wire, pads_move_large_frame_starts_off_the_last_bytes_of_a_page)
     uint8_t pad[2];
     int padded = 0;
     for (size_t h = 1; h < 240; h++) {
+        pad[0] = 0;
         int k = ps_wire_pads(h, one, sizes, 1, pad);
         if (!ps_wire_slow_start(own_start(page, 2 + h))) {
             cr_assert(k == 0 && pad[0] == 0, "header of %zu bytes: no pad where the start is fine", h);
@@ -491,15 +492,78 @@ Test(wire, pads_move_large_frame_starts_off_the_last_bytes_of_a_page)
         cr_assert_leq(pad[0], PS_WIRE_PAD_MAX);
     }
     cr_assert_gt(padded, 40, "short headers put a page-aligned frame's start in the page's last bytes");
+    /* a pad planned before stays (its descriptor is in the header), resized:
+     * with it the header is long enough that none would be needed */
+    pad[0] = 9;
+    cr_assert_eq(ps_wire_pads(100, one, sizes, 1, pad), 1);
+    cr_assert(pad[0] >= 1 && !ps_wire_slow_start(own_start(page, 2 + 100 + 2 + pad[0])));
     /* a large frame after another starts after 9 bytes of framing: a
      * page-aligned one in the page's last bytes */
     const void *two[2] = {(const void *)page, (const void *)(page + big)};
+    memset(pad, 0, sizeof pad);
     cr_assert_eq(ps_wire_pads(100, two, sizes, 2, pad), 1);
     cr_assert_eq(pad[0], 0);
     cr_assert(pad[1] > 0 && !ps_wire_slow_start(own_start(page + big, 2 + pad[1])));
     /* frames ZeroMQ copies whole (under 8 KiB past the batch) need none */
     size_t small[2] = {5352, 9000};
-    for (size_t h = 1; h < 240; h++) cr_assert_eq(ps_wire_pads(h, two, small, 2, pad), 0);
+    for (size_t h = 1; h < 240; h++) {
+        memset(pad, 0, sizeof pad);
+        cr_assert_eq(ps_wire_pads(h, two, small, 2, pad), 0);
+    }
+}
+
+/* Sent by ps_msg_send with headers of every length from short to long
+ * (run id, sequence number, rank and version of 1 to 10 bytes): as the parts arrive over
+ * inproc (ZeroMQ passes them as they are, the frame's memory included), the
+ * page-aligned frame's in-place write over tcp would start off the page's
+ * last bytes, pad frames counted. */
+Test(wire, every_header_length_gets_a_good_start)
+{
+    const size_t n = 1u << 20;
+    float *w = aligned_alloc(4096, n * sizeof *w);
+    cr_assert_not_null(w);
+    memset(w, 0, n * sizeof *w);
+    bool seen[256] = {false};
+    for (int a = 0; a < 10; a++)
+        for (int b = 0; b < 30; b++) {
+            Psd__Header h = PSD__HEADER__INIT;
+            Psd__Pull p = PSD__PULL__INIT;
+            as_pull(&h, &p);
+            h.run_id = a ? 1ull << (7 * a - 1) : 0;
+            h.seq = b % 10 ? 1ull << (7 * (b % 10) - 1) : 0;
+            p.min_version = b >= 10 ? 1ull << 63 : 0;
+            h.rank = b >= 20 ? UINT32_MAX : 0;
+            ps_frame_t fr = {.data = w, .nbytes = n * sizeof *w, .ffn = count_free, .dtype = PSD__DTYPE__DT_F32,
+                             .rows = n};
+            cr_assert_eq(ps_msg_send(dealer, NULL, 0, &h, &fr, 1), 0);
+            zmq_pollitem_t it = {router, 0, ZMQ_POLLIN, 0};
+            cr_assert_eq(zmq_poll(&it, 1, 2000), 1);
+            size_t sz[4], pos = 0, pads = 0;
+            int parts = 0, more = 1;
+            const void *data = NULL;
+            while (more) {
+                zmq_msg_t f;
+                zmq_msg_init(&f);
+                cr_assert_geq(zmq_msg_recv(&f, router, 0), 0);
+                cr_assert_lt(parts, 4);
+                sz[parts] = zmq_msg_size(&f);
+                if (sz[parts] == n * sizeof *w) data = zmq_msg_data(&f);
+                more = zmq_msg_more(&f);
+                zmq_msg_close(&f);
+                parts++;
+            }
+            cr_assert_eq(data, (const void *)w, "inproc passes the frame's own memory");
+            for (int i = 1; i + 1 < parts; i++) pos += (sz[i] > 255 ? 9 : 2) + sz[i]; /* header, pad */
+            pads = (size_t)parts - 3;
+            size_t h0 = sz[1] - 6 * pads; /* the header without the pad's descriptor (6 bytes) */
+            if (h0 < 256) seen[h0] = true;
+            cr_assert(!ps_wire_slow_start(own_start((uintptr_t)w, pos)), "header of %zu bytes, %zu pad(s): starts at %lu",
+                      sz[1], pads, (unsigned long)(own_start((uintptr_t)w, pos) & 4095));
+        }
+    int window = 0; /* where a pad's own descriptor alone would have been enough */
+    for (int k = 47; k <= 52; k++) window += seen[k];
+    cr_assert_geq(window, 3, "the headers cover the lengths where plans went back and forth");
+    free(w);
 }
 
 /* A message of page-aligned 4 MiB frames (sent from their memory) over tcp:
@@ -565,27 +629,48 @@ Test(wire, pad_frames_go_on_the_wire_and_are_dropped_at_receive)
     free(w);
 }
 
-Test(wire, a_pad_frame_of_the_wrong_size_is_dropped)
+/* A pad frame whose descriptor says other than the frame, or more than
+ * PS_WIRE_PAD_MAX bytes, or describes a tensor: the message is dropped. */
+static void send_bad_pad(uint64_t nbytes, size_t frame, uint32_t id)
 {
     Psd__Header h = PSD__HEADER__INIT;
     Psd__Pull p = PSD__PULL__INIT;
     Psd__TensorDesc pd = PSD__TENSOR_DESC__INIT, *dp[1] = {&pd};
     h.protocol = PS_PROTOCOL_VERSION;
-    h.type = PSD__MSG_TYPE__MSG_PULL;
-    h.body_case = PSD__HEADER__BODY_PULL;
-    h.pull = &p;
+    as_pull(&h, &p);
     pd.dtype = PSD__DTYPE__DT_PAD;
-    pd.nbytes = 200; /* over PS_WIRE_PAD_MAX, and not the frame's */
+    pd.nbytes = nbytes;
+    pd.id = id;
     h.n_tensors = 1;
     h.tensors = dp;
-    uint8_t buf[256], zeros[16] = {0};
+    uint8_t buf[256], zeros[256] = {0};
     size_t len = psd__header__pack(&h, buf);
     cr_assert_eq(zmq_send(dealer, buf, len, ZMQ_SNDMORE), (int)len);
-    cr_assert_eq(zmq_send(dealer, zeros, sizeof zeros, 0), (int)sizeof zeros);
+    cr_assert_eq(zmq_send(dealer, zeros, frame, 0), (int)frame);
+}
+
+Test(wire, bad_pad_frames_are_dropped)
+{
+    const struct {
+        uint64_t nbytes;
+        size_t frame;
+        uint32_t id;
+        const char *why;
+    } bad[] = {{16, 17, 0, "frame has 17"}, {200, 200, 0, "1 to 127"}, {8, 8, 3, "describes a tensor"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        send_bad_pad(bad[i].nbytes, bad[i].frame, bad[i].id);
+        ps_msg_t m;
+        char err[256];
+        cr_assert_eq(recv_router(&m, err), -EPROTO);
+        cr_assert(strstr(err, bad[i].why), "%s", err);
+        send_valid_pull(3);
+        expect_valid_pull(3);
+    }
+    send_bad_pad(16, 16, 0); /* a good one alone: a message without frames */
     ps_msg_t m;
     char err[256];
-    cr_assert_eq(recv_router(&m, err), -EPROTO);
-    cr_assert(strstr(err, "pad frame"), "%s", err);
-    send_valid_pull(3);
-    expect_valid_pull(3);
+    cr_assert_eq(recv_router(&m, err), 0, "%s", err);
+    cr_assert_eq(m.n_frames, 0);
+    cr_assert_eq(m.hdr->n_tensors, 0);
+    ps_msg_deinit(&m);
 }

@@ -175,10 +175,29 @@ static void wire_seeds(void)
     w_frame(&w, bdata, sizeof bdata);
     put("fuzz_wire", "push-router", w.buf, w.len);
 
+    /* the same with a pad frame before W0 (protocol 9: dropped at receive) */
+    {
+        Psd__TensorDesc tp, *tpt[3] = {&tp, &t0, &t1};
+        const uint8_t zeros[5] = {0};
+        psd__tensor_desc__init(&tp);
+        tp.dtype = PSD__DTYPE__DT_PAD;
+        tp.nbytes = sizeof zeros;
+        h.n_tensors = 3;
+        h.tensors = tpt;
+        w_ctl(&w, 4, 1);
+        w_header(&w, &h);
+        w_frame(&w, zeros, sizeof zeros);
+        w_frame(&w, wdata, sizeof wdata);
+        w_frame(&w, bdata, sizeof bdata);
+        put("fuzz_wire", "push-pad-router", w.buf, w.len);
+        h.n_tensors = 2;
+        h.tensors = tt;
+    }
+
     /* over TCP, frames larger than ZeroMQ's in-message buffer (33 bytes)
      * come out of the receive buffer at any offset: W0 4x3, b0 4 */
     {
-        uint32_t big_w[2] = {4, 3}, big_b[1] = {4};
+        uint64_t big_w[2] = {4, 3}, big_b[1] = {4};
         float wbig[12], bbig[4] = {1, 2, 3, 4};
         for (int i = 0; i < 12; i++) wbig[i] = (float)i - 5.5f;
         t0.shape = big_w;
@@ -222,7 +241,7 @@ static void wire_seeds(void)
     w_frame(&w, bdata, sizeof bdata);
     put("fuzz_wire", "push-dtype-none", w.buf, w.len);
     t0.dtype = PSD__DTYPE__DT_F32;
-    uint32_t zshape[2] = {2, 0}, bigshape[5] = {2, 1, 1, 1, 1};
+    uint64_t zshape[2] = {2, 0}, bigshape[5] = {2, 1, 1, 1, 1};
     t0.shape = zshape;
     w_ctl(&w, 3, 0);
     w_header(&w, &h);
@@ -288,7 +307,8 @@ static void wire_seeds(void)
     w_frame(&w, ids, sizeof ids);
     put("fuzz_wire", "epoch-u32", w.buf, w.len);
     {
-        uint32_t many[12] = {11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0}, many_shape[1] = {12};
+        uint32_t many[12] = {11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0};
+        uint64_t many_shape[1] = {12};
         t0.shape = many_shape;
         t0.nbytes = sizeof many;
         w_ctl(&w, 2, 1);
