@@ -22,19 +22,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
 #include "bench_util.h"
 #include "ps_tcp.h"
-
-static double now(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
+#include "ps_util.h"
 
 /* every part of one message; its size, -1 on error. The connection gets
  * psd's congestion control for loopback (server.tcp_congestion auto), as
@@ -105,8 +98,8 @@ static double round_us(size_t off, size_t n, double seconds)
     if (zmq_connect(c, ep) == 0) {
         int k = 0, bad = 0, last = 0;
         for (int i = 0; i < 10 && !bad; i++) bad = send_frame(c, page + off, n, 0) != 0 || recv_msg(c, &last) < 0;
-        double t0 = now(), t = t0;
-        for (; !bad && t - t0 < seconds; k++, t = now())
+        double t0 = ps_now(), t = t0;
+        for (; !bad && t - t0 < seconds; k++, t = ps_now())
             bad = send_frame(c, page + off, n, 0) != 0 || recv_msg(c, &last) < 0;
         if (!bad && k > 0) us = (t - t0) / k * 1e6;
         zmq_send(c, "", 0, 0);

@@ -26,6 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
+
 static int64_t now_ns(void)
 {
     struct timespec t;
@@ -34,12 +36,6 @@ static int64_t now_ns(void)
 }
 
 static double now(void) { return (double)now_ns() * 1e-9; }
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 static _Atomic uint32_t turn; /* 0: the main thread's, 1: the other's */
 enum { PINGS = 20000 };
@@ -63,7 +59,7 @@ static double median5(double (*f)(void))
 {
     double v[5];
     for (int i = 0; i < 5; i++) v[i] = f();
-    qsort(v, 5, sizeof v[0], cmp_double);
+    qsort(v, 5, sizeof v[0], bench_cmp_double);
     return v[2];
 }
 
@@ -136,7 +132,7 @@ static double cold_wakeup_us(void)
         futex_wake(&seq);
     }
     pthread_join(t, NULL);
-    qsort(cold_lat, COLD, sizeof cold_lat[0], cmp_double);
+    qsort(cold_lat, COLD, sizeof cold_lat[0], bench_cmp_double);
     return cold_lat[COLD / 2];
 }
 

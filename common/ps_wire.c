@@ -479,21 +479,20 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
      * frames: plan again until the plan holds. A pad once planned stays
      * (ps_wire_pads), so the plans only grow and this ends. Under CURVE
      * libzmq sends encrypted copies of the frames: nothing to plan. */
-    int mech = ZMQ_NULL, n_desc = 0;
-    size_t ml = sizeof mech;
+    int mech = ZMQ_NULL;
+    size_t ml = sizeof mech, hlen;
     zmq_getsockopt(sock, ZMQ_MECHANISM, &mech, &ml);
-    for (int round = 0; mech != ZMQ_CURVE && round <= n_frames; round++) {
-        n_desc = fill_descs(descs, dptr, shapes, frames, n_frames, pad);
+    for (int round = 0;; round++) {
+        int n_desc = fill_descs(descs, dptr, shapes, frames, n_frames, pad);
         hdr->n_tensors = (size_t)n_desc;
         hdr->tensors = n_desc ? dptr : NULL;
+        hlen = psd__header__get_packed_size(hdr);
+        if (mech == ZMQ_CURVE || round > n_frames) break;
         memcpy(plan, pad, (size_t)n_frames);
-        ps_wire_pads(psd__header__get_packed_size(hdr), fdata, fsize, n_frames, plan);
+        ps_wire_pads(hlen, fdata, fsize, n_frames, plan);
         if (memcmp(plan, pad, (size_t)n_frames) == 0) break;
         memcpy(pad, plan, (size_t)n_frames);
     }
-    n_desc = fill_descs(descs, dptr, shapes, frames, n_frames, pad);
-    hdr->n_tensors = (size_t)n_desc;
-    hdr->tensors = n_desc ? dptr : NULL;
     for (; padded < n_frames; padded++) { /* their bytes are zeros */
         if (!pad[padded]) continue;
         if (zmq_msg_init_size(&pm[padded], pad[padded]) != 0) {
@@ -515,8 +514,7 @@ int ps_msg_send(void *sock, const uint8_t *ident, size_t ident_len, Psd__Header 
             goto out;
         }
     }
-    size_t hlen = psd__header__get_packed_size(hdr);
-    zmq_msg_t hm;
+    zmq_msg_t hm; /* hlen: the header as planned */
     if (zmq_msg_init_size(&hm, hlen) != 0) {
         rc = -ENOMEM;
         goto out;
