@@ -107,6 +107,13 @@ typedef enum {
 
 extern const char *const wstate_name[]; /* a wstate_t's name, for logs and /status */
 
+/* How a worker's run ended (docs/usage.md "How a worker's run ends"): it
+ * left (LEAVE, e.g. SIGTERM), failed (its own ERROR), was lost (its
+ * connection closed, or silent), or psd refused a message of it (its run
+ * ended with psd's reason, exit 2). Done is the run's own end. */
+typedef enum { WEND_NONE = 0, WEND_LEFT, WEND_FAILED, WEND_LOST, WEND_REFUSED, WEND_N } wend_t;
+extern const char *const wend_name[]; /* "left", "failed", "lost", "refused" (for /status, metrics) */
+
 typedef struct {
     uint8_t ident[PS_MAX_IDENTITY];
     size_t ident_len;
@@ -114,6 +121,7 @@ typedef struct {
     char hostname[64], host_id[128], device[32];
     uint32_t pid;
     wstate_t state;
+    wend_t end;           /* once gone: how (worker_gone counts it); set by who ends it */
     double last_seen;     /* time of its last valid message */
     double sent_at;       /* time of psd's last message to it (keep_alive) */
     double gone_at;
@@ -279,6 +287,9 @@ typedef struct {
     ps_arena_t rx_arena;  /* decoded headers of received messages (one at a time) */
     uint8_t rx_buf[64 << 10];
     bool cur_bad;         /* the message being handled was dropped */
+    int refuse;           /* ... and it came from this registered worker (its slot + 1; 0: none): its run
+                           * ends (refuse_worker) */
+    char refuse_why[400]; /* why (drop's words) */
     const char *cur_peer; /* its sender's address, for the log */
     uint64_t dropped;     /* bad messages, for rate-limited logging */
     /* connections that sent bad messages in a row (see bad_peer) */
@@ -499,7 +510,9 @@ typedef struct {
     uint64_t bytes_in_done, bytes_out_done; /* of the epochs before this one */
     double val_acc_last, val_loss_last;
     uint32_t val_epoch_last;              /* epochs validated (0: none yet) */
-    uint64_t workers_lost;
+    uint64_t ended[WEND_N];               /* workers whose run ended, by how (worker_gone) */
+    int workers_at_start;                 /* live workers when training started */
+    bool batch_told;                      /* the global batch's change was logged (once a run) */
     /* curves for the live page (/history) */
     struct { uint64_t step; float loss; } curve[PSD_CURVE_MAX];
     int n_curve;
@@ -604,6 +617,7 @@ void poll_checkpoint(srv_t *s, bool wait);
 void save_weights(srv_t *s);
 void take_checkpoint(srv_t *s, bool epoch_done);
 void worker_gone(srv_t *s, worker_t *w);
+void refuse_worker(srv_t *s, worker_t *w, const char *why);
 
 /* psd_valid.c: the data's split, validation parts and their exact reduction, the epochs' metrics lines,
  * the closing test, the best epoch and early stopping */
@@ -671,7 +685,12 @@ int send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n);
 int send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n);
 void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json);
 void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* drop: a message psd cannot take. From a registered worker in the run,
+ * its words are kept for refuse_worker (psd_server.c ends that worker's run
+ * after the handler returns); drop_stale: a message of a worker's earlier
+ * session (another run id, rank, an old sequence number), only logged. */
 void drop_shard(srv_t *s, int i, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void drop_stale(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void finish(srv_t *s, int code, const char *reason);
 worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len);
 void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type);

@@ -30,8 +30,15 @@ int psd_hold_init(psd_hold_t *h, psd_store_t *store, const ps_layout_t *l, const
     const size_t nb = (size_t)max_k * (size_t)(h->n_sparse ? h->n_sparse : 1);
     if (l->table >= 0) {
         h->piece_rows = store->own[l->table].n / (size_t)l->t[l->table].cols;
-        size_t reads = (size_t)c->batch_size * (size_t)c->ctr_fields * (size_t)c->ctr_per_field;
-        h->batch_rows = min_size(reads, h->piece_rows);
+        if (c->kind == PS_MODEL_CTR) { /* the click-through task: a batch reads fields x per_field rows a sample */
+            size_t reads = (size_t)c->batch_size * (size_t)c->ctr_fields * (size_t)c->ctr_per_field;
+            h->batch_rows = h->room_rows = min_size(reads, h->piece_rows);
+            h->rows_limit = "train.batch_size x ctr.fields x ctr.per_field";
+        } else { /* a user's model: a batch may read any of the table's rows; room for 64 a sample */
+            h->batch_rows = h->piece_rows;
+            h->room_rows = min_size((size_t)c->batch_size * 64, h->piece_rows);
+            h->rows_limit = "the rows of the table";
+        }
     }
     h->g = calloc((size_t)max_k, sizeof *h->g);
     h->bf16 = calloc((size_t)max_k, 1);
@@ -117,11 +124,12 @@ int psd_want_take(psd_hold_t *h, psd_push_t *p, const ps_msg_t *m, size_t most, 
     size_t n;
     if (!want_ok(h, m, most, &ids, &n)) {
         snprintf(why, why_len, "asking for table rows that are not rows of %s (strictly increasing, in its last "
-                 "frame, at most %zu)", rows_of(h), most);
+                 "frame, at most %zu: %s)", rows_of(h), most,
+                 most == h->batch_rows && h->rows_limit ? h->rows_limit : "the rows of the piece");
         return -1;
     }
     const ps_layout_t *l = h->layout;
-    if (psd_want_keep(&p->want, ids, n, h->batch_rows, (size_t)l->t[l->table].cols) != 0) {
+    if (psd_want_keep(&p->want, ids, n, h->room_rows, (size_t)l->t[l->table].cols) != 0) {
         snprintf(why, why_len, "asking for table rows: out of memory");
         return -1;
     }
@@ -187,7 +195,7 @@ int psd_push_take(psd_hold_t *h, psd_push_t *p, ps_msg_t *m, bool bf16, uint64_t
         const uint32_t *ids = ps_msg_u32(m, rows_at[a], &n);
         const float *v = ps_msg_f32(m, rows_at[a] + 1, &nv);
         psd_rowbuf_t *b = rowbuf_of(h, p, lazy_of(h, t));
-        if (!b || psd_rowbuf_set(b, ids, v, n, (size_t)l->t[t].cols, h->batch_rows) != 0) {
+        if (!b || psd_rowbuf_set(b, ids, v, n, (size_t)l->t[t].cols, h->room_rows) != 0) {
             for (int j = 0; j < PS_MAX_TENSORS; j++) /* p as it was: none of this push's rows */
                 if (p->sp[j] && (rows & (1ull << h->store->lazy_t[j]))) p->sp[j]->n = 0;
             p->want.has = false;
@@ -306,5 +314,5 @@ int psd_hold_reply(psd_hold_t *h, psd_push_t *p, ps_frame_t *fr, uint32_t *crc, 
 
 void psd_hold_sent(psd_hold_t *h, psd_push_t *p)
 {
-    if (h->layout->table >= 0 && p->want.cap > h->batch_rows) psd_want_free(&p->want);
+    if (h->layout->table >= 0 && p->want.cap > h->room_rows) psd_want_free(&p->want);
 }

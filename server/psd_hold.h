@@ -54,7 +54,9 @@ typedef struct {
     bool table_on_psd; /* replies bring the table's rows asked for, never the table */
     bool verify;       /* --x-verify-weights: replies carry the CRC of what they send */
     uint64_t all;      /* tensors with a piece here */
-    size_t batch_rows; /* the most rows of the piece of the table one batch reads */
+    size_t batch_rows; /* the most rows of the piece of the table one batch may read (a want list's limit) */
+    size_t room_rows;  /* the rows a batch reads, as room is made for them (grows past it on demand) */
+    const char *rows_limit; /* what sets batch_rows, for the refusal ("train.batch_size x ctr.fields x ...") */
     size_t piece_rows; /* the rows of the piece of the table (0: none) */
     int max_k;         /* contributors a step may have */
     int n_sparse;      /* sparse-rows units of the layout */

@@ -86,7 +86,7 @@ int psd_model_setup(srv_t *s, const float *const *values)
      * streamed, or psd shards whose pieces of it are all whole rows (else
      * rows straddle two shards: the table goes whole and is stepped densely) */
     if (s->layout.table >= 0 && !s->stream && (s->sh.n == 1 || ps_shards_table_rows(&s->layout, s->sh.n)) &&
-        psd_store_lazy_table(&s->store, (size_t)c->workers * s->holder.batch_rows, MAX_WORKERS) != 0) {
+        psd_store_lazy_table(&s->store, (size_t)c->workers * s->holder.room_rows, MAX_WORKERS) != 0) {
         PS_ERROR("out of memory for the table's row steps");
         return PSD_EXIT_ERROR;
     }

@@ -9,6 +9,7 @@
 const double hist_le[PSD_HIST_N] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5};
 const char *const wstate_name[] = {"assigned", "ready",      "training", "at barrier",
                                    "validating", "validated", "gone"};
+const char *const wend_name[] = {"", "left", "failed", "lost", "refused"};
 
 /* Slot of a peer: the one with that identity. A worker that rejoins keeps
  * its identity and gets another slot (or its own back); on_register makes
@@ -45,12 +46,31 @@ static void vdrop(srv_t *s, const char *who, const char *fmt, va_list ap)
 
 void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
 {
+    va_list ap;
+    if (w && w->state != W_GONE) { /* a worker in the run: refused, in one line (refuse_worker) */
+        s->net.cur_bad = true;
+        s->net.refuse = (int)(w - s->w) + 1;
+        va_start(ap, fmt);
+        vsnprintf(s->net.refuse_why, sizeof s->net.refuse_why, fmt, ap);
+        va_end(ap);
+        return;
+    }
     if (!drop_logged(s)) return;
     char who[128];
     if (w) snprintf(who, sizeof who, "rank %u (%s pid %u)", w->rank, w->hostname, w->pid);
-    va_list ap;
     va_start(ap, fmt);
     vdrop(s, w ? who : NULL, fmt, ap);
+    va_end(ap);
+}
+
+void drop_stale(srv_t *s, const worker_t *w, const char *fmt, ...)
+{
+    if (!drop_logged(s)) return;
+    char who[128];
+    snprintf(who, sizeof who, "rank %u (%s pid %u)", w->rank, w->hostname, w->pid);
+    va_list ap;
+    va_start(ap, fmt);
+    vdrop(s, who, fmt, ap);
     va_end(ap);
 }
 

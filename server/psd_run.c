@@ -93,13 +93,24 @@ static void deferred_checkpoint(srv_t *s)
 void worker_gone(srv_t *s, worker_t *w)
 {
     wstate_t was = w->state;
-    if (was != W_GONE) s->workers_lost++;
+    if (was != W_GONE) {
+        if (w->end == WEND_NONE) w->end = WEND_LOST;
+        s->ended[w->end]++;
+    }
     if (s->stream) stream_forget(s, w);
     release_push(s, w); /* a gradient from a worker declared gone is never applied (streamed: see stream_forget) */
     shm_forget(s, w);
     rows_free(w); /* the rows sent were copied at send */
     w->state = W_GONE;
     w->gone_at = ps_now();
+    int live = live_workers(s);
+    if (was >= W_READY && was <= W_VALIDATED && (s->phase == PHASE_TRAIN || s->phase == PHASE_VALIDATE) &&
+        live > 0 && !s->batch_told) {
+        s->batch_told = true; /* train.batch_size is each worker's: a step averages fewer samples now */
+        PS_WARN("a step now averages the batches of %d worker%s (%d x train.batch_size %d = %d samples), %d before; "
+                "workers that join make it grow again (logged once a run)", live, live == 1 ? "" : "s", live,
+                s->cfg.batch_size, live * s->cfg.batch_size, live + 1);
+    }
     if (s->phase == PHASE_TRAIN && (was == W_TRAIN || was == W_BARRIER) && w->share.consumed < w->share.assigned) {
         size_t n = (size_t)(w->share.assigned - w->share.consumed);
         uint64_t *pos = psd_share_positions(&w->share, w->share.consumed, n);
@@ -150,6 +161,13 @@ static void end_run(srv_t *s)
                 "%.2f ms over %" PRIu64 " steps while one was",
                 1e3 * s->int_sum[0] / (double)(s->int_n[0] ? s->int_n[0] : 1), s->int_n[0],
                 1e3 * s->int_sum[1] / (double)s->int_n[1], s->int_n[1]);
+    uint64_t ended = 0;
+    for (int k = WEND_LEFT; k < WEND_N; k++) ended += s->ended[k];
+    if (ended > 0 || live_workers(s) < s->workers_at_start) /* the last line says what the run lost */
+        PS_WARN("the run finished with %d of the %d workers it started with: %" PRIu64 " failed, %" PRIu64
+                " lost, %" PRIu64 " left, %" PRIu64 " refused (the lines above name them)", live_workers(s),
+                s->workers_at_start, s->ended[WEND_FAILED], s->ended[WEND_LOST], s->ended[WEND_LEFT],
+                s->ended[WEND_REFUSED]);
     int code = s->exit_code;
     finish(s, 0, "training finished");
     s->exit_code = code;
@@ -382,7 +400,9 @@ void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
     Psd__Ready *r = m->hdr->ready;
     int ok = data_ready_ok(s, w, r);
     if (ok < 0) return; /* dropped */
-    if (ok == 0) {
+    if (ok == 0) { /* refused (data_ready_ok said why, to it and in the log) */
+        s->ended[WEND_REFUSED]++;
+        w->end = WEND_REFUSED;
         shm_forget(s, w); /* its region, if it sent its hello: unmapped, and the slot free for reuse */
         rows_free(w);
         w->state = W_GONE;
@@ -409,6 +429,7 @@ void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
             else
                 PS_INFO("%d workers ready; training %d epochs", live_workers(s), s->cfg.epochs);
             s->t_start = ps_now();
+            s->workers_at_start = live_workers(s);
             start_epoch(s);
         }
         return;
@@ -449,7 +470,22 @@ void on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Error *e = m->hdr->error;
     PS_ERROR("rank %u (%s pid %u) failed: %s", w->rank, w->hostname, w->pid,
-             e->message ? e->message : "(no message)");
+             e->message && e->message[0] ? e->message : "(no message)");
+    w->end = WEND_FAILED;
+    worker_gone(s, w);
+}
+
+/* A message of w psd cannot take (drop's words in why): its run ends with
+ * the reason, exit 2 (PSD_EXIT_USAGE: what it sends does not fit this
+ * run), and the run goes on without it. */
+void refuse_worker(srv_t *s, worker_t *w, const char *why)
+{
+    PS_ERROR("rank %u (%s pid %u) refused: %s; its run ends (exit %d)", w->rank, w->hostname, w->pid, why,
+             PSD_EXIT_USAGE);
+    char reason[sizeof s->net.refuse_why + 32];
+    snprintf(reason, sizeof reason, "psd refused this worker: %s", why);
+    send_shutdown(s, w, PSD_EXIT_USAGE, reason);
+    w->end = WEND_REFUSED;
     worker_gone(s, w);
 }
 
@@ -458,6 +494,7 @@ void on_leave(srv_t *s, worker_t *w, ps_msg_t *m)
     Psd__Leave *l = m->hdr->leave;
     PS_INFO("rank %u (%s pid %u) left the run: %s", w->rank, w->hostname, w->pid,
             l->reason && l->reason[0] ? l->reason : "planned departure");
+    w->end = WEND_LEFT;
     worker_gone(s, w);
 }
 

@@ -181,7 +181,7 @@ static void handle(srv_t *s, ps_msg_t *m)
     if (w->state == W_GONE) {
         /* e.g. a worker that was frozen past the deadline wakes up: its
          * messages are never used; tell it, so that it registers again */
-        if (w->lost_replies++ < 3 && h->type != PSD__MSG_TYPE__MSG_ERROR &&
+        if (w->end != WEND_REFUSED && w->lost_replies++ < 3 && h->type != PSD__MSG_TYPE__MSG_ERROR &&
             h->type != PSD__MSG_TYPE__MSG_LEAVE) {
             PS_WARN("rank %u (%s pid %u) was declared gone %.1f s ago; ignoring its %s", w->rank, w->hostname,
                     w->pid, ps_now() - w->gone_at, ps_msg_type_name((int)h->type));
@@ -191,15 +191,15 @@ static void handle(srv_t *s, ps_msg_t *m)
         return;
     }
     if (h->run_id != s->run_id) {
-        drop(s, w, "run id %016" PRIx64 ", this run is %016" PRIx64, h->run_id, s->run_id);
+        drop_stale(s, w, "run id %016" PRIx64 ", this run is %016" PRIx64, h->run_id, s->run_id);
         return;
     }
     if (h->rank != w->rank) {
-        drop(s, w, "claims rank %u", h->rank);
+        drop_stale(s, w, "claims rank %u", h->rank);
         return;
     }
     if (h->seq <= w->seq_in) {
-        drop(s, w, "sequence number %" PRIu64 " not after %" PRIu64 " (duplicate)", h->seq, w->seq_in);
+        drop_stale(s, w, "sequence number %" PRIu64 " not after %" PRIu64 " (duplicate)", h->seq, w->seq_in);
         return;
     }
     w->seq_in = h->seq;
@@ -295,6 +295,17 @@ static void good_peer(srv_t *s, const ps_msg_t *m)
     if (i >= 0) s->net.bad[i] = s->net.bad[--s->net.n_bad];
 }
 
+/* The message just handled was dropped, and its sender is a worker in the
+ * run: its run ends with the reason (a worker left waiting for an answer
+ * psd will never give would only be lost and register again, forever). */
+static void refuse_dropped(srv_t *s)
+{
+    int i = s->net.refuse - 1;
+    s->net.refuse = 0;
+    if (i >= 0 && i < s->n && s->w[i].state != W_GONE && s->phase != PHASE_DONE)
+        refuse_worker(s, &s->w[i], s->net.refuse_why);
+}
+
 static void drain(srv_t *s)
 {
     while (s->phase != PHASE_DONE) {
@@ -307,8 +318,10 @@ static void drain(srv_t *s)
         int rc = ps_msg_recv_arena(s->net.sock, &m, true, ZMQ_DONTWAIT, &s->net.rx_arena, why, sizeof why);
         if (rc == -EAGAIN || rc == -EINTR) continue;
         s->net.cur_peer = m.peer;
+        s->net.refuse = 0;
         if (rc == -EPROTO) {
             drop(s, find_worker(s, m.ident, m.ident_len), "%s", why);
+            refuse_dropped(s);
             bad_peer(s, &m);
             s->net.cur_peer = NULL;
             continue;
@@ -320,6 +333,7 @@ static void drain(srv_t *s)
         }
         s->net.cur_bad = false;
         handle(s, &m);
+        refuse_dropped(s);
         run_events(s); /* what the message set off in the layers below psd_run.c */
         if (s->net.shm_later && s->model_ready) { /* the first worker's model came (from_worker) */
             s->net.shm_later = false;

@@ -592,7 +592,7 @@ static int model_setup(shard_t *s)
     /* the table stepped by rows when every shard's piece of it is whole rows
      * (as shard 0 and the workers decide: they then send rows) */
     if (ps_shards_table_rows(&s->layout, shards)) {
-        size_t room = (size_t)c->workers * s->hold.batch_rows;
+        size_t room = (size_t)c->workers * s->hold.room_rows;
         if (psd_store_lazy_table(&s->store, room ? room : 1, SHARD_MAX_WORKERS) != 0) {
             PS_ERROR("shard %d: out of memory for the table's row steps", shard);
             return PSD_EXIT_ERROR;

@@ -132,7 +132,14 @@ static void render_metrics(srv_t *s, FILE *f)
     metric(f, "psd_wire_sent_bytes_total", "counter", "Tensor bytes sent on the wire.",
            (double)(s->bytes_out_done + s->ep.bytes_out));
     metric(f, "psd_workers_live", "gauge", "Workers taking part in the run.", live);
-    metric(f, "psd_workers_lost_total", "counter", "Workers lost, left or failed in the run.", (double)s->workers_lost);
+    metric(f, "psd_workers_lost_total", "counter", "Workers lost (connection closed, or silent) in the run.",
+           (double)s->ended[WEND_LOST]);
+    metric(f, "psd_workers_failed_total", "counter", "Workers that failed (their own error) in the run.",
+           (double)s->ended[WEND_FAILED]);
+    metric(f, "psd_workers_left_total", "counter", "Workers that left the run (e.g. SIGTERM).",
+           (double)s->ended[WEND_LEFT]);
+    metric(f, "psd_workers_refused_total", "counter", "Workers whose run psd ended for a message it could not take.",
+           (double)s->ended[WEND_REFUSED]);
     metric(f, "psd_shards", "gauge", "psd shards holding the parameters.", s->sh.n);
     if (s->cfg.sync != PS_SYNC_BSP) {
         metric(f, "psd_staleness_max", "gauge",
@@ -202,15 +209,18 @@ void psd_status_json(const srv_t *s, FILE *f)
                ",\"checkpoint_age_s\":",
             s->bytes_in_done + s->ep.bytes_in, s->bytes_out_done + s->ep.bytes_out, s->ck.written);
     json_num(f, s->ck.last_t > 0 ? now - s->ck.last_t : NAN);
-    fprintf(f, ",\"uptime_s\":%.3f,\"workers_live\":%d,\"workers_lost\":%" PRIu64 ",\"workers\":[", now - s->t_boot,
-            live_workers(s), s->workers_lost);
+    fprintf(f, ",\"uptime_s\":%.3f,\"workers_live\":%d", now - s->t_boot, live_workers(s));
+    for (int k = WEND_LEFT; k < WEND_N; k++) fprintf(f, ",\"workers_%s\":%" PRIu64, wend_name[k], s->ended[k]);
+    fprintf(f, ",\"workers\":[");
     for (int i = 0; i < s->n; i++) {
         const worker_t *w = &s->w[i];
         fprintf(f, "%s{\"rank\":%u,\"host\":", i ? "," : "", w->rank);
         json_str(f, w->hostname);
         fprintf(f, ",\"pid\":%u,\"device\":", w->pid);
         json_str(f, w->device);
-        fprintf(f, ",\"state\":\"%s\",\"compute_ms\":", wstate_name[w->state]);
+        fprintf(f, ",\"state\":\"%s\"", wstate_name[w->state]);
+        if (w->state == W_GONE && w->end != WEND_NONE) fprintf(f, ",\"ended\":\"%s\"", wend_name[w->end]);
+        fprintf(f, ",\"compute_ms\":");
         json_num(f, 1e3 * w->compute_ewma);
         uint64_t steps = 0;
         for (int b = 0; b <= PSD_HIST_N; b++) steps += w->h_wait[b];
@@ -280,8 +290,9 @@ void psd_status_human(const srv_t *s, FILE *f, bool workers_only)
                 s->spe);
         fprintf(f, "train loss %.4f, %.0f samples/s", s->last_loss, epoch_sps(s, now));
         if (s->val_epoch_last) fprintf(f, ", val_acc %.4f after epoch %u", s->val_acc_last, s->val_epoch_last);
-        fprintf(f, "\nworkers %d live, %" PRIu64 " lost; shards %d; checkpoints %" PRIu64, live_workers(s),
-                s->workers_lost, s->sh.n, s->ck.written);
+        fprintf(f, "\nworkers %d live, %" PRIu64 " lost, %" PRIu64 " failed, %" PRIu64 " left, %" PRIu64
+                   " refused; shards %d; checkpoints %" PRIu64, live_workers(s), s->ended[WEND_LOST],
+                s->ended[WEND_FAILED], s->ended[WEND_LEFT], s->ended[WEND_REFUSED], s->sh.n, s->ck.written);
         if (s->ck.last_t > 0) fprintf(f, " (last %.0f s ago)", now - s->ck.last_t);
         fputc('\n', f);
         if (s->cfg.sync != PS_SYNC_BSP) {

@@ -84,7 +84,7 @@ int data_ready_ok(srv_t *s, worker_t *w, const Psd__Ready *r)
             char why[200];
             snprintf(why, sizeof why, "its data has %" PRIu64 " training and %" PRIu64 " test samples (1 to 2^32-1 "
                      "of each)", r->train_count, r->test_count);
-            PS_ERROR("rank %u (%s pid %u): %s; not using it", w->rank, w->hostname, w->pid, why);
+            PS_ERROR("rank %u (%s pid %u) refused: %s", w->rank, w->hostname, w->pid, why);
             send_shutdown(s, w, 2, why);
             return 0;
         }
@@ -431,6 +431,7 @@ static void write_metrics_line(srv_t *s, const epoch_stats_t *e, const psd_figs_
         fprintf(f, ",\"best_metric\":\"%s\",\"best_epoch\":%u,\"best_value\":%.9g", kb->metric, kb->epoch, kb->best);
     if (s->vl.test_last.have) put_figs(f, s, "test_", &s->vl.test_last);
     if (s->vl.test_best.have) put_figs(f, s, "best_test_", &s->vl.test_best);
+    for (int k = WEND_LEFT; k < WEND_N; k++) fprintf(f, ",\"workers_%s\":%" PRIu64, wend_name[k], s->ended[k]);
     if (s->vl.stopped_early) fputs(",\"stopped_early\":true", f);
     if (s->resumed) fprintf(f, ",\"resumed_from_step\":%" PRIu64, s->resumed_step);
     fputs("}\n", f);

@@ -757,19 +757,36 @@ Test(short, a_stranger_of_this_run_is_told_to_register_again)
     cr_assert_neq(proc_wait(p, 60), -1, "psd ended");
 }
 
-Test(short, malformed_streamed_pushes_are_dropped)
+/* A message psd cannot take from a worker in the run ends that worker's run
+ * at once, with the reason: a fresh raw worker (registered, READY, its EPOCH
+ * and version 0's weights) sends frames fr[0..n) with header h and gets
+ * SHUTDOWN, exit 2, its reason containing `words`; psd goes on. */
+static void raw_refused(const char *endpoint, Psd__Header *h, const ps_frame_t *fr, int n, uint64_t train,
+                        uint64_t test, const char *words)
+{
+    void *ctx = zmq_ctx_new(), *d = raw_dealer(ctx, endpoint);
+    ps_msg_t m = {0};
+    uint64_t run, seq;
+    uint32_t rank;
+    raw_start(d, &m, &run, &seq, &rank, train, test);
+    raw_send(d, &seq, run, rank, h, fr, n);
+    raw_expect(d, &m, PSD__MSG_TYPE__MSG_SHUTDOWN);
+    cr_assert_eq(m.hdr->shutdown->exit_code, 2, "refused: exit 2");
+    cr_assert(m.hdr->shutdown->reason && strstr(m.hdr->shutdown->reason, "psd refused this worker: ") &&
+                  strstr(m.hdr->shutdown->reason, words),
+              "the reason names what psd could not take (%s): %s", words, m.hdr->shutdown->reason);
+    ps_msg_deinit(&m);
+    zmq_close(d);
+    zmq_ctx_term(ctx);
+}
+
+Test(short, malformed_streamed_pushes_end_the_workers_run)
 {
     run_t r;
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,64,10]",
                           "--set", "server.chunk_bytes=65536", "--set", "train.stream=true", "--set",
                           "server.shared_memory=false", "--set", "checkpoint.dir=", NULL};
     pid_t p = start_psd(&r, "stbad", 1, args);
-    void *ctx = zmq_ctx_new(), *d = raw_dealer(ctx, r.endpoint);
-    ps_msg_t m = {0};
-    uint64_t run, seq;
-    uint32_t rank;
-    raw_start(d, &m, &run, &seq, &rank, 384, 10000);
-    cr_assert_eq(m.hdr->weights->parts, 0, "weights outside a step come whole");
     ps_layout_t l;
     float *g = lib_model(&l, 64);
     for (size_t i = 0; i < l.n_params; i++) g[i] = 1e-3f;
@@ -792,14 +809,17 @@ Test(short, malformed_streamed_pushes_are_dropped)
     h.body_case = PSD__HEADER__BODY_PUSH;
     h.push = &pu;
     ps_frame_t bad1 = W0_PIECE(5, cf), dup[2] = {W0_PIECE(0, cf), W0_PIECE(0, cf)}, tail = W0_PIECE(3 * cf, cf);
-    raw_send(d, &seq, run, rank, &h, &bad1, 1);            /* not at a chunk's start */
-    raw_send(d, &seq, run, rank, &h, &tail, 1);            /* past the tensor (its last chunk is shorter) */
-    raw_send(d, &seq, run, rank, &h, dup, 2);              /* one chunk twice in a message */
-    raw_send(d, &seq, run, rank, &h, &dup[0], 1);          /* accepted */
-    raw_send(d, &seq, run, rank, &h, &dup[0], 1);          /* again */
-    wait_log(r.psd_log, "already received", 30);
-    /* the rest, right: W0's chunks 1-3, b0, W1, b1 */
-    for (int k = 1; k < 4; k++) {
+    raw_refused(r.endpoint, &h, &bad1, 1, 384, 10000, "is no chunk of the model");  /* not at a chunk's start */
+    raw_refused(r.endpoint, &h, &tail, 1, 384, 10000, "outside shape");  /* past the tensor (the wire's check) */
+    raw_refused(r.endpoint, &h, dup, 2, 384, 10000, "already received"); /* one chunk twice in a message */
+    /* a right worker: every chunk once, version 1 in parts */
+    void *ctx = zmq_ctx_new(), *d = raw_dealer(ctx, r.endpoint);
+    ps_msg_t m = {0};
+    uint64_t run, seq;
+    uint32_t rank;
+    raw_start(d, &m, &run, &seq, &rank, 384, 10000);
+    cr_assert_eq(m.hdr->weights->parts, 0, "weights outside a step come whole");
+    for (int k = 0; k < 4; k++) {
         size_t off = (size_t)k * cf, n = k < 3 ? cf : l.t[0].numel - 3 * cf;
         ps_frame_t f = W0_PIECE(off, n);
         raw_send(d, &seq, run, rank, &h, &f, 1);
@@ -824,9 +844,9 @@ Test(short, malformed_streamed_pushes_are_dropped)
         }
     }
     char *log = slurp(r.psd_log);
-    cr_assert_eq(count_in(log, "is no chunk of the model"), 1, "%s", log);
-    cr_assert_eq(count_in(log, "outside shape"), 1, "a chunk past the tensor (the wire's own check):\n%s", log);
-    cr_assert_eq(count_in(log, "already received"), 2, "%s", log);
+    cr_assert_eq(count_in(log, ") refused: "), 3, "%s", log);
+    cr_assert_eq(count_in(log, "its run ends (exit 2)"), 3, "%s", log);
+    cr_assert_eq(count_in(log, "dropped a message"), 0, "%s", log);
     free(log);
     ps_msg_deinit(&m);
     free(g);
@@ -839,10 +859,11 @@ Test(short, malformed_streamed_pushes_are_dropped)
 
 /* Rows of the table's gradient that are not rows of it (ids not strictly
  * increasing, beyond the table, without their values, values of another
- * count) are logged and dropped, and so are PULLs asking for rows that are
- * not rows of it or more than a batch reads; right ones are taken and
- * stepped. */
-Test(short, malformed_table_rows_are_dropped)
+ * count), and PULLs asking for rows that are not rows of it or more than a
+ * batch of the click-through task reads, each end the run of the worker that
+ * sent them, naming the limit and the keys that set it; right ones are taken
+ * and stepped. */
+Test(short, malformed_table_rows_end_the_workers_run)
 {
     char cfg[1024];
     snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
@@ -850,11 +871,6 @@ Test(short, malformed_table_rows_are_dropped)
     const char *args[] = {"--config", cfg, "--epochs", "1", "--set", "ctr.train=256", "--set", "ctr.test=100",
                           "--set", "server.shared_memory=false", "--set", "checkpoint.dir=", NULL};
     pid_t p = start_psd(&r, "rowsbad", 1, args);
-    void *ctx = zmq_ctx_new(), *d = raw_dealer(ctx, r.endpoint);
-    ps_msg_t m = {0};
-    uint64_t run, seq;
-    uint32_t rank;
-    raw_start(d, &m, &run, &seq, &rank, 256, 100);
     ps_layout_t l;
     cr_assert_eq(ps_layout_init_table(&l, (const int[]){64, 64, 2}, 3, 65536, 8), 0);
     float *g = calloc(l.n_params, sizeof *g);
@@ -880,17 +896,18 @@ Test(short, malformed_table_rows_are_dropped)
     for (int i = 0; i < 24; i++) vals[i] = 0.25f;
 #define IDS(p, n) ((ps_frame_t){.data = (p), .nbytes = (n) * 4, .id = 4, .dtype = PSD__DTYPE__DT_U32, .rows = (n)})
 #define VALS(n) ((ps_frame_t){.data = vals, .nbytes = (n) * 32, .id = 4, .dtype = PSD__DTYPE__DT_F32, .rows = (n), .cols = 8})
+    const char *rows = "that are not rows of the table";
     fr[4] = IDS(same, 2), fr[5] = VALS(2);
-    raw_send(d, &seq, run, rank, &h, fr, 6);  /* a row twice */
+    raw_refused(r.endpoint, &h, fr, 6, 256, 100, rows); /* a row twice */
     fr[4] = IDS(beyond, 2);
-    raw_send(d, &seq, run, rank, &h, fr, 6);  /* beyond the table */
+    raw_refused(r.endpoint, &h, fr, 6, 256, 100, rows); /* beyond the table */
     fr[4] = IDS(good, 2);
-    raw_send(d, &seq, run, rank, &h, fr, 5);  /* ids without their values */
+    raw_refused(r.endpoint, &h, fr, 5, 256, 100, rows); /* ids without their values */
     fr[5] = VALS(3);
-    raw_send(d, &seq, run, rank, &h, fr, 6);  /* 3 rows of values for 2 ids */
+    raw_refused(r.endpoint, &h, fr, 6, 256, 100, rows); /* 3 rows of values for 2 ids */
     fr[5] = VALS(2);
     pu.want_rows = 1;
-    raw_send(d, &seq, run, rank, &h, fr, 6);  /* its last frame is no list of rows wanted */
+    raw_refused(r.endpoint, &h, fr, 6, 256, 100, rows); /* its last frame is no list of rows wanted */
     pu.want_rows = 0;
     /* PULLs asking for table rows: a row twice, beyond the table, more rows than a batch
      * reads (256 x 8 x 1), no list */
@@ -905,14 +922,20 @@ Test(short, malformed_table_rows_are_dropped)
     cr_assert(many);
     for (uint32_t i = 0; i < 2049; i++) many[i] = i;
     ps_frame_t pf = IDS(same, 2);
-    raw_send(d, &seq, run, rank, &ph, &pf, 1);
+    raw_refused(r.endpoint, &ph, &pf, 1, 256, 100, rows);
     pf = IDS(beyond, 2);
-    raw_send(d, &seq, run, rank, &ph, &pf, 1);
+    raw_refused(r.endpoint, &ph, &pf, 1, 256, 100, rows);
     pf = IDS(many, 2049);
-    raw_send(d, &seq, run, rank, &ph, &pf, 1);
-    raw_send(d, &seq, run, rank, &ph, NULL, 0);
+    raw_refused(r.endpoint, &ph, &pf, 1, 256, 100, "at most 2048: train.batch_size x ctr.fields x ctr.per_field");
+    raw_refused(r.endpoint, &ph, NULL, 0, 256, 100, rows);
     free(many);
-    raw_send(d, &seq, run, rank, &h, fr, 6);  /* right: stepped */
+    /* a right worker: stepped */
+    void *ctx = zmq_ctx_new(), *d = raw_dealer(ctx, r.endpoint);
+    ps_msg_t m = {0};
+    uint64_t run, seq;
+    uint32_t rank;
+    raw_start(d, &m, &run, &seq, &rank, 256, 100);
+    raw_send(d, &seq, run, rank, &h, fr, 6);
 #undef IDS
 #undef VALS
     raw_expect(d, &m, PSD__MSG_TYPE__MSG_WEIGHTS);
@@ -928,6 +951,7 @@ Test(short, malformed_table_rows_are_dropped)
     cr_assert(memcmp(E + 2 * 8, E0 + 2 * 8, 3 * 8 * sizeof *E) == 0, "rows 2-4 untouched");
     char *log = slurp(r.psd_log);
     cr_assert_eq(count_in(log, "that are not rows of the table"), 9, "%s", log);
+    cr_assert_eq(count_in(log, "its run ends (exit 2)"), 9, "%s", log);
     free(log);
     free(E0);
     ps_msg_deinit(&m);

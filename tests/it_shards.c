@@ -992,12 +992,39 @@ Test(short, a_slot_another_worker_still_reads_is_not_stepped_in_place)
     free(grad);
 }
 
+/* A library worker of the ctr run below that joins while its one test part
+ * waits for a worker: registered, ready, given the part (VALIDATE in *ev). */
+static psw_client_t *ctr_validator(const run_t *r, psw_event_t *ev)
+{
+    char err[512];
+    psw_info_t info = {.device = "cpu", .device_index = -1, .no_shm = 1};
+    psw_client_t *c = psw_client_new(r->endpoint, &info, err, sizeof err);
+    psw_assign_t a;
+    cr_assert(c && psw_client_register(c, &a, 60, err, sizeof err) == 0, "%s", err);
+    cr_assert_eq(psw_client_ready(c, 256, 100, NULL), 0);
+    lib_next(c, ev, PSW_EV_VALIDATE);
+    cr_assert_eq(ev->val_end - ev->val_begin, 100);
+    return c;
+}
+
+/* c's answer was refused: its run ends, exit 2, psd's reason naming why. */
+static void ctr_refused(psw_client_t *c, const psw_val_t *v, const char *why)
+{
+    psw_event_t ev;
+    psw_client_val_result(c, v);
+    lib_next(c, &ev, PSW_EV_SHUTDOWN);
+    cr_assert_eq(ev.exit_code, 2);
+    cr_assert(strstr(ev.message, "psd refused this worker: ") && strstr(ev.message, why), "%s", ev.message);
+    psw_client_destroy(&c);
+}
+
 /* ctr validation results must carry the range's click probabilities (psd
  * reduces them to the AUC): without them, or with one that is no
- * probability, the result is logged and dropped, and the run goes on. A
- * library worker that answers with the planted probabilities gets psd's
- * planted AUC back as val_auc: the scores land where their examples are. */
-Test(short, ctr_results_without_scores_are_dropped)
+ * probability, the worker's run ends with the reason, and the run goes on
+ * with the next worker, given the part. A library worker that answers with
+ * the planted probabilities gets psd's planted AUC back as val_auc: the
+ * scores land where their examples are. */
+Test(short, ctr_results_without_scores_end_the_workers_run)
 {
     char cfg[1024];
     snprintf(cfg, sizeof cfg, "%s/ctr.yaml", getenv("PSD_CONFIGS"));
@@ -1035,30 +1062,32 @@ Test(short, ctr_results_without_scores_are_dropped)
         uint8_t y;
         sc[i] = (float)ps_ctr_example(&g, a.ctr.train + (uint64_t)i, rows, NULL, &y);
     }
-    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
-            .loss_sum = 50, .correct = 60, .count = 100, .scores = NULL});
-    wait_log(r.psd_log, "without the range's 100 scores", 20);
+    psw_val_t v = {.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin, .loss_sum = 50, .correct = 60,
+                   .count = 100, .scores = NULL};
+    ctr_refused(c, &v, "without the range's 100 scores");
     float keep = sc[37];
+    v.scores = sc;
     sc[37] = NAN;
-    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
-            .loss_sum = 50, .correct = 60, .count = 100, .scores = sc});
+    ctr_refused(ctr_validator(&r, &ev), &v, "without the range's 100 scores");
     sc[37] = 1.5f;
-    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
-            .loss_sum = 50, .correct = 60, .count = 100, .scores = sc});
+    ctr_refused(ctr_validator(&r, &ev), &v, "without the range's 100 scores");
     sc[37] = keep;
-    psw_client_val_result(c, &(psw_val_t){.epoch = ev.epoch, .version = ev.version, .begin = ev.val_begin,
-            .loss_sum = 50, .correct = 60, .count = 100, .scores = sc});
+    c = ctr_validator(&r, &ev);
+    psw_client_val_result(c, &v);
     lib_next(c, &ev, PSW_EV_SHUTDOWN);
+    cr_assert_eq(ev.exit_code, 0);
     r.psd_code = proc_wait(p, 30);
     psw_client_destroy(&c);
     free(zero);
     cr_assert_eq(r.psd_code, 0);
     char *log = slurp(r.psd_log);
     cr_assert_eq(count_in(log, "without the range's 100 scores"), 3, "%s", log);
+    cr_assert_eq(count_in(log, "its run ends (exit 2)"), 3, "%s", log);
     free(log);
     char *m = metrics_last(&r);
     cr_assert_eq(json_num(m, "val_auc"), json_num(m, "optimum_auc"), "%s", m);
     cr_assert_eq(json_num(m, "val_loss"), 0.5, "%s", m);
+    cr_assert_eq(json_num(m, "workers_refused"), 3, "%s", m);
     free(m);
 }
 

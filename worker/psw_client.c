@@ -1172,6 +1172,8 @@ int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
         for (int i = 0; i < p->n_grads; i++)
             if (p->grads[i].tensor < (uint32_t)nt) c->pk_src[p->grads[i].tensor] = NULL;
     if (bad) return -EINVAL;
+    if (n == 0 && !p->pull) return 0; /* tensors of packed units not complete yet: they go with the part that
+                                       * completes them (nothing to send; psd refuses a PUSH without tensors) */
     if (n_as_rows > 0)
         return pswc_push_rows(c, p->version, p->batch, p->loss_sum, p->correct, p->pull, n, ids, g, numel, rows,
                               p->want, p->n_want);

@@ -112,6 +112,10 @@ def _candidates():
     if env:
         yield env
         return
+    # the source tree's package (PYTHONPATH=python) next to a build in build/
+    tree = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "build", "libpsworker.so.3")
+    if os.path.exists(tree):
+        yield os.path.normpath(tree)
     try:  # written by meson install: where it put the library
         from . import _installed
         yield os.path.join(_installed.LIBDIR, "libpsworker.so.3")

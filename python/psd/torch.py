@@ -23,6 +23,7 @@ reads. A worker that loses psd (killed, restarted with --resume) registers again
 retry_s seconds and carries on. The protocol is the C worker library's (libpsworker.so.3,
 through ctypes); nothing here is compiled.
 """
+import atexit
 import collections
 import ctypes
 import errno
@@ -31,6 +32,7 @@ import signal
 import socket
 import sys
 import time
+import weakref
 
 import torch
 
@@ -43,7 +45,70 @@ _LOST = (-errno.ETIMEDOUT, -errno.ECONNRESET, -errno.ENOLINK)
 
 
 class RunError(RuntimeError):
-    """psd ended this worker's run with an error (the message says why)."""
+    """This worker's run ended with an error: psd ended it (refused this
+    worker, or ended the run with a non-zero code), psd was lost for good,
+    or the worker cannot go on. exit_code is the worker's exit code for it
+    (psd's code where psd ended the run: README "Exit codes"). Not caught,
+    the script prints its one-line message and exits with exit_code, no
+    traceback."""
+
+    def __init__(self, message, exit_code=1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _exit_code_of(psd_code):
+    """A worker's exit code for the code psd ended the run with (as pworker's)."""
+    return psd_code if 0 <= psd_code <= 125 else 1
+
+
+# How a worker's run ends (docs/usage.md): the Workers of this process, so that a script that
+# fails (an exception not caught) tells psd why before it exits, and one that ends while
+# still in the run leaves it. Installed with the first Worker.
+_live = weakref.WeakSet()
+_prev_hook = None
+
+
+def _describe(exc_type, exc):
+    where = ""
+    tb = getattr(exc, "__traceback__", None)
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        where = " (%s:%d)" % (os.path.basename(tb.tb_frame.f_code.co_filename), tb.tb_lineno)
+    text = ("%s: %s" % (exc_type.__name__, exc)) if str(exc) else exc_type.__name__
+    return (text.replace("\n", " ")[:400] + where)
+
+
+def _excepthook(exc_type, exc, tb):
+    for w in list(_live):
+        if isinstance(exc, KeyboardInterrupt):
+            w.leave("interrupted (KeyboardInterrupt)")
+        else:
+            w._fail(_describe(exc_type, exc))
+    if isinstance(exc, RunError):
+        # psd's verdict or the run's end: one line, the worker's exit code (README "Exit codes")
+        print(str(exc), file=sys.stderr, flush=True)
+        try:
+            atexit._run_exitfuncs()  # what a normal exit runs (a DataLoader's processes are ended)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exc.exit_code)
+    (_prev_hook or sys.__excepthook__)(exc_type, exc, tb)
+
+
+def _at_exit():
+    for w in list(_live):  # the script ended while this worker was still in the run
+        w.leave("its script ended before the run did")
+
+
+def _install_hooks():
+    global _prev_hook
+    if _prev_hook is None:
+        _prev_hook = sys.excepthook
+        sys.excepthook = _excepthook
+        atexit.register(_at_exit)
 
 
 class _End:
@@ -195,9 +260,11 @@ class Worker:
         self.message = ""
         self._ev = [L.Event(), L.Event()]  # alternated: a pending event stays valid until the next call
         self._ev_i = 0
+        _install_hooks()
         rc, msg = self._session(timeout_s)
         if rc != 0:
-            raise RunError("psd: cannot join the run at %s: %s" % (endpoint, msg))
+            raise RunError("psd: cannot join the run at %s: %s" % (endpoint, msg), self._join_code(rc))
+        _live.add(self)
         self._sigterm_prev = None
         try:
             self._sigterm_prev = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -348,7 +415,7 @@ class Worker:
             self._pending = self._lost("the push failed (%d)" % rc)
             last = False
         elif rc != 0:
-            raise RunError("psd: push failed (%d)" % rc)
+            raise RunError("psd: push failed (%d)" % rc, 1)
         else:
             pause = 20e-6  # sent from the tensors themselves: they stay untouched until the send is done
             while not self._lib.psw_client_push_done(self._c):
@@ -420,6 +487,7 @@ class Worker:
             self.close()
 
     def close(self):
+        _live.discard(self)
         self._drop_views()
         if self._stg is not None:
             self._stg.close()
@@ -508,6 +576,12 @@ class Worker:
         self._leaving = True
 
     def _take(self, timeout):
+        ev = self._take_any(timeout)
+        if ev.kind == L.EV_SHUTDOWN and ev.exit_code != 0:
+            self._shutdown(ev)  # psd refused this worker or ended the run with an error: raised at once
+        return ev
+
+    def _take_any(self, timeout):
         if self._pending is not None:
             ev, self._pending = self._pending, None
             return ev
@@ -532,7 +606,7 @@ class Worker:
             if rc != 0:
                 msg = err.value.decode(errors="replace")
                 self.close()
-                raise RunError("psd: %s (%d)" % (msg or "no answer", rc))
+                raise RunError("psd: %s (%d)" % (msg or "no answer", rc), 1)
             return ev
 
     def _lost(self, why):
@@ -563,9 +637,9 @@ class Worker:
             if rc == -errno.ESHUTDOWN:
                 return _End(self._ended_code, msg)
             if rc not in _LOST:
-                raise RunError("psd: cannot join the run again: %s" % msg)
+                raise RunError("psd: cannot join the run again: %s" % msg, self._join_code(rc))
             if time.monotonic() - start > self._retry_s:
-                raise RunError("psd at %s did not come back within %.0f s" % (self._endpoint, self._retry_s))
+                raise RunError("psd at %s did not come back within %.0f s" % (self._endpoint, self._retry_s), 4)
 
     def _session(self, timeout):
         """A client, registered, its table checked, its data said. Returns
@@ -605,7 +679,7 @@ class Worker:
         if why:
             self._lib.psw_client_fail(self._c, 0, why.encode())
             self.close()
-            raise RunError(why)
+            raise RunError(why, 2)
         self.rank = a.rank
         self._run_id = self._lib.psw_client_run_id(self._c)
         self.batch_size = a.batch_size
@@ -616,7 +690,7 @@ class Worker:
         if a.ctr.table_on_psd:
             self._lib.psw_client_destroy(ctypes.byref(self._c))
             self._c = None
-            raise RunError("psd keeps the embedding table and sends rows only: not with psd.torch")
+            raise RunError("psd keeps the embedding table and sends rows only: not with psd.torch", 2)
         self._region = self._lib.psw_client_push_region(self._c)
         if self._staged:
             self._region = None  # the gradients are staged in host buffers of their own
@@ -626,7 +700,7 @@ class Worker:
         # the weights of an event are copied into the parameters at once: psd may reuse its slot after a push
         self._lib.psw_client_release_on_push(self._c, 1)
         if self._lib.psw_client_ready(self._c, *self._data) != 0:
-            raise RunError("psd: data_id must be at most 255 printable characters")
+            raise RunError("psd: data_id must be at most 255 printable characters", 2)
         return 0, ""
 
     def _check_table(self, a):
@@ -824,8 +898,21 @@ class Worker:
                            "loss, acc, correct, count, samples or auc, at most 16, finite" % rc)
 
     def _shutdown(self, ev):
-        self.exit_code = ev.exit_code
+        self.exit_code = _exit_code_of(ev.exit_code)
         self.message = ev.message.decode(errors="replace")
         self.close()
         if self.exit_code != 0:
-            raise RunError("psd ended the run (%d): %s" % (self.exit_code, self.message))
+            raise RunError("psd ended this worker's run (exit %d): %s" % (ev.exit_code, self.message),
+                           self.exit_code)
+
+    def _join_code(self, rc):
+        """The exit code for a registration that failed with rc (as pworker's)."""
+        if rc == -errno.ESHUTDOWN:
+            return _exit_code_of(self._ended_code)
+        return 4 if rc in _LOST else 2
+
+    def _fail(self, why):
+        """Tell psd this worker fails (its own error: psd logs it as failed, not lost), and close."""
+        if self._c is not None:
+            self._lib.psw_client_fail(self._c, 0, why.encode(errors="replace")[:1000])
+            self.close()

@@ -2,11 +2,12 @@
 (psd.ctr, a small task), bags of 2 values for each of 4 fields averaged, then an MLP. Prints
 its pushes' figures at the end.
 
-    emb_worker.py ENDPOINT [--dense] [--densify] [--rows-of]
+    emb_worker.py ENDPOINT [--dense] [--densify] [--rows-of] [--per-field P]
 
 --dense: EmbeddingBag(sparse=False) (the gradient goes whole); --rows-of: the worker tells
 psd the rows each next batch reads (the replies bring only those); --densify: the sparse
-gradient made dense before each step (the same gradient, pushed whole).
+gradient made dense before each step (the same gradient, pushed whole); --per-field P: bags of
+P values (4 x P table rows a sample).
 """
 import argparse
 import sys
@@ -41,7 +42,9 @@ def main():
     ap.add_argument("--dense", action="store_true")
     ap.add_argument("--rows-of", action="store_true")
     ap.add_argument("--densify", action="store_true")
+    ap.add_argument("--per-field", type=int, default=GEN["per_field"])
     a = ap.parse_args()
+    GEN["per_field"] = a.per_field
     torch.manual_seed(0)
     torch.set_num_threads(1)
     g = psd.ctr.Generator(**GEN)

@@ -3,10 +3,14 @@ from a fixed random linear map of the inputs), its own data of N train and
 M test samples drawn from a seed. Prints its rank's figures at the end.
 
     mlp_worker.py ENDPOINT [--train N] [--test M] [--data-id S] [--verbose] [--optimizer] [--slow S]
-                  [--loader K] [--ids FILE] [--set-to-none] [--no-shm]
+                  [--loader K] [--ids FILE] [--set-to-none] [--no-shm] [--raise-at N] [--exit-at N]
+                  [--batch-figure B]
 
 --loader K: the batches come from a DataLoader (w.sampler(), K reader processes); --ids FILE:
 each stepped batch's epoch and sample ids, a line each, written before the next batch.
+--raise-at N: the loop raises ValueError at its Nth step (a bug of the user's: the worker
+fails); --exit-at N: the script returns at its Nth step, still in the run; --batch-figure B:
+w.step(batch=B), a wrong figure psd refuses.
 """
 import argparse
 import json
@@ -55,6 +59,9 @@ def main():
     ap.add_argument("--no-shm", action="store_true")
     ap.add_argument("--staging", action="store_true", help="the device path on CPU tensors (host buffers, hooks)")
     ap.add_argument("--early", action="store_true", help="w.backward(): each layer pushed once computed")
+    ap.add_argument("--raise-at", type=int, default=0)
+    ap.add_argument("--exit-at", type=int, default=0)
+    ap.add_argument("--batch-figure", type=int, default=0)
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -77,8 +84,14 @@ def main():
         ds = torch.utils.data.TensorDataset(xtr, ytr, torch.arange(a.train))
         loader = torch.utils.data.DataLoader(ds, batch_sampler=w.sampler(), num_workers=a.loader)
     ids = open(a.ids, "w") if a.ids else None
+    n = 0
     for epoch in w.epochs():
         for batch in w.batches(loader):
+            n += 1
+            if n == a.raise_at:
+                raise ValueError("a bug in the user's loop at step %d" % n)
+            if n == a.exit_at:
+                return 0
             if loader is None:
                 x, y, idx = xtr[batch], ytr[batch], batch
             else:
@@ -87,7 +100,8 @@ def main():
                 model.zero_grad(set_to_none=True)
             out = model(x)
             loss = F.cross_entropy(out, y, reduction="sum")
-            figures = dict(loss_sum=loss.item(), batch=len(idx), correct=int((out.argmax(1) == y).sum()))
+            figures = dict(loss_sum=loss.item(), batch=a.batch_figure or len(idx),
+                           correct=int((out.argmax(1) == y).sum()))
             if a.early:
                 w.backward(loss / len(idx), **figures)
             else:

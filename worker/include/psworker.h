@@ -223,8 +223,9 @@ typedef struct {
  * weights of `version`, with the batch's summed loss and correct count. A
  * gradient may be pushed in several parts (each layer as soon as its
  * backward is done), every part with the same batch statistics; psd steps
- * once it has every tensor. pull: ask for the next version (on the last
- * part). want (with pull and the table's rows pushed): the table rows,
+ * once it has every tensor (a part of tensors psd packs with others not
+ * pushed yet sends nothing: they go with the part that completes their
+ * unit). pull: ask for the next version (on the last part). want (with pull and the table's rows pushed): the table rows,
  * strictly increasing, the next batch reads; the WEIGHTS reply then brings
  * only those (psw_event_t.row_ids). The struct is read during the call;
  * the buffers it points to are sent without copying: do not modify them
