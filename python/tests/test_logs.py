@@ -1,0 +1,34 @@
+"""The figures psd's log and psd.torch give about a run are the run's: the
+epochs it trained, the model's tensors and parameters, the workers
+(gru_worker.py: a GRU whose 8 tensors psd lays out in 3 units)."""
+from conftest import CONFIG  # the run fixture: conftest.py
+
+
+def finish(r, workers):
+    out = [p.communicate(timeout=120) for p in workers]
+    assert r.psd.wait(timeout=60) == 0, r.psd_log()
+    for p, (o, e) in zip(workers, out):
+        assert p.returncode == 0, o + e
+    return [o for o, _ in out]
+
+
+def test_run_finished_says_the_epochs_trained_when_stopped_early(run):
+    """Early stopping after epoch 2 of 4 (no epoch improves val_loss by 1000): the last line says 2 of 4."""
+    config = CONFIG.replace("run: {epochs: 3}", "run: {epochs: 4}").replace(
+        "train: {batch_size: 32}",
+        "train: {batch_size: 32, early_stop: {metric: val_loss, patience: 1, min_delta: 1000}}")
+    r = run(1, config=config)
+    finish(r, [r.worker(script="gru_worker.py")])
+    log = r.psd_log()
+    assert "stopping early after epoch 2" in log, log
+    assert "run finished: 2 of 4 epochs (early stop), " in log, log
+    L = r.metrics()
+    assert [x["epoch"] for x in L] == [1, 2] and L[-1].get("stopped_early") is True, L
+
+
+def test_run_finished_says_the_epochs_configured_when_all_trained(run):
+    r = run(1, config=CONFIG.replace("run: {epochs: 3}", "run: {epochs: 2}"))
+    finish(r, [r.worker(script="gru_worker.py")])
+    log = r.psd_log()
+    assert "run finished: 2 epochs, " in log, log
+    assert "early stop" not in log, log
