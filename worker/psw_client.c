@@ -617,7 +617,7 @@ static int send_values(psw_client_t *c, const ps_layout_t *l)
                              .dtype = PSD__DTYPE__DT_F32, .rows = l->t[u].numel, .copy = true};
     }
     PS_INFO("psd asked for this worker's model: sending its %d tensors (%zu parameters)", ps_layout_ntab(l),
-            l->n_params);
+            ps_layout_numel(l));
     int rc = send_msg(c, &h, fr, l->n_tensors);
     free(packed);
     return rc;

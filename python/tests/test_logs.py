@@ -1,7 +1,12 @@
 """The figures psd's log and psd.torch give about a run are the run's: the
 epochs it trained, the model's tensors and parameters, the workers
 (gru_worker.py: a GRU whose 8 tensors psd lays out in 3 units)."""
+import re
+
 from conftest import CONFIG  # the run fixture: conftest.py
+
+# gru_worker.py's model: its tensors and their floats (the units psd packs them into differ)
+TENSORS, PARAMS = 8, 105 + 147 + 21 + 21 + 70000 + 10000 + 30000 + 3
 
 
 def finish(r, workers):
@@ -9,7 +14,7 @@ def finish(r, workers):
     assert r.psd.wait(timeout=60) == 0, r.psd_log()
     for p, (o, e) in zip(workers, out):
         assert p.returncode == 0, o + e
-    return [o for o, _ in out]
+    return out
 
 
 def test_run_finished_says_the_epochs_trained_when_stopped_early(run):
@@ -32,3 +37,16 @@ def test_run_finished_says_the_epochs_configured_when_all_trained(run):
     log = r.psd_log()
     assert "run finished: 2 epochs, " in log, log
     assert "early stop" not in log, log
+
+
+def test_the_offered_model_is_counted_in_tensors_and_parameters(run):
+    """from_worker: both lines count the model's tensors and its floats (not psd's units, nor the gaps
+    between them)."""
+    r = run(1, config=CONFIG.replace("run: {epochs: 3}", "run: {epochs: 1}"))
+    [(_, err)] = finish(r, [r.worker(script="gru_worker.py")])
+    assert "sending its %d tensors (%d parameters)" % (TENSORS, PARAMS) in err, err
+    log = r.psd_log()
+    offers = re.findall(r"offers the model: (\d+) tensors, (\d+) parameters", log)
+    taken = re.findall(r"the model is the first worker's: (\d+) tensors, (\d+) parameters", log)
+    assert offers == [(str(TENSORS), str(PARAMS))], log
+    assert taken == [(str(TENSORS), str(PARAMS))], log
