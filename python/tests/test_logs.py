@@ -50,3 +50,12 @@ def test_the_offered_model_is_counted_in_tensors_and_parameters(run):
     taken = re.findall(r"the model is the first worker's: (\d+) tensors, (\d+) parameters", log)
     assert offers == [(str(TENSORS), str(PARAMS))], log
     assert taken == [(str(TENSORS), str(PARAMS))], log
+
+
+def test_world_is_the_runs_once_the_worker_is_constructed(run):
+    """w.world right after Worker() returns is psd's workers (2), not 1 until the first epoch."""
+    r = run(2, config=CONFIG.replace("run: {epochs: 3}", "run: {epochs: 1}"))
+    said = [o for o, _ in finish(r, [r.worker(script="gru_worker.py"), r.worker(script="gru_worker.py")])]
+    for o in said:
+        assert o.splitlines()[0] == "world 2", said
+        assert "epoch 0 done (world 2)" in o, said
