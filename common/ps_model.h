@@ -71,6 +71,15 @@ static inline const ps_tensor_info_t *ps_layout_tensor(const ps_layout_t *l, int
     return l->tab ? &l->tab[k] : &l->t[k];
 }
 
+/* The model's parameters: the floats of the table's tensors (n_params,
+ * the floats laid out, also counts the gaps before units). */
+static inline size_t ps_layout_numel(const ps_layout_t *l)
+{
+    size_t n = 0;
+    for (int k = 0; k < ps_layout_ntab(l); k++) n += ps_layout_tensor(l, k)->numel;
+    return n;
+}
+
 /* Lay out a table of n tensors in order, packing small dense tensors into
  * units (as few as fit PS_MAX_TENSORS). 0, or -1 with a message naming the
  * tensor that does not fit (no tensors or more than PS_MAX_TABLE, an

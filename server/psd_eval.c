@@ -79,7 +79,7 @@ int psd_export_run(const char *weights_path, const char *out_path)
         return 1;
     }
     printf("psd export: wrote %s: %d tensors, %zu parameters, run %016llx, step %llu\n", out_path, ps_layout_ntab(&l),
-           l.n_params, (unsigned long long)meta.run_id, (unsigned long long)meta.step);
+           ps_layout_numel(&l), (unsigned long long)meta.run_id, (unsigned long long)meta.step);
     ps_layout_free(&l);
     return 0;
 }

@@ -82,14 +82,15 @@ static bool offer_table(srv_t *s, ps_msg_t *m, ps_layout_t *l, int has, char *wh
         send_offer(s, m, false);
         return false;
     }
+    PS_INFO("a worker from %s pid %u offers the model: %d tensors, %zu parameters; asking for its values",
+            m->hdr->reg->hostname ? m->hdr->reg->hostname : "?", m->hdr->reg->pid, ps_layout_ntab(l),
+            ps_layout_numel(l)); /* (before its table moves) */
     ps_layout_free(&s->offer.layout);
     s->offer.layout = *l;
     l->tab = NULL; /* moved */
     memcpy(s->offer.ident, m->ident, m->ident_len);
     s->offer.ident_len = m->ident_len;
     s->offer.at = ps_now();
-    PS_INFO("a worker from %s pid %u offers the model: %d tensors, %zu parameters; asking for its values",
-            m->hdr->reg->hostname ? m->hdr->reg->hostname : "?", m->hdr->reg->pid, ps_layout_ntab(l), l->n_params);
     send_offer(s, m, true);
     return false;
 }
@@ -126,5 +127,5 @@ void on_values(srv_t *s, ps_msg_t *m)
     }
     s->silence = psd_silence_limit(&s->cfg, s->layout.n_params); /* sized for max_params until now */
     PS_INFO("the model is the first worker's: %d tensors, %zu parameters; a silent worker is lost after %.1f s",
-            ps_layout_ntab(&s->layout), s->layout.n_params, s->silence);
+            ps_layout_ntab(&s->layout), ps_layout_numel(&s->layout), s->silence);
 }

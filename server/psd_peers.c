@@ -209,6 +209,8 @@ void send_assign(srv_t *s, worker_t *w)
     uint32_t layers[PS_MAX_LAYERS + 1];
     hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_ASSIGN);
     a.rank = w->rank;
+    const int live = live_workers(s) + !(w->state >= W_READY && w->state <= W_VALIDATED); /* this one counted */
+    a.world = (uint32_t)(live > s->cfg.workers ? live : s->cfg.workers);
     for (int i = 0; i < s->cfg.n_sizes; i++) layers[i] = (uint32_t)s->cfg.sizes[i];
     a.layers = layers;
     a.n_layers = (size_t)s->cfg.n_sizes;

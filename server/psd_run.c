@@ -150,12 +150,17 @@ static void end_run(srv_t *s)
     double wall = ps_now() - s->t_start;
     if (!sharded(s)) save_weights(s); /* shards: written already (fetch_next) */
     const char *partial = psd_metrics_incomplete(&s->metrics) ? " (its metrics file is INCOMPLETE)" : "";
+    /* the epochs trained: the last one validated (early stopping ends the run before cfg.epochs) */
+    char trained[64];
+    if (s->vl.stopped_early)
+        snprintf(trained, sizeof trained, "%u of %d epochs (early stop)", s->epoch + 1, s->cfg.epochs);
+    else
+        snprintf(trained, sizeof trained, "%u epochs", s->epoch + 1);
     if (s->val_epoch_last)
-        PS_INFO("run finished: %d epochs, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s%s", s->cfg.epochs,
-                s->step, s->val_acc_last, sps, wall, partial);
+        PS_INFO("run finished: %s, %" PRIu64 " steps, val_acc %.4f, %.0f samples/s, %.1f s%s", trained, s->step,
+                s->val_acc_last, sps, wall, partial);
     else /* resumed at its end: nothing was trained or validated by this psd */
-        PS_INFO("run finished: %d epochs, %" PRIu64 " steps (all before this resume), %.1f s", s->cfg.epochs, s->step,
-                wall);
+        PS_INFO("run finished: %s, %" PRIu64 " steps (all before this resume), %.1f s", trained, s->step, wall);
     if (s->int_n[1] > 0)
         PS_INFO("step interval %.2f ms over %" PRIu64 " steps without a checkpoint being written, "
                 "%.2f ms over %" PRIu64 " steps while one was",

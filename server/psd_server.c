@@ -877,8 +877,8 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
             PS_PROTOCOL_VERSION, s->run_id, ep, c->workers);
     if (s->model_ready)
         PS_INFO("model %zu parameters in %d tensors (%d units on the wire), %zu training / %zu test samples, "
-                "optimizer %s, schedule %s", s->layout.n_params, ps_layout_ntab(&s->layout), s->layout.n_tensors,
-                s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
+                "optimizer %s, schedule %s", ps_layout_numel(&s->layout), ps_layout_ntab(&s->layout),
+                s->layout.n_tensors, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
     else
         PS_INFO("model from the first worker (model.kind from_worker, at most %lld parameters), %zu training / %zu "
                 "test samples, optimizer %s, schedule %s",

@@ -201,8 +201,8 @@ void psd_status_json(const srv_t *s, FILE *f)
         fprintf(f, "%s\"%s\":", j ? "," : "", s->vl.names[j]);
         json_num(f, s->val_epoch_last ? s->vl.last_means[j] : NAN);
     }
-    fprintf(f, "},\"val_set\":\"%s\",\"best_epoch\":%u", s->vl.n_val ? "held_out" : "test",
-            s->vl.keep.has ? s->vl.keep.epoch : 0);
+    fprintf(f, "},\"val_set\":\"%s\",\"best_epoch\":%u,\"stopped_early\":%s", s->vl.n_val ? "held_out" : "test",
+            s->vl.keep.has ? s->vl.keep.epoch : 0, s->vl.stopped_early ? "true" : "false");
     fprintf(f, ",\"lr\":");
     json_num(f, s->lr);
     fprintf(f, ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"checkpoints\":%" PRIu64

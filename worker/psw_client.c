@@ -617,7 +617,7 @@ static int send_values(psw_client_t *c, const ps_layout_t *l)
                              .dtype = PSD__DTYPE__DT_F32, .rows = l->t[u].numel, .copy = true};
     }
     PS_INFO("psd asked for this worker's model: sending its %d tensors (%zu parameters)", ps_layout_ntab(l),
-            l->n_params);
+            ps_layout_numel(l));
     int rc = send_msg(c, &h, fr, l->n_tensors);
     free(packed);
     return rc;
@@ -748,6 +748,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     out->start_timeout_s = a->start_timeout_s;
     out->step_timeout_s = a->step_timeout_s;
     out->silence_s = a->silence_s;
+    out->world = a->world;
     /* this side of the connections sends the pushes: psd's setting, on them too */
     snprintf(c->tcp_cc, sizeof c->tcp_cc, "%s", a->tcp_congestion ? a->tcp_congestion : "");
     if (ps_tcp_cc_check(c->tcp_cc, err, errlen) != 0) {

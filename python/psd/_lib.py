@@ -60,7 +60,8 @@ class Assign(ctypes.Structure):
                 ("epochs", ctypes.c_uint32), ("seed", ctypes.c_uint64), ("sync", ctypes.c_uint32),
                 ("staleness", ctypes.c_uint32), ("sparse_threshold", ctypes.c_double),
                 ("start_timeout_s", ctypes.c_double), ("step_timeout_s", ctypes.c_double),
-                ("silence_s", ctypes.c_double), ("shm", ctypes.c_int), ("stream", ctypes.c_int), ("ctr", Ctr)]
+                ("silence_s", ctypes.c_double), ("shm", ctypes.c_int), ("stream", ctypes.c_int), ("ctr", Ctr),
+                ("world", ctypes.c_uint32)]
 
 
 class Event(ctypes.Structure):

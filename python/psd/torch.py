@@ -681,6 +681,7 @@ class Worker:
             self.close()
             raise RunError(why, 2)
         self.rank = a.rank
+        self.world = a.world or 1  # psd's workers until an EPOCH says (0: an older psd)
         self._run_id = self._lib.psw_client_run_id(self._c)
         self.batch_size = a.batch_size
         self.val_batch_size = a.val_batch_size

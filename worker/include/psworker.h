@@ -118,6 +118,8 @@ typedef struct {
         double zipf, weight_std, bias;
         int table_on_psd;      /* the table stays on psd: events bring the rows asked for (psw_client_pull_rows) */
     } ctr;
+    uint32_t world;            /* workers in the run: psd's server.workers, or the live workers with this one when
+                                * more (each EPOCH event's world after); 0 from a psd that does not say */
 } psw_assign_t;
 
 typedef enum {
