@@ -1342,3 +1342,56 @@ done:
     cr_assert_eq(json_num(last_line(m), "val_samples"), 10000, "%s", last_line(m));
     free(m);
 }
+
+/* This process's TCP connections to 127.0.0.1 at one of the ports (its fds
+ * whose peer is there). */
+static int conns_to(const int ports[2])
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return -1;
+    for (struct dirent *e; (e = readdir(d));) {
+        struct sockaddr_in a;
+        socklen_t len = sizeof a;
+        int fd = atoi(e->d_name);
+        if (e->d_name[0] == '.' || fd == dirfd(d) || getpeername(fd, (struct sockaddr *)&a, &len) != 0 ||
+            a.sin_family != AF_INET || a.sin_addr.s_addr != htonl(INADDR_LOOPBACK))
+            continue;
+        n += ntohs(a.sin_port) == ports[0] || ntohs(a.sin_port) == ports[1];
+    }
+    closedir(d);
+    return n;
+}
+
+/* A worker's child forked without exec (a torch DataLoader's reader
+ * processes) does not hold the worker's connections to psd and to psd's
+ * shard: the library closes them in the child, so that psd notices at once
+ * when the worker dies (issue 56). The worker keeps its own: it goes on
+ * with both. */
+Test(short, a_forked_child_of_a_worker_holds_none_of_its_connections)
+{
+    run_t r;
+    char ep1[64];
+    const char *base[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,16,10]",
+                          "--set", "checkpoint.dir=", NULL};
+    const char *a0[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,16,10]",
+                        "--set", "checkpoint.dir=", "--shard", "0/2", NULL};
+    start_psd(&r, "fork", 1, a0);
+    start_shard_at(&r, "fork", 1, 2, base, ep1);
+    const int ports[2] = {atoi(strrchr(r.endpoint, ':') + 1), atoi(strrchr(ep1, ':') + 1)};
+    char err[512];
+    psw_client_t *c = lib_worker(r.endpoint, err, sizeof err);
+    cr_assert_eq(conns_to(ports), 2, "the worker's connections to psd and to its shard");
+    pid_t ch = fork();
+    cr_assert_geq(ch, 0);
+    if (ch == 0) _exit(conns_to(ports) & 0x7f);
+    int st;
+    cr_assert_eq(waitpid(ch, &st, 0), ch);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the child holds %d of them", WEXITSTATUS(st));
+    cr_assert_eq(conns_to(ports), 2, "the worker's own stay");
+    psw_event_t ev;
+    lib_next(c, &ev, PSW_EV_EPOCH);
+    cr_assert_eq(psw_client_pull(c, ev.version), 0);
+    lib_next(c, &ev, PSW_EV_WEIGHTS); /* both parts: over both connections */
+    psw_client_destroy(&c);
+}

@@ -117,6 +117,7 @@ psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char 
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
+    pswc_fork_add(c);
     c->info = *info;
     c->n_shards = 1;
     c->protocol = info->protocol ? info->protocol : PS_PROTOCOL_VERSION;
@@ -180,8 +181,10 @@ static void shards_close(psw_client_t *c)
     for (int k = 1; k < PS_MAX_SHARDS; k++)
         if (c->ssock[k]) {
             ps_msg_drain(c->ssock[k], 0.05, 0.3);
-            zmq_close(c->ssock[k]);
+            pswc_fork_forget(c, k);
+            ps_zmq_close_monitored(c->ssock[k], c->smon[k]);
             c->ssock[k] = NULL;
+            c->smon[k] = NULL;
             c->tcp_fd[k] = 0;
         }
     free(c->wbuf);
@@ -256,6 +259,7 @@ void psw_client_destroy(psw_client_t **cp)
 {
     psw_client_t *c = *cp;
     if (!c) return;
+    pswc_fork_remove(c); /* before its sockets close: their fds may then be anything's */
     ps_msg_deinit(&c->cur);
     shards_close(c);
     shm_unmap(c);
@@ -278,13 +282,18 @@ uint64_t psw_client_run_id(const psw_client_t *c) { return c->run_id; }
 
 int psw_client_shutdown_code(const psw_client_t *c) { return c->shutdown_code; }
 
-/* Read pending socket events; -ECONNRESET once an established connection
- * to psd dropped. */
+/* Read pending socket events (each connection's fd noted for forked
+ * children: psw_fork.c); -ECONNRESET once an established connection to psd
+ * dropped. A result found before (mon_rc) first. */
 static int check_monitor(psw_client_t *c)
 {
     uint16_t event;
     uint32_t value;
+    int rc = c->mon_rc;
+    c->mon_rc = 0;
+    if (rc != 0) return rc;
     while (ps_zmq_monitor_event(c->mon, &event, &value) == 0) {
+        pswc_fork_event(c, 0, event, value);
         if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) c->connected = 1;
         if (event == ZMQ_EVENT_DISCONNECTED && c->connected) return -ECONNRESET;
         if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH || event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
@@ -350,8 +359,9 @@ int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err,
         int ni = c->mon ? 2 : 1, s0 = ni - 1;
         for (int k = 1; k < c->n_shards; k++) it[ni++] = (zmq_pollitem_t){c->ssock[k], 0, ZMQ_POLLIN, 0};
         /* an hour at most per poll: an infinite timeout (psd's server.start_timeout: .inf)
-         * waits for ever without overflowing the conversion */
-        int n = zmq_poll(it, ni, left < 3600 ? (long)(left * 1000) + 1 : 3600000L);
+         * waits for ever without overflowing the conversion; none with a
+         * monitor result waiting */
+        int n = zmq_poll(it, ni, c->mon_rc ? 0 : left < 3600 ? (long)(left * 1000) + 1 : 3600000L);
         if (n < 0) {
             if (zmq_errno() == EINTR) {
                 snprintf(err, errlen, "interrupted");
@@ -378,6 +388,7 @@ int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err,
                 continue;
             }
             ps_tcp_cc_conn(&c->tcp_fd[c->from], c->cur.srcfd, c->tcp_cc, false);
+            if (c->cur.srcfd >= 0 && c->cur.srcfd != c->conn[c->from].fd) pswc_fork_drain(c, c->from); /* reconnected */
             if (h->type == PSD__MSG_TYPE__MSG_ERROR) {
                 snprintf(err, errlen, "psd shard %d refused: %s", c->from,
                          h->error->message && h->error->message[0] ? h->error->message : "(no reason)");
@@ -385,11 +396,12 @@ int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err,
             }
             return 0;
         }
-        if (!(it[0].revents & ZMQ_POLLIN) && !(c->mon && (it[1].revents & ZMQ_POLLIN))) continue; /* nothing read */
+        const bool mon_in = c->mon && ((it[1].revents & ZMQ_POLLIN) || c->mon_rc);
+        if (!(it[0].revents & ZMQ_POLLIN) && !mon_in) continue; /* nothing read */
         /* messages first: psd's last words (SHUTDOWN) arrive before its
          * connection closes */
         if (!(it[0].revents & ZMQ_POLLIN)) {
-            int mrc = c->mon && (it[1].revents & ZMQ_POLLIN) ? check_monitor(c) : 0;
+            int mrc = mon_in ? check_monitor(c) : 0;
             if (mrc == -EACCES) {
                 if (c->info.curve_server)
                     snprintf(err, errlen, "psd at %s refused this worker: authentication failed (is this worker's "
@@ -441,6 +453,11 @@ int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err,
             continue;
         }
         ps_tcp_cc_conn(&c->tcp_fd[0], c->cur.srcfd, c->tcp_cc, false);
+        /* a connection not noted yet (the first message on it, the
+         * assignment): its CONNECTED came before it, read now so that a
+         * child forked from here on closes it; what else the monitor says
+         * waits for the next call */
+        if (c->mon && !c->mon_rc && c->cur.srcfd >= 0 && c->cur.srcfd != c->conn[0].fd) c->mon_rc = check_monitor(c);
         return 0;
     }
 }
@@ -497,6 +514,13 @@ static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, cha
             snprintf(err, errlen, "cannot set up CURVE: %s", zmq_strerror(zmq_errno()));
             return -EINVAL;
         }
+        /* its connection's fd, for forked children (psw_fork.c); without a monitor they keep it */
+        static atomic_uint n_mon;
+        char mon_ep[80];
+        snprintf(mon_ep, sizeof mon_ep, "inproc://psw-monitor-%p-%u", (void *)c, atomic_fetch_add(&n_mon, 1));
+        c->smon[k] = ps_zmq_monitor(c->ctx, so, mon_ep,
+                                    ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CLOSED);
+        if (!c->smon[k]) PS_DEBUG("no monitor of psd shard %d's socket: %s", k, zmq_strerror(zmq_errno()));
         ps_zmq_endpoint_opts(so, ep);
         if (zmq_connect(so, ep) != 0) {
             snprintf(err, errlen, "cannot connect to psd shard %d at '%s': %s", k, ep, zmq_strerror(zmq_errno()));
@@ -533,9 +557,10 @@ static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, cha
             ps_msg_t m;
             char why[256];
             if (ps_msg_recv(c->ssock[k], &m, false, ZMQ_DONTWAIT, why, sizeof why) != 0) continue;
-            if (m.hdr->type == PSD__MSG_TYPE__MSG_ASSIGN && m.hdr->run_id == c->run_id && m.hdr->assign->rank == c->rank)
+            if (m.hdr->type == PSD__MSG_TYPE__MSG_ASSIGN && m.hdr->run_id == c->run_id && m.hdr->assign->rank == c->rank) {
                 answered = 1;
-            else if (m.hdr->type == PSD__MSG_TYPE__MSG_ERROR) {
+                pswc_fork_drain(c, k); /* its CONNECTED came before this */
+            } else if (m.hdr->type == PSD__MSG_TYPE__MSG_ERROR) {
                 snprintf(err, errlen, "psd shard %d refused: %s", k, m.hdr->error->message ? m.hdr->error->message : "");
                 ps_msg_deinit(&m);
                 return -EPROTO;

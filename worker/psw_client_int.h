@@ -10,6 +10,7 @@
 #include "psworker.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -57,6 +58,14 @@ typedef struct {
     int exit_code;
     char message[256];
 } pswc_event_t;
+
+/* A connection's fd as noted when it connected, and what it was then (fstat):
+ * fd -1 none */
+typedef struct {
+    int fd;
+    dev_t dev;
+    ino_t ino;
+} pswc_conn_t;
 
 struct psw_client {
     /* the table rows the last push asked for (Push.want_rows), and the
@@ -127,6 +136,14 @@ struct psw_client {
     uint8_t *pk_in;         /* tensors of packed units given since their unit was last sent */
     int pk_have[PS_MAX_TENSORS]; /* how many of each unit's */
     int pending;
+    /* the connections' fds, closed in forked children (psw_fork.c): conn[k]
+     * the connection to psd shard k (0: psd) as its socket's monitor told it
+     * (mon, smon[k]); written under psw_fork.c's lock, read without it by
+     * this client's thread only */
+    pswc_conn_t conn[PS_MAX_SHARDS];
+    void *smon[PS_MAX_SHARDS];  /* PAIR receiving ssock[k]'s connection events ([0] unused: mon) */
+    int mon_rc;                 /* check_monitor's result when it was read for the fds: the next pswc_recv_msg's */
+    psw_client_t *fork_prev, *fork_next; /* psw_fork.c's list of live clients */
     /* VALIDATEs from shard 0 that came while one waited for the other
      * shards' parts (psd may give a worker several parts at once): taken
      * in order once it is returned, so that the shards' replies answer
@@ -177,5 +194,17 @@ int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err,
 void pswc_shard_slice(const psw_client_t *c, int k, const uint32_t *want, size_t n, size_t *a, size_t *m);
 void pswc_stream_release(psw_client_t *c);
 bool pswc_table_rows(const psw_client_t *c, const uint32_t *ids, size_t n);
+
+/* psw_fork.c: a forked child closes the fds of every live client's
+ * connections. add: c is live (its conn[] none yet; the fork handler
+ * registered, once), before its sockets connect; remove: before they close.
+ * event: socket k's monitor event (k 0: psd's socket; CONNECTED notes the
+ * fd, DISCONNECTED and CLOSED forget it); forget: socket k is closing;
+ * drain: every event waiting on smon[k] (k >= 1), noted. */
+void pswc_fork_add(psw_client_t *c);
+void pswc_fork_remove(psw_client_t *c);
+void pswc_fork_event(psw_client_t *c, int k, uint16_t event, uint32_t value);
+void pswc_fork_forget(psw_client_t *c, int k);
+void pswc_fork_drain(psw_client_t *c, int k);
 
 #endif

@@ -177,7 +177,12 @@ typedef struct {
 } psw_event_t;
 
 /* Connect (lazily: ZeroMQ connects in the background). NULL + err on a bad
- * endpoint. Caller owns (psw_client_destroy). */
+ * endpoint. Caller owns (psw_client_destroy).
+ * fork(): a forked child must not use a client of its parent (nor destroy
+ * it); its connections are closed in the child (the parent's stay), so that
+ * psd hears at once when the worker dies while a child lives (a torch
+ * DataLoader's reader processes). A child that runs psd work makes its own
+ * client. */
 psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char *err, size_t errlen);
 void psw_client_destroy(psw_client_t **c);
 
