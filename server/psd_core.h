@@ -512,6 +512,8 @@ typedef struct {
     uint32_t val_epoch_last;              /* epochs validated (0: none yet) */
     uint64_t ended[WEND_N];               /* workers whose run ended, by how (worker_gone) */
     int workers_at_start;                 /* live workers when training started */
+    int workers_at_end;                   /* and when it finished (end_run) */
+    bool finished;                        /* the run finished (end_run): run_said_last says what it lost */
     bool batch_told;                      /* the global batch's change was logged (once a run) */
     /* curves for the live page (/history) */
     struct { uint64_t step; float loss; } curve[PSD_CURVE_MAX];
@@ -618,6 +620,7 @@ void save_weights(srv_t *s);
 void take_checkpoint(srv_t *s, bool epoch_done);
 void worker_gone(srv_t *s, worker_t *w);
 void refuse_worker(srv_t *s, worker_t *w, const char *why);
+void run_said_last(const srv_t *s);
 
 /* psd_valid.c: the data's split, validation parts and their exact reduction, the epochs' metrics lines,
  * the closing test, the best epoch and early stopping */

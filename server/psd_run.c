@@ -166,13 +166,8 @@ static void end_run(srv_t *s)
                 "%.2f ms over %" PRIu64 " steps while one was",
                 1e3 * s->int_sum[0] / (double)(s->int_n[0] ? s->int_n[0] : 1), s->int_n[0],
                 1e3 * s->int_sum[1] / (double)s->int_n[1], s->int_n[1]);
-    uint64_t ended = 0;
-    for (int k = WEND_LEFT; k < WEND_N; k++) ended += s->ended[k];
-    if (ended > 0 || live_workers(s) < s->workers_at_start) /* the last line says what the run lost */
-        PS_WARN("the run finished with %d of the %d workers it started with: %" PRIu64 " failed, %" PRIu64
-                " lost, %" PRIu64 " left, %" PRIu64 " refused (the lines above name them)", live_workers(s),
-                s->workers_at_start, s->ended[WEND_FAILED], s->ended[WEND_LOST], s->ended[WEND_LEFT],
-                s->ended[WEND_REFUSED]);
+    s->workers_at_end = live_workers(s);
+    s->finished = true; /* run_said_last: after the last checkpoint is written */
     int code = s->exit_code;
     finish(s, 0, "training finished");
     s->exit_code = code;
@@ -478,6 +473,19 @@ void on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m)
              e->message && e->message[0] ? e->message : "(no message)");
     w->end = WEND_FAILED;
     worker_gone(s, w);
+}
+
+/* The run finished (end_run) and everything is written: a run that lost
+ * workers says so on its last log line. */
+void run_said_last(const srv_t *s)
+{
+    uint64_t ended = 0;
+    for (int k = WEND_LEFT; k < WEND_N; k++) ended += s->ended[k];
+    if (s->finished && (ended > 0 || s->workers_at_end < s->workers_at_start))
+        PS_WARN("the run finished with %d of the %d workers it started with: %" PRIu64 " failed, %" PRIu64
+                " lost, %" PRIu64 " left, %" PRIu64 " refused (the lines above name them)", s->workers_at_end,
+                s->workers_at_start, s->ended[WEND_FAILED], s->ended[WEND_LOST], s->ended[WEND_LEFT],
+                s->ended[WEND_REFUSED]);
 }
 
 /* A message of w psd cannot take (drop's words in why): its run ends with

@@ -953,6 +953,7 @@ out:
          * (the run's last, maybe): each waited for */
         for (int i = 0; i < 3 && (s->ck.writer || s->ck.open); i++) poll_checkpoint(s, true);
     }
+    run_said_last(s);
     if (loop_ok) {
         psd_http_stop(&s->net.http);
         psd_shm_close(s->net.shm);

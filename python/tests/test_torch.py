@@ -244,3 +244,19 @@ def test_keys_and_endpoint_from_the_environment(run, tmp_path):
     o, e = good.communicate(timeout=120)
     assert good.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
     assert "authentication: CURVE" in r.psd_log() and "model intact" in o
+
+
+def test_the_source_trees_package_finds_the_build_trees_library(tmp_path):
+    """README "Finding it": PYTHONPATH=<checkout>/python is enough for a script run from
+    anywhere; the package loads <checkout>/build/libpsworker.so.3 (the build quickstart.sh
+    makes) without PSD_WORKER_LIB."""
+    root = os.path.dirname(os.path.dirname(HERE))
+    lib = os.path.join(root, "build", "libpsworker.so.3")
+    if not os.path.exists(lib):
+        import pytest
+        pytest.skip("no build/ in this checkout (built elsewhere): nothing to find")
+    env = {k: v for k, v in os.environ.items() if k != "PSD_WORKER_LIB"}
+    env["PYTHONPATH"] = os.path.join(root, "python")
+    out = subprocess.run(["/usr/bin/python3", "-c", "from psd import _lib; print(_lib.load()._name)"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == lib, out
