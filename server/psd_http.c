@@ -2,7 +2,8 @@
  *
  * One request per connection (HTTP/1.0 style: the answer closes it), parsed
  * by Debian's http-parser; requests and answers are bounded, slow or idle
- * clients are cut after PSD_HTTP_IDLE_S. At most PSD_HTTP_MAX_CONN at once:
+ * clients are cut after PSD_HTTP_IDLE_S, and a request with a body (psd
+ * takes none) is refused as soon as its headers are in. At most PSD_HTTP_MAX_CONN at once:
  * a newcomer beyond that closes the oldest connection still waiting for its
  * request (idle ones cannot keep a health check out), or is closed itself
  * when every one is being answered. Everything runs on psd's loop thread. */
@@ -42,6 +43,7 @@ typedef struct conn {
     char auth[256];
     size_t auth_len;
     bool done, closing, too_long;
+    int refuse;           /* 405 or 413: refused once its headers came (see on_headers) */
     double started;
     struct conn *next;
     uv_write_t wr;
@@ -99,6 +101,7 @@ static const char *status_text(int code)
     case 401: return "Unauthorized";
     case 404: return "Not Found";
     case 405: return "Method Not Allowed";
+    case 413: return "Content Too Large";
     case 431: return "Request Header Fields Too Large";
     case 503: return "Service Unavailable";
     default: return "Internal Server Error";
@@ -111,9 +114,10 @@ static void answer(conn_t *c, int code, const char *ctype, const char *body, siz
     char hdr[512];
     int n = snprintf(hdr, sizeof hdr,
                      "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nCache-Control: no-store\r\n"
-                     "X-Content-Type-Options: nosniff\r\nConnection: close\r\n%s\r\n",
+                     "X-Content-Type-Options: nosniff\r\nConnection: close\r\n%s%s\r\n",
                      code, status_text(code), ctype, len,
-                     code == 401 ? "WWW-Authenticate: Bearer realm=\"psd\"\r\n" : "");
+                     code == 401 ? "WWW-Authenticate: Bearer realm=\"psd\"\r\n" : "",
+                     code == 405 ? "Allow: GET, HEAD\r\n" : "");
     size_t total = (size_t)n + (head ? 0 : len);
     c->out = malloc(total ? total : 1);
     if (!c->out) {
@@ -179,6 +183,22 @@ static int on_header_value(http_parser *p, const char *at, size_t len)
     return 0;
 }
 
+/* The request line and headers are in: a request psd does not take is
+ * refused now, never waiting for a body (a client may declare 100 MB and
+ * send nothing). Any method but GET and HEAD: 405, whatever follows; a GET or
+ * HEAD that declares a body (Content-Length over 0, or chunked): 413. Both
+ * before the token check: they depend on the request's form alone, are the
+ * same for every client and every path, and tell nothing about the run. */
+static int on_headers(http_parser *p)
+{
+    conn_t *c = p->data;
+    if (p->method != HTTP_GET && p->method != HTTP_HEAD)
+        c->refuse = 405;
+    else if ((p->flags & F_CHUNKED) || ((p->flags & F_CONTENTLENGTH) && p->content_length > 0))
+        c->refuse = 413;
+    return c->refuse ? -1 : 0; /* not 0, 1 or 2: the parser stops here */
+}
+
 static int on_complete(http_parser *p)
 {
     ((conn_t *)p->data)->done = true;
@@ -210,11 +230,7 @@ static bool token_ok(const psd_http_t *h, const conn_t *c)
 static void serve(conn_t *c)
 {
     psd_http_t *h = c->h;
-    int method = c->parser.method;
-    if (method != HTTP_GET && method != HTTP_HEAD) {
-        answer_text(c, 405, "only GET and HEAD\n");
-        return;
-    }
+    int method = c->parser.method; /* GET or HEAD: on_headers refused the others */
     char path[512];
     snprintf(path, sizeof path, "%s", c->url);
     char *q = strchr(path, '?');
@@ -253,6 +269,11 @@ static void read_cb(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
     if (n == 0 || c->out) return;
     size_t got = http_parser_execute(&c->parser, &c->h->settings, c->req + c->req_len, (size_t)n);
     c->req_len += (size_t)n;
+    if (c->refuse) { /* a HEAD's 413 without its body, as any answer to a HEAD */
+        const char *why = c->refuse == 405 ? "only GET and HEAD\n" : "a request with a body: psd takes none\n";
+        answer(c, c->refuse, "text/plain; charset=utf-8", why, strlen(why), c->parser.method == HTTP_HEAD);
+        return;
+    }
     if (c->done) {
         serve(c);
         return;
@@ -415,6 +436,7 @@ int psd_http_start(psd_http_t **out, uv_loop_t *loop, const char *addr, const ch
     h->settings.on_url = on_url;
     h->settings.on_header_field = on_header_field;
     h->settings.on_header_value = on_header_value;
+    h->settings.on_headers_complete = on_headers;
     h->settings.on_message_complete = on_complete;
     uv_tcp_init(loop, &h->server);
     h->server.data = h;

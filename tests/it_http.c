@@ -285,6 +285,91 @@ Test(short, http_metrics_status_and_healthz)
     cr_assert_eq(proc_wait(w1, 30), 0);
 }
 
+/* Send `req` to 127.0.0.1:port and read what comes back for up to `bound`
+ * seconds: the status code (-1: none), the answer in out, *closed whether
+ * psd closed the connection (read returned 0) within the bound, *took the
+ * seconds to that close, or to the bound. */
+static int http_within(int port, const char *req, double bound, char *out, size_t n, bool *closed, double *took)
+{
+    *closed = false;
+    out[0] = '\0';
+    double t0 = ps_now();
+    *took = bound;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    size_t len = strlen(req), got = 0;
+    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0 || write(fd, req, len) != (ssize_t)len) {
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    for (double left; got + 1 < n && (left = bound - (ps_now() - t0)) > 0;) {
+        struct pollfd pf = {.fd = fd, .events = POLLIN};
+        int pr = poll(&pf, 1, (int)(left * 1e3) + 1);
+        if (pr < 0 && errno == EINTR) continue;
+        if (pr <= 0) break;
+        ssize_t r = read(fd, out + got, n - 1 - got);
+        if (r <= 0) {
+            *closed = r == 0;
+            *took = ps_now() - t0;
+            break;
+        }
+        got += (size_t)r;
+        out[got] = '\0';
+    }
+    close(fd);
+    int code = -1;
+    return sscanf(out, "HTTP/1.1 %d", &code) == 1 ? code : -1;
+}
+
+/* A request that declares a body psd does not take is answered as soon as
+ * its headers are in, and the connection closed, without waiting for the
+ * body (the 100 MB it declares never comes): a POST gets 405 with "Allow:
+ * GET, HEAD", a GET declaring a body (Content-Length, or chunked) 413.
+ * Before, psd sent nothing and cut the connection at its 5 s deadline. */
+Test(short, http_refuses_a_declared_body_at_once)
+{
+    int port = free_port();
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    const char *args[] = {"--http", addr, "--set", "checkpoint.dir=", NULL};
+    run_t r;
+    pid_t p = start_psd(&r, "body", 2, args); /* no worker comes: it waits, serving HTTP */
+    static char out[1 << 16];
+    double t0 = ps_now();
+    while (http_get(port, "/healthz", NULL, out, sizeof out, NULL) != 200 && ps_now() - t0 < 60) usleep(50000);
+    cr_assert_eq(http_get(port, "/healthz", NULL, out, sizeof out, NULL), 200, "psd serves HTTP");
+
+    static const struct {
+        const char *req;
+        int code;
+    } cases[] = {
+        {"POST /status HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 104857600\r\n\r\n", 405},
+        {"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 104857600\r\n\r\n", 413},
+        {"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n", 413},
+    };
+    double bound = sanitized() ? 3.0 : 1.0;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        bool closed = false;
+        double took = 0;
+        int code = http_within(port, cases[i].req, bound, out, sizeof out, &closed, &took);
+        cr_log_info("%.*s: %d, closed %d, in %.1f ms", (int)strcspn(cases[i].req, "\r"), cases[i].req, code, closed,
+                    took * 1e3);
+        cr_assert_eq(code, cases[i].code, "case %zu: %d within %.0f s, not %d: '%s'", i, cases[i].code, bound, code,
+                     out);
+        cr_assert(closed, "case %zu: psd closed the connection within %.0f s (%s)", i, bound, out);
+        if (cases[i].code == 405) cr_assert(strstr(out, "\r\nAllow: GET, HEAD\r\n"), "405 says Allow: %s", out);
+    }
+    bool closed = false;
+    double took = 0;
+    cr_assert_eq(http_within(port, "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n", bound,
+                             out, sizeof out, &closed, &took), 200, "Content-Length: 0 is no body: %s", out);
+    cr_assert(closed);
+    cr_assert_eq(http_get(port, "/healthz", NULL, out, sizeof out, NULL), 200, "still serving");
+    kill(p, SIGTERM);
+    cr_assert_eq(proc_wait(p, 60), 0);
+}
+
 /* server.http_token_file: every path but /healthz needs the bearer token;
  * HTTP beyond loopback without a token is refused (exit 2). */
 Test(short, http_token_and_loopback_rule)
@@ -308,6 +393,11 @@ Test(short, http_token_and_loopback_rule)
     cr_assert_eq(http_get(port, "/healthz", NULL, out, sizeof out, NULL), 200, "/healthz needs no token");
     cr_assert_eq(http_get(port, "/metrics", NULL, out, sizeof out, NULL), 401, "no token");
     cr_assert_eq(http_get(port, "/status", "wrong-token-0123456789", out, sizeof out, NULL), 401, "wrong token");
+    /* refused for their form before the token is looked at: the same answer for everyone */
+    cr_assert_eq(http_raw(port, "POST /status HTTP/1.1\r\nContent-Length: 9\r\n\r\n", 44, out, sizeof out), 405,
+                 "a POST without the token");
+    cr_assert_eq(http_raw(port, "GET /status HTTP/1.1\r\nContent-Length: 9\r\n\r\n", 43, out, sizeof out), 413,
+                 "a GET with a body, without the token");
     cr_assert_eq(http_get(port, "/metrics", "s3cret-token-0123456789", out, sizeof out, NULL), 200, "the token");
     kill(p, SIGTERM);
     cr_assert_eq(proc_wait(p, 30), 0);
