@@ -826,8 +826,10 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->sh.n = opts->shards > 1 ? opts->shards : 1; /* the store owns shard 0's part (psd_store_init_part) */
     if (c->kind == PS_MODEL_FROM_WORKER && opts->resume_dir) { /* the model is the checkpoint's */
         char rdir[PS_PATH_MAX];
-        if (resolve_resume_dir(opts->resume_dir, rdir, sizeof rdir) != 0 ||
-            psd_ckpt_newest_layout(rdir, &s->layout, lerr, sizeof lerr) != 0) {
+        uint64_t run_id;
+        int rr = resolve_resume_dir(opts->resume_dir, rdir, sizeof rdir, &run_id);
+        if (rr != 0) snprintf(lerr, sizeof lerr, "%s", strerror(-rr));
+        if (rr != 0 || psd_ckpt_newest_layout(rdir, run_id, &s->layout, lerr, sizeof lerr) != 0) {
             PS_ERROR("cannot resume from %s: %s", opts->resume_dir, lerr);
             code = PSD_EXIT_USAGE;
             goto out;
