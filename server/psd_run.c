@@ -649,6 +649,18 @@ static int resume_data(srv_t *s, const psd_ckpt_meta_t *m, const char *path)
     return 0;
 }
 
+/* Epochs logged after the checkpoint resumed (s->epoch epochs done) are
+ * trained and logged again: their lines are dropped, so that the metrics
+ * file keeps each epoch once. 0, or -1 with err. */
+int resume_metrics(srv_t *s, char *err, size_t n)
+{
+    char why[PS_PATH_MAX + 200];
+    if (!s->cfg.metrics[0] || psd_metrics_trim(&s->metrics, s->cfg.metrics, s->run_id, s->epoch, why, sizeof why) >= 0)
+        return 0;
+    snprintf(err, n, "cannot resume: %s", why);
+    return -1;
+}
+
 /* A checkpoint read (path) into the store and the run, if it fits: 0, or
  * PSD_EXIT_USAGE after saying why not. */
 static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen, const float *weights,
@@ -691,11 +703,11 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
     }
     PS_INFO("resuming run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s", s->run_id, path, s->step,
             s->epoch + 1, s->resumed_mid_epoch ? " (part done)" : "");
-    /* epochs logged after that checkpoint are trained and logged again: the
-     * metrics file keeps each epoch once */
-    char err[PS_PATH_MAX + 200];
-    if (s->cfg.metrics[0] && psd_metrics_trim(&s->metrics, s->cfg.metrics, s->run_id, s->epoch, err, sizeof err) < 0) {
-        PS_ERROR("cannot resume: %s", err);
+    /* at the start the metrics file is trimmed once psd is sure to start
+     * (make_outputs); later (psd shards going back) here */
+    char err[PS_PATH_MAX + 400];
+    if (s->metrics.fd >= 0 && resume_metrics(s, err, sizeof err) != 0) {
+        PS_ERROR("%s", err);
         return PSD_EXIT_USAGE;
     }
     s->resumed = true;

@@ -1,13 +1,16 @@
 /* it_trust.c - integration tests: what psd takes from the files it finds
  * and what it leaves behind (see itest.h): a checkpoint of another run put
  * in a run's directory, a start that is refused. */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <glob.h>
 #include <inttypes.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "itest.h"
@@ -125,4 +128,112 @@ Test(short, a_checkpoint_of_another_run_in_a_runs_directory_is_skipped)
     cr_assert_eq(rc, 2, "%s", t);
     cr_assert(strstr(t, "no valid checkpoint") && strstr(t, hexa) && strstr(t, "0123456789abcdef"), "%s", t);
     free(t);
+}
+
+/* A TCP port on 127.0.0.1 held listening by this process (*fd), for a psd
+ * to find taken. */
+static int taken_port(int *fd)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    *fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    cr_assert_geq(*fd, 0);
+    cr_assert_eq(bind(*fd, (struct sockaddr *)&a, sizeof a), 0);
+    cr_assert_eq(listen(*fd, 1), 0);
+    cr_assert_eq(getsockname(*fd, (struct sockaddr *)&a, &len), 0);
+    return ntohs(a.sin_port);
+}
+
+/* Issue 57: a psd refused at its start (its port taken, a host name it
+ * cannot listen on, the HTTP port taken, data it cannot use, a model that
+ * does not fit the data) used to leave an empty run-<id>/ directory in
+ * checkpoint.dir and an empty metrics file. Now it exits 2 and leaves
+ * nothing: no run directory (no checkpoint.dir when there was none), no
+ * metrics, weights or lock file; a resume refused so leaves the metrics
+ * file as it was. */
+Test(short, a_psd_refused_at_its_start_leaves_no_file_behind)
+{
+    int held;
+    char port[16], ep[64], http[64], nodata[300], free_ep[64];
+    snprintf(port, sizeof port, "%d", taken_port(&held));
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%s", port);
+    snprintf(http, sizeof http, "127.0.0.1:%s", port);
+    snprintf(free_ep, sizeof free_ep, "tcp://127.0.0.1:%d", free_port());
+    snprintf(nodata, sizeof nodata, "data.train_images=%s/none.gz", dir);
+    const struct {
+        const char *args[6], *says;
+    } cases[] = {
+        {{"--listen", ep, NULL}, "cannot listen on"},
+        {{"--listen", "tcp://localhost:6171", NULL}, "cannot listen on"},
+        {{"--listen", free_ep, "--http", http, NULL}, "server.http: cannot listen on"},
+        {{"--listen", free_ep, "--set", nodata, NULL}, "none.gz"},
+        {{"--listen", free_ep, "--set", "model.layers=100,10", NULL}, "model.layers starts with 100"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        /* in case<k>/: checkpoint.dir there already (even k) or not (odd k), the metrics and weights files */
+        char c[256], ck[300], ckset[320], met[300], wts[300], log[256], list[4096];
+        snprintf(ck, sizeof ck, "case%zu", k);
+        path(c, sizeof c, ck);
+        snprintf(ck, sizeof ck, "%s/ckpt", c);
+        snprintf(ckset, sizeof ckset, "checkpoint.dir=%s", ck);
+        snprintf(met, sizeof met, "%s/metrics.jsonl", c);
+        snprintf(wts, sizeof wts, "%s/weights.bin", c);
+        snprintf(log, sizeof log, "%s.log", c);
+        cr_assert_eq(run_cmd("mkdir -p '%s'", k % 2 ? c : ck), 0);
+        const char *argv[32] = {psd_bin, "--workers", "1", "--start-timeout", "10", "--metrics", met, "--save", wts,
+                                "--set", ckset, "--set", "train.keep_best.metric=val_acc", "--set"};
+        char best[320];
+        snprintf(best, sizeof best, "train.keep_best.path=%s/best.safetensors", c);
+        int n = 14;
+        argv[n++] = best;
+        for (int i = 0; cases[k].args[i]; i++) argv[n++] = cases[k].args[i];
+        argv[n] = NULL;
+        int code = proc_wait(proc_spawn(argv, log), 60);
+        char *t = slurp(log);
+        cr_assert_eq(code, 2, "case %zu: refused with exit 2: %s", k, t);
+        cr_assert(strstr(t, cases[k].says), "case %zu: says why (%s): %s", k, cases[k].says, t);
+        free(t);
+        char cmd[600];
+        snprintf(cmd, sizeof cmd, "cd '%s' && find . -mindepth 1 | sort; find '%s' -maxdepth 1 -name '*.lock'", c, dir);
+        run_cmd_out(cmd, list, sizeof list);
+        cr_assert_str_eq(list, k % 2 ? "" : "./ckpt\n", "case %zu (%s): psd left files behind: %s", k,
+                         cases[k].args[1], list);
+    }
+    /* a resume refused at its start (its port taken) leaves the run's metrics file as it was: the
+     * lines of epochs past the checkpoint are dropped only by a psd that starts */
+    char ck[256], ckset[300], met[256];
+    path(ck, sizeof ck, "rckpt");
+    snprintf(ckset, sizeof ckset, "checkpoint.dir=%s", ck);
+    const char *args[] = {"--epochs", "3", "--set", "data.train_limit=2000", "--set", ckset, "--stop-after-epoch", "1",
+                          NULL};
+    run_t r;
+    train(&r, "res", 1, args, 300);
+    cr_assert_eq(r.psd_code, 0);
+    snprintf(met, sizeof met, "%s", r.metrics);
+    char *m = slurp(met);
+    cr_assert(m && count_lines(m) == 1, "%s", m ? m : "");
+    const char *rid = strstr(m, "\"run_id\":\"");
+    cr_assert_not_null(rid);
+    char line2[128];
+    snprintf(line2, sizeof line2, "{\"run_id\":\"%.16s\",\"epoch\":2}\n", rid + 10); /* as if epoch 2 were logged */
+    free(m);
+    FILE *f = fopen(met, "a");
+    cr_assert(f && fputs(line2, f) >= 0 && fclose(f) == 0);
+    char *before = slurp(met), log[256], list[4096], cmd[600];
+    path(log, sizeof log, "res2.log");
+    const char *argv[] = {psd_bin, "--listen", ep, "--workers", "1", "--start-timeout", "10", "--metrics", met,
+                          "--save", r.weights, "--epochs", "3", "--set", "data.train_limit=2000", "--set", ckset,
+                          "--resume", ck, NULL};
+    int code = proc_wait(proc_spawn(argv, log), 60);
+    char *t = slurp(log), *after = slurp(met);
+    cr_assert_eq(code, 2, "%s", t);
+    cr_assert(strstr(t, "resuming run") && strstr(t, "cannot listen on"), "%s", t);
+    cr_assert_str_eq(after, before, "the metrics file is as it was: %s", t);
+    snprintf(cmd, sizeof cmd, "find '%s' '%s' -name '*.lock'", dir, ck);
+    run_cmd_out(cmd, list, sizeof list);
+    cr_assert_str_eq(list, "", "no lock file is left: %s", list);
+    free(t);
+    free(after);
+    free(before);
+    close(held);
 }
