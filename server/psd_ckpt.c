@@ -17,6 +17,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -909,8 +910,10 @@ static void data_free(ckpt_data_t *d)
 }
 
 /* Read and verify one file. NULL with d filled (caller frees), or the reason
- * it is unusable (d empty). reason_buf holds formatted reasons. */
-static const char *load_one(const char *path, ckpt_data_t *d, char *reason_buf, size_t reason_len)
+ * it is unusable (d empty). reason_buf holds formatted reasons. run_id: the
+ * run the file must be of (0: any); one of another run is unusable, found
+ * from its header before its arenas are read. */
+static const char *load_one(const char *path, uint64_t run_id, ckpt_data_t *d, char *reason_buf, size_t reason_len)
 {
     ckpt_in_t in = {.fd = -1, .crc = crc32(0, Z_NULL, 0)};
     uint8_t hdr[CKPT_HDR_LEN], trailer[CKPT_TRAILER_LEN];
@@ -976,6 +979,12 @@ static const char *load_one(const char *path, ckpt_data_t *d, char *reason_buf, 
     free(d->table);
     d->table = NULL;
     if (why) goto out;
+    if (run_id && d->meta.run_id != run_id) {
+        snprintf(reason_buf, reason_len, "it is of run %016" PRIx64 ", not of run %016" PRIx64 " whose checkpoints "
+                 "are resumed here", d->meta.run_id, run_id);
+        why = reason_buf;
+        goto out;
+    }
     const ps_layout_t l = d->layout;
     span_t spans[PS_MAX_TENSORS];
     uint64_t part;
@@ -1028,13 +1037,13 @@ out:
     return why;
 }
 
-int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
-                       float *slots[2], char *path, size_t pathlen, char *err, size_t errlen)
+int psd_ckpt_load_step(const char *dir, uint64_t run_id, uint64_t step, psd_ckpt_meta_t *meta, uint8_t **seen,
+                       float **weights, float *slots[2], char *path, size_t pathlen, char *err, size_t errlen)
 {
     char p[PATH_MAX], reason[256];
     ckpt_data_t d;
     snprintf(p, sizeof p, "%s/ckpt-%012llu.psdc", dir, (unsigned long long)step);
-    const char *why = load_one(p, &d, reason, sizeof reason);
+    const char *why = load_one(p, run_id, &d, reason, sizeof reason);
     if (why) {
         ps_set_err(err, errlen, "checkpoint %s: %s", p, why);
         return -1;
@@ -1061,11 +1070,11 @@ size_t psd_ckpt_steps(const char *dir, uint64_t at_most, uint64_t *steps, size_t
     return k;
 }
 
-/* The newest file of dir that loads (load_one) into d, its path into path
- * (pathlen may be 0); the ones rejected on the way reported to log. 0, or
- * -1 with a message. */
-static int load_newest(const char *dir, ckpt_data_t *d, char *path, size_t pathlen, psd_ckpt_log_fn log, char *err,
-                       size_t errlen)
+/* The newest file of dir that loads (load_one) into d, of run run_id (0:
+ * any), its path into path (pathlen may be 0); the ones rejected on the way
+ * reported to log. 0, or -1 with a message. */
+static int load_newest(const char *dir, uint64_t run_id, ckpt_data_t *d, char *path, size_t pathlen,
+                       psd_ckpt_log_fn log, char *err, size_t errlen)
 {
     ckpt_ent_t *ents = NULL;
     size_t n = 0, rejected = 0;
@@ -1078,7 +1087,7 @@ static int load_newest(const char *dir, ckpt_data_t *d, char *path, size_t pathl
     for (size_t i = 0; i < n; i++) {
         char p[PATH_MAX], reason[256], line[PATH_MAX + 320];
         snprintf(p, sizeof p, "%s/%s", dir, ents[i].name);
-        const char *why = load_one(p, d, reason, sizeof reason);
+        const char *why = load_one(p, run_id, d, reason, sizeof reason);
         if (why) {
             rejected++;
             if (log) {
@@ -1097,12 +1106,12 @@ out:
     return rc;
 }
 
-int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
+int psd_ckpt_load_newest(const char *dir, uint64_t run_id, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
                          float *slots[2], char *path, size_t pathlen, psd_ckpt_log_fn log, char *err,
                          size_t errlen)
 {
     ckpt_data_t d;
-    if (load_newest(dir, &d, path, pathlen, log, err, errlen) != 0) return -1;
+    if (load_newest(dir, run_id, &d, path, pathlen, log, err, errlen) != 0) return -1;
     *meta = d.meta;
     *seen = d.seen;
     *weights = d.w;
@@ -1117,7 +1126,7 @@ int psd_ckpt_read_weights(const char *path, ps_layout_t *l, float **weights, psd
 {
     char reason[256];
     ckpt_data_t d;
-    const char *why = load_one(path, &d, reason, sizeof reason);
+    const char *why = load_one(path, 0, &d, reason, sizeof reason);
     if (!why && d.meta.shards > 1) why = "it holds one psd shard's part of the model (export the run's weights file)";
     if (why) {
         data_free(&d);
@@ -1133,10 +1142,10 @@ int psd_ckpt_read_weights(const char *path, ps_layout_t *l, float **weights, psd
     return 0;
 }
 
-int psd_ckpt_newest_layout(const char *dir, ps_layout_t *l, char *err, size_t errlen)
+int psd_ckpt_newest_layout(const char *dir, uint64_t run_id, ps_layout_t *l, char *err, size_t errlen)
 {
     ckpt_data_t d;
-    if (load_newest(dir, &d, NULL, 0, NULL, err, errlen) != 0) return -1;
+    if (load_newest(dir, run_id, &d, NULL, 0, NULL, err, errlen) != 0) return -1;
     *l = d.layout;
     d.layout.tab = NULL; /* moved */
     data_free(&d);

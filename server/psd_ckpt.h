@@ -87,10 +87,10 @@ typedef struct {
 /* The CRC-32 of l's packed table (ps_table_pack), as meta.table_crc. */
 uint32_t psd_ckpt_table_crc(const ps_layout_t *l);
 
-/* The model (tensor table) of the newest valid checkpoint in dir: how a
- * model.kind from_worker run resumes without a worker offering it. 0, or
- * -1 with a message. */
-int psd_ckpt_newest_layout(const char *dir, ps_layout_t *l, char *err, size_t errlen);
+/* The model (tensor table) of the newest valid checkpoint in dir of run
+ * run_id (0: any run): how a model.kind from_worker run resumes without a
+ * worker offering it. 0, or -1 with a message. */
+int psd_ckpt_newest_layout(const char *dir, uint64_t run_id, ps_layout_t *l, char *err, size_t errlen);
 
 /* A whole model's checkpoint file read for export: its layout (from its
  * table, or its sizes) and weights arena (*weights, caller frees). Files of
@@ -129,23 +129,25 @@ int psd_ckpt_done(psd_ckpt_writer_t *wr);
 int psd_ckpt_end(psd_ckpt_writer_t **wr, char *path, size_t pathlen, double *seconds, uint64_t *bytes,
                  uint64_t *peak_extra_bytes);
 
-/* Load the newest valid checkpoint in dir. Corrupt or truncated files are
- * skipped, each reported through the log callback (one line each, naming the
- * file and the reason). On success returns 0 with new buffers (caller frees
+/* Load the newest valid checkpoint in dir of run run_id (0: of any run).
+ * Corrupt or truncated files, and files of another run (their header's run
+ * id, read before the rest), are skipped, each reported through the log
+ * callback (one line each, naming the file and the reason: both run ids for
+ * another run's). On success returns 0 with new buffers (caller frees
  * with free()): seen (train_count bits), weights and slots (n_params floats
  * each, zero where the file holds nothing: another psd shard's part; slots[i]
  * NULL for i >= n_slots), and the chosen file's path.
  * Returns -1 with a message if no valid checkpoint is there. */
 typedef void (*psd_ckpt_log_fn)(const char *line);
-int psd_ckpt_load_newest(const char *dir, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
+int psd_ckpt_load_newest(const char *dir, uint64_t run_id, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
                          float *slots[2], char *path, size_t pathlen, psd_ckpt_log_fn log, char *err,
                          size_t errlen);
 
 /* Load the checkpoint of exactly `step` in dir (psd shards resuming at a
- * step every shard has): 0, or -1 with a message (missing, corrupt). seen
- * may be NULL (not wanted). */
-int psd_ckpt_load_step(const char *dir, uint64_t step, psd_ckpt_meta_t *meta, uint8_t **seen, float **weights,
-                       float *slots[2], char *path, size_t pathlen, char *err, size_t errlen);
+ * step every shard has), of run run_id (0: any): 0, or -1 with a message
+ * (missing, corrupt, another run's). seen may be NULL (not wanted). */
+int psd_ckpt_load_step(const char *dir, uint64_t run_id, uint64_t step, psd_ckpt_meta_t *meta, uint8_t **seen,
+                       float **weights, float *slots[2], char *path, size_t pathlen, char *err, size_t errlen);
 
 /* The most checkpoint steps psd shards compare when they resume: more than
  * a run keeps (checkpoint.keep, and the newest step every shard has), so

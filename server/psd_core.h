@@ -603,10 +603,16 @@ void on_values(srv_t *s, ps_msg_t *m);
 int psd_model_setup(srv_t *s, const float *const *values);
 
 /* psd_run.c: the run's phases, checkpoints, resume; acts on the events */
-int resolve_resume_dir(const char *dir, char *out, size_t n);
+/* --resume DIR: the directory its checkpoints are in (out), and the run
+ * they must be of (*run_id: the one a run-<id> directory is named for, 0
+ * where its name says none). 0, or -errno. */
+int resolve_resume_dir(const char *dir, char *out, size_t n, uint64_t *run_id);
 void run_events(srv_t *s);
 int hold_outputs(srv_t *s);
 int resume(srv_t *s);
+/* The metrics file without the lines of the resumed run's epochs past its
+ * checkpoint. 0, or -1 with err. */
+int resume_metrics(srv_t *s, char *err, size_t n);
 int resume_at(srv_t *s, uint64_t at_most);
 void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m);
 void on_leave(srv_t *s, worker_t *w, ps_msg_t *m);

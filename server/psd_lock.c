@@ -45,7 +45,15 @@ int psd_lock(psd_locks_t *set, const char *path, char *err, size_t n)
         return -ENOSPC;
     }
     for (int tries = 0;; tries++) {
-        int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+        /* made: this call made the file, and removes it again where it
+         * holds no lock on it (never one another process locked) */
+        bool made = true;
+        int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        if (fd < 0 && errno == EEXIST) {
+            made = false;
+            fd = open(path, O_RDWR | O_CLOEXEC);
+            if (fd < 0 && errno == ENOENT && tries < 100) continue; /* removed in between by its holder */
+        }
         if (fd < 0) {
             int e = errno;
             snprintf(err, n, "cannot make the lock file %s: %s", path, strerror(e));
@@ -53,6 +61,7 @@ int psd_lock(psd_locks_t *set, const char *path, char *err, size_t n)
         }
         if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
             int e = errno;
+            if (e != EWOULDBLOCK && made) (void)unlink(path); /* best effort: the error said is the lock's */
             if (cannot_lock(e)) {
                 static bool warned;
                 if (!warned)

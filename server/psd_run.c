@@ -513,10 +513,31 @@ void on_leave(srv_t *s, worker_t *w, ps_msg_t *m)
 
 static void log_line(const char *line) { PS_WARN("%s", line); }
 
+/* The run a checkpoint directory is named for (its last component
+ * run-<16 hex digits>, as the run writes it), or 0. */
+static uint64_t dir_run_id(const char *dir)
+{
+    size_t end = strlen(dir), b;
+    while (end > 1 && dir[end - 1] == '/') end--;
+    for (b = end; b > 0 && dir[b - 1] != '/'; b--)
+        ;
+    if (end - b != 4 + 16 || strncmp(dir + b, "run-", 4) != 0) return 0;
+    uint64_t id = 0;
+    for (size_t i = b + 4; i < end; i++) {
+        char c = dir[i];
+        int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (v < 0) return 0;
+        id = id << 4 | (uint64_t)v;
+    }
+    return id;
+}
+
 /* Checkpoints live in DIR/run-<run id>/, so that a new run in the same DIR
  * never mixes with (or prunes) another run's. --resume takes a run
- * directory, or DIR itself: then the run whose newest checkpoint is newest. */
-int resolve_resume_dir(const char *dir, char *out, size_t n)
+ * directory, or DIR itself: then the run whose newest checkpoint is newest.
+ * A run's directory holds that run's checkpoints only: a file of another
+ * run found there is skipped (psd_ckpt_load_newest), never adopted. */
+int resolve_resume_dir(const char *dir, char *out, size_t n, uint64_t *run_id)
 {
     DIR *d = opendir(dir);
     if (!d) return -errno;
@@ -548,6 +569,7 @@ int resolve_resume_dir(const char *dir, char *out, size_t n)
     }
     closedir(d);
     snprintf(out, n, "%s", has_ckpt || !best[0] ? dir : best);
+    *run_id = dir_run_id(out);
     return 0;
 }
 
@@ -627,6 +649,18 @@ static int resume_data(srv_t *s, const psd_ckpt_meta_t *m, const char *path)
     return 0;
 }
 
+/* Epochs logged after the checkpoint resumed (s->epoch epochs done) are
+ * trained and logged again: their lines are dropped, so that the metrics
+ * file keeps each epoch once. 0, or -1 with err. */
+int resume_metrics(srv_t *s, char *err, size_t n)
+{
+    char why[PS_PATH_MAX + 200];
+    if (!s->cfg.metrics[0] || psd_metrics_trim(&s->metrics, s->cfg.metrics, s->run_id, s->epoch, why, sizeof why) >= 0)
+        return 0;
+    snprintf(err, n, "cannot resume: %s", why);
+    return -1;
+}
+
 /* A checkpoint read (path) into the store and the run, if it fits: 0, or
  * PSD_EXIT_USAGE after saying why not. */
 static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen, const float *weights,
@@ -669,11 +703,11 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
     }
     PS_INFO("resuming run %016" PRIx64 " from %s: step %" PRIu64 ", epoch %u%s", s->run_id, path, s->step,
             s->epoch + 1, s->resumed_mid_epoch ? " (part done)" : "");
-    /* epochs logged after that checkpoint are trained and logged again: the
-     * metrics file keeps each epoch once */
-    char err[PS_PATH_MAX + 200];
-    if (s->cfg.metrics[0] && psd_metrics_trim(&s->metrics, s->cfg.metrics, s->run_id, s->epoch, err, sizeof err) < 0) {
-        PS_ERROR("cannot resume: %s", err);
+    /* at the start the metrics file is trimmed once psd is sure to start
+     * (make_outputs); later (psd shards going back) here */
+    char err[PS_PATH_MAX + 400];
+    if (s->metrics.fd >= 0 && resume_metrics(s, err, sizeof err) != 0) {
+        PS_ERROR("%s", err);
         return PSD_EXIT_USAGE;
     }
     s->resumed = true;
@@ -704,7 +738,8 @@ int resume(srv_t *s)
     uint8_t *seen = NULL;
     float *weights = NULL, *slots[2] = {NULL, NULL};
     char path[PS_PATH_MAX], err[512];
-    int r = resolve_resume_dir(s->opts.resume_dir, s->sh.resume_dir, sizeof s->sh.resume_dir);
+    uint64_t run_id;
+    int r = resolve_resume_dir(s->opts.resume_dir, s->sh.resume_dir, sizeof s->sh.resume_dir, &run_id);
     if (r != 0) {
         PS_ERROR("cannot resume from %s: %s", s->opts.resume_dir, strerror(-r));
         return PSD_EXIT_USAGE;
@@ -715,7 +750,7 @@ int resume(srv_t *s)
         PS_ERROR("cannot resume from %s: %s", s->sh.resume_dir, err);
         return PSD_EXIT_USAGE;
     }
-    if (psd_ckpt_load_newest(s->sh.resume_dir, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
+    if (psd_ckpt_load_newest(s->sh.resume_dir, run_id, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
                              sizeof err) != 0) {
         PS_ERROR("cannot resume: %s", err);
         return PSD_EXIT_USAGE;
@@ -741,13 +776,12 @@ int resume_at(srv_t *s, uint64_t at_most)
         uint8_t *seen = NULL;
         float *weights = NULL, *slots[2] = {NULL, NULL};
         char path[PS_PATH_MAX], err[PS_PATH_MAX + 300];
-        if (psd_ckpt_load_step(s->sh.resume_dir, steps[k], &m, &seen, &weights, slots, path, sizeof path, err,
-                               sizeof err) != 0) {
+        if (psd_ckpt_load_step(s->sh.resume_dir, s->run_id, steps[k], &m, &seen, &weights, slots, path, sizeof path,
+                               err, sizeof err) != 0) { /* damaged, or another run's: skipped as at the start */
             PS_WARN("%s; trying an older one", err);
             continue;
         }
-        int rc = m.run_id == s->run_id ? resume_apply(s, &m, seen, weights, slots, path) : PSD_EXIT_USAGE;
-        if (m.run_id != s->run_id) PS_ERROR("%s is of another run than the one resumed", path);
+        int rc = resume_apply(s, &m, seen, weights, slots, path);
         free(seen);
         free(weights);
         free(slots[0]);
@@ -765,12 +799,14 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
     uint8_t *seen = NULL;
     float *weights = NULL, *slots[2] = {NULL, NULL};
     char path[PS_PATH_MAX], err[512], rdir[PS_PATH_MAX];
-    int r = resolve_resume_dir(dir, rdir, sizeof rdir);
+    uint64_t run_id;
+    int r = resolve_resume_dir(dir, rdir, sizeof rdir, &run_id);
     if (r != 0) {
         fprintf(stderr, "psd: cannot resume from %s: %s\n", dir, strerror(-r));
         return PSD_EXIT_USAGE;
     }
-    if (psd_ckpt_load_newest(rdir, &m, &seen, &weights, slots, path, sizeof path, log_line, err, sizeof err) != 0) {
+    if (psd_ckpt_load_newest(rdir, run_id, &m, &seen, &weights, slots, path, sizeof path, log_line, err,
+                             sizeof err) != 0) {
         fprintf(stderr, "psd: cannot resume: %s\n", err);
         return PSD_EXIT_USAGE;
     }
@@ -789,7 +825,7 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
     psd_optim_t o;
     psd_optim_from_config(&o, c);
     char why[256];
-    const char *misfit = (c->kind == PS_MODEL_FROM_WORKER ? psd_ckpt_newest_layout(rdir, &l, why, sizeof why)
+    const char *misfit = (c->kind == PS_MODEL_FROM_WORKER ? psd_ckpt_newest_layout(rdir, run_id, &l, why, sizeof why)
                                                           : ps_run_layout(c, &l, why, sizeof why)) != 0
                              ? why
                              : ckpt_misfit(&m, &l, &o, shards > 1 ? shards : 1, why, sizeof why);

@@ -539,6 +539,45 @@ static int start_http(srv_t *s)
     return 0;
 }
 
+/* The run's metrics file and checkpoint directory (checkpoint.dir/run-<id>/,
+ * held with its lock), made only once the start's checks passed and its
+ * sockets are bound: a psd that refuses to start leaves neither behind.
+ * What this call made is removed again when the next one cannot be made.
+ * 0, or PSD_EXIT_USAGE after saying why. */
+static int make_outputs(srv_t *s)
+{
+    const ps_config_t *c = &s->cfg;
+    char err[PS_PATH_MAX + 400];
+    bool made_metrics = false, made_dir = false, made_run = false;
+    struct stat st;
+    if (c->metrics[0]) {
+        made_metrics = stat(c->metrics, &st) != 0 && errno == ENOENT; /* no other psd makes it: we hold its lock */
+        if (s->resumed && resume_metrics(s, err, sizeof err) != 0) goto fail; /* before it is opened */
+        if (psd_metrics_open(&s->metrics, c->metrics, err, sizeof err) != 0) goto fail;
+    }
+    if (!c->ckpt_dir[0]) return 0;
+    const char *dirs[2] = {c->ckpt_dir, s->ck.run_dir};
+    bool *made[2] = {&made_dir, &made_run};
+    for (int i = 0; i < 2; i++) {
+        if (mkdir(dirs[i], 0755) == 0) {
+            *made[i] = true;
+        } else if (errno != EEXIST) {
+            snprintf(err, sizeof err, "checkpoint directory %s: %s", dirs[i], strerror(errno));
+            goto fail;
+        }
+    }
+    if (psd_lock_dir(&s->locks, s->ck.run_dir, err, sizeof err) != 0) goto fail; /* it leaves no file when it fails */
+    return 0;
+fail:
+    PS_ERROR("%s", err);
+    if (made_run && rmdir(s->ck.run_dir) != 0) PS_WARN("cannot remove %s: %s", s->ck.run_dir, strerror(errno));
+    if (made_dir && rmdir(c->ckpt_dir) != 0) PS_WARN("cannot remove %s: %s", c->ckpt_dir, strerror(errno));
+    psd_metrics_close(&s->metrics);
+    if (made_metrics && unlink(c->metrics) != 0 && errno != ENOENT)
+        PS_WARN("cannot remove %s: %s", c->metrics, strerror(errno));
+    return PSD_EXIT_USAGE;
+}
+
 /* SIGINT/SIGTERM or psctl stop (signum SIGTERM, what "psctl stop"):
  * checkpoint, tell the workers, exit 0; a second one exits at once. */
 static void request_stop(srv_t *s, int signum, const char *what)
@@ -826,8 +865,10 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->sh.n = opts->shards > 1 ? opts->shards : 1; /* the store owns shard 0's part (psd_store_init_part) */
     if (c->kind == PS_MODEL_FROM_WORKER && opts->resume_dir) { /* the model is the checkpoint's */
         char rdir[PS_PATH_MAX];
-        if (resolve_resume_dir(opts->resume_dir, rdir, sizeof rdir) != 0 ||
-            psd_ckpt_newest_layout(rdir, &s->layout, lerr, sizeof lerr) != 0) {
+        uint64_t run_id;
+        int rr = resolve_resume_dir(opts->resume_dir, rdir, sizeof rdir, &run_id);
+        if (rr != 0) snprintf(lerr, sizeof lerr, "%s", strerror(-rr));
+        if (rr != 0 || psd_ckpt_newest_layout(rdir, run_id, &s->layout, lerr, sizeof lerr) != 0) {
             PS_ERROR("cannot resume from %s: %s", opts->resume_dir, lerr);
             code = PSD_EXIT_USAGE;
             goto out;
@@ -843,25 +884,18 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
                 c->epochs);
     else if (s->epoch >= (uint32_t)c->epochs) {
         PS_INFO("the checkpoint is at the end of the run (%d epochs): nothing to train", c->epochs);
+        char err[PS_PATH_MAX + 400];
+        if (resume_metrics(s, err, sizeof err) != 0) { /* psd ends as a run that starts: its lines past it go */
+            PS_ERROR("%s", err);
+            code = PSD_EXIT_USAGE;
+            goto out;
+        }
         s->epoch--; /* the last epoch trained, as the end of the run writes it */
         save_weights(s);
         code = s->exit_code;
         goto out;
     }
     snprintf(s->ck.run_dir, sizeof s->ck.run_dir, "%s/run-%016" PRIx64, c->ckpt_dir, s->run_id);
-    if (c->ckpt_dir[0] && ((mkdir(c->ckpt_dir, 0755) != 0 && errno != EEXIST) ||
-                           (mkdir(s->ck.run_dir, 0755) != 0 && errno != EEXIST))) {
-        PS_ERROR("checkpoint directory %s: %s", s->ck.run_dir, strerror(errno));
-        code = PSD_EXIT_USAGE;
-        goto out;
-    }
-    char err[PS_PATH_MAX + 400];
-    if ((c->ckpt_dir[0] && psd_lock_dir(&s->locks, s->ck.run_dir, err, sizeof err) != 0) ||
-        (c->metrics[0] && psd_metrics_open(&s->metrics, c->metrics, err, sizeof err) != 0)) {
-        PS_ERROR("%s", err);
-        code = PSD_EXIT_USAGE;
-        goto out;
-    }
     s->net.zctx = psd_zmq_context(c);
     /* from_worker: sized for the largest model psd takes, before any worker exists */
     const size_t n_params = s->model_ready ? s->layout.n_params : (size_t)c->max_params;
@@ -923,7 +957,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     }
     s->t_boot = ps_now();
     s->val_curve = calloc((size_t)c->epochs, sizeof *s->val_curve);
-    if (c->http[0] && (code = start_http(s)) != 0) goto out;
+    if ((c->http[0] && (code = start_http(s)) != 0) || (code = make_outputs(s)) != 0) goto out;
     code = PSD_EXIT_ERROR;
     /* the live progress line: on a terminal, unless the log is for a machine (json) */
     s->tty = isatty(STDERR_FILENO) && c->log_format == PS_LOG_TEXT && getenv("TERM") &&

@@ -515,7 +515,7 @@ static int resume_part(shard_t *s, const uint64_t *steps, size_t n_steps)
         if (!found) continue;
         psd_ckpt_meta_t m;
         float *w = NULL, *sl[2] = {NULL, NULL};
-        if (psd_ckpt_load_step(dir, steps[i], &m, NULL, &w, sl, path, sizeof path, err, sizeof err) != 0) {
+        if (psd_ckpt_load_step(dir, s->run_id, steps[i], &m, NULL, &w, sl, path, sizeof path, err, sizeof err) != 0) {
             PS_WARN("shard %d: %s; trying an older one", s->opts.shard, err);
             continue;
         }

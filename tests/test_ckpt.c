@@ -227,7 +227,7 @@ static int load(loaded_t *L)
 {
     memset(L, 0, sizeof *L);
     g_nlog = 0;
-    return psd_ckpt_load_newest(g_dir, &L->meta, &L->seen, &L->w, L->slots, L->path, sizeof L->path,
+    return psd_ckpt_load_newest(g_dir, 0, &L->meta, &L->seen, &L->w, L->slots, L->path, sizeof L->path,
                                 log_line, L->err, sizeof L->err);
 }
 
@@ -966,7 +966,7 @@ Test(ckpt, empty_or_missing_dir_fails, .init = dir_setup, .fini = dir_teardown)
     cr_expect_eq(load(&L), -1);
     cr_expect_eq(g_nlog, 0);
     memset(&L, 0, sizeof L);
-    cr_expect_eq(psd_ckpt_load_newest("/nonexistent/psd", &L.meta, &L.seen, &L.w, L.slots, NULL, 0,
+    cr_expect_eq(psd_ckpt_load_newest("/nonexistent/psd", 0, &L.meta, &L.seen, &L.w, L.slots, NULL, 0,
                                       NULL, L.err, sizeof L.err),
                  -1);
     cr_expect(strstr(L.err, "/nonexistent/psd"), "%s", L.err);

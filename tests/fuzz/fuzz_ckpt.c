@@ -70,7 +70,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     uint8_t *seen = (uint8_t *)(uintptr_t)1;
     float *weights = (float *)(uintptr_t)1, *slots[2] = {NULL, NULL};
     char path[PATH_MAX], err[512];
-    if (psd_ckpt_load_newest(g_dir, &meta, &seen, &weights, slots, path, sizeof path, drop_line, err,
+    if (psd_ckpt_load_newest(g_dir, 0, &meta, &seen, &weights, slots, path, sizeof path, drop_line, err,
                              sizeof err) == 0) {
         if (!seen || !weights || meta.n_slots > 2) FUZZ_DIE("bad result after success");
         fuzz_touch(seen, (size_t)((meta.train_count + 7) / 8));
