@@ -192,6 +192,7 @@ static size_t run_pack(uint8_t b[CKPT_RUN_MAX], const psd_ckpt_run_t *r)
     p = put_best(p, &r->keep);
     p = put_best(p, &r->stop);
     p = put_u64(p, r->best_version);
+    for (int k = 0; k < 4; k++) p = put_u64(p, r->ended[k]);
     PS_ASSERT((size_t)(p - b) <= CKPT_RUN_MAX);
     return (size_t)(p - b);
 }
@@ -236,7 +237,8 @@ static bool run_unpack(psd_ckpt_run_t *r, const uint8_t *b, size_t n)
     if (!get_str(&p, end, r->data_id, PS_DATA_ID_MAX) || !get_best(&p, end, &r->keep) ||
         !get_best(&p, end, &r->stop) || end - p < 8)
         return false;
-    get_u64(p, &r->best_version);
+    p = get_u64(p, &r->best_version);
+    for (int k = 0; k < 4 && end - p >= 8; k++) p = get_u64(p, &r->ended[k]); /* absent before them: zeros */
     return r->n_val <= r->train_size;
 }
 

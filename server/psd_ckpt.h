@@ -49,6 +49,9 @@ typedef struct {
     char data_id[PS_DATA_ID_MAX + 1];
     psd_best_t keep, stop;          /* train.keep_best, train.early_stop: metric and state */
     uint64_t best_version;          /* keep's best epoch's weights version */
+    uint64_t ended[4];              /* workers whose run ended: left, failed, lost, refused (psd_core.h's
+                                     * wend_t order, from 1); after best_version, absent (zeros) in
+                                     * files written before them: the block is read to its length */
 } psd_ckpt_run_t;
 
 typedef struct {

@@ -55,7 +55,8 @@ static void usage(FILE *f)
             "  --force-resume       resume even if the config differs from the checkpoint's\n"
             "  --stop-after-epoch E write a checkpoint after epoch E and stop (exit 0)\n"
             "  --print-config       print the effective config as YAML and exit\n"
-            "  --check-config       check the config (and flags) and exit 0, or 2 with the error;\n"
+            "  --check-config       run the start's checks (config, flags, input files, endpoints bound\n"
+            "                       and closed) and exit 0, or 2 with the error; nothing is written;\n"
             "                       with --resume, also load the checkpoint a resume would use\n"
             "  --log-level LEVEL    error | warn | info | debug (default info)\n"
             "  --log-format FMT     text (default) or json: one JSON object a line, for log collectors\n"
@@ -422,13 +423,13 @@ int main(int argc, char **argv)
                 run.shards);
         goto out;
     }
-    if (check && run.resume_dir) { /* say which checkpoint a resume would use */
-        code = psd_resume_check(run.resume_dir, &cfg, run.force_resume, run.shards);
-        goto out;
-    }
-    if (check) {
-        printf("psd: config OK\n");
-        code = 0;
+    if (check) { /* the start's own checks (psd_server_run, psd_shard_run), stopped before it writes or trains */
+        if (run.resume_dir && (code = psd_resume_check(run.resume_dir, &cfg, run.force_resume, run.shards)) != 0)
+            goto out; /* (it says which checkpoint a resume would use) */
+        run.check = 1;
+        ps_log_set_level(cfg.log_level < PS_LOG_WARN ? cfg.log_level : PS_LOG_WARN); /* its errors, not its INFO */
+        code = run.shard > 0 ? psd_shard_run(&cfg, &run) : psd_server_run(&cfg, &run);
+        if (code == 0) printf("psd: config OK\n");
         goto out;
     }
     if (eval_path) {

@@ -41,6 +41,8 @@ typedef struct {
     int shard, shards;      /* --shard i/n: this psd holds part i of n (shards 0: one psd) */
     const char *leader;     /* shard i > 0: shard 0's endpoint */
     const char *advertise;  /* shard i > 0: the endpoint workers reach it at (default: where it listens) */
+    int check;              /* --check-config: every check of the start, its socket bound and closed, then 0
+                             * (nothing written, nothing trained) */
 } psd_run_opts_t;
 
 /* Checkpoints kept (checkpoint.keep), at least 2 with psd shards: a kill

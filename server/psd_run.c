@@ -90,6 +90,8 @@ static void deferred_checkpoint(srv_t *s)
 /* A worker is gone (lost, left, failed): its samples and validation parts go
  * to the others, or to a worker waiting for the next epoch, or wait for the
  * next worker to join. */
+_Static_assert(WEND_N - WEND_LEFT == 4, "psd_ckpt_run_t.ended holds the four endings");
+
 void worker_gone(srv_t *s, worker_t *w)
 {
     wstate_t was = w->state;
@@ -253,6 +255,7 @@ void take_checkpoint(srv_t *s, bool epoch_done)
     m.run = (psd_ckpt_run_t){.train_size = s->train_count, .test_size = s->test_count, .n_val = s->vl.n_val,
                              .keep = s->vl.keep, .stop = s->vl.stop, .best_version = s->vl.best_version};
     if (s->vl.id_known) snprintf(m.run.data_id, sizeof m.run.data_id, "%s", s->vl.data_id);
+    for (int k = WEND_LEFT; k < WEND_N; k++) m.run.ended[k - WEND_LEFT] = s->ended[k];
     if (s->layout.table >= 0) {
         m.table_rows = (uint64_t)s->layout.t[s->layout.table].rows;
         m.table_dim = (uint32_t)s->layout.t[s->layout.table].cols;
@@ -688,6 +691,7 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
     s->lr = m->lr;
     s->train_s_total = m->train_s_total;
     s->samples_total = m->samples_total;
+    for (int k = WEND_LEFT; k < WEND_N; k++) s->ended[k] = m->run.ended[k - WEND_LEFT]; /* the run's, so far */
     if (m->epoch_done) {
         s->epoch = m->epoch + 1;
         s->resumed_mid_epoch = false;

@@ -884,6 +884,10 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
                 c->epochs);
     else if (s->epoch >= (uint32_t)c->epochs) {
         PS_INFO("the checkpoint is at the end of the run (%d epochs): nothing to train", c->epochs);
+        if (opts->check) { /* the start would write the weights and end: nothing to refuse */
+            code = 0;
+            goto out;
+        }
         char err[PS_PATH_MAX + 400];
         if (resume_metrics(s, err, sizeof err) != 0) { /* psd ends as a run that starts: its lines past it go */
             PS_ERROR("%s", err);
@@ -957,7 +961,12 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     }
     s->t_boot = ps_now();
     s->val_curve = calloc((size_t)c->epochs, sizeof *s->val_curve);
-    if ((c->http[0] && (code = start_http(s)) != 0) || (code = make_outputs(s)) != 0) goto out;
+    if (c->http[0] && (code = start_http(s)) != 0) goto out;
+    if (opts->check) { /* --check-config: every check of the start passed, its sockets bound; nothing written */
+        code = 0;
+        goto out;
+    }
+    if ((code = make_outputs(s)) != 0) goto out;
     code = PSD_EXIT_ERROR;
     /* the live progress line: on a terminal, unless the log is for a machine (json) */
     s->tty = isatty(STDERR_FILENO) && c->log_format == PS_LOG_TEXT && getenv("TERM") &&

@@ -1239,6 +1239,10 @@ int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
         code = PSD_EXIT_USAGE;
         goto out;
     }
+    if (opts->check) { /* --check-config: what its start checks, it has (shard 0 holds the model and data) */
+        code = 0;
+        goto out;
+    }
     s->leader = zmq_socket(s->zctx, ZMQ_DEALER);
     if (!s->leader) goto out;
     int linger = 1000, zero = 0;

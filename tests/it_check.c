@@ -37,7 +37,7 @@ Test(short, check_config_refuses_what_the_start_refuses)
     cr_assert_not_null(f);
     fputs("not a directory\n", f);
     fclose(f);
-    snprintf(good, sizeof good, "--save '%s/w.bin' --metrics '%s/m.jsonl' --set 'checkpoint.dir=%s/ck' --http 127.0.0.1:0",
+    snprintf(good, sizeof good, "--listen tcp://127.0.0.1:0 --save '%s/w.bin' --metrics '%s/m.jsonl' --set 'checkpoint.dir=%s/ck' --http 127.0.0.1:0",
              dir, dir, dir);
     char *t, args[2048];
     snprintf(args, sizeof args, "%s --check-config", good);

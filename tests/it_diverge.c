@@ -78,7 +78,7 @@ Test(short, a_config_that_cannot_learn_is_refused)
 {
     char out[256], cmd[1024];
     path(out, sizeof out, "check.txt");
-    snprintf(cmd, sizeof cmd, "'%s' --check-config --set data.normalize_std=1e-300 > '%s' 2>&1", psd_bin, out);
+    snprintf(cmd, sizeof cmd, "'%s' --listen tcp://127.0.0.1:0 --check-config --set data.normalize_std=1e-300 > '%s' 2>&1", psd_bin, out);
     int st = system(cmd);
     char *t = slurp(out);
     cr_assert(t);
@@ -86,6 +86,6 @@ Test(short, a_config_that_cannot_learn_is_refused)
     cr_assert(strstr(t, "data.normalize_std: 1e-300") && strstr(t, "cannot learn"), "says why: %s", t);
     cr_assert_eq(count_lines(t), 1, "one line: %s", t);
     free(t);
-    snprintf(cmd, sizeof cmd, "'%s' --check-config --set train.divergence.factor=off > '%s' 2>&1", psd_bin, out);
+    snprintf(cmd, sizeof cmd, "'%s' --listen tcp://127.0.0.1:0 --check-config --set train.divergence.factor=off > '%s' 2>&1", psd_bin, out);
     cr_assert_eq(system(cmd), 0, "off is a value of train.divergence.factor");
 }

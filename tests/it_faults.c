@@ -399,9 +399,9 @@ Test(short, stopped_at_an_epoch_boundary_and_resumed_gives_identical_weights)
     free(l);
     cr_assert(weights_equal(a.weights, d.weights), "the weights file of a resume at the end = the run's");
     /* and another config is refused */
-    cr_assert_eq(run_cmd("'%s' --resume '%s' --set optimizer.lr=0.5 --set '%s' --check-config > /dev/null 2>&1",
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --resume '%s' --set optimizer.lr=0.5 --set '%s' --check-config > /dev/null 2>&1",
                          psd_bin, dirbuf, ck), 2);
-    cr_assert_eq(run_cmd("'%s' --resume '%s' --set optimizer.lr=0.5 --force-resume --set data.train_limit=3000 "
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --resume '%s' --set optimizer.lr=0.5 --force-resume --set data.train_limit=3000 "
                          "--seed 11 --check-config > /dev/null 2>&1", psd_bin, dirbuf), 0);
 }
 
@@ -743,14 +743,14 @@ Test(short, corrupt_newest_checkpoint_falls_back_to_the_previous)
     /* flip a byte in the middle of the newest */
     cr_assert_eq(run_cmd("f=$(ls '%s'/run-*/ckpt-*.psdc | tail -1); printf '\\x55' | dd of=\"$f\" bs=1 seek=5000 "
                          "conv=notrunc status=none", dirbuf), 0);
-    cr_assert_eq(run_cmd("'%s' %s --resume '%s' --check-config > '%s' 2>&1", psd_bin, cfg, dirbuf, out), 0);
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 %s --resume '%s' --check-config > '%s' 2>&1", psd_bin, cfg, dirbuf, out), 0);
     char *t = slurp(out);
     cr_assert(strstr(t, "checksum") || strstr(t, "CRC") || strstr(t, "corrupt"), "says why: %s", t);
     cr_assert(strstr(t, "epoch 2"), "uses the previous one (epoch 2): %s", t);
     free(t);
     /* truncate the next one too */
     cr_assert_eq(run_cmd("f=$(ls '%s'/run-*/ckpt-*.psdc | tail -2 | head -1); truncate -s 1000 \"$f\"", dirbuf), 0);
-    cr_assert_eq(run_cmd("'%s' %s --resume '%s' --check-config > '%s' 2>&1", psd_bin, cfg, dirbuf, out), 0);
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 %s --resume '%s' --check-config > '%s' 2>&1", psd_bin, cfg, dirbuf, out), 0);
     t = slurp(out);
     cr_assert(strstr(t, "epoch 1"), "falls back twice: %s", t);
     free(t);
@@ -773,7 +773,7 @@ Test(short, sigint_on_psd_checkpoints_and_stops_the_workers)
     char *log = slurp(r.psd_log);
     cr_assert(strstr(log, "checkpoint "), "%s", log);
     free(log);
-    cr_assert_eq(run_cmd("'%s' --epochs 50 --set data.train_limit=12000 --resume '%s' --check-config > /dev/null",
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --epochs 50 --set data.train_limit=12000 --resume '%s' --check-config > /dev/null",
                          psd_bin, dirbuf), 0, "the checkpoint loads");
 }
 
@@ -816,7 +816,7 @@ Test(long, psd_killed_while_writing_checkpoints_always_resumes)
         proc_wait(p, 10);
         kill(w, SIGKILL);
         proc_wait(w, 10);
-        int rc = run_cmd("'%s' --set data.train_limit=6400 --epochs 1000 --set model.layers=784,2048,640,10 "
+        int rc = run_cmd("'%s' --listen tcp://127.0.0.1:0 --set data.train_limit=6400 --epochs 1000 --set model.layers=784,2048,640,10 "
                          "--set optimizer.name=adam --set optimizer.lr=0.001 --resume '%s' --check-config > '%s' 2>&1",
                          psd_bin, dirbuf, out);
         char *t = slurp(out);
@@ -871,7 +871,7 @@ Test(short, sigusr1_writes_a_checkpoint_and_training_goes_on)
     cr_assert_eq(proc_wait(p, 300), 0, "training went on to the end");
     cr_assert_eq(proc_wait(w, 30), 0);
     check_every_epoch(&r, 3, 12000);
-    cr_assert_eq(run_cmd("'%s' --epochs 3 --set data.train_limit=12000 --resume '%s' --check-config > /dev/null",
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --epochs 3 --set data.train_limit=12000 --resume '%s' --check-config > /dev/null",
                          psd_bin, dirbuf), 0);
 }
 

@@ -536,7 +536,7 @@ Test(short, psctl_status_checkpoint_and_stop)
     char rdir[512];
     snprintf(rdir, sizeof rdir, "%s", file);
     *strrchr(rdir, '/') = '\0';
-    snprintf(cmd, sizeof cmd, "'%s' --check-config --epochs 6 --set '%s' --set checkpoint.every_epochs=0 --resume '%s' 2>&1",
+    snprintf(cmd, sizeof cmd, "'%s' --listen tcp://127.0.0.1:0 --check-config --epochs 6 --set '%s' --set checkpoint.every_epochs=0 --resume '%s' 2>&1",
              psd_bin, arg, rdir);
     run_cmd_out(cmd, out, sizeof out);
     cr_assert(strstr(out, "would resume") && strstr(out, file), "--resume takes psctl's checkpoint: %s", out);

@@ -392,7 +392,7 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
             cr_assert_eq(ps_table_pack(&l, &tb, &tlen), 0);
             free(tb);
             const uint64_t want =
-                232 + 4 + tlen + 4 + 108 /* the run block: no fingerprint, keep_best or early_stop */ +
+                232 + 4 + tlen + 4 + 140 /* the run block: no fingerprint, keep_best or early_stop */ +
                 (i == 0 ? (3000 + 7) / 8 : 0) + 3 * ps_part_size(pc, l.n_tensors) * 4 + 12;
             glob_t g;
             if (i == 0) snprintf(sub, sizeof sub, "%s/run-*/ckpt-*.psdc", ck); /* shard 0: the run's directory */
@@ -463,10 +463,10 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
     l = slurp(g.psd_log);
     cr_assert(strstr(l, "it holds the part of psd shard 0 of 2, and this psd is shard 0 of 1"), "%s", l);
     free(l);
-    cr_assert_eq(run_cmd("'%s' --resume '%s' --check-config --epochs 2 --set data.train_limit=3000 --seed 3 --set "
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --resume '%s' --check-config --epochs 2 --set data.train_limit=3000 --seed 3 --set "
                          "optimizer.name=adam --set optimizer.lr=0.002 --set optimizer.clip_norm=0.5 --set '%s' > "
                          "/dev/null 2>&1", psd_bin, ck, arg), 2, "--check-config finds it too");
-    cr_assert_eq(run_cmd("'%s' --resume '%s' --check-config --shard 0/2 --epochs 2 --set data.train_limit=3000 --seed 3 "
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --resume '%s' --check-config --shard 0/2 --epochs 2 --set data.train_limit=3000 --seed 3 "
                          "--set optimizer.name=adam --set optimizer.lr=0.002 --set optimizer.clip_norm=0.5 --set '%s' > "
                          "/dev/null 2>&1", psd_bin, ck, arg), 0, "and takes it as shard 0 of 2");
     cr_assert(access(g.weights, F_OK) != 0, "no weights file");
@@ -835,7 +835,7 @@ Test(short, a_broken_chunk_of_the_final_weights_leaves_no_file)
  * bad --shard flags exit 2. */
 Test(short, psd_shards_that_do_not_fit_are_refused)
 {
-    cr_assert_eq(run_cmd("%s --shard 1/2 --check-config >/dev/null 2>&1", psd_bin), 2, "no --leader");
+    cr_assert_eq(run_cmd("%s --listen tcp://127.0.0.1:0 --shard 1/2 --check-config >/dev/null 2>&1", psd_bin), 2, "no --leader");
     cr_assert_eq(run_cmd("%s --shard 2/2 >/dev/null 2>&1", psd_bin), 2, "i >= n");
     cr_assert_eq(run_cmd("%s --shard 0/x >/dev/null 2>&1", psd_bin), 2, "not a number");
     cr_assert_eq(run_cmd("%s --shard 0/2 --leader tcp://127.0.0.1:1 >/dev/null 2>&1", psd_bin), 2,

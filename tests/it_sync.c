@@ -425,11 +425,11 @@ Test(short, stops_and_resumes_that_cannot_work_are_refused)
     cr_assert(t && strstr(t, "its optimizer does not match this config"), "%s", t ? t : "");
     free(t);
     /* --check-config --resume says the same (it checks what a resume checks, but the data) */
-    cr_assert_eq(run_cmd("'%s' --resume '%s' --force-resume --set optimizer.name=adagrad --check-config > /dev/null "
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --resume '%s' --force-resume --set optimizer.name=adagrad --check-config > /dev/null "
                          "2>&1", psd_bin, ck), 2);
-    cr_assert_eq(run_cmd("'%s' --resume '%s' --force-resume --set 'model.layers=[784,32,10]' --check-config > "
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --resume '%s' --force-resume --set 'model.layers=[784,32,10]' --check-config > "
                          "/dev/null 2>&1", psd_bin, ck), 2);
-    cr_assert_eq(run_cmd("'%s' --resume '%s' --epochs 2 --set data.train_limit=1000 --set '%s' --check-config > "
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --resume '%s' --epochs 2 --set data.train_limit=1000 --set '%s' --check-config > "
                          "/dev/null 2>&1", psd_bin, ck, arg), 0, "the same config would resume");
     /* the checkpoint of a stop fails (its directory is gone): exit 1, and the workers are told */
     char ck2[256], arg2[300];
@@ -518,7 +518,7 @@ Test(short, tcp_connections_use_the_congestion_control_psd_is_given)
     cc_run("ccreno", "reno", "reno", NULL);
     cc_run("ccauto", "auto", NULL, "bbr");
     char err[512];
-    int rc = run_cmd("%s --set server.tcp_congestion=no_such_cc --check-config > %s/cc.txt 2>&1", psd_bin, dir);
+    int rc = run_cmd("%s --listen tcp://127.0.0.1:0 --set server.tcp_congestion=no_such_cc --check-config > %s/cc.txt 2>&1", psd_bin, dir);
     cr_assert_eq(rc, 2, "an unusable congestion control is a configuration error (exit %d)", rc);
     snprintf(err, sizeof err, "%s/cc.txt", dir);
     char *txt = slurp(err);

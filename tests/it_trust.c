@@ -79,7 +79,7 @@ Test(short, a_checkpoint_of_another_run_in_a_runs_directory_is_skipped)
     /* --check-config --resume, of B's directory and of checkpoint.dir: B's own newest, A's named and skipped */
     const char *resume_from[2] = {rdb, db};
     for (int k = 0; k < 2; k++) {
-        int rc = run_cmd("'%s' --epochs 6 --set data.train_limit=2000 --set '%s' --resume '%s' --check-config > '%s' "
+        int rc = run_cmd("'%s' --listen tcp://127.0.0.1:0 --epochs 6 --set data.train_limit=2000 --set '%s' --resume '%s' --check-config > '%s' "
                          "2>&1", psd_bin, ckb, resume_from[k], out);
         char want[64];
         snprintf(want, sizeof want, "would resume run %s from %s/ckpt-", hexb, rdb);
@@ -122,7 +122,7 @@ Test(short, a_checkpoint_of_another_run_in_a_runs_directory_is_skipped)
     char dc[256];
     path(dc, sizeof dc, "ckptC/run-0123456789abcdef");
     cr_assert_eq(run_cmd("mkdir -p '%s' && cp \"$(ls '%s'/ckpt-*.psdc | tail -1)\" '%s/'", dc, rda, dc), 0);
-    int rc = run_cmd("'%s' --epochs 6 --set data.train_limit=2000 --resume '%s' --check-config > '%s' 2>&1", psd_bin,
+    int rc = run_cmd("'%s' --listen tcp://127.0.0.1:0 --epochs 6 --set data.train_limit=2000 --resume '%s' --check-config > '%s' 2>&1", psd_bin,
                      dc, out);
     char *t = slurp(out);
     cr_assert_eq(rc, 2, "%s", t);

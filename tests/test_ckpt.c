@@ -146,8 +146,9 @@ static size_t check_part(const float *got, const float *want, const bool *mine, 
 }
 
 /* Bytes of the run block (format 6) of a meta whose run part is zero:
- * sizes 24, data_id 4, two empty bests 2 x 36, best_version 8. */
-#define RUN_LEN0 108
+ * sizes 24, data_id 4, two empty bests 2 x 36, best_version 8, the four
+ * ending counts 32. */
+#define RUN_LEN0 140
 
 /* Bytes a file of format 6 holds between its header and the seen bitmap:
  * the tensor table's length field and the packed table of the store's
@@ -188,6 +189,7 @@ static void meta_make(psd_ckpt_meta_t *m, const psd_store_t *s, uint64_t step, u
     m->shard = 0; /* one psd: the whole arenas (roundtrip_every_field: a shard's part) */
     m->shards = 1;
     m->n_params = s->layout.n_params;
+    for (int k = 0; k < 4; k++) m->run.ended[k] = (uint64_t)k + 1; /* the workers' endings so far */
 }
 
 static uint8_t *seen_make(uint64_t train_count, uint64_t k)
@@ -541,6 +543,7 @@ Test(ckpt, table_shape_and_format_1, .init = dir_setup, .fini = dir_teardown)
     cr_assert_eq(load(&L), 0, "%s", L.err);
     cr_expect_str_eq(L.path, p7);
     m.shard = m.shards = 0; /* format 1 does not say */
+    memset(m.run.ended, 0, sizeof m.run.ended); /* nor has it a run block */
     cr_expect_eq(memcmp(&L.meta, &m, sizeof m), 0, "format 1 header");
     cr_expect_eq(memcmp(L.w, s.cur->w, s.layout.n_params * 4), 0, "format 1 weights");
     cr_expect_eq(memcmp(L.slots[1], s.s1, s.layout.n_params * 4), 0, "format 1 slot 1");

@@ -285,7 +285,7 @@ Test(short, bad_config_and_flags_exit_2_with_one_line)
     FILE *f = fopen(cfg, "w");
     fputs("run:\n  epochs: 3\noptimizer:\n  lrr: 0.1\n", f);
     fclose(f);
-    cr_assert_eq(run_cmd("'%s' --config '%s' --check-config > '%s' 2>&1", psd_bin, cfg, out), 2);
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --config '%s' --check-config > '%s' 2>&1", psd_bin, cfg, out), 2);
     char *t = slurp(out);
     cr_assert(strstr(t, ":4:") && strstr(t, "optimizer.lrr"), "names the key and line: %s", t);
     cr_assert_eq(count_lines(t), 1, "one line: %s", t);
@@ -294,11 +294,11 @@ Test(short, bad_config_and_flags_exit_2_with_one_line)
     f = fopen(cfg, "w");
     fputs("model:\n  layers: [784, 0, 10]\n", f);
     fclose(f);
-    cr_assert_eq(run_cmd("'%s' --config '%s' --check-config > /dev/null 2>&1", psd_bin, cfg), 2);
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --config '%s' --check-config > /dev/null 2>&1", psd_bin, cfg), 2);
     f = fopen(cfg, "w");
     fputs("optimizer:\n  lr: fast\n", f);
     fclose(f);
-    cr_assert_eq(run_cmd("'%s' --config '%s' --check-config > /dev/null 2>&1", psd_bin, cfg), 2);
+    cr_assert_eq(run_cmd("'%s' --listen tcp://127.0.0.1:0 --config '%s' --check-config > /dev/null 2>&1", psd_bin, cfg), 2);
     cr_assert_eq(run_cmd("'%s' --config /nonexistent.yaml > /dev/null 2>&1", psd_bin), 2);
     cr_assert_eq(run_cmd("'%s' --epochs many > /dev/null 2>&1", psd_bin), 2);
     cr_assert_eq(run_cmd("'%s' --bogus > /dev/null 2>&1", psd_bin), 2);
