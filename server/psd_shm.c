@@ -12,6 +12,7 @@
 #include "ps_util.h"
 
 #define MAX_CONN 8
+#define BACKLOG 1024 /* connections the kernel holds while every MAX_CONN is taken */
 #define HELLO_TIMEOUT_S 2.0
 
 typedef struct {
@@ -33,6 +34,7 @@ struct psd_shm {
     conn_t c[MAX_CONN];
     int open_handles;  /* handles not closed yet */
     bool closing;
+    bool paused;       /* every conn_t taken: new connections wait in the kernel's backlog */
 };
 
 static void handle_gone(psd_shm_t *sh)
@@ -42,11 +44,18 @@ static void handle_gone(psd_shm_t *sh)
 
 static void listen_closed(uv_handle_t *h) { handle_gone(h->data); }
 
+static void on_listen(uv_poll_t *p, int status, int events);
+
 static void conn_closed(uv_handle_t *h)
 {
     conn_t *k = h->data;
+    psd_shm_t *sh = k->sh;
     k->closing = false;
-    handle_gone(k->sh);
+    if (sh->paused && !sh->closing) { /* a place again: take what waits in the backlog */
+        sh->paused = false;
+        uv_poll_start(&sh->lpoll, UV_READABLE, on_listen);
+    }
+    handle_gone(sh);
 }
 
 static void conn_close(conn_t *k)
@@ -100,23 +109,33 @@ static void on_conn(uv_poll_t *p, int status, int events)
     conn_close(k);
 }
 
+/* MAX_CONN requests at a time; while every place is taken the listening
+ * socket is not read and new connections wait in the kernel's backlog (a
+ * worker's connect and hello wait up to 5 s) until a request is answered or
+ * dropped (64 workers starting at once on 2 cores used to find 8 pending,
+ * be refused and fall back to the wire). */
 static void on_listen(uv_poll_t *p, int status, int events)
 {
     (void)status;
     (void)events;
     psd_shm_t *sh = p->data;
     for (;;) {
+        conn_t *k = NULL;
+        for (int i = 0; i < MAX_CONN && !k; i++)
+            if (sh->c[i].fd < 0 && !sh->c[i].closing) k = &sh->c[i];
+        if (!k) {
+            uv_poll_stop(&sh->lpoll);
+            sh->paused = true;
+            return;
+        }
         int fd = accept4(sh->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             if (errno == EINTR) continue;
             if (errno != EAGAIN && errno != EWOULDBLOCK) PS_WARN("shared memory socket: accept: %s", strerror(errno));
             return;
         }
-        conn_t *k = NULL;
-        for (int i = 0; i < MAX_CONN && !k; i++)
-            if (sh->c[i].fd < 0 && !sh->c[i].closing) k = &sh->c[i];
-        if (!k || uv_poll_init(p->loop, &k->poll, fd) != 0) {
-            PS_WARN("refused a shared-memory request: %d already pending", MAX_CONN);
+        if (uv_poll_init(p->loop, &k->poll, fd) != 0) {
+            PS_WARN("refused a shared-memory request: cannot watch its connection");
             close(fd);
             continue;
         }
@@ -144,7 +163,7 @@ int psd_shm_listen(psd_shm_t **out, uv_loop_t *loop, const char *name, int ro_fd
     struct sockaddr_un a;
     socklen_t alen = ps_shm_addr(&a, name);
     sh->lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (sh->lfd < 0 || bind(sh->lfd, (struct sockaddr *)&a, alen) != 0 || listen(sh->lfd, MAX_CONN) != 0 ||
+    if (sh->lfd < 0 || bind(sh->lfd, (struct sockaddr *)&a, alen) != 0 || listen(sh->lfd, BACKLOG) != 0 ||
         uv_poll_init(loop, &sh->lpoll, sh->lfd) != 0) {
         int e = -errno;
         if (sh->lfd >= 0) close(sh->lfd);

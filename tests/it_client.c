@@ -1068,6 +1068,63 @@ Test(short, shared_memory_requests_are_checked)
     free(log);
 }
 
+/* A burst of shared-memory requests waits its turn: with every one of psd's
+ * 8 places taken by connections that say nothing, the next request waits in
+ * the socket's backlog and is answered once the silent ones are dropped (2 s)
+ * instead of being refused (64 workers starting at once on 2 cores found 8
+ * pending and fell back to the wire; it_many.c). */
+Test(short, a_shared_memory_request_beyond_eight_pending_waits_its_turn)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--set", "model.layers=[784,32,10]",
+                          NULL};
+    pid_t p = start_psd(&r, "shmwait", 1, args);
+    void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
+    cr_assert_eq(zmq_connect(d, r.endpoint), 0);
+    ps_msg_t m = {0};
+    cr_assert_eq(raw_register(d, &m), 0, "psd answers a raw REGISTER");
+    cr_assert_eq(m.hdr->type, PSD__MSG_TYPE__MSG_ASSIGN);
+    Psd__Assign *as = m.hdr->assign;
+    cr_assert(as->shm_socket && as->shm_socket[0] && as->shm_token.len == PS_SHM_TOKEN);
+    char name[128];
+    uint8_t tok[PS_SHM_TOKEN];
+    snprintf(name, sizeof name, "%s", as->shm_socket);
+    memcpy(tok, as->shm_token.data, PS_SHM_TOKEN);
+    ps_layout_t lay;
+    cr_assert_eq(ps_layout_init(&lay, (const int[]){784, 32, 10}, 3), 0);
+    uint64_t run = m.hdr->run_id, bytes = lay.n_params * sizeof(float);
+    uint32_t rank = as->rank;
+    ps_msg_deinit(&m);
+    /* 8 connections that never say anything: every place taken (the
+     * backlog is first in, first out: psd takes these before the hello) */
+    struct sockaddr_un a;
+    socklen_t alen = ps_shm_addr(&a, name);
+    int mute[8];
+    for (int i = 0; i < 8; i++) {
+        mute[i] = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+        cr_assert_eq(connect(mute[i], (struct sockaddr *)&a, alen), 0, "%s", strerror(errno));
+    }
+    int sealed = ps_shm_memfd("t", bytes, 1);
+    cr_assert(sealed >= 0);
+    char msg[128] = "";
+    double t0 = ps_now();
+    int rc = hello(name, run, rank, tok, sealed, bytes, msg, sizeof msg);
+    double took = ps_now() - t0;
+    cr_assert_eq(rc, 0, "the ninth request is answered, not refused (%d, %s)", rc, msg);
+    cr_assert(took >= 1.0 && took < 9.0, "answered once the silent ones were dropped: %.2f s", took);
+    char *log = slurp(r.psd_log);
+    cr_assert_eq(count_in(log, "sent nothing for"), 8, "%s", log);
+    cr_assert(!strstr(log, "refused a shared-memory request"), "%s", log);
+    free(log);
+    for (int i = 0; i < 8; i++) close(mute[i]);
+    close(sealed);
+    ps_layout_free(&lay);
+    zmq_close(d);
+    zmq_ctx_term(ctx);
+    kill(p, SIGKILL);
+    proc_wait(p, 10);
+}
+
 /* Nothing of the shared memory outlives the processes, whatever kills
  * them: memfds are freed with their last descriptor and mapping (nothing
  * is in /dev/shm: other tests running beside may put files there, so the

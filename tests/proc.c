@@ -18,7 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_PROCS 64
+#define MAX_PROCS 128 /* psd and 64 workers (it_many.c), and more */
 static pid_t procs[MAX_PROCS];
 static char proc_cwd[512];
 
