@@ -121,11 +121,13 @@ for i in $(seq 0 $((N / KILL)) $((N - 1))); do VICTIMS+=("${W[$i]}"); done
 kill -STOP "${VICTIMS[@]}"
 wait_count "epoch $EPOCHS/$EPOCHS step " $((before + 1)) psd.log 10
 AT=$(grep "epoch $EPOCHS/$EPOCHS step " psd.log | tail -1 | sed 's/.*\(step [0-9]*\/[0-9]*\).*/\1/')
+exec 3>&2 2>/dev/null # not the shell's "Killed" line for each victim
 T_KILL=$(date +%s.%N)
 kill -KILL "${VICTIMS[@]}"
 rc=0
-wait $PSD 2>/dev/null || rc=$? # (the shell's "Killed" lines of the victims: not wanted)
-for p in "${W[@]}"; do wait "$p" 2>/dev/null || true; done
+wait $PSD || rc=$?
+for p in "${W[@]}"; do wait "$p" || true; done
+exec 2>&3 3>&-
 [ $rc = 0 ] || { echo "psd exit $rc" >&2; tail -20 psd.log >&2; exit 1; }
 python3 - "$c_start" "$c_end" "$N" "$EPOCHS" "$T_KILL" "$AT" "$KILL" "$T_START" <<'PY'
 import datetime, json, re, statistics, sys
@@ -162,7 +164,7 @@ after = [float(m.group(1)) for m in (re.search(r"closed, (-?[0-9.]+) s after", l
 if lost:
     print(f"kill: {kill} stopped at {at} of epoch {epochs}, then killed: {len(lost)} lost for their closed "
           f"connections {(ts(lost[0]) - t_kill) * 1000:.0f}-{(ts(lost[-1]) - t_kill) * 1000:.0f} ms after the kill "
-          f"(psd: {min(after):.1f}-{max(after):.1f} s after their last message, the stop included); "
+          f"(psd: {min(after):.1f} to {max(after):.1f} s after their last message, the stop included); "
           f"{len(silent)} lost for silence")
 last = lines[-1]
 print(f"epoch {last['epoch']} with the kill: wall {last['wall_s'] - lines[-2]['wall_s']:.3f} s, train_samples {last['train_samples']}, "
