@@ -882,8 +882,15 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if (s->epoch >= (uint32_t)c->epochs && sharded(s)) /* the shards may hold older steps only: they decide */
         PS_INFO("shard 0's checkpoint is at the end of the run (%d epochs): waiting for the other shards' parts",
                 c->epochs);
-    else if (s->epoch >= (uint32_t)c->epochs) {
-        PS_INFO("the checkpoint is at the end of the run (%d epochs): nothing to train", c->epochs);
+    else if (s->epoch >= (uint32_t)c->epochs ||
+             (!sharded(s) && psd_best_on(&s->vl.stop) && psd_best_stop(&s->vl.stop))) {
+        if (s->epoch < (uint32_t)c->epochs) { /* its early stopping had ended it (train.early_stop's state) */
+            s->vl.stopped_early = true;
+            PS_INFO("the checkpoint is of a run that stopped early after epoch %u (train.early_stop): nothing to "
+                    "train", s->epoch);
+        } else {
+            PS_INFO("the checkpoint is at the end of the run (%d epochs): nothing to train", c->epochs);
+        }
         if (opts->check) { /* the start would write the weights and end: nothing to refuse */
             code = 0;
             goto out;

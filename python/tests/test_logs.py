@@ -59,3 +59,20 @@ def test_world_is_the_runs_once_the_worker_is_constructed(run):
     for o in said:
         assert o.splitlines()[0] == "world 2", said
         assert "epoch 0 done (world 2)" in o, said
+
+
+def test_a_run_stopped_early_and_resumed_trains_nothing_more(run, tmp_path):
+    """The checkpoint of a run that stopped early (after epoch 2 of 4) resumed: psd says so and
+    ends at once (exit 0), its metrics file keeps epochs 1-2 only; it used to train epoch 3 on."""
+    config = CONFIG.replace("run: {epochs: 3}", "run: {epochs: 4}").replace(
+        "train: {batch_size: 32}",
+        "train: {batch_size: 32, early_stop: {metric: val_loss, patience: 1, min_delta: 1000}}")
+    ck = tmp_path / "ck"
+    r = run(1, config=config, extra=("--set", "checkpoint.dir=%s" % ck))
+    finish(r, [r.worker(script="gru_worker.py")])
+    assert [x["epoch"] for x in r.metrics()] == [1, 2]
+    r.start_psd("--resume", str(ck))
+    assert r.psd.wait(timeout=60) == 0, r.psd_log()
+    log = r.psd_log()
+    assert "the checkpoint is of a run that stopped early after epoch 2 (train.early_stop): nothing to train" in log, log
+    assert [x["epoch"] for x in r.metrics()] == [1, 2], r.metrics()
