@@ -877,13 +877,14 @@ Test(short, sigusr1_writes_a_checkpoint_and_training_goes_on)
 
 Test(short, a_second_sigint_exits_at_once)
 {
-    /* a 20M-parameter Adam model: the first SIGINT's checkpoint takes a
-     * while, the second one must not wait for it */
+    /* a 74M-parameter Adam model (a checkpoint of 0.9 GB: one of 240 MB was
+     * written within the wait below on CI's VM): the first SIGINT's
+     * checkpoint takes a while, the second one must not wait for it */
     run_t r;
     char ck[300];
     ckpt_dir_arg(ck, sizeof ck);
     const char *args[] = {"--epochs", "5", "--set", "data.train_limit=640", "--set", ck, "--set",
-                          "model.layers=784,4096,4096,10", "--set", "optimizer.name=adam", "--set",
+                          "model.layers=784,8192,8192,10", "--set", "optimizer.name=adam", "--set",
                           "checkpoint.every_epochs=0", NULL};
     pid_t p = start_psd(&r, "int2", 1, args);
     pid_t w = start_worker(&r, "int2", 0, NULL);
@@ -894,12 +895,12 @@ Test(short, a_second_sigint_exits_at_once)
      * do not queue), or as an echo of one (the same within PS_SIGNAL_ECHO_S,
      * as timeout(1) sends it): the second goes once psd has taken the first,
      * and 0.12 s after it (PS_SIGNAL_ECHO_S is 0.1 s: the 240 MB checkpoint may take as
-     * little as 0.2 s where the page cache is fast) */
+     * little as 0.2 s where the page cache is fast; this one 0.9 GB) */
     wait_log(r.psd_log, "writing a checkpoint", 30);
     zmq_poll(NULL, 0, 120);
     kill(p, SIGINT);
     int code = proc_wait(p, 30);
-    cr_assert_eq(code, 128 + SIGINT, "the second SIGINT exits at once, during the 240 MB checkpoint (%d)", code);
+    cr_assert_eq(code, 128 + SIGINT, "the second SIGINT exits at once, during the 0.9 GB checkpoint (%d)", code);
     char *log = slurp(r.psd_log);
     cr_assert(strstr(log, "again: exiting now"), "%s", log);
     free(log);
