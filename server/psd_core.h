@@ -512,7 +512,6 @@ typedef struct {
     uint32_t val_epoch_last;              /* epochs validated (0: none yet) */
     uint64_t ended[WEND_N];               /* workers whose run ended, by how (worker_gone) */
     int workers_at_start;                 /* live workers when training started */
-    int workers_at_end;                   /* and when it finished (end_run) */
     bool finished;                        /* the run finished (end_run): run_said_last says what it lost */
     bool batch_told;                      /* the global batch's change was logged (once a run) */
     /* curves for the live page (/history) */

@@ -2,6 +2,9 @@
  * or lost; epochs, validation and its exact reduction, the end of the run
  * (weights, metrics line), checkpoint scheduling, and --resume. */
 #include "psd_core.h"
+
+#include <ctype.h>
+
 #include "ps_weights_st.h"
 #include "psd_status.h"
 
@@ -168,7 +171,6 @@ static void end_run(srv_t *s)
                 "%.2f ms over %" PRIu64 " steps while one was",
                 1e3 * s->int_sum[0] / (double)(s->int_n[0] ? s->int_n[0] : 1), s->int_n[0],
                 1e3 * s->int_sum[1] / (double)s->int_n[1], s->int_n[1]);
-    s->workers_at_end = live_workers(s);
     s->finished = true; /* run_said_last: after the last checkpoint is written */
     int code = s->exit_code;
     finish(s, 0, "training finished");
@@ -484,9 +486,10 @@ void run_said_last(const srv_t *s)
 {
     uint64_t ended = 0;
     for (int k = WEND_LEFT; k < WEND_N; k++) ended += s->ended[k];
-    if (s->finished && (ended > 0 || s->workers_at_end < s->workers_at_start))
+    const int live = live_workers(s); /* as end_run left them: the loop has stopped */
+    if (s->finished && (ended > 0 || live < s->workers_at_start))
         PS_WARN("the run finished with %d of the %d workers it started with: %" PRIu64 " failed, %" PRIu64
-                " lost, %" PRIu64 " left, %" PRIu64 " refused (the lines above name them)", s->workers_at_end,
+                " lost, %" PRIu64 " left, %" PRIu64 " refused (the lines above name them)", live,
                 s->workers_at_start, s->ended[WEND_FAILED], s->ended[WEND_LOST], s->ended[WEND_LEFT],
                 s->ended[WEND_REFUSED]);
 }
@@ -520,19 +523,14 @@ static void log_line(const char *line) { PS_WARN("%s", line); }
  * run-<16 hex digits>, as the run writes it), or 0. */
 static uint64_t dir_run_id(const char *dir)
 {
-    size_t end = strlen(dir), b;
+    size_t end = strlen(dir);
     while (end > 1 && dir[end - 1] == '/') end--;
-    for (b = end; b > 0 && dir[b - 1] != '/'; b--)
-        ;
-    if (end - b != 4 + 16 || strncmp(dir + b, "run-", 4) != 0) return 0;
-    uint64_t id = 0;
-    for (size_t i = b + 4; i < end; i++) {
-        char c = dir[i];
-        int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-        if (v < 0) return 0;
-        id = id << 4 | (uint64_t)v;
-    }
-    return id;
+    const char *b = memrchr(dir, '/', end), *stop = dir + end;
+    b = b ? b + 1 : dir;
+    if (stop - b != 4 + 16 || strncmp(b, "run-", 4) != 0 || !isxdigit((unsigned char)b[4])) return 0;
+    char *x;
+    uint64_t id = strtoull(b + 4, &x, 16);
+    return x == stop ? id : 0;
 }
 
 /* Checkpoints live in DIR/run-<run id>/, so that a new run in the same DIR

@@ -998,6 +998,31 @@ static int hello(const char *name, uint64_t run_id, uint32_t rank, const uint8_t
     return r.status == 0 && rfd < 0 ? -2000 : r.status;
 }
 
+/* A raw worker (DEALER *d on ctx) registers with psd r, whose model is the
+ * MLP 784-32-10: its ASSIGN offers shared memory (socket name, token), and
+ * the run id, rank and gradient bytes a hello gives. */
+static void shm_offer(const run_t *r, void *ctx, void **d, char name[128], uint8_t tok[PS_SHM_TOKEN], uint64_t *run,
+                      uint32_t *rank, uint64_t *bytes)
+{
+    *d = zmq_socket(ctx, ZMQ_DEALER);
+    cr_assert_eq(zmq_connect(*d, r->endpoint), 0);
+    ps_msg_t m = {0};
+    cr_assert_eq(raw_register(*d, &m), 0, "psd answers a raw REGISTER");
+    cr_assert_eq(m.hdr->type, PSD__MSG_TYPE__MSG_ASSIGN);
+    Psd__Assign *as = m.hdr->assign;
+    cr_assert(as->shm_socket && as->shm_socket[0] && as->shm_token.len == PS_SHM_TOKEN,
+              "psd offers shared memory to a worker on its host");
+    snprintf(name, 128, "%s", as->shm_socket);
+    memcpy(tok, as->shm_token.data, PS_SHM_TOKEN);
+    ps_layout_t lay;
+    cr_assert_eq(ps_layout_init(&lay, (const int[]){784, 32, 10}, 3), 0);
+    *run = m.hdr->run_id;
+    *bytes = lay.n_params * sizeof(float);
+    ps_layout_free(&lay);
+    *rank = as->rank;
+    ps_msg_deinit(&m);
+}
+
 /* psd's shared-memory socket is reachable by anyone on the host: it takes a
  * region only from the worker it offered one to (token from the ASSIGN),
  * only a memfd of the gradient's size whose size is sealed (a region that
@@ -1009,25 +1034,14 @@ Test(short, shared_memory_requests_are_checked)
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--set", "model.layers=[784,32,10]",
                           NULL};
     pid_t p = start_psd(&r, "shmreq", 1, args);
-    void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
-    cr_assert_eq(zmq_connect(d, r.endpoint), 0);
-    ps_msg_t m = {0};
-    cr_assert_eq(raw_register(d, &m), 0, "psd answers a raw REGISTER");
-    cr_assert_eq(m.hdr->type, PSD__MSG_TYPE__MSG_ASSIGN);
-    Psd__Assign *as = m.hdr->assign;
-    cr_assert(as->shm_socket && as->shm_socket[0] && as->shm_token.len == PS_SHM_TOKEN,
-              "psd offers shared memory to a worker on its host");
+    void *ctx = zmq_ctx_new(), *d;
     char name[128];
     uint8_t tok[PS_SHM_TOKEN], bad[PS_SHM_TOKEN];
-    snprintf(name, sizeof name, "%s", as->shm_socket);
-    memcpy(tok, as->shm_token.data, PS_SHM_TOKEN);
+    uint64_t run, bytes;
+    uint32_t rank;
+    shm_offer(&r, ctx, &d, name, tok, &run, &rank, &bytes);
     memcpy(bad, tok, PS_SHM_TOKEN);
     bad[7] ^= 1;
-    ps_layout_t lay;
-    cr_assert_eq(ps_layout_init(&lay, (const int[]){784, 32, 10}, 3), 0);
-    uint64_t run = m.hdr->run_id, bytes = lay.n_params * sizeof(float);
-    uint32_t rank = as->rank;
-    ps_msg_deinit(&m);
     char msg[128];
     int sealed = ps_shm_memfd("t", bytes, 1), loose = ps_shm_memfd("t", bytes, 0);
     int small = ps_shm_memfd("t", bytes - 64, 1);
@@ -1079,22 +1093,12 @@ Test(short, a_shared_memory_request_beyond_eight_pending_waits_its_turn)
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=2000", "--set", "model.layers=[784,32,10]",
                           NULL};
     pid_t p = start_psd(&r, "shmwait", 1, args);
-    void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
-    cr_assert_eq(zmq_connect(d, r.endpoint), 0);
-    ps_msg_t m = {0};
-    cr_assert_eq(raw_register(d, &m), 0, "psd answers a raw REGISTER");
-    cr_assert_eq(m.hdr->type, PSD__MSG_TYPE__MSG_ASSIGN);
-    Psd__Assign *as = m.hdr->assign;
-    cr_assert(as->shm_socket && as->shm_socket[0] && as->shm_token.len == PS_SHM_TOKEN);
+    void *ctx = zmq_ctx_new(), *d;
     char name[128];
     uint8_t tok[PS_SHM_TOKEN];
-    snprintf(name, sizeof name, "%s", as->shm_socket);
-    memcpy(tok, as->shm_token.data, PS_SHM_TOKEN);
-    ps_layout_t lay;
-    cr_assert_eq(ps_layout_init(&lay, (const int[]){784, 32, 10}, 3), 0);
-    uint64_t run = m.hdr->run_id, bytes = lay.n_params * sizeof(float);
-    uint32_t rank = as->rank;
-    ps_msg_deinit(&m);
+    uint64_t run, bytes;
+    uint32_t rank;
+    shm_offer(&r, ctx, &d, name, tok, &run, &rank, &bytes);
     /* 8 connections that never say anything: every place taken (the
      * backlog is first in, first out: psd takes these before the hello) */
     struct sockaddr_un a;
@@ -1118,7 +1122,6 @@ Test(short, a_shared_memory_request_beyond_eight_pending_waits_its_turn)
     free(log);
     for (int i = 0; i < 8; i++) close(mute[i]);
     close(sealed);
-    ps_layout_free(&lay);
     zmq_close(d);
     zmq_ctx_term(ctx);
     kill(p, SIGKILL);
