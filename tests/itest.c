@@ -54,6 +54,9 @@ void it_setup(void)
     snprintf(dir, sizeof dir, "/tmp/psd-it-XXXXXX");
     cr_assert_not_null(mkdtemp(dir));
     proc_set_cwd(dir); /* default checkpoint dirs and the like go there */
+    /* and for run_cmd's shells too: a `psd --check-config` with the default
+     * --save in the build directory took the lock of a parallel test's psd */
+    cr_assert_eq(chdir(dir), 0, "chdir %s", dir);
 }
 
 void it_teardown(void)
