@@ -119,6 +119,23 @@ psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char 
     }
     pswc_fork_add(c);
     c->info = *info;
+    c->info.offer_config = NULL; /* the client's copy, below */
+    if (info->offer_config) {
+        if (strlen(info->offer_config) > PSW_OFFER_CONFIG_MAX) {
+            snprintf(err, errlen, "the optimizer offered: %zu bytes of YAML, at most %d", strlen(info->offer_config),
+                     PSW_OFFER_CONFIG_MAX);
+            pswc_fork_remove(c);
+            free(c);
+            return NULL;
+        }
+        if (!(c->offer_config = strdup(info->offer_config))) {
+            snprintf(err, errlen, "out of memory");
+            pswc_fork_remove(c);
+            free(c);
+            return NULL;
+        }
+        c->info.offer_config = c->offer_config;
+    }
     c->n_shards = 1;
     c->protocol = info->protocol ? info->protocol : PS_PROTOCOL_VERSION;
     c->run_id = info->run_id;
@@ -264,6 +281,7 @@ void psw_client_destroy(psw_client_t **cp)
     shards_close(c);
     shm_unmap(c);
     pswc_stream_release(c);
+    free(c->offer_config);
     free(c->gconv);
     free(c->wconv);
     free(c->want);
@@ -665,6 +683,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     r.version = PSD_VERSION;
     r.threads = c->info.threads;
     r.prev_rank = c->prev_rank;
+    r.config = (char *)(c->info.offer_config ? c->info.offer_config : "");
     h.body_case = PSD__HEADER__BODY_REG;
     h.reg = &r;
     /* this worker's own model, offered (model.kind from_worker: psd asks for its values with OFFER) */

@@ -71,7 +71,13 @@ typedef struct {
     int n_offer;
     const psw_tensor_t *offer;
     const float *const *offer_values;
+    /* the optimizer and schedule this worker's code offers (psd's model.kind
+     * from_worker: the first worker's is the run's, under the keys psd's own
+     * config sets): YAML of optimizer.* and schedule.* keys, at most
+     * PSW_OFFER_CONFIG_MAX bytes, or NULL; copied by psw_client_new */
+    const char *offer_config;
 } psw_info_t;
+#define PSW_OFFER_CONFIG_MAX 16384
 
 typedef struct {
     char role[32];
