@@ -1,0 +1,54 @@
+"""--resume across the change of a user's model's defaults to PyTorch's, and of a run whose
+optimizer its first worker offered (docs/config.md, "Runs made before these defaults")."""
+import subprocess
+
+from conftest import CONFIG, PSD, Run, safetensors
+
+# what psd ran for CONFIG before a user's model took PyTorch's defaults: its own tuned ones
+BEFORE = CONFIG.replace("optimizer: {name: sgd, lr: 0.1, momentum: 0.9}",
+                        "optimizer: {name: sgd, lr: 0.1, momentum: 0.9, nesterov: true, weight_decay: 0.0005}")
+FLAGS = ["--set", "optimizer.nesterov=true", "--set", "optimizer.weight_decay=0.0005"]
+
+
+def test_a_run_from_before_the_defaults_is_told_the_flags_and_resumes_with_them(tmp_path):
+    """A checkpoint with psd's former defaults (their hash is the values', written out here as a
+    run before the change had them): --resume with today's defaults is refused (exit 2) naming
+    the flags; with those flags it resumes, and the run ends with the tensors of the same run
+    made straight through."""
+    assert BEFORE != CONFIG
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    straight = Run(a, 1, config=BEFORE, extra=("--save", str(a / "w.safetensors")))
+    try:
+        p = straight.worker()
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and straight.psd.wait(timeout=60) == 0, e + straight.psd_log()
+    finally:
+        straight.kill()
+    ck = ("--set", "checkpoint.dir=%s" % (b / "ck"))
+    r = Run(b, 1, config=BEFORE, extra=("--save", str(b / "w.safetensors")) + ck + ("--stop-after-epoch", "1"))
+    try:
+        p = r.worker()
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+        (b / "now.yaml").write_text(CONFIG)  # today: the same file, without the former defaults
+        now = [PSD, "--config", str(b / "now.yaml"), "--listen", "tcp://127.0.0.1:0", "--save", "",
+               "--set", "checkpoint.dir=%s" % (b / "ck"), "--resume", str(b / "ck"), "--check-config"]
+        c = subprocess.run(now, capture_output=True, text=True, timeout=60)
+        assert c.returncode == 2, c.stdout + c.stderr
+        assert "written before psd gave a user's model PyTorch's optimizer defaults" in c.stderr, c.stderr
+        assert " ".join(FLAGS) in c.stderr, c.stderr
+        c = subprocess.run(now + FLAGS, capture_output=True, text=True, timeout=60)
+        assert c.returncode == 0 and "would resume run" in c.stdout, c.stdout + c.stderr
+        r.args[r.args.index("--config") + 1] = str(b / "now.yaml")
+        i = r.args.index("--stop-after-epoch")
+        del r.args[i:i + 2]
+        r.start_psd("--resume", str(b / "ck"), *FLAGS)
+        p = r.worker()
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+        assert "resuming run" in r.psd_log()
+    finally:
+        r.kill()
+    assert safetensors(a / "w.safetensors") == safetensors(b / "w.safetensors")
