@@ -13,6 +13,7 @@ NAME_MAX = 255
 MAX_DIMS = 8
 MAX_LAYERS = 16
 PATH_MAX = 1024
+OFFER_CONFIG_MAX = 16384  # PSW_OFFER_CONFIG_MAX: the offered optimizer and schedule's YAML, bytes
 MAX_SUMS = 16
 
 EV_EPOCH, EV_WEIGHTS, EV_VALIDATE, EV_SHUTDOWN = 1, 2, 3, 4
@@ -36,7 +37,7 @@ class Info(ctypes.Structure):
                 ("curve_public", ctypes.c_char_p), ("curve_secret", ctypes.c_char_p),
                 ("curve_server", ctypes.c_char_p), ("identity", ctypes.c_void_p), ("identity_len", ctypes.c_size_t),
                 ("no_shm", ctypes.c_int), ("n_offer", ctypes.c_int), ("offer", ctypes.POINTER(Tensor)),
-                ("offer_values", ctypes.POINTER(c_float_p))]
+                ("offer_values", ctypes.POINTER(c_float_p)), ("offer_config", ctypes.c_char_p)]
 
 
 class File(ctypes.Structure):
