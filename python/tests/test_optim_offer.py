@@ -1,5 +1,6 @@
 """psd.optim: the user's torch optimizer and scheduler as the YAML psd.torch
 offers psd (no psd here: the mapping, and its refusals, on their own)."""
+import bisect
 import collections
 import fnmatch
 import math
@@ -16,7 +17,8 @@ from psd.optim import MAX_GROUPS, Unsupported, offer_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 S = torch.optim.lr_scheduler
-pytestmark = pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step")
+pytestmark = [pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step"),
+              pytest.mark.filterwarnings("ignore:The epoch parameter")]  # torch's own SequentialLR
 
 
 class Net(torch.nn.Module):
@@ -481,3 +483,98 @@ def test_the_worker_refuses_before_it_registers(tmp_path):
     assert p.stderr == ("psd: the scheduler ReduceLROnPlateau is not one psd runs (it runs StepLR, MultiStepLR, "
                         "ExponentialLR, ConstantLR, LinearLR, CosineAnnealingLR, OneCycleLR, SequentialLR of "
                         "those)\n"), p.stderr
+
+
+# -- the texts' meaning: psd's closed forms (the contract) against PyTorch's own lrs -----------
+
+def _closed_forms(lr):
+    """The schedule texts as psd reads them: each constructor a function of k (the step or epoch)
+    giving (factor of optimizer.lr, momentum or None)."""
+    def step(step_size, gamma):
+        return lambda k: (gamma ** (k // step_size), None)
+
+    def multistep(milestones, gamma):
+        return lambda k: (gamma ** bisect.bisect_right(sorted(milestones), k), None)
+
+    def exponential(gamma):
+        return lambda k: (gamma ** k, None)
+
+    def constant(factor, total_iters):
+        return lambda k: (factor if k < total_iters else 1.0, None)
+
+    def linear(start_factor, end_factor, total_iters):
+        return lambda k: (start_factor + (end_factor - start_factor) * min(k, total_iters) / total_iters, None)
+
+    def cosine(T_max, eta_min):
+        e = eta_min / lr
+        return lambda k: (e + (1 - e) * (1 + math.cos(math.pi * k / T_max)) / 2, None)
+
+    def onecycle(total_steps, pct_start, anneal_strategy, cycle_momentum, div_factor, final_div_factor, three_phase,
+                 base_momentum=None, max_momentum=None):
+        def anneal(a, b, pct):
+            return (b + (a - b) / 2 * (math.cos(math.pi * pct) + 1)) if anneal_strategy == "cos" else (b - a) * pct + a
+        lo, end = 1 / div_factor, 1 / div_factor / final_div_factor
+        up = float(pct_start * total_steps) - 1
+        phases = ([(up, lo, 1.0, max_momentum, base_momentum), (float(2 * pct_start * total_steps) - 2, 1.0, lo,
+                   base_momentum, max_momentum), (total_steps - 1, lo, end, max_momentum, max_momentum)] if three_phase
+                  else [(up, lo, 1.0, max_momentum, base_momentum), (total_steps - 1, 1.0, end, base_momentum,
+                                                                     max_momentum)])
+
+        def f(k):
+            start = 0
+            for i, (stop, a, b, ma, mb) in enumerate(phases):
+                if k <= stop or i == len(phases) - 1:
+                    pct = (k - start) / (stop - start)
+                    return anneal(a, b, pct), (anneal(ma, mb, pct) if cycle_momentum else None)
+                start = stop
+        return f
+
+    def sequential(schedulers, milestones):
+        def f(k):
+            i = bisect.bisect_right(milestones, k)
+            return schedulers[i](k - (milestones[i - 1] if i else 0))
+        return f
+
+    return {"StepLR": step, "MultiStepLR": multistep, "ExponentialLR": exponential, "ConstantLR": constant,
+            "LinearLR": linear, "CosineAnnealingLR": cosine, "OneCycleLR": onecycle, "SequentialLR": sequential,
+            "True": True, "False": False}
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: S.StepLR(o, step_size=7, gamma=0.5),
+    lambda o: S.MultiStepLR(o, milestones=[30, 10, 30], gamma=0.3),
+    lambda o: S.ExponentialLR(o, gamma=0.97),
+    lambda o: S.ConstantLR(o, factor=0.25, total_iters=17),
+    lambda o: S.LinearLR(o, start_factor=0.01, end_factor=0.5, total_iters=40),
+    lambda o: S.CosineAnnealingLR(o, T_max=60),
+    lambda o: S.OneCycleLR(o, max_lr=[0.3, 0.6], total_steps=60, pct_start=0.3),
+    lambda o: S.OneCycleLR(o, max_lr=[0.3, 0.6], total_steps=61, pct_start=0.17, anneal_strategy="linear",
+                           three_phase=True, div_factor=7.0, final_div_factor=300.0, base_momentum=0.7,
+                           max_momentum=0.85),
+    lambda o: S.SequentialLR(o, [S.LinearLR(o, start_factor=0.1, total_iters=10), S.CosineAnnealingLR(o, 50)],
+                             milestones=[10]),
+    lambda o: S.SequentialLR(o, [S.ConstantLR(o, factor=0.5, total_iters=4), S.ExponentialLR(o, gamma=0.9),
+                                 S.MultiStepLR(o, milestones=[5, 9], gamma=0.5)], milestones=[6, 30]),
+], ids=["step", "multistep", "exponential", "constant", "linear", "cosine", "onecycle", "onecycle3", "seq", "seq3"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_the_text_gives_pytorchs_learning_rates(make, opt_name):
+    """lr of step k = optimizer.lr * lr_scale * factor(k) (psd's reading of the offer) is each group's
+    lr PyTorch steps with at k, for 60 steps; with OneCycleLR's cycle_momentum, momentum (SGD) or
+    beta1 (Adam) too."""
+    m = Net()
+    groups = [{"params": [m.fc1.weight, m.fc2.weight]}, {"params": [m.fc1.bias, m.fc2.bias], "lr": 0.2}]
+    opt = (torch.optim.SGD(groups, lr=0.1, momentum=0.9) if opt_name == "sgd" else
+           torch.optim.Adam(groups, lr=0.1, betas=(0.9, 0.99)))
+    sched = make(opt)
+    o = offer(m, opt, sched)
+    per = settings(o, [n for n, _ in m.named_parameters()])
+    group_lr = [per["fc1.weight"][1], per["fc1.bias"][1]]  # optimizer.lr * lr_scale of each group
+    f = eval(o["schedule"]["torch"], {"__builtins__": {}}, _closed_forms(o["optimizer"]["lr"]))
+    for k in range(60):
+        factor, mom = f(k)
+        for g, base in zip(opt.param_groups, group_lr):
+            assert math.isclose(g["lr"], base * factor, rel_tol=1e-9, abs_tol=1e-15), (k, g["lr"], base * factor)
+            if mom is not None:
+                assert math.isclose(g["momentum"] if opt_name == "sgd" else g["betas"][0], mom, rel_tol=1e-9), k
+        opt.step()
+        sched.step()
