@@ -18,7 +18,7 @@ class Net(torch.nn.Module):
         self.fc2 = torch.nn.Linear(32, 4)
 
     def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x)))
+        return self.fc2(torch.tanh(self.fc1(x)))  # smooth: no ReLU kink where float32 rounding flips a unit
 
 
 def data(n, seed):
@@ -125,6 +125,21 @@ def _precedence(m):
 def _precedence_replay(m):
     """What psd runs for _precedence: the config's lr, the offer's others."""
     return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5, weight_decay=0.1), None, "step", None
+
+
+def _nothing(m):
+    """No offer: psd's config says the optimizer (the replay harness's control)."""
+    return None, None, "step", None
+
+
+def _nothing_replay(m):
+    """What psd runs for _nothing with test_optim_replay.py's control config."""
+    return torch.optim.Adam(m.parameters(), lr=2e-3, weight_decay=1e-4), None, "step", None
+
+
+def _bad_momentum(m):
+    """torch takes momentum 1.0; psd's check does not (momentum in [0, 1))."""
+    return torch.optim.SGD(m.parameters(), lr=0.01, momentum=1.0), None, "step", None
 
 
 CASES = {k[1:]: v for k, v in dict(globals()).items() if k.startswith("_") and callable(v) and
