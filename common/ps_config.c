@@ -62,8 +62,8 @@ enum {
     F_OFF = 1u << 5,      /* KT_DOUBLE: "off" is also a value, stored as 0 (and written as off) */
     F_TENSORS = 1u << 6,  /* part of the hash only with model.kind tensors */
     F_KIND = 1u << 7,     /* part of the hash unless model.kind is mlp */
-    F_SET = 1u << 8,      /* KT_DOUBLE, KT_INT64: part of the hash only when not 0 (keys added later: the
-                           * hashes of the runs before them stay what they were) */
+    F_SET = 1u << 8,      /* KT_DOUBLE, KT_INT64, KT_ENUM: part of the hash only when not 0, KT_STRING: when not
+                           * "" (keys added later: the hashes of the runs before them stay what they were) */
 };
 
 typedef struct {
@@ -82,7 +82,8 @@ static const char *const opt_names[] = {"sgd", "adam", "adamw", "adagrad", NULL}
 static const char *const wire_names[] = {"f32", "bf16", NULL};
 static const char *const sync_names[] = {"bsp", "async", "ssp", NULL};
 static const char *const log_format_names[] = {"text", "json", NULL};
-static const char *const sched_names[] = {"constant", "step", "cosine", "onecycle", NULL};
+static const char *const sched_names[] = {"constant", "step", "cosine", "onecycle", "torch", NULL};
+static const char *const interval_names[] = {"epoch", "step", NULL};
 static const char *const act_names[] = {"relu", NULL};
 static const char *const kind_names[] = {"mlp", "ctr", "tensors", "from_worker", NULL};
 static const char *const log_names[] = {"error", "warn", "info", "debug", NULL};
@@ -197,6 +198,8 @@ static const key_spec_t keys[] = {
     K_DOUBLE("schedule.pct_start", pct_start, 0.0, 1.0, 0, "0.25"),
     K_DOUBLE("schedule.div_factor", div_factor, 0.0, INFINITY, F_OPEN_MIN, "25"),
     K_DOUBLE("schedule.final_div_factor", final_div_factor, 0.0, INFINITY, F_OPEN_MIN, "1e4"),
+    K_STRING("schedule.torch", sched_torch, F_SET, ""),
+    K_ENUMF("schedule.interval", sched_interval, ps_interval_t, interval_names, F_SET, "epoch"),
 
     K_STRING("server.listen", listen, F_NONEMPTY, "tcp://0.0.0.0:5555"),
     K_INT("server.workers", workers, 1, 1024, "2"),
@@ -224,6 +227,7 @@ static const key_spec_t keys[] = {
 };
 
 #define N_KEYS (sizeof keys / sizeof keys[0])
+_Static_assert(N_KEYS <= PS_CONFIG_KEYS_MAX, "ps_config_t.from holds a byte for every key");
 #define N_SECTIONS (sizeof sections / sizeof sections[0] - 1)
 
 /* ---------------------------------------------------------------- helpers */
@@ -591,8 +595,68 @@ int ps_config_set(ps_config_t *c, const char *key, const char *value, char *err,
         set_err(err, errlen, "unknown key '" SHOW "'", key);
         return -1;
     }
-    return parse_value(e, value, c, err, errlen);
+    if (parse_value(e, value, c, err, errlen) != 0) return -1;
+    c->from[e - keys] = PS_FROM_CONFIG;
+    return 0;
 }
+
+int ps_config_set_from(ps_config_t *c, const char *key, const char *value, ps_from_t from, char *err, size_t errlen)
+{
+    if (ps_config_set(c, key, value, err, errlen) != 0) return -1;
+    c->from[find_key(key) - keys] = (uint8_t)from;
+    return 0;
+}
+
+int ps_config_reset_key(ps_config_t *c, const char *key)
+{
+    const key_spec_t *e = find_key(key);
+    char msg[256];
+    if (!e || e->type == KT_TENSORS || e->type == KT_GROUPS) return -1;
+    PS_CFG_ASSERT(parse_value(e, e->def, c, msg, sizeof msg) == 0);
+    c->from[e - keys] = PS_FROM_DEFAULT;
+    return 0;
+}
+
+int ps_config_copy_key(ps_config_t *dst, const ps_config_t *src, const char *key)
+{
+    const key_spec_t *e = find_key(key);
+    if (!e || e->type == KT_TENSORS) return -1;
+    size_t n = 0;
+    switch (e->type) {
+    case KT_INT:
+    case KT_ENUM: n = sizeof(int); break;
+    case KT_INT64:
+    case KT_UINT64: n = sizeof(int64_t); break;
+    case KT_DOUBLE: n = sizeof(double); break;
+    case KT_BOOL: n = sizeof(bool); break;
+    case KT_STRING: n = e->size; break;
+    case KT_LAYERS:
+        dst->n_sizes = src->n_sizes;
+        n = sizeof dst->sizes;
+        break;
+    case KT_GROUPS:
+        dst->n_groups = src->n_groups;
+        n = sizeof dst->groups;
+        break;
+    case KT_TENSORS: return -1;
+    }
+    memcpy(field(dst, e), cfield(src, e), n);
+    dst->from[e - keys] = src->from[e - keys];
+    return 0;
+}
+
+ps_from_t ps_config_from(const ps_config_t *c, const char *key)
+{
+    const key_spec_t *e = find_key(key);
+    return e ? (ps_from_t)c->from[e - keys] : PS_FROM_DEFAULT;
+}
+
+const char *ps_from_name(ps_from_t f)
+{
+    return f == PS_FROM_CONFIG ? "config" : f == PS_FROM_WORKER ? "worker" : "default";
+}
+
+const char *ps_config_key(size_t i) { return i < N_KEYS ? keys[i].key : NULL; }
 
 /* ---------------------------------------------------------------- YAML loading */
 
@@ -1029,6 +1093,7 @@ static int ld_keys(loader_t *l, const char *prefix, int depth)
         l->key_seen[i] = true;
         if (ld_next(l) != 0) return -1;
         if (ld_value(l, e) != 0) return -1;
+        l->c->from[i] = PS_FROM_CONFIG;
     }
 }
 
@@ -1363,6 +1428,8 @@ static bool key_set(const ps_config_t *c, const key_spec_t *e)
 {
     const char *p = (const char *)c + e->off;
     if (e->type == KT_DOUBLE) return *(const double *)(const void *)p != 0;
+    if (e->type == KT_STRING) return p[0] != 0;
+    if (e->type == KT_ENUM) return *(const int *)(const void *)p != 0;
     PS_CFG_ASSERT(e->type == KT_INT64);
     return *(const int64_t *)(const void *)p != 0;
 }
@@ -1395,6 +1462,18 @@ static int write_yaml(const ps_config_t *c, FILE *f, bool with_server)
         fputc('\n', f);
     }
     return ferror(f) ? -1 : 0;
+}
+
+void ps_config_value_text(const ps_config_t *c, const char *key, char *buf, size_t n)
+{
+    const key_spec_t *e = find_key(key);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = e ? open_memstream(&text, &len) : NULL;
+    if (f) write_value(f, c, e);
+    if (f && fclose(f) == 0 && text) snprintf(buf, n, "%s", text);
+    else snprintf(buf, n, "?");
+    free(text);
 }
 
 int ps_config_write_yaml(const ps_config_t *c, FILE *f)

@@ -26,8 +26,17 @@ typedef enum {
     PS_SCHED_CONSTANT = 0,
     PS_SCHED_STEP,
     PS_SCHED_COSINE,
-    PS_SCHED_ONECYCLE
+    PS_SCHED_ONECYCLE,
+    PS_SCHED_TORCH /* schedule.torch: a PyTorch scheduler (ps_tsched.h) */
 } ps_sched_kind_t;
+typedef enum { PS_INTERVAL_EPOCH = 0, PS_INTERVAL_STEP } ps_interval_t; /* schedule.interval */
+/* Where a key's value came from (ps_config_t.from): the key table's
+ * default (or, for a user's model, PyTorch's: ps_config_user_defaults),
+ * the config file or a flag, or the first worker's offer
+ * (ps_config_adopt). */
+typedef enum { PS_FROM_DEFAULT = 0, PS_FROM_CONFIG, PS_FROM_WORKER } ps_from_t;
+#define PS_CONFIG_KEYS_MAX 128
+#define PS_OFFER_MAX 16384 /* bytes of a worker's offered optimizer (psworker.h's PSW_OFFER_CONFIG_MAX) */
 typedef enum { PS_ACT_RELU = 0 } ps_act_t;
 typedef enum { PS_MODEL_MLP = 0, PS_MODEL_CTR, PS_MODEL_TENSORS, PS_MODEL_FROM_WORKER } ps_model_kind_t; /* model.kind */
 typedef enum { PS_WIRE_F32 = 0, PS_WIRE_BF16 } ps_wire_dtype_t; /* tensors on the wire */
@@ -137,6 +146,8 @@ typedef struct ps_config {
     double pct_start;        /* schedule.pct_start: onecycle rising fraction */
     double div_factor;       /* schedule.div_factor: onecycle initial lr = lr/div_factor */
     double final_div_factor; /* schedule.final_div_factor: onecycle final = initial/final_div_factor */
+    char sched_torch[2048];  /* schedule.torch (name torch): the scheduler's constructor text (ps_tsched.h) */
+    ps_interval_t sched_interval; /* schedule.interval (name torch): epoch | step: what one scheduler step is */
 
     /* server: */
     char listen[PS_ENDPOINT_MAX]; /* server.listen */
@@ -164,6 +175,8 @@ typedef struct ps_config {
     int ckpt_every_epochs;      /* checkpoint.every_epochs: 0 = not by epoch */
     int64_t ckpt_every_steps;   /* checkpoint.every_steps: 0 = not by step */
     int ckpt_keep;              /* checkpoint.keep: newest files kept (1-PS_CKPT_KEEP_MAX) */
+
+    uint8_t from[PS_CONFIG_KEYS_MAX]; /* ps_from_t of each key, in the key table's order */
 } ps_config_t;
 
 /* Fill with the built-in defaults: Fashion-MNIST MLP that reaches >= 89%. */
@@ -198,6 +211,48 @@ int ps_config_write_yaml(const ps_config_t *c, FILE *f);
  * section: identifies what is trained (model, data, optimizer, schedule,
  * seed), not where or how it is served. Aborts only when out of memory. */
 uint64_t ps_config_hash(const ps_config_t *c);
+
+/* Where key's value came from (PS_FROM_DEFAULT for an unknown key). */
+ps_from_t ps_config_from(const ps_config_t *c, const char *key);
+const char *ps_from_name(ps_from_t f); /* "default", "config", "worker" */
+
+/* The keys, in table order: the i-th key's name, or NULL past the last. */
+const char *ps_config_key(size_t i);
+
+/* Copy key's value from src to dst (and where it came from). 0, or -1 for
+ * an unknown key. */
+int ps_config_copy_key(ps_config_t *dst, const ps_config_t *src, const char *key);
+/* Set key to the key table's default (PS_FROM_DEFAULT). 0, or -1. */
+int ps_config_reset_key(ps_config_t *c, const char *key);
+/* ps_config_set that records the value as the worker's (PS_FROM_WORKER) or
+ * the default's: what ps_config_user_defaults and ps_config_adopt set. */
+int ps_config_set_from(ps_config_t *c, const char *key, const char *value, ps_from_t from, char *err, size_t errlen);
+
+/* key's value as the YAML writes it, into buf (truncated to n). */
+void ps_config_value_text(const ps_config_t *c, const char *key, char *buf, size_t n);
+
+/* A user's model (model.kind tensors, from_worker): the optimizer and
+ * schedule keys nothing set (PS_FROM_DEFAULT) take PyTorch's defaults for
+ * optimizer.name (torch.optim's: sgd lr 0.001, momentum 0, nesterov false,
+ * weight_decay 0; adam lr 0.001, betas 0.9/0.999, eps 1e-8, weight_decay 0;
+ * adamw the same with weight_decay 0.01; adagrad lr 0.01, eps 1e-10,
+ * weight_decay 0) and a constant schedule. The built-in models keep the key
+ * table's (tuned) defaults. Call after loading and after ps_config_adopt. */
+void ps_config_user_defaults(ps_config_t *c);
+
+/* The first worker's offer (YAML of optimizer.* and schedule.* keys)
+ * adopted: each key it gives that the config does not set (not
+ * PS_FROM_CONFIG) takes the offered value (PS_FROM_WORKER), then the
+ * defaults of ps_config_user_defaults fill the rest. c is unchanged on
+ * error: -1 with a message (a key of another section, a bad value, or a
+ * result ps_config_validate refuses). */
+int ps_config_adopt(ps_config_t *c, const char *yaml, char *err, size_t errlen);
+
+/* The config c would have been before PyTorch's defaults were taken for a
+ * user's model (the key table's defaults for the keys that took them):
+ * into old, and the keys that differ as `--set KEY=VALUE` flags into
+ * flags. Returns how many differ (0: c is what it was). */
+int ps_config_before_user_defaults(const ps_config_t *c, ps_config_t *old, char *flags, size_t n);
 
 /* Names for enums (for logs and YAML). */
 const char *ps_opt_name(ps_opt_kind_t k);

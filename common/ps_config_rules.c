@@ -11,10 +11,49 @@
 #include "ps_config.h"
 #include "ps_ctr.h"
 #include "ps_data.h"
+#include "ps_tsched.h"
 #include "ps_util.h"
 
 #define set_err ps_set_err
 #define MAX_NORM_INPUT 1e6         /* the largest input magnitude data.normalize_* may make */
+
+/* schedule.name torch: schedule.torch read, and what psd cannot follow refused */
+static int check_torch_schedule(const ps_config_t *c, char *err, size_t errlen)
+{
+    if (c->sched != PS_SCHED_TORCH) {
+        if (c->sched_torch[0] || c->sched_interval != PS_INTERVAL_EPOCH) {
+            set_err(err, errlen, "schedule.torch and schedule.interval are read with schedule.name: torch (it is %s)",
+                    ps_sched_name(c->sched));
+            return -1;
+        }
+        return 0;
+    }
+    ps_tsched_t ts;
+    if (!c->sched_torch[0]) {
+        set_err(err, errlen, "schedule.name torch: schedule.torch gives the scheduler, e.g. \"StepLR(step_size=30, "
+                "gamma=0.1)\"");
+        return -1;
+    }
+    if (ps_tsched_parse(c->sched_torch, &ts, err, errlen) != 0) return -1;
+    if (c->warmup_epochs > 0) {
+        set_err(err, errlen, "schedule.warmup_epochs: not with schedule.name torch (a LinearLR in a SequentialLR "
+                "warms up)");
+        return -1;
+    }
+    if (ps_tsched_cycled_momentum(&ts) >= 0 && c->opt == PS_OPT_ADAGRAD) {
+        set_err(err, errlen, "schedule.torch: OneCycleLR's cycle_momentum needs an optimizer with momentum or beta1 "
+                "(sgd, adam, adamw), not adagrad");
+        return -1;
+    }
+    if (ps_tsched_has_floor(&ts))
+        for (int g = 0; g < c->n_groups; g++)
+            if (c->groups[g].lr_scale != 1.0) {
+                set_err(err, errlen, "schedule.torch: CosineAnnealingLR's eta_min with optimizer.groups of another "
+                        "lr_scale (%s): psd scales one rate for all; give eta_min=0", c->groups[g].match);
+                return -1;
+            }
+    return 0;
+}
 
 int ps_config_check_rules(const ps_config_t *c, char *err, size_t errlen)
 {
@@ -64,6 +103,7 @@ int ps_config_check_rules(const ps_config_t *c, char *err, size_t errlen)
                 c->epochs);
         return -1;
     }
+    if (check_torch_schedule(c, err, errlen) != 0) return -1;
     if (c->sched == PS_SCHED_COSINE && c->min_lr > c->lr) {
         char lr[32];
         ps_fmt_double(c->min_lr, num, sizeof num);

@@ -38,7 +38,7 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "psd_ckpt assumes a li
 
 #define CKPT_CHUNK_FLOATS ((size_t)262144) /* 1 MiB copy-on-write unit */
 #define CKPT_CHUNK_BYTES (CKPT_CHUNK_FLOATS * sizeof(float))
-#define CKPT_RUN_MAX 1024 /* the run block's bytes, at most (format 6) */
+#define CKPT_RUN_MAX (1024 + 4 + PS_OFFER_MAX) /* the run block's bytes, at most (format 6) */
 #define CKPT_HDR_LEN 232                   /* "PSDC", format, meta (see meta_pack) */
 #define CKPT_HDR_LEN_V1 216                /* format 1: no table shape */
 #define CKPT_TRAILER_LEN 12                /* u64 length, u32 CRC */
@@ -193,6 +193,7 @@ static size_t run_pack(uint8_t b[CKPT_RUN_MAX], const psd_ckpt_run_t *r)
     p = put_best(p, &r->stop);
     p = put_u64(p, r->best_version);
     for (int k = 0; k < 4; k++) p = put_u64(p, r->ended[k]);
+    p = put_str(p, r->offer);
     PS_ASSERT((size_t)(p - b) <= CKPT_RUN_MAX);
     return (size_t)(p - b);
 }
@@ -239,6 +240,7 @@ static bool run_unpack(psd_ckpt_run_t *r, const uint8_t *b, size_t n)
         return false;
     p = get_u64(p, &r->best_version);
     for (int k = 0; k < 4 && end - p >= 8; k++) p = get_u64(p, &r->ended[k]); /* absent before them: zeros */
+    if (end - p >= 4 && !get_str(&p, end, r->offer, PS_OFFER_MAX)) return false; /* absent before it: "" */
     return r->n_val <= r->train_size;
 }
 
@@ -1144,10 +1146,11 @@ int psd_ckpt_read_weights(const char *path, ps_layout_t *l, float **weights, psd
     return 0;
 }
 
-int psd_ckpt_newest_layout(const char *dir, uint64_t run_id, ps_layout_t *l, char *err, size_t errlen)
+int psd_ckpt_newest_layout(const char *dir, uint64_t run_id, ps_layout_t *l, char *offer, char *err, size_t errlen)
 {
     ckpt_data_t d;
     if (load_newest(dir, run_id, &d, NULL, 0, NULL, err, errlen) != 0) return -1;
+    if (offer) memcpy(offer, d.meta.run.offer, sizeof d.meta.run.offer);
     *l = d.layout;
     d.layout.tab = NULL; /* moved */
     data_free(&d);

@@ -52,6 +52,8 @@ typedef struct {
     uint64_t ended[4];              /* workers whose run ended: left, failed, lost, refused (psd_core.h's
                                      * wend_t order, from 1); after best_version, absent (zeros) in
                                      * files written before them: the block is read to its length */
+    char offer[PS_OFFER_MAX + 1];   /* model.kind from_worker: the optimizer the first worker offered (YAML,
+                                     * ps_config_adopt), "" = none; after ended, absent in older files */
 } psd_ckpt_run_t;
 
 typedef struct {
@@ -91,9 +93,10 @@ typedef struct {
 uint32_t psd_ckpt_table_crc(const ps_layout_t *l);
 
 /* The model (tensor table) of the newest valid checkpoint in dir of run
- * run_id (0: any run): how a model.kind from_worker run resumes without a
- * worker offering it. 0, or -1 with a message. */
-int psd_ckpt_newest_layout(const char *dir, uint64_t run_id, ps_layout_t *l, char *err, size_t errlen);
+ * run_id (0: any run), and the optimizer its first worker offered (into
+ * offer, PS_OFFER_MAX + 1 bytes, "" = none): how a model.kind from_worker
+ * run resumes without a worker offering them. 0, or -1 with a message. */
+int psd_ckpt_newest_layout(const char *dir, uint64_t run_id, ps_layout_t *l, char *offer, char *err, size_t errlen);
 
 /* A whole model's checkpoint file read for export: its layout (from its
  * table, or its sizes) and weights arena (*weights, caller frees). Files of

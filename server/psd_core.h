@@ -61,6 +61,7 @@
 #include "ps_idx.h"
 #include "ps_log.h"
 #include "ps_rng.h"
+#include "ps_tsched.h"
 #include "ps_util.h"
 #include "ps_weights.h"
 #include "ps_wire.h"
@@ -445,7 +446,9 @@ typedef struct {
         uint8_t ident[PS_MAX_IDENTITY];
         size_t ident_len;
         double at;
+        char config[PS_OFFER_MAX + 1]; /* the optimizer it offers (YAML), "" = none */
     } offer;
+    char adopted[PS_OFFER_MAX + 1]; /* the optimizer the run took from its first worker (ps_config_adopt), "" = none */
     uint8_t *table_pb;    /* the layout's tensor table packed (ps_table.h): ASSIGN's frame; owned */
     size_t table_pb_len;
     psd_store_t store;
@@ -489,6 +492,8 @@ typedef struct {
     uint64_t epoch_step;  /* steps in this epoch */
     double spe;           /* steps per epoch (schedule position) */
     double lr;
+    double momentum;      /* the step's cycled momentum (OneCycleLR), or -1 */
+    ps_tsched_t tsched;   /* schedule.name torch: the scheduler, parsed (psd_model.c) */
     bool resumed_mid_epoch;
     uint64_t resumed_step; /* the step a --resume continued from, for the metrics lines; 0: none */
     bool resumed;
@@ -597,6 +602,12 @@ static inline void raise_event(srv_t *s, unsigned ev) { s->events |= ev; }
  * go on to on_register (true), or was answered (OFFER, or refused) */
 bool offer_gate(srv_t *s, ps_msg_t *m);
 void on_values(srv_t *s, ps_msg_t *m);
+/* The optimizer text a first worker offered (or a checkpoint holds) taken
+ * into s->cfg (ps_config_adopt), the config hash made anew: 0, or -1 with
+ * why. psd_say_optimizer logs each key the run's optimizer reads and where
+ * its value came from. */
+int psd_adopt(srv_t *s, const char *text, char *err, size_t n);
+void psd_say_optimizer(const ps_config_t *c);
 /* psd_model.c: the model set up (values: the first worker's, NULL: the
  * config's inits or model.init). 0, or a PSD_EXIT_* code after a message */
 int psd_model_setup(srv_t *s, const float *const *values);

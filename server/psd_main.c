@@ -387,6 +387,7 @@ int main(int argc, char **argv)
             fprintf(stderr, "psd: %s\n", err);
             goto out;
         }
+    ps_config_user_defaults(&cfg); /* a user's model: PyTorch's defaults for what nothing set */
     if (ps_config_validate(&cfg, err, sizeof err) != 0) {
         fprintf(stderr, "psd: %s%s%s\n", config ? config : "", config ? ": " : "", err);
         goto out;

@@ -39,6 +39,11 @@ int psd_model_setup(srv_t *s, const float *const *values)
     const ps_config_t *c = &s->cfg;
     const psd_run_opts_t *opts = &s->opts;
     if (ps_table_pack(&s->layout, &s->table_pb, &s->table_pb_len) != 0) return oom(s);
+    char terr[300];
+    if (c->sched == PS_SCHED_TORCH && ps_tsched_parse(c->sched_torch, &s->tsched, terr, sizeof terr) != 0) {
+        PS_ERROR("%s", terr); /* ps_config_validate parsed it: not reached */
+        return PSD_EXIT_USAGE;
+    }
     psd_optim_t opt;
     psd_optim_from_config(&opt, c);
     if (psd_store_init_part(&s->store, &s->layout, &opt, c->seed, 0, opts->shards) != 0 ||

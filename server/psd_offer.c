@@ -39,6 +39,69 @@ static bool refuse(srv_t *s, const ps_msg_t *m, const char *why)
 static bool offer_table(srv_t *s, ps_msg_t *m, ps_layout_t *l, int has, char *why, size_t why_len, char *msg,
                         size_t msg_len);
 
+/* The optimizer a REGISTER offers (Register.config), "" for none. */
+static const char *offered_config(const ps_msg_t *m)
+{
+    const char *t = m->hdr->reg->config;
+    return t ? t : "";
+}
+
+/* Whether the first worker's offered optimizer fits the run: NULL, or why
+ * not (into msg). psd shards take theirs from their config: an offer that
+ * would change it is refused. */
+static const char *offer_misfit(srv_t *s, const char *text, char *msg, size_t n)
+{
+    if (!text[0]) return NULL;
+    if (strlen(text) > PS_OFFER_MAX) {
+        snprintf(msg, n, "the optimizer offered: %zu bytes, at most %d", strlen(text), PS_OFFER_MAX);
+        return msg;
+    }
+    ps_config_t c = s->cfg; /* a view */
+    char why[600];
+    if (ps_config_adopt(&c, text, why, sizeof why) != 0) {
+        snprintf(msg, n, "%s", why);
+        return msg;
+    }
+    if (sharded(s) && ps_config_hash(&c) != s->config_hash) {
+        snprintf(msg, n, "psd shards take the optimizer and schedule from their config, and this worker's code offers "
+                 "another: give it in the config (optimizer.*, schedule.*), or train with one psd");
+        return msg;
+    }
+    return NULL;
+}
+
+/* Log each optimizer and schedule key the run reads, with where its value
+ * came from (config, worker, default). */
+void psd_say_optimizer(const ps_config_t *c)
+{
+    static const char *const read[4] = {"lr momentum nesterov weight_decay", "lr beta1 beta2 eps weight_decay",
+                                        "lr beta1 beta2 eps weight_decay", "lr eps weight_decay"};
+    const char *key;
+    for (size_t i = 0; (key = ps_config_key(i)); i++) {
+        bool opt = strncmp(key, "optimizer.", 10) == 0, sch = strncmp(key, "schedule.", 9) == 0;
+        if (!opt && !sch) continue;
+        const char *k = key + (opt ? 10 : 9);
+        if (opt && strcmp(k, "name") != 0 && strcmp(k, "clip_norm") != 0 && strcmp(k, "groups") != 0 &&
+            !strstr(read[c->opt], k))
+            continue;
+        if (opt && strcmp(k, "groups") == 0 && c->n_groups == 0) continue;
+        if (sch && strcmp(k, "name") != 0 && !(c->sched == PS_SCHED_TORCH && (strcmp(k, "torch") == 0 ||
+                                                                             strcmp(k, "interval") == 0)))
+            continue;
+        char v[2200];
+        ps_config_value_text(c, key, v, sizeof v);
+        PS_INFO("%s: %s (%s)", key, v, ps_from_name(ps_config_from(c, key)));
+    }
+}
+
+int psd_adopt(srv_t *s, const char *text, char *err, size_t n)
+{
+    if (ps_config_adopt(&s->cfg, text, err, n) != 0) return -1;
+    s->config_hash = ps_config_hash(&s->cfg);
+    snprintf(s->adopted, sizeof s->adopted, "%s", text);
+    return 0;
+}
+
 bool offer_gate(srv_t *s, ps_msg_t *m)
 {
     if (s->cfg.kind != PS_MODEL_FROM_WORKER) return true;
@@ -62,6 +125,9 @@ static bool offer_table(srv_t *s, ps_msg_t *m, ps_layout_t *l, int has, char *wh
         return refuse(s, m, "this run (model.kind from_worker) trains the model its first worker offers; this worker "
                             "offers none (pworker trains the built-in models only)");
     if (s->model_ready) { /* every later worker's table is the run's */
+        if (strcmp(offered_config(m), s->adopted) != 0)
+            PS_WARN("a worker from %s pid %u offers another optimizer than the run's first worker did: the run's is "
+                    "kept", m->hdr->reg->hostname ? m->hdr->reg->hostname : "?", m->hdr->reg->pid);
         if (ps_layout_same_table_as(l, &s->layout, "in this worker's", "in the run's", why, why_len)) return true;
         snprintf(msg, msg_len, "its model is not the run's: %s", why);
         return refuse(s, m, msg);
@@ -82,6 +148,8 @@ static bool offer_table(srv_t *s, ps_msg_t *m, ps_layout_t *l, int has, char *wh
         send_offer(s, m, false);
         return false;
     }
+    if (offer_misfit(s, offered_config(m), msg, msg_len)) return refuse(s, m, msg);
+    snprintf(s->offer.config, sizeof s->offer.config, "%s", offered_config(m));
     PS_INFO("a worker from %s pid %u offers the model: %d tensors, %zu parameters; asking for its values",
             m->hdr->reg->hostname ? m->hdr->reg->hostname : "?", m->hdr->reg->pid, ps_layout_ntab(l),
             ps_layout_numel(l)); /* (before its table moves) */
@@ -118,6 +186,12 @@ void on_values(srv_t *s, ps_msg_t *m)
             return;
         }
     }
+    char err[700];
+    if (s->offer.config[0] && psd_adopt(s, s->offer.config, err, sizeof err) != 0) { /* offer_misfit took it */
+        finish(s, PSD_EXIT_USAGE, err);
+        return;
+    }
+    psd_say_optimizer(&s->cfg);
     s->layout = *l;
     s->offer.layout.tab = NULL; /* moved */
     int code = psd_model_setup(s, v);

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "ps_assert.h"
+#include "ps_tsched.h"
 
 #define PSD_ASSERT PS_ASSERT
 
@@ -26,6 +27,20 @@ void psd_optim_from_config(psd_optim_t *o, const ps_config_t *c)
     o->beta1 = (float)c->beta1;
     o->beta2 = (float)c->beta2;
     o->eps = (float)c->eps;
+    ps_tsched_t ts;
+    char err[256];
+    double m; /* OneCycleLR's cycle_momentum: torch starts at max_momentum (and SGD then has a buffer) */
+    if (c->sched == PS_SCHED_TORCH && ps_tsched_parse(c->sched_torch, &ts, err, sizeof err) == 0 &&
+        (m = ps_tsched_cycled_momentum(&ts)) >= 0)
+        psd_optim_set_momentum(o, m);
+}
+
+int psd_optim_set_momentum(psd_optim_t *o, double m)
+{
+    if (!(m >= 0 && m < 1) || o->kind == PS_OPT_ADAGRAD) return -1;
+    if (o->kind == PS_OPT_SGD) o->momentum = (float)m;
+    else o->beta1 = (float)m;
+    return 0;
 }
 
 int psd_optim_slots(const psd_optim_t *o)

@@ -36,6 +36,11 @@ typedef struct {
 /* Copy the optimizer part of a config. */
 void psd_optim_from_config(psd_optim_t *o, const ps_config_t *c);
 
+/* Set the momentum a OneCycleLR cycles for the next steps: SGD's
+ * momentum, Adam's and AdamW's beta1. 0, or -1 (adagrad, or m not in
+ * [0, 1)). */
+int psd_optim_set_momentum(psd_optim_t *o, double m);
+
 /* Number of float state slots per parameter: sgd 1 (momentum buffer; 0 if
  * momentum == 0), adam/adamw 2 (m, v), adagrad 1 (sum of squares). */
 int psd_optim_slots(const psd_optim_t *o);

@@ -258,6 +258,7 @@ void take_checkpoint(srv_t *s, bool epoch_done)
                              .keep = s->vl.keep, .stop = s->vl.stop, .best_version = s->vl.best_version};
     if (s->vl.id_known) snprintf(m.run.data_id, sizeof m.run.data_id, "%s", s->vl.data_id);
     for (int k = WEND_LEFT; k < WEND_N; k++) m.run.ended[k - WEND_LEFT] = s->ended[k];
+    snprintf(m.run.offer, sizeof m.run.offer, "%s", s->adopted);
     if (s->layout.table >= 0) {
         m.table_rows = (uint64_t)s->layout.t[s->layout.table].rows;
         m.table_dim = (uint32_t)s->layout.t[s->layout.table].cols;
@@ -662,6 +663,22 @@ int resume_metrics(srv_t *s, char *err, size_t n)
     return -1;
 }
 
+/* Why a checkpoint of config hash `was` does not fit config c, into buf:
+ * a run of a user's model made before psd took PyTorch's defaults is told
+ * the flags that give it its former values. */
+static void hash_misfit(const ps_config_t *c, uint64_t was, const char *path, char *buf, size_t n)
+{
+    ps_config_t old;
+    char flags[700];
+    if (ps_config_before_user_defaults(c, &old, flags, sizeof flags) > 0 && ps_config_hash(&old) == was) {
+        snprintf(buf, n, "cannot resume from %s: it was written before psd gave a user's model PyTorch's optimizer "
+                 "defaults, with psd's former ones; resume it with them: %s", path, flags);
+        return;
+    }
+    snprintf(buf, n, "cannot resume from %s: it was written with another config (hash %016" PRIx64 ", this one %016"
+             PRIx64 "); use --force-resume to resume anyway", path, was, ps_config_hash(c));
+}
+
 /* A checkpoint read (path) into the store and the run, if it fits: 0, or
  * PSD_EXIT_USAGE after saying why not. */
 static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen, const float *weights,
@@ -670,9 +687,9 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
     char why[256];
     const char *misfit = ckpt_misfit(m, &s->layout, &s->store.opt, s->sh.n, why, sizeof why);
     if (m->config_hash != s->config_hash && !s->opts.force_resume) {
-        PS_ERROR("cannot resume from %s: it was written with another config (hash %016" PRIx64
-                 ", this one %016" PRIx64 "); use --force-resume to resume anyway",
-                 path, m->config_hash, s->config_hash);
+        char hwhy[PS_PATH_MAX + 900];
+        hash_misfit(&s->cfg, m->config_hash, path, hwhy, sizeof hwhy);
+        PS_ERROR("%s", hwhy);
         return PSD_EXIT_USAGE;
     }
     if (misfit) {
@@ -816,21 +833,22 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
     free(weights);
     free(slots[0]);
     free(slots[1]);
-    uint64_t h = ps_config_hash(c);
-    if (m.config_hash != h && !force) {
-        fprintf(stderr, "psd: cannot resume from %s: it was written with another config (hash %016" PRIx64
-                        ", this one %016" PRIx64 "); use --force-resume to resume anyway\n",
-                path, m.config_hash, h);
+    ps_config_t cc = *c; /* a view: with the optimizer the run's first worker offered (from_worker) */
+    ps_layout_t l = {0};
+    char why[PS_PATH_MAX + 900];
+    int lrc = c->kind == PS_MODEL_FROM_WORKER ? psd_ckpt_newest_layout(rdir, run_id, &l, m.run.offer, why, sizeof why)
+                                              : ps_run_layout(c, &l, why, sizeof why);
+    if (lrc == 0 && m.run.offer[0] && ps_config_adopt(&cc, m.run.offer, why, sizeof why) != 0) lrc = -1;
+    uint64_t h = ps_config_hash(&cc);
+    if (lrc == 0 && m.config_hash != h && !force) {
+        hash_misfit(&cc, m.config_hash, path, why, sizeof why);
+        fprintf(stderr, "psd: %s\n", why);
+        ps_layout_free(&l);
         return PSD_EXIT_USAGE;
     }
-    ps_layout_t l = {0};
     psd_optim_t o;
-    psd_optim_from_config(&o, c);
-    char why[256];
-    const char *misfit = (c->kind == PS_MODEL_FROM_WORKER ? psd_ckpt_newest_layout(rdir, run_id, &l, why, sizeof why)
-                                                          : ps_run_layout(c, &l, why, sizeof why)) != 0
-                             ? why
-                             : ckpt_misfit(&m, &l, &o, shards > 1 ? shards : 1, why, sizeof why);
+    psd_optim_from_config(&o, &cc);
+    const char *misfit = lrc != 0 ? why : ckpt_misfit(&m, &l, &o, shards > 1 ? shards : 1, why, sizeof why);
     ps_layout_free(&l);
     if (misfit) {
         fprintf(stderr, "psd: cannot resume from %s: %s\n", path, misfit);

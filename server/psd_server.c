@@ -868,12 +868,15 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         uint64_t run_id;
         int rr = resolve_resume_dir(opts->resume_dir, rdir, sizeof rdir, &run_id);
         if (rr != 0) snprintf(lerr, sizeof lerr, "%s", strerror(-rr));
-        if (rr != 0 || psd_ckpt_newest_layout(rdir, run_id, &s->layout, lerr, sizeof lerr) != 0) {
+        if (rr != 0 || psd_ckpt_newest_layout(rdir, run_id, &s->layout, s->offer.config, lerr, sizeof lerr) != 0 ||
+            (s->offer.config[0] && psd_adopt(s, s->offer.config, lerr, sizeof lerr) != 0)) { /* and its optimizer */
             PS_ERROR("cannot resume from %s: %s", opts->resume_dir, lerr);
             code = PSD_EXIT_USAGE;
             goto out;
         }
     }
+    if (c->kind == PS_MODEL_TENSORS || (c->kind == PS_MODEL_FROM_WORKER && s->layout.n_tensors > 0))
+        psd_say_optimizer(&s->cfg); /* a user's model: what it took from where (from_worker: psd_offer.c) */
     if ((c->kind != PS_MODEL_FROM_WORKER || s->layout.n_tensors > 0) && (code = psd_model_setup(s, NULL)) != 0)
         goto out;
     code = PSD_EXIT_ERROR;

@@ -306,6 +306,10 @@ static void on_step(shard_t *s, ps_msg_t *m)
         return;
     }
     s->lr = st->lr;
+    if (st->cycled && psd_optim_set_momentum(&s->store.opt, st->momentum) != 0) {
+        fail(s, "STEP with a cycled momentum out of [0, 1)");
+        return;
+    }
     if (st->clip_norm > 0) { /* the norm of the whole gradient first */
         if (psd_hold_step(&s->hold, (int)st->n_ranks, st->weights, 0, 0, true) != 0) {
             fail(s, "more table rows in a step than this shard made room for");

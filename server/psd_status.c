@@ -180,6 +180,24 @@ static void json_num(FILE *f, double v) /* JSON has no NaN: null */
     else fputs("null", f);
 }
 
+/* The run's optimizer and schedule keys: {"optimizer.lr": {"value": "0.001", "from": "worker"}, ...} (the
+ * values as --print-config writes them; from: config, worker or default). */
+static void render_optimizer(const srv_t *s, FILE *f)
+{
+    const char *key;
+    int n = 0;
+    fputc('{', f);
+    for (size_t i = 0; (key = ps_config_key(i)); i++) {
+        if (strncmp(key, "optimizer.", 10) != 0 && strncmp(key, "schedule.", 9) != 0) continue;
+        char v[2200], esc[4500];
+        ps_config_value_text(&s->cfg, key, v, sizeof v);
+        ps_json_escape(esc, sizeof esc, v);
+        fprintf(f, "%s\"%s\":{\"value\":\"%s\",\"from\":\"%s\"}", n++ ? "," : "", key, esc,
+                ps_from_name(ps_config_from(&s->cfg, key)));
+    }
+    fputc('}', f);
+}
+
 void psd_status_json(const srv_t *s, FILE *f)
 {
     double now = ps_now();
@@ -234,10 +252,13 @@ void psd_status_json(const srv_t *s, FILE *f)
     json_num(f, s->cfg.lr);
     fprintf(f, ",\"schedule\":\"%s\",\"batch_size\":%d,\"workers\":%d,\"shards\":%d,\"seed\":%" PRIu64
                ",\"train_samples\":%zu,\"val_samples\":%zu,\"test_samples\":%zu,\"sync\":\"%s\","
-               "\"staleness\":%d}}\n",
+               "\"staleness\":%d},\"optimizer\":",
             ps_sched_name(s->cfg.sched), s->cfg.batch_size, s->cfg.workers, s->sh.n, (uint64_t)s->cfg.seed,
             s->train_count, s->vl.n_val, s->test_count, ps_sync_name(s->cfg.sync), s->cfg.staleness);
+    render_optimizer(s, f);
+    fputs("}\n", f);
 }
+
 
 int psd_status_http(void *ud, const char *path, char **body, size_t *len, const char **ctype)
 {

@@ -187,14 +187,24 @@ static void shards_step(srv_t *s, int k, const double *wt)
     st.lr = s->lr;
     st.clip_norm = s->cfg.clip_norm;
     st.step = s->store.steps;
+    st.cycled = s->momentum >= 0;
+    st.momentum = s->momentum;
     h.body_case = PSD__HEADER__BODY_SHARD_STEP;
     h.shard_step = &st;
     shards_send_all(s, &h);
 }
 
-/* The learning rate of the step about to be taken. */
+/* The learning rate of the step about to be taken (and the momentum a
+ * OneCycleLR cycles, set in the store's optimizer). */
 void step_lr(srv_t *s)
 {
+    s->momentum = -1.0;
+    if (s->cfg.sched == PS_SCHED_TORCH) { /* torch's scheduler steps: psd's optimizer steps, or epochs */
+        int64_t k = s->cfg.sched_interval == PS_INTERVAL_STEP ? (int64_t)s->store.steps : (int64_t)s->epoch;
+        s->lr = ps_tsched_lr(&s->tsched, k, s->cfg.lr, &s->momentum);
+        if (s->momentum >= 0) psd_optim_set_momentum(&s->store.opt, s->momentum);
+        return;
+    }
     double frac = (double)s->epoch_step / s->spe;
     if (frac > 0.999999) frac = 0.999999; /* a redistributed epoch may take a few more steps */
     s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);

@@ -147,8 +147,8 @@ static size_t check_part(const float *got, const float *want, const bool *mine, 
 
 /* Bytes of the run block (format 6) of a meta whose run part is zero:
  * sizes 24, data_id 4, two empty bests 2 x 36, best_version 8, the four
- * ending counts 32. */
-#define RUN_LEN0 140
+ * ending counts 32, the empty offered optimizer 4. */
+#define RUN_LEN0 144
 
 /* Bytes a file of format 6 holds between its header and the seen bitmap:
  * the tensor table's length field and the packed table of the store's

@@ -119,23 +119,6 @@ psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char 
     }
     pswc_fork_add(c);
     c->info = *info;
-    c->info.offer_config = NULL; /* the client's copy, below */
-    if (info->offer_config) {
-        if (strlen(info->offer_config) > PSW_OFFER_CONFIG_MAX) {
-            snprintf(err, errlen, "the optimizer offered: %zu bytes of YAML, at most %d", strlen(info->offer_config),
-                     PSW_OFFER_CONFIG_MAX);
-            pswc_fork_remove(c);
-            free(c);
-            return NULL;
-        }
-        if (!(c->offer_config = strdup(info->offer_config))) {
-            snprintf(err, errlen, "out of memory");
-            pswc_fork_remove(c);
-            free(c);
-            return NULL;
-        }
-        c->info.offer_config = c->offer_config;
-    }
     c->n_shards = 1;
     c->protocol = info->protocol ? info->protocol : PS_PROTOCOL_VERSION;
     c->run_id = info->run_id;
@@ -269,6 +252,25 @@ static int table_make(psw_client_t *c)
         o->sparse_rows = ti->kind == PS_TENSOR_ROWS;
         o->offset = ti->offset;
     }
+    return 0;
+}
+
+int psw_client_offer_config(psw_client_t *c, const char *yaml, char *err, size_t errlen)
+{
+    char *copy = NULL;
+    if (yaml && yaml[0]) {
+        if (strlen(yaml) > PSW_OFFER_CONFIG_MAX) {
+            snprintf(err, errlen, "the optimizer offered: %zu bytes of YAML, at most %d", strlen(yaml),
+                     PSW_OFFER_CONFIG_MAX);
+            return -1;
+        }
+        if (!(copy = strdup(yaml))) {
+            snprintf(err, errlen, "out of memory");
+            return -1;
+        }
+    }
+    free(c->offer_config);
+    c->offer_config = copy;
     return 0;
 }
 
@@ -683,7 +685,7 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     r.version = PSD_VERSION;
     r.threads = c->info.threads;
     r.prev_rank = c->prev_rank;
-    r.config = (char *)(c->info.offer_config ? c->info.offer_config : "");
+    r.config = c->offer_config ? c->offer_config : (char *)"";
     h.body_case = PSD__HEADER__BODY_REG;
     h.reg = &r;
     /* this worker's own model, offered (model.kind from_worker: psd asks for its values with OFFER) */

@@ -86,7 +86,7 @@ struct psw_client {
     int32_t prev_rank;      /* rank before psd was lost, -1 */
     char endpoint[256];
     psw_info_t info;
-    char *offer_config; /* info.offer_config's copy, owned */
+    char *offer_config; /* psw_client_offer_config's copy, owned (NULL: none) */
     unsigned protocol;
     uint64_t run_id;
     int shutdown_code;      /* a SHUTDOWN that came instead of the assignment: psd's exit code */

@@ -71,13 +71,8 @@ typedef struct {
     int n_offer;
     const psw_tensor_t *offer;
     const float *const *offer_values;
-    /* the optimizer and schedule this worker's code offers (psd's model.kind
-     * from_worker: the first worker's is the run's, under the keys psd's own
-     * config sets): YAML of optimizer.* and schedule.* keys, at most
-     * PSW_OFFER_CONFIG_MAX bytes, or NULL; copied by psw_client_new */
-    const char *offer_config;
 } psw_info_t;
-#define PSW_OFFER_CONFIG_MAX 16384
+#define PSW_OFFER_CONFIG_MAX 16384 /* psd's PS_OFFER_MAX */
 
 typedef struct {
     char role[32];
@@ -197,6 +192,13 @@ void psw_client_destroy(psw_client_t **c);
  * psd declared it lost, as the run ends): psw_client_shutdown_code() is the
  * exit code psd gave. */
 int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, char *err, size_t errlen);
+
+/* The optimizer and schedule this worker's code offers with its model
+ * (psd's model.kind from_worker: the first worker's is the run's, under the
+ * keys psd's own config sets; docs/config.md): YAML of optimizer.* and
+ * schedule.* keys, at most PSW_OFFER_CONFIG_MAX bytes; NULL or "" = none.
+ * Copied; sent by every later psw_client_register. 0, or -1 (why). */
+int psw_client_offer_config(psw_client_t *c, const char *yaml, char *err, size_t errlen);
 int psw_client_shutdown_code(const psw_client_t *c);
 
 /* Data checked; ready to train: the sizes of this worker's training and
