@@ -37,7 +37,7 @@ class Info(ctypes.Structure):
                 ("curve_public", ctypes.c_char_p), ("curve_secret", ctypes.c_char_p),
                 ("curve_server", ctypes.c_char_p), ("identity", ctypes.c_void_p), ("identity_len", ctypes.c_size_t),
                 ("no_shm", ctypes.c_int), ("n_offer", ctypes.c_int), ("offer", ctypes.POINTER(Tensor)),
-                ("offer_values", ctypes.POINTER(c_float_p)), ("offer_config", ctypes.c_char_p)]
+                ("offer_values", ctypes.POINTER(c_float_p))]
 
 
 class File(ctypes.Structure):
@@ -135,6 +135,7 @@ def _declare(lib):
         "psw_client_new": (c.c_void_p, [c.c_char_p, c.POINTER(Info), c.c_char_p, c.c_size_t]),
         "psw_client_destroy": (None, [c.POINTER(c.c_void_p)]),
         "psw_client_register": (c.c_int, [c.c_void_p, c.POINTER(Assign), c.c_double, c.c_char_p, c.c_size_t]),
+        "psw_client_offer_config": (c.c_int, [c.c_void_p, c.c_char_p, c.c_char_p, c.c_size_t]),
         "psw_client_shutdown_code": (c.c_int, [c.c_void_p]),
         "psw_client_ready": (c.c_int, [c.c_void_p, c.c_uint64, c.c_uint64, c.c_char_p]),
         "psw_client_next": (c.c_int, [c.c_void_p, c.POINTER(Event), c.c_double, c.c_char_p, c.c_size_t]),

@@ -675,7 +675,7 @@ class Worker:
         info = L.Info(device=b"cpu", device_index=-1, threads=self._threads, n_offer=n, offer=offer,
                       offer_values=values, identity=ctypes.cast(self._identity, ctypes.c_void_p), identity_len=16,
                       no_shm=0 if self._shared_memory else 1, identity_hint=socket.gethostname().encode(),
-                      run_id=self._run_id, prev_rank=self.rank, offer_config=self._offer)
+                      run_id=self._run_id, prev_rank=self.rank)
         if self._keys:
             info.curve_public, info.curve_secret, info.curve_server = (k.value for k in self._keys)
         err = ctypes.create_string_buffer(512)
@@ -683,6 +683,10 @@ class Worker:
         if not c:
             return -errno.EINVAL, err.value.decode(errors="replace")
         self._c = ctypes.c_void_p(c)
+        if self._offer and self._lib.psw_client_offer_config(self._c, self._offer, err, 512) != 0:  # each register
+            self._lib.psw_client_destroy(ctypes.byref(self._c))
+            self._c = None
+            return -errno.EINVAL, err.value.decode(errors="replace")
         a = L.Assign()
         rc = self._lib.psw_client_register(self._c, ctypes.byref(a), timeout, err, 512)
         if rc != 0:
