@@ -926,11 +926,12 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if (s->model_ready)
         PS_INFO("model %zu parameters in %d tensors (%d units on the wire), %zu training / %zu test samples, "
                 "optimizer %s, schedule %s", ps_layout_numel(&s->layout), ps_layout_ntab(&s->layout),
-                s->layout.n_tensors, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
+                s->layout.n_tensors, s->train_count, s->test_count, ps_opt_name(s->cfg.opt),
+                ps_sched_name(s->cfg.sched));
     else
         PS_INFO("model from the first worker (model.kind from_worker, at most %lld parameters), %zu training / %zu "
-                "test samples, optimizer %s, schedule %s",
-                (long long)c->max_params, s->train_count, s->test_count, ps_opt_name(c->opt), ps_sched_name(c->sched));
+                "test samples; the optimizer: the config's keys, then what the first worker offers",
+                (long long)c->max_params, s->train_count, s->test_count);
     bool bound = false;
     int usable = ps_cpus_usable(&bound, NULL), threads = psd_step_threads(c);
     PS_INFO("threads: %d for the step, %d ZeroMQ I/O; %d usable CPU%s%s", threads, psd_io_threads(c), usable,

@@ -71,6 +71,9 @@ typedef struct {
     int n_offer;
     const psw_tensor_t *offer;
     const float *const *offer_values;
+    /* (the optimizer offered with the model is not a field here, which would
+     * change this struct's size for programs built against libpsworker.so.3:
+     * psw_client_offer_config, between psw_client_new and _register) */
 } psw_info_t;
 #define PSW_OFFER_CONFIG_MAX 16384 /* psd's PS_OFFER_MAX */
 
