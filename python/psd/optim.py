@@ -1,7 +1,7 @@
 """The user's torch optimizer and LR scheduler as psd's optimizer and schedule.
 
 psd.torch.Worker(..., optimizer=opt, scheduler=sched) offers them to psd
-(psw_info_t.offer_config): psd holds the optimizer and steps it itself, under
+(psw_client_offer_config): psd holds the optimizer and steps it itself, under
 the keys its own config sets (config > the worker's offer > psd's defaults).
 offer_text() maps the torch objects to that offer, a YAML text of optimizer.*
 and schedule.* keys, or raises Unsupported (one line: what, and what psd
