@@ -13,6 +13,7 @@ NAME_MAX = 255
 MAX_DIMS = 8
 MAX_LAYERS = 16
 PATH_MAX = 1024
+OFFER_CONFIG_MAX = 16384  # PSW_OFFER_CONFIG_MAX: the offered optimizer and schedule's YAML, bytes
 MAX_SUMS = 16
 
 EV_EPOCH, EV_WEIGHTS, EV_VALIDATE, EV_SHUTDOWN = 1, 2, 3, 4
@@ -134,6 +135,7 @@ def _declare(lib):
         "psw_client_new": (c.c_void_p, [c.c_char_p, c.POINTER(Info), c.c_char_p, c.c_size_t]),
         "psw_client_destroy": (None, [c.POINTER(c.c_void_p)]),
         "psw_client_register": (c.c_int, [c.c_void_p, c.POINTER(Assign), c.c_double, c.c_char_p, c.c_size_t]),
+        "psw_client_offer_config": (c.c_int, [c.c_void_p, c.c_char_p, c.c_char_p, c.c_size_t]),
         "psw_client_shutdown_code": (c.c_int, [c.c_void_p]),
         "psw_client_ready": (c.c_int, [c.c_void_p, c.c_uint64, c.c_uint64, c.c_char_p]),
         "psw_client_next": (c.c_int, [c.c_void_p, c.POINTER(Event), c.c_double, c.c_char_p, c.c_size_t]),

@@ -16,7 +16,8 @@ With a DataLoader: DataLoader(dataset, batch_sampler=w.sampler(), num_workers=..
 `for x, y in w.batches(loader)`: the loader's processes read ahead; batches psd took back
 (rebalancing, a lost worker's share) are dropped, and samples it adds are read in another pass.
 
-psd holds the master weights and the optimizer (its config's optimizer, schedule and clipping):
+psd holds the master weights and the optimizer (its config's optimizer, schedule and clipping,
+or the ones given to Worker(optimizer=, scheduler=, clip_norm=) where its config has none):
 do not step a torch optimizer on the model (w.step says so if one did). psd zeroes the
 gradients before each batch; on psd's host they are computed straight into the memory psd
 reads. A worker that loses psd (killed, restarted with --resume) registers again for up to
@@ -38,6 +39,7 @@ import torch
 
 from . import _lib as L
 from ._staging import Staging
+from .optim import Unsupported, offer_text
 
 __all__ = ["Worker", "RunError"]
 
@@ -165,11 +167,18 @@ class Worker:
     keep_memory (default True): this process keeps freed memory for the next
     message (psw_keep_freed_memory: glibc's malloc settings, process-wide),
     so large weights received over tcp do not fault page by page; False
-    leaves the allocator as it was."""
+    leaves the allocator as it was.
+    optimizer, scheduler: the loop's torch.optim optimizer and LR scheduler,
+    offered to psd, which runs them (the keys its own config sets win; do
+    not step the optimizer: psd does; psd.optim says which psd runs, others
+    are refused: RunError, exit 2); scheduler_interval: "epoch" when the loop
+    steps the scheduler once an epoch, "step" once a batch; clip_norm: clip
+    the gradient's global norm to this (torch.nn.utils.clip_grad_norm_)."""
 
     def __init__(self, endpoint, model, train_size, test_size, data_id="", threads=0, verbose=False,
                  shared_memory=True, timeout_s=300.0, validate_fn=None, retry_s=120.0, rows_of=None,
-                 staging=None, key_file=None, server_key=None, keep_memory=True):
+                 staging=None, key_file=None, server_key=None, keep_memory=True, optimizer=None, scheduler=None,
+                 scheduler_interval="epoch", clip_norm=None):
         self._lib = L.load()
         if keep_memory:  # before the client's threads start: large replies then do not fault page by page
             self._lib.psw_keep_freed_memory()
@@ -199,6 +208,12 @@ class Worker:
         self._params = list(model.named_parameters())
         if not self._params:
             raise ValueError("psd: the model has no parameters")
+        try:  # the optimizer and scheduler offered to psd (psd.optim), refused here if psd would not run them
+            text = offer_text(self._params, optimizer, scheduler, scheduler_interval, clip_norm)
+        except Unsupported as e:
+            _install_hooks()  # an uncaught RunError: its one line, exit 2
+            raise RunError(str(e), 2) from None
+        self._offer = text.encode() if text is not None else None
         # Embedding/EmbeddingBag(sparse=True): sparse-rows tensors, their gradient pushed as rows
         self._sparse = {(m_name + "." if m_name else "") + "weight" for m_name, m in model.named_modules()
                         if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
@@ -668,6 +683,10 @@ class Worker:
         if not c:
             return -errno.EINVAL, err.value.decode(errors="replace")
         self._c = ctypes.c_void_p(c)
+        if self._offer and self._lib.psw_client_offer_config(self._c, self._offer, err, 512) != 0:  # each register
+            self._lib.psw_client_destroy(ctypes.byref(self._c))
+            self._c = None
+            return -errno.EINVAL, err.value.decode(errors="replace")
         a = L.Assign()
         rc = self._lib.psw_client_register(self._c, ctypes.byref(a), timeout, err, 512)
         if rc != 0:
