@@ -52,3 +52,59 @@ def test_a_run_from_before_the_defaults_is_told_the_flags_and_resumes_with_them(
     finally:
         r.kill()
     assert safetensors(a / "w.safetensors") == safetensors(b / "w.safetensors")
+
+
+def test_the_offered_optimizer_is_the_checkpoints_and_a_resume_goes_on_with_it(tmp_path):
+    """A run whose worker offered Adam with a OneCycleLR (momentum cycled, per step), stopped
+    after epoch 4 and resumed: psd takes the optimizer from the checkpoint before any worker
+    comes (logged as the worker's, shown by /status), and the run ends with the tensors of the
+    same run made straight through."""
+    import json
+    import time
+    import urllib.request
+
+    from conftest import free_port
+    from test_optim_replay import CONFIG as RCONFIG
+
+    case = "onecycle_adam"
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    straight = Run(a, 1, config=RCONFIG, extra=("--save", str(a / "w.safetensors")))
+    try:
+        p = straight.worker(case, str(a), script="replay_worker.py")
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and straight.psd.wait(timeout=60) == 0, e + straight.psd_log()
+    finally:
+        straight.kill()
+    port = free_port()
+    ck = ("--set", "checkpoint.dir=%s" % (b / "ck"), "--http", "127.0.0.1:%d" % port)
+    r = Run(b, 1, config=RCONFIG, extra=("--save", str(b / "w.safetensors")) + ck + ("--stop-after-epoch", "4"))
+    try:
+        p = r.worker(case, str(b), script="replay_worker.py")
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+        i = r.args.index("--stop-after-epoch")
+        del r.args[i:i + 2]
+        r.start_psd("--resume", str(b / "ck"))
+        r.wait_log("listening on")
+        log = r.psd_log()
+        assert "optimizer.name: adam (worker)" in log and "schedule.torch: \"OneCycleLR(" in log, log
+        st = None
+        for _ in range(100):
+            try:
+                st = json.load(urllib.request.urlopen("http://127.0.0.1:%d/status" % port, timeout=5))
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert st is not None, r.psd_log()
+        assert st["optimizer"]["optimizer.name"] == {"value": "adam", "from": "worker"}, st["optimizer"]
+        assert st["optimizer"]["schedule.interval"] == {"value": "step", "from": "worker"}, st["optimizer"]
+        assert st["optimizer"]["optimizer.clip_norm"]["from"] == "default", st["optimizer"]
+        p = r.worker(case, str(b), script="replay_worker.py")
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+        assert "resuming run" in r.psd_log()
+    finally:
+        r.kill()
+    assert safetensors(a / "w.safetensors") == safetensors(b / "w.safetensors")
