@@ -392,7 +392,7 @@ Test(short, psd_shards_stopped_and_resumed_give_identical_weights)
             cr_assert_eq(ps_table_pack(&l, &tb, &tlen), 0);
             free(tb);
             const uint64_t want =
-                232 + 4 + tlen + 4 + 140 /* the run block: no fingerprint, keep_best or early_stop */ +
+                232 + 4 + tlen + 4 + 144 /* the run block: no fingerprint, keep_best, early_stop or offer */ +
                 (i == 0 ? (3000 + 7) / 8 : 0) + 3 * ps_part_size(pc, l.n_tensors) * 4 + 12;
             glob_t g;
             if (i == 0) snprintf(sub, sizeof sub, "%s/run-*/ckpt-*.psdc", ck); /* shard 0: the run's directory */
