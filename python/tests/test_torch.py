@@ -260,3 +260,14 @@ def test_the_source_trees_package_finds_the_build_trees_library(tmp_path):
     out = subprocess.run(["/usr/bin/python3", "-c", "from psd import _lib; print(_lib.load()._name)"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == lib, out
+
+
+def test_meson_install_installs_every_module_of_the_package():
+    """Each python/psd/*.py is in meson.build's install_data: a module left out is a package
+    that imports in the source tree and fails once installed (the Docker image's check)."""
+    import re
+    root = os.path.dirname(os.path.dirname(HERE))
+    text = open(os.path.join(root, "meson.build")).read()
+    listed = set(re.findall(r"'python/psd/([A-Za-z0-9_]+\.py)'", text))
+    have = {f for f in os.listdir(os.path.join(root, "python", "psd")) if f.endswith(".py")}
+    assert have - listed == set(), "not installed by meson.build: %s" % sorted(have - listed)
