@@ -4,7 +4,9 @@
 # nn.Module, psd's model.kind from_worker) against PyTorch DDP (gloo,
 # bench/torch_ddp_mlp.py) and against psd + 2 C pworkers, on this machine.
 #
-#   bash bench/torch_mlp.sh [EPOCHS] [ROUNDS]      (defaults 5 and 1)
+#   bash bench/torch_mlp.sh [EPOCHS] [ROUNDS] [--no-ddp]     (defaults 5 and 1)
+#
+# --no-ddp: psd's two arms only, alternated (bench/torch_step.sh)
 #
 # Task (all three): MLP 784-256-128-10, Fashion-MNIST (all 60000 training
 # samples), batch 64 per worker, SGD lr 0.05 momentum 0.9 (no Nesterov, no
@@ -29,6 +31,8 @@
 set -euo pipefail
 EPOCHS=${1:-5}
 ROUNDS=${2:-1}
+DDP=1
+[ "${3:-}" = --no-ddp ] && DDP=0
 . "$(dirname "$0")/lib.sh"
 bench_setup --bench
 bench_torch_setup
@@ -135,9 +139,9 @@ for r in $(seq 1 "$ROUNDS"); do
     if [ $((r % 2)) = 1 ]; then
         psd_run pworker "$r"
         psd_run torch "$r"
-        ddp_run "$r"
+        [ $DDP = 0 ] || ddp_run "$r"
     else
-        ddp_run "$r"
+        [ $DDP = 0 ] || ddp_run "$r"
         psd_run torch "$r"
         psd_run pworker "$r"
     fi
@@ -155,13 +159,16 @@ def ratio(a, b):
 def m(side, i):
     return med(rows[side][r][i] for r in rounds)
 share = [rows["torch"][r][2] for r in rounds if rows["torch"][r][2] == rows["torch"][r][2]]
-print("median of %d round(s): psd + 2 torch workers %.0f samples/s (accuracy %.4f), pytorch DDP %.0f (%.4f), "
-      "psd + 2 pworkers %.0f (%.4f)" % (len(rounds), m("torch", 0), m("torch", 1), m("ddp", 0), m("ddp", 1),
-                                       m("pworker", 0), m("pworker", 1)))
-print("ratio psd-torch / DDP: %.2fx samples/s" % ratio("torch", "ddp"))
+ddp = "ddp" in rows
+print("median of %d round(s): psd + 2 torch workers %.0f samples/s (accuracy %.4f), %spsd + 2 pworkers %.0f (%.4f)"
+      % (len(rounds), m("torch", 0), m("torch", 1),
+         "pytorch DDP %.0f (%.4f), " % (m("ddp", 0), m("ddp", 1)) if ddp else "", m("pworker", 0), m("pworker", 1)))
+if ddp:
+    print("ratio psd-torch / DDP: %.2fx samples/s" % ratio("torch", "ddp"))
 print("ratio psd-torch / psd-pworker: %.2fx samples/s (what the Python binding and torch's kernels cost: %.0f%%)"
       % (ratio("torch", "pworker"), 100 * (1 - ratio("torch", "pworker"))))
-print("ratio psd-pworker / DDP: %.2fx samples/s (bench_mlp.sh's figure)" % ratio("pworker", "ddp"))
+if ddp:
+    print("ratio psd-pworker / DDP: %.2fx samples/s (bench_mlp.sh's figure)" % ratio("pworker", "ddp"))
 print("torch workers' waiting share of a step: %s (Worker wait_s/train_s, median)"
       % ("%.1f%%" % (100 * med(share)) if share else "n/a"))
 PY

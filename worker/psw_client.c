@@ -107,7 +107,11 @@ static void push_frame_done(void *data, void *hint)
 {
     (void)data;
     psw_client_t *c = hint;
-    atomic_fetch_sub_explicit(&c->push_inflight, 1, memory_order_release);
+    if (atomic_fetch_sub_explicit(&c->push_inflight, 1, memory_order_acq_rel) == 1) { /* the last: wake a waiter */
+        pthread_mutex_lock(&c->push_mu);
+        pthread_cond_broadcast(&c->push_cv);
+        pthread_mutex_unlock(&c->push_mu);
+    }
 }
 
 psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char *err, size_t errlen)
@@ -117,6 +121,12 @@ psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char 
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_mutex_init(&c->push_mu, NULL);
+    pthread_cond_init(&c->push_cv, &ca);
+    pthread_condattr_destroy(&ca);
     pswc_fork_add(c);
     c->info = *info;
     c->n_shards = 1;
@@ -284,6 +294,8 @@ void psw_client_destroy(psw_client_t **cp)
     shm_unmap(c);
     pswc_stream_release(c);
     free(c->offer_config);
+    pthread_cond_destroy(&c->push_cv);
+    pthread_mutex_destroy(&c->push_mu);
     free(c->gconv);
     free(c->wconv);
     free(c->want);
@@ -1347,6 +1359,25 @@ float *psw_client_push_region(psw_client_t *c) { return c->shm ? c->shm_grad : N
 int psw_client_push_done(psw_client_t *c)
 {
     return atomic_load_explicit(&c->push_inflight, memory_order_acquire) == 0;
+}
+
+int psw_client_push_wait(psw_client_t *c, double timeout_s)
+{
+    if (psw_client_push_done(c)) return 0;
+    struct timespec dl;
+    clock_gettime(CLOCK_MONOTONIC, &dl);
+    double s = timeout_s > 0 ? timeout_s : 0;
+    dl.tv_sec += (time_t)s;
+    dl.tv_nsec += (long)((s - (double)(time_t)s) * 1e9);
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&c->push_mu);
+    int rc = 0;
+    while (!psw_client_push_done(c) && rc == 0) rc = pthread_cond_timedwait(&c->push_cv, &c->push_mu, &dl);
+    pthread_mutex_unlock(&c->push_mu);
+    return psw_client_push_done(c) ? 0 : -ETIMEDOUT;
 }
 
 int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples)

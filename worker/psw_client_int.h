@@ -10,6 +10,7 @@
 #include "psworker.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -98,6 +99,8 @@ struct psw_client {
      * for, t_weights when they arrived, wait = the latter minus the former */
     double t_req, t_weights, wait;
     atomic_int push_inflight; /* gradient frames ZeroMQ still holds */
+    pthread_mutex_t push_mu;  /* with push_cv: psw_client_push_wait sleeps until push_inflight is 0 (the */
+    pthread_cond_t push_cv;   /* I/O thread that frees the last frame signals) */
     /* same host (ps_shm.h): the model's layout, this worker's gradient
      * region (read by psd) and psd's parameter slots (read-only) */
     ps_layout_t layout;

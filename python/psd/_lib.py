@@ -142,6 +142,7 @@ def _declare(lib):
         "psw_client_pull": (c.c_int, [c.c_void_p, c.c_uint64]),
         "psw_client_push_v": (c.c_int, [c.c_void_p, c.POINTER(Push)]),
         "psw_client_push_done": (c.c_int, [c.c_void_p]),
+        "psw_client_push_wait": (c.c_int, [c.c_void_p, c.c_double]),
         "psw_client_barrier": (c.c_int, [c.c_void_p, c.c_uint32, c.c_uint64]),
         "psw_client_val_result": (c.c_int, [c.c_void_p, c.POINTER(Val)]),
         "psw_client_heartbeat": (c.c_int, [c.c_void_p, c.c_uint32]),

@@ -270,6 +270,10 @@ class Worker:
         self._head = None     # the handed batch whose weights are awaited
         self._zeros = {}
         self._views = None
+        self._flat = None       # psd's push region as one tensor (on psd's host)
+        self._fast_push = None  # the push descriptor over the views of that region (_push_fast)
+        self._fast_bytes = 0
+        self._rviews = {}       # tensors over psd's reply buffers, by (tensor, address, numel)
         self._warned_copy = False
         self.exit_code = None
         self.message = ""
@@ -349,6 +353,11 @@ class Worker:
             self.leave("SIGTERM")
             raise SystemExit(0)
         t0 = time.perf_counter()
+        if self._fast_push is not None and self._stg is None and all(
+                p.grad is v for (_, p), v in zip(self._table, self._views)):
+            self._push_fast(a, b, n, loss_sum, correct)
+            self.wait_s += time.perf_counter() - t0
+            return
         grads = (L.Grad * len(self._table))()
         keep = []
         copied = False
@@ -431,17 +440,42 @@ class Worker:
             last = False
         elif rc != 0:
             raise RunError("psd: push failed (%d)" % rc, 1)
-        else:
-            pause = 20e-6  # sent from the tensors themselves: they stay untouched until the send is done
-            while not self._lib.psw_client_push_done(self._c):
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+        elif self._lib.psw_client_push_wait(self._c, self._timeout) != 0:
+            # sent from the tensors themselves: they stay untouched until the send is done (the library's
+            # I/O thread wakes this wait, without the GIL, as it lets the last buffer go)
+            raise RunError("psd: a push was not sent in %.0f s" % self._timeout, 1)
         del keep
         self.steps += 1
         self._stepped = True
         if last and self._c is not None:
             self._barrier()
         self.wait_s += time.perf_counter() - t0
+
+    def _push_fast(self, a, b, n, loss_sum, correct):
+        """step() where every gradient is psd's shared-memory view (the usual case on psd's host):
+        the push descriptor built once (_grads_ready) is sent as it is, with this batch's figures."""
+        push = self._fast_push
+        self._pos = b
+        self._cur = None
+        last = self._pos >= len(self._ids)
+        push.version = self._version
+        push.batch = n
+        push.loss_sum = float(loss_sum)
+        push.correct = int(correct)
+        push.pull = 0 if last else 1
+        self.bytes_pushed += self._fast_bytes
+        rc = self._lib.psw_client_push_v(self._c, ctypes.byref(push))
+        if rc in _LOST:  # the batch is trained again by whoever gets it
+            self._pending = self._lost("the push failed (%d)" % rc)
+            last = False
+        elif rc != 0:
+            raise RunError("psd: push failed (%d)" % rc, 1)
+        elif self._lib.psw_client_push_wait(self._c, self._timeout) != 0:
+            raise RunError("psd: a push was not sent in %.0f s" % self._timeout, 1)
+        self.steps += 1
+        self._stepped = True
+        if last and self._c is not None:
+            self._barrier()
 
     def backward(self, loss, loss_sum=0.0, batch=None, correct=0):
         """loss.backward() and step(loss_sum, batch, correct), where the
@@ -834,12 +868,24 @@ class Worker:
                 rows = torch.frombuffer((ctypes.c_uint32 * ev.n_row_ids).from_address(
                     ctypes.cast(ev.row_ids, ctypes.c_void_p).value), dtype=torch.int32).long()
             for k, (name, p) in enumerate(self._table):
-                src = _view(ev.tensors[k], ev.tensor_numel[k]).view(p.shape)
+                src = self._reply_view(k, ev.tensors[k], ev.tensor_numel[k], p.shape)
                 if rows is not None and name in self._sparse:
                     p.data.index_copy_(0, rows, src.index_select(0, rows))
                 else:
                     p.data.copy_(src)
         self._versions = [p._version for _, p in self._table]
+
+    def _reply_view(self, k, ptr, n, shape):
+        """Tensor k of a reply as a tensor over psd's buffer: made once for each address a reply
+        brings it at (psd's few parameter slots, or the client's buffer), then reused."""
+        addr = ctypes.cast(ptr, ctypes.c_void_p).value
+        key = (k, addr, n)
+        v = self._rviews.get(key)
+        if v is None:
+            if len(self._rviews) > 16 * len(self._table):  # addresses of another session: start again
+                self._rviews.clear()
+            v = self._rviews[key] = _view(ptr, n).view(shape)
+        return v
 
     def _grads_ready(self):
         """Before a batch: the gradients zeroed; on psd's host, each
@@ -853,12 +899,13 @@ class Worker:
             if self._region:
                 if self._views is None:
                     n = max(int(o) + p.numel() for o, (_, p) in zip(self._offsets, self._table))
-                    flat = _view(ctypes.cast(self._region, L.c_float_p), n)
-                    self._views = [flat[int(o):int(o) + p.numel()].view(p.shape)
+                    self._flat = _view(ctypes.cast(self._region, L.c_float_p), n)
+                    self._views = [self._flat[int(o):int(o) + p.numel()].view(p.shape)
                                    for o, (_, p) in zip(self._offsets, self._table)]
+                    self._fast_push = self._fast_descriptor()
+                self._flat.zero_()  # every gradient at once (and the gaps psd leaves between them)
                 for (name, p), v in zip(self._table, self._views):
-                    v.zero_()
-                    if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                    if p.grad is not v:
                         p.grad = v
             else:
                 for name, p in self._table:
@@ -867,6 +914,19 @@ class Worker:
                     elif p.grad is not None:
                         p.grad.zero_()
 
+    def _fast_descriptor(self):
+        """The push of every gradient from its shared-memory view (_push_fast), or None where a
+        gradient goes another way (rows of a sparse table)."""
+        if self._sparse:
+            return None
+        grads = (L.Grad * len(self._table))()
+        for k, v in enumerate(self._views):
+            grads[k].tensor = k
+            grads[k].data = ctypes.cast(v.data_ptr(), L.c_float_p)
+        self._fast_bytes = 4 * sum(v.numel() for v in self._views)
+        self._fast_grads = grads  # kept alive with the descriptor
+        return L.Push(n_grads=len(self._table), grads=grads)
+
     def _drop_views(self):
         """The push region is unmapped with its client: no .grad may point there then."""
         if self._views is not None:
@@ -874,6 +934,9 @@ class Worker:
                 if p.grad is not None and p.grad.data_ptr() == v.data_ptr():
                     p.grad = None
             self._views = None
+            self._flat = None
+            self._fast_push = None
+        self._rviews.clear()  # another session's buffers
 
     def _check_versions(self):
         if self._versions is None:

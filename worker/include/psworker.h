@@ -264,6 +264,10 @@ typedef struct {
 
 int psw_client_push_v(psw_client_t *c, const psw_push_t *p);
 int psw_client_push_done(psw_client_t *c);
+/* Sleep until psw_client_push_done (woken by the I/O thread that lets the
+ * last buffer go; a caller from Python through ctypes waits without the
+ * GIL): 0, or -ETIMEDOUT after timeout_s. */
+int psw_client_push_wait(psw_client_t *c, double timeout_s);
 /* Promise (on: nonzero) that once a push asks for the next version (pull),
  * the caller no longer reads the tensors of the last weights psd sent it
  * (a WEIGHTS or VALIDATE event's). On psd's host those tensors are psd's
