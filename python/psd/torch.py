@@ -25,7 +25,6 @@ retry_s seconds and carries on. The protocol is the C worker library's (libpswor
 through ctypes); nothing here is compiled.
 """
 import atexit
-import collections
 import ctypes
 import errno
 import os
@@ -38,6 +37,7 @@ import weakref
 import torch
 
 from . import _lib as L
+from ._plan import Plan
 from ._staging import Staging
 from .optim import Unsupported, offer_text
 
@@ -143,16 +143,11 @@ class _Sampler:
         w = self._w
         if not w._in_loader:
             raise RuntimeError("psd: iterate the DataLoader of w.sampler() through w.batches(loader)")
-        while w._handed < len(w._ids):
-            a = w._handed
-            b = w._ids[a:a + w.batch_size]
-            w._handed += len(b)
-            w._fifo.append([a, a + len(b), w._gen])
-            yield list(b)
+        yield from w._plan.hand(w.batch_size)
 
     def __len__(self):
         w = self._w
-        return (max(0, len(w._ids) - w._handed) + w.batch_size - 1) // max(1, w.batch_size)
+        return w._plan.hand_count(w.batch_size)
 
 
 class Worker:
@@ -255,19 +250,13 @@ class Worker:
         self.copies = 0     # steps whose gradients were copied into shared memory (a zero_grad dropped the views)
         self.rejoins = 0    # times this worker registered again after losing psd
         self.dropped = 0    # batches a DataLoader had read that psd took back before they were stepped
-        self._ids = []
-        self._pos = 0       # samples of _ids pushed
-        self._cur = None    # the batch being computed: (start, end) in _ids
+        self._plan = Plan()  # this worker's samples of the epoch and where it is (psd/_plan.py)
         self._epoch = 0
         self._version = 0
         self._pending = None  # an event taken and not acted on yet (the next epoch's, SHUTDOWN, VALIDATE)
         self._versions = None
         self._leaving = False
         self._in_loader = False
-        self._handed = 0      # samples of _ids handed to a DataLoader
-        self._fifo = collections.deque()  # handed batches [start, end, gen] in the loader's order
-        self._gen = 0         # bumped when _ids is replaced: every handed batch is void
-        self._head = None     # the handed batch whose weights are awaited
         self._zeros = {}
         self._views = None
         self._flat = None       # psd's push region as one tensor (on psd's host)
@@ -344,9 +333,9 @@ class Worker:
         the epoch has more for this worker, ask for the next weights.
         loss_sum and correct: the batch's sums, for psd's training figures.
         When it returns, the gradients are the caller's again."""
-        if self._cur is None:
+        if self._plan.cur is None:
             raise RuntimeError("psd: w.step() without a batch of w.batches()")
-        a, b = self._cur
+        a, b = self._plan.cur
         n = b - a if batch is None else int(batch)
         self._check_versions()
         if self._leaving:
@@ -420,15 +409,13 @@ class Worker:
                 print("psd: worker %d: the gradients are not in psd's shared memory (model.zero_grad() with "
                       "set_to_none=True dropped them?): each step copies them there; psd zeroes the gradients "
                       "before each batch, so the zero_grad() call can go" % self.rank, file=sys.stderr, flush=True)
-        self._pos = b
-        self._cur = None
-        last = self._pos >= len(self._ids)
+        last = self._plan.pushed()
         self.rows_pushed += n_rows
         push = L.Push(version=self._version, batch=n, loss_sum=float(loss_sum), correct=int(correct),
                       pull=0 if last else 1, n_grads=n_grads, grads=grads)
         if n_rows and not last and self._rows_of is not None and self._in_loader is False:
             # the reply brings only the table rows the next batch reads (the others stay as they were)
-            nxt = self._ids[self._pos:self._pos + self.batch_size]
+            nxt = self._plan.upcoming(self.batch_size)
             want = torch.unique(torch.as_tensor(self._rows_of(nxt), dtype=torch.int64).reshape(-1)).to(torch.int32)
             if want.numel():
                 keep.append(want)
@@ -455,9 +442,7 @@ class Worker:
         """step() where every gradient is psd's shared-memory view (the usual case on psd's host):
         the push descriptor built once (_grads_ready) is sent as it is, with this batch's figures."""
         push = self._fast_push
-        self._pos = b
-        self._cur = None
-        last = self._pos >= len(self._ids)
+        last = self._plan.pushed()
         push.version = self._version
         push.batch = n
         push.loss_sum = float(loss_sum)
@@ -485,9 +470,9 @@ class Worker:
         if self._stg is None:
             loss.backward()
             return self.step(loss_sum=loss_sum, batch=batch, correct=correct)
-        if self._cur is None:
+        if self._plan.cur is None:
             raise RuntimeError("psd: w.backward() without a batch of w.batches()")
-        a, b = self._cur
+        a, b = self._plan.cur
         push = L.Push(version=self._version, batch=b - a if batch is None else int(batch), loss_sum=float(loss_sum),
                       correct=int(correct), pull=0, n_grads=1)
         pending = []
@@ -559,14 +544,12 @@ class Worker:
         while True:
             if not self._wait_weights():
                 return
-            a = self._pos
-            b = self._ids[a:a + self.batch_size]
-            self._cur = (a, a + len(b))
+            b = self._plan.next_batch(self.batch_size)
             self._stepped = False
             yield b
             if not self._stepped:
                 raise RuntimeError("psd: call w.step() once for each batch")
-            if self._pos >= len(self._ids) and not self._after_barrier():
+            if self._plan.done() and not self._after_barrier():
                 return
 
     def _loader_batches(self, loader):
@@ -574,46 +557,44 @@ class Worker:
             raise ValueError("psd: batches(loader) takes a DataLoader made with batch_sampler=w.sampler()")
         if not self._start_batches():
             return
-        self._handed = self._pos
-        self._fifo.clear()
+        self._plan.restart_hand()
         weights = False  # the weights of the batch to come are here
         while True:  # passes over the loader: another when psd added samples after the sampler ended
             self._in_loader = True
             for data in loader:
-                ent = self._fifo.popleft()
+                ent = self._plan.fifo.popleft()
                 if self._valid(ent) and not weights:
-                    self._head = ent  # voided too if psd takes its samples back meanwhile
+                    self._plan.head = ent  # voided too if psd takes its samples back meanwhile
                     ok = self._wait_weights()
-                    self._head = None
+                    self._plan.head = None
                     if not ok:
                         return
                     weights = True
                 if not self._valid(ent):  # psd took its samples back (or gave the epoch anew)
                     self.dropped += 1
                     continue
-                self._cur = (ent[0], ent[1])
+                self._plan.cur = (ent[0], ent[1])
                 self._stepped = False
                 weights = False
                 yield data
                 if not self._stepped:
                     raise RuntimeError("psd: call w.step() once for each batch")
-                if self._pos >= len(self._ids) and not self._after_barrier():
+                if self._plan.done() and not self._after_barrier():
                     return
             self._in_loader = False
-            self._fifo.clear()
-            self._handed = self._pos
-            if self._pos >= len(self._ids):  # not one batch this pass
+            self._plan.restart_hand()
+            if self._plan.done():  # not one batch this pass
                 self._barrier()
                 if not self._after_barrier():
                     return
 
     def _valid(self, ent):
-        return ent[2] == self._gen and ent[0] == self._pos and ent[1] <= len(self._ids)
+        return self._plan.valid(ent)
 
     def _start_batches(self):
         """Ask for the first weights of the epoch's batches; False if this
         worker has none this epoch and psd gave it no more."""
-        if self._pos >= len(self._ids):
+        if self._plan.done():
             self._barrier()
             return self._after_barrier()
         self._lib.psw_client_pull(self._c, self._version)
@@ -678,8 +659,7 @@ class Worker:
                 self.rejoins += 1
                 self._versions = None
                 self._pending = None
-                self._gen += 1
-                self._fifo.clear()
+                self._plan.void_handed()
                 print("psd: worker %d registered again (rank %d)" % (self.rank, self.rank), file=sys.stderr,
                       flush=True)
                 return None
@@ -780,13 +760,8 @@ class Worker:
         """EPOCH (not append): this worker's samples of epoch ev.epoch."""
         self._epoch = ev.epoch
         self.world = ev.world
-        self._ids = [ev.samples[i] for i in range(ev.n_samples)]
-        self._pos = 0
-        self._cur = None
+        self._plan.adopt(ev.samples[i] for i in range(ev.n_samples))
         self._version = ev.version
-        self._gen += 1
-        self._handed = 0
-        self._fifo.clear()
 
     def _more(self, ev):
         """EPOCH: more samples for this epoch, fewer (keep), or, not
@@ -796,21 +771,13 @@ class Worker:
             if ev.epoch != self._epoch:
                 return False
             self._adopt(ev)
-            if self._ids:
+            if self._plan.ids:
                 self._lib.psw_client_pull(self._c, self._version)
             return True
         if ev.keep:
-            del self._ids[ev.keep:]
-            # a loader's batches past keep are void for good (samples added later take those
-            # positions: other samples); the part of one before keep is handed again
-            cut = min(self._handed, len(self._ids))
-            for ent in ([self._head] if self._head else []) + list(self._fifo):
-                if ent[2] == self._gen and ent[1] > len(self._ids):
-                    cut = min(cut, ent[0])
-                    ent[2] = -1
-            self._handed = max(cut, self._pos)
+            self._plan.keep(ev.keep)
         else:
-            self._ids.extend(ev.samples[i] for i in range(ev.n_samples))
+            self._plan.extend(ev.samples[i] for i in range(ev.n_samples))
         return True
 
     def _wait_weights(self):
@@ -824,7 +791,7 @@ class Worker:
                     self._grads_ready()
                     return True
                 if ev.kind == L.EV_EPOCH and self._more(ev):
-                    if self._pos >= len(self._ids):  # psd gave it nothing left of the epoch
+                    if self._plan.done():  # psd gave it nothing left of the epoch
                         self._barrier()
                         return self._after_barrier() and self._wait_weights()
                     continue
@@ -841,7 +808,7 @@ class Worker:
             while True:
                 ev = self._take(self._timeout)
                 if ev.kind == L.EV_EPOCH and self._more(ev):
-                    if self._pos < len(self._ids):
+                    if not self._plan.done():
                         if ev.append:
                             self._lib.psw_client_pull(self._c, self._version)
                         return True
@@ -853,7 +820,7 @@ class Worker:
             self.wait_s += time.perf_counter() - t0
 
     def _barrier(self):
-        if self._lib.psw_client_barrier(self._c, self._epoch, len(self._ids)) != 0:
+        if self._lib.psw_client_barrier(self._c, self._epoch, len(self._plan.ids)) != 0:
             raise RunError("psd: barrier failed")
 
     def _set_weights(self, ev):
