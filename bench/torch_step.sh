@@ -1,7 +1,7 @@
 #!/bin/bash
 # Benchmark (issue 59): what a psd.torch step costs beyond the user's compute.
 #
-#   bash bench/torch_step.sh [PAIRS] [EPOCHS]      (defaults 9 and 3)
+#   bash bench/torch_step.sh [PAIRS] [EPOCHS] [--gru]     (defaults 9 and 3; --gru: part 1 only)
 #
 # 1. The GRU of bench/torch_gru_step.py (4,164 parameters, batch 32, Adam, 1
 #    thread): psd + 1 torch worker against one plain PyTorch process stepping
@@ -75,5 +75,6 @@ for p in range(1, pairs + 1):
 print("GRU: median of the pairs' ratios (psd / plain, ms a step) %.3f (min %.3f, max %.3f)"
       % (statistics.median(ratios), min(ratios), max(ratios)))
 PY
+[ "${3:-}" = --gru ] && exit 0
 echo
 bash "$ROOT/bench/torch_mlp.sh" "$EPOCHS" "$PAIRS" --no-ddp
