@@ -37,6 +37,7 @@ import weakref
 import torch
 
 from . import _lib as L
+from . import _valid
 from ._plan import Plan
 from ._staging import Staging
 from .optim import Unsupported, offer_text
@@ -920,24 +921,16 @@ class Worker:
         self._set_weights(ev)
         split = "val" if ev.split == L.SPLIT_VAL else "test"
         ids = [ev.val_ids[i] for i in range(ev.n_val_ids)]
-        sums = {}
-        step = max(1, self.val_batch_size)
-        with torch.no_grad():
-            for at in range(0, len(ids), step):
-                part = fn(split, ids[at:at + step])
-                for key, v in part.items():
-                    sums[key] = sums.get(key, 0) + (v.item() if torch.is_tensor(v) else v)
-                self._lib.psw_client_heartbeat(self._c, ev.epoch)
-        count = int(sums.pop("count", len(ids)))
-        if count != len(ids):
-            raise RunError("psd: the validation function counted %d samples of %d" % (count, len(ids)))
-        loss = float(sums.pop("loss", 0.0))
-        correct = int(sums.pop("correct", 0))
-        names = sorted(sums)
+        try:
+            loss, correct, count, sums = _valid.answer(split, ids, fn, self.val_batch_size,
+                                                       lambda: self._lib.psw_client_heartbeat(self._c, ev.epoch))
+        except _valid.ValidationError as e:
+            raise RunError(str(e)) from None
+        names = list(sums)
         arr = (L.Sum * max(1, len(names)))()
         for i, key in enumerate(names):
             arr[i].name = key.encode()
-            arr[i].value = float(sums[key])
+            arr[i].value = sums[key]
         r = L.Val(epoch=ev.epoch, version=ev.version, begin=ev.val_begin, split=ev.split, loss_sum=loss,
                   correct=correct, count=count, n_sums=len(names), sums=arr)
         rc = self._lib.psw_client_val_result(self._c, ctypes.byref(r))
