@@ -332,54 +332,11 @@ static bool double_in_range(const key_spec_t *e, double v)
     return true;
 }
 
-/* ---------------------------------------------------------------- scalar parsing */
-
-/* Strict base-10 integer: the whole text, no surrounding space.
- * 0, -1 not an integer, -2 out of int64 range. */
-static int parse_i64(const char *s, int64_t *out)
-{
-    if (*s == '\0' || isspace((unsigned char)*s)) return -1;
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (end == s || *end != '\0') return -1;
-    if (errno == ERANGE) return -2;
-    *out = (int64_t)v;
-    return 0;
-}
-
-static int parse_u64(const char *s, uint64_t *out)
-{
-    /* strtoull accepts "-1" and wraps it. */
-    if (*s == '\0' || isspace((unsigned char)*s) || *s == '-') return -1;
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (end == s || *end != '\0') return -1;
-    if (errno == ERANGE) return -2;
-    *out = (uint64_t)v;
-    return 0;
-}
-
-/* Finite double, whole text. Underflow to a denormal or zero is accepted so
- * that anything fmt_double writes reads back. */
-static int parse_double(const char *s, double *out)
-{
-    if (*s == '\0' || isspace((unsigned char)*s)) return -1;
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (end == s || *end != '\0') return -1;
-    if (!isfinite(v)) return -2;
-    *out = v;
-    return 0;
-}
-
 /* One entry of model.layers. Messages start with the key. */
 static int parse_layer_size(const key_spec_t *e, const char *s, int *out, char *msg, size_t n)
 {
     int64_t v;
-    int rc = parse_i64(s, &v);
+    int rc = ps_parse_i64(s, &v);
     if (rc == -1) {
         set_err(msg, n, "%s: expected an integer layer size, got '" SHOW "'", e->key, s);
         return -1;
@@ -466,7 +423,7 @@ static int parse_value(const key_spec_t *e, const char *text, ps_config_t *c, ch
     case KT_INT:
     case KT_INT64: {
         int64_t v;
-        int rc = parse_i64(text, &v);
+        int rc = ps_parse_i64(text, &v);
         if (rc == -1) break;
         if (rc == -2 || v < e->imin || v > e->imax) {
             describe_range(e, range, sizeof range);
@@ -483,7 +440,7 @@ static int parse_value(const key_spec_t *e, const char *text, ps_config_t *c, ch
     }
     case KT_UINT64: {
         uint64_t v;
-        int rc = parse_u64(text, &v);
+        int rc = ps_parse_u64(text, &v);
         if (rc == -1) break;
         if (rc == -2) {
             set_err(msg, n, "%s: " SHOW " is out of range (must be in [0, %llu])", e->key, text,
@@ -495,7 +452,7 @@ static int parse_value(const key_spec_t *e, const char *text, ps_config_t *c, ch
     }
     case KT_DOUBLE: {
         double v;
-        int rc = (e->flags & F_OFF) && strcmp(text, "off") == 0 ? (v = 0.0, 0) : parse_double(text, &v);
+        int rc = (e->flags & F_OFF) && strcmp(text, "off") == 0 ? (v = 0.0, 0) : ps_parse_double(text, &v);
         if (rc == -1) break;
         if (rc == -2) {
             set_err(msg, n, "%s: expected a finite number, got '" SHOW "'", e->key, text);
@@ -808,7 +765,7 @@ static int ld_shape(loader_t *l, ps_tensor_spec_t *t, int i)
                 ld_err(l, ev_line(l), "model.tensors[%d]: more than %d dimensions", i, PS_MAX_DIMS);
                 return -1;
             }
-            if (parse_u64(v, &d) != 0 || d == 0 || d > PS_MAX_NUMEL) {
+            if (ps_parse_u64(v, &d) != 0 || d == 0 || d > PS_MAX_NUMEL) {
                 ld_err(l, ev_line(l), "model.tensors[%d]: dimension '" SHOW "' is not an integer from 1 to 2^61", i, v);
                 return -1;
             }
@@ -957,7 +914,7 @@ static int ld_group(loader_t *l, ps_group_t *g, int i)
             continue;
         }
         double d;
-        if (parse_double(v, &d) != 0) {
+        if (ps_parse_double(v, &d) != 0) {
             ld_err(l, ev_line(l), "optimizer.groups[%d]: %s: expected a number, got '" SHOW "'", i, fields[f], v);
             return -1;
         }

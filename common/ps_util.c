@@ -4,7 +4,9 @@
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
+#include <ctype.h>
 #include <errno.h>
+#include <math.h>
 #include <sched.h>
 #include <fcntl.h>
 #include <libgen.h>
@@ -592,4 +594,47 @@ void ps_yaml_quoted(FILE *f, const char *s)
         }
     }
     fputc('"', f);
+}
+
+/* Strict text to number (ps_util.h). */
+
+/* Strict base-10 integer: the whole text, no surrounding space.
+ * 0, -1 not an integer, -2 out of int64 range. */
+int ps_parse_i64(const char *s, int64_t *out)
+{
+    if (*s == '\0' || isspace((unsigned char)*s)) return -1;
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end != '\0') return -1;
+    if (errno == ERANGE) return -2;
+    *out = (int64_t)v;
+    return 0;
+}
+
+int ps_parse_u64(const char *s, uint64_t *out)
+{
+    /* strtoull accepts "-1" and wraps it. */
+    if (*s == '\0' || isspace((unsigned char)*s) || *s == '-') return -1;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (end == s || *end != '\0') return -1;
+    if (errno == ERANGE) return -2;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* Finite double, whole text. Underflow to a denormal or zero is accepted so
+ * that anything ps_fmt_double writes reads back. */
+int ps_parse_double(const char *s, double *out)
+{
+    if (*s == '\0' || isspace((unsigned char)*s)) return -1;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || *end != '\0') return -1;
+    if (!isfinite(v)) return -2;
+    *out = v;
+    return 0;
 }

@@ -158,4 +158,12 @@ void ps_fmt_double(double v, char *buf, size_t n);
 /* s as a double-quoted YAML scalar that reads back byte for byte (UTF-8 text). */
 void ps_yaml_quoted(FILE *f, const char *s);
 
+/* Strict text to number: the whole text, no surrounding space, base 10.
+ * ps_parse_i64: 0, -1 not an integer, -2 out of range; ps_parse_u64 the
+ * same (a '-' is not an integer); ps_parse_double: a finite double (0, -1,
+ * -2 for inf/nan or overflow; underflow to a denormal or zero is taken). */
+int ps_parse_i64(const char *s, int64_t *out);
+int ps_parse_u64(const char *s, uint64_t *out);
+int ps_parse_double(const char *s, double *out);
+
 #endif

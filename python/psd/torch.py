@@ -345,7 +345,7 @@ class Worker:
         t0 = time.perf_counter()
         if self._fast_push is not None and self._stg is None and all(
                 p.grad is v for (_, p), v in zip(self._table, self._views)):
-            self._push_fast(a, b, n, loss_sum, correct)
+            self._push_fast(n, loss_sum, correct)
             self.wait_s += time.perf_counter() - t0
             return
         grads = (L.Grad * len(self._table))()
@@ -422,6 +422,14 @@ class Worker:
                 keep.append(want)
                 push.want = ctypes.cast(want.data_ptr(), L.c_u32_p)
                 push.n_want = want.numel()
+        self._send(push, last)
+        del keep  # (sent: _send waits until the library lets the tensors go)
+        self.wait_s += time.perf_counter() - t0
+
+    def _send(self, push, last):
+        """Push, wait until it is sent (the gradients go from the tensors themselves: untouched
+        until then; the library's I/O thread wakes the wait, without the GIL, as it lets the last
+        buffer go), and end the batch; last: the epoch's last sample so far (the barrier)."""
         rc = self._lib.psw_client_push_v(self._c, ctypes.byref(push))
         if rc in _LOST:  # the batch is trained again by whoever gets it
             self._pending = self._lost("the push failed (%d)" % rc)
@@ -429,17 +437,13 @@ class Worker:
         elif rc != 0:
             raise RunError("psd: push failed (%d)" % rc, 1)
         elif self._lib.psw_client_push_wait(self._c, self._timeout) != 0:
-            # sent from the tensors themselves: they stay untouched until the send is done (the library's
-            # I/O thread wakes this wait, without the GIL, as it lets the last buffer go)
             raise RunError("psd: a push was not sent in %.0f s" % self._timeout, 1)
-        del keep
         self.steps += 1
         self._stepped = True
         if last and self._c is not None:
             self._barrier()
-        self.wait_s += time.perf_counter() - t0
 
-    def _push_fast(self, a, b, n, loss_sum, correct):
+    def _push_fast(self, n, loss_sum, correct):
         """step() where every gradient is psd's shared-memory view (the usual case on psd's host):
         the push descriptor built once (_grads_ready) is sent as it is, with this batch's figures."""
         push = self._fast_push
@@ -450,18 +454,7 @@ class Worker:
         push.correct = int(correct)
         push.pull = 0 if last else 1
         self.bytes_pushed += self._fast_bytes
-        rc = self._lib.psw_client_push_v(self._c, ctypes.byref(push))
-        if rc in _LOST:  # the batch is trained again by whoever gets it
-            self._pending = self._lost("the push failed (%d)" % rc)
-            last = False
-        elif rc != 0:
-            raise RunError("psd: push failed (%d)" % rc, 1)
-        elif self._lib.psw_client_push_wait(self._c, self._timeout) != 0:
-            raise RunError("psd: a push was not sent in %.0f s" % self._timeout, 1)
-        self.steps += 1
-        self._stepped = True
-        if last and self._c is not None:
-            self._barrier()
+        self._send(push, last)
 
     def backward(self, loss, loss_sum=0.0, batch=None, correct=0):
         """loss.backward() and step(loss_sum, batch, correct), where the

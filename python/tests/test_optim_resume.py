@@ -10,6 +10,20 @@ BEFORE = CONFIG.replace("optimizer: {name: sgd, lr: 0.1, momentum: 0.9}",
 FLAGS = ["--set", "optimizer.nesterov=true", "--set", "optimizer.weight_decay=0.0005"]
 
 
+def _train(r, *args, **kw):
+    """A worker of run r (its script and arguments), both to a clean end."""
+    p = r.worker(*args, **kw)
+    o, e = p.communicate(timeout=120)
+    assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+    return o, e
+
+
+def _without_stop(r):
+    """r's psd started again runs to the end (its --stop-after-epoch dropped)."""
+    i = r.args.index("--stop-after-epoch")
+    del r.args[i:i + 2]
+
+
 def test_a_run_from_before_the_defaults_is_told_the_flags_and_resumes_with_them(tmp_path):
     """A checkpoint with psd's former defaults (their hash is the values', written out here as a
     run before the change had them): --resume with today's defaults is refused (exit 2) naming
@@ -21,17 +35,13 @@ def test_a_run_from_before_the_defaults_is_told_the_flags_and_resumes_with_them(
     b.mkdir()
     straight = Run(a, 1, config=BEFORE, extra=("--save", str(a / "w.safetensors")))
     try:
-        p = straight.worker()
-        o, e = p.communicate(timeout=120)
-        assert p.returncode == 0 and straight.psd.wait(timeout=60) == 0, e + straight.psd_log()
+        _train(straight)
     finally:
         straight.kill()
     ck = ("--set", "checkpoint.dir=%s" % (b / "ck"))
     r = Run(b, 1, config=BEFORE, extra=("--save", str(b / "w.safetensors")) + ck + ("--stop-after-epoch", "1"))
     try:
-        p = r.worker()
-        o, e = p.communicate(timeout=120)
-        assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+        _train(r)
         (b / "now.yaml").write_text(CONFIG)  # today: the same file, without the former defaults
         now = [PSD, "--config", str(b / "now.yaml"), "--listen", "tcp://127.0.0.1:0", "--save", "",
                "--set", "checkpoint.dir=%s" % (b / "ck"), "--resume", str(b / "ck"), "--check-config"]
@@ -42,12 +52,9 @@ def test_a_run_from_before_the_defaults_is_told_the_flags_and_resumes_with_them(
         c = subprocess.run(now + FLAGS, capture_output=True, text=True, timeout=60)
         assert c.returncode == 0 and "would resume run" in c.stdout, c.stdout + c.stderr
         r.args[r.args.index("--config") + 1] = str(b / "now.yaml")
-        i = r.args.index("--stop-after-epoch")
-        del r.args[i:i + 2]
+        _without_stop(r)
         r.start_psd("--resume", str(b / "ck"), *FLAGS)
-        p = r.worker()
-        o, e = p.communicate(timeout=120)
-        assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+        _train(r)
         assert "resuming run" in r.psd_log()
     finally:
         r.kill()
@@ -72,20 +79,15 @@ def test_the_offered_optimizer_is_the_checkpoints_and_a_resume_goes_on_with_it(t
     b.mkdir()
     straight = Run(a, 1, config=RCONFIG, extra=("--save", str(a / "w.safetensors")))
     try:
-        p = straight.worker(case, str(a), script="replay_worker.py")
-        o, e = p.communicate(timeout=120)
-        assert p.returncode == 0 and straight.psd.wait(timeout=60) == 0, e + straight.psd_log()
+        _train(straight, case, str(a), script="replay_worker.py")
     finally:
         straight.kill()
     port = free_port()
     ck = ("--set", "checkpoint.dir=%s" % (b / "ck"), "--http", "127.0.0.1:%d" % port)
     r = Run(b, 1, config=RCONFIG, extra=("--save", str(b / "w.safetensors")) + ck + ("--stop-after-epoch", "4"))
     try:
-        p = r.worker(case, str(b), script="replay_worker.py")
-        o, e = p.communicate(timeout=120)
-        assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
-        i = r.args.index("--stop-after-epoch")
-        del r.args[i:i + 2]
+        _train(r, case, str(b), script="replay_worker.py")
+        _without_stop(r)
         r.start_psd("--resume", str(b / "ck"))
         r.wait_log("listening on")
         log = r.psd_log()
@@ -101,9 +103,7 @@ def test_the_offered_optimizer_is_the_checkpoints_and_a_resume_goes_on_with_it(t
         assert st["optimizer"]["optimizer.name"] == {"value": "adam", "from": "worker"}, st["optimizer"]
         assert st["optimizer"]["schedule.interval"] == {"value": "step", "from": "worker"}, st["optimizer"]
         assert st["optimizer"]["optimizer.clip_norm"]["from"] == "default", st["optimizer"]
-        p = r.worker(case, str(b), script="replay_worker.py")
-        o, e = p.communicate(timeout=120)
-        assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+        _train(r, case, str(b), script="replay_worker.py")
         assert "resuming run" in r.psd_log()
     finally:
         r.kill()
