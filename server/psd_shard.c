@@ -151,6 +151,31 @@ static int to_leader(shard_t *s, Psd__Header *h, const ps_frame_t *fr, int n)
     return ps_msg_send(s->leader, NULL, 0, h, fr, n);
 }
 
+/* A message of registered worker `rank` this shard cannot take: dropped
+ * and logged, and shard 0 told (SHARD_HAVE with the words), which ends
+ * that worker's run with them (a worker left waiting for an answer the
+ * shard will never give would only be lost and register again). */
+static void refuse(shard_t *s, uint32_t rank, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void refuse(shard_t *s, uint32_t rank, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    sdrop(s, "%s", msg);
+    Psd__Header h;
+    Psd__ShardHave hv = PSD__SHARD_HAVE__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_SHARD_HAVE;
+    hv.rank = rank;
+    hv.version = s->store.cur->version;
+    hv.refused = msg;
+    h.body_case = PSD__HEADER__BODY_SHARD_HAVE;
+    h.shard_have = &hv;
+    to_leader(s, &h, NULL, 0);
+}
+
 static void hello(shard_t *s)
 {
     char host[64];
@@ -901,7 +926,7 @@ static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
     psd_took_t took;
     char why[256];
     if (psd_push_take(&s->hold, &w->push, m, s->hold.wire_bf16, 0, &took, why, sizeof why) != 0) {
-        sdrop(s, "PUSH of rank %u %s", rank, why);
+        refuse(s, rank, "PUSH of rank %u %s", rank, why);
         return;
     }
     s->bytes_in += took.bytes;
@@ -960,7 +985,7 @@ static void on_worker(shard_t *s, ps_msg_t *m)
         if (h->pull->want_rows) {
             char why[256];
             if (psd_want_take(&s->hold, &w->push, m, s->hold.piece_rows, why, sizeof why) != 0) {
-                sdrop(s, "PULL of rank %u %s", h->rank, why);
+                refuse(s, h->rank, "PULL of rank %u %s", h->rank, why);
                 break;
             }
         } else {
@@ -969,7 +994,7 @@ static void on_worker(shard_t *s, ps_msg_t *m)
         w->want = h->pull->min_version + 1;
         if (!s->awaiting_apply) answer_pulls(s);
         break;
-    default: sdrop(s, "%s is not a message workers send to a shard", ps_msg_type_name((int)h->type));
+    default: refuse(s, h->rank, "%s is not a message workers send to a shard", ps_msg_type_name((int)h->type));
     }
 }
 

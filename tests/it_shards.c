@@ -347,9 +347,24 @@ static void shard_weights(void *d, uint64_t version, float *out, size_t n)
     ps_msg_deinit(&m);
 }
 
+/* n refusals told to shard 0 on lead (SHARD_HAVE with the shard's words,
+ * starting `words`), and no SHARD_HAVE that takes a push among them. */
+static void refused_told(void *lead, int n, const char *words)
+{
+    for (int k = 0; k < n; k++) {
+        ps_msg_t m;
+        cr_assert_eq(recv_type(lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 30), 0, "refusal %d not told", k + 1);
+        const char *r = m.hdr->shard_have->refused;
+        cr_assert(r && strncmp(r, words, strlen(words)) == 0 && m.hdr->shard_have->rank == 0,
+                  "refusal %d: a push taken or other words (%s)", k + 1, r ? r : "(none)");
+        ps_msg_deinit(&m);
+    }
+}
+
 /* A psd shard takes a push of table rows for its piece of the table only
  * (ids strictly increasing inside the piece, one value row each: anything
- * else is dropped and logged), steps the rows pushed (no other), forgets
+ * else is dropped, logged and told to shard 0, which ends that worker's
+ * run), steps the rows pushed (no other), forgets
  * a push's rows at the next one,
  * and answers a push or a PULL that lists rows of its piece with those
  * rows. The test is shard 0 (ctr.yaml: the MLP on shard 0, the table's
@@ -387,7 +402,7 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
     shard_push_rows(w, 0, unsorted, 2, 2, 1, seq);
     shard_push_rows(w, 0, ok, 2, 1, 1, seq);
     shard_push_rows(w, 0, ok, 2, -1, 1, seq);
-    cr_assert_neq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 1), 0, "a bad push of rows was taken");
+    refused_told(f.lead, 4, "PUSH of rank 0 ");
     char *text = slurp(f.log);
     cr_assert_eq(count_in(text, "are not rows of this shard's piece of the table"), 4, "%s", text);
     free(text);
@@ -419,7 +434,7 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
     const uint32_t other[1] = {50001}, want[2] = {32768, 65535};
     shard_push_rows_want(w, 2, other, 1, 1, 1, below, 2, true, seq);
     shard_push_rows_want(w, 2, other, 1, 1, 1, want, 2, false, seq);
-    cr_assert_neq(recv_type(f.lead, true, PSD__MSG_TYPE__MSG_SHARD_HAVE, &m, 1), 0, "a bad list of rows was taken");
+    refused_told(f.lead, 2, "PUSH of rank 0 ");
     text = slurp(f.log);
     cr_assert_eq(count_in(text, "asking for table rows that are not rows of this shard's piece"), 2, "%s", text);
     free(text);
@@ -451,6 +466,7 @@ Test(short, a_psd_shard_takes_table_rows_of_its_piece_only)
                          .dtype = PSD__DTYPE__DT_U32, .rows = k ? 1 : 2};
         cr_assert_eq(ps_msg_send(w, NULL, 0, &h, &fr, 1), 0);
     }
+    refused_told(f.lead, 1, "PULL of rank 0 ");
     cr_assert_eq(recv_type(w, false, PSD__MSG_TYPE__MSG_WEIGHTS, &m, 30), 0, "no WEIGHTS for the PULL of rows");
     r = m.n_frames == 1 ? ps_msg_f32(&m, 0, &got) : NULL;
     cr_assert(r && got == 8 && m.hdr->weights->rows, "row 40000 only (%zu floats)", got);
@@ -525,7 +541,8 @@ Test(short, a_psd_shard_refuses_a_negative_norm)
 
 /* A shard's HELLO to shard 0 (as shard i of n, config hash `hash`, a model
  * of n_params: 0 when it takes shard 0's), from the fake shard's DEALER d. */
-static void fake_hello_of(void *d, uint32_t i, uint32_t n, uint64_t hash, uint64_t n_params, uint64_t *seq)
+static void fake_hello_at(void *d, uint32_t i, uint32_t n, uint64_t hash, uint64_t n_params, const char *ep,
+                          uint64_t *seq)
 {
     Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_HELLO, ++*seq);
     h.run_id = 0;
@@ -533,7 +550,7 @@ static void fake_hello_of(void *d, uint32_t i, uint32_t n, uint64_t hash, uint64
     Psd__ShardHello b = PSD__SHARD_HELLO__INIT;
     b.shard = i;
     b.shards = n;
-    b.endpoint = "tcp://127.0.0.1:1";
+    b.endpoint = (char *)ep;
     b.config_hash = hash;
     b.n_params = n_params;
     b.hostname = "fake";
@@ -541,6 +558,12 @@ static void fake_hello_of(void *d, uint32_t i, uint32_t n, uint64_t hash, uint64
     h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     h.shard_hello = &b;
     cr_assert_eq(ps_msg_send(d, NULL, 0, &h, NULL, 0), 0);
+}
+
+/* ... whose workers' endpoint is nobody's */
+static void fake_hello_of(void *d, uint32_t i, uint32_t n, uint64_t hash, uint64_t n_params, uint64_t *seq)
+{
+    fake_hello_at(d, i, n, hash, n_params, "tcp://127.0.0.1:1", seq);
 }
 
 /* ... of the MLP 784-10 */
@@ -581,6 +604,91 @@ Test(short, a_joined_shard_saying_hello_as_another_is_still_watched)
               l); /* named as the shard it is, not "an unknown peer" */
     cr_expect(strstr(l, "psd shard 1 (fake pid 4242) lost"), "%s", l);
     free(l);
+    zmq_close(d);
+    zmq_ctx_term(ctx);
+}
+
+/* A message of a worker that a psd shard cannot take ends that worker's
+ * run from shard 0 (before, the shard only dropped it: the worker waited,
+ * was declared lost and registered again, forever). This test is shard 1
+ * of 2: it joins, draws its part, and tells shard 0 it refused rank 0's
+ * push; the real pworker ends with exit 2 and psd's reason naming the
+ * shard's words, and psd counts it refused. */
+Test(short, a_message_a_psd_shard_refuses_ends_that_workers_run)
+{
+    run_t r;
+    const char *args[] = {"--set", "model.layers=[784,10]", "--set", "checkpoint.dir=", "--shard", "0/2",
+                          "--start-timeout", "60", NULL};
+    pid_t p = start_psd(&r, "shardrefuse", 1, args);
+    void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
+    int zero = 0;
+    zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof zero);
+    cr_assert_eq(zmq_connect(d, r.endpoint), 0);
+    uint64_t seq = 0, hash = 0;
+    ps_msg_t m;
+    fake_hello(d, 1, 2, 0, &seq); /* a wrong hash: the refusal names shard 0's */
+    cr_assert_eq(recv_type(d, false, PSD__MSG_TYPE__MSG_ERROR, &m, 60), 0, "no refusal");
+    const char *at = m.hdr->error->message ? strstr(m.hdr->error->message, "shard 0's ") : NULL;
+    cr_assert(at && sscanf(at, "shard 0's %" SCNx64, &hash) == 1, "%s", m.hdr->error->message);
+    ps_msg_deinit(&m);
+    char wep[64]; /* where the worker finds this shard: it answers the worker's REGISTER */
+    snprintf(wep, sizeof wep, "tcp://127.0.0.1:%d", free_port());
+    void *ws = zmq_socket(ctx, ZMQ_ROUTER);
+    zmq_setsockopt(ws, ZMQ_LINGER, &zero, sizeof zero);
+    cr_assert_eq(zmq_bind(ws, wep), 0);
+    fake_hello_at(d, 1, 2, hash, 784 * 10 + 10, wep, &seq);
+    cr_assert_eq(recv_type(d, false, PSD__MSG_TYPE__MSG_SHARD_HELLO, &m, 30), 0, "not joined");
+    const uint64_t run = m.hdr->run_id;
+    ps_msg_deinit(&m);
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, (const int[]){784, 10}, 2), 0);
+    ps_piece_t pc[PS_MAX_TENSORS];
+    ps_shard_pieces(&l, 1, 2, pc);
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_INIT_DONE, ++seq);
+    h.run_id = run;
+    h.rank = 1;
+    Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
+    f.count = ps_part_size(pc, l.n_tensors);
+    h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
+    h.shard_fetch = &f;
+    cr_assert_eq(ps_msg_send(d, NULL, 0, &h, NULL, 0), 0);
+    pid_t w = start_worker(&r, "shardrefuse", 0, NULL);
+    cr_assert_eq(recv_type(d, false, PSD__MSG_TYPE__MSG_SHARD_WORKER, &m, 60), 0, "no SHARD_WORKER for the worker");
+    const uint32_t rank = m.hdr->shard_worker->rank;
+    ps_msg_deinit(&m);
+    cr_assert_eq(recv_type(ws, true, PSD__MSG_TYPE__MSG_REGISTER, &m, 30), 0, "the worker did not register here");
+    Psd__Header a = fake_hdr(PSD__MSG_TYPE__MSG_ASSIGN, 1);
+    a.run_id = run;
+    a.rank = rank;
+    Psd__Assign as = PSD__ASSIGN__INIT;
+    as.rank = rank;
+    a.body_case = PSD__HEADER__BODY_ASSIGN;
+    a.assign = &as;
+    cr_assert_eq(ps_msg_send(ws, m.ident, m.ident_len, &a, NULL, 0), 0);
+    ps_msg_deinit(&m);
+    cr_assert_eq(recv_type(ws, true, PSD__MSG_TYPE__MSG_PULL, &m, 30), 0, "the worker did not pull here");
+    ps_msg_deinit(&m);
+    h = fake_hdr(PSD__MSG_TYPE__MSG_SHARD_HAVE, ++seq);
+    h.run_id = run;
+    h.rank = 1;
+    Psd__ShardHave hv = PSD__SHARD_HAVE__INIT;
+    hv.rank = rank;
+    hv.refused = "PUSH of rank 0 made up by the test";
+    h.body_case = PSD__HEADER__BODY_SHARD_HAVE;
+    h.shard_have = &hv;
+    cr_assert_eq(ps_msg_send(d, NULL, 0, &h, NULL, 0), 0);
+    cr_assert_eq(proc_wait(w, 30), 2, "the worker's run did not end with exit 2 (log %s)", r.psd_log);
+    char *wl = rank0_log("shardrefuse", 1);
+    cr_expect(wl && strstr(wl, "psd refused this worker: psd shard 1: PUSH of rank 0 made up by the test"), "%s",
+              wl ? wl : "");
+    free(wl);
+    char *l0 = slurp(r.psd_log);
+    cr_expect(strstr(l0, "refused: psd shard 1: PUSH of rank 0 made up by the test; its run ends (exit 2)"), "%s",
+              l0);
+    free(l0);
+    kill(p, SIGTERM);
+    proc_wait(p, 30);
+    zmq_close(ws);
     zmq_close(d);
     zmq_ctx_term(ctx);
 }
