@@ -67,7 +67,7 @@ void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
     }
     uint64_t left = w->share.assigned - w->share.consumed;
     if (p->batch == 0 || p->batch > (uint32_t)s->cfg.batch_size || p->batch > left) {
-        drop(s, w, "PUSH of a batch of %u (batch size %d, %" PRIu64 " samples left)", p->batch,
+        drop(s, w, "PUSH of a batch of %u (train.batch_size %d, %" PRIu64 " samples left)", p->batch,
              s->cfg.batch_size, left);
         return;
     }

@@ -114,6 +114,47 @@ for f in "$CORPUS"/fuzz_safetensors/* "$CORPUS"/fuzz_weights/*; do
     verdict "model.init $(basename "$(dirname "$f")")/$(basename "$f")" "${L[@]}" --set model.kind=tensors \
         --set "model.init=$f"
 done
+# model.init: hostile safetensors files (each malformed one way), written here
+mkdir -p "$T/st"
+/usr/bin/python3 - "$T/st" <<'PY'
+import json, struct, sys
+d = sys.argv[1]
+def t(shape, a, b, dtype="F32"):
+    return {"dtype": dtype, "shape": shape, "data_offsets": [a, b]}
+def put(name, header, data=b"\0" * 4, length=None):
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
+    with open("%s/%s.safetensors" % (d, name), "wb") as f:
+        f.write(struct.pack("<Q", len(h) if length is None else length) + h + data)
+put("header-length-0", b"", b"", 0)
+put("header-length-past-the-file", b"{}", b"", 1000)
+put("header-length-2-63", b"{}", b"", 1 << 63)
+put("header-length-2-64-1", b"{}", b"", (1 << 64) - 1)
+put("json-unterminated", b'{"x":' + json.dumps(t([1], 0, 4)).encode())
+put("json-junk-after", json.dumps({"x": t([1], 0, 4)}).encode() + b"junk")
+put("json-lone-surrogate", b'{"x\\ud800":' + json.dumps(t([1], 0, 4)).encode() + b"}")
+put("dtype-f64", {"x": t([1], 0, 8, "F64")}, b"\0" * 8)
+put("dtype-unknown", {"x": t([1], 0, 4, "Q9")})
+put("shape-against-offsets", {"x": t([2], 0, 4)})
+put("offsets-past-the-data", {"x": t([1], 0, 1 << 40)})
+put("offsets-reversed", {"x": t([1], 4, 0)})
+put("offsets-with-a-hole", {"x": t([1], 4, 8)}, b"\0" * 8)
+put("offsets-overlapping", {"x": t([1], 0, 4), "y": t([1], 0, 4)})
+put("a-byte-no-tensor-covers", {"x": t([1], 0, 4)}, b"\0" * 5)
+put("data-truncated", {"x": t([4], 0, 16)}, b"\0" * 8)
+put("shape-overflowing-2-64", {"x": t([1 << 32, 1 << 32, 1 << 32], 0, 4)})
+put("shape-negative", {"x": t([-1], 0, 4)})
+put("shape-of-9-dims", {"x": t([1] * 9, 0, 4)})
+put("name-twice", b'{"x":' + json.dumps(t([1], 0, 4)).encode() + b',"x":' + json.dumps(t([0], 4, 4)).encode() + b"}")
+put("name-of-400-bytes", {"n" * 400: t([1], 0, 4)})
+put("field-unknown", {"x": dict(t([1], 0, 4), extra=1)})
+put("metadata-not-strings", {"__metadata__": {"k": 1}, "x": t([1], 0, 4)})
+put("tensors-16385", {"t%05d" % i: t([1], 4 * i, 4 * i + 4) for i in range(16385)}, b"\0" * (4 * 16385))
+put("no-tensors", {}, b"")
+put("not-an-object", b"[1, 2]", b"")
+PY
+for f in "$T"/st/*.safetensors; do
+    verdict "model.init hostile/$(basename "$f")" "${L[@]}" --set model.kind=tensors --set "model.init=$f"
+done
 # checkpoints: each one of the corpus alone in a run directory to --resume
 for f in "$CORPUS"/fuzz_ckpt/*; do
     r=$T/resume$n/run-00000000000000aa

@@ -24,10 +24,10 @@ import psd.torch as pst
 
 
 class Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, hidden=32):
         super().__init__()
-        self.fc1 = torch.nn.Linear(16, 32)
-        self.fc2 = torch.nn.Linear(32, 4)
+        self.fc1 = torch.nn.Linear(16, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 4)
         self.tag = "mine"              # an attribute of the user's own
 
     def forward(self, x):
@@ -62,14 +62,16 @@ def main():
     ap.add_argument("--raise-at", type=int, default=0)
     ap.add_argument("--exit-at", type=int, default=0)
     ap.add_argument("--batch-figure", type=int, default=0)
+    ap.add_argument("--hidden", type=int, default=32, help="the hidden layer's width")
+    ap.add_argument("--retry-s", type=float, default=120.0, help="how long to register again after psd is lost")
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = Net()
+    model = Net(a.hidden)
     xtr, ytr = data(a.train, 1)
     xte, yte = data(a.test, 2)
     w = pst.Worker(a.endpoint, model, train_size=a.train, test_size=a.test, data_id=a.data_id, verbose=a.verbose,
-                   shared_memory=not a.no_shm, staging=a.staging or None)
+                   shared_memory=not a.no_shm, staging=a.staging or None, retry_s=a.retry_s)
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if a.optimizer else None
 
     def evaluate(split, idx):
@@ -118,8 +120,8 @@ def main():
         w.log("rank %d epoch %d done (world %d)" % (w.rank, epoch, w.world))
     assert isinstance(model, Net) and model.tag == "mine" and model.describe() == "Net(mine)"
     w.log("model intact: %s" % model.describe())
-    w.log("copies %d rejoins %d steps %d dropped %d layer_pushes %d" % (w.copies, w.rejoins, w.steps, w.dropped,
-                                                                          w.layer_pushes))
+    w.log("copies %d rejoins %d steps %d dropped %d layer_pushes %d exit_code %s" % (
+        w.copies, w.rejoins, w.steps, w.dropped, w.layer_pushes, w.exit_code))
     return 0
 
 

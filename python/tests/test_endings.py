@@ -4,9 +4,11 @@ no traceback, where psd ended it), psd's log line with rank, host and reason, an
 file's and /status' counts. Real psd and worker scripts on loopback (conftest.py)."""
 import json
 import signal
+import subprocess
 import time
 import urllib.request
 
+import conftest
 from conftest import free_port, safetensors  # the run fixture: conftest.py
 
 SGD = ("--set", "optimizer.momentum=0", "--set", "optimizer.nesterov=false", "--set", "run.epochs=2")
@@ -30,6 +32,7 @@ def test_done_every_worker_exits_0_and_nothing_is_counted(run):
     out = [p.communicate(timeout=120) for p in w]
     assert r.psd.wait(timeout=60) == 0, r.psd_log()
     assert [p.returncode for p in w] == [0, 0], out
+    assert any("exit_code 0" in o for o, e in out), out  # rank 0's w.log: w.exit_code, psd's code, 0
     m = r.metrics()[-1]
     assert (m["workers_left"], m["workers_failed"], m["workers_lost"], m["workers_refused"]) == (0, 0, 0, 0), m
     assert "run finished" in last_line(r.psd_log()) or "step interval" in last_line(r.psd_log()), r.psd_log()
@@ -64,7 +67,7 @@ def test_a_push_psd_cannot_take_ends_that_workers_run_at_once_with_exit_2(run):
     o, e = bad.communicate(timeout=60)
     assert bad.returncode == 2, (o, e, r.psd_log())
     line = one_line(e)
-    assert "psd refused this worker" in line and "PUSH of a batch of 1000 (batch size 32" in line, line
+    assert "psd refused this worker" in line and "PUSH of a batch of 1000 (train.batch_size 32" in line, line
     good.communicate(timeout=120)
     assert r.psd.wait(timeout=60) == 0 and good.returncode == 0, r.psd_log()
     log = r.psd_log()
@@ -137,3 +140,38 @@ def test_psd_ending_the_run_is_the_workers_exit_code_in_one_line(run):
     o, e = b.communicate(timeout=60)
     assert b.returncode == 2 and "'v2'" in one_line(e), e
     assert " refused: " in r2.psd_log(), r2.psd_log()
+
+
+def test_psd_lost_and_not_back_within_retry_s_is_exit_4_in_one_line(run):
+    """psd killed (-9) mid-run and not restarted: the torch worker registers again for retry_s,
+    then exits 4 with one line naming psd's endpoint, no traceback."""
+    r = run(1)
+    p = r.worker("--slow", "0.02", "--retry-s", "2")
+    r.wait_log("workers ready; training")
+    time.sleep(0.5)
+    r.psd.kill()
+    r.psd.wait()
+    o, e = p.communicate(timeout=60)
+    assert p.returncode == 4, (o, e)
+    line = one_line(e)
+    assert "did not come back within 2 s" in line and r.ep in line, e
+    assert "registering again for up to 2 s" in e, e
+
+
+def test_a_psd_shard_lost_is_the_workers_exit_5_in_one_line(run, tmp_path):
+    """psd with two shards: shard 1 killed mid-run, psd (shard 0) ends the run with exit 5 and
+    the torch worker exits 5 with psd's reason in one line."""
+    r = run(1, extra=("--shard", "0/2", "--worker-timeout", "2"))
+    shard = subprocess.Popen([conftest.PSD, "--config", str(tmp_path / "c.yaml"), "--shard", "1/2", "--leader", r.ep,
+                              "--listen", "tcp://127.0.0.1:%d" % free_port(), "--set", "checkpoint.dir=",
+                              "--worker-timeout", "2"], stdout=r.log, stderr=subprocess.STDOUT)
+    r.procs.append(shard)
+    p = r.worker("--slow", "0.02", "--hidden", "1100")  # 23,104 parameters: 2 blocks, one a shard
+    r.wait_log("workers ready; training")
+    time.sleep(0.5)
+    shard.kill()
+    shard.wait()
+    assert r.psd.wait(timeout=60) == 5, r.psd_log()
+    o, e = p.communicate(timeout=60)
+    assert p.returncode == 5, (o, e)
+    assert "psd ended this worker's run (exit 5)" in one_line(e), e
