@@ -708,6 +708,10 @@ void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((form
  * its words are kept for refuse_worker (psd_server.c ends that worker's run
  * after the handler returns); drop_stale: a message of a worker's earlier
  * session (another run id, rank, an old sequence number), only logged. */
+void refuse_after(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* refuse_after: w's run ends with the reason once the handler returns, as
+ * for a message of w that drop() refuses, where the message at hand is not
+ * w's (a psd shard's word that it refused one of w's) */
 void drop_shard(srv_t *s, int i, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void drop_stale(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void finish(srv_t *s, int code, const char *reason);

@@ -44,14 +44,28 @@ static void vdrop(srv_t *s, const char *who, const char *fmt, va_list ap)
                 s->net.cur_peer ? s->net.cur_peer : "", msg, more);
 }
 
+static void vrefuse_after(srv_t *s, const worker_t *w, const char *fmt, va_list ap)
+{
+    s->net.refuse = (int)(w - s->w) + 1;
+    vsnprintf(s->net.refuse_why, sizeof s->net.refuse_why, fmt, ap);
+}
+
+void refuse_after(srv_t *s, const worker_t *w, const char *fmt, ...)
+{
+    if (!w || w->state == W_GONE) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vrefuse_after(s, w, fmt, ap);
+    va_end(ap);
+}
+
 void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
 {
     va_list ap;
     if (w && w->state != W_GONE) { /* a worker in the run: refused, in one line (refuse_worker) */
         s->net.cur_bad = true;
-        s->net.refuse = (int)(w - s->w) + 1;
         va_start(ap, fmt);
-        vsnprintf(s->net.refuse_why, sizeof s->net.refuse_why, fmt, ap);
+        vrefuse_after(s, w, fmt, ap);
         va_end(ap);
         return;
     }

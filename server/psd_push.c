@@ -262,13 +262,8 @@ void on_shard_have(srv_t *s, int i, ps_msg_t *m)
     Psd__ShardHave *hv = m->hdr->shard_have;
     worker_t *w = hv->rank < (uint32_t)s->n ? &s->w[hv->rank] : NULL;
     if (hv->refused && hv->refused[0]) { /* a message of rank the shard cannot take: its run ends */
-        if (w && w->state != W_GONE && s->phase != PHASE_DONE) {
-            char why[sizeof s->net.refuse_why];
-            snprintf(why, sizeof why, "psd shard %d: %s", i, hv->refused);
-            refuse_worker(s, w, why);
-        } else {
-            PS_DEBUG("shard %d refused a message of rank %u, no longer in the run: %s", i, hv->rank, hv->refused);
-        }
+        if (w && w->state != W_GONE) refuse_after(s, w, "psd shard %d: %s", i, hv->refused);
+        else PS_DEBUG("shard %d refused a message of rank %u, no longer in the run: %s", i, hv->rank, hv->refused);
         return;
     }
     if (!w || (w->state != W_TRAIN && w->state != W_BARRIER) || s->stepping || hv->version != s->store.cur->version) {
