@@ -21,8 +21,10 @@ from ._staging import Staging
 
 
 def view(ptr, n):
-    """n float32s at ptr (a ctypes float pointer) as a 1-d tensor, no copy."""
+    """n float32s at ptr (a ctypes float pointer) as a 1-d tensor, no copy (none: an empty one)."""
     addr = ctypes.cast(ptr, ctypes.c_void_p).value
+    if n == 0 or not addr:
+        return torch.empty(0)
     return torch.frombuffer((ctypes.c_float * n).from_address(addr), dtype=torch.float32)
 
 
