@@ -19,7 +19,7 @@ for opt in "$@"; do
     case "$opt" in
     --bench) PKGS="$PKGS python3-torch python3-numpy" ;;
     --deploy)
-        PKGS="$PKGS python3 python3-torch python3-pytest debootstrap iptables iproute2 procps munge prometheus chromium"
+        PKGS="$PKGS python3 python3-torch python3-pytest python3-venv python3-wheel debootstrap iptables iproute2 procps munge prometheus chromium"
         command -v dockerd >/dev/null 2>&1 || PKGS="$PKGS docker.io"
         command -v docker-compose >/dev/null 2>&1 || PKGS="$PKGS docker-compose"
         command -v slurmctld >/dev/null 2>&1 || PKGS="$PKGS slurm-wlm"
