@@ -66,7 +66,7 @@ train|torch)
     ;;
 test)
     meson test -C build --print-errorlogs --suite unit --suite integration --suite long --suite gpu --suite emu \
-        --suite python --suite deploy
+        --suite python --suite lightning --suite deploy
     ;;
 *)
     echo "usage: sh deploy/quickstart.sh train|torch|test" >&2

@@ -8,8 +8,15 @@
 #                              and docker-compose, debootstrap, SLURM and munge
 #                              (each engine only when none is installed), and
 #                              Prometheus' promtool (checks psd's /metrics) and
-#                              Chromium (loads psd's live page headless)
+#                              Chromium (loads psd's live page headless);
+#                              and --lightning's environment
+#   deploy/setup.sh --lightning  also a virtual environment .venv (Debian's torch
+#                              through its system site packages) with the PyPI
+#                              packages of deploy/requirements.txt, pinned with
+#                              hashes: PyTorch Lightning for psd.lightning
 set -eu
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=0
 
 PKGS="build-essential pkg-config meson ninja-build protobuf-c-compiler
 libzmq3-dev libprotobuf-c-dev libuv1-dev libyaml-dev libcriterion-dev
@@ -18,13 +25,15 @@ libnss-wrapper python3 python3-numpy"
 for opt in "$@"; do
     case "$opt" in
     --bench) PKGS="$PKGS python3-torch python3-numpy" ;;
+    --lightning) PKGS="$PKGS python3-torch python3-venv python3-pytest"; VENV=1 ;;
     --deploy)
+        VENV=1
         PKGS="$PKGS python3 python3-torch python3-pytest python3-venv python3-wheel debootstrap iptables iproute2 procps munge prometheus chromium"
         command -v dockerd >/dev/null 2>&1 || PKGS="$PKGS docker.io"
         command -v docker-compose >/dev/null 2>&1 || PKGS="$PKGS docker-compose"
         command -v slurmctld >/dev/null 2>&1 || PKGS="$PKGS slurm-wlm"
         ;;
-    *) echo "setup: unknown option $opt (--bench, --deploy)" >&2; exit 2 ;;
+    *) echo "setup: unknown option $opt (--bench, --deploy, --lightning)" >&2; exit 2 ;;
     esac
 done
 
@@ -34,7 +43,27 @@ for p in $PKGS; do
         missing="$missing $p"
     fi
 done
-[ -z "$missing" ] && exit 0
+
+# The virtual environment of psd's Python side (as the user who runs this, not root through
+# sudo): made again when deploy/requirements.txt changed since it was made.
+venv() {
+    [ "$VENV" = 1 ] || return 0
+    if [ -f "$ROOT/.venv/requirements.txt" ] && cmp -s "$ROOT/.venv/requirements.txt" "$ROOT/deploy/requirements.txt"; then
+        return 0
+    fi
+    echo "setup: making $ROOT/.venv (deploy/requirements.txt)" >&2
+    rm -rf "$ROOT/.venv"
+    /usr/bin/python3 -m venv --system-site-packages "$ROOT/.venv"
+    # --no-deps: every dependency is in the file (why: its head)
+    "$ROOT/.venv/bin/pip" install -q --disable-pip-version-check --no-deps --require-hashes \
+        -r "$ROOT/deploy/requirements.txt"
+    cp "$ROOT/deploy/requirements.txt" "$ROOT/.venv/requirements.txt"
+}
+
+if [ -z "$missing" ]; then
+    venv
+    exit 0
+fi
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then
@@ -46,3 +75,4 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 # shellcheck disable=SC2086
 $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
+venv

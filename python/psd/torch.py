@@ -25,6 +25,7 @@ retry_s seconds and carries on. The protocol is the C worker library's (libpswor
 through ctypes); nothing here is compiled.
 """
 import atexit
+import collections
 import ctypes
 import errno
 import os
@@ -42,7 +43,7 @@ from ._plan import Plan
 from ._session import LOST as _LOST, RunError, Session, exit_code_of as _exit_code_of
 from .optim import Unsupported, offer_text
 
-__all__ = ["Worker", "RunError"]
+__all__ = ["Worker", "RunError", "Part"]
 
 # How a worker's run ends (docs/usage.md): the Workers of this process, so that a script that
 # fails (an exception not caught) tells psd why before it exits, and one that ends while
@@ -91,6 +92,13 @@ def _install_hooks():
         _prev_hook = sys.excepthook
         sys.excepthook = _excepthook
         atexit.register(_at_exit)
+
+
+class Part(collections.namedtuple("Part", "split ids epoch version begin code final")):
+    """One of psd's validation parts (w.parts()): split "test" or "val", ids the samples, epoch
+    and version psd's; code psd's split number, begin what names the part; final: the run's
+    closing test."""
+    __slots__ = ()
 
 
 class _Sampler:
@@ -405,15 +413,76 @@ class Worker:
         "correct": n, "count": len(ids), "NAME": sum, ...}: split is "val"
         (held-out training samples) or "test"; fn is called a chunk of at
         most val_batch_size ids at a time, its sums added up. Returns once
-        psd starts the next epoch or ends the run."""
+        psd starts the next epoch (True) or ends the run (False)."""
         self._val_fn = fn
+        for part in self.parts():
+            self._answer_with(part, fn)
+        return not self.ending
+
+    def parts(self):
+        """psd's validation parts for this worker, for a caller that runs its
+        own evaluation (psd.lightning; w.validate is this with a function):
+        each a Part (split, ids, epoch, ...), psd's weights of it in the
+        parameters; answer each with w.answer() before taking the next. Ends
+        when psd starts the next epoch or ends the run (w.ending); then
+        w.last_val holds psd's figures of the validation, added up over every
+        worker's parts."""
         while self._c is not None:
             ev = self._take(self._s.timeout)
             if ev.kind == L.EV_VALIDATE:
-                self._answer(ev, fn)
+                yield self._part(ev)
             elif ev.kind in (L.EV_EPOCH, L.EV_SHUTDOWN) and not (ev.kind == L.EV_EPOCH and ev.append):
                 self._pending = ev
                 return
+
+    def answer(self, part, loss=0.0, correct=0, count=None, sums=None):
+        """Part part's sums: loss and correct summed over its samples, count
+        its samples (len(part.ids)), sums {NAME: sum} (1 to 32 of [a-z0-9_],
+        not loss, acc, correct, count, samples or auc, at most 16, the same
+        names in every answer of the run; psd reports each as val_NAME, a
+        mean per sample)."""
+        names = sorted(sums or {})
+        arr = (L.Sum * max(1, len(names)))()
+        for i, key in enumerate(names):
+            arr[i].name = key.encode()
+            arr[i].value = float(sums[key])
+        r = L.Val(epoch=part.epoch, version=part.version, begin=part.begin, split=part.code, loss_sum=float(loss),
+                  correct=int(correct), count=len(part.ids) if count is None else int(count), n_sums=len(names),
+                  sums=arr)
+        rc = self._lib.psw_client_val_result(self._c, ctypes.byref(r))
+        if rc in _LOST:
+            return  # psd is gone: the next event says what comes (this part is validated again)
+        if rc != 0:
+            raise RunError("psd: a validation answer was refused (%d): named sums are 1 to 32 of [a-z0-9_], not "
+                           "loss, acc, correct, count, samples or auc, at most 16, finite" % rc)
+
+    @property
+    def ending(self):
+        """psd ended the run (its SHUTDOWN is taken, not yet acted on, or acted on)."""
+        ev = self._pending
+        return self._c is None or (ev is not None and ev.kind == L.EV_SHUTDOWN)
+
+    @property
+    def last_val(self):
+        """psd's figures of its last validation, added up over every worker's
+        parts as psd reduced them for its metrics file: {"epoch", "split",
+        "final", "count", "loss_sum", "correct", "sums": {NAME: sum}}; None
+        before psd's first (or, psd resumed, until it validates again)."""
+        return getattr(self._s, "last_val", None)
+
+    def heartbeat(self):
+        """Tell psd this worker is alive (long work between psd's messages: psd
+        takes a worker it hears nothing from for server.worker_timeout for lost)."""
+        if self._c is not None:
+            self._lib.psw_client_heartbeat(self._c, self._epoch)
+
+    def end_run(self, reason):
+        """End psd's run (the loop's own stop: Lightning's EarlyStopping,
+        max_epochs): psd stops as on SIGTERM (its checkpoint, exit 0; the
+        other workers get SHUTDOWN 0); this worker leaves."""
+        if self._c is not None:
+            self._s.end_run(reason)
+            self.close()
 
     def leave(self, reason="leaving"):
         """Leave the run (psd gives this worker's samples to the others)."""
@@ -604,28 +673,22 @@ class Worker:
             self.close()
             raise RunError(msg)
 
-    def _answer(self, ev, fn):
+    def _part(self, ev):
+        """VALIDATE ev as a Part, psd's weights of it loaded (the event is the library's until the next)."""
         self._ex.load(ev)
-        split = "val" if ev.split == L.SPLIT_VAL else "test"
-        ids = [ev.val_ids[i] for i in range(ev.n_val_ids)]
+        return Part("val" if ev.split == L.SPLIT_VAL else "test", [ev.val_ids[i] for i in range(ev.n_val_ids)],
+                    ev.epoch, ev.version, ev.val_begin, ev.split, bool(ev.final))
+
+    def _answer(self, ev, fn):
+        self._answer_with(self._part(ev), fn)
+
+    def _answer_with(self, part, fn):
         try:
-            loss, correct, count, sums = _valid.answer(split, ids, fn, self.val_batch_size,
-                                                       lambda: self._lib.psw_client_heartbeat(self._c, ev.epoch))
+            loss, correct, count, sums = _valid.answer(part.split, part.ids, fn, self.val_batch_size,
+                                                       lambda: self._lib.psw_client_heartbeat(self._c, part.epoch))
         except _valid.ValidationError as e:
             raise RunError(str(e)) from None
-        names = list(sums)
-        arr = (L.Sum * max(1, len(names)))()
-        for i, key in enumerate(names):
-            arr[i].name = key.encode()
-            arr[i].value = sums[key]
-        r = L.Val(epoch=ev.epoch, version=ev.version, begin=ev.val_begin, split=ev.split, loss_sum=loss,
-                  correct=correct, count=count, n_sums=len(names), sums=arr)
-        rc = self._lib.psw_client_val_result(self._c, ctypes.byref(r))
-        if rc in _LOST:
-            return  # psd is gone: the next event says what comes (this part is validated again)
-        if rc != 0:
-            raise RunError("psd: a validation answer was refused (%d): named sums are 1 to 32 of [a-z0-9_], not "
-                           "loss, acc, correct, count, samples or auc, at most 16, finite" % rc)
+        self.answer(part, loss, correct, count, sums)
 
     def _shutdown(self, ev):
         self.exit_code = _exit_code_of(ev.exit_code)
