@@ -240,6 +240,13 @@ typedef struct {
     bool stopped_early;
     bool closing;              /* PSD_EV_VALIDATED of the run's last epoch (its closing test made) */
     bool stop_asked;           /* PSD_EV_VALIDATED of the epoch --stop-after-epoch names */
+    /* the last finished validation (an epoch's, or the closing test's) as the workers are told it in EPOCH
+     * and SHUTDOWN (ValSums: the figures of its metrics line; names: names[]). told_have: one finished since
+     * psd started (not in a checkpoint: a resumed psd tells none until it validates) */
+    bool told_have;
+    Psd__ValSums told;
+    Psd__NamedSum told_sums[PS_MAX_SUMS];
+    Psd__NamedSum *told_p[PS_MAX_SUMS];
 } psd_val_part_t;
 
 typedef enum { PHASE_WAIT = 0, PHASE_TRAIN, PHASE_VALIDATE, PHASE_DONE } phase_t;
@@ -529,6 +536,10 @@ typedef struct {
     bool tty;
     double progress_next;
 } srv_t;
+
+/* The run's last finished validation for an EPOCH (not append) or a
+ * SHUTDOWN's last_val (psd_valid.c keeps it), NULL before the first. */
+static inline Psd__ValSums *told_val(srv_t *s) { return s->vl.told_have ? &s->vl.told : NULL; }
 
 /* Workers in the run now: ready, training, at the barrier or validating. */
 static inline int live_workers(const srv_t *s)

@@ -23,6 +23,7 @@ static void epoch_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Epoch *ep, boo
     ep->world = (uint32_t)live_workers(s);
     ep->version = s->store.cur->version;
     ep->append = append;
+    if (!append) ep->last_val = told_val(s);
     h->body_case = PSD__HEADER__BODY_EPOCH;
     h->epoch = ep;
 }

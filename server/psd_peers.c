@@ -144,6 +144,7 @@ static void shutdown_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Shutdown *s
     hdr_for(s, w, h, PSD__MSG_TYPE__MSG_SHUTDOWN);
     sd->exit_code = code;
     sd->reason = (char *)reason;
+    sd->last_val = told_val(s);
     h->body_case = PSD__HEADER__BODY_SHUTDOWN;
     h->shutdown = sd;
 }

@@ -512,8 +512,11 @@ void refuse_worker(srv_t *s, worker_t *w, const char *why)
 void on_leave(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Leave *l = m->hdr->leave;
-    PS_INFO("rank %u (%s pid %u) left the run: %s", w->rank, w->hostname, w->pid,
-            l->reason && l->reason[0] ? l->reason : "planned departure");
+    const char *why = l->reason && l->reason[0] ? l->reason : l->end_run ? "no reason given" : "planned departure";
+    if (l->end_run) /* the shell stops the run after this (request_stop) */
+        PS_INFO("rank %u ends the run: %s (%s pid %u leaves with it)", w->rank, why, w->hostname, w->pid);
+    else
+        PS_INFO("rank %u (%s pid %u) left the run: %s", w->rank, w->hostname, w->pid, why);
     w->end = WEND_LEFT;
     worker_gone(s, w);
 }

@@ -28,6 +28,7 @@
 
 static void on_control(srv_t *s, ps_msg_t *m);
 static void request_stop(srv_t *s, int signum, const char *what);
+static void end_asked(srv_t *s, uint32_t rank);
 
 /* A HEARTBEAT header of this epoch (hb: its body, the caller's). */
 static void heartbeat_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Heartbeat *hb)
@@ -212,7 +213,10 @@ static void handle(srv_t *s, ps_msg_t *m)
     case PSD__MSG_TYPE__MSG_BARRIER: on_barrier(s, w, m); break;
     case PSD__MSG_TYPE__MSG_VAL_RESULT: on_val_result(s, w, m); break;
     case PSD__MSG_TYPE__MSG_ERROR: on_worker_error(s, w, m); break;
-    case PSD__MSG_TYPE__MSG_LEAVE: on_leave(s, w, m); break;
+    case PSD__MSG_TYPE__MSG_LEAVE:
+        on_leave(s, w, m);
+        if (h->leave->end_run) end_asked(s, w->rank);
+        break;
     case PSD__MSG_TYPE__MSG_HEARTBEAT: break; /* last_seen is all it is for */
     default: drop(s, w, "%s is not a message workers send", ps_msg_type_name((int)h->type));
     }
@@ -611,6 +615,22 @@ static void request_stop(srv_t *s, int signum, const char *what)
     if (s->ck.writer || s->ck.open) return; /* its turn comes when that one is written (ckpt_complete) */
     take_checkpoint(s, false);
     if (!s->ck.writer && !s->ck.deferred) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+}
+
+/* A worker's LEAVE with end_run (its framework stopped: Lightning's
+ * EarlyStopping, max_epochs): the run stops as on psctl stop. Once a stop
+ * is under way (another worker's end_run: every rank of a Lightning run
+ * decides the same) there is nothing more to do, not a second stop. */
+static void end_asked(srv_t *s, uint32_t rank)
+{
+    if (s->phase == PHASE_DONE) return;
+    if (s->stopping != 0 || s->ck.stop_when_written) {
+        PS_INFO("the run is stopping already (rank %u asks for it too)", rank);
+        return;
+    }
+    char what[64];
+    snprintf(what, sizeof what, "rank %u's end of the run", rank);
+    request_stop(s, SIGTERM, what);
 }
 
 static void on_signal(uv_signal_t *h, int signum)

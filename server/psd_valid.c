@@ -357,6 +357,30 @@ static psd_figs_t reduce_parts(const srv_t *s)
 
 static double mean_of(double sum, uint64_t n) { return n ? sum / (double)n : 0; }
 
+/* The figures f of the validation that just finished (the parts out now:
+ * s->vl.kind, split, epoch) kept for the workers (told_val): the next
+ * EPOCH and the SHUTDOWN tell them, names in the run's order. */
+static void keep_told(srv_t *s, const psd_figs_t *f)
+{
+    psd_val_part_t *v = &s->vl;
+    psd__val_sums__init(&v->told);
+    v->told.epoch = v->epoch;
+    v->told.split = (Psd__Split)v->split;
+    v->told.final = v->kind != VAL_EPOCH;
+    v->told.count = f->count;
+    v->told.loss_sum = f->loss;
+    v->told.correct = f->correct;
+    for (int j = 0; j < v->n_sums; j++) {
+        psd__named_sum__init(&v->told_sums[j]);
+        v->told_sums[j].name = v->names[j];
+        v->told_sums[j].value = f->sums[j];
+        v->told_p[j] = &v->told_sums[j];
+    }
+    v->told.n_sums = (size_t)v->n_sums;
+    v->told.sums = v->n_sums ? v->told_p : NULL;
+    v->told_have = true;
+}
+
 /* The figure a metric names in an epoch's figures: true and *out, or false
  * when the workers report no such sum. */
 static bool metric_value(const srv_t *s, const char *metric, const epoch_stats_t *e, const psd_figs_t *f,
@@ -570,6 +594,7 @@ static void end_test(srv_t *s)
 {
     psd_val_part_t *v = &s->vl;
     psd_figs_t f = reduce_parts(s);
+    keep_told(s, &f);
     if (v->kind == VAL_TEST_LAST) v->test_last = f;
     else v->test_best = f;
     free(v->best_w);
@@ -590,6 +615,7 @@ void end_validation(srv_t *s)
 {
     if (s->tty) ps_log_status(NULL); /* the epoch's line takes its place */
     psd_figs_t fg = reduce_parts(s);
+    keep_told(s, &fg);
     double loss = fg.loss;
     uint64_t correct = fg.correct, count = fg.count;
     double val_loss = count ? loss / (double)count : 0, val_acc = count ? (double)correct / (double)count : 0;

@@ -60,7 +60,41 @@ typedef struct {
     float wfirst[PS_MAX_TENSORS];
     int noise;
     bool check_push; /* after registering: psw_client_push_v's refusals (check_push_v) */
+    bool told;       /* after the ASSIGN: an EPOCH and a SHUTDOWN with psd's last validation (check_told) */
 } fake_psd_t;
+
+/* psd's last validation as fake_psd tells it: the epoch's (EPOCH), then
+ * the closing test's (SHUTDOWN). */
+static void send_told(void *router, const ps_msg_t *m)
+{
+    Psd__NamedSum ns[2] = {PSD__NAMED_SUM__INIT, PSD__NAMED_SUM__INIT}, *nsp[2] = {&ns[0], &ns[1]};
+    ns[0].name = (char *)"abs_err";
+    ns[0].value = 12.5;
+    ns[1].name = (char *)"a_sum_of_exactly_32_characters_x";
+    ns[1].value = -3;
+    Psd__ValSums v = {.base = PROTOBUF_C_MESSAGE_INIT(&psd__val_sums__descriptor), .epoch = 4,
+                      .split = PSD__SPLIT__SPLIT_VAL, .count = 200, .loss_sum = 53.25, .correct = 184, .n_sums = 2,
+                      .sums = nsp};
+    Psd__Header h = fake_hdr(PSD__MSG_TYPE__MSG_EPOCH, 2);
+    Psd__Epoch ep = PSD__EPOCH__INIT;
+    ep.epoch = 5;
+    ep.last_val = &v;
+    h.body_case = PSD__HEADER__BODY_EPOCH;
+    h.epoch = &ep;
+    ps_msg_send(router, m->ident, m->ident_len, &h, NULL, 0);
+    Psd__ValSums t = v;
+    t.split = PSD__SPLIT__SPLIT_TEST;
+    t.final = true;
+    t.count = 500;
+    t.n_sums = 1;
+    Psd__Header d = fake_hdr(PSD__MSG_TYPE__MSG_SHUTDOWN, 3);
+    Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
+    sd.reason = (char *)"training finished";
+    sd.last_val = &t;
+    d.body_case = PSD__HEADER__BODY_SHUTDOWN;
+    d.shutdown = &sd;
+    ps_msg_send(router, m->ident, m->ident_len, &d, NULL, 0);
+}
 
 static void *fake_psd(void *p)
 {
@@ -103,6 +137,7 @@ static void *fake_psd(void *p)
     ps_frame_t tf = {.data = tb, .nbytes = tlen, .dtype = PSD__DTYPE__DT_U8, .rows = tlen, .copy = true};
     ps_msg_send(f->router, m.ident, m.ident_len, &h, tk == 0 ? &tf : NULL, tk == 0);
     free(tb);
+    if (f->told) send_told(f->router, &m);
     if (f->wframes > 0) {
         float *v = calloc(f->wnumel ? f->wnumel : 1, sizeof *v), *vi[PS_MAX_FRAMES] = {NULL};
         ps_frame_t fr[PS_MAX_FRAMES];
@@ -192,6 +227,31 @@ static void check_push_v(psw_client_t *c, const psw_assign_t *a)
     cr_expect(psw_client_push_done(c), "nothing was sent");
 }
 
+/* The events of send_told: psd's figures as it sent them, the names the
+ * client's own copies. */
+static int check_told(psw_client_t *c, char *err, size_t errlen)
+{
+    psw_event_t ev;
+    int rc = psw_client_next(c, &ev, 10, err, errlen);
+    if (rc != 0) return rc;
+    cr_assert_eq(ev.kind, PSW_EV_EPOCH);
+    cr_assert_eq(ev.has_last_val, 1);
+    const psw_val_t *v = &ev.last_val;
+    cr_expect(v->epoch == 4 && v->split == PSW_SPLIT_VAL && !ev.last_val_final && v->count == 200 &&
+              v->loss_sum == 53.25 && v->correct == 184 && v->version == 0 && v->begin == 0 && !v->scores);
+    cr_assert_eq(v->n_sums, 2);
+    cr_expect_str_eq(v->sums[0].name, "abs_err");
+    cr_expect_eq(v->sums[0].value, 12.5);
+    cr_expect_str_eq(v->sums[1].name, "a_sum_of_exactly_32_characters_x");
+    cr_expect_eq(v->sums[1].value, -3);
+    if ((rc = psw_client_next(c, &ev, 10, err, errlen)) != 0) return rc;
+    cr_assert_eq(ev.kind, PSW_EV_SHUTDOWN);
+    cr_assert_eq(ev.has_last_val, 1);
+    cr_expect(v->split == PSW_SPLIT_TEST && ev.last_val_final && v->count == 500 && v->n_sums == 1);
+    cr_expect_str_eq(v->sums[0].name, "abs_err");
+    return 0;
+}
+
 /* One worker (library) against fake psd f: the result of registering and,
  * when it registered and f sends weights, of the next event; err says why. */
 static int against_fake_psd(fake_psd_t *f, void *ctx, psw_assign_t *a, char *err, size_t errlen)
@@ -207,6 +267,7 @@ static int against_fake_psd(fake_psd_t *f, void *ctx, psw_assign_t *a, char *err
     cr_assert_not_null(c, "%s", err);
     int rc = psw_client_register(c, a, 10, err, errlen);
     if (rc == 0 && f->check_push) check_push_v(c, a);
+    if (rc == 0 && f->told) rc = check_told(c, err, errlen);
     psw_event_t ev;
     if (rc == 0 && f->wframes > 0) rc = psw_client_next(c, &ev, 10, err, errlen);
     if (rc == 0 && f->wframes > 0 && ev.kind == PSW_EV_WEIGHTS)
@@ -226,14 +287,28 @@ static int against_fake_psd(fake_psd_t *f, void *ctx, psw_assign_t *a, char *err
     return rc;
 }
 
-Test(short, a_push_that_is_not_of_the_table_is_refused)
+/* against_fake_psd with f, which the worker gets through (its checks are f's). */
+static void passes_fake_psd(fake_psd_t f)
 {
     void *ctx = zmq_ctx_new();
-    fake_psd_t f = {.ct = fake_ctr_task(), .check_push = true};
     char err[512] = "";
     psw_assign_t a;
     cr_assert_eq(against_fake_psd(&f, ctx, &a, err, sizeof err), 0, "%s", err);
     zmq_ctx_term(ctx);
+}
+
+Test(short, a_push_that_is_not_of_the_table_is_refused)
+{
+    passes_fake_psd((fake_psd_t){.ct = fake_ctr_task(), .check_push = true});
+}
+
+/* psd's last validation in EPOCH and SHUTDOWN (Epoch.last_val,
+ * Shutdown.last_val) comes to the worker as psd sent it
+ * (psw_event_t.last_val); a real psd's figures against its metrics file:
+ * python/tests/test_last_val.py. */
+Test(short, psds_last_validation_comes_with_epoch_and_shutdown)
+{
+    passes_fake_psd((fake_psd_t){.ct = fake_ctr_task(), .told = true});
 }
 
 /* psd ends the run while a worker registers (again, after psd declared it

@@ -1440,16 +1440,21 @@ int psw_client_heartbeat(psw_client_t *c, uint32_t epoch)
     return send_hdr(c, &h);
 }
 
-int psw_client_leave(psw_client_t *c, const char *reason)
+static int send_leave(psw_client_t *c, const char *reason, bool end_run)
 {
     Psd__Header h;
     Psd__Leave l = PSD__LEAVE__INIT;
     header_init(c, &h, PSD__MSG_TYPE__MSG_LEAVE);
-    l.reason = (char *)reason;
+    l.reason = (char *)(reason ? reason : "");
+    l.end_run = end_run;
     h.body_case = PSD__HEADER__BODY_LEAVE;
     h.leave = &l;
     return send_hdr(c, &h);
 }
+
+int psw_client_leave(psw_client_t *c, const char *reason) { return send_leave(c, reason, false); }
+
+int psw_client_end_run(psw_client_t *c, const char *reason) { return send_leave(c, reason, true); }
 
 int psw_client_fail(psw_client_t *c, int data_error, const char *message)
 {

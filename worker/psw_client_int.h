@@ -58,6 +58,9 @@ typedef struct {
     size_t n_row_ids;
     int exit_code;
     char message[256];
+    int has_last_val;       /* EPOCH, SHUTDOWN: psd's last validation (psw_event_t.last_val; names: c->lv_names) */
+    psw_val_t last_val;
+    int last_val_final;
 } pswc_event_t;
 
 /* A connection's fd as noted when it connected, and what it was then (fstat):
@@ -133,6 +136,8 @@ struct psw_client {
      * ASSIGN and events give the caller, and a push's packed units */
     psw_tensor_t *tab;      /* ps_layout_ntab of them (psw_assign_t.tensors) */
     pswc_event_t iev;       /* the event by unit */
+    psw_sum_t lv_sums[PSW_MAX_SUMS];                     /* the event's last_val.sums */
+    char lv_names[PSW_MAX_SUMS][PSW_SUM_NAME_MAX + 1];   /* and their names */
     const float **ev_t;     /* and by tensor of the table (psw_event_t.tensors) */
     size_t *ev_n;
     float *pack;            /* packed units' gradients put together (laid out like the model) */

@@ -3,6 +3,8 @@
  * checked and turned into the events psw_client_next returns. */
 #include "psw_client_int.h"
 
+#include <math.h>
+
 /* Move m's header and frames into an empty dst (m is left empty). */
 static void msg_move(ps_msg_t *dst, ps_msg_t *m)
 {
@@ -446,6 +448,33 @@ static int shard_message(psw_client_t *c, pswc_event_t *ev, char *err, size_t er
     return parts_done(c, ev);
 }
 
+/* psd's last validation (EPOCH, SHUTDOWN: v, NULL for none) into ev,
+ * the names copied into the client (valid until the next event). */
+static int take_last_val(psw_client_t *c, const Psd__ValSums *v, pswc_event_t *ev, char *err, size_t errlen)
+{
+    if (!v) return 0;
+    if (v->n_sums > PSW_MAX_SUMS || v->correct > v->count || !isfinite(v->loss_sum)) {
+        snprintf(err, errlen, "psd sent invalid figures of its last validation");
+        return -EPROTO;
+    }
+    for (size_t i = 0; i < v->n_sums; i++) {
+        const Psd__NamedSum *x = v->sums[i];
+        if (!x->name || !x->name[0] || strlen(x->name) > PSW_SUM_NAME_MAX) {
+            snprintf(err, errlen, "psd sent a named sum of its last validation without a valid name");
+            return -EPROTO;
+        }
+        memcpy(c->lv_names[i], x->name, strlen(x->name) + 1);
+        c->lv_sums[i] = (psw_sum_t){.name = c->lv_names[i], .value = x->value};
+    }
+    ev->has_last_val = 1;
+    ev->last_val = (psw_val_t){.epoch = v->epoch, .split = v->split == PSD__SPLIT__SPLIT_VAL ? PSW_SPLIT_VAL
+                                                                                             : PSW_SPLIT_TEST,
+                               .loss_sum = v->loss_sum, .correct = v->correct, .count = v->count,
+                               .n_sums = (int)v->n_sums, .sums = v->n_sums ? c->lv_sums : NULL};
+    ev->last_val_final = v->final;
+    return 0;
+}
+
 static int next_event(psw_client_t *c, pswc_event_t *ev, double timeout_s, char *err, size_t errlen)
 {
     for (double deadline = ps_now() + timeout_s;;) {
@@ -490,7 +519,7 @@ static int next_event(psw_client_t *c, pswc_event_t *ev, double timeout_s, char 
                 snprintf(err, errlen, "psd sent an invalid epoch message (keep without append, or with samples)");
                 return -EPROTO;
             }
-            return 0;
+            return take_last_val(c, h->epoch->last_val, ev, err, errlen);
         }
         case PSD__MSG_TYPE__MSG_WEIGHTS:
             if (h->weights->parts > 0) {
@@ -533,7 +562,7 @@ static int next_event(psw_client_t *c, pswc_event_t *ev, double timeout_s, char 
             ev->exit_code = h->shutdown->exit_code;
             snprintf(ev->message, sizeof ev->message, "%s",
                      h->shutdown->reason ? h->shutdown->reason : "");
-            return 0;
+            return take_last_val(c, h->shutdown->last_val, ev, err, errlen);
         default:
             PS_WARN("dropped an unexpected %s from psd", ps_msg_type_name((int)h->type));
             continue;
@@ -566,6 +595,9 @@ static void to_table(psw_client_t *c, const pswc_event_t *iv, psw_event_t *ev)
     ev->n_row_ids = iv->n_row_ids;
     ev->exit_code = iv->exit_code;
     memcpy(ev->message, iv->message, sizeof ev->message);
+    ev->has_last_val = iv->has_last_val;
+    ev->last_val = iv->last_val;
+    ev->last_val_final = iv->last_val_final;
     const int nt = c->ev_t ? ps_layout_ntab(l) : 0;
     ev->tensors = c->ev_t; /* always the arrays: NULLs in an event without tensors */
     ev->tensor_numel = c->ev_n;

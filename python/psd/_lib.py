@@ -65,6 +65,17 @@ class Assign(ctypes.Structure):
                 ("world", ctypes.c_uint32)]
 
 
+class Sum(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_double)]
+
+
+class Val(ctypes.Structure):
+    _fields_ = [("epoch", ctypes.c_uint32), ("version", ctypes.c_uint64), ("begin", ctypes.c_uint64),
+                ("split", ctypes.c_int), ("loss_sum", ctypes.c_double), ("correct", ctypes.c_uint64),
+                ("count", ctypes.c_uint64), ("scores", c_float_p), ("n_sums", ctypes.c_int),
+                ("sums", ctypes.POINTER(Sum))]
+
+
 class Event(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("epoch", ctypes.c_uint32), ("version", ctypes.c_uint64),
                 ("step", ctypes.c_uint64), ("world", ctypes.c_uint32), ("workers_on_host", ctypes.c_uint32),
@@ -73,7 +84,8 @@ class Event(ctypes.Structure):
                 ("tensor_numel", ctypes.POINTER(ctypes.c_size_t)), ("val_begin", ctypes.c_uint64),
                 ("val_end", ctypes.c_uint64), ("split", ctypes.c_int), ("val_ids", c_u32_p),
                 ("n_val_ids", ctypes.c_size_t), ("final", ctypes.c_int), ("row_ids", c_u32_p),
-                ("n_row_ids", ctypes.c_size_t), ("exit_code", ctypes.c_int), ("message", ctypes.c_char * 256)]
+                ("n_row_ids", ctypes.c_size_t), ("exit_code", ctypes.c_int), ("message", ctypes.c_char * 256),
+                ("has_last_val", ctypes.c_int), ("last_val", Val), ("last_val_final", ctypes.c_int)]
 
 
 class Grad(ctypes.Structure):
@@ -85,17 +97,6 @@ class Push(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint64), ("batch", ctypes.c_uint32), ("loss_sum", ctypes.c_double),
                 ("correct", ctypes.c_uint64), ("pull", ctypes.c_int), ("n_grads", ctypes.c_int),
                 ("grads", ctypes.POINTER(Grad)), ("want", c_u32_p), ("n_want", ctypes.c_size_t)]
-
-
-class Sum(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_double)]
-
-
-class Val(ctypes.Structure):
-    _fields_ = [("epoch", ctypes.c_uint32), ("version", ctypes.c_uint64), ("begin", ctypes.c_uint64),
-                ("split", ctypes.c_int), ("loss_sum", ctypes.c_double), ("correct", ctypes.c_uint64),
-                ("count", ctypes.c_uint64), ("scores", c_float_p), ("n_sums", ctypes.c_int),
-                ("sums", ctypes.POINTER(Sum))]
 
 
 class CtrGen(ctypes.Structure):
@@ -147,6 +148,7 @@ def _declare(lib):
         "psw_client_val_result": (c.c_int, [c.c_void_p, c.POINTER(Val)]),
         "psw_client_heartbeat": (c.c_int, [c.c_void_p, c.c_uint32]),
         "psw_client_leave": (c.c_int, [c.c_void_p, c.c_char_p]),
+        "psw_client_end_run": (c.c_int, [c.c_void_p, c.c_char_p]),
         "psw_client_fail": (c.c_int, [c.c_void_p, c.c_int, c.c_char_p]),
         "psw_client_rank": (c.c_uint32, [c.c_void_p]),
         "psw_client_run_id": (c.c_uint64, [c.c_void_p]),

@@ -57,7 +57,12 @@ class Session:
     keys: CurveZMQ keys (three buffers) or None; leaving(): SIGTERM came (no registering
     again then). After join(): rank, run_id, table (the run's tensors in its order: (name,
     parameter)), offsets, region (psd's push region or None), rows_ok, batch_size,
-    val_batch_size, timeout, start_timeout, world; rejoins counts the times psd came back."""
+    val_batch_size, timeout, start_timeout, world; rejoins counts the times psd came back.
+    last_val: psd's last finished validation of the run, as the latest EPOCH or SHUTDOWN event
+    brought it (None until one did): {"epoch": int (0-based), "split": "val" | "test", "final":
+    bool (the run's closing test), "count": int, "loss_sum": float, "correct": int, "sums":
+    {name: float}}, the whole set's sums as psd reduced them for its metrics line (val_loss =
+    loss_sum / count, val_acc = correct / count, val_NAME = sums[NAME] / count)."""
 
     def __init__(self, lib, endpoint, params, sparse=(), data=(0, 0, b""), threads=0, shared_memory=True, keys=None,
                  offer=None, retry_s=120.0, leaving=lambda: False):
@@ -84,6 +89,7 @@ class Session:
         self.rows_ok = False
         self.rejoins = 0
         self.ended_code = 0  # psd's code when a registration was answered with SHUTDOWN
+        self.last_val = None
         self._ev = [L.Event(), L.Event()]  # alternated: an event stays valid until the next call but one
         self._ev_i = 0
 
@@ -121,6 +127,7 @@ class Session:
                 msg = err.value.decode(errors="replace")
                 self.destroy()
                 raise RunError("psd: %s (%d)" % (msg or "no answer", rc), 1)
+            self._take_last_val(ev)
             return ev
 
     def poll(self):
@@ -132,7 +139,20 @@ class Session:
         self._ev_i ^= 1
         ev = self._ev[self._ev_i]
         rc = self.lib.psw_client_next(self.c, ctypes.byref(ev), 0.002, err, 512)
+        if rc == 0:
+            self._take_last_val(ev)
         return rc, ev if rc == 0 else None
+
+    def _take_last_val(self, ev):
+        """The figures an EPOCH or SHUTDOWN event carries into last_val, copied now: their names are
+        the library's until its next event."""
+        if not getattr(ev, "has_last_val", 0):
+            return
+        v = ev.last_val
+        self.last_val = {"epoch": int(v.epoch), "split": "val" if v.split == L.SPLIT_VAL else "test",
+                         "final": bool(ev.last_val_final), "count": int(v.count), "loss_sum": float(v.loss_sum),
+                         "correct": int(v.correct),
+                         "sums": {v.sums[i].name.decode(): float(v.sums[i].value) for i in range(v.n_sums)}}
 
     def lost(self, why, on_lost=None, on_back=None):
         """psd was lost outside next() (a push failed): as next() does; None once back, or End."""
@@ -261,6 +281,14 @@ class Session:
         """Leave the run (psd gives this worker's samples to the others); the client goes."""
         if self.c is not None:
             self.lib.psw_client_leave(self.c, reason.encode())
+            self.destroy()
+
+    def end_run(self, reason):
+        """End the whole run (this worker's framework stops it: an early stop, its own epoch count): this
+        worker leaves, and psd ends the run as psctl stop does (a checkpoint where configured, SHUTDOWN
+        exit 0 to the others); the client goes."""
+        if self.c is not None:
+            self.lib.psw_client_end_run(self.c, reason.encode())
             self.destroy()
 
     def destroy(self):

@@ -4,13 +4,15 @@ M test samples drawn from a seed. Prints its rank's figures at the end.
 
     mlp_worker.py ENDPOINT [--train N] [--test M] [--data-id S] [--verbose] [--optimizer] [--slow S]
                   [--loader K] [--ids FILE] [--set-to-none] [--no-shm] [--raise-at N] [--exit-at N]
-                  [--batch-figure B]
+                  [--batch-figure B] [--last-val FILE] [--end-run-after E]
 
 --loader K: the batches come from a DataLoader (w.sampler(), K reader processes); --ids FILE:
 each stepped batch's epoch and sample ids, a line each, written before the next batch.
 --raise-at N: the loop raises ValueError at its Nth step (a bug of the user's: the worker
 fails); --exit-at N: the script returns at its Nth step, still in the run; --batch-figure B:
-w.step(batch=B), a wrong figure psd refuses.
+w.step(batch=B), a wrong figure psd refuses; --last-val FILE: psd's figures of its last validation
+(the session's last_val) after each epoch and at the end, a JSON line each; --end-run-after E: after
+epoch E's validation the worker ends the run (w._s.end_run) and returns.
 """
 import argparse
 import json
@@ -64,6 +66,8 @@ def main():
     ap.add_argument("--batch-figure", type=int, default=0)
     ap.add_argument("--hidden", type=int, default=32, help="the hidden layer's width")
     ap.add_argument("--retry-s", type=float, default=120.0, help="how long to register again after psd is lost")
+    ap.add_argument("--last-val", help="write psd's last validation figures here after each epoch")
+    ap.add_argument("--end-run-after", type=int, default=0, help="end the run after this epoch (1-based)")
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -86,6 +90,7 @@ def main():
         ds = torch.utils.data.TensorDataset(xtr, ytr, torch.arange(a.train))
         loader = torch.utils.data.DataLoader(ds, batch_sampler=w.sampler(), num_workers=a.loader)
     ids = open(a.ids, "w") if a.ids else None
+    last_val = open(a.last_val, "w") if a.last_val else None
     n = 0
     for epoch in w.epochs():
         for batch in w.batches(loader):
@@ -118,6 +123,15 @@ def main():
                 ids.flush()
         w.validate(evaluate)
         w.log("rank %d epoch %d done (world %d)" % (w.rank, epoch, w.world))
+        if last_val:
+            last_val.write(json.dumps(w._s.last_val) + "\n")
+            last_val.flush()
+        if epoch + 1 == a.end_run_after:
+            w._s.end_run("test")
+            w.close()
+            return 0
+    if last_val:  # after the SHUTDOWN: the closing test's
+        last_val.write(json.dumps(w._s.last_val) + "\n")
     assert isinstance(model, Net) and model.tag == "mine" and model.describe() == "Net(mine)"
     w.log("model intact: %s" % model.describe())
     w.log("copies %d rejoins %d steps %d dropped %d layer_pushes %d exit_code %s" % (

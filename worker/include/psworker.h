@@ -16,7 +16,10 @@
  * a whole worker of a model psd has never heard of. Version 2 of the
  * library (libpsworker.so.2): the table, and the push as one struct;
  * version 3: the data's fingerprint in READY, validation on a held-out
- * split (psw_event_t.split, val_ids) and named sums (psw_val_t).
+ * split (psw_event_t.split, val_ids) and named sums (psw_val_t); psd's
+ * reduced figures of its last validation in EPOCH and SHUTDOWN events
+ * (psw_event_t.last_val), and a worker that ends the run
+ * (psw_client_end_run).
  *
  * Every call is blocking with a deadline; nothing waits forever. Functions
  * return 0 or a negative errno (-ETIMEDOUT when psd stayed silent, -EPROTO for
@@ -143,6 +146,33 @@ typedef enum {
 #define PSW_MAX_SUMS 16   /* named sums in one validation result */
 #define PSW_SUM_NAME_MAX 32
 
+/* A named sum of a validation result: name 1 to PSW_SUM_NAME_MAX of
+ * [a-z0-9_], not loss, acc, correct, count, samples or auc; value finite. */
+typedef struct {
+    const char *name;
+    double value;
+} psw_sum_t;
+
+/* The answer to a VALIDATE event: its part's sums over its samples. psd
+ * adds the parts up in a fixed order and reports each sum as a mean per
+ * sample: loss_sum as val_loss, correct as val_acc, sums[i] as
+ * val_<name> (test_... for the closing test evaluation). Every answer of
+ * a run names the same sums in the same order. scores: NULL, or
+ * (model.kind ctr, where psd needs them for the AUC) each example's click
+ * probability, count floats in the part's order. */
+typedef struct {
+    uint32_t epoch;        /* these four: the event's (psw_val_for) */
+    uint64_t version;
+    uint64_t begin;
+    psw_split_t split;
+    double loss_sum;
+    uint64_t correct;
+    uint64_t count;        /* the part's samples: n_val_ids */
+    const float *scores;
+    int n_sums;
+    const psw_sum_t *sums;
+} psw_val_t;
+
 typedef struct {
     psw_event_kind_t kind;
     uint32_t epoch;
@@ -178,6 +208,19 @@ typedef struct {
     size_t n_row_ids;
     int exit_code;
     char message[256];
+    /* EPOCH (not append) and SHUTDOWN: psd's last finished validation of the
+     * run, has_last_val 1 where psd sent one (none before the first, nor
+     * from a psd resumed from a checkpoint until it validates again): the
+     * whole set's sums as psd reduced them for its metrics line (val_loss =
+     * loss_sum / count, val_acc = correct / count, val_<name> = sums[i].value
+     * / count). epoch (0-based), split, loss_sum, correct, count, n_sums and
+     * sums are set; version and begin are 0, scores NULL. last_val_final:
+     * it was the run's closing test (psw_event_t.final of its VALIDATE).
+     * sums[] and their names are the client's, valid until the next
+     * psw_client_next (copy what is kept). */
+    int has_last_val;
+    psw_val_t last_val;
+    int last_val_final;
 } psw_event_t;
 
 /* Connect (lazily: ZeroMQ connects in the background). NULL + err on a bad
@@ -296,33 +339,6 @@ float *psw_client_push_region(psw_client_t *c);
 /* My part of the epoch is done. */
 int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples);
 
-/* A named sum of a validation result: name 1 to PSW_SUM_NAME_MAX of
- * [a-z0-9_], not loss, acc, correct, count, samples or auc; value finite. */
-typedef struct {
-    const char *name;
-    double value;
-} psw_sum_t;
-
-/* The answer to a VALIDATE event: its part's sums over its samples. psd
- * adds the parts up in a fixed order and reports each sum as a mean per
- * sample: loss_sum as val_loss, correct as val_acc, sums[i] as
- * val_<name> (test_... for the closing test evaluation). Every answer of
- * a run names the same sums in the same order. scores: NULL, or
- * (model.kind ctr, where psd needs them for the AUC) each example's click
- * probability, count floats in the part's order. */
-typedef struct {
-    uint32_t epoch;        /* these four: the event's (psw_val_for) */
-    uint64_t version;
-    uint64_t begin;
-    psw_split_t split;
-    double loss_sum;
-    uint64_t correct;
-    uint64_t count;        /* the part's samples: n_val_ids */
-    const float *scores;
-    int n_sums;
-    const psw_sum_t *sums;
-} psw_val_t;
-
 /* A psw_val_t for VALIDATE event ev, its sums zero. */
 psw_val_t psw_val_for(const psw_event_t *ev);
 int psw_client_val_result(psw_client_t *c, const psw_val_t *v);
@@ -333,6 +349,14 @@ int psw_client_heartbeat(psw_client_t *c, uint32_t epoch);
 /* Planned departure (e.g. SIGTERM): psd gives this worker's remaining
  * samples to the others; not a failure. */
 int psw_client_leave(psw_client_t *c, const char *reason);
+
+/* End the whole run (the worker's own framework decided to stop: an early
+ * stop, a smaller epoch count): this worker leaves as with
+ * psw_client_leave, and psd ends the run as psctl stop does (a checkpoint
+ * where configured, then SHUTDOWN exit 0 to the other workers; psd exits
+ * 0). reason (copied; NULL or "" for none) goes into psd's log. Once psd
+ * stops, a second worker's call is only its leave. */
+int psw_client_end_run(psw_client_t *c, const char *reason);
 
 uint64_t psw_client_run_id(const psw_client_t *c);
 /* Weights messages whose tensors were checked against psd's CRC-32 (sent
