@@ -5,7 +5,7 @@
 # the command, where that environment is missing: a skip would hide the suite.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-py="$root/.venv/bin/python"
+py="${PSD_LIGHTNING_PY:-$root/.venv/bin/python}"  # another stack: PSD_LIGHTNING_PY=/path/venv/bin/python
 if ! "$py" -c "import lightning" 2>/dev/null; then
     echo "lightning suite: no $root/.venv with Lightning: run sh deploy/setup.sh --lightning" >&2
     exit 1

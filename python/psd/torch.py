@@ -468,7 +468,7 @@ class Worker:
         parts as psd reduced them for its metrics file: {"epoch", "split",
         "final", "count", "loss_sum", "correct", "sums": {NAME: sum}}; None
         before psd's first (or, psd resumed, until it validates again)."""
-        return getattr(self._s, "last_val", None)
+        return self._s.last_val
 
     def heartbeat(self):
         """Tell psd this worker is alive (long work between psd's messages: psd
