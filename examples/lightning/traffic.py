@@ -186,22 +186,24 @@ class DCRNN(pl.LightningModule):
     """Encoder-decoder of DCGRU cells: the encoder reads t_in steps of (speed, time of day), the
     decoder starts from zeros and feeds back its own predictions for t_out steps.
 
-    supports: the forward and backward transition matrices, dense (N, N) float32 (kept as sparse
-    non-persistent buffers: they are data, rebuilt from the seed, never trained); std: the
+    supports: the forward and backward transition matrices, dense (N, N) float32 (non-persistent
+    buffers, dense as DDP broadcasts buffers and has no sparse ones: they are data, made from the
+    seed, never trained, not in checkpoints; made sparse in forward()); std: the
     speeds' standard deviation (mph), to report errors in mph."""
 
     def __init__(self, supports, std, hidden=16, layers=1, hops=2, t_out=3, lr=1e-2, milestones=()):
         super().__init__()
         self.save_hyperparameters(ignore=["supports"])
-        self.register_buffer("fwd", supports[0].to_sparse(), persistent=False)
-        self.register_buffer("bwd", supports[1].to_sparse(), persistent=False)
+        self.register_buffer("fwd", supports[0], persistent=False)
+        self.register_buffer("bwd", supports[1], persistent=False)
         self.encoder = torch.nn.ModuleList([DCGRUCell(2 if i == 0 else hidden, hidden, hops) for i in range(layers)])
         self.decoder = torch.nn.ModuleList([DCGRUCell(1 if i == 0 else hidden, hidden, hops) for i in range(layers)])
         self.proj = torch.nn.Linear(hidden, 1)
 
     def forward(self, x):  # x (B, t_in, N, 2) -> (B, t_out, N), standardised speeds
         b, t_in, n, _ = x.shape
-        x, sup = x.permute(1, 2, 0, 3), [self.fwd, self.bwd]  # (t_in, N, B, 2): nodes first
+        x = x.permute(1, 2, 0, 3)  # (t_in, N, B, 2): nodes first
+        sup = [self.fwd.to_sparse(), self.bwd.to_sparse()]  # about 7 entries a row
         h = [x.new_zeros(n, b, self.hparams.hidden) for _ in self.encoder]
         for t in range(t_in):
             inp = x[t]
