@@ -15,7 +15,37 @@ import os
 import sys
 import time
 
-import torch
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=64, help="per process (DDP rank, psd worker)")
+    ap.add_argument("--seed", type=int, default=0, help="initial weights and data order (the data's own: --data-seed)")
+    ap.add_argument("--data-seed", type=int, default=0, help="the graph and the series")
+    ap.add_argument("--hidden", type=int, default=16, help="units per DCGRU cell (the paper's: 64)")
+    ap.add_argument("--layers", type=int, default=1, help="DCGRU layers of the encoder and of the decoder (paper: 2)")
+    ap.add_argument("--hops", type=int, default=2, help="diffusion steps K; 0: a per-node GRU, no graph")
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--milestones", type=int, nargs="*", default=[], help="epochs where lr x 0.1 (MultiStepLR)")
+    ap.add_argument("--psd", metavar="ENDPOINT", help="train as a psd worker (psd.lightning); omit: no psd")
+    ap.add_argument("--ddp", type=int, default=1, metavar="N", help="N > 1: Lightning's DDP, N processes (gloo)")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                    help="torch threads per process (default: $OMP_NUM_THREADS, else 1)")
+    ap.add_argument("--out", default="lightning-runs", help="CSV logs and checkpoints go here")
+    a = ap.parse_args()
+    if a.psd and a.ddp > 1:
+        ap.error("--psd and --ddp: one or the other")
+    return a
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    # Before torch loads: Debian's torch computes with OpenBLAS, whose thread pool is sized from the
+    # environment when it loads (torch.set_num_threads does not reach it), and Lightning's DDP sets
+    # OMP_NUM_THREADS to cores / processes where it is unset.
+    os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = str(ARGS.threads)
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,27 +96,7 @@ class TrainClock(pl.Callback):
         self.train_s = time.perf_counter() - self.t0 - self.val_s
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--batch-size", type=int, default=64, help="per process (DDP rank, psd worker)")
-    ap.add_argument("--seed", type=int, default=0, help="initial weights and data order (the data's own: --data-seed)")
-    ap.add_argument("--data-seed", type=int, default=0, help="the graph and the series")
-    ap.add_argument("--hidden", type=int, default=16, help="units per DCGRU cell (the paper's: 64)")
-    ap.add_argument("--layers", type=int, default=1, help="DCGRU layers of the encoder and of the decoder (paper: 2)")
-    ap.add_argument("--hops", type=int, default=2, help="diffusion steps K; 0: a per-node GRU, no graph")
-    ap.add_argument("--lr", type=float, default=1e-2)
-    ap.add_argument("--milestones", type=int, nargs="*", default=[], help="epochs where lr x 0.1 (MultiStepLR)")
-    ap.add_argument("--psd", metavar="ENDPOINT", help="train as a psd worker (psd.lightning); omit: no psd")
-    ap.add_argument("--ddp", type=int, default=1, metavar="N", help="N > 1: Lightning's DDP, N processes (gloo)")
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
-                    help="torch threads per process (default: $OMP_NUM_THREADS, else 1)")
-    ap.add_argument("--out", default="lightning-runs", help="CSV logs and checkpoints go here")
-    a = ap.parse_args()
-    if a.psd and a.ddp > 1:
-        ap.error("--psd and --ddp: one or the other")
-    # Lightning's DDP sets OMP_NUM_THREADS (cores / processes) where it is unset: say it first
-    os.environ["OMP_NUM_THREADS"] = str(a.threads)
+def main(a):
     torch.set_num_threads(a.threads)
     pl.seed_everything(a.seed, workers=True)
 
@@ -121,4 +131,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))
