@@ -22,10 +22,11 @@ set -euo pipefail
 EPOCHS=${1:-3}
 ROUNDS=${2:-2}
 MODES=${MODES:-single ddp psd}
+LPY=${PY:-}
 . "$(dirname "$0")/lib.sh"
 bench_setup --bench
 bench_torch_setup
-PY=${PY:-$ROOT/.venv/bin/python}
+PY=${LPY:-$ROOT/.venv/bin/python} # bench_torch_setup's PY is Debian's python3, without lightning
 [ -x "$PY" ] || PY=python3
 "$PY" -c 'import lightning' 2>/dev/null || { echo "$PY has no lightning: set PY (see the header)" >&2; exit 2; }
 FIT="$ROOT/examples/lightning/fit.py"

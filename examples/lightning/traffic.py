@@ -118,8 +118,8 @@ class TrafficData(pl.LightningDataModule):
         self.cut = cut
 
     def _loader(self, ds, shuffle):
-        g = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, generator=g)
+        # the order: torch's global generator (seed_everything); DDP and psd put their own sampler
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle)
 
     def train_dataloader(self):
         return self._loader(self.train, True)
