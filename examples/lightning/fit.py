@@ -1,0 +1,134 @@
+"""Train traffic.py's DCRNN with PyTorch Lightning: one process, Lightning's DDP, or psd.
+
+    python3 examples/lightning/fit.py --epochs 5 --out runs/single              # one process
+    python3 examples/lightning/fit.py --epochs 5 --ddp 2 --out runs/ddp         # DDP (gloo), 2 processes
+    python3 examples/lightning/fit.py --epochs 5 --psd tcp://127.0.0.1:5555 --out runs/psd   # a psd worker
+
+The module, the data and the Trainer are the same in the three; only the strategy line differs.
+With psd, run one per worker (psd started on examples/lightning/psd.yaml; README.md). At the end
+rank 0 prints a line for scripts (bench/lightning.sh):
+
+    RESULT mode=single samples_per_s=... train_s=... val_mae=... best_val_mae=... epochs=...
+"""
+import argparse
+import os
+import sys
+import time
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=64, help="per process (DDP rank, psd worker)")
+    ap.add_argument("--seed", type=int, default=0, help="initial weights and data order (the data's own: --data-seed)")
+    ap.add_argument("--data-seed", type=int, default=0, help="the graph and the series")
+    ap.add_argument("--hidden", type=int, default=16, help="units per DCGRU cell (the paper's: 64)")
+    ap.add_argument("--layers", type=int, default=1, help="DCGRU layers of the encoder and of the decoder (paper: 2)")
+    ap.add_argument("--hops", type=int, default=2, help="diffusion steps K; 0: a per-node GRU, no graph")
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--milestones", type=int, nargs="*", default=[], help="epochs where lr x 0.1 (MultiStepLR)")
+    ap.add_argument("--psd", metavar="ENDPOINT", help="train as a psd worker (psd.lightning); omit: no psd")
+    ap.add_argument("--ddp", type=int, default=1, metavar="N", help="N > 1: Lightning's DDP, N processes (gloo)")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                    help="torch threads per process (default: $OMP_NUM_THREADS, else 1)")
+    ap.add_argument("--out", default="lightning-runs", help="CSV logs and checkpoints go here")
+    a = ap.parse_args()
+    if a.psd and a.ddp > 1:
+        ap.error("--psd and --ddp: one or the other")
+    return a
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    # Before torch loads: Debian's torch computes with OpenBLAS, whose thread pool is sized from the
+    # environment when it loads (torch.set_num_threads does not reach it), and Lightning's DDP sets
+    # OMP_NUM_THREADS to cores / processes where it is unset.
+    os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = str(ARGS.threads)
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def lightning_on_torch1():
+    """Every LightningModule fails to construct with torch 1.13 on Python 3.11 (a
+    torch.distributed._shard dataclass, fixed in torch 2.0); psd.lightning patches the one hook
+    that imports it. Without psd, the same patch here."""
+    try:
+        import psd.lightning  # noqa: F401
+    except ImportError:
+        if sys.version_info >= (3, 11) and int(torch.__version__.split(".")[0]) < 2:
+            from lightning.pytorch.core.module import LightningModule
+            LightningModule._register_sharded_tensor_state_dict_hooks_if_available = lambda self: None
+
+
+lightning_on_torch1()
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+from traffic import DCRNN, TrafficData  # noqa: E402
+
+
+def psd_strategy(endpoint):
+    from psd.lightning import PsdStrategy
+    return PsdStrategy(endpoint)
+
+
+class TrainClock(pl.Callback):
+    """Training seconds: from the first batch's start to the last's end, each epoch's validation
+    and checkpoint left out (Lightning validates inside the training epoch)."""
+
+    def __init__(self):
+        self.train_s = self.val_s = 0.0
+
+    def on_train_start(self, trainer, module):
+        self.t0 = time.perf_counter()
+
+    def on_validation_start(self, trainer, module):
+        self.v0 = time.perf_counter()
+
+    def on_validation_end(self, trainer, module):
+        if not trainer.sanity_checking:
+            self.val_s += time.perf_counter() - self.v0
+
+    def on_train_end(self, trainer, module):
+        self.train_s = time.perf_counter() - self.t0 - self.val_s
+
+
+def main(a):
+    torch.set_num_threads(a.threads)
+    pl.seed_everything(a.seed, workers=True)
+
+    data = TrafficData(batch_size=a.batch_size, seed=a.data_seed)
+    model = DCRNN(data.supports, data.std, hidden=a.hidden, layers=a.layers, hops=a.hops, t_out=data.t_out, lr=a.lr,
+                  milestones=a.milestones)
+    strategy = psd_strategy(a.psd) if a.psd else "ddp" if a.ddp > 1 else "auto"
+    mode = "psd" if a.psd else "ddp%d" % a.ddp if a.ddp > 1 else "single"
+    clock = TrainClock()
+    best = ModelCheckpoint(dirpath=os.path.join(a.out, "checkpoints"), monitor="val_mae", mode="min",
+                           filename="dcrnn-{epoch}-{val_mae:.3f}")
+    trainer = pl.Trainer(accelerator="cpu", devices=a.ddp, strategy=strategy, max_epochs=a.epochs,
+                         logger=CSVLogger(a.out, name=mode), callbacks=[best, clock],
+                         gradient_clip_val=5.0,  # DCRNN's max_grad_norm
+                         deterministic=True, enable_progress_bar=False, enable_model_summary=False,
+                         log_every_n_steps=10)
+    trainer.fit(model, data)
+
+    if trainer.is_global_zero:
+        val_mae = float(trainer.callback_metrics["val_mae"])
+        rmse = float(trainer.callback_metrics["val_mse"]) ** 0.5
+        samples = len(data.train) * a.epochs
+        base = data.baselines()
+        print("validation MAE %.3f mph, RMSE %.3f mph after %d epochs (best %.3f); without the graph: historical "
+              "average %.3f, last value %.3f" % (val_mae, rmse, a.epochs, float(best.best_model_score),
+                                                 base["historical_average"], base["last_value"]))
+        print("RESULT mode=%s samples_per_s=%.1f train_s=%.2f val_s=%.2f val_mae=%.4f best_val_mae=%.4f "
+              "val_rmse=%.4f epochs=%d samples=%d threads=%d ha_mae=%.4f last_mae=%.4f"
+              % (mode, samples / clock.train_s, clock.train_s, clock.val_s, val_mae, float(best.best_model_score),
+                 rmse, a.epochs, samples, torch.get_num_threads(), base["historical_average"], base["last_value"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(ARGS))
