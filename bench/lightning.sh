@@ -74,7 +74,8 @@ psd_run() { # ROUND: psd + 2 workers
     fi
     mkdir -p "$d"
     (cd "$d" && exec "$ROOT/build/psd" --config "$ROOT/examples/lightning/psd.yaml" --listen "$EP" --workers 2 \
-        --epochs "$EPOCHS" --metrics "$d/metrics.jsonl" --save "" --set checkpoint.dir=) 2>"$d/psd.log" &
+        --epochs "$EPOCHS" --set train.batch_size=64 --metrics "$d/metrics.jsonl" --save "" --set checkpoint.dir=) \
+        2>"$d/psd.log" &
     local psd=$!
     PIDS+=("$psd")
     local k pids=()

@@ -8,7 +8,10 @@
 #   sh deploy/quickstart.sh torch   install what is missing (PyTorch too), build,
 #                                   train examples/torch/fashion_cnn.py with psd +
 #                                   2 torch workers (1 thread each) on localhost
-# Extra arguments after `train` or `torch` go to psd (e.g. --epochs 3).
+#   sh deploy/quickstart.sh lightning  install what is missing (.venv with Lightning
+#                                   too), build, train examples/lightning/fit.py's
+#                                   DCRNN with psd + 2 Lightning workers (PsdStrategy)
+# Extra arguments after `train`, `torch` or `lightning` go to psd (e.g. --epochs 3).
 set -eu
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -18,6 +21,7 @@ what=${1:-train}
 case "$what" in
 test) sh deploy/setup.sh --deploy ;;
 torch) sh deploy/setup.sh --bench ;;
+lightning) sh deploy/setup.sh --lightning ;;
 *) sh deploy/setup.sh ;;
 esac
 if [ ! -f build/build.ninja ]; then
@@ -64,12 +68,28 @@ train|torch)
         echo "metrics: $ROOT/run/psd-metrics.jsonl   best epoch's weights: $ROOT/run/fashion_cnn.safetensors"
     fi
     ;;
+lightning)
+    mkdir -p run/lightning
+    cd run/lightning
+    EP="tcp://127.0.0.1:${PSD_PORT:-5555}"
+    export PYTHONPATH="$ROOT/python" PSD_WORKER_LIB="$ROOT/build/libpsworker.so.3"
+    "$ROOT/build/psd" --config "$ROOT/examples/lightning/psd.yaml" --listen "$EP" "$@" &
+    PSD=$!
+    # psd's run.epochs ends the run; Lightning's max_epochs is only a bound here
+    PY=${PSD_PY:-$ROOT/.venv/bin/python} # (another Python with Lightning: PSD_PY)
+    "$PY" "$ROOT/examples/lightning/fit.py" --epochs 1000 --psd "$EP" --out w0 &
+    W0=$!
+    "$PY" "$ROOT/examples/lightning/fit.py" --epochs 1000 --psd "$EP" --out w1 &
+    W1=$!
+    wait_run $PSD $W0 $W1
+    echo "metrics: $ROOT/run/lightning/dcrnn-metrics.jsonl   Lightning's logs and checkpoints: $ROOT/run/lightning/w0"
+    ;;
 test)
     meson test -C build --print-errorlogs --suite unit --suite integration --suite long --suite gpu --suite emu \
         --suite python --suite lightning --suite deploy
     ;;
 *)
-    echo "usage: sh deploy/quickstart.sh train|torch|test" >&2
+    echo "usage: sh deploy/quickstart.sh train|torch|lightning|test" >&2
     exit 2
     ;;
 esac

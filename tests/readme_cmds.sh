@@ -46,6 +46,14 @@ map '^sh deploy/quickstart\.sh train$' \
     'deploy: quickstart-train runs it as written (one epoch, a free port: PSD_PORT, --epochs 1)' \
     'tests/deploy/quickstart_train.sh:sh deploy/quickstart\.sh train --epochs 1' \
     'tests/meson.build:test\('"'"'quickstart-train'"'"
+map '^\.venv/bin/python examples/lightning/fit\.py --epochs 2 --out runs/single$' \
+    'lightning: test_the_examples_readme_commands_psd_within_2_percent_of_the_single_trainer runs it as written' \
+    'python/tests/test_lightning.py:py = "\.venv/bin/python"' \
+    'python/tests/test_lightning.py:\[py, "examples/lightning/fit\.py", "--epochs", "2", "--out", "runs/single"\]' \
+    'meson.build:suite : '"'"'lightning'"'"
+map '^sh deploy/quickstart\.sh lightning --epochs 2$' \
+    'lightning: the same test runs it as written (a free port: PSD_PORT)' \
+    'python/tests/test_lightning.py:\["sh", "deploy/quickstart.sh", "lightning", "--epochs", "2"\]'
 map '^sh deploy/quickstart\.sh torch$' \
     'python: test_quickstart_torch_runs_as_written runs it as written (one epoch of 3,000 samples, a free port)' \
     'python/tests/test_torch.py:"deploy/quickstart.sh", "torch"' \

@@ -118,15 +118,17 @@ def main(a):
     if trainer.is_global_zero:
         val_mae = float(trainer.callback_metrics["val_mae"])
         rmse = float(trainer.callback_metrics["val_mse"]) ** 0.5
-        samples = len(data.train) * a.epochs
+        epochs = trainer.current_epoch  # (through psd: psd's run.epochs, when fewer than --epochs)
+        samples = len(data.train) * epochs
         base = data.baselines()
         print("validation MAE %.3f mph, RMSE %.3f mph after %d epochs (best %.3f); without the graph: historical "
-              "average %.3f, last value %.3f" % (val_mae, rmse, a.epochs, float(best.best_model_score),
+              "average %.3f, last value %.3f" % (val_mae, rmse, epochs, float(best.best_model_score),
                                                  base["historical_average"], base["last_value"]))
+        print("ARGS " + " ".join("%s=%s" % kv for kv in sorted(vars(a).items())))
         print("RESULT mode=%s samples_per_s=%.1f train_s=%.2f val_s=%.2f val_mae=%.4f best_val_mae=%.4f "
               "val_rmse=%.4f epochs=%d samples=%d threads=%d ha_mae=%.4f last_mae=%.4f"
               % (mode, samples / clock.train_s, clock.train_s, clock.val_s, val_mae, float(best.best_model_score),
-                 rmse, a.epochs, samples, torch.get_num_threads(), base["historical_average"], base["last_value"]))
+                 rmse, epochs, samples, torch.get_num_threads(), base["historical_average"], base["last_value"]))
     return 0
 
 

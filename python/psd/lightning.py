@@ -31,7 +31,6 @@ import importlib
 import math
 import re
 import sys
-import time
 
 import torch
 
