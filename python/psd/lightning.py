@@ -29,6 +29,7 @@ Lightning hook that imports it, so import psd.lightning before building the mode
 """
 import importlib
 import math
+import os
 import re
 import sys
 
@@ -142,7 +143,7 @@ class PsdStrategy(Strategy):
     endpoint: psd's (tcp://HOST:PORT; None: PSD_ENDPOINT). key_file, server_key: CurveZMQ keys
     (None: PSD_KEY_FILE, PSD_SERVER_KEY), as psd.torch.Worker. data_id: the data's fingerprint
     (psd refuses workers whose sizes or fingerprint differ). device: the device to train on
-    (None: the CPU). Other keywords go to psd.torch.Worker (threads, timeout_s, retry_s,
+    (None: the CPU, or with Trainer(accelerator="gpu") the GPU of SLURM_LOCALID/LOCAL_RANK). Other keywords go to psd.torch.Worker (threads, timeout_s, retry_s,
     shared_memory, verbose, keep_memory)."""
 
     strategy_name = "psd"
@@ -152,7 +153,7 @@ class PsdStrategy(Strategy):
         self.cluster_environment = LightningEnvironment()  # not SLURM's: srun --ntasks=N starts psd's workers
         self._endpoint = endpoint
         self._worker_kw = dict(worker_kw, key_file=key_file, server_key=server_key, data_id=data_id)
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._device = torch.device(device) if device is not None else None
         self.worker = None    # psd.torch.Worker, from setup() of a fit (last_worker: after it)
         self.last_worker = None
         self._rank = 0        # psd's rank, kept after the fit
@@ -169,7 +170,14 @@ class PsdStrategy(Strategy):
 
     @property
     def root_device(self):
-        return self._device
+        """device=, else with a CUDA accelerator the GPU of SLURM_LOCALID or LOCAL_RANK (0 by
+        default: one worker process per GPU), else the CPU."""
+        if self._device is not None:
+            return self._device
+        if type(self.accelerator).__name__ == "CUDAAccelerator":
+            idx = int(os.environ.get("SLURM_LOCALID", os.environ.get("LOCAL_RANK", "0")))
+            return torch.device("cuda", idx % max(1, torch.cuda.device_count()))
+        return torch.device("cpu")
 
     def model_to_device(self):
         self.model.to(self.root_device)

@@ -75,6 +75,8 @@ def main():
     ap.add_argument("--batch", type=int, default=20)
     ap.add_argument("--early-stop", type=int, default=0)
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds after each training batch")
+    ap.add_argument("--key-file", help="PsdStrategy(key_file=)")
+    ap.add_argument("--server-key", help="PsdStrategy(server_key=)")
     ap.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     ap.add_argument("--validate-after", action="store_true", help="trainer.validate() after the fit")
     a = ap.parse_args()
@@ -84,7 +86,8 @@ def main():
         cbs.append(pl.callbacks.EarlyStopping(monitor="val_mae", patience=a.early_stop, min_delta=1.0))
     if a.sleep:
         cbs.append(Sleep(a.sleep))
-    strategy = "auto" if a.endpoint == "-" else psd.lightning.PsdStrategy(a.endpoint)
+    strategy = "auto" if a.endpoint == "-" else psd.lightning.PsdStrategy(a.endpoint, key_file=a.key_file,
+                                                                         server_key=a.server_key)
     t = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=a.epochs, logger=pl.loggers.CSVLogger(a.out),
                    callbacks=cbs, accumulate_grad_batches=a.accumulate, enable_progress_bar=False, enable_model_summary=False)
     model, data = Net(), Data(a.batch)
@@ -93,6 +96,7 @@ def main():
     out = {"rank": t.global_rank, "epochs": t.current_epoch,
            "metrics": {k: float(v) for k, v in t.callback_metrics.items()},
            "local_figures": getattr(s, "local_figures", 0),
+           "best": os.path.basename(cbs[0].best_model_path), "best_score": float(cbs[0].best_model_score or 0),
            "exit_code": getattr(getattr(s, "last_worker", None), "exit_code", None)}
     if a.validate_after:
         out["validated"] = {k: float(v) for k, v in t.validate(model, data, verbose=False)[0].items()}
