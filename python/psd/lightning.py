@@ -250,7 +250,6 @@ class PsdStrategy(Strategy):
             if isinstance(dl.dataset, torch.utils.data.IterableDataset):
                 raise ValueError("psd.lightning: psd hands out sample ids: a map-style Dataset, not an IterableDataset")
         self._val_ds, self._val_collate = val_dl.dataset, val_dl.collate_fn
-        self._val_bs = val_dl.batch_size
         kw = dict(self._worker_kw)
         self.worker = Worker(self._endpoint, module, len(train_dl.dataset), len(val_dl.dataset),
                              optimizer=opt, scheduler=sched, scheduler_interval=interval, clip_norm=clip,
@@ -313,7 +312,9 @@ class PsdStrategy(Strategy):
             args, kw = _get_dataloader_init_args_and_kwargs(dl, dl.sampler)
             kw.update(sampler=None, shuffle=False, batch_sampler=w.sampler(), batch_size=1, drop_last=False)
             return _reinstantiate_wrapped_cls(dl, *args, **kw)
-        except Exception:  # a DataLoader subclass Lightning cannot make again: a plain one
+        except Exception as e:  # a DataLoader subclass Lightning cannot make again: a plain one
+            w.log("psd.lightning: the training DataLoader made again as a plain DataLoader (%s: %s)" %
+                  (type(e).__name__, e))
             return torch.utils.data.DataLoader(dl.dataset, batch_sampler=w.sampler(), num_workers=dl.num_workers,
                                                collate_fn=dl.collate_fn, pin_memory=dl.pin_memory,
                                                worker_init_fn=dl.worker_init_fn)

@@ -316,8 +316,8 @@ int psw_client_push_wait(psw_client_t *c, double timeout_s);
  * (a WEIGHTS or VALIDATE event's). On psd's host those tensors are psd's
  * shared parameter slot: told so, psd may update that slot in place
  * instead of filling another (a step reads two arrays and writes one of
- * them instead of reading two and filling a third: 1 worker, 4 MiB,
- * 0.24 -> 0.12 ms on the 2-core VM). A push made while weights it asked
+ * them instead of reading two and filling a third; docs/benchmarks.md has
+ * what it saves). A push made while weights it asked
  * for have not come yet releases nothing (psd might step the slot those
  * name before the caller reads them). Off by default: a caller that keeps
  * reading the tensors until the next event must leave it off. */
@@ -387,8 +387,8 @@ void psw_make_identity(uint8_t id[16], uint64_t salt);
 /* For the program (not called by the library itself): keep freed memory for
  * the next message instead of giving it back to the kernel (glibc: one
  * arena, no mmap for large blocks, no trimming), so that every large message
- * received over tcp does not fault in every 4 KiB page (an 80 MB model: 634-641
- * against 173-182 ms a step for a psd.torch worker here, bench/torch_keep_memory.sh). The process's memory
+ * received over tcp does not fault in every 4 KiB page (bench/torch_keep_memory.sh
+ * measures it; docs/benchmarks.md). The process's memory
  * then stays at its high-water mark. Call it first, before threads start (a
  * psw_client's are ZeroMQ's); pworker does, psd.torch.Worker does unless
  * keep_memory=False. */
