@@ -33,6 +33,51 @@ static void usage(FILE *f)
                "exit: 0 done, 1 psd refused or failed, 2 bad flags or key, 4 no answer\n");
 }
 
+/* Send psd the command on sock and print its answer: psctl's exit code (0 done, 1 psd
+ * refused or failed, 4 no answer within timeout). */
+static int ask(void *sock, const char *server, const char *cmd, int json, double timeout)
+{
+    char err[512];
+    Psd__Header h;
+    Psd__Control ctl = PSD__CONTROL__INIT;
+    psd__header__init(&h);
+    h.type = PSD__MSG_TYPE__MSG_CONTROL;
+    h.seq = 1;
+    ctl.command = (char *)cmd;
+    h.body_case = PSD__HEADER__BODY_CONTROL;
+    h.control = &ctl;
+    if (ps_msg_send(sock, NULL, 0, &h, NULL, 0) != 0) {
+        fprintf(stderr, "psctl: cannot send to %s\n", server);
+        return 4;
+    }
+    double deadline = ps_now() + timeout;
+    for (;;) {
+        double left = deadline - ps_now();
+        zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+        if (left <= 0 || zmq_poll(&it, 1, (long)(left * 1000) + 1) <= 0) {
+            fprintf(stderr, "psctl: no answer from psd at %s within %.0f s (is it running there? with keys: is this "
+                            "key in its allow-list?)\n", server, timeout);
+            return 4;
+        }
+        ps_msg_t m;
+        if (ps_msg_recv(sock, &m, false, ZMQ_DONTWAIT, err, sizeof err) != 0) continue;
+        if (m.hdr->type != PSD__MSG_TYPE__MSG_CONTROL_REPLY) { /* e.g. an ERROR: psd refused us */
+            fprintf(stderr, "psctl: psd answered %s%s%s\n", ps_msg_type_name((int)m.hdr->type),
+                    m.hdr->type == PSD__MSG_TYPE__MSG_ERROR ? ": " : "",
+                    m.hdr->type == PSD__MSG_TYPE__MSG_ERROR && m.hdr->error->message ? m.hdr->error->message : "");
+            ps_msg_deinit(&m);
+            return 1;
+        }
+        Psd__ControlReply *r = m.hdr->control_reply;
+        const char *text = json && r->json && r->json[0] ? r->json : r->text ? r->text : "";
+        size_t n = strlen(text);
+        fprintf(r->ok ? stdout : stderr, "%s%s%s", r->ok ? "" : "psctl: ", text, n && text[n - 1] == '\n' ? "" : "\n");
+        int code = r->ok ? 0 : 1;
+        ps_msg_deinit(&m);
+        return code;
+    }
+}
+
 int main(int argc, char **argv)
 {
     enum { O_SERVER = 256, O_KEY, O_SKEY, O_JSON, O_TIMEOUT, O_HELP };
@@ -113,45 +158,7 @@ int main(int argc, char **argv)
         code = 2;
         goto out;
     }
-    Psd__Header h;
-    Psd__Control ctl = PSD__CONTROL__INIT;
-    psd__header__init(&h);
-    h.type = PSD__MSG_TYPE__MSG_CONTROL;
-    h.seq = 1;
-    ctl.command = (char *)cmd;
-    h.body_case = PSD__HEADER__BODY_CONTROL;
-    h.control = &ctl;
-    if (ps_msg_send(sock, NULL, 0, &h, NULL, 0) != 0) {
-        fprintf(stderr, "psctl: cannot send to %s\n", server);
-        goto out;
-    }
-    double deadline = ps_now() + timeout;
-    for (;;) {
-        double left = deadline - ps_now();
-        zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
-        if (left <= 0 || zmq_poll(&it, 1, (long)(left * 1000) + 1) <= 0) {
-            fprintf(stderr, "psctl: no answer from psd at %s within %.0f s (is it running there? with keys: is this "
-                            "key in its allow-list?)\n", server, timeout);
-            goto out;
-        }
-        ps_msg_t m;
-        if (ps_msg_recv(sock, &m, false, ZMQ_DONTWAIT, err, sizeof err) != 0) continue;
-        if (m.hdr->type != PSD__MSG_TYPE__MSG_CONTROL_REPLY) { /* e.g. an ERROR: psd refused us */
-            fprintf(stderr, "psctl: psd answered %s%s%s\n", ps_msg_type_name((int)m.hdr->type),
-                    m.hdr->type == PSD__MSG_TYPE__MSG_ERROR ? ": " : "",
-                    m.hdr->type == PSD__MSG_TYPE__MSG_ERROR && m.hdr->error->message ? m.hdr->error->message : "");
-            ps_msg_deinit(&m);
-            code = 1;
-            goto out;
-        }
-        Psd__ControlReply *r = m.hdr->control_reply;
-        const char *text = json && r->json && r->json[0] ? r->json : r->text ? r->text : "";
-        size_t n = strlen(text);
-        fprintf(r->ok ? stdout : stderr, "%s%s%s", r->ok ? "" : "psctl: ", text, n && text[n - 1] == '\n' ? "" : "\n");
-        code = r->ok ? 0 : 1;
-        ps_msg_deinit(&m);
-        break;
-    }
+    code = ask(sock, server, cmd, json, timeout);
 out:
     zmq_close(sock);
     zmq_ctx_term(ctx);

@@ -175,272 +175,314 @@ static int check_outputs(const ps_config_t *c, const psd_run_opts_t *run, char *
                : -1;
 }
 
-int main(int argc, char **argv)
-{
-    static ps_config_t cfg; /* zero until read; freed at out */
-    enum {
-        OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
-        OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
-        OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
-        OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_XFETCH, OPT_XBREAKFETCH, OPT_XSLOWCKPT, OPT_XMAXW, OPT_XDIEMETRICS, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
-    };
-    static const struct option longopts[] = {
-        {"config", required_argument, NULL, OPT_CONFIG},
-        {"listen", required_argument, NULL, OPT_LISTEN},
-        {"workers", required_argument, NULL, OPT_WORKERS},
-        {"epochs", required_argument, NULL, OPT_EPOCHS},
-        {"seed", required_argument, NULL, OPT_SEED},
-        {"metrics", required_argument, NULL, OPT_METRICS},
-        {"save", required_argument, NULL, OPT_SAVE},
-        {"print-config", no_argument, NULL, OPT_PRINT},
-        {"check-config", no_argument, NULL, OPT_CHECK},
-        {"log-level", required_argument, NULL, OPT_LOGLEVEL},
-        {"log-format", required_argument, NULL, OPT_LOGFORMAT},
-        {"start-timeout", required_argument, NULL, OPT_START_TMO},
-        {"worker-timeout", required_argument, NULL, OPT_WORKER_TMO},
-        {"set", required_argument, NULL, OPT_SET},
-        {"threads", required_argument, NULL, OPT_THREADS},
-        {"resume", required_argument, NULL, OPT_RESUME},
-        {"force-resume", no_argument, NULL, OPT_FORCE_RESUME},
-        {"stop-after-epoch", required_argument, NULL, OPT_STOP_AFTER},
-        {"key", required_argument, NULL, OPT_KEY},
-        {"allow", required_argument, NULL, OPT_ALLOW},
-        {"insecure", no_argument, NULL, OPT_INSECURE},
-        {"x-no-zap", no_argument, NULL, OPT_XNOZAP},
-        {"x-verify-weights", no_argument, NULL, OPT_XVERIFY},
-        {"x-fetch-floats", required_argument, NULL, OPT_XFETCH},
-        {"x-break-fetch", no_argument, NULL, OPT_XBREAKFETCH},
-        {"x-slow-ckpt-ms", required_argument, NULL, OPT_XSLOWCKPT},
-        {"x-max-workers", required_argument, NULL, OPT_XMAXW},
-        {"x-die-after-metrics", required_argument, NULL, OPT_XDIEMETRICS},
-        {"shard", required_argument, NULL, OPT_SHARD},
-        {"leader", required_argument, NULL, OPT_LEADER},
-        {"advertise", required_argument, NULL, OPT_ADVERTISE},
-        {"http", required_argument, NULL, OPT_HTTP},
-        {"help", no_argument, NULL, OPT_HELP},
-        {"version", no_argument, NULL, OPT_VERSION},
-        {NULL, 0, NULL, 0}};
-    static const char *keys[] = {
-        [OPT_LISTEN - OPT_CONFIG] = "server.listen",   [OPT_WORKERS - OPT_CONFIG] = "server.workers",
-        [OPT_EPOCHS - OPT_CONFIG] = "run.epochs",      [OPT_SEED - OPT_CONFIG] = "run.seed",
-        [OPT_METRICS - OPT_CONFIG] = "server.metrics", [OPT_SAVE - OPT_CONFIG] = "server.save",
-        [OPT_LOGLEVEL - OPT_CONFIG] = "server.log_level",
-        [OPT_LOGFORMAT - OPT_CONFIG] = "server.log_format",
-        [OPT_START_TMO - OPT_CONFIG] = "server.start_timeout",
-        [OPT_WORKER_TMO - OPT_CONFIG] = "server.worker_timeout",
-        [OPT_KEY - OPT_CONFIG] = "server.key",
-        [OPT_ALLOW - OPT_CONFIG] = "server.allow",
-        [OPT_HTTP - OPT_CONFIG] = "server.http",
-    };
-    ps_malloc_keep(); /* before ZeroMQ's threads start */
-    const char *config = NULL, *eval_path = NULL;
-    int print = 0, check = 0, n_over = 0, threads = 1;
-    psd_run_opts_t run = {0};
-    override_t *over = calloc((size_t)argc + 1, sizeof *over);
-    char err[1024];
-    int code = 2;
-    if (!over) return 1;
-    ps_log_set_role("psd");
-    psm_blas_tune(argv);
+/* What the command line says, besides config keys (over: KEY=VALUE, in order). */
+typedef struct {
+    const char *config, *eval_path;
+    int print, check, threads;
+    psd_run_opts_t run;
+    override_t *over;
+    int n_over;
+} flags_t;
 
-    int first = 1;
+/* psd keygen and psd export: true when argv is one of them (*code its exit code). */
+static bool subcommand(int argc, char **argv, int *code)
+{
+    char err[1024];
+    *code = 2;
     if (argc > 1 && strcmp(argv[1], "keygen") == 0) {
         if (argc != 3 || argv[2][0] == '-') {
             fprintf(stderr, "psd keygen: usage: psd keygen NAME (writes NAME.key, mode 0600, and NAME.pub)\n");
-            goto out;
+            return true;
         }
         if (ps_auth_keygen(argv[2], err, sizeof err) != 0) {
             fprintf(stderr, "psd keygen: %s\n", err);
-            goto out;
+            return true;
         }
         printf("psd keygen: wrote %s.key (secret, mode 0600) and %s.pub\n", argv[2], argv[2]);
-        code = 0;
-        goto out;
+        *code = 0;
+        return true;
     }
     if (argc > 1 && strcmp(argv[1], "export") == 0) {
         if (argc != 4 || argv[2][0] == '-' || !ps_weights_is_st(argv[3])) {
             fprintf(stderr, "psd export: usage: psd export WEIGHTS OUT.safetensors\n");
-            goto out;
+            return true;
         }
-        code = psd_export_run(argv[2], argv[3]);
-        goto out;
+        *code = psd_export_run(argv[2], argv[3]);
+        return true;
     }
-    if (argc > 1 && strcmp(argv[1], "eval") == 0) {
-        if (argc < 3 || argv[2][0] == '-') {
-            fprintf(stderr, "psd eval: a weights file is required (psd eval WEIGHTS [--config FILE])\n");
-            goto out;
-        }
-        eval_path = argv[2];
-        first = 3;
-    }
+    return false;
+}
+
+enum { /* psd's long flags (getopt_long's values) */
+    OPT_CONFIG = 256, OPT_LISTEN, OPT_WORKERS, OPT_EPOCHS, OPT_SEED, OPT_METRICS, OPT_SAVE,
+    OPT_PRINT, OPT_CHECK, OPT_LOGLEVEL, OPT_HELP, OPT_VERSION, OPT_START_TMO, OPT_WORKER_TMO,
+    OPT_SET, OPT_THREADS, OPT_RESUME, OPT_FORCE_RESUME, OPT_STOP_AFTER, OPT_KEY, OPT_ALLOW,
+    OPT_INSECURE, OPT_XNOZAP, OPT_XVERIFY, OPT_XFETCH, OPT_XBREAKFETCH, OPT_XSLOWCKPT, OPT_XMAXW, OPT_XDIEMETRICS, OPT_LOGFORMAT, OPT_SHARD, OPT_LEADER, OPT_ADVERTISE, OPT_HTTP
+};
+static const struct option longopts[] = {
+    {"config", required_argument, NULL, OPT_CONFIG},
+    {"listen", required_argument, NULL, OPT_LISTEN},
+    {"workers", required_argument, NULL, OPT_WORKERS},
+    {"epochs", required_argument, NULL, OPT_EPOCHS},
+    {"seed", required_argument, NULL, OPT_SEED},
+    {"metrics", required_argument, NULL, OPT_METRICS},
+    {"save", required_argument, NULL, OPT_SAVE},
+    {"print-config", no_argument, NULL, OPT_PRINT},
+    {"check-config", no_argument, NULL, OPT_CHECK},
+    {"log-level", required_argument, NULL, OPT_LOGLEVEL},
+    {"log-format", required_argument, NULL, OPT_LOGFORMAT},
+    {"start-timeout", required_argument, NULL, OPT_START_TMO},
+    {"worker-timeout", required_argument, NULL, OPT_WORKER_TMO},
+    {"set", required_argument, NULL, OPT_SET},
+    {"threads", required_argument, NULL, OPT_THREADS},
+    {"resume", required_argument, NULL, OPT_RESUME},
+    {"force-resume", no_argument, NULL, OPT_FORCE_RESUME},
+    {"stop-after-epoch", required_argument, NULL, OPT_STOP_AFTER},
+    {"key", required_argument, NULL, OPT_KEY},
+    {"allow", required_argument, NULL, OPT_ALLOW},
+    {"insecure", no_argument, NULL, OPT_INSECURE},
+    {"x-no-zap", no_argument, NULL, OPT_XNOZAP},
+    {"x-verify-weights", no_argument, NULL, OPT_XVERIFY},
+    {"x-fetch-floats", required_argument, NULL, OPT_XFETCH},
+    {"x-break-fetch", no_argument, NULL, OPT_XBREAKFETCH},
+    {"x-slow-ckpt-ms", required_argument, NULL, OPT_XSLOWCKPT},
+    {"x-max-workers", required_argument, NULL, OPT_XMAXW},
+    {"x-die-after-metrics", required_argument, NULL, OPT_XDIEMETRICS},
+    {"shard", required_argument, NULL, OPT_SHARD},
+    {"leader", required_argument, NULL, OPT_LEADER},
+    {"advertise", required_argument, NULL, OPT_ADVERTISE},
+    {"http", required_argument, NULL, OPT_HTTP},
+    {"help", no_argument, NULL, OPT_HELP},
+    {"version", no_argument, NULL, OPT_VERSION},
+    {NULL, 0, NULL, 0}};
+static const char *keys[] = {
+    [OPT_LISTEN - OPT_CONFIG] = "server.listen",   [OPT_WORKERS - OPT_CONFIG] = "server.workers",
+    [OPT_EPOCHS - OPT_CONFIG] = "run.epochs",      [OPT_SEED - OPT_CONFIG] = "run.seed",
+    [OPT_METRICS - OPT_CONFIG] = "server.metrics", [OPT_SAVE - OPT_CONFIG] = "server.save",
+    [OPT_LOGLEVEL - OPT_CONFIG] = "server.log_level",
+    [OPT_LOGFORMAT - OPT_CONFIG] = "server.log_format",
+    [OPT_START_TMO - OPT_CONFIG] = "server.start_timeout",
+    [OPT_WORKER_TMO - OPT_CONFIG] = "server.worker_timeout",
+    [OPT_KEY - OPT_CONFIG] = "server.key",
+    [OPT_ALLOW - OPT_CONFIG] = "server.allow",
+    [OPT_HTTP - OPT_CONFIG] = "server.http",
+};
+
+/* The flags from argv[first] on into f: -1 to go on, else the exit code (--help, --version: 0;
+ * a bad flag: 2, said on stderr). */
+static int parse_flags(int argc, char **argv, int first, flags_t *f)
+{
+    psd_run_opts_t *run = &f->run;
+    override_t *over = f->over;
     optind = first;
     opterr = 0;
     int c;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
         switch (c) {
-        case OPT_CONFIG: config = optarg; break;
-        case OPT_PRINT: print = 1; break;
-        case OPT_CHECK: check = 1; break;
-        case OPT_HELP: usage(stdout); code = 0; goto out;
+        case OPT_CONFIG: f->config = optarg; break;
+        case OPT_PRINT: f->print = 1; break;
+        case OPT_CHECK: f->check = 1; break;
+        case OPT_HELP: usage(stdout); return 0;
         case OPT_VERSION:
             printf("psd %s (protocol %u, commit %s)\n", PSD_VERSION, PS_PROTOCOL_VERSION, PSD_GIT_COMMIT);
-            code = 0;
-            goto out;
+            return 0;
         case OPT_THREADS:
-            if (int_opt("threads", optarg, 1, 1024, &threads) != 0) goto out;
+            if (int_opt("threads", optarg, 1, 1024, &f->threads) != 0) return 2;
             break;
-        case OPT_RESUME: run.resume_dir = optarg; break;
-        case OPT_INSECURE: over[n_over++] = (override_t){"server.insecure", "true"}; break;
-        case OPT_XNOZAP: run.no_zap = 1; break; /* tests only */
-        case OPT_XVERIFY: run.verify_weights = 1; break; /* tests only */
-        case OPT_XBREAKFETCH: run.break_fetch = 1; break; /* tests only */
+        case OPT_RESUME: run->resume_dir = optarg; break;
+        case OPT_INSECURE: over[f->n_over++] = (override_t){"server.insecure", "true"}; break;
+        case OPT_XNOZAP: run->no_zap = 1; break; /* tests only */
+        case OPT_XVERIFY: run->verify_weights = 1; break; /* tests only */
+        case OPT_XBREAKFETCH: run->break_fetch = 1; break; /* tests only */
         case OPT_XSLOWCKPT: { /* tests only: a slow disk */
             int ms;
-            if (int_opt("x-slow-ckpt-ms", optarg, 0, 600000, &ms) != 0) goto out;
+            if (int_opt("x-slow-ckpt-ms", optarg, 0, 600000, &ms) != 0) return 2;
             psd_ckpt_test_delay(ms);
             break;
         }
         case OPT_XDIEMETRICS: /* tests only: killed between an epoch's metrics line and its checkpoint */
-            if (int_opt("x-die-after-metrics", optarg, 1, 1000000, &run.die_after_metrics) != 0) goto out;
+            if (int_opt("x-die-after-metrics", optarg, 1, 1000000, &run->die_after_metrics) != 0) return 2;
             break;
         case OPT_XMAXW: /* tests only: few worker slots, to see them reused */
-            if (int_opt("x-max-workers", optarg, 1, 1024, &run.max_workers) != 0) goto out;
+            if (int_opt("x-max-workers", optarg, 1, 1024, &run->max_workers) != 0) return 2;
             break;
         case OPT_XFETCH: { /* tests only */
             char *end;
             unsigned long long v = strtoull(optarg, &end, 10);
             if (*end || end == optarg || optarg[0] == '-' || v < 1 || v > ((uint64_t)1 << 32)) {
                 fprintf(stderr, "psd: --x-fetch-floats: expected an integer in [1, 2^32], got '%s'\n", optarg);
-                goto out;
+                return 2;
             }
-            run.fetch_floats = v;
+            run->fetch_floats = v;
             break;
         }
-        case OPT_FORCE_RESUME: run.force_resume = 1; break;
+        case OPT_FORCE_RESUME: run->force_resume = 1; break;
         case OPT_SHARD: {
             int i = -1, n = -1, used = 0;
             if (sscanf(optarg, "%d/%d%n", &i, &n, &used) != 2 || optarg[used] || n < 1 || n > PS_MAX_SHARDS || i < 0 ||
                 i >= n) {
                 fprintf(stderr, "psd: --shard: expected I/N with 0 <= I < N <= %d, got '%s'\n", PS_MAX_SHARDS, optarg);
-                goto out;
+                return 2;
             }
-            run.shard = i;
-            run.shards = n;
+            run->shard = i;
+            run->shards = n;
             break;
         }
-        case OPT_LEADER: run.leader = optarg; break;
-        case OPT_ADVERTISE: run.advertise = optarg; break;
+        case OPT_LEADER: run->leader = optarg; break;
+        case OPT_ADVERTISE: run->advertise = optarg; break;
         case OPT_STOP_AFTER: {
             char *end;
             long v = strtol(optarg, &end, 10);
             if (*end || end == optarg || v < 1 || v > 1000000) {
                 fprintf(stderr, "psd: --stop-after-epoch: expected an epoch number >= 1, got '%s'\n", optarg);
-                goto out;
+                return 2;
             }
-            run.stop_after_epoch = (int)v;
+            run->stop_after_epoch = (int)v;
             break;
         }
         case OPT_SET: {
             char *eq = strchr(optarg, '=');
             if (!eq || eq == optarg) {
                 fprintf(stderr, "psd: --set: expected KEY=VALUE, got '%s'\n", optarg);
-                goto out;
+                return 2;
             }
             *eq = '\0';
-            over[n_over++] = (override_t){optarg, eq + 1};
+            over[f->n_over++] = (override_t){optarg, eq + 1};
             break;
         }
         case '?':
         case ':':
             fprintf(stderr, "psd: unknown or incomplete option '%s' (see --help)\n", argv[optind - 1]);
-            goto out;
+            return 2;
         default:
-            over[n_over++] = (override_t){keys[c - OPT_CONFIG], optarg};
+            over[f->n_over++] = (override_t){keys[c - OPT_CONFIG], optarg};
         }
     }
     if (optind < argc) {
         fprintf(stderr, "psd: unexpected argument '%s' (see --help)\n", argv[optind]);
-        goto out;
+        return 2;
     }
 
-    if (run.shard > 0 && !run.leader) {
-        fprintf(stderr, "psd: --shard %d/%d: give shard 0's endpoint with --leader ENDPOINT\n", run.shard, run.shards);
-        goto out;
+    if (optind < argc) {
+        fprintf(stderr, "psd: unexpected argument '%s' (see --help)\n", argv[optind]);
+        return 2;
     }
-    if ((run.leader || run.advertise) && run.shard == 0) {
+    return -1;
+}
+
+/* The run's config: defaults, the file, the flags' keys, checked with the flags
+ * (shards, endpoints): 0, or -1 (said on stderr). */
+static int load_config(ps_config_t *cfg, const flags_t *f)
+{
+    char err[1024];
+    const psd_run_opts_t *run = &f->run;
+    const char *config = f->config;
+    if (run->shard > 0 && !run->leader) {
+        fprintf(stderr, "psd: --shard %d/%d: give shard 0's endpoint with --leader ENDPOINT\n", run->shard, run->shards);
+        return -1;
+    }
+    if ((run->leader || run->advertise) && run->shard == 0) {
         fprintf(stderr, "psd: --leader and --advertise are for shards 1..N-1 (--shard I/N)\n");
-        goto out;
+        return -1;
     }
-    const struct { const char *flag, *ep; } eps[] = {{"leader", run.leader}, {"advertise", run.advertise}};
+    const struct { const char *flag, *ep; } eps[] = {{"leader", run->leader}, {"advertise", run->advertise}};
     for (size_t i = 0; i < sizeof eps / sizeof eps[0]; i++)
         if (eps[i].ep && ps_endpoint_check(eps[i].ep, PS_EP_CONNECT, err, sizeof err) != 0) {
             fprintf(stderr, "psd: --%s: %s\n", eps[i].flag, err);
-            goto out;
+            return -1;
         }
-    ps_config_defaults(&cfg);
-    if (config && ps_config_load_file(&cfg, config, err, sizeof err) != 0) {
+    ps_config_defaults(cfg);
+    if (config && ps_config_load_file(cfg, config, err, sizeof err) != 0) {
         fprintf(stderr, "psd: %s\n", err);
-        goto out;
+        return -1;
     }
-    for (int i = 0; i < n_over; i++)
-        if (ps_config_set(&cfg, over[i].key, over[i].value, err, sizeof err) != 0) {
+    for (int i = 0; i < f->n_over; i++)
+        if (ps_config_set(cfg, f->over[i].key, f->over[i].value, err, sizeof err) != 0) {
             fprintf(stderr, "psd: %s\n", err);
+            return -1;
+        }
+    ps_config_user_defaults(cfg); /* a user's model: PyTorch's defaults for what nothing set */
+    if (ps_config_validate(cfg, err, sizeof err) != 0) {
+        fprintf(stderr, "psd: %s%s%s\n", config ? config : "", config ? ": " : "", err);
+        return -1;
+    }
+    if (ps_tcp_cc_check(cfg->tcp_congestion, err, sizeof err) != 0) { /* the kernel's say: found out now */
+        fprintf(stderr, "psd: %s%s%s\n", config ? config : "", config ? ": " : "", err);
+        return -1;
+    }
+    if (run->shards > 1 && cfg->stream) {
+        fprintf(stderr, "psd: train.stream: true needs one psd; psd shards (--shard) take whole pushes\n");
+        return -1;
+    }
+    if (run->shards > 1 && cfg->sync != PS_SYNC_BSP) {
+        fprintf(stderr, "psd: train.sync: %s needs one psd; psd shards (--shard) train with bsp only\n",
+                ps_sync_name(cfg->sync));
+        return -1;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    static ps_config_t cfg; /* zero until read; freed at out */
+    ps_malloc_keep(); /* before ZeroMQ's threads start */
+    flags_t fl = {.threads = 1};
+    psd_run_opts_t *run = &fl.run;
+    char err[1024];
+    int code = 2;
+    ps_log_set_role("psd");
+    psm_blas_tune(argv);
+    if (subcommand(argc, argv, &code)) return code;
+    fl.over = calloc((size_t)argc + 1, sizeof *fl.over);
+    if (!fl.over) return 1;
+    int first = 1;
+    if (argc > 1 && strcmp(argv[1], "eval") == 0) {
+        if (argc < 3 || argv[2][0] == '-') {
+            fprintf(stderr, "psd eval: a weights file is required (psd eval WEIGHTS [--config FILE])\n");
             goto out;
         }
-    ps_config_user_defaults(&cfg); /* a user's model: PyTorch's defaults for what nothing set */
-    if (ps_config_validate(&cfg, err, sizeof err) != 0) {
-        fprintf(stderr, "psd: %s%s%s\n", config ? config : "", config ? ": " : "", err);
-        goto out;
+        fl.eval_path = argv[2];
+        first = 3;
     }
-    if (ps_tcp_cc_check(cfg.tcp_congestion, err, sizeof err) != 0) { /* the kernel's say: found out now */
-        fprintf(stderr, "psd: %s%s%s\n", config ? config : "", config ? ": " : "", err);
-        goto out;
-    }
-    if (run.shards > 1 && cfg.stream) {
-        fprintf(stderr, "psd: train.stream: true needs one psd; psd shards (--shard) take whole pushes\n");
-        goto out;
-    }
-    if (run.shards > 1 && cfg.sync != PS_SYNC_BSP) {
-        fprintf(stderr, "psd: train.sync: %s needs one psd; psd shards (--shard) train with bsp only\n",
-                ps_sync_name(cfg.sync));
-        goto out;
-    }
+    if ((code = parse_flags(argc, argv, first, &fl)) >= 0) goto out;
+    code = 2;
+    if (load_config(&cfg, &fl) != 0) goto out;
     ps_log_set_level(cfg.log_level);
     ps_log_set_json(cfg.log_format == PS_LOG_JSON);
-    if (print) {
+    if (fl.print) {
         code = ps_config_write_yaml(&cfg, stdout) == 0 ? 0 : 1;
         goto out;
     }
-    if (!eval_path && run.stop_after_epoch > 0 && !cfg.ckpt_dir[0]) {
+    if (!fl.eval_path && run->stop_after_epoch > 0 && !cfg.ckpt_dir[0]) {
         fprintf(stderr, "psd: --stop-after-epoch needs checkpoints to resume from, and checkpoint.dir is empty\n");
         goto out;
     }
-    if (!eval_path && check_outputs(&cfg, &run, err, sizeof err) != 0) { /* found out now, not after the training */
+    if (!fl.eval_path && check_outputs(&cfg, run, err, sizeof err) != 0) { /* found out now, not after the training */
         fprintf(stderr, "psd: %s\n", err);
         goto out;
     }
-    if (check && run.resume_dir && run.shard > 0) { /* its part is found at the step shard 0 resumes */
+    if (fl.check && run->resume_dir && run->shard > 0) { /* its part is found at the step shard 0 resumes */
         fprintf(stderr, "psd: --check-config --resume checks shard 0's checkpoint: run it with --shard 0/%d\n",
-                run.shards);
+                run->shards);
         goto out;
     }
-    if (check) { /* the start's own checks (psd_server_run, psd_shard_run), stopped before it writes or trains */
-        if (run.resume_dir && (code = psd_resume_check(run.resume_dir, &cfg, run.force_resume, run.shards)) != 0)
+    if (fl.check) { /* the start's own checks (psd_server_run, psd_shard_run), stopped before it writes or trains */
+        if (run->resume_dir && (code = psd_resume_check(run->resume_dir, &cfg, run->force_resume, run->shards)) != 0)
             goto out; /* (it says which checkpoint a resume would use) */
-        run.check = 1;
+        run->check = 1;
         ps_log_set_level(cfg.log_level < PS_LOG_WARN ? cfg.log_level : PS_LOG_WARN); /* its errors, not its INFO */
-        code = run.shard > 0 ? psd_shard_run(&cfg, &run) : psd_server_run(&cfg, &run);
+        code = run->shard > 0 ? psd_shard_run(&cfg, run) : psd_server_run(&cfg, run);
         if (code == 0) printf("psd: config OK\n");
         goto out;
     }
-    if (eval_path) {
-        code = psd_eval_run(&cfg, eval_path, threads);
+    if (fl.eval_path) {
+        code = psd_eval_run(&cfg, fl.eval_path, fl.threads);
         goto out;
     }
     ps_early_stop_signals(); /* a stop while loading is acted on once the loop runs */
-    code = run.shard > 0 ? psd_shard_run(&cfg, &run) : psd_server_run(&cfg, &run);
+    code = run->shard > 0 ? psd_shard_run(&cfg, run) : psd_server_run(&cfg, run);
 out:
-    free(over);
+    free(fl.over);
     ps_config_free(&cfg);
     return code;
 }

@@ -680,7 +680,10 @@ static int send_values(psw_client_t *c, const ps_layout_t *l)
     return rc;
 }
 
-int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, char *err, size_t errlen)
+/* Send REGISTER (with this worker's own model's table when it offers one, its
+ * values when psd asks for them) and wait for the ASSIGN: 0 with it in
+ * c->cur, or an error (err says why; -ESHUTDOWN: psd ended the run). */
+static int register_and_wait(psw_client_t *c, double timeout_s, char *err, size_t errlen)
 {
     char host[256], hostid[256];
     ps_hostname(host, sizeof host);
@@ -747,6 +750,12 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     }
     free(tb);
     ps_layout_free(&offer);
+    return 0;
+}
+
+/* The ASSIGN in c->cur, checked, into out (and the run id and rank into c). */
+static int assign_read(psw_client_t *c, psw_assign_t *out, char *err, size_t errlen)
+{
     Psd__Header *ah = c->cur.hdr;
     Psd__Assign *a = ah->assign;
     memset(out, 0, sizeof *out);
@@ -807,14 +816,6 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     out->step_timeout_s = a->step_timeout_s;
     out->silence_s = a->silence_s;
     out->world = a->world;
-    /* this side of the connections sends the pushes: psd's setting, on them too */
-    snprintf(c->tcp_cc, sizeof c->tcp_cc, "%s", a->tcp_congestion ? a->tcp_congestion : "");
-    if (ps_tcp_cc_check(c->tcp_cc, err, errlen) != 0) {
-        PS_WARN("%s: this worker's connections keep the kernel's congestion control", err);
-        c->tcp_cc[0] = '\0';
-    }
-    memset(c->tcp_fd, 0, sizeof c->tcp_fd);
-    ps_tcp_cc_conn(&c->tcp_fd[0], c->cur.srcfd, c->tcp_cc, false);
     if (a->ctr) { /* model.kind ctr: checked as psd checks its config */
         Psd__CtrTask *t = a->ctr;
         out->ctr.fields = (int)t->fields;
@@ -840,6 +841,23 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
             return -EPROTO;
         }
     }
+    return 0;
+}
+
+/* After the assignment: the connections' congestion control, the tensor
+ * table, shared memory, the psd shards, bfloat16 buffers, streamed pushes. */
+static int assign_setup(psw_client_t *c, psw_assign_t *out, double timeout_s, char *err, size_t errlen)
+{
+    Psd__Assign *a = c->cur.hdr->assign;
+    const bool tensors = a->model && strcmp(a->model, "tensors") == 0;
+    /* this side of the connections sends the pushes: psd's setting, on them too */
+    snprintf(c->tcp_cc, sizeof c->tcp_cc, "%s", a->tcp_congestion ? a->tcp_congestion : "");
+    if (ps_tcp_cc_check(c->tcp_cc, err, errlen) != 0) {
+        PS_WARN("%s: this worker's connections keep the kernel's congestion control", err);
+        c->tcp_cc[0] = '\0';
+    }
+    memset(c->tcp_fd, 0, sizeof c->tcp_fd);
+    ps_tcp_cc_conn(&c->tcp_fd[0], c->cur.srcfd, c->tcp_cc, false);
     shm_unmap(c);
     char why[400];
     ps_layout_t built;
@@ -904,6 +922,14 @@ int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     }
     out->stream = c->stream_cf > 0;
     return 0;
+}
+
+int psw_client_register(psw_client_t *c, psw_assign_t *out, double timeout_s, char *err, size_t errlen)
+{
+    int rc = register_and_wait(c, timeout_s, err, errlen);
+    if (rc == 0) rc = assign_read(c, out, err, errlen);
+    if (rc == 0) rc = assign_setup(c, out, timeout_s, err, errlen);
+    return rc;
 }
 
 int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count, const char *data_id)

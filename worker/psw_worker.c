@@ -678,44 +678,50 @@ static int exit_code_of(int psd_code) { return psd_code < 0 || psd_code > 125 ? 
 static volatile sig_atomic_t leave_signal;
 static void on_leave_signal(int sig) { leave_signal = sig; }
 
-/* One session with psd: register (again, after psd was lost), check data,
- * train until psd ends the run. Returns an exit code, or -1 when psd was lost
- * and the worker should register again. */
-static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
+/* Register (again, after psd was lost) and check the assignment and the
+ * data: true when this worker is in the run, else false with *result the
+ * session's result (an exit code, or -1: psd lost, register again). */
+static bool join(wk_t *w, const psw_info_t *info, double reg_timeout, int *result)
 {
     const psw_worker_opts_t *o = w->o;
     char err[512];
     w->c = psw_client_new(o->connect, info, err, sizeof err);
     if (!w->c) {
         PS_ERROR("%s", err);
-        return PSW_EXIT_USAGE;
+        *result = PSW_EXIT_USAGE;
+        return false;
     }
     psw_assign_t a;
     int rc = psw_client_register(w->c, &a, reg_timeout, err, sizeof err);
     if (rc == -EACCES) {
         PS_ERROR("%s", err);
-        return PSW_EXIT_USAGE;
+        *result = PSW_EXIT_USAGE;
+        return false;
     }
     if (rc == -ESHUTDOWN) { /* psd ended the run while this worker registered again */
         int code = psw_client_shutdown_code(w->c);
         if (code != 0) PS_ERROR("%s", err);
         else PS_INFO("%s", err);
-        return exit_code_of(code);
+        *result = exit_code_of(code);
+        return false;
     }
     if (rc == -ETIMEDOUT || rc == -ECONNRESET || rc == -ENOLINK) {
         if (!w->registered) PS_ERROR("%s", err);
-        return w->registered ? -1 : PSW_EXIT_PSD_LOST;
+        *result = w->registered ? -1 : PSW_EXIT_PSD_LOST;
+        return false;
     }
     if (rc < 0) {
         PS_ERROR("%s", err);
-        return PSW_EXIT_USAGE;
+        *result = PSW_EXIT_USAGE;
+        return false;
     }
     if (a.model == PSW_MODEL_TENSORS) {
         psw_client_fail(w->c, 0, "pworker trains the built-in models only");
         PS_ERROR("psd's run trains a model of %d named tensors (model.kind tensors): pworker trains the built-in "
                  "models only; run the program that computes its gradients (a worker built on psworker.h)",
                  a.n_tensors);
-        return PSW_EXIT_USAGE;
+        *result = PSW_EXIT_USAGE;
+        return false;
     }
     char role[32];
     snprintf(role, sizeof role, "worker %u", a.rank);
@@ -727,7 +733,8 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
                 (unsigned long long)a.run_id);
         if (ps_layout_init_table(&w->layout, a.sizes, a.n_sizes, a.ctr.rows, a.ctr.dim) != 0) {
             PS_ERROR("psd sent an invalid model");
-            return PSW_EXIT_USAGE;
+            *result = PSW_EXIT_USAGE;
+            return false;
         }
         w->ctr = a.ctr.fields > 0;
         w->on_psd = w->ctr && a.ctr.table_on_psd;
@@ -740,7 +747,8 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
         } else if (load_data(w, err, sizeof err) != 0) {
             PS_ERROR("%s", err);
             psw_client_fail(w->c, 1, err);
-            return PSW_EXIT_USAGE;
+            *result = PSW_EXIT_USAGE;
+            return false;
         }
         PS_INFO("data checked: %zu training, %zu test samples", w->train.count, w->test.count);
         w->registered = 1;
@@ -751,7 +759,8 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
             a.val_batch_size != w->a.val_batch_size ||
             memcmp(&a.ctr, &w->a.ctr, sizeof a.ctr) != 0) {
             PS_ERROR("psd's model or data changed since this worker joined; not rejoining");
-            return PSW_EXIT_USAGE;
+            *result = PSW_EXIT_USAGE;
+            return false;
         }
         w->a = a;
         PS_WARN("rejoined run %016llx as rank %u", (unsigned long long)a.run_id, a.rank);
@@ -764,6 +773,33 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
     psw_client_release_on_push(w->c, 1);
     psw_client_ready(w->c, w->train.count, w->test.count, NULL); /* psd checked the files' hashes in ASSIGN */
 
+    return true;
+}
+
+/* psd ends the run: what this worker did, logged; its exit code. */
+static int on_shutdown(const wk_t *w, const psw_event_t *ev)
+{
+    if (w->ctr)
+        PS_INFO("embedding table gradient pushed as rows %llu times, whole %llu times%s",
+                (unsigned long long)w->pushes_rows, (unsigned long long)w->pushes_whole,
+                w->on_psd ? "; the table stayed on psd" : "");
+    if (w->be && !w->be->host_visible)
+        PS_INFO("device copies: %llu bytes up, %llu bytes down; %llu training steps",
+                (unsigned long long)w->be->bytes_up, (unsigned long long)w->be->bytes_down,
+                (unsigned long long)w->steps);
+    if (w->repulls)
+        PS_INFO("%llu batches asked psd for their table rows again (samples added to the epoch)",
+                (unsigned long long)w->repulls);
+    if (ev->exit_code != 0) PS_ERROR("psd ended the run: %s", ev->message);
+    else PS_INFO("psd ended the run: %s", ev->message[0] ? ev->message : "done");
+    return exit_code_of(ev->exit_code);
+}
+
+/* The run's events until psd ends it: an exit code, or -1 (psd lost). */
+static int follow(wk_t *w)
+{
+    char err[512];
+    int rc;
     double timeout = w->a.start_timeout_s;
     for (;;) {
         psw_event_t ev;
@@ -799,21 +835,7 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
             rc = train_step(w, &ev);
             break;
         case PSW_EV_VALIDATE: rc = validate(w, &ev); break;
-        case PSW_EV_SHUTDOWN:
-            if (w->ctr)
-                PS_INFO("embedding table gradient pushed as rows %llu times, whole %llu times%s",
-                        (unsigned long long)w->pushes_rows, (unsigned long long)w->pushes_whole,
-                        w->on_psd ? "; the table stayed on psd" : "");
-            if (w->be && !w->be->host_visible)
-                PS_INFO("device copies: %llu bytes up, %llu bytes down; %llu training steps",
-                        (unsigned long long)w->be->bytes_up, (unsigned long long)w->be->bytes_down,
-                        (unsigned long long)w->steps);
-            if (w->repulls)
-                PS_INFO("%llu batches asked psd for their table rows again (samples added to the epoch)",
-                        (unsigned long long)w->repulls);
-            if (ev.exit_code != 0) PS_ERROR("psd ended the run: %s", ev.message);
-            else PS_INFO("psd ended the run: %s", ev.message[0] ? ev.message : "done");
-            return exit_code_of(ev.exit_code);
+        case PSW_EV_SHUTDOWN: return on_shutdown(w, &ev);
         }
         if (rc == -ENODEV) return PSW_EXIT_ERROR; /* no backend: logged and told to psd already */
         if (rc == -EPROTO) {
@@ -827,6 +849,15 @@ static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
             return PSW_EXIT_ERROR;
         }
     }
+}
+
+/* One session with psd: register (again, after psd was lost), check data,
+ * train until psd ends the run. Returns an exit code, or -1 when psd was lost
+ * and the worker should register again. */
+static int session(wk_t *w, const psw_info_t *info, double reg_timeout)
+{
+    int code;
+    return join(w, info, reg_timeout, &code) ? follow(w) : code;
 }
 
 int psw_worker_run(const psw_worker_opts_t *o)
