@@ -913,6 +913,83 @@ static void data_free(ckpt_data_t *d)
     memset(d, 0, sizeof *d);
 }
 
+/* After the header: the tensor table (format 5 on) into d->table, and the run
+ * block (format 6 on) into run, each bounded before it is read; *hlen grows by
+ * what they took. NULL, or why the file is unusable. */
+static const char *read_blocks(ckpt_in_t *in, uint64_t size, uint32_t format, ckpt_data_t *d, psd_ckpt_run_t *run,
+                               size_t *hlen, uint32_t *tlen)
+{
+    const char *why = NULL;
+    if (*hlen && format >= 5) { /* the table: its length bounded by the file's before it is read */
+        uint8_t tl[4];
+        if ((why = in_read(in, tl, 4, 1)) != NULL) return why;
+        get_u32(tl, tlen);
+        if ((uint64_t)*tlen > size - *hlen || *tlen > (64u << 20)) return "bad tensor table length";
+        if (!(d->table = malloc(*tlen ? *tlen : 1))) return "out of memory";
+        if ((why = in_read(in, d->table, *tlen, 1)) != NULL) return why;
+        *hlen += 4 + (size_t)*tlen;
+    }
+    if (*hlen && format >= 6) { /* the run block */
+        uint8_t rl[4], rb[CKPT_RUN_MAX];
+        uint32_t rlen;
+        if ((why = in_read(in, rl, 4, 1)) != NULL) return why;
+        get_u32(rl, &rlen);
+        if (rlen > CKPT_RUN_MAX) return "bad run block length";
+        if ((why = in_read(in, rb, rlen, 1)) != NULL) return why;
+        if (!run_unpack(run, rb, rlen)) return "bad run block";
+        *hlen += 4 + (size_t)rlen;
+    }
+    return NULL;
+}
+
+/* The file's length against its header's, then its arenas (the sample bitmap, the
+ * weights, the optimizer's slots: this file's spans of each) and the trailer's length
+ * and CRC. NULL, or why the file is unusable (reason_buf: formatted reasons). */
+static const char *read_arenas(ckpt_in_t *in, uint64_t size, size_t hlen, uint32_t format, ckpt_data_t *d,
+                               char *reason_buf, size_t reason_len)
+{
+    const char *why = NULL;
+    uint8_t trailer[CKPT_TRAILER_LEN];
+    const ps_layout_t l = d->layout;
+    span_t spans[PS_MAX_TENSORS];
+    uint64_t part;
+    const int n_spans = part_spans(&d->meta, &l, format, spans, &part);
+    /* Before allocating anything: the header must describe this file. (A
+     * shard's file holds a part: the whole arenas allocated below are at most
+     * PS_MAX_SHARDS times its floats, only the part's pages touched.) */
+    uint64_t want = file_len(&d->meta, hlen, part);
+    if (size != want) {
+        snprintf(reason_buf, reason_len, "%lld bytes, header says %llu (truncated?)",
+                 (long long)size, (unsigned long long)want);
+        return reason_buf;
+    }
+    size_t seen_bytes = (size_t)((d->meta.train_count + 7) / 8);
+    size_t arena_bytes = (size_t)d->meta.n_params * sizeof(float);
+    /* zeroed where the file holds nothing (another shard's part), and not
+     * resident there either (large callocs are fresh pages) */
+    d->seen = malloc(seen_bytes ? seen_bytes : 1);
+    d->w = calloc(1, arena_bytes);
+    for (uint32_t s = 0; s < d->meta.n_slots; s++) d->slots[s] = calloc(1, arena_bytes);
+    if (!d->seen || !d->w || (d->meta.n_slots >= 1 && !d->slots[0]) ||
+        (d->meta.n_slots >= 2 && !d->slots[1]))
+        return "out of memory";
+    if ((why = in_read(in, d->seen, seen_bytes, 1)) != NULL) return why;
+    for (uint32_t a = 0; a <= d->meta.n_slots; a++) {
+        float *dst = a == 0 ? d->w : d->slots[a - 1];
+        for (int i = 0; i < n_spans; i++)
+            if ((why = in_read(in, dst + spans[i].off, (size_t)spans[i].n * sizeof(float), 1)) != NULL) return why;
+    }
+    if ((why = in_read(in, trailer, 8, 1)) != NULL) return why;
+    if ((why = in_read(in, trailer + 8, 4, 0)) != NULL) return why;
+    uint64_t len;
+    uint32_t crc;
+    get_u64(trailer, &len);
+    get_u32(trailer + 8, &crc);
+    if (len != want - CKPT_TRAILER_LEN) return "bad length field";
+    if (crc != (uint32_t)in->crc) return "checksum mismatch";
+    return NULL;
+}
+
 /* Read and verify one file. NULL with d filled (caller frees), or the reason
  * it is unusable (d empty). reason_buf holds formatted reasons. run_id: the
  * run the file must be of (0: any); one of another run is unusable, found
@@ -920,7 +997,7 @@ static void data_free(ckpt_data_t *d)
 static const char *load_one(const char *path, uint64_t run_id, ckpt_data_t *d, char *reason_buf, size_t reason_len)
 {
     ckpt_in_t in = {.fd = -1, .crc = crc32(0, Z_NULL, 0)};
-    uint8_t hdr[CKPT_HDR_LEN], trailer[CKPT_TRAILER_LEN];
+    uint8_t hdr[CKPT_HDR_LEN];
     const char *why = NULL;
     struct stat st;
     memset(d, 0, sizeof *d);
@@ -947,37 +1024,7 @@ static const char *load_one(const char *path, uint64_t run_id, ckpt_data_t *d, c
     psd_ckpt_run_t run;
     memset(&run, 0, sizeof run);
     get_u32(hdr + 4, &format);
-    if (hlen && format >= 5) { /* the table: its length bounded by the file's before it is read */
-        uint8_t tl[4];
-        if ((why = in_read(&in, tl, 4, 1)) != NULL) goto out;
-        get_u32(tl, &tlen);
-        if ((uint64_t)tlen > (uint64_t)st.st_size - hlen || tlen > (64u << 20)) {
-            why = "bad tensor table length";
-            goto out;
-        }
-        if (!(d->table = malloc(tlen ? tlen : 1))) {
-            why = "out of memory";
-            goto out;
-        }
-        if ((why = in_read(&in, d->table, tlen, 1)) != NULL) goto out;
-        hlen += 4 + (size_t)tlen;
-    }
-    if (hlen && format >= 6) { /* the run block */
-        uint8_t rl[4], rb[CKPT_RUN_MAX];
-        uint32_t rlen;
-        if ((why = in_read(&in, rl, 4, 1)) != NULL) goto out;
-        get_u32(rl, &rlen);
-        if (rlen > CKPT_RUN_MAX) {
-            why = "bad run block length";
-            goto out;
-        }
-        if ((why = in_read(&in, rb, rlen, 1)) != NULL) goto out;
-        if (!run_unpack(&run, rb, rlen)) {
-            why = "bad run block";
-            goto out;
-        }
-        hlen += 4 + (size_t)rlen;
-    }
+    if ((why = read_blocks(&in, (uint64_t)st.st_size, format, d, &run, &hlen, &tlen)) != NULL) goto out;
     why = meta_unpack(&d->meta, &format, &d->layout, hdr, d->table, tlen);
     if (!why) d->meta.run = run;
     free(d->table);
@@ -989,52 +1036,7 @@ static const char *load_one(const char *path, uint64_t run_id, ckpt_data_t *d, c
         why = reason_buf;
         goto out;
     }
-    const ps_layout_t l = d->layout;
-    span_t spans[PS_MAX_TENSORS];
-    uint64_t part;
-    const int n_spans = part_spans(&d->meta, &l, format, spans, &part);
-    /* Before allocating anything: the header must describe this file. (A
-     * shard's file holds a part: the whole arenas allocated below are at most
-     * PS_MAX_SHARDS times its floats, only the part's pages touched.) */
-    uint64_t want = file_len(&d->meta, hlen, part);
-    if ((uint64_t)st.st_size != want) {
-        snprintf(reason_buf, reason_len, "%lld bytes, header says %llu (truncated?)",
-                 (long long)st.st_size, (unsigned long long)want);
-        why = reason_buf;
-        goto out;
-    }
-    size_t seen_bytes = (size_t)((d->meta.train_count + 7) / 8);
-    size_t arena_bytes = (size_t)d->meta.n_params * sizeof(float);
-    /* zeroed where the file holds nothing (another shard's part), and not
-     * resident there either (large callocs are fresh pages) */
-    d->seen = malloc(seen_bytes ? seen_bytes : 1);
-    d->w = calloc(1, arena_bytes);
-    for (uint32_t s = 0; s < d->meta.n_slots; s++) d->slots[s] = calloc(1, arena_bytes);
-    if (!d->seen || !d->w || (d->meta.n_slots >= 1 && !d->slots[0]) ||
-        (d->meta.n_slots >= 2 && !d->slots[1])) {
-        why = "out of memory";
-        goto out;
-    }
-    if ((why = in_read(&in, d->seen, seen_bytes, 1)) != NULL) goto out;
-    for (uint32_t a = 0; a <= d->meta.n_slots; a++) {
-        float *dst = a == 0 ? d->w : d->slots[a - 1];
-        for (int i = 0; i < n_spans; i++)
-            if ((why = in_read(&in, dst + spans[i].off, (size_t)spans[i].n * sizeof(float), 1)) != NULL) goto out;
-    }
-    if ((why = in_read(&in, trailer, 8, 1)) != NULL) goto out;
-    if ((why = in_read(&in, trailer + 8, 4, 0)) != NULL) goto out;
-    uint64_t len;
-    uint32_t crc;
-    get_u64(trailer, &len);
-    get_u32(trailer + 8, &crc);
-    if (len != want - CKPT_TRAILER_LEN) {
-        why = "bad length field";
-        goto out;
-    }
-    if (crc != (uint32_t)in.crc) {
-        why = "checksum mismatch";
-        goto out;
-    }
+    why = read_arenas(&in, (uint64_t)st.st_size, hlen, format, d, reason_buf, reason_len);
 out:
     if (in.fd >= 0) close(in.fd);
     if (why) data_free(d);
