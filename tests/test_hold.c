@@ -49,8 +49,14 @@ static void msg_add(msg_t *x, uint32_t id, Psd__DType dt, const void *data, size
     if (bytes) memcpy(zmq_msg_data(&x->m.frames[i]), data, bytes);
 }
 
-static void add_f32(msg_t *x, uint32_t id, const float *v, size_t n) { msg_add(x, id, PSD__DTYPE__DT_F32, v, n * 4, 0); }
-static void add_u32(msg_t *x, uint32_t id, const uint32_t *v, size_t n) { msg_add(x, id, PSD__DTYPE__DT_U32, v, n * 4, 0); }
+static void add_f32(msg_t *x, uint32_t id, const float *v, size_t n)
+{
+    msg_add(x, id, PSD__DTYPE__DT_F32, v, n * 4, 0);
+}
+static void add_u32(msg_t *x, uint32_t id, const uint32_t *v, size_t n)
+{
+    msg_add(x, id, PSD__DTYPE__DT_U32, v, n * 4, 0);
+}
 
 /* the frames push_take did not move */
 static void msg_close(msg_t *x)
@@ -70,8 +76,10 @@ typedef struct {
 static void rig_init(rig_t *r, bool table, ps_wire_dtype_t wire)
 {
     memset(r, 0, sizeof *r);
-    if (table) cr_assert_eq(ps_layout_init_table(&r->l, (const int[]){4, 3}, 2, 40, 4), 0); /* fc1 (3x4, 3), table 40x4 */
-    else cr_assert_eq(ps_layout_init(&r->l, (const int[]){5, 4, 3}, 3), 0); /* 20, 4, 12, 3 floats */
+    if (table) /* fc1: 3 x 4 and 3; the table 40 x 4 */
+        cr_assert_eq(ps_layout_init_table(&r->l, (const int[]){4, 3}, 2, 40, 4), 0);
+    else /* 20, 4, 12 and 3 floats */
+        cr_assert_eq(ps_layout_init(&r->l, (const int[]){5, 4, 3}, 3), 0);
     cr_assert_leq(r->l.n_params, 4096, "the tests' buffers");
     ps_config_defaults(&r->c);
     r->c.wire_gradients = wire;
@@ -94,7 +102,18 @@ static void rig_deinit(rig_t *r)
 }
 
 /* contributor c's gradient value at float i of tensor t (distinct, not round) */
-static float gval(int c, int t, size_t i) { return (float)(c + 1) * 0.37f - (float)t * 0.11f + (float)i * 0.013f * (float)(c + 2); }
+static float gval(int c, int t, size_t i)
+{
+    return (float)(c + 1) * 0.37f - (float)t * 0.11f + (float)i * 0.013f * (float)(c + 2);
+}
+
+/* x taken as contributor c's push, then x's frames (those not taken) closed: 0 or -1 */
+static int take(rig_t *r, int c, msg_t *x, bool bf16, uint64_t also, psd_took_t *took, char *why)
+{
+    int rc = psd_push_take(&r->h, &r->p[c], &x->m, bf16, also, took, why, 200);
+    msg_close(x);
+    return rc;
+}
 
 /* contributor c pushes every dense tensor whole (f32); 0 or -1 */
 static int push_dense(rig_t *r, int c, char *why)
@@ -108,9 +127,7 @@ static int push_dense(rig_t *r, int c, char *why)
         add_f32(&x, (uint32_t)t, v, r->l.t[t].numel);
     }
     psd_took_t took;
-    int rc = psd_push_take(&r->h, &r->p[c], &x.m, false, 0, &took, why, 200);
-    msg_close(&x);
-    return rc;
+    return take(r, c, &x, false, 0, &took, why);
 }
 
 /* gather contributors order[0..k) and step with weights wt (no clipping) */
@@ -192,8 +209,7 @@ Test(hold, the_order_of_contributors_is_the_order_of_the_sum)
             }
             psd_took_t took;
             char why[200];
-            cr_assert_eq(psd_push_take(&r.h, &r.p[c], &x.m, false, 0, &took, why, sizeof why), 0, "%s", why);
-            msg_close(&x);
+            cr_assert_eq(take(&r, c, &x, false, 0, &took, why), 0, "%s", why);
         }
         const float w0 = r.s.cur->w[0];
         const int order[2][3] = {{0, 1, 2}, {1, 2, 0}};
@@ -255,12 +271,11 @@ Test(hold, a_tensor_received_twice_is_refused_and_nothing_of_that_push_is_kept)
     add_f32(&x, 1, v, 4);
     psd_took_t took;
     char why[200] = "";
-    cr_assert_eq(psd_push_take(&r.h, &r.p[0], &x.m, false, 0, &took, why, sizeof why), 0, "%s", why);
+    cr_assert_eq(take(&r, 0, &x, false, 0, &took, why), 0, "%s", why);
     cr_assert_eq(took.mask, 3u);
     cr_assert_eq(took.bytes, 24 * 4);
     cr_assert_eq(r.p[0].mask, 3u);
     cr_assert_eq(r.p[0].frames, 3u);
-    msg_close(&x);
     /* a second push: tensor 2 new, tensor 1 again */
     msg_init(&x);
     add_f32(&x, 2, v, 12);
@@ -274,22 +289,19 @@ Test(hold, a_tensor_received_twice_is_refused_and_nothing_of_that_push_is_kept)
     msg_init(&x);
     add_f32(&x, 2, v, 12);
     add_f32(&x, 2, v, 12);
-    cr_assert_eq(psd_push_take(&r.h, &r.p[0], &x.m, false, 0, &took, why, sizeof why), -1);
+    cr_assert_eq(take(&r, 0, &x, false, 0, &took, why), -1);
     cr_assert(strstr(why, "of tensor 2: "), "%s", why);
-    msg_close(&x);
     msg_init(&x);
     add_f32(&x, 2, v, 12);
-    cr_assert_eq(psd_push_take(&r.h, &r.p[0], &x.m, false, 1u << 2, &took, why, sizeof why), -1);
-    msg_close(&x);
+    cr_assert_eq(take(&r, 0, &x, false, 1u << 2, &took, why), -1);
     msg_init(&x);
     add_f32(&x, 4, v, 12);
-    cr_assert_eq(psd_push_take(&r.h, &r.p[0], &x.m, false, 0, &took, why, sizeof why), -1);
+    cr_assert_eq(take(&r, 0, &x, false, 0, &took, why), -1);
     cr_assert(strstr(why, "of tensor 4: not in the model"), "%s", why);
     cr_assert_eq(r.p[0].mask, 3u);
     /* another contributor's push of the same tensors is its own */
     cr_assert_eq(push_dense(&r, 1, why), 0, "%s", why);
     cr_assert_eq(r.p[1].mask, r.h.all);
-    msg_close(&x);
     rig_deinit(&r);
 }
 
@@ -343,9 +355,7 @@ static int push_table(rig_t *r, int c, const uint32_t *ids, size_t n, bool whole
         add_u32(&x, T, ids, n);
         add_f32(&x, T, v, n * D);
     }
-    int rc = psd_push_take(&r->h, &r->p[c], &x.m, false, 0, took, why, 200);
-    msg_close(&x);
-    return rc;
+    return take(r, c, &x, false, 0, took, why);
 }
 
 /* The table after a step of contributors 0 and 1 (weights wt): the rows of
@@ -449,14 +459,12 @@ Test(hold, rows_that_are_not_rows_of_the_table_are_refused)
     float v[8] = {0};
     add_u32(&x, 0, (const uint32_t[]){1}, 1);
     add_f32(&x, 0, v, 4);
-    cr_assert_eq(psd_push_take(&r.h, &r.p[0], &x.m, false, 0, &took, why, sizeof why), -1);
+    cr_assert_eq(take(&r, 0, &x, false, 0, &took, why), -1);
     cr_assert(strstr(why, "of rows of tensor 0"), "%s", why);
-    msg_close(&x);
     msg_init(&x);
     add_u32(&x, T, (const uint32_t[]){1}, 1);
     add_f32(&x, T, v, 3);
-    cr_assert_eq(psd_push_take(&r.h, &r.p[0], &x.m, false, 0, &took, why, sizeof why), -1);
-    msg_close(&x);
+    cr_assert_eq(take(&r, 0, &x, false, 0, &took, why), -1);
     cr_assert_eq(r.p[0].mask, 0u);
     rig_deinit(&r);
 }
@@ -503,8 +511,7 @@ Test(hold, the_rows_a_push_asks_for_replace_the_table_in_the_reply)
         x.push.want_rows = true;
         x.push.pull = pull;
         add_u32(&x, T, want, 3);
-        int rc = psd_push_take(&r.h, &r.p[0], &x.m, false, 0, &took, why, sizeof why);
-        msg_close(&x);
+        int rc = take(&r, 0, &x, false, 0, &took, why);
         if (!pull) { /* rows for a reply it did not ask for */
             cr_assert_eq(rc, -1);
             cr_assert(strstr(why, "without asking for the next version"), "%s", why);
@@ -528,7 +535,7 @@ Test(hold, the_rows_a_push_asks_for_replace_the_table_in_the_reply)
     cr_assert_eq(fr[2].nbytes, 3 * D * sizeof(float));
     const float *E = r.s.cur->w + r.l.t[T].offset;
     for (int j = 0; j < 3; j++)
-        cr_assert(memcmp((const float *)fr[2].data + j * D, E + want[j] * D, D * sizeof(float)) == 0, "row %u", want[j]);
+        cr_assert(memcmp((const float *)fr[2].data + j * D, E + want[j] * D, D * 4) == 0, "row %u", want[j]);
     cr_assert_not(r.p[0].want.has, "used up");
     for (int i = 0; i < 2; i++) fr[i].ffn((void *)fr[i].data, fr[i].hint);
     /* without a list the table goes whole */
@@ -541,9 +548,8 @@ Test(hold, the_rows_a_push_asks_for_replace_the_table_in_the_reply)
     msg_init(&x);
     x.push.want_rows = x.push.pull = true;
     add_u32(&x, T, (const uint32_t[]){4, 2}, 2);
-    cr_assert_eq(psd_push_take(&r.h, &r.p[0], &x.m, false, 0, &took, why, sizeof why), -1);
+    cr_assert_eq(take(&r, 0, &x, false, 0, &took, why), -1);
     cr_assert(strstr(why, "asking for table rows that are not rows of the table"), "%s", why);
     cr_assert_not(r.p[0].want.has);
-    msg_close(&x);
     rig_deinit(&r);
 }
