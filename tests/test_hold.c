@@ -6,7 +6,8 @@
  * a piece of the wrong size, offset or dtype, rows that are not rows of
  * the table); table rows merge by rank and only they are stepped, a table
  * pushed whole becoming its nonzero rows; release gives row buffers back;
- * the rows a push asks for replace the table in the reply. */
+ * the rows a push asks for replace the table in the reply; a psd shard
+ * takes its piece of a tensor only. */
 #include <criterion/criterion.h>
 #include <string.h>
 
@@ -552,4 +553,39 @@ Test(hold, the_rows_a_push_asks_for_replace_the_table_in_the_reply)
     cr_assert(strstr(why, "asking for table rows that are not rows of the table"), "%s", why);
     cr_assert_not(r.p[0].want.has);
     rig_deinit(&r);
+}
+
+Test(hold, a_psd_shard_takes_its_piece_of_a_tensor_only)
+{
+    ps_layout_t l;
+    cr_assert_eq(ps_layout_init(&l, (const int[]){384, 128}, 2), 0); /* fc1.weight: three norm blocks */
+    ps_config_t c;
+    ps_config_defaults(&c);
+    psd_store_t s;
+    psd_hold_t h;
+    psd_push_t p = {0};
+    psd_optim_t o = {.kind = PS_OPT_SGD};
+    cr_assert_eq(psd_store_init_part(&s, &l, &o, 7, 1, 2), 0);
+    cr_assert_eq(psd_hold_init(&h, &s, &l, &c, true, 2), 0);
+    const ps_piece_t *pc = &s.own[0];
+    cr_assert(pc->n > 0 && pc->n < l.t[0].numel, "shard 1 of 2 holds a piece of fc1.weight");
+    static float v[384 * 128];
+    psd_took_t took;
+    char why[200];
+    msg_t x;
+    msg_init(&x);
+    add_f32(&x, 0, v, l.t[0].numel); /* the whole tensor */
+    cr_assert_eq(psd_push_take(&h, &p, &x.m, false, 0, &took, why, sizeof why), -1);
+    cr_assert(strstr(why, "tensor 0 does not match this shard's part"), "%s", why);
+    msg_close(&x);
+    msg_init(&x);
+    msg_add(&x, 0, PSD__DTYPE__DT_F32, v, pc->n * 4, pc->off); /* its piece */
+    cr_assert_eq(psd_push_take(&h, &p, &x.m, false, 0, &took, why, sizeof why), 0, "%s", why);
+    cr_assert_eq(p.mask, 1u);
+    msg_close(&x);
+    psd_push_release(&h, &p);
+    psd_hold_deinit(&h);
+    psd_store_deinit(&s);
+    ps_config_free(&c);
+    ps_layout_free(&l);
 }
