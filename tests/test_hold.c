@@ -568,7 +568,8 @@ Test(hold, a_psd_shard_takes_its_piece_of_a_tensor_only)
     cr_assert_eq(psd_store_init_part(&s, &l, &o, 7, 1, 2), 0);
     cr_assert_eq(psd_hold_init(&h, &s, &l, &c, true, 2), 0);
     const ps_piece_t *pc = &s.own[0];
-    cr_assert(pc->n > 0 && pc->n < l.t[0].numel, "shard 1 of 2 holds a piece of fc1.weight");
+    cr_assert(pc->n > 0 && pc->n < l.t[0].numel, "shard 1 of 2 holds a piece of fc1.weight (%zu at %zu of %zu, %zu)",
+              pc->n, pc->off, (size_t)l.t[0].numel, l.n_params);
     static float v[384 * 128];
     psd_took_t took;
     char why[200];
