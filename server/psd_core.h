@@ -80,9 +80,9 @@
 #include "psd_store.h"
 #include "psd_zap.h"
 #include "ps_auth.h"
+#include "ps_config.h"
 #include "ps_tcp.h"
-
-#include "psd_server.h"
+#include "psd_opts.h"
 
 #define MAX_WORKERS 1024
 #define ST_BATCH 64 /* streamed steps: chunks stepped in one pool run */
@@ -257,7 +257,8 @@ typedef struct {
     uint64_t size, hash;
 } datafile_t;
 
-/* A psd shard i > 0, as shard 0 sees it. */
+/* A psd shard i > 0, as shard 0 sees it (its own state is psd_shard.c's
+ * shard_self_t). */
 typedef struct {
     uint8_t ident[PS_MAX_IDENTITY];
     size_t ident_len;
@@ -275,7 +276,7 @@ typedef struct {
     bool told_wait;       /* its HELLO came before the model (from_worker): told to wait (logged once) */
     bool valued;          /* a run not resumed: its part of the initial values is all in (SHARD_INIT_DONE) */
     uint64_t init_from, init_chunks; /* floats of its part sent so far (SHARD_INIT_FETCH asks in order), chunks */
-} shard_t;
+} shard_peer_t;
 
 /* The parts of srv_t, each kept by the file named (it sets the part up and
  * resets it; the fields other files set are noted). */
@@ -326,7 +327,7 @@ typedef struct {
  * norm_in; psd_server.c their joined/conn_closed). */
 typedef struct {
     int n;                /* shards; 1: one psd */
-    shard_t shard[PS_MAX_SHARDS];
+    shard_peer_t shard[PS_MAX_SHARDS];
     double hb;            /* when shard 0 last sent them a heartbeat */
     bool said_one_host;   /* "every shard is on this host" logged (once a run) */
     /* end of the run with --save: the weights file (wr; not NULL while it is

@@ -353,7 +353,7 @@ void psd_peers_control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok
 
 int psd_peers_send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n)
 {
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     h->run_id = s->run_id;
     h->rank = (uint32_t)i;
     h->seq = ++sh->seq_out;

@@ -6,6 +6,7 @@
 #include <ctype.h>
 
 #include "ps_weights_st.h"
+#include "psd_run.h"
 #include "psd_status.h"
 
 /* One psd's weights file, from the current version (psd shards write theirs
@@ -381,7 +382,7 @@ void psd_run_poll_checkpoint(srv_t *s, bool wait)
 void psd_run_on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     if ((!s->ck.writer && !s->ck.open) || ck->step != s->ck.step || sh->ck_acked) {
         psd_peers_drop_shard(s, i, "CKPT_DONE for step %" PRIu64 " (taking %s%" PRIu64 ")", ck->step,
              s->ck.writer || s->ck.open ? "" : "none after ", s->ck.step);
@@ -868,7 +869,7 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
 void psd_run_on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     if (!s->opts.resume_dir || sh->resumed || shards_ready(s) || s->phase != PHASE_WAIT) {
         psd_peers_drop_shard(s, i, "RESUMED, which psd does not wait for");
         return;
@@ -895,7 +896,7 @@ void psd_run_on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
             return;
         }
         for (int j = 1; j < s->sh.n; j++) {
-            shard_t *o = &s->sh.shard[j];
+            shard_peer_t *o = &s->sh.shard[j];
             if (o->joined && o->resumed && o->resumed_step != s->store.steps) psd_shard0_send_resume(s, j);
         }
     }

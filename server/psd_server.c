@@ -73,7 +73,7 @@ static void reap_closed(srv_t *s, double now)
     if (!any) return;
     drain(s); /* their last words first (a LEAVE, an ERROR): queued before their connection closed */
     for (int i = 1; i < s->sh.n && s->phase != PHASE_DONE; i++) {
-        shard_t *sh = &s->sh.shard[i];
+        shard_peer_t *sh = &s->sh.shard[i];
         if (!sh->conn_closed) continue;
         sh->conn_closed = false;
         if (!sh->joined) continue;
@@ -387,7 +387,7 @@ static void on_timer(uv_timer_t *t)
             s->sh.hb = now;
         }
         for (int i = 1; i < s->sh.n; i++) {
-            shard_t *sh = &s->sh.shard[i];
+            shard_peer_t *sh = &s->sh.shard[i];
             /* an answer shard 0 waits for: its norms (clipping), its part of the final weights */
             const char *owed = NULL;
             double since = 0;

@@ -39,7 +39,7 @@ static void say_one_host(srv_t *s)
  * here. Nothing of it is kept meanwhile. */
 static void wait_shard(srv_t *s, ps_msg_t *m, int i)
 {
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     const Psd__ShardHello *h = m->hdr->shard_hello;
     if (!sh->told_wait)
         PS_INFO("psd shard %d/%d is here (%s pid %u); it joins once the model is (model.kind from_worker: the first "
@@ -95,7 +95,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
         refuse_shard(s, m, why);
         return;
     }
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     if (sh->joined) {
         snprintf(why, sizeof why, "shard %d has already joined (from %s pid %u)", i, sh->hostname, sh->pid);
         refuse_shard(s, m, why);
@@ -205,7 +205,7 @@ void psd_shard0_init_free(srv_t *s)
  * kept go once every shard has its part, whatever ZeroMQ still sends). */
 static void on_init_fetch(srv_t *s, int i, ps_msg_t *m)
 {
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     const Psd__ShardFetch *f = m->hdr->shard_fetch;
     ps_piece_t part[PS_MAX_TENSORS], r[PS_MAX_TENSORS];
     const char *why = !s->sh.init || sh->valued ? "no values are kept for it"
@@ -248,7 +248,7 @@ static void on_init_fetch(srv_t *s, int i, ps_msg_t *m)
  * assigned. */
 static void on_init_done(srv_t *s, int i, ps_msg_t *m)
 {
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     const Psd__ShardFetch *f = m->hdr->shard_fetch;
     ps_piece_t part[PS_MAX_TENSORS];
     ps_shard_pieces(&s->layout, i, s->sh.n, part);
@@ -434,7 +434,7 @@ bool psd_shard0_on_shard(srv_t *s, int i, ps_msg_t *m)
         return false;
     }
     if (i < 0) return false;
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     if (h->run_id != s->run_id || h->rank != (uint32_t)i) {
         psd_peers_drop_shard(s, i, "run %016" PRIx64 " rank %u", h->run_id, h->rank);
         return false;
