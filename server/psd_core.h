@@ -608,7 +608,10 @@ static inline void raise_event(srv_t *s, unsigned ev) { s->events |= ev; }
  * psd_model.c, psd_shard0.c,
  * psd_push.c, psd_stream.c, psd_step.c, psd_give.c, psd_peers.c; beside
  * them psd_status.c (reads srv_t), and below, knowing nothing of srv_t:
- * psd_samples.c, psd_hold.c, psd_store.c, psd_ckpt.c, psd_net.c, ... */
+ * psd_samples.c, psd_hold.c, psd_store.c, psd_ckpt.c, psd_net.c, ...
+ * Each is named psd_<part>_<what>, the part its file's (psd_run_resume,
+ * psd_peers_finish): every global of the server is psd_-prefixed, and what
+ * no other file uses is static (tests/layers.sh --check). */
 
 /* psd_offer.c: model.kind from_worker. psd_offer_gate: whether a REGISTER may
  * go on to psd_run_on_register (true), or was answered (OFFER, or refused) */
