@@ -25,7 +25,7 @@
 # time, start-up, validation and the test excluded. psd: its metrics line's
 # samples_per_s = all samples trained / the sum of the epochs' training times,
 # each from psd handing out the epoch's samples (start_epoch) to every sample's
-# gradient applied (start_validation): the epoch's first weights to the workers
+# gradient applied (psd_valid_start): the epoch's first weights to the workers
 # included. DDP: rank 0 times each epoch from a dist.barrier() before its loop
 # to one after it.
 # Waiting share of a torch worker's step: psd.torch.Worker's wait_s / train_s

@@ -7,13 +7,13 @@
  *                  hygiene, psctl
  *   psd_run.c      the run's phases: register, ready, barrier, leave, lost; epochs,
  *                  validation, the end of the run, checkpoints, resume; the
- *                  only file that acts on events (run_events)
+ *                  only file that acts on events (psd_run_events)
  *   psd_offer.c    model.kind from_worker: the model the first worker offers
  *   psd_model.c    the model's set-up: store, holder, tensor table, streamed
  *                  chunks (at start, or when the first worker's values come)
  *   psd_shard0.c   shard 0's side of the psd shard protocol: joining, the
  *                  shards' initial values, the weights file from their parts
- *   psd_push.c     pushes, pulls, the shards' HAVE and NORM, maybe_step
+ *   psd_push.c     pushes, pulls, the shards' HAVE and NORM, psd_push_maybe_step
  *   psd_stream.c   streamed steps (train.stream)
  *   psd_step.c     the step, its accounting, pull answers, weights replies
  *   psd_give.c     positions of the epoch to workers (EPOCH messages)
@@ -80,9 +80,9 @@
 #include "psd_store.h"
 #include "psd_zap.h"
 #include "ps_auth.h"
+#include "ps_config.h"
 #include "ps_tcp.h"
-
-#include "psd_server.h"
+#include "psd_opts.h"
 
 #define MAX_WORKERS 1024
 #define ST_BATCH 64 /* streamed steps: chunks stepped in one pool run */
@@ -93,7 +93,7 @@
 #define PSD_CURVE_MAX 2048
 extern const char *const psd_page_html;
 extern const size_t psd_page_html_len;
-extern const double hist_le[PSD_HIST_N]; /* its buckets' upper bounds */
+extern const double psd_hist_le[PSD_HIST_N]; /* its buckets' upper bounds */
 
 
 typedef enum {
@@ -106,14 +106,14 @@ typedef enum {
     W_GONE,         /* lost, left or failed; never waited for */
 } wstate_t;
 
-extern const char *const wstate_name[]; /* a wstate_t's name, for logs and /status */
+extern const char *const psd_wstate_name[]; /* a wstate_t's name, for logs and /status */
 
 /* How a worker's run ended (docs/usage.md "How a worker's run ends"): it
  * left (LEAVE, e.g. SIGTERM), failed (its own ERROR), was lost (its
  * connection closed, or silent), or psd refused a message of it (its run
  * ended with psd's reason, exit 2). Done is the run's own end. */
 typedef enum { WEND_NONE = 0, WEND_LEFT, WEND_FAILED, WEND_LOST, WEND_REFUSED, WEND_N } wend_t;
-extern const char *const wend_name[]; /* "left", "failed", "lost", "refused" (for /status, metrics) */
+extern const char *const psd_wend_name[]; /* "left", "failed", "lost", "refused" (for /status, metrics) */
 
 typedef struct {
     uint8_t ident[PS_MAX_IDENTITY];
@@ -122,13 +122,13 @@ typedef struct {
     char hostname[64], host_id[128], device[32];
     uint32_t pid;
     wstate_t state;
-    wend_t end;           /* once gone: how (worker_gone counts it); set by who ends it */
+    wend_t end;           /* once gone: how (psd_run_worker_gone counts it); set by who ends it */
     double last_seen;     /* time of its last valid message */
     double sent_at;       /* time of psd's last message to it (keep_alive) */
     double gone_at;
     uint64_t seq_in, seq_out;
     int conn;             /* the connection its messages come on (fd + 1, 0: not known), given
-                           * server.tcp_congestion when first seen (note_conn) */
+                           * server.tcp_congestion when first seen (psd_peers_note_conn) */
     bool conn_closed;     /* that connection closed (the ROUTER's monitor): lost at the next tick */
     uint64_t lost_replies;
     bool lost_silent;     /* gone for its silence: it may be alive and connected (told when the run ends) */
@@ -257,7 +257,8 @@ typedef struct {
     uint64_t size, hash;
 } datafile_t;
 
-/* A psd shard i > 0, as shard 0 sees it. */
+/* A psd shard i > 0, as shard 0 sees it (its own state is psd_shard.c's
+ * shard_self_t). */
 typedef struct {
     uint8_t ident[PS_MAX_IDENTITY];
     size_t ident_len;
@@ -275,7 +276,7 @@ typedef struct {
     bool told_wait;       /* its HELLO came before the model (from_worker): told to wait (logged once) */
     bool valued;          /* a run not resumed: its part of the initial values is all in (SHARD_INIT_DONE) */
     uint64_t init_from, init_chunks; /* floats of its part sent so far (SHARD_INIT_FETCH asks in order), chunks */
-} shard_t;
+} shard_peer_t;
 
 /* The parts of srv_t, each kept by the file named (it sets the part up and
  * resets it; the fields other files set are noted). */
@@ -296,8 +297,8 @@ typedef struct {
     uint8_t rx_buf[64 << 10];
     bool cur_bad;         /* the message being handled was dropped */
     int refuse;           /* ... and it came from this registered worker (its slot + 1; 0: none): its run
-                           * ends (refuse_worker) */
-    char refuse_why[400]; /* why (drop's words) */
+                           * ends (psd_run_refuse_worker) */
+    char refuse_why[400]; /* why (psd_peers_drop's words) */
     const char *cur_peer; /* its sender's address, for the log */
     uint64_t dropped;     /* bad messages, for rate-limited logging */
     /* connections that sent bad messages in a row (see bad_peer) */
@@ -326,7 +327,7 @@ typedef struct {
  * norm_in; psd_server.c their joined/conn_closed). */
 typedef struct {
     int n;                /* shards; 1: one psd */
-    shard_t shard[PS_MAX_SHARDS];
+    shard_peer_t shard[PS_MAX_SHARDS];
     double hb;            /* when shard 0 last sent them a heartbeat */
     bool said_one_host;   /* "every shard is on this host" logged (once a run) */
     /* end of the run with --save: the weights file (wr; not NULL while it is
@@ -406,7 +407,7 @@ typedef struct {
      * and ssp's largest lead (steps ahead of the slowest) a worker was let
      * train at */
     uint64_t stale_sum, stale_n, stale_max, lead_max;
-    uint64_t moved;       /* async and ssp: samples moved to workers done with theirs (rebalance) */
+    uint64_t moved;       /* async and ssp: samples moved to workers done with theirs (psd_give_rebalance) */
 } psd_epoch_part_t;
 
 /* Streamed steps (train.stream, bsp, one psd; psd_stream.c): the store's
@@ -430,7 +431,7 @@ typedef struct {
     const void **src;     /* their gradients: ST_BATCH x MAX_WORKERS */
     int *mem, k;          /* contributors (slots) */
     bool open;
-    bool voided;          /* every contributor left before any chunk was stepped: no step (step_done) */
+    bool voided;          /* every contributor left before any chunk was stepped: no step (psd_step_done) */
     /* the batches of contributors lost before any chunk took the step: they
      * count as trained once it is taken, and are handed out again if it is
      * void (stream_settle_lost) */
@@ -468,7 +469,7 @@ typedef struct {
     psd_samples_t smp;    /* the epoch's permutation, positions trained, the pool (psd_samples.h) */
     psd_metrics_t metrics; /* the metrics file (psd_metrics.h) */
     psd_locks_t locks;     /* this run's hold on its files (psd_lock.h) */
-    psd_diverge_t dv;     /* the steps' losses and norms, checked for divergence (step_done) */
+    psd_diverge_t dv;     /* the steps' losses and norms, checked for divergence (psd_step_done) */
     /* workers */
     worker_t *w;          /* MAX_WORKERS slots */
     int n;                /* slots used */
@@ -522,9 +523,9 @@ typedef struct {
     uint64_t bytes_in_done, bytes_out_done; /* of the epochs before this one */
     double val_acc_last, val_loss_last;
     uint32_t val_epoch_last;              /* epochs validated (0: none yet) */
-    uint64_t ended[WEND_N];               /* workers whose run ended, by how (worker_gone) */
+    uint64_t ended[WEND_N];               /* workers whose run ended, by how (psd_run_worker_gone) */
     int workers_at_start;                 /* live workers when training started */
-    bool finished;                        /* the run finished (end_run): run_said_last says what it lost */
+    bool finished;                        /* the run finished (end_run): psd_run_said_last says what it lost */
     bool batch_told;                      /* the global batch's change was logged (once a run) */
     /* curves for the live page (/history) */
     struct { uint64_t step; float loss; } curve[PSD_CURVE_MAX];
@@ -586,18 +587,18 @@ static inline uint32_t shard_bits(const srv_t *s) { return ((1u << s->sh.n) - 1u
  * A file below psd_run.c never calls it: where what it did calls for the
  * run to act (a step that trains the epoch's last batch, a step at
  * checkpoint.every_steps, ...), it raises an event (a bit of s->events) and
- * returns; psd_run.c acts on them (run_events) right after each call it
- * makes into a lower layer, and the shell calls run_events after each
+ * returns; psd_run.c acts on them (psd_run_events) right after each call it
+ * makes into a lower layer, and the shell calls psd_run_events after each
  * message, tick and signal. Handled in this order when several are raised. */
 enum {
-    PSD_EV_CKPT_DUE = 1u << 0,      /* a step reached checkpoint.every_steps: take one (step_done) */
+    PSD_EV_CKPT_DUE = 1u << 0,      /* a step reached checkpoint.every_steps: take one (psd_step_done) */
     PSD_EV_STEP_APPLIED = 1u << 1,  /* a step taken in parts (streamed, or shards' norms) is applied: a
                                      * checkpoint asked for meanwhile may be taken */
-    PSD_EV_EPOCH_TRAINED = 1u << 2, /* every sample of the epoch is trained: validate (maybe_step) */
+    PSD_EV_EPOCH_TRAINED = 1u << 2, /* every sample of the epoch is trained: validate (psd_push_maybe_step) */
     PSD_EV_SAVED = 1u << 3,         /* the sharded weights file is written (or failed): end the run */
     PSD_EV_SHARDS_JOINED = 1u << 4, /* a shard joined: workers waiting for every shard may be assigned */
     PSD_EV_VALIDATED = 1u << 5,     /* the epoch is validated and its line written (s->vl.closing: the run's
-                                     * last, tested, its line held for val_write_held): go on (end_validation) */
+                                     * last, tested, its line held for psd_valid_write_held): go on (end_validation) */
 };
 static inline void raise_event(srv_t *s, unsigned ev) { s->events |= ev; }
 
@@ -607,12 +608,15 @@ static inline void raise_event(srv_t *s, unsigned ev) { s->events |= ev; }
  * psd_model.c, psd_shard0.c,
  * psd_push.c, psd_stream.c, psd_step.c, psd_give.c, psd_peers.c; beside
  * them psd_status.c (reads srv_t), and below, knowing nothing of srv_t:
- * psd_samples.c, psd_hold.c, psd_store.c, psd_ckpt.c, psd_net.c, ... */
+ * psd_samples.c, psd_hold.c, psd_store.c, psd_ckpt.c, psd_net.c, ...
+ * Each is named psd_<part>_<what>, the part its file's (psd_run_resume,
+ * psd_peers_finish): every global of the server is psd_-prefixed, and what
+ * no other file uses is static (tests/layers.sh --check). */
 
-/* psd_offer.c: model.kind from_worker. offer_gate: whether a REGISTER may
- * go on to on_register (true), or was answered (OFFER, or refused) */
-bool offer_gate(srv_t *s, ps_msg_t *m);
-void on_values(srv_t *s, ps_msg_t *m);
+/* psd_offer.c: model.kind from_worker. psd_offer_gate: whether a REGISTER may
+ * go on to psd_run_on_register (true), or was answered (OFFER, or refused) */
+bool psd_offer_gate(srv_t *s, ps_msg_t *m);
+void psd_offer_on_values(srv_t *s, ps_msg_t *m);
 /* The optimizer text a first worker offered (or a checkpoint holds) taken
  * into s->cfg (ps_config_adopt), the config hash made anew: 0, or -1 with
  * why. psd_say_optimizer logs each key the run's optimizer reads and where
@@ -627,118 +631,114 @@ int psd_model_setup(srv_t *s, const float *const *values);
 /* --resume DIR: the directory its checkpoints are in (out), and the run
  * they must be of (*run_id: the one a run-<id> directory is named for, 0
  * where its name says none). 0, or -errno. */
-int resolve_resume_dir(const char *dir, char *out, size_t n, uint64_t *run_id);
-void run_events(srv_t *s);
-int hold_outputs(srv_t *s);
-int resume(srv_t *s);
+int psd_run_resolve_resume_dir(const char *dir, char *out, size_t n, uint64_t *run_id);
+void psd_run_events(srv_t *s);
+int psd_run_hold_outputs(srv_t *s);
+int psd_run_resume(srv_t *s);
 /* The metrics file without the lines of the resumed run's epochs past its
  * checkpoint. 0, or -1 with err. */
-int resume_metrics(srv_t *s, char *err, size_t n);
-int resume_at(srv_t *s, uint64_t at_most);
-void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m);
-void on_leave(srv_t *s, worker_t *w, ps_msg_t *m);
-void on_ready(srv_t *s, worker_t *w, ps_msg_t *m);
-void on_register(srv_t *s, ps_msg_t *m);
-void on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m);
-void on_shard_resumed(srv_t *s, int i, ps_msg_t *m);
-void on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m);
-void poll_checkpoint(srv_t *s, bool wait);
-void save_weights(srv_t *s);
-void take_checkpoint(srv_t *s, bool epoch_done);
-void worker_gone(srv_t *s, worker_t *w);
-void refuse_worker(srv_t *s, worker_t *w, const char *why);
-void run_said_last(const srv_t *s);
+int psd_run_resume_metrics(srv_t *s, char *err, size_t n);
+void psd_run_on_barrier(srv_t *s, worker_t *w, ps_msg_t *m);
+void psd_run_on_leave(srv_t *s, worker_t *w, ps_msg_t *m);
+void psd_run_on_ready(srv_t *s, worker_t *w, ps_msg_t *m);
+void psd_run_on_register(srv_t *s, ps_msg_t *m);
+void psd_run_on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m);
+void psd_run_on_shard_resumed(srv_t *s, int i, ps_msg_t *m);
+void psd_run_on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m);
+void psd_run_poll_checkpoint(srv_t *s, bool wait);
+void psd_run_save_weights(srv_t *s);
+void psd_run_take_checkpoint(srv_t *s, bool epoch_done);
+void psd_run_worker_gone(srv_t *s, worker_t *w);
+void psd_run_refuse_worker(srv_t *s, worker_t *w, const char *why);
+void psd_run_said_last(const srv_t *s);
 
 /* psd_valid.c: the data's split, validation parts and their exact reduction, the epochs' metrics lines,
  * the closing test, the best epoch and early stopping */
-int data_setup(srv_t *s, size_t train, size_t test, const char *data_id);
-void data_free(srv_t *s);
-int data_ready_ok(srv_t *s, worker_t *w, const Psd__Ready *r);
-void start_validation(srv_t *s);
-void end_validation(srv_t *s);
-void give_orphans(srv_t *s);
-worker_t *least_busy(srv_t *s);
-void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m);
-void val_write_held(srv_t *s);
-void val_free(srv_t *s);
+int psd_valid_data_setup(srv_t *s, size_t train, size_t test, const char *data_id);
+int psd_valid_data_ready_ok(srv_t *s, worker_t *w, const Psd__Ready *r);
+void psd_valid_start(srv_t *s);
+void psd_valid_give_orphans(srv_t *s);
+worker_t *psd_valid_least_busy(srv_t *s);
+void psd_valid_on_result(srv_t *s, worker_t *w, ps_msg_t *m);
+void psd_valid_write_held(srv_t *s);
+void psd_valid_free(srv_t *s);
 
 /* psd_shard0.c: shard 0's side of the shard protocol (joining, the initial values, the weights file's parts) */
-bool begin_save(srv_t *s);
-int shards_check_parts(const srv_t *s);
-int shards_init_new(srv_t *s);
-void shards_init_keep(srv_t *s, const float *const *values);
-void shards_init_free(srv_t *s);
-bool shards_resumed(const srv_t *s);
-int find_shard(const srv_t *s, const uint8_t *ident, size_t len);
-void fetch_next(srv_t *s);
-bool on_shard(srv_t *s, int i, ps_msg_t *m);
-void send_resume(srv_t *s, int j);
-void shards_go(srv_t *s);
+bool psd_shard0_begin_save(srv_t *s);
+int psd_shard0_check_parts(const srv_t *s);
+int psd_shard0_init_new(srv_t *s);
+void psd_shard0_init_keep(srv_t *s, const float *const *values);
+void psd_shard0_init_free(srv_t *s);
+bool psd_shard0_all_resumed(const srv_t *s);
+int psd_shard0_find(const srv_t *s, const uint8_t *ident, size_t len);
+void psd_shard0_fetch_next(srv_t *s);
+bool psd_shard0_on_shard(srv_t *s, int i, ps_msg_t *m);
+void psd_shard0_send_resume(srv_t *s, int j);
+void psd_shard0_go(srv_t *s);
 
 /* psd_push.c: pushes, pulls, the shards' HAVE and NORM, the decision to step */
-bool push_check(const srv_t *s, worker_t *w);
-void maybe_step(srv_t *s);
-void on_pull(srv_t *s, worker_t *w, ps_msg_t *m);
-void on_push(srv_t *s, worker_t *w, ps_msg_t *m);
-void on_shard_have(srv_t *s, int i, ps_msg_t *m);
-void on_shard_norm(srv_t *s, int i, ps_msg_t *m);
+void psd_push_maybe_step(srv_t *s);
+void psd_push_on_pull(srv_t *s, worker_t *w, ps_msg_t *m);
+void psd_push_on_push(srv_t *s, worker_t *w, ps_msg_t *m);
+void psd_push_on_shard_have(srv_t *s, int i, ps_msg_t *m);
+void psd_push_on_shard_norm(srv_t *s, int i, ps_msg_t *m);
 
 /* psd_stream.c: streamed steps */
-int stream_take(srv_t *s, worker_t *w, ps_msg_t *m);
-void stream_forget(srv_t *s, worker_t *w);
-void stream_progress(srv_t *s);
+int psd_stream_take(srv_t *s, worker_t *w, ps_msg_t *m);
+void psd_stream_forget(srv_t *s, worker_t *w);
+void psd_stream_progress(srv_t *s);
 
 /* psd_step.c: the step, its accounting, pull answers, weights replies */
-bool wire_bf16(const srv_t *s, const worker_t *w);
-int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32_t *crc);
-void account_batch(srv_t *s, worker_t *w);
-void account_step(srv_t *s, uint64_t total, const worker_t *only);
-void answer_pull(srv_t *s, worker_t *w);
-void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct);
-void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n);
-void release_push(srv_t *s, worker_t *w);
-void send_weights(srv_t *s, worker_t *w);
-void ssp_release(srv_t *s);
-void step_done(srv_t *s, bool taken);
-void step_lr(srv_t *s);
-void take_step(srv_t *s, worker_t *only);
+bool psd_step_wire_bf16(const srv_t *s, const worker_t *w);
+int psd_step_weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32_t *crc);
+void psd_step_account_batch(srv_t *s, worker_t *w);
+void psd_step_account_step(srv_t *s, uint64_t total, const worker_t *only);
+void psd_step_answer_pull(srv_t *s, worker_t *w);
+void psd_step_count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct);
+void psd_step_range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n);
+void psd_step_release_push(srv_t *s, worker_t *w);
+void psd_step_ssp_release(srv_t *s);
+void psd_step_done(srv_t *s, bool taken);
+void psd_step_lr(srv_t *s);
+void psd_step_take(srv_t *s, worker_t *only);
 
 /* psd_give.c: positions of the epoch to workers (the accounting: psd_samples.h) */
-bool take_pool(srv_t *s, worker_t *w);
-uint64_t min_clock(const srv_t *s);
-void hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what);
-void rebalance(srv_t *s, worker_t *w);
-void spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k, bool append);
+bool psd_give_take_pool(srv_t *s, worker_t *w);
+uint64_t psd_give_min_clock(const srv_t *s);
+void psd_give_hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what);
+void psd_give_rebalance(srv_t *s, worker_t *w);
+void psd_give_spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k, bool append);
 
 /* psd_peers.c: headers, sends, drops, connections, ASSIGN, the end of the run */
-int send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n);
-int send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n);
-void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json);
-void drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-/* drop: a message psd cannot take. From a registered worker in the run,
- * its words are kept for refuse_worker (psd_server.c ends that worker's run
- * after the handler returns); drop_stale: a message of a worker's earlier
- * session (another run id, rank, an old sequence number), only logged. */
-void refuse_after(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-/* refuse_after: w's run ends with the reason once the handler returns, as
- * for a message of w that drop() refuses, where the message at hand is not
+int psd_peers_send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n);
+int psd_peers_send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n);
+void psd_peers_control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json);
+void psd_peers_drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* psd_peers_drop: a message psd cannot take. From a registered worker in
+ * the run, its words are kept for psd_run_refuse_worker (psd_server.c ends
+ * that worker's run after the handler returns); psd_peers_drop_stale: a
+ * message of a worker's earlier session (another run id, rank, an old
+ * sequence number), only logged. */
+void psd_peers_refuse_after(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* psd_peers_refuse_after: w's run ends with the reason once the handler
+ * returns, as for a message of w that psd_peers_drop() refuses, where the message at hand is not
  * w's (a psd shard's word that it refused one of w's) */
-void drop_shard(srv_t *s, int i, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-void drop_stale(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-void finish(srv_t *s, int code, const char *reason);
-worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len);
-void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type);
-void note_conn(srv_t *s, int *conn, const ps_msg_t *m);
-void poll_monitor(srv_t *s);
-void rows_free(worker_t *w);
-void send_assign(srv_t *s, worker_t *w);
-void send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg);
+void psd_peers_drop_shard(srv_t *s, int i, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void psd_peers_drop_stale(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void psd_peers_finish(srv_t *s, int code, const char *reason);
+worker_t *psd_peers_find_worker(srv_t *s, const uint8_t *ident, size_t len);
+void psd_peers_hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type);
+void psd_peers_note_conn(srv_t *s, int *conn, const ps_msg_t *m);
+void psd_peers_poll_monitor(srv_t *s);
+void psd_peers_rows_free(worker_t *w);
+void psd_peers_send_assign(srv_t *s, worker_t *w);
+void psd_peers_send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg);
 /* The same in a peer's older protocol (0: this build's), so that it shows
  * the words: a refusal of a worker that must be upgraded. */
-void send_error_as(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg, uint32_t protocol);
-void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason);
-void shards_send_all(srv_t *s, Psd__Header *h);
-void shards_worker(srv_t *s, const worker_t *w);
-void shm_forget(srv_t *s, worker_t *w);
+void psd_peers_send_error_as(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg, uint32_t protocol);
+void psd_peers_send_shutdown(srv_t *s, worker_t *w, int code, const char *reason);
+void psd_peers_shards_send_all(srv_t *s, Psd__Header *h);
+void psd_peers_shards_worker(srv_t *s, const worker_t *w);
+void psd_peers_shm_forget(srv_t *s, worker_t *w);
 
 #endif

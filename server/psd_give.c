@@ -6,7 +6,7 @@
 
 /* ssp: the clock (pushes applied this epoch) of the slowest worker still
  * training, UINT64_MAX if none is */
-uint64_t min_clock(const srv_t *s)
+uint64_t psd_give_min_clock(const srv_t *s)
 {
     uint64_t m = UINT64_MAX;
     for (int i = 0; i < s->n; i++)
@@ -18,7 +18,7 @@ uint64_t min_clock(const srv_t *s)
 static void epoch_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Epoch *ep, bool append)
 {
     psd__epoch__init(ep);
-    hdr_for(s, w, h, PSD__MSG_TYPE__MSG_EPOCH);
+    psd_peers_hdr_for(s, w, h, PSD__MSG_TYPE__MSG_EPOCH);
     ep->epoch = s->epoch;
     ep->world = (uint32_t)live_workers(s);
     ep->version = s->store.cur->version;
@@ -69,12 +69,12 @@ static int give_positions(srv_t *s, worker_t *w, const uint64_t *pos, size_t n, 
     if (!append) w->clock = 0; /* ssp's clocks start again each epoch */
     else if (w->state != W_TRAIN) { /* (re)joining the epoch: level with the slowest, so nobody waits for
                                      * it, nor it (back from its barrier) for them */
-        uint64_t m = min_clock(s);
+        uint64_t m = psd_give_min_clock(s);
         if (m != UINT64_MAX) w->clock = m;
     }
     w->state = w->share.consumed < w->share.assigned || !append ? W_TRAIN : w->state;
     w->last_seen = ps_now();
-    send_to(s, w, &h, &fr, n ? 1 : 0);
+    psd_peers_send_to(s, w, &h, &fr, n ? 1 : 0);
     free(ids);
     free(rs);
     free(rp);
@@ -82,14 +82,14 @@ static int give_positions(srv_t *s, worker_t *w, const uint64_t *pos, size_t n, 
 }
 
 /* Split positions among the given workers, contiguously, in slot order. */
-void spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k, bool append)
+void psd_give_spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k, bool append)
 {
     for (int i = 0; i < k; i++) {
         size_t b = psd_split_at(n, i, k), e = psd_split_at(n, i + 1, k);
         if (append && e == b) continue;
         if (give_positions(s, to[i], pos + b, e - b, append) != 0) {
             PS_ERROR("out of memory assigning samples");
-            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+            psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
             return;
         }
     }
@@ -103,7 +103,7 @@ void spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int k, bool 
  * nothing to do. w learns of its shorter share (EPOCH keep) before the
  * weights, so it never begins a batch it no longer has; the others get
  * theirs as lost workers' samples are given (EPOCH append). */
-void rebalance(srv_t *s, worker_t *w)
+void psd_give_rebalance(srv_t *s, worker_t *w)
 {
     if (s->cfg.sync == PS_SYNC_BSP || !s->cfg.rebalance || s->phase != PHASE_TRAIN || w->state != W_TRAIN)
         return;
@@ -125,7 +125,7 @@ void rebalance(srv_t *s, worker_t *w)
     const uint64_t keep = w->share.assigned - moved;
     uint64_t *pos = psd_share_positions(&w->share, keep, (size_t)moved);
     if (!pos) {
-        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;
     }
     psd_share_trim(&w->share, keep);
@@ -133,13 +133,13 @@ void rebalance(srv_t *s, worker_t *w)
     Psd__Epoch ep;
     epoch_hdr(s, w, &h, &ep, true);
     ep.keep = keep;
-    send_to(s, w, &h, NULL, 0);
+    psd_peers_send_to(s, w, &h, NULL, 0);
     PS_DEBUG("rank %u gives %" PRIu64 " of its %" PRIu64 " samples left in epoch %u to %d worker%s done with theirs",
              w->rank, moved, left, s->epoch + 1, k, k == 1 ? "" : "s");
     uint64_t off = 0;
     for (int i = 0; i < k && s->phase == PHASE_TRAIN; i++) {
         if (give[i] && give_positions(s, to[i], pos + off, (size_t)give[i], true) != 0)
-            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+            psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
         off += give[i];
     }
     s->ep.moved += moved;
@@ -148,13 +148,13 @@ void rebalance(srv_t *s, worker_t *w)
 
 /* Samples waiting for a worker (the pool) to ready worker w, in training:
  * true if it took them. */
-bool take_pool(srv_t *s, worker_t *w)
+bool psd_give_take_pool(srv_t *s, worker_t *w)
 {
     if (s->phase != PHASE_TRAIN || s->smp.n_pool == 0 || w->state != W_READY || w->conn_closed) return false;
     PS_INFO("rank %u takes the %zu samples that were waiting for a worker", w->rank, s->smp.n_pool);
     size_t n = s->smp.n_pool;
     s->smp.n_pool = 0;
-    if (give_positions(s, w, s->smp.pool, n, false) != 0) finish(s, PSD_EXIT_ERROR, "psd out of memory");
+    if (give_positions(s, w, s->smp.pool, n, false) != 0) psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
     return true;
 }
 
@@ -162,7 +162,7 @@ bool take_pool(srv_t *s, worker_t *w)
  * to the workers training or at their barrier, else to a worker that
  * joined during the epoch and waits for the next one, else they wait for a
  * worker to join. */
-void hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what)
+void psd_give_hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what)
 {
     worker_t *to[MAX_WORKERS];
     int k = 0;
@@ -170,12 +170,12 @@ void hand_out(srv_t *s, const uint64_t *pos, size_t n, const char *what)
         if ((s->w[i].state == W_TRAIN || s->w[i].state == W_BARRIER) && !s->w[i].conn_closed) to[k++] = &s->w[i];
     if (k > 0) {
         PS_INFO("%s %zu samples of epoch %u go to %d other worker%s", what, n, s->epoch + 1, k, k == 1 ? "" : "s");
-        spread(s, pos, n, to, k, true);
+        psd_give_spread(s, pos, n, to, k, true);
         return;
     }
     psd_samples_pool_add(&s->smp, pos, n);
     bool taken = false;
-    for (int i = 0; i < s->n && !taken; i++) taken = take_pool(s, &s->w[i]);
+    for (int i = 0; i < s->n && !taken; i++) taken = psd_give_take_pool(s, &s->w[i]);
     if (!taken) {
         s->orphan_deadline = ps_now() + s->cfg.start_timeout;
         PS_WARN("no worker left in epoch %u: %zu samples wait up to %.0f s for a worker to join", s->epoch + 1,

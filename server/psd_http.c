@@ -366,7 +366,10 @@ static int parse_addr(const char *addr, struct sockaddr_storage *sa)
 
 #define ADDR_FORMS "an IPv4 address, localhost, or an IPv6 address in brackets: [::1]:9100"
 
-int psd_http_check(const char *addr, bool *loopback, char *err, size_t errlen)
+/* Whether addr is a HOST:PORT psd_http_start takes: 0, *loopback set
+ * (127.x.x.x, localhost, [::1] or 127.x.x.x mapped into IPv6), or -EINVAL
+ * with a message. */
+static int psd_http_check(const char *addr, bool *loopback, char *err, size_t errlen)
 {
     struct sockaddr_storage sa;
     char ep[128];

@@ -24,10 +24,6 @@ int psd_http_start(psd_http_t **h, uv_loop_t *loop, const char *addr, const char
 int psd_http_port(const psd_http_t *h);
 /* Close every connection and the listener (runs the loop until they are). */
 void psd_http_stop(psd_http_t **h);
-/* Whether addr is a HOST:PORT psd_http_start takes: 0, *loopback set
- * (127.x.x.x, localhost, [::1] or 127.x.x.x mapped into IPv6), or -EINVAL
- * with a message. */
-int psd_http_check(const char *addr, bool *loopback, char *err, size_t errlen);
 /* The endpoint's settings as the start and --check-config both check them:
  * addr a HOST:PORT psd_http_start takes; token_file ("" for none) a file
  * only its owner may read whose first line, the token (into token), has at

@@ -34,7 +34,13 @@ static void holder(int fd, char *out, size_t n)
         snprintf(out, n, "another process ('%s')", buf);
 }
 
-int psd_lock(psd_locks_t *set, const char *path, char *err, size_t n)
+/* Take the lock file `path` (created if missing) for this process: 0 when
+ * held (or already held through this set); -EWOULDBLOCK when another
+ * process holds it, err naming the file and its holder's host and pid;
+ * another -errno when the file cannot be made, with the reason in err.
+ * Where the file system cannot lock (ENOLCK, some NFS) it warns once per
+ * process and returns 0: the run goes on unprotected. */
+static int psd_lock(psd_locks_t *set, const char *path, char *err, size_t n)
 {
     struct stat st;
     if (stat(path, &st) == 0)

@@ -35,13 +35,6 @@ typedef struct psd_locks {
     int n;
 } psd_locks_t;
 
-/* Take the lock file `path` (created if missing) for this process: 0 when
- * held (or already held through this set); -EWOULDBLOCK when another
- * process holds it, err naming the file and its holder's host and pid;
- * another -errno when the file cannot be made, with the reason in err.
- * Where the file system cannot lock (ENOLCK, some NFS) it warns once per
- * process and returns 0: the run goes on unprotected. */
-int psd_lock(psd_locks_t *set, const char *path, char *err, size_t n);
 /* The same for "<file>.lock" (file: a metrics or weights file, a socket). */
 int psd_lock_beside(psd_locks_t *set, const char *file, char *err, size_t n);
 /* The same for "<dir>/psd.lock". */

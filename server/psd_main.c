@@ -19,6 +19,7 @@
 #include "psd_eval.h"
 #include "ps_weights_st.h"
 #include "psd_http.h"
+#include "psd_run.h"
 #include "psd_server.h"
 #include "psd_shard.h"
 #include "ps_tcp.h"

@@ -53,12 +53,12 @@ int psd_model_setup(srv_t *s, const float *const *values)
     }
     psd_groups_describe(&s->layout, c->groups, c->n_groups, say_group, NULL); /* once: the table is known now */
     int code;
-    if (sharded(s) && (code = shards_check_parts(s)) != 0) return code;
+    if (sharded(s) && (code = psd_shard0_check_parts(s)) != 0) return code;
     /* values the config does not draw (model.init's file, the first
      * worker's): psd shards that do not resume fetch their parts of them
      * from here (psd_shard0.c), so the file is read here only, once */
     const bool file = c->kind == PS_MODEL_TENSORS && c->init_file[0];
-    if (sharded(s) && !opts->resume_dir && (file || values) && shards_init_new(s) != 0) return oom(s);
+    if (sharded(s) && !opts->resume_dir && (file || values) && psd_shard0_init_new(s) != 0) return oom(s);
     char lerr[512];
     if (file) {
         float *to = s->sh.init ? s->sh.init : s->store.cur->w; /* every piece, or this store's */
@@ -71,7 +71,7 @@ int psd_model_setup(srv_t *s, const float *const *values)
     }
     if (values) { /* the first worker's (model.kind from_worker) */
         take_values(s, values, NULL);
-        if (s->sh.init) shards_init_keep(s, values);
+        if (s->sh.init) psd_shard0_init_keep(s, values);
     }
     s->holder.verify = opts->verify_weights;
     int threads = psd_step_threads(c);

@@ -21,7 +21,7 @@ static void send_offer(srv_t *s, const ps_msg_t *m, bool values)
 {
     Psd__Header h;
     Psd__Offer o = PSD__OFFER__INIT;
-    hdr_for(s, NULL, &h, PSD__MSG_TYPE__MSG_OFFER);
+    psd_peers_hdr_for(s, NULL, &h, PSD__MSG_TYPE__MSG_OFFER);
     o.send_values = values;
     h.body_case = PSD__HEADER__BODY_OFFER;
     h.offer = &o;
@@ -32,7 +32,7 @@ static bool refuse(srv_t *s, const ps_msg_t *m, const char *why)
 {
     const Psd__Register *r = m->hdr->reg;
     PS_WARN("refused a worker from %s pid %u: %s", r->hostname && r->hostname[0] ? r->hostname : "?", r->pid, why);
-    send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, why);
+    psd_peers_send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, why);
     return false;
 }
 
@@ -102,7 +102,7 @@ int psd_adopt(srv_t *s, const char *text, char *err, size_t n)
     return 0;
 }
 
-bool offer_gate(srv_t *s, ps_msg_t *m)
+bool psd_offer_gate(srv_t *s, ps_msg_t *m)
 {
     if (s->cfg.kind != PS_MODEL_FROM_WORKER) return true;
     ps_layout_t l = {0};
@@ -113,7 +113,7 @@ bool offer_gate(srv_t *s, ps_msg_t *m)
     return ok;
 }
 
-/* offer_gate's decision on the table l (has: offered_table's) */
+/* psd_offer_gate's decision on the table l (has: offered_table's) */
 static bool offer_table(srv_t *s, ps_msg_t *m, ps_layout_t *l, int has, char *why, size_t why_len, char *msg,
                         size_t msg_len)
 {
@@ -163,16 +163,16 @@ static bool offer_table(srv_t *s, ps_msg_t *m, ps_layout_t *l, int has, char *wh
     return false;
 }
 
-void on_values(srv_t *s, ps_msg_t *m)
+void psd_offer_on_values(srv_t *s, ps_msg_t *m)
 {
     const ps_layout_t *l = &s->offer.layout;
     if (s->cfg.kind != PS_MODEL_FROM_WORKER || s->model_ready || s->offer.ident_len != m->ident_len ||
         memcmp(s->offer.ident, m->ident, m->ident_len) != 0) {
-        drop(s, NULL, "VALUES from a peer psd did not ask");
+        psd_peers_drop(s, NULL, "VALUES from a peer psd did not ask");
         return;
     }
     if (m->n_frames != l->n_tensors) {
-        drop(s, NULL, "VALUES of %d frames, the offered table has %d units", m->n_frames, l->n_tensors);
+        psd_peers_drop(s, NULL, "VALUES of %d frames, the offered table has %d units", m->n_frames, l->n_tensors);
         return;
     }
     const float *v[PS_MAX_TENSORS];
@@ -181,14 +181,14 @@ void on_values(srv_t *s, ps_msg_t *m)
         size_t n = 0;
         v[t] = d->id == (uint32_t)t && d->offset == 0 ? ps_msg_f32(m, t, &n) : NULL;
         if (!v[t] || n != l->t[t].numel) {
-            drop(s, NULL, "VALUES: frame %d is not unit %s whole (%zu floats, f32)", t, l->t[t].name,
+            psd_peers_drop(s, NULL, "VALUES: frame %d is not unit %s whole (%zu floats, f32)", t, l->t[t].name,
                  l->t[t].numel);
             return;
         }
     }
     char err[700];
     if (s->offer.config[0] && psd_adopt(s, s->offer.config, err, sizeof err) != 0) { /* offer_misfit took it */
-        finish(s, PSD_EXIT_USAGE, err);
+        psd_peers_finish(s, PSD_EXIT_USAGE, err);
         return;
     }
     psd_say_optimizer(&s->cfg);
@@ -196,7 +196,7 @@ void on_values(srv_t *s, ps_msg_t *m)
     s->offer.layout.tab = NULL; /* moved */
     int code = psd_model_setup(s, v);
     if (code != 0) {
-        finish(s, code, "psd could not set up the model the first worker offered");
+        psd_peers_finish(s, code, "psd could not set up the model the first worker offered");
         return;
     }
     s->silence = psd_silence_limit(&s->cfg, s->layout.n_params); /* sized for max_params until now */

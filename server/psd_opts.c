@@ -6,7 +6,7 @@
 bool psd_table_on_psd(const ps_config_t *c, const ps_layout_t *l, bool lazy)
 {
     /* one table only: replies replace one frame by rows (l->table's); the
-     * click-through model only, whose validation rows psd knows (range_rows_send) */
+     * click-through model only, whose validation rows psd knows (psd_step_range_rows_send) */
     return c->kind == PS_MODEL_CTR && l->table >= 0 && ps_layout_sparse_units(l) == 1 && lazy && (double)l->t[l->table].numel * 4.0 / 1048576.0 > c->ctr_worker_table_mb &&
            c->wire_weights == PS_WIRE_F32 && c->wire_gradients == PS_WIRE_F32;
 }

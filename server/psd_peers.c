@@ -6,15 +6,15 @@
  * these, and these call none of them. */
 #include "psd_core.h"
 
-const double hist_le[PSD_HIST_N] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5};
-const char *const wstate_name[] = {"assigned", "ready",      "training", "at barrier",
+const double psd_hist_le[PSD_HIST_N] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5};
+const char *const psd_wstate_name[] = {"assigned", "ready",      "training", "at barrier",
                                    "validating", "validated", "gone"};
-const char *const wend_name[] = {"", "left", "failed", "lost", "refused"};
+const char *const psd_wend_name[] = {"", "left", "failed", "lost", "refused"};
 
 /* Slot of a peer: the one with that identity. A worker that rejoins keeps
- * its identity and gets another slot (or its own back); on_register makes
+ * its identity and gets another slot (or its own back); psd_run_on_register makes
  * any other slot forget the identity, so that there is one. */
-worker_t *find_worker(srv_t *s, const uint8_t *ident, size_t len)
+worker_t *psd_peers_find_worker(srv_t *s, const uint8_t *ident, size_t len)
 {
     for (int i = s->n - 1; i >= 0; i--)
         if (s->w[i].ident_len == len && memcmp(s->w[i].ident, ident, len) == 0) return &s->w[i];
@@ -50,7 +50,7 @@ static void vrefuse_after(srv_t *s, const worker_t *w, const char *fmt, va_list 
     vsnprintf(s->net.refuse_why, sizeof s->net.refuse_why, fmt, ap);
 }
 
-void refuse_after(srv_t *s, const worker_t *w, const char *fmt, ...)
+void psd_peers_refuse_after(srv_t *s, const worker_t *w, const char *fmt, ...)
 {
     if (!w || w->state == W_GONE) return;
     va_list ap;
@@ -59,10 +59,10 @@ void refuse_after(srv_t *s, const worker_t *w, const char *fmt, ...)
     va_end(ap);
 }
 
-void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
+void psd_peers_drop(srv_t *s, const worker_t *w, const char *fmt, ...)
 {
     va_list ap;
-    if (w && w->state != W_GONE) { /* a worker in the run: refused, in one line (refuse_worker) */
+    if (w && w->state != W_GONE) { /* a worker in the run: refused, in one line (psd_run_refuse_worker) */
         s->net.cur_bad = true;
         va_start(ap, fmt);
         vrefuse_after(s, w, fmt, ap);
@@ -77,7 +77,7 @@ void drop(srv_t *s, const worker_t *w, const char *fmt, ...)
     va_end(ap);
 }
 
-void drop_stale(srv_t *s, const worker_t *w, const char *fmt, ...)
+void psd_peers_drop_stale(srv_t *s, const worker_t *w, const char *fmt, ...)
 {
     if (!drop_logged(s)) return;
     char who[128];
@@ -89,7 +89,7 @@ void drop_stale(srv_t *s, const worker_t *w, const char *fmt, ...)
 }
 
 /* the same for a message from psd shard i (> 0) */
-void drop_shard(srv_t *s, int i, const char *fmt, ...)
+void psd_peers_drop_shard(srv_t *s, int i, const char *fmt, ...)
 {
     if (!drop_logged(s)) return;
     char who[128];
@@ -100,7 +100,7 @@ void drop_shard(srv_t *s, int i, const char *fmt, ...)
     va_end(ap);
 }
 
-void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type)
+void psd_peers_hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type)
 {
     psd__header__init(h);
     h->run_id = s->run_id;
@@ -109,7 +109,7 @@ void hdr_for(srv_t *s, worker_t *w, Psd__Header *h, Psd__MsgType type)
     h->seq = w ? ++w->seq_out : 0;
 }
 
-int send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n)
+int psd_peers_send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n)
 {
     int rc = ps_msg_send(s->net.sock, w->ident, w->ident_len, h, fr, n);
     w->sent_at = ps_now();
@@ -119,17 +119,17 @@ int send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n)
     return rc;
 }
 
-void send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code,
+void psd_peers_send_error_ident(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code,
                              const char *msg)
 {
-    send_error_as(s, ident, len, code, msg, 0);
+    psd_peers_send_error_as(s, ident, len, code, msg, 0);
 }
 
-void send_error_as(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg, uint32_t protocol)
+void psd_peers_send_error_as(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code, const char *msg, uint32_t protocol)
 {
     Psd__Header h;
     Psd__Error e = PSD__ERROR__INIT;
-    hdr_for(s, NULL, &h, PSD__MSG_TYPE__MSG_ERROR);
+    psd_peers_hdr_for(s, NULL, &h, PSD__MSG_TYPE__MSG_ERROR);
     h.protocol = protocol; /* 0: this build's (ps_msg_send) */
     e.code = code;
     e.message = (char *)msg;
@@ -141,7 +141,7 @@ void send_error_as(srv_t *s, const uint8_t *ident, size_t len, Psd__ErrCode code
 /* A SHUTDOWN header for w (sd: its body, the caller's). */
 static void shutdown_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Shutdown *sd, int code, const char *reason)
 {
-    hdr_for(s, w, h, PSD__MSG_TYPE__MSG_SHUTDOWN);
+    psd_peers_hdr_for(s, w, h, PSD__MSG_TYPE__MSG_SHUTDOWN);
     sd->exit_code = code;
     sd->reason = (char *)reason;
     sd->last_val = told_val(s);
@@ -149,12 +149,12 @@ static void shutdown_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Shutdown *s
     h->shutdown = sd;
 }
 
-void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason)
+void psd_peers_send_shutdown(srv_t *s, worker_t *w, int code, const char *reason)
 {
     Psd__Header h;
     Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
     shutdown_hdr(s, w, &h, &sd, code, reason);
-    send_to(s, w, &h, NULL, 0);
+    psd_peers_send_to(s, w, &h, NULL, 0);
 }
 
 /* ---- the end of the run ------------------------------------------------ */
@@ -164,14 +164,14 @@ void send_shutdown(srv_t *s, worker_t *w, int code, const char *reason)
  * their slot's) are told too, where their connection still stands (no
  * complaint where it does not): one that was only frozen or slow would
  * otherwise wait for a psd that is gone for its whole --retry-for. */
-void finish(srv_t *s, int code, const char *reason)
+void psd_peers_finish(srv_t *s, int code, const char *reason)
 {
     if (s->phase == PHASE_DONE) return;
     if (s->tty) ps_log_status(NULL);
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
         if (w->state != W_GONE) {
-            send_shutdown(s, w, code, reason);
+            psd_peers_send_shutdown(s, w, code, reason);
         } else if (w->lost_silent && w->ident_len > 0) {
             Psd__Header h;
             Psd__Shutdown sd = PSD__SHUTDOWN__INIT;
@@ -188,7 +188,7 @@ void finish(srv_t *s, int code, const char *reason)
         sd.reason = (char *)reason;
         h.body_case = PSD__HEADER__BODY_SHUTDOWN;
         h.shutdown = &sd;
-        shards_send_all(s, &h);
+        psd_peers_shards_send_all(s, &h);
     }
     s->phase = PHASE_DONE;
     s->exit_code = code;
@@ -199,8 +199,8 @@ void finish(srv_t *s, int code, const char *reason)
 
 /* ---- a worker's resources -------------------------------------------- */
 
-/* Forget a worker's shared memory (after release_push). */
-void shm_forget(srv_t *s, worker_t *w)
+/* Forget a worker's shared memory (after psd_step_release_push). */
+void psd_peers_shm_forget(srv_t *s, worker_t *w)
 {
     if (w->hold) psd_store_frame_free(NULL, w->hold);
     w->hold = NULL;
@@ -211,18 +211,18 @@ void shm_forget(srv_t *s, worker_t *w)
 
 /* A worker's table buffers: the rows it asked for (its gradient rows went
  * back to the holder with its push). */
-void rows_free(worker_t *w) { psd_push_free(&w->push); }
+void psd_peers_rows_free(worker_t *w) { psd_push_free(&w->push); }
 
 /* ---- message handlers --------------------------------------------------- */
 
-void send_assign(srv_t *s, worker_t *w)
+void psd_peers_send_assign(srv_t *s, worker_t *w)
 {
     Psd__Header h;
     Psd__Assign a = PSD__ASSIGN__INIT;
     Psd__Hyper hy = PSD__HYPER__INIT;
     Psd__DataFile df[4], *dfp[4];
     uint32_t layers[PS_MAX_LAYERS + 1];
-    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_ASSIGN);
+    psd_peers_hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_ASSIGN);
     a.rank = w->rank;
     const int live = live_workers(s) + !(w->state >= W_READY && w->state <= W_VALIDATED); /* this one counted */
     a.world = (uint32_t)(live > s->cfg.workers ? live : s->cfg.workers);
@@ -300,12 +300,12 @@ void send_assign(srv_t *s, worker_t *w)
                         .rows = s->table_pb_len, .copy = true};
     h.body_case = PSD__HEADER__BODY_ASSIGN;
     h.assign = &a;
-    send_to(s, w, &h, &table, 1);
+    psd_peers_send_to(s, w, &h, &table, 1);
 }
 
 /* A connection of the ROUTER closed (its monitor's event): the workers
  * whose messages came on it are lost at the next tick (reap_closed), not
- * here: this runs inside a message's handling too (note_conn). */
+ * here: this runs inside a message's handling too (psd_peers_note_conn). */
 static void conn_closed(void *arg, int fd)
 {
     srv_t *s = arg;
@@ -321,28 +321,28 @@ static void conn_closed(void *arg, int fd)
         }
 }
 
-void poll_monitor(srv_t *s) { psd_router_monitor(s->net.mon, &s->net.hs_failed, conn_closed, s); }
+void psd_peers_poll_monitor(srv_t *s) { psd_router_monitor(s->net.mon, &s->net.hs_failed, conn_closed, s); }
 
 /* The connection a peer's (a worker's, a shard's) message m came on, into
  * *conn. A new one (its first message, or it reconnected) is taken once the
  * monitor's events so far are read: an event about an fd number is then
  * about a connection that held it before, whose close the monitor reported
  * before this one could open. It gets server.tcp_congestion then. */
-void note_conn(srv_t *s, int *conn, const ps_msg_t *m)
+void psd_peers_note_conn(srv_t *s, int *conn, const ps_msg_t *m)
 {
     if (m->srcfd < 0 || *conn == m->srcfd + 1) return;
-    if (s->net.mon) poll_monitor(s);
+    if (s->net.mon) psd_peers_poll_monitor(s);
     ps_tcp_cc_conn(conn, m->srcfd, s->cfg.tcp_congestion, true); /* sets *conn unless the setting is off */
     *conn = m->srcfd + 1;
 }
 
 /* ---- psctl (MSG_CONTROL) ---------------------------------------------------- */
 
-void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json)
+void psd_peers_control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json)
 {
     Psd__Header h;
     Psd__ControlReply r = PSD__CONTROL_REPLY__INIT;
-    hdr_for(s, NULL, &h, PSD__MSG_TYPE__MSG_CONTROL_REPLY);
+    psd_peers_hdr_for(s, NULL, &h, PSD__MSG_TYPE__MSG_CONTROL_REPLY);
     r.ok = ok;
     r.text = (char *)(text ? text : "");
     r.json = (char *)(json ? json : "");
@@ -351,9 +351,9 @@ void control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const ch
     ps_msg_send(s->net.sock, ident, len, &h, NULL, 0);
 }
 
-int send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n)
+int psd_peers_send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n)
 {
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     h->run_id = s->run_id;
     h->rank = (uint32_t)i;
     h->seq = ++sh->seq_out;
@@ -364,14 +364,14 @@ int send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n)
     return rc;
 }
 
-void shards_send_all(srv_t *s, Psd__Header *h)
+void psd_peers_shards_send_all(srv_t *s, Psd__Header *h)
 {
     for (int i = 1; i < s->sh.n; i++)
-        if (s->sh.shard[i].joined) send_shard(s, i, h, NULL, 0);
+        if (s->sh.shard[i].joined) psd_peers_send_shard(s, i, h, NULL, 0);
 }
 
 /* Tell every shard about a worker: its rank and token. */
-void shards_worker(srv_t *s, const worker_t *w)
+void psd_peers_shards_worker(srv_t *s, const worker_t *w)
 {
     Psd__Header h;
     Psd__ShardWorker sw = PSD__SHARD_WORKER__INIT;
@@ -382,5 +382,5 @@ void shards_worker(srv_t *s, const worker_t *w)
     sw.token.len = sizeof w->shard_token;
     h.body_case = PSD__HEADER__BODY_SHARD_WORKER;
     h.shard_worker = &sw;
-    shards_send_all(s, &h);
+    psd_peers_shards_send_all(s, &h);
 }

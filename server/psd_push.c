@@ -2,10 +2,12 @@
  * intake (whole, in parts, streamed, in shared memory: the frames through
  * the holder, psd_hold.h), pulls, the psd shards' word that they have a
  * worker's push (SHARD_HAVE) or their blocks' norms (SHARD_NORM), and the
- * decision to step (maybe_step). The step itself is psd_step.c's, a
+ * decision to step (psd_push_maybe_step). The step itself is psd_step.c's, a
  * streamed one psd_stream.c's. Raises PSD_EV_EPOCH_TRAINED and
  * PSD_EV_STEP_APPLIED (psd_core.h) for psd_run.c. */
 #include "psd_core.h"
+
+static bool push_check(const srv_t *s, worker_t *w);
 
 /* The last frame of a PULL (or a PUSH) with want_rows: the table rows the
  * worker's next batch reads, kept for the reply (psd_want_take). 0, or -1
@@ -14,21 +16,21 @@ static int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     char why[256];
     if (psd_want_take(&s->holder, &w->push, m, s->holder.batch_rows, why, sizeof why) != 0) {
-        drop(s, w, "PULL %s", why);
+        psd_peers_drop(s, w, "PULL %s", why);
         return -1;
     }
     return 0;
 }
 
-void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
+void psd_push_on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     if (w->state != W_TRAIN) {
-        drop(s, w, "PULL while %s", wstate_name[w->state]);
+        psd_peers_drop(s, w, "PULL while %s", psd_wstate_name[w->state]);
         return;
     }
     uint64_t v = m->hdr->pull->min_version;
     if (v > s->store.cur->version) {
-        drop(s, w, "PULL of version %" PRIu64 ", current is %" PRIu64, v, s->store.cur->version);
+        psd_peers_drop(s, w, "PULL of version %" PRIu64 ", current is %" PRIu64, v, s->store.cur->version);
         return;
     }
     if (m->hdr->pull->want_rows && want_take(s, w, m) != 0) return;
@@ -45,29 +47,29 @@ void on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
         w->want_pull = true;
         return;
     }
-    answer_pull(s, w);
+    psd_step_answer_pull(s, w);
 }
 
-void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
+void psd_push_on_push(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Push *p = m->hdr->push;
     const ps_layout_t *l = &s->layout;
     if (w->state != W_TRAIN) {
-        drop(s, w, "PUSH while %s", wstate_name[w->state]);
+        psd_peers_drop(s, w, "PUSH while %s", psd_wstate_name[w->state]);
         return;
     }
     if (w->has_push) {
-        drop(s, w, "second PUSH for version %" PRIu64, p->version);
+        psd_peers_drop(s, w, "second PUSH for version %" PRIu64, p->version);
         return;
     }
     if (s->cfg.sync == PS_SYNC_BSP ? p->version != s->store.cur->version : p->version > s->store.cur->version) {
-        drop(s, w, "PUSH computed on version %" PRIu64 ", current is %" PRIu64, p->version,
+        psd_peers_drop(s, w, "PUSH computed on version %" PRIu64 ", current is %" PRIu64, p->version,
              s->store.cur->version);
         return;
     }
     uint64_t left = w->share.assigned - w->share.consumed;
     if (p->batch == 0 || p->batch > (uint32_t)s->cfg.batch_size || p->batch > left) {
-        drop(s, w, "PUSH of a batch of %u (train.batch_size %d, %" PRIu64 " samples left)", p->batch,
+        psd_peers_drop(s, w, "PUSH of a batch of %u (train.batch_size %d, %" PRIu64 " samples left)", p->batch,
              s->cfg.batch_size, left);
         return;
     }
@@ -77,44 +79,44 @@ void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         PS_ERROR("training diverged at step %" PRIu64 " (epoch %u): rank %u's batch loss is %s; lower "
                  "optimizer.lr, add warm-up (schedule.warmup_epochs) or clip (optimizer.clip_norm)",
                  s->step + 1, s->epoch + 1, w->rank, isnan(p->loss_sum) ? "NaN" : "infinite");
-        finish(s, PSD_EXIT_ERROR, "training diverged (loss not finite)");
+        psd_peers_finish(s, PSD_EXIT_ERROR, "training diverged (loss not finite)");
         return;
     }
     if (p->loss_sum < 0 || p->correct > p->batch) {
-        drop(s, w, "PUSH with invalid statistics");
+        psd_peers_drop(s, w, "PUSH with invalid statistics");
         return;
     }
     if (w->push_started && (p->batch != w->push_batch || p->correct != w->push_correct ||
                             p->loss_sum != w->push_loss || p->version != w->push_version)) {
-        drop(s, w, "PUSH part for another batch than the parts before it");
+        psd_peers_drop(s, w, "PUSH part for another batch than the parts before it");
         return;
     }
     if (m->n_frames < 1 && p->n_shm_tensors < 1) {
-        drop(s, w, "PUSH without tensors");
+        psd_peers_drop(s, w, "PUSH without tensors");
         return;
     }
     if (p->n_shm_tensors > 0 && !w->shm) {
-        drop(s, w, "PUSH of tensors in shared memory psd does not share with it");
+        psd_peers_drop(s, w, "PUSH of tensors in shared memory psd does not share with it");
         return;
     }
     bool complete;
     if (s->stream) {
-        if (stream_take(s, w, m) != 0) return;
+        if (psd_stream_take(s, w, m) != 0) return;
         complete = w->n_gch == s->st.nc;
     } else {
         uint64_t in_shm = 0;
         for (size_t i = 0; i < p->n_shm_tensors; i++) {
             uint32_t t = p->shm_tensors[i];
             if (t >= (uint32_t)l->n_tensors || ((w->push.mask | in_shm) & (1ull << t))) {
-                drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
+                psd_peers_drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
                 return;
             }
             in_shm |= 1ull << t;
         }
         psd_took_t took;
         char why[256];
-        if (psd_push_take(&s->holder, &w->push, m, wire_bf16(s, w), in_shm, &took, why, sizeof why) != 0) {
-            drop(s, w, "PUSH %s", why);
+        if (psd_push_take(&s->holder, &w->push, m, psd_step_wire_bf16(s, w), in_shm, &took, why, sizeof why) != 0) {
+            psd_peers_drop(s, w, "PUSH %s", why);
             return;
         }
         s->ep.bytes_in += took.bytes + took.want_bytes;
@@ -139,7 +141,7 @@ void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         w->push_correct = p->correct;
     }
     if (!complete) { /* more parts to come */
-        if (s->stream) maybe_step(s); /* its chunks may complete some */
+        if (s->stream) psd_push_maybe_step(s); /* its chunks may complete some */
         return;
     }
     w->own_push = true;
@@ -153,31 +155,31 @@ void on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         s->ep.timed++;
         w->compute_ewma = w->compute_ewma > 0 ? 0.9 * w->compute_ewma + 0.1 * p->compute_s : p->compute_s;
         int bw = 0, bc = 0;
-        while (bw < PSD_HIST_N && p->wait_s > hist_le[bw]) bw++;
-        while (bc < PSD_HIST_N && p->compute_s > hist_le[bc]) bc++;
+        while (bw < PSD_HIST_N && p->wait_s > psd_hist_le[bw]) bw++;
+        while (bc < PSD_HIST_N && p->compute_s > psd_hist_le[bc]) bc++;
         w->h_wait[bw]++;
         w->h_compute[bc]++;
         w->h_wait_sum += p->wait_s;
         w->h_compute_sum += p->compute_s;
     }
-    if (w->has_push) maybe_step(s);
+    if (w->has_push) psd_push_maybe_step(s);
 }
 
 /* bsp: once every worker still training has pushed for this version,
  * reduce and apply. async and ssp: apply each push as it completes. */
-void maybe_step(srv_t *s)
+void psd_push_maybe_step(srv_t *s)
 {
     if (s->phase != PHASE_TRAIN || s->stepping) return;
     if (s->cfg.sync != PS_SYNC_BSP) {
         for (int i = 0; i < s->n && s->phase == PHASE_TRAIN; i++)
             if (s->w[i].has_push) {
-                take_step(s, &s->w[i]);
+                psd_step_take(s, &s->w[i]);
                 if (s->events & PSD_EV_CKPT_DUE) return; /* the checkpoint first: psd_run.c steps on after it */
             }
         if (s->phase != PHASE_TRAIN) return;
-        ssp_release(s);
+        psd_step_ssp_release(s);
     } else if (s->stream) {
-        stream_progress(s);
+        psd_stream_progress(s);
         if (s->phase != PHASE_TRAIN || s->st.open) return;
         for (int i = 0; i < s->n; i++)
             if (s->w[i].push_started) return; /* the step waits for a worker to begin its push */
@@ -189,7 +191,7 @@ void maybe_step(srv_t *s)
             if (w->own_push && !w->has_push) return;        /* or for a shard to have all of its push */
             pending += w->has_push;
         }
-        if (pending > 0) take_step(s, NULL);
+        if (pending > 0) psd_step_take(s, NULL);
         if (s->phase != PHASE_TRAIN || s->stepping) return;
     }
     for (int i = 0; i < s->n; i++)
@@ -200,17 +202,17 @@ void maybe_step(srv_t *s)
 
 /* A push counts once this part of it is complete and every other shard
  * has its part (SHARD_HAVE): sets and returns has_push. */
-bool push_check(const srv_t *s, worker_t *w)
+static bool push_check(const srv_t *s, worker_t *w)
 {
     w->has_push = w->own_push && (w->shard_have & shard_bits(s)) == shard_bits(s);
     return w->has_push;
 }
 
-void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
+void psd_push_on_shard_norm(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__ShardNorm *n = m->hdr->shard_norm;
     if (!s->stepping || n->version != s->store.cur->version || s->sh.shard[i].norm_in) {
-        drop_shard(s, i, "NORM for version %" PRIu64 " (current %" PRIu64 ")", n->version,
+        psd_peers_drop_shard(s, i, "NORM for version %" PRIu64 " (current %" PRIu64 ")", n->version,
              s->store.cur->version);
         return;
     }
@@ -219,12 +221,12 @@ void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
     size_t want = 0;
     for (int t = 0; t < s->layout.n_tensors; t++) want += (p[t].n + PSD_NORM_BLOCK - 1) / PSD_NORM_BLOCK;
     if (n->n_block_sq != want) {
-        drop_shard(s, i, "NORM with %zu blocks, it has %zu", n->n_block_sq, want);
+        psd_peers_drop_shard(s, i, "NORM with %zu blocks, it has %zu", n->n_block_sq, want);
         return;
     }
     for (size_t j = 0; j < want; j++)
         if (n->block_sq[j] < 0) { /* sums of squares (NaN or inf: a diverging gradient, as with one psd) */
-            drop_shard(s, i, "NORM with a negative sum of squares");
+            psd_peers_drop_shard(s, i, "NORM with a negative sum of squares");
             return;
         }
     size_t j = 0;
@@ -245,24 +247,24 @@ void on_shard_norm(srv_t *s, int i, ps_msg_t *m)
     ap.sumsq = sumsq;
     h.body_case = PSD__HEADER__BODY_SHARD_APPLY;
     h.shard_apply = &ap;
-    shards_send_all(s, &h);
+    psd_peers_shards_send_all(s, &h);
     s->stepping = false;
     if (psd_store_apply(&s->store, sumsq, s->cfg.clip_norm, s->lr) != 0) {
         PS_ERROR("no free parameter arena (too many pull replies in flight)");
-        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;
     }
-    step_done(s, true);
+    psd_step_done(s, true);
     raise_event(s, PSD_EV_STEP_APPLIED);
-    maybe_step(s);
+    psd_push_maybe_step(s);
 }
 
-void on_shard_have(srv_t *s, int i, ps_msg_t *m)
+void psd_push_on_shard_have(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__ShardHave *hv = m->hdr->shard_have;
     worker_t *w = hv->rank < (uint32_t)s->n ? &s->w[hv->rank] : NULL;
     if (hv->refused && hv->refused[0]) { /* a message of rank the shard cannot take: its run ends */
-        if (w && w->state != W_GONE) refuse_after(s, w, "psd shard %d: %s", i, hv->refused);
+        if (w && w->state != W_GONE) psd_peers_refuse_after(s, w, "psd shard %d: %s", i, hv->refused);
         else PS_DEBUG("shard %d refused a message of rank %u, no longer in the run: %s", i, hv->rank, hv->refused);
         return;
     }
@@ -272,5 +274,5 @@ void on_shard_have(srv_t *s, int i, ps_msg_t *m)
         return;
     }
     w->shard_have |= 1u << i;
-    if (push_check(s, w)) maybe_step(s);
+    if (push_check(s, w)) psd_push_maybe_step(s);
 }

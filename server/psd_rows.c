@@ -197,7 +197,9 @@ void psd_rows_norms(const psd_rows_t *r, double *blk)
     if (cur != SIZE_MAX) blk[cur] = psd_sumsq_lanes(lane);
 }
 
-int psd_rowbuf_reserve(psd_rowbuf_t *b, size_t cap, size_t dim)
+/* Room for at least cap rows (grows, never shrinks). 0 or -ENOMEM (what
+ * it held is kept). */
+static int psd_rowbuf_reserve(psd_rowbuf_t *b, size_t cap, size_t dim)
 {
     if (cap <= b->cap) return 0;
     uint32_t *p = realloc(b->ids, cap * sizeof *p);

@@ -82,9 +82,6 @@ typedef struct {
     size_t n, cap;
 } psd_rowbuf_t;
 
-/* Room for at least cap rows (grows, never shrinks). 0 or -ENOMEM (what
- * it held is kept). */
-int psd_rowbuf_reserve(psd_rowbuf_t *b, size_t cap, size_t dim);
 /* Copy n rows in (room for at least `room` rows the first time, so that
  * later pushes up to that long allocate nothing). 0 or -ENOMEM (b->n 0). */
 int psd_rowbuf_set(psd_rowbuf_t *b, const uint32_t *ids, const float *v, size_t n, size_t dim, size_t room);

@@ -6,11 +6,12 @@
 #include <ctype.h>
 
 #include "ps_weights_st.h"
+#include "psd_run.h"
 #include "psd_status.h"
 
 /* One psd's weights file, from the current version (psd shards write theirs
- * as the parts come: begin_save, fetch_next). */
-void save_weights(srv_t *s)
+ * as the parts come: psd_shard0_begin_save, psd_shard0_fetch_next). */
+void psd_run_save_weights(srv_t *s)
 {
     if (!s->cfg.save[0]) return;
     char err[512];
@@ -36,7 +37,7 @@ static void start_epoch(srv_t *s)
     /* positions not trained yet: all of them, or what a resumed epoch has left */
     uint64_t *pos = malloc((T ? T : 1) * sizeof *pos);
     if (!pos) {
-        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;
     }
     size_t n = psd_samples_begin(&s->smp, s->resumed_mid_epoch, pos);
@@ -71,12 +72,12 @@ static void start_epoch(srv_t *s)
         PS_WARN("no workers for epoch %u; waiting up to %.0f s for one to join", s->epoch + 1,
                 s->cfg.start_timeout);
     } else {
-        spread(s, pos, n, to, k, false);
+        psd_give_spread(s, pos, n, to, k, false);
     }
     free(pos);
     if (n == 0) { /* nothing left to train (resumed at the end of an epoch) */
-        maybe_step(s);
-        run_events(s);
+        psd_push_maybe_step(s);
+        psd_run_events(s);
     }
 }
 
@@ -85,9 +86,9 @@ static void deferred_checkpoint(srv_t *s)
 {
     if (!s->ck.deferred) return;
     s->ck.deferred = false;
-    take_checkpoint(s, false);
+    psd_run_take_checkpoint(s, false);
     if (!s->ck.writer && !s->ck.open && s->ck.stop_when_written)
-        finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+        psd_peers_finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
 }
 
 /* A worker is gone (lost, left, failed): its samples and validation parts go
@@ -95,17 +96,17 @@ static void deferred_checkpoint(srv_t *s)
  * next worker to join. */
 _Static_assert(WEND_N - WEND_LEFT == 4, "psd_ckpt_run_t.ended holds the four endings");
 
-void worker_gone(srv_t *s, worker_t *w)
+void psd_run_worker_gone(srv_t *s, worker_t *w)
 {
     wstate_t was = w->state;
     if (was != W_GONE) {
         if (w->end == WEND_NONE) w->end = WEND_LOST;
         s->ended[w->end]++;
     }
-    if (s->stream) stream_forget(s, w);
-    release_push(s, w); /* a gradient from a worker declared gone is never applied (streamed: see stream_forget) */
-    shm_forget(s, w);
-    rows_free(w); /* the rows sent were copied at send */
+    if (s->stream) psd_stream_forget(s, w);
+    psd_step_release_push(s, w); /* a gradient from a worker declared gone is never applied (streamed: see psd_stream_forget) */
+    psd_peers_shm_forget(s, w);
+    psd_peers_rows_free(w); /* the rows sent were copied at send */
     w->state = W_GONE;
     w->gone_at = ps_now();
     int live = live_workers(s);
@@ -120,23 +121,23 @@ void worker_gone(srv_t *s, worker_t *w)
         size_t n = (size_t)(w->share.assigned - w->share.consumed);
         uint64_t *pos = psd_share_positions(&w->share, w->share.consumed, n);
         if (!pos) {
-            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+            psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
             return;
         }
-        hand_out(s, pos, n, "its remaining");
+        psd_give_hand_out(s, pos, n, "its remaining");
         free(pos);
         w->share.assigned = w->share.consumed;
-        maybe_step(s);
-        run_events(s);
+        psd_push_maybe_step(s);
+        psd_run_events(s);
     } else if (s->phase == PHASE_VALIDATE && w->val_pending > 0) {
         w->val_pending = 0;
         for (int i = 0; i < s->n_parts; i++)
             if (!s->parts[i].done && s->parts[i].worker == (int)(w - s->w)) s->parts[i].worker = -1;
-        give_orphans(s);
-        if (!least_busy(s)) s->orphan_deadline = ps_now() + s->cfg.start_timeout;
+        psd_valid_give_orphans(s);
+        if (!psd_valid_least_busy(s)) s->orphan_deadline = ps_now() + s->cfg.start_timeout;
     } else if (s->phase == PHASE_TRAIN) {
-        maybe_step(s);
-        run_events(s);
+        psd_push_maybe_step(s);
+        psd_run_events(s);
     }
 }
 
@@ -153,7 +154,7 @@ static void end_run(srv_t *s)
     s->ck.end_when_written = false;
     double sps = s->train_s_total > 0 ? (double)s->samples_total / s->train_s_total : 0;
     double wall = ps_now() - s->t_start;
-    if (!sharded(s)) save_weights(s); /* shards: written already (fetch_next) */
+    if (!sharded(s)) psd_run_save_weights(s); /* shards: written already (psd_shard0_fetch_next) */
     const char *partial = psd_metrics_incomplete(&s->metrics) ? " (its metrics file is INCOMPLETE)" : "";
     /* the epochs trained: the last one validated (early stopping ends the run before cfg.epochs) */
     char trained[64];
@@ -171,21 +172,21 @@ static void end_run(srv_t *s)
                 "%.2f ms over %" PRIu64 " steps while one was",
                 1e3 * s->int_sum[0] / (double)(s->int_n[0] ? s->int_n[0] : 1), s->int_n[0],
                 1e3 * s->int_sum[1] / (double)s->int_n[1], s->int_n[1]);
-    s->finished = true; /* run_said_last: after the last checkpoint is written */
+    s->finished = true; /* psd_run_said_last: after the last checkpoint is written */
     int code = s->exit_code;
-    finish(s, 0, "training finished");
+    psd_peers_finish(s, 0, "training finished");
     s->exit_code = code;
 }
 
 /* The last epoch is done: with psd shards and --save the other shards'
- * parts come for the weights file first (fetch_next then ends the run). */
+ * parts come for the weights file first (psd_shard0_fetch_next then ends the run). */
 static void run_end(srv_t *s)
 {
-    if (sharded(s) && s->cfg.save[0] && begin_save(s)) {
+    if (sharded(s) && s->cfg.save[0] && psd_shard0_begin_save(s)) {
         s->phase = PHASE_WAIT; /* nothing to do but wait for them */
         s->phase_deadline = INFINITY;
-        fetch_next(s);
-        run_events(s);
+        psd_shard0_fetch_next(s);
+        psd_run_events(s);
         return;
     }
     end_run(s);
@@ -197,15 +198,15 @@ static void after_validation(srv_t *s)
 {
     if (s->phase != PHASE_VALIDATE) return; /* ended meanwhile */
     if (s->vl.closing) {
-        val_write_held(s);
-        if (s->cfg.ckpt_dir[0]) take_checkpoint(s, true);
+        psd_valid_write_held(s);
+        if (s->cfg.ckpt_dir[0]) psd_run_take_checkpoint(s, true);
         run_end(s);
         return;
     }
     bool stop = s->vl.stop_asked;
     if (s->cfg.ckpt_dir[0] && (stop || (s->cfg.ckpt_every_epochs > 0 &&
                                          (s->epoch + 1) % (uint32_t)s->cfg.ckpt_every_epochs == 0)))
-        take_checkpoint(s, true);
+        psd_run_take_checkpoint(s, true);
     if (stop) {
         PS_INFO("stopping after epoch %u as asked (--stop-after-epoch); resume with --resume %s",
                 s->epoch + 1, s->cfg.ckpt_dir[0] ? s->ck.run_dir : "DIR");
@@ -214,7 +215,7 @@ static void after_validation(srv_t *s)
             s->phase = PHASE_WAIT; /* nothing more to do but write */
             s->phase_deadline = INFINITY;
         } else {
-            finish(s, 0, "psd stopped after the epoch it was asked to");
+            psd_peers_finish(s, 0, "psd stopped after the epoch it was asked to");
         }
         return;
     }
@@ -222,7 +223,7 @@ static void after_validation(srv_t *s)
     start_epoch(s);
 }
 
-void take_checkpoint(srv_t *s, bool epoch_done)
+void psd_run_take_checkpoint(srv_t *s, bool epoch_done)
 {
     if (!s->cfg.ckpt_dir[0]) return;
     if (s->stepping || s->st.open) { /* between a sharded step's halves (every shard checkpoints the same
@@ -283,7 +284,7 @@ void take_checkpoint(srv_t *s, bool epoch_done)
         ck.keep_step = s->ck.safe;
         h.body_case = PSD__HEADER__BODY_SHARD_CKPT;
         h.shard_ckpt = &ck;
-        shards_send_all(s, &h);
+        psd_peers_shards_send_all(s, &h);
     }
 }
 
@@ -294,7 +295,7 @@ static void take_again(srv_t *s)
     bool epoch_done = s->ck.again_epoch_done && s->ck.again_epoch == s->epoch && s->ck.again_steps == s->store.steps;
     s->ck.again = false;
     s->ck.again_epoch_done = false;
-    take_checkpoint(s, epoch_done);
+    psd_run_take_checkpoint(s, epoch_done);
 }
 
 /* psctl checkpoint: answer whoever waits (why "": written). */
@@ -303,7 +304,7 @@ static void ctl_answer(srv_t *s, const char *why)
     char msg[PS_PATH_MAX + 480];
     snprintf(msg, sizeof msg, !why[0] ? "checkpoint written: %s" : "checkpoint failed: %s", !why[0] ? s->ck.path : why);
     for (int i = 0; i < s->ck.n_ctl_wait; i++)
-        control_reply(s, s->ck.ctl_wait[i].ident, s->ck.ctl_wait[i].ident_len, !why[0], msg, NULL);
+        psd_peers_control_reply(s, s->ck.ctl_wait[i].ident, s->ck.ctl_wait[i].ident_len, !why[0], msg, NULL);
     s->ck.n_ctl_wait = 0;
 }
 
@@ -338,9 +339,9 @@ static void ckpt_complete(srv_t *s, bool unconfirmed)
     if (s->ck.stop_when_written) {
         ctl_answer(s, why);
         if (why[0]) /* nothing to resume from: say so, and fail */
-            finish(s, PSD_EXIT_ERROR, "psd stopped; its checkpoint failed");
+            psd_peers_finish(s, PSD_EXIT_ERROR, "psd stopped; its checkpoint failed");
         else
-            finish(s, 0,
+            psd_peers_finish(s, 0,
                    s->stopping > 0 ? "psd was stopped; checkpoint saved" : "psd stopped as asked; checkpoint saved");
         return;
     }
@@ -358,7 +359,7 @@ static void ckpt_complete(srv_t *s, bool unconfirmed)
 
 /* The writer finished: log; once every shard confirmed its part (wait:
  * psd exits, it does not wait for them), the checkpoint is complete. */
-void poll_checkpoint(srv_t *s, bool wait)
+void psd_run_poll_checkpoint(srv_t *s, bool wait)
 {
     if (s->ck.writer) {
         if (!wait && !psd_ckpt_done(s->ck.writer)) return;
@@ -378,12 +379,12 @@ void poll_checkpoint(srv_t *s, bool wait)
 }
 
 /* A shard's part of the checkpoint being taken is written, or failed. */
-void on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m)
+void psd_run_on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     if ((!s->ck.writer && !s->ck.open) || ck->step != s->ck.step || sh->ck_acked) {
-        drop_shard(s, i, "CKPT_DONE for step %" PRIu64 " (taking %s%" PRIu64 ")", ck->step,
+        psd_peers_drop_shard(s, i, "CKPT_DONE for step %" PRIu64 " (taking %s%" PRIu64 ")", ck->step,
              s->ck.writer || s->ck.open ? "" : "none after ", s->ck.step);
         return;
     }
@@ -394,36 +395,36 @@ void on_shard_ckpt_done(srv_t *s, int i, ps_msg_t *m)
         if (!s->ck.fail[0])
             snprintf(s->ck.fail, sizeof s->ck.fail, "psd shard %d could not write its part: %.300s", i, ck->error);
     }
-    poll_checkpoint(s, false);
+    psd_run_poll_checkpoint(s, false);
 }
 
-void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
+void psd_run_on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     if (w->state != W_ASSIGNED) {
-        drop(s, w, "READY while %s", wstate_name[w->state]);
+        psd_peers_drop(s, w, "READY while %s", psd_wstate_name[w->state]);
         return;
     }
     Psd__Ready *r = m->hdr->ready;
-    int ok = data_ready_ok(s, w, r);
+    int ok = psd_valid_data_ready_ok(s, w, r);
     if (ok < 0) return; /* dropped */
-    if (ok == 0) { /* refused (data_ready_ok said why, to it and in the log) */
+    if (ok == 0) { /* refused (psd_valid_data_ready_ok said why, to it and in the log) */
         s->ended[WEND_REFUSED]++;
         w->end = WEND_REFUSED;
-        shm_forget(s, w); /* its region, if it sent its hello: unmapped, and the slot free for reuse */
-        rows_free(w);
+        psd_peers_shm_forget(s, w); /* its region, if it sent its hello: unmapped, and the slot free for reuse */
+        psd_peers_rows_free(w);
         w->state = W_GONE;
         w->gone_at = ps_now();
         return;
     }
     if (r->shm && !w->shm_grad) {
-        drop(s, w, "READY with shared memory psd did not set up");
+        psd_peers_drop(s, w, "READY with shared memory psd did not set up");
         return;
     }
     if (r->shm) {
         w->shm = true;
         PS_INFO("rank %u exchanges tensors with psd through shared memory", w->rank);
     } else if (w->shm_grad) {
-        shm_forget(s, w); /* it gave up on its side */
+        psd_peers_shm_forget(s, w); /* it gave up on its side */
     }
     w->state = W_READY;
     if (s->ck.stop_when_written || s->ck.end_when_written || s->sh.wr)
@@ -442,48 +443,48 @@ void on_ready(srv_t *s, worker_t *w, ps_msg_t *m)
     }
     /* joining a run under way: take samples waiting for a worker at once,
      * else wait for the next epoch */
-    if (take_pool(s, w)) return;
+    if (psd_give_take_pool(s, w)) return;
     if (s->phase == PHASE_VALIDATE) {
-        give_orphans(s); /* it is the least busy */
+        psd_valid_give_orphans(s); /* it is the least busy */
         if (w->state == W_VALIDATING) return;
     }
     PS_INFO("rank %u joins from epoch %u", w->rank, s->epoch + 2);
 }
 
-void on_barrier(srv_t *s, worker_t *w, ps_msg_t *m)
+void psd_run_on_barrier(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Barrier *b = m->hdr->barrier;
     if (b->epoch != s->epoch || (w->state != W_TRAIN && w->state != W_BARRIER)) {
-        drop(s, w, "BARRIER for epoch %u while %s in epoch %u", b->epoch, wstate_name[w->state], s->epoch + 1);
+        psd_peers_drop(s, w, "BARRIER for epoch %u while %s in epoch %u", b->epoch, psd_wstate_name[w->state], s->epoch + 1);
         return;
     }
     if (b->samples < w->share.assigned) return; /* sent before it got more samples: it will come again */
     uint64_t done = w->share.consumed + (w->own_push ? w->push_batch : 0);
     if (b->samples != w->share.assigned || done != w->share.assigned) {
-        drop(s, w, "BARRIER after %" PRIu64 " samples, psd counted %" PRIu64 " of %" PRIu64, b->samples, done,
+        psd_peers_drop(s, w, "BARRIER after %" PRIu64 " samples, psd counted %" PRIu64 " of %" PRIu64, b->samples, done,
              w->share.assigned);
         return;
     }
     if (w->state == W_TRAIN) {
         w->state = W_BARRIER;
         w->barrier_at = ps_now();
-        maybe_step(s);
-        run_events(s);
+        psd_push_maybe_step(s);
+        psd_run_events(s);
     }
 }
 
-void on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m)
+void psd_run_on_worker_error(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Error *e = m->hdr->error;
     PS_ERROR("rank %u (%s pid %u) failed: %s", w->rank, w->hostname, w->pid,
              e->message && e->message[0] ? e->message : "(no message)");
     w->end = WEND_FAILED;
-    worker_gone(s, w);
+    psd_run_worker_gone(s, w);
 }
 
 /* The run finished (end_run) and everything is written: a run that lost
  * workers says so on its last log line. */
-void run_said_last(const srv_t *s)
+void psd_run_said_last(const srv_t *s)
 {
     uint64_t ended = 0;
     for (int k = WEND_LEFT; k < WEND_N; k++) ended += s->ended[k];
@@ -495,21 +496,21 @@ void run_said_last(const srv_t *s)
                 s->ended[WEND_REFUSED]);
 }
 
-/* A message of w psd cannot take (drop's words in why): its run ends with
+/* A message of w psd cannot take (psd_peers_drop's words in why): its run ends with
  * the reason, exit 2 (PSD_EXIT_USAGE: what it sends does not fit this
  * run), and the run goes on without it. */
-void refuse_worker(srv_t *s, worker_t *w, const char *why)
+void psd_run_refuse_worker(srv_t *s, worker_t *w, const char *why)
 {
     PS_ERROR("rank %u (%s pid %u) refused: %s; its run ends (exit %d)", w->rank, w->hostname, w->pid, why,
              PSD_EXIT_USAGE);
     char reason[sizeof s->net.refuse_why + 32];
     snprintf(reason, sizeof reason, "psd refused this worker: %s", why);
-    send_shutdown(s, w, PSD_EXIT_USAGE, reason);
+    psd_peers_send_shutdown(s, w, PSD_EXIT_USAGE, reason);
     w->end = WEND_REFUSED;
-    worker_gone(s, w);
+    psd_run_worker_gone(s, w);
 }
 
-void on_leave(srv_t *s, worker_t *w, ps_msg_t *m)
+void psd_run_on_leave(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Leave *l = m->hdr->leave;
     const char *why = l->reason && l->reason[0] ? l->reason : l->end_run ? "no reason given" : "planned departure";
@@ -518,7 +519,7 @@ void on_leave(srv_t *s, worker_t *w, ps_msg_t *m)
     else
         PS_INFO("rank %u (%s pid %u) left the run: %s", w->rank, w->hostname, w->pid, why);
     w->end = WEND_LEFT;
-    worker_gone(s, w);
+    psd_run_worker_gone(s, w);
 }
 
 static void log_line(const char *line) { PS_WARN("%s", line); }
@@ -542,7 +543,7 @@ static uint64_t dir_run_id(const char *dir)
  * directory, or DIR itself: then the run whose newest checkpoint is newest.
  * A run's directory holds that run's checkpoints only: a file of another
  * run found there is skipped (psd_ckpt_load_newest), never adopted. */
-int resolve_resume_dir(const char *dir, char *out, size_t n, uint64_t *run_id)
+int psd_run_resolve_resume_dir(const char *dir, char *out, size_t n, uint64_t *run_id)
 {
     DIR *d = opendir(dir);
     if (!d) return -errno;
@@ -579,8 +580,9 @@ int resolve_resume_dir(const char *dir, char *out, size_t n, uint64_t *run_id)
 }
 
 /* Why checkpoint m cannot be resumed as shard 0 of `shards` with model l and
- * optimizer o (resume and --check-config --resume alike), in why; NULL if
- * it can. The data's size is checked by resume only (it needs the data). */
+ * optimizer o (psd_run_resume and --check-config --resume alike), in why;
+ * NULL if it can. The data's size is checked by psd_run_resume only (it
+ * needs the data). */
 static const char *ckpt_misfit(const psd_ckpt_meta_t *m, const ps_layout_t *l, const psd_optim_t *o, int shards,
                                char *why, size_t n)
 {
@@ -621,7 +623,7 @@ static int resume_data(srv_t *s, const psd_ckpt_meta_t *m, const char *path)
     }
     if (!s->vl.known) {
         if (r->train_size > UINT32_MAX || r->test_size > UINT32_MAX ||
-            data_setup(s, (size_t)r->train_size, (size_t)r->test_size, r->data_id[0] ? r->data_id : NULL) != 0)
+            psd_valid_data_setup(s, (size_t)r->train_size, (size_t)r->test_size, r->data_id[0] ? r->data_id : NULL) != 0)
             return -1;
     } else if (!s->vl.id_known && r->data_id[0]) {
         snprintf(s->vl.data_id, sizeof s->vl.data_id, "%s", r->data_id);
@@ -657,7 +659,7 @@ static int resume_data(srv_t *s, const psd_ckpt_meta_t *m, const char *path)
 /* Epochs logged after the checkpoint resumed (s->epoch epochs done) are
  * trained and logged again: their lines are dropped, so that the metrics
  * file keeps each epoch once. 0, or -1 with err. */
-int resume_metrics(srv_t *s, char *err, size_t n)
+int psd_run_resume_metrics(srv_t *s, char *err, size_t n)
 {
     char why[PS_PATH_MAX + 200];
     if (!s->cfg.metrics[0] || psd_metrics_trim(&s->metrics, s->cfg.metrics, s->run_id, s->epoch, why, sizeof why) >= 0)
@@ -728,7 +730,7 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
     /* at the start the metrics file is trimmed once psd is sure to start
      * (make_outputs); later (psd shards going back) here */
     char err[PS_PATH_MAX + 400];
-    if (s->metrics.fd >= 0 && resume_metrics(s, err, sizeof err) != 0) {
+    if (s->metrics.fd >= 0 && psd_run_resume_metrics(s, err, sizeof err) != 0) {
         PS_ERROR("%s", err);
         return PSD_EXIT_USAGE;
     }
@@ -741,7 +743,7 @@ static int resume_apply(srv_t *s, const psd_ckpt_meta_t *m, const uint8_t *seen,
 
 /* This run's weights and metrics files are its own (psd_lock.h): 0, or
  * PSD_EXIT_USAGE after saying which file another psd holds. */
-int hold_outputs(srv_t *s)
+int psd_run_hold_outputs(srv_t *s)
 {
     char err[PS_PATH_MAX + 400];
     const char *files[] = {s->cfg.save, s->cfg.metrics};
@@ -754,14 +756,14 @@ int hold_outputs(srv_t *s)
 }
 
 /* --resume DIR: the newest valid checkpoint into the store and the run. */
-int resume(srv_t *s)
+int psd_run_resume(srv_t *s)
 {
     psd_ckpt_meta_t m;
     uint8_t *seen = NULL;
     float *weights = NULL, *slots[2] = {NULL, NULL};
     char path[PS_PATH_MAX], err[512];
     uint64_t run_id;
-    int r = resolve_resume_dir(s->opts.resume_dir, s->sh.resume_dir, sizeof s->sh.resume_dir, &run_id);
+    int r = psd_run_resolve_resume_dir(s->opts.resume_dir, s->sh.resume_dir, sizeof s->sh.resume_dir, &run_id);
     if (r != 0) {
         PS_ERROR("cannot resume from %s: %s", s->opts.resume_dir, strerror(-r));
         return PSD_EXIT_USAGE;
@@ -789,7 +791,7 @@ int resume(srv_t *s)
  * at. Back to the newest of shard 0's at or before step at_most: 0, or -1
  * after saying why none. Nothing has trained yet (workers wait for every
  * shard to resume). */
-int resume_at(srv_t *s, uint64_t at_most)
+static int resume_at(srv_t *s, uint64_t at_most)
 {
     uint64_t steps[PSD_RESUME_STEPS_MAX];
     size_t n = psd_ckpt_steps(s->sh.resume_dir, at_most, steps, PSD_RESUME_STEPS_MAX);
@@ -822,7 +824,7 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
     float *weights = NULL, *slots[2] = {NULL, NULL};
     char path[PS_PATH_MAX], err[512], rdir[PS_PATH_MAX];
     uint64_t run_id;
-    int r = resolve_resume_dir(dir, rdir, sizeof rdir, &run_id);
+    int r = psd_run_resolve_resume_dir(dir, rdir, sizeof rdir, &run_id);
     if (r != 0) {
         fprintf(stderr, "psd: cannot resume from %s: %s\n", dir, strerror(-r));
         return PSD_EXIT_USAGE;
@@ -864,23 +866,23 @@ int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shard
 
 /* Shard i resumed its part at a step (the newest of shard 0's it has), or
  * cannot. All go back to the oldest step any shard resumed at. */
-void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
+void psd_run_on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     if (!s->opts.resume_dir || sh->resumed || shards_ready(s) || s->phase != PHASE_WAIT) {
-        drop_shard(s, i, "RESUMED, which psd does not wait for");
+        psd_peers_drop_shard(s, i, "RESUMED, which psd does not wait for");
         return;
     }
     if (ck->error && ck->error[0]) {
         PS_ERROR("psd shard %d (%s pid %u) cannot resume: %s", i, sh->hostname, sh->pid, ck->error);
-        finish(s, PSD_EXIT_USAGE, "a psd shard cannot resume");
+        psd_peers_finish(s, PSD_EXIT_USAGE, "a psd shard cannot resume");
         return;
     }
     if (ck->step > s->store.steps) { /* it chose from a list shard 0 has gone back from since */
         PS_DEBUG("psd shard %d resumed at step %" PRIu64 "; shard 0 has gone back to %" PRIu64 ": again", i, ck->step,
                  s->store.steps);
-        send_resume(s, i);
+        psd_shard0_send_resume(s, i);
         return;
     }
     sh->resumed = true;
@@ -890,21 +892,21 @@ void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
         PS_WARN("psd shard %d has no checkpoint of step %" PRIu64 " (its newest usable one is of step %" PRIu64
                 "): every shard goes back to a step all of them have", i, s->store.steps, ck->step);
         if (resume_at(s, ck->step) != 0) {
-            finish(s, PSD_EXIT_USAGE, "the psd shards have no checkpoint of one step");
+            psd_peers_finish(s, PSD_EXIT_USAGE, "the psd shards have no checkpoint of one step");
             return;
         }
         for (int j = 1; j < s->sh.n; j++) {
-            shard_t *o = &s->sh.shard[j];
-            if (o->joined && o->resumed && o->resumed_step != s->store.steps) send_resume(s, j);
+            shard_peer_t *o = &s->sh.shard[j];
+            if (o->joined && o->resumed && o->resumed_step != s->store.steps) psd_shard0_send_resume(s, j);
         }
     }
-    if (!shards_resumed(s)) return;
+    if (!psd_shard0_all_resumed(s)) return;
     for (int j = 1; j < s->sh.n; j++)
         if (s->sh.shard[j].resumed_version != s->store.cur->version) {
             PS_ERROR("psd shard %d resumed step %" PRIu64 " at version %" PRIu64 ", shard 0 at %" PRIu64
                      ": their checkpoints are not of one run", j, s->store.steps, s->sh.shard[j].resumed_version,
                      s->store.cur->version);
-            finish(s, PSD_EXIT_USAGE, "the psd shards' checkpoints are not of one run");
+            psd_peers_finish(s, PSD_EXIT_USAGE, "the psd shards' checkpoints are not of one run");
             return;
         }
     PS_INFO("all %d psd shards resumed at step %" PRIu64, s->sh.n, s->store.steps);
@@ -917,13 +919,13 @@ void on_shard_resumed(srv_t *s, int i, ps_msg_t *m)
         run_end(s);
         return;
     }
-    shards_go(s);
+    psd_shard0_go(s);
 }
 
 /* Act on the events the layers below raised (psd_core.h), in their order;
  * an action may raise more. Called after each call into a lower layer that
  * can raise one, and by the shell after each message, tick and signal. */
-void run_events(srv_t *s)
+void psd_run_events(srv_t *s)
 {
     while (s->events) {
         if (s->phase == PHASE_DONE) { /* the run ended meanwhile: nothing is left to act on */
@@ -932,14 +934,14 @@ void run_events(srv_t *s)
         }
         if (s->events & PSD_EV_CKPT_DUE) {
             s->events &= ~PSD_EV_CKPT_DUE;
-            take_checkpoint(s, false);
-            if (s->cfg.sync != PS_SYNC_BSP) maybe_step(s); /* the pushes not yet applied (maybe_step stopped for it) */
+            psd_run_take_checkpoint(s, false);
+            if (s->cfg.sync != PS_SYNC_BSP) psd_push_maybe_step(s); /* the pushes not yet applied (psd_push_maybe_step stopped for it) */
         } else if (s->events & PSD_EV_STEP_APPLIED) {
             s->events &= ~PSD_EV_STEP_APPLIED;
             deferred_checkpoint(s);
         } else if (s->events & PSD_EV_EPOCH_TRAINED) {
             s->events &= ~PSD_EV_EPOCH_TRAINED;
-            if (s->phase == PHASE_TRAIN) start_validation(s);
+            if (s->phase == PHASE_TRAIN) psd_valid_start(s);
         } else if (s->events & PSD_EV_VALIDATED) {
             s->events &= ~PSD_EV_VALIDATED;
             after_validation(s);
@@ -948,7 +950,7 @@ void run_events(srv_t *s)
             end_run(s);
         } else {
             s->events &= ~PSD_EV_SHARDS_JOINED;
-            shards_go(s);
+            psd_shard0_go(s);
         }
     }
 }
@@ -987,25 +989,25 @@ static worker_t *free_slot(srv_t *s, worker_t *own)
     return best;
 }
 
-void on_register(srv_t *s, ps_msg_t *m)
+void psd_run_on_register(srv_t *s, ps_msg_t *m)
 {
     Psd__Register *r = m->hdr->reg;
     const char *host = r->hostname && r->hostname[0] ? r->hostname : "?";
-    worker_t *w = find_worker(s, m->ident, m->ident_len);
+    worker_t *w = psd_peers_find_worker(s, m->ident, m->ident_len);
     if (w && w->state == W_ASSIGNED) { /* its REGISTER was sent twice: answer again */
-        if (!w->assign_wait) send_assign(s, w);
+        if (!w->assign_wait) psd_peers_send_assign(s, w);
         return;
     }
     if (w && w->state != W_GONE) { /* registering again while psd counts it in: it lost us */
         PS_WARN("rank %u (%s pid %u) registers again; taking it as a new worker", w->rank, w->hostname, w->pid);
-        worker_gone(s, w);
+        psd_run_worker_gone(s, w);
     }
     worker_t *const own = w; /* its gone slot, if it had one */
     w = s->phase == PHASE_DONE ? NULL : free_slot(s, w);
     if (!w) {
         PS_WARN("refused a worker from %s pid %u: %s", host, r->pid,
                 s->phase != PHASE_DONE ? "no free worker slot" : "the run is over");
-        send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED,
+        psd_peers_send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED,
                          s->phase != PHASE_DONE ? "psd has no free worker slot" : "the run is over");
         return;
     }
@@ -1049,7 +1051,7 @@ void on_register(srv_t *s, ps_msg_t *m)
                 w->gone_at = ps_now();
             }
             PS_WARN("refused a worker from %s pid %u: out of memory", host, r->pid);
-            send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, "psd is out of memory");
+            psd_peers_send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, "psd is out of memory");
             return;
         }
     }
@@ -1058,12 +1060,12 @@ void on_register(srv_t *s, ps_msg_t *m)
         memset(w->shm_token, 0, sizeof w->shm_token); /* an all-zero token is never accepted */
     if (sharded(s) && getrandom(w->shard_token, sizeof w->shard_token, 0) != (ssize_t)sizeof w->shard_token) {
         PS_ERROR("getrandom: %s", strerror(errno));
-        finish(s, PSD_EXIT_ERROR, "psd failed");
+        psd_peers_finish(s, PSD_EXIT_ERROR, "psd failed");
         return;
     }
     w->last_seen = ps_now();
     w->seq_in = m->hdr->seq;
-    note_conn(s, &w->conn, m);
+    psd_peers_note_conn(s, &w->conn, m);
     if (!reused) s->n++;
     s->registrations++;
     if (reused && w == own)
@@ -1090,6 +1092,6 @@ void on_register(srv_t *s, ps_msg_t *m)
                     s->sh.n - 1 - shards_joined(s) == 1 ? "" : "s");
         return;
     }
-    if (sharded(s)) shards_worker(s, w);
-    send_assign(s, w);
+    if (sharded(s)) psd_peers_shards_worker(s, w);
+    psd_peers_send_assign(s, w);
 }

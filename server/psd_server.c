@@ -33,7 +33,7 @@ static void end_asked(srv_t *s, uint32_t rank);
 /* A HEARTBEAT header of this epoch (hb: its body, the caller's). */
 static void heartbeat_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Heartbeat *hb)
 {
-    hdr_for(s, w, h, PSD__MSG_TYPE__MSG_HEARTBEAT);
+    psd_peers_hdr_for(s, w, h, PSD__MSG_TYPE__MSG_HEARTBEAT);
     psd__heartbeat__init(hb);
     hb->epoch = s->epoch;
     h->body_case = PSD__HEADER__BODY_HEARTBEAT;
@@ -52,7 +52,7 @@ static void keep_alive(srv_t *s, double now)
         Psd__Header h;
         Psd__Heartbeat hb;
         heartbeat_hdr(s, w, &h, &hb);
-        send_to(s, w, &h, NULL, 0);
+        psd_peers_send_to(s, w, &h, NULL, 0);
     }
 }
 
@@ -63,8 +63,8 @@ static void drain(srv_t *s);
  * waits worker_timeout for it; a psd shard's closed connection ends the
  * run at once, as its silence would. One still alive reconnects, is told it was
  * declared lost, and registers again, as after a timeout. Workers lost in
- * the same tick are given nothing of each other's (hand_out, take_pool and
- * least_busy pass over conn_closed). */
+ * the same tick are given nothing of each other's (psd_give_hand_out, psd_give_take_pool and
+ * psd_valid_least_busy pass over conn_closed). */
 static void reap_closed(srv_t *s, double now)
 {
     bool any = false;
@@ -73,14 +73,14 @@ static void reap_closed(srv_t *s, double now)
     if (!any) return;
     drain(s); /* their last words first (a LEAVE, an ERROR): queued before their connection closed */
     for (int i = 1; i < s->sh.n && s->phase != PHASE_DONE; i++) {
-        shard_t *sh = &s->sh.shard[i];
+        shard_peer_t *sh = &s->sh.shard[i];
         if (!sh->conn_closed) continue;
         sh->conn_closed = false;
         if (!sh->joined) continue;
         PS_ERROR("psd shard %d (%s pid %u) lost: its connection closed, %.1f s after its last message; its part of "
                  "the parameters is gone, so the run stops", i, sh->hostname, sh->pid, now - sh->last_seen);
         sh->joined = false;
-        finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was lost");
+        psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was lost");
         return;
     }
     for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
@@ -90,8 +90,8 @@ static void reap_closed(srv_t *s, double now)
         if (w->state == W_GONE) continue;
         PS_WARN("rank %u (%s pid %u) lost: its connection closed, %.1f s after its last message, while %s; going "
                 "on without it",
-                w->rank, w->hostname, w->pid, now - w->last_seen, wstate_name[w->state]);
-        worker_gone(s, w);
+                w->rank, w->hostname, w->pid, now - w->last_seen, psd_wstate_name[w->state]);
+        psd_run_worker_gone(s, w);
     }
 }
 
@@ -127,7 +127,7 @@ static void handle(srv_t *s, ps_msg_t *m)
         else
             snprintf(msg, sizeof msg, "psd speaks protocol %u, this %s %u: upgrade psd", PS_PROTOCOL_VERSION,
                      shard ? "psd shard" : "worker", h->protocol);
-        send_error_as(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_PROTOCOL, msg,
+        psd_peers_send_error_as(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_PROTOCOL, msg,
                       h->protocol < PS_PROTOCOL_VERSION && h->protocol >= 3 ? h->protocol : 0);
         return;
     }
@@ -135,15 +135,15 @@ static void handle(srv_t *s, ps_msg_t *m)
         on_control(s, m);
         return;
     }
-    int si = sharded(s) ? find_shard(s, m->ident, m->ident_len) : -1;
+    int si = sharded(s) ? psd_shard0_find(s, m->ident, m->ident_len) : -1;
     if (si > 0 || h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
-        if (si > 0) note_conn(s, &s->sh.shard[si].conn, m);
-        if (!on_shard(s, si, m)) return;
+        if (si > 0) psd_peers_note_conn(s, &s->sh.shard[si].conn, m);
+        if (!psd_shard0_on_shard(s, si, m)) return;
         switch (h->type) { /* the shards' messages about steps, checkpoints and resumes */
-        case PSD__MSG_TYPE__MSG_SHARD_HAVE: on_shard_have(s, si, m); break;
-        case PSD__MSG_TYPE__MSG_SHARD_NORM: on_shard_norm(s, si, m); break;
-        case PSD__MSG_TYPE__MSG_SHARD_CKPT_DONE: on_shard_ckpt_done(s, si, m); break;
-        default: on_shard_resumed(s, si, m); break;
+        case PSD__MSG_TYPE__MSG_SHARD_HAVE: psd_push_on_shard_have(s, si, m); break;
+        case PSD__MSG_TYPE__MSG_SHARD_NORM: psd_push_on_shard_norm(s, si, m); break;
+        case PSD__MSG_TYPE__MSG_SHARD_CKPT_DONE: psd_run_on_shard_ckpt_done(s, si, m); break;
+        default: psd_run_on_shard_resumed(s, si, m); break;
         }
         return;
     }
@@ -154,19 +154,19 @@ static void handle(srv_t *s, ps_msg_t *m)
                      s->run_id, h->run_id);
             PS_WARN("refused a worker from %s pid %u: %s", h->reg->hostname ? h->reg->hostname : "?",
                     h->reg->pid, msg);
-            send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_RUN, msg);
+            psd_peers_send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_RUN, msg);
             return;
         }
-        if (offer_gate(s, m)) on_register(s, m);
+        if (psd_offer_gate(s, m)) psd_run_on_register(s, m);
         return;
     }
     if (h->type == PSD__MSG_TYPE__MSG_VALUES) { /* the first worker's model (from_worker): not registered yet */
-        on_values(s, m);
+        psd_offer_on_values(s, m);
         return;
     }
-    worker_t *w = find_worker(s, m->ident, m->ident_len);
+    worker_t *w = psd_peers_find_worker(s, m->ident, m->ident_len);
     if (!w) {
-        drop(s, NULL, "%s from a peer that never registered", ps_msg_type_name((int)h->type));
+        psd_peers_drop(s, NULL, "%s from a peer that never registered", ps_msg_type_name((int)h->type));
         /* a worker of this run whose slot went to another (free_slot), or
          * from before a restart: told to register again (at most 10 a
          * second: a stranger's messages cost no more than one reply) */
@@ -174,7 +174,7 @@ static void handle(srv_t *s, ps_msg_t *m)
         if (h->run_id == s->run_id && h->type != PSD__MSG_TYPE__MSG_ERROR && h->type != PSD__MSG_TYPE__MSG_LEAVE &&
             now - s->net.stranger_reply_t >= 0.1) {
             s->net.stranger_reply_t = now;
-            send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_LOST,
+            psd_peers_send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_LOST,
                              "psd does not know this worker (lost, its slot given to another); register again");
         }
         return;
@@ -186,39 +186,39 @@ static void handle(srv_t *s, ps_msg_t *m)
             h->type != PSD__MSG_TYPE__MSG_LEAVE) {
             PS_WARN("rank %u (%s pid %u) was declared gone %.1f s ago; ignoring its %s", w->rank, w->hostname,
                     w->pid, ps_now() - w->gone_at, ps_msg_type_name((int)h->type));
-            send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_LOST,
+            psd_peers_send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_LOST,
                              "psd declared this worker lost; register again to rejoin");
         }
         return;
     }
     if (h->run_id != s->run_id) {
-        drop_stale(s, w, "run id %016" PRIx64 ", this run is %016" PRIx64, h->run_id, s->run_id);
+        psd_peers_drop_stale(s, w, "run id %016" PRIx64 ", this run is %016" PRIx64, h->run_id, s->run_id);
         return;
     }
     if (h->rank != w->rank) {
-        drop_stale(s, w, "claims rank %u", h->rank);
+        psd_peers_drop_stale(s, w, "claims rank %u", h->rank);
         return;
     }
     if (h->seq <= w->seq_in) {
-        drop_stale(s, w, "sequence number %" PRIu64 " not after %" PRIu64 " (duplicate)", h->seq, w->seq_in);
+        psd_peers_drop_stale(s, w, "sequence number %" PRIu64 " not after %" PRIu64 " (duplicate)", h->seq, w->seq_in);
         return;
     }
     w->seq_in = h->seq;
     w->last_seen = ps_now();
-    note_conn(s, &w->conn, m);
+    psd_peers_note_conn(s, &w->conn, m);
     switch (h->type) {
-    case PSD__MSG_TYPE__MSG_READY: on_ready(s, w, m); break;
-    case PSD__MSG_TYPE__MSG_PULL: on_pull(s, w, m); break;
-    case PSD__MSG_TYPE__MSG_PUSH: on_push(s, w, m); break;
-    case PSD__MSG_TYPE__MSG_BARRIER: on_barrier(s, w, m); break;
-    case PSD__MSG_TYPE__MSG_VAL_RESULT: on_val_result(s, w, m); break;
-    case PSD__MSG_TYPE__MSG_ERROR: on_worker_error(s, w, m); break;
+    case PSD__MSG_TYPE__MSG_READY: psd_run_on_ready(s, w, m); break;
+    case PSD__MSG_TYPE__MSG_PULL: psd_push_on_pull(s, w, m); break;
+    case PSD__MSG_TYPE__MSG_PUSH: psd_push_on_push(s, w, m); break;
+    case PSD__MSG_TYPE__MSG_BARRIER: psd_run_on_barrier(s, w, m); break;
+    case PSD__MSG_TYPE__MSG_VAL_RESULT: psd_valid_on_result(s, w, m); break;
+    case PSD__MSG_TYPE__MSG_ERROR: psd_run_on_worker_error(s, w, m); break;
     case PSD__MSG_TYPE__MSG_LEAVE:
-        on_leave(s, w, m);
+        psd_run_on_leave(s, w, m);
         if (h->leave->end_run) end_asked(s, w->rank);
         break;
     case PSD__MSG_TYPE__MSG_HEARTBEAT: break; /* last_seen is all it is for */
-    default: drop(s, w, "%s is not a message workers send", ps_msg_type_name((int)h->type));
+    default: psd_peers_drop(s, w, "%s is not a message workers send", ps_msg_type_name((int)h->type));
     }
 }
 
@@ -279,7 +279,7 @@ static void bad_peer(srv_t *s, const ps_msg_t *m)
     s->net.bad[i].bad = 0;
     s->net.bad[i].cut_at = t;
     if (!same_peer(m->srcfd, m->peer)) return; /* its connection is already gone */
-    worker_t *w = find_worker(s, m->ident, m->ident_len);
+    worker_t *w = psd_peers_find_worker(s, m->ident, m->ident_len);
     s->net.cut++;
     if (s->net.cut <= 20 || s->net.cut % 1000 == 0) {
         if (w)
@@ -290,7 +290,7 @@ static void bad_peer(srv_t *s, const ps_msg_t *m)
                     s->net.cut == 20 ? " (further ones logged every 1000th)" : "");
     }
     shutdown(m->srcfd, SHUT_RDWR);
-    if (w && w->state != W_GONE) worker_gone(s, w);
+    if (w && w->state != W_GONE) psd_run_worker_gone(s, w);
 }
 
 static void good_peer(srv_t *s, const ps_msg_t *m)
@@ -307,7 +307,7 @@ static void refuse_dropped(srv_t *s)
     int i = s->net.refuse - 1;
     s->net.refuse = 0;
     if (i >= 0 && i < s->n && s->w[i].state != W_GONE && s->phase != PHASE_DONE)
-        refuse_worker(s, &s->w[i], s->net.refuse_why);
+        psd_run_refuse_worker(s, &s->w[i], s->net.refuse_why);
 }
 
 static void drain(srv_t *s)
@@ -324,7 +324,7 @@ static void drain(srv_t *s)
         s->net.cur_peer = m.peer;
         s->net.refuse = 0;
         if (rc == -EPROTO) {
-            drop(s, find_worker(s, m.ident, m.ident_len), "%s", why);
+            psd_peers_drop(s, psd_peers_find_worker(s, m.ident, m.ident_len), "%s", why);
             refuse_dropped(s);
             bad_peer(s, &m);
             s->net.cur_peer = NULL;
@@ -332,13 +332,13 @@ static void drain(srv_t *s)
         }
         if (rc < 0) {
             PS_ERROR("receive failed: %s", zmq_strerror(-rc));
-            finish(s, PSD_EXIT_ERROR, "psd failed");
+            psd_peers_finish(s, PSD_EXIT_ERROR, "psd failed");
             return;
         }
         s->net.cur_bad = false;
         handle(s, &m);
         refuse_dropped(s);
-        run_events(s); /* what the message set off in the layers below psd_run.c */
+        psd_run_events(s); /* what the message set off in the layers below psd_run.c */
         if (s->net.shm_later && s->model_ready) { /* the first worker's model came (from_worker) */
             s->net.shm_later = false;
             if (!s->table_on_psd) start_shm(s);
@@ -372,9 +372,9 @@ static void on_timer(uv_timer_t *t)
     if (held >= s->silence) /* long enough to have lost everyone it waits for */
         PS_WARN("psd's event loop was held up for %.1f s; nobody is taken for lost for silence before %.1f s "
                 "from now", held, s->silence);
-    if (s->net.mon) poll_monitor(s);
+    if (s->net.mon) psd_peers_poll_monitor(s);
     reap_closed(s, now);
-    poll_checkpoint(s, false);
+    psd_run_poll_checkpoint(s, false);
     psd_shm_expire(s->net.shm, now);
     psd_status_progress(s, now);
     if (s->phase != PHASE_DONE) keep_alive(s, now);
@@ -383,11 +383,11 @@ static void on_timer(uv_timer_t *t)
             Psd__Header h;
             Psd__Heartbeat hb;
             heartbeat_hdr(s, NULL, &h, &hb);
-            shards_send_all(s, &h);
+            psd_peers_shards_send_all(s, &h);
             s->sh.hb = now;
         }
         for (int i = 1; i < s->sh.n; i++) {
-            shard_t *sh = &s->sh.shard[i];
+            shard_peer_t *sh = &s->sh.shard[i];
             /* an answer shard 0 waits for: its norms (clipping), its part of the final weights */
             const char *owed = NULL;
             double since = 0;
@@ -398,14 +398,14 @@ static void on_timer(uv_timer_t *t)
             if (owed && now - heard_at(s, since) >= s->silence) {
                 PS_ERROR("psd shard %d (%s pid %u) did not send %s in %.1f s; the run stops", i, sh->hostname, sh->pid,
                          owed, now - since);
-                finish(s, PSD_EXIT_SHARD_LOST, "a psd shard stopped answering");
+                psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard stopped answering");
                 return;
             }
             if (!sh->joined || now - heard_at(s, sh->last_seen) < s->silence) continue;
             PS_ERROR("psd shard %d (%s pid %u) lost: nothing from it for %.1f s; its part of the parameters is "
                      "gone, so the run stops", i, sh->hostname, sh->pid, now - sh->last_seen);
             sh->joined = false;
-            finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was lost");
+            psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was lost");
             return;
         }
     }
@@ -419,7 +419,7 @@ static void on_timer(uv_timer_t *t)
                          ? (s->opts.resume_dir ? " (not every psd shard resumed)"
                                                : " (not every psd shard has its part of the initial values)")
                          : "");
-            finish(s, PSD_EXIT_START_TIMEOUT, "not all workers came in time");
+            psd_peers_finish(s, PSD_EXIT_START_TIMEOUT, "not all workers came in time");
         }
     } else if (s->phase == PHASE_TRAIN || s->phase == PHASE_VALIDATE) {
         for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
@@ -430,7 +430,7 @@ static void on_timer(uv_timer_t *t)
                 /* a shard never got all of its push: it died between its messages */
                 PS_WARN("rank %u (%s pid %u) lost: psd shards are missing part of its push for %.1f s; going on "
                         "without it", w->rank, w->hostname, w->pid, now - w->own_push_at);
-                worker_gone(s, w);
+                psd_run_worker_gone(s, w);
                 w->lost_silent = true;
                 continue;
             }
@@ -438,7 +438,7 @@ static void on_timer(uv_timer_t *t)
                 /* registered and never said its data was ready: its slot is not waited for */
                 PS_WARN("rank %u (%s pid %u) registered %.0f s ago and never said it was ready; forgetting it",
                         w->rank, w->hostname, w->pid, now - w->last_seen);
-                worker_gone(s, w);
+                psd_run_worker_gone(s, w);
                 w->lost_silent = true;
                 continue;
             }
@@ -450,22 +450,22 @@ static void on_timer(uv_timer_t *t)
             strftime(when, sizeof when, "%H:%M:%SZ", &tm);
             PS_WARN("rank %u (%s pid %u) lost: nothing from it for %.1f s (last message at %s) while %s; "
                     "going on without it",
-                    w->rank, w->hostname, w->pid, now - w->last_seen, when, wstate_name[w->state]);
-            worker_gone(s, w);
+                    w->rank, w->hostname, w->pid, now - w->last_seen, when, psd_wstate_name[w->state]);
+            psd_run_worker_gone(s, w);
             w->lost_silent = true;
         }
         bool waiting = s->smp.n_pool > 0 && live_workers(s) == 0, orphans = false;
         for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++)
             orphans |= !s->parts[i].done && s->parts[i].worker < 0;
-        waiting |= orphans && !least_busy(s); /* with live workers they wait for one to answer */
+        waiting |= orphans && !psd_valid_least_busy(s); /* with live workers they wait for one to answer */
         if (waiting && s->phase != PHASE_DONE && now > s->orphan_deadline) {
             PS_ERROR("no worker came back within %.0f s to finish epoch %u", s->cfg.start_timeout, s->epoch + 1);
-            take_checkpoint(s, false);
-            poll_checkpoint(s, true);
-            finish(s, PSD_EXIT_WORKER_LOST, "no workers left");
+            psd_run_take_checkpoint(s, false);
+            psd_run_poll_checkpoint(s, true);
+            psd_peers_finish(s, PSD_EXIT_WORKER_LOST, "no workers left");
         }
     }
-    run_events(s);
+    psd_run_events(s);
     drain(s);
 }
 
@@ -481,34 +481,34 @@ static void on_control(srv_t *s, ps_msg_t *m)
         if (fj) psd_status_json(s, fj);
         int bad = (ft ? fclose(ft) != 0 : 1) | (fj ? fclose(fj) != 0 : 1);
         bool ok = !bad;
-        control_reply(s, m->ident, m->ident_len, ok, ok ? text : "out of memory", ok ? json : NULL);
+        psd_peers_control_reply(s, m->ident, m->ident_len, ok, ok ? text : "out of memory", ok ? json : NULL);
         free(text);
         free(json);
         return;
     }
     if (strcmp(cmd, "checkpoint") == 0) {
         if (!s->cfg.ckpt_dir[0] || s->phase == PHASE_DONE) {
-            control_reply(s, m->ident, m->ident_len, false,
+            psd_peers_control_reply(s, m->ident, m->ident_len, false,
                           s->phase == PHASE_DONE ? "the run is over" : "checkpoints are off (checkpoint.dir is empty)",
                           NULL);
             return;
         }
         if (s->ck.n_ctl_wait == (int)(sizeof s->ck.ctl_wait / sizeof s->ck.ctl_wait[0])) {
-            control_reply(s, m->ident, m->ident_len, false, "too many checkpoint requests waiting", NULL);
+            psd_peers_control_reply(s, m->ident, m->ident_len, false, "too many checkpoint requests waiting", NULL);
             return;
         }
         memcpy(s->ck.ctl_wait[s->ck.n_ctl_wait].ident, m->ident, m->ident_len);
         s->ck.ctl_wait[s->ck.n_ctl_wait++].ident_len = m->ident_len;
         PS_INFO("psctl asks for a checkpoint");
-        take_checkpoint(s, false); /* answered when written (poll_checkpoint) */
+        psd_run_take_checkpoint(s, false); /* answered when written (psd_run_poll_checkpoint) */
         if (!s->ck.writer && !s->ck.open && !s->ck.deferred) { /* could not start (else: started, or queued) */
             s->ck.n_ctl_wait--;
-            control_reply(s, m->ident, m->ident_len, false, "the checkpoint could not start (see psd's log)", NULL);
+            psd_peers_control_reply(s, m->ident, m->ident_len, false, "the checkpoint could not start (see psd's log)", NULL);
         }
         return;
     }
     if (strcmp(cmd, "stop") == 0) {
-        control_reply(s, m->ident, m->ident_len, true,
+        psd_peers_control_reply(s, m->ident, m->ident_len, true,
                       s->cfg.ckpt_dir[0] ? "stopping: a checkpoint, then the workers are told to stop"
                                          : "stopping: the workers are told to stop (checkpoints are off)",
                       NULL);
@@ -517,8 +517,8 @@ static void on_control(srv_t *s, ps_msg_t *m)
     }
     char msg[160];
     snprintf(msg, sizeof msg, "unknown command '%.40s' (status, workers, checkpoint, stop)", cmd);
-    drop(s, NULL, "CONTROL: %s", msg);
-    control_reply(s, m->ident, m->ident_len, false, msg, NULL);
+    psd_peers_drop(s, NULL, "CONTROL: %s", msg);
+    psd_peers_control_reply(s, m->ident, m->ident_len, false, msg, NULL);
 }
 
 /* server.http: start the endpoint (token from server.http_token_file;
@@ -556,7 +556,7 @@ static int make_outputs(srv_t *s)
     struct stat st;
     if (c->metrics[0]) {
         made_metrics = stat(c->metrics, &st) != 0 && errno == ENOENT; /* no other psd makes it: we hold its lock */
-        if (s->resumed && resume_metrics(s, err, sizeof err) != 0) goto fail; /* before it is opened */
+        if (s->resumed && psd_run_resume_metrics(s, err, sizeof err) != 0) goto fail; /* before it is opened */
         if (psd_metrics_open(&s->metrics, c->metrics, err, sizeof err) != 0) goto fail;
     }
     if (!c->ckpt_dir[0]) return 0;
@@ -589,13 +589,13 @@ static void request_stop(srv_t *s, int signum, const char *what)
     if (s->stopping > 0 || !s->cfg.ckpt_dir[0]) {
         if (s->stopping > 0) PS_WARN("received %s again: exiting now", what);
         else PS_WARN("received %s: telling the workers to stop", what);
-        finish(s, s->stopping > 0 ? 128 + signum : 0, "psd was stopped");
+        psd_peers_finish(s, s->stopping > 0 ? 128 + signum : 0, "psd was stopped");
         return;
     }
     if (sharded(s) && !shards_ready(s)) { /* workers train only once every shard is there */
         PS_WARN("received %s before every psd shard joined: nothing trained since psd started, nothing to "
                 "checkpoint", what);
-        finish(s, 0, "psd was stopped before training began");
+        psd_peers_finish(s, 0, "psd was stopped before training began");
         return;
     }
     PS_WARN("received %s: writing a checkpoint, then telling the workers to stop (again to exit now)", what);
@@ -607,14 +607,14 @@ static void request_stop(srv_t *s, int signum, const char *what)
         Psd__ShardCkpt ck = PSD__SHARD_CKPT__INIT;
         psd__header__init(&h);
         h.type = PSD__MSG_TYPE__MSG_SHARD_CKPT;
-        ck.stop = true; /* step 0: no checkpoint of its own (take_checkpoint asks for that) */
+        ck.stop = true; /* step 0: no checkpoint of its own (psd_run_take_checkpoint asks for that) */
         h.body_case = PSD__HEADER__BODY_SHARD_CKPT;
         h.shard_ckpt = &ck;
-        shards_send_all(s, &h);
+        psd_peers_shards_send_all(s, &h);
     }
     if (s->ck.writer || s->ck.open) return; /* its turn comes when that one is written (ckpt_complete) */
-    take_checkpoint(s, false);
-    if (!s->ck.writer && !s->ck.deferred) finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
+    psd_run_take_checkpoint(s, false);
+    if (!s->ck.writer && !s->ck.deferred) psd_peers_finish(s, PSD_EXIT_ERROR, "psd was stopped; the checkpoint failed");
 }
 
 /* A worker's LEAVE with end_run (its framework stopped: Lightning's
@@ -644,8 +644,8 @@ static void on_signal(uv_signal_t *h, int signum)
     }
     if (signum == SIGUSR1) {
         PS_INFO("received SIGUSR1: writing a checkpoint");
-        take_checkpoint(s, false);
-        run_events(s);
+        psd_run_take_checkpoint(s, false);
+        psd_run_events(s);
         drain(s);
         return;
     }
@@ -655,7 +655,7 @@ static void on_signal(uv_signal_t *h, int signum)
         return;
     }
     request_stop(s, signum, strsignal(signum));
-    run_events(s);
+    psd_run_events(s);
     drain(s);
 }
 
@@ -696,7 +696,7 @@ static int ctr_setup(srv_t *s)
             "the planted model's log-loss is %.4f (AUC %.4f), a constant's %.4f (click rate %.4f)",
             g.fields, g.per_field, (long long)s->cfg.ctr_vocab, g.zipf, (long long)s->cfg.ctr_rows,
             s->cfg.ctr_dim, s->test_count, s->ctr_opt_loss, s->ctr_opt_auc, s->ctr_const_loss, r);
-    return data_setup(s, s->train_count, s->test_count, NULL);
+    return psd_valid_data_setup(s, s->train_count, s->test_count, NULL);
 }
 
 static int check_data(srv_t *s)
@@ -704,10 +704,10 @@ static int check_data(srv_t *s)
     if (s->cfg.kind == PS_MODEL_CTR) return ctr_setup(s);
     if (s->cfg.kind == PS_MODEL_TENSORS || s->cfg.kind == PS_MODEL_FROM_WORKER) { /* the workers hold the data;
                                                                                     * psd hands out indices */
-        if (s->cfg.train_size < 1 || s->cfg.test_size < 1) return 0; /* the first worker's (data_ready_ok) */
+        if (s->cfg.train_size < 1 || s->cfg.test_size < 1) return 0; /* the first worker's (psd_valid_data_ready_ok) */
         size_t train = (size_t)s->cfg.train_size;
         if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < train) train = (size_t)s->cfg.train_limit;
-        return data_setup(s, train, (size_t)s->cfg.test_size, NULL); /* the fingerprint: the first worker's */
+        return psd_valid_data_setup(s, train, (size_t)s->cfg.test_size, NULL); /* the fingerprint: the first worker's */
     }
     const char *roles[4] = {"train_images", "train_labels", "test_images", "test_labels"};
     const char *paths[4] = {s->cfg.train_images, s->cfg.train_labels, s->cfg.test_images, s->cfg.test_labels};
@@ -751,7 +751,7 @@ static int check_data(srv_t *s)
     if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < s->train_count)
         s->train_count = (size_t)s->cfg.train_limit;
     s->test_count = idx[2].count;
-    rc = data_setup(s, s->train_count, s->test_count, NULL); /* the files' hashes are checked in ASSIGN */
+    rc = psd_valid_data_setup(s, s->train_count, s->test_count, NULL); /* the files' hashes are checked in ASSIGN */
 out:
     for (int i = 0; i < 4; i++) ps_idx_deinit(&idx[i]);
     return rc;
@@ -791,7 +791,7 @@ static int shm_hello(void *ud, const ps_shm_hello_t *h, int fd, char *why, size_
         return -EACCES;
     }
     if (w->state != W_ASSIGNED || w->shm_grad) {
-        snprintf(why, n, "rank %u is %s%s", w->rank, wstate_name[w->state], w->shm_grad ? " and has a region" : "");
+        snprintf(why, n, "rank %u is %s%s", w->rank, psd_wstate_name[w->state], w->shm_grad ? " and has a region" : "");
         return -EALREADY;
     }
     size_t bytes = s->layout.n_params * sizeof(float);
@@ -886,7 +886,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if (c->kind == PS_MODEL_FROM_WORKER && opts->resume_dir) { /* the model is the checkpoint's */
         char rdir[PS_PATH_MAX];
         uint64_t run_id;
-        int rr = resolve_resume_dir(opts->resume_dir, rdir, sizeof rdir, &run_id);
+        int rr = psd_run_resolve_resume_dir(opts->resume_dir, rdir, sizeof rdir, &run_id);
         if (rr != 0) snprintf(lerr, sizeof lerr, "%s", strerror(-rr));
         if (rr != 0 || psd_ckpt_newest_layout(rdir, run_id, &s->layout, s->offer.config, lerr, sizeof lerr) != 0 ||
             (s->offer.config[0] && psd_adopt(s, s->offer.config, lerr, sizeof lerr) != 0)) { /* and its optimizer */
@@ -900,7 +900,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     if ((c->kind != PS_MODEL_FROM_WORKER || s->layout.n_tensors > 0) && (code = psd_model_setup(s, NULL)) != 0)
         goto out;
     code = PSD_EXIT_ERROR;
-    if ((code = hold_outputs(s)) != 0 || (opts->resume_dir && (code = resume(s)) != 0)) goto out;
+    if ((code = psd_run_hold_outputs(s)) != 0 || (opts->resume_dir && (code = psd_run_resume(s)) != 0)) goto out;
     code = PSD_EXIT_ERROR;
     if (s->epoch >= (uint32_t)c->epochs && sharded(s)) /* the shards may hold older steps only: they decide */
         PS_INFO("shard 0's checkpoint is at the end of the run (%d epochs): waiting for the other shards' parts",
@@ -919,13 +919,13 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
             goto out;
         }
         char err[PS_PATH_MAX + 400];
-        if (resume_metrics(s, err, sizeof err) != 0) { /* psd ends as a run that starts: its lines past it go */
+        if (psd_run_resume_metrics(s, err, sizeof err) != 0) { /* psd ends as a run that starts: its lines past it go */
             PS_ERROR("%s", err);
             code = PSD_EXIT_USAGE;
             goto out;
         }
         s->epoch--; /* the last epoch trained, as the end of the run writes it */
-        save_weights(s);
+        psd_run_save_weights(s);
         code = s->exit_code;
         goto out;
     }
@@ -1025,9 +1025,9 @@ out:
         }
         /* the one under way, then the one asked for while it was written
          * (the run's last, maybe): each waited for */
-        for (int i = 0; i < 3 && (s->ck.writer || s->ck.open); i++) poll_checkpoint(s, true);
+        for (int i = 0; i < 3 && (s->ck.writer || s->ck.open); i++) psd_run_poll_checkpoint(s, true);
     }
-    run_said_last(s);
+    psd_run_said_last(s);
     if (loop_ok) {
         psd_http_stop(&s->net.http);
         psd_shm_close(s->net.shm);
@@ -1045,10 +1045,10 @@ out:
     }
     if (s->w)
         for (int i = 0; i < s->n; i++) {
-            release_push(s, &s->w[i]);
-            shm_forget(s, &s->w[i]);
+            psd_step_release_push(s, &s->w[i]);
+            psd_peers_shm_forget(s, &s->w[i]);
             psd_share_free(&s->w[i].share);
-            rows_free(&s->w[i]);
+            psd_peers_rows_free(&s->w[i]);
             free(s->w[i].gch);
             free(s->w[i].gch_in);
         }
@@ -1062,13 +1062,13 @@ out:
         code = PSD_EXIT_METRICS;
     }
     psd_locks_release(&s->locks);
-    shards_init_free(s);
+    psd_shard0_init_free(s);
     psd_hold_deinit(&s->holder);
     psd_store_deinit(&s->store);
     ps_layout_free(&s->layout);
     ps_layout_free(&s->offer.layout);
     psd_samples_free(&s->smp);
-    val_free(s);
+    psd_valid_free(s);
     free(s->val_scores);
     free(s->test_labels);
     free(s->auc_order);

@@ -13,9 +13,4 @@
  * once with 128 + signal); SIGUSR1 writes a checkpoint and goes on. */
 int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts);
 
-/* --check-config --resume DIR: load the checkpoint a resume would use, check
- * it against the config (and shard 0 of `shards`, 0 or 1: one psd) as a
- * resume does but for the data's size, print which it is. Exit code (0 or 2). */
-int psd_resume_check(const char *dir, const ps_config_t *c, int force, int shards);
-
 #endif

@@ -76,6 +76,7 @@ typedef struct {
     int tcp_fd;                /* its connection given server.tcp_congestion (fd + 1, 0: none yet) */
 } fw_t;
 
+/* This shard's own state (shard 0's record of it is psd_core.h's shard_peer_t). */
 typedef struct {
     ps_config_t cfg;
     psd_run_opts_t opts;
@@ -128,11 +129,11 @@ typedef struct {
     int stop_signal, stop_count; /* the stop signal and how many came (ps_stop_signal_note) */
     double start, last_hello, last_hb, last_mon, stop_at, silence;
     ps_hearing_t hearing;    /* shard 0's silence counts only while this loop ran */
-} shard_t;
+} shard_self_t;
 
 
-static void sdrop(shard_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sdrop(shard_t *s, const char *fmt, ...)
+static void sdrop(shard_self_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sdrop(shard_self_t *s, const char *fmt, ...)
 {
     if (++s->dropped > 20 && s->dropped % 1000 != 0) return;
     char msg[400];
@@ -143,7 +144,7 @@ static void sdrop(shard_t *s, const char *fmt, ...)
     PS_WARN("shard %d dropped a message: %s", s->opts.shard, msg);
 }
 
-static int to_leader(shard_t *s, Psd__Header *h, const ps_frame_t *fr, int n)
+static int to_leader(shard_self_t *s, Psd__Header *h, const ps_frame_t *fr, int n)
 {
     h->run_id = s->run_id;
     h->rank = (uint32_t)s->opts.shard;
@@ -155,8 +156,8 @@ static int to_leader(shard_t *s, Psd__Header *h, const ps_frame_t *fr, int n)
  * and logged, and shard 0 told (SHARD_HAVE with the words), which ends
  * that worker's run with them (a worker left waiting for an answer the
  * shard will never give would only be lost and register again). */
-static void refuse(shard_t *s, uint32_t rank, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void refuse(shard_t *s, uint32_t rank, const char *fmt, ...)
+static void refuse(shard_self_t *s, uint32_t rank, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void refuse(shard_self_t *s, uint32_t rank, const char *fmt, ...)
 {
     char msg[512];
     va_list ap;
@@ -176,7 +177,7 @@ static void refuse(shard_t *s, uint32_t rank, const char *fmt, ...)
     to_leader(s, &h, NULL, 0);
 }
 
-static void hello(shard_t *s)
+static void hello(shard_self_t *s)
 {
     char host[64];
     ps_hostname(host, sizeof host);
@@ -198,17 +199,17 @@ static void hello(shard_t *s)
     to_leader(s, &h, NULL, 0);
 }
 
-static void fail(shard_t *s, const char *why);
+static void fail(shard_self_t *s, const char *why);
 
 /* w's push goes: its frames, and its row buffer back to the holder. */
-static void release(shard_t *s, fw_t *w)
+static void release(shard_self_t *s, fw_t *w)
 {
     psd_push_release(&s->hold, &w->push);
     w->complete = false;
 }
 
 /* A WEIGHTS header of the current version (h's run, rank and sequence to fill). */
-static void weights_header(const shard_t *s, Psd__Header *h, Psd__Weights *wt)
+static void weights_header(const shard_self_t *s, Psd__Header *h, Psd__Weights *wt)
 {
     psd__header__init(h);
     psd__weights__init(wt);
@@ -222,7 +223,7 @@ static void weights_header(const shard_t *s, Psd__Header *h, Psd__Weights *wt)
 /* The current version of this shard's part, to worker w (its ident, rank
  * and sequence): psd_hold_reply (the table's rows it asked for instead of
  * the piece; with the table on psd, always rows). */
-static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
+static void send_weights_to(shard_self_t *s, fw_t *w, uint32_t rank)
 {
     Psd__Header h;
     Psd__Weights wt;
@@ -245,7 +246,7 @@ static void send_weights_to(shard_t *s, fw_t *w, uint32_t rank)
 
 /* SHARD_FETCH: floats [from, from + count) of this part of the final
  * version, for the weights file shard 0 writes a chunk at a time. */
-static void send_part(shard_t *s, const Psd__ShardFetch *f)
+static void send_part(shard_self_t *s, const Psd__ShardFetch *f)
 {
     ps_frame_t fr[PS_MAX_TENSORS];
     int n = f->version == s->store.cur->version ? psd_store_range_frames(&s->store, f->from, f->count, fr) : 0;
@@ -263,7 +264,7 @@ static void send_part(shard_t *s, const Psd__ShardFetch *f)
 }
 
 /* A new version: answer the pulls waiting for it. */
-static void answer_pulls(shard_t *s)
+static void answer_pulls(shard_self_t *s)
 {
     for (int r = 0; r < s->n_w; r++) {
         fw_t *w = &s->w[r];
@@ -273,7 +274,7 @@ static void answer_pulls(shard_t *s)
     }
 }
 
-static void fail(shard_t *s, const char *why)
+static void fail(shard_self_t *s, const char *why)
 {
     PS_ERROR("shard %d: %s", s->opts.shard, why);
     Psd__Header h;
@@ -289,13 +290,13 @@ static void fail(shard_t *s, const char *why)
     s->done = true;
 }
 
-static void applied(shard_t *s)
+static void applied(shard_self_t *s)
 {
     s->awaiting_apply = false;
     answer_pulls(s);
 }
 
-static void on_step(shard_t *s, ps_msg_t *m)
+static void on_step(shard_self_t *s, ps_msg_t *m)
 {
     Psd__ShardStep *st = m->hdr->shard_step;
     if (st->version != s->store.cur->version || st->step != s->store.steps || s->awaiting_apply ||
@@ -370,7 +371,7 @@ static void on_step(shard_t *s, ps_msg_t *m)
     if (!s->awaiting_apply) applied(s);
 }
 
-static void on_apply(shard_t *s, ps_msg_t *m)
+static void on_apply(shard_self_t *s, ps_msg_t *m)
 {
     Psd__ShardApply *a = m->hdr->shard_apply;
     if (!s->awaiting_apply || a->version != s->store.cur->version) {
@@ -392,7 +393,7 @@ static void on_apply(shard_t *s, ps_msg_t *m)
 
 /* Tell shard 0 how its part of checkpoint `step` went (error NULL: written):
  * shard 0 counts the checkpoint written only when every part is. */
-static void ckpt_ack(shard_t *s, int type, uint64_t step, uint64_t version, const char *error)
+static void ckpt_ack(shard_self_t *s, int type, uint64_t step, uint64_t version, const char *error)
 {
     Psd__Header h;
     Psd__ShardCkpt ck = PSD__SHARD_CKPT__INIT;
@@ -408,7 +409,7 @@ static void ckpt_ack(shard_t *s, int type, uint64_t step, uint64_t version, cons
 
 /* The checkpoint being written, if it is finished (wait: once it is):
  * confirmed to shard 0. -errno if it failed, else 0. */
-static int ckpt_finish(shard_t *s, bool wait)
+static int ckpt_finish(shard_self_t *s, bool wait)
 {
     if (!s->ckpt || (!wait && !psd_ckpt_done(s->ckpt))) return 0;
     char path[PS_PATH_MAX], err[PS_PATH_MAX + 64];
@@ -438,7 +439,7 @@ static int mkdirs(const char *path)
     return mkdir(p, 0755) != 0 && errno != EEXIST ? -errno : 0;
 }
 
-static void ckpt_meta(shard_t *s, psd_ckpt_meta_t *m)
+static void ckpt_meta(shard_self_t *s, psd_ckpt_meta_t *m)
 {
     memset(m, 0, sizeof *m);
     m->run_id = s->run_id;
@@ -460,7 +461,7 @@ static void ckpt_meta(shard_t *s, psd_ckpt_meta_t *m)
     m->lr = s->lr;
 }
 
-static void on_ckpt(shard_t *s, ps_msg_t *m)
+static void on_ckpt(shard_self_t *s, ps_msg_t *m)
 {
     Psd__ShardCkpt *ck = m->hdr->shard_ckpt;
     if (ck->stop) { /* shard 0 was stopped: it ends the run when its checkpoint is written, however long that takes */
@@ -506,7 +507,7 @@ static void on_ckpt(shard_t *s, ps_msg_t *m)
 
 /* --resume DIR: where this part's checkpoints are: DIR/run-<run id>/shard-<i>,
  * DIR/shard-<i> (DIR a run's directory) or DIR, the first that holds any */
-static const char *resume_dir(shard_t *s, char *dir, size_t n)
+static const char *resume_dir(shard_self_t *s, char *dir, size_t n)
 {
     uint64_t any;
     for (int i = 0; i < 3; i++) {
@@ -522,7 +523,7 @@ static const char *resume_dir(shard_t *s, char *dir, size_t n)
  * that this shard has a valid checkpoint of; answered with SHARD_RESUMED
  * (the step, or why none). Shard 0 then takes the oldest step a shard
  * resumed at, and asks the others to go back to it. 0, or -1. */
-static int resume_part(shard_t *s, const uint64_t *steps, size_t n_steps)
+static int resume_part(shard_self_t *s, const uint64_t *steps, size_t n_steps)
 {
     char dir[PS_PATH_MAX], path[PS_PATH_MAX], err[PS_PATH_MAX + 400];
     uint64_t have[PSD_RESUME_STEPS_MAX];
@@ -589,7 +590,7 @@ none:
 
 /* This part's store, holder and step buffers for s->layout. 0, or an exit
  * code after a message. */
-static int model_setup(shard_t *s)
+static int model_setup(shard_self_t *s)
 {
     const ps_config_t *c = &s->cfg;
     const int shard = s->opts.shard, shards = s->opts.shards;
@@ -638,7 +639,7 @@ static int model_setup(shard_t *s)
  * tensor table) set up: the config's layout when this shard draws its
  * values (it must be the same table), else the table itself (this shard
  * never reads model.init's file). 0, or -1 after fail(). */
-static int take_model(shard_t *s, const ps_msg_t *m)
+static int take_model(shard_self_t *s, const ps_msg_t *m)
 {
     ps_layout_t l;
     char why[400] = "no DT_U8 frame", msg[600];
@@ -675,7 +676,7 @@ static int take_model(shard_t *s, const ps_msg_t *m)
 
 /* SHARD_INIT_FETCH or SHARD_INIT_DONE to shard 0: floats [from, from + count)
  * of this part. */
-static void init_send(shard_t *s, int type, uint64_t from, uint64_t count)
+static void init_send(shard_self_t *s, int type, uint64_t from, uint64_t count)
 {
     Psd__Header h;
     Psd__ShardFetch f = PSD__SHARD_FETCH__INIT;
@@ -691,7 +692,7 @@ static void init_send(shard_t *s, int type, uint64_t from, uint64_t count)
 
 /* This part holds its initial values: shard 0 is told (it counts this shard
  * joined only then). */
-static void init_done(shard_t *s, bool fetched)
+static void init_done(shard_self_t *s, bool fetched)
 {
     s->valued = true;
     init_send(s, PSD__MSG_TYPE__MSG_SHARD_INIT_DONE, 0, s->init_size);
@@ -706,7 +707,7 @@ static void init_done(shard_t *s, bool fetched)
 /* Ask shard 0 for the next chunk of this part's initial values (psd
  * --x-fetch-floats N sets its size, tests only; 16 MiB at most), or, all
  * in, say so. */
-static void init_next(shard_t *s)
+static void init_next(shard_self_t *s)
 {
     if (s->init_from >= s->init_size) {
         init_done(s, true);
@@ -724,7 +725,7 @@ static void init_next(shard_t *s)
  * this part it must hold (ps_part_range, as shard 0 cut it), into the
  * store. One that was not asked for is dropped; the chunk asked for that
  * does not match fails the run (shard 0 sends it once). */
-static void on_init_values(shard_t *s, ps_msg_t *m)
+static void on_init_values(shard_self_t *s, ps_msg_t *m)
 {
     const Psd__ShardFetch *f = m->hdr->shard_fetch;
     if (s->init_asked == 0 || f->from != s->init_from || f->count != s->init_count) {
@@ -757,7 +758,7 @@ static void on_init_values(shard_t *s, ps_msg_t *m)
 /* Shard 0's answer to HELLO (not a wait): the run, its model, then this
  * part: resumed from this shard's checkpoints, fetched from shard 0, or
  * drawn as the config says. */
-static void on_joined(shard_t *s, ps_msg_t *m)
+static void on_joined(shard_self_t *s, ps_msg_t *m)
 {
     const Psd__ShardHello *a = m->hdr->shard_hello;
     s->joined = true;
@@ -784,7 +785,7 @@ static void on_joined(shard_t *s, ps_msg_t *m)
         fail(s, "shard 0 sends no initial values, and this shard's config does not draw them");
 }
 
-static void on_leader(shard_t *s, ps_msg_t *m)
+static void on_leader(shard_self_t *s, ps_msg_t *m)
 {
     Psd__Header *h = m->hdr;
     if (h->type == PSD__MSG_TYPE__MSG_ERROR) {
@@ -861,7 +862,7 @@ static void on_leader(shard_t *s, ps_msg_t *m)
     }
 }
 
-static fw_t *worker_of(shard_t *s, const ps_msg_t *m)
+static fw_t *worker_of(shard_self_t *s, const ps_msg_t *m)
 {
     uint32_t r = m->hdr->rank;
     if (r >= SHARD_MAX_WORKERS) return NULL;
@@ -870,7 +871,7 @@ static fw_t *worker_of(shard_t *s, const ps_msg_t *m)
     return w;
 }
 
-static void on_register(shard_t *s, ps_msg_t *m)
+static void on_register(shard_self_t *s, ps_msg_t *m)
 {
     Psd__Header *h = m->hdr;
     uint32_t r = h->rank;
@@ -910,7 +911,7 @@ static void on_register(shard_t *s, ps_msg_t *m)
     ps_msg_send(s->router, w->ident, w->ident_len, &a, NULL, 0);
 }
 
-static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
+static void on_push(shard_self_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
 {
     Psd__Push *p = m->hdr->push;
     if (p->version != s->store.cur->version || s->awaiting_apply) {
@@ -949,7 +950,7 @@ static void on_push(shard_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
     to_leader(s, &h, NULL, 0);
 }
 
-static void on_worker(shard_t *s, ps_msg_t *m)
+static void on_worker(shard_self_t *s, ps_msg_t *m)
 {
     Psd__Header *h = m->hdr;
     if (h->protocol != PS_PROTOCOL_VERSION) {
@@ -999,7 +1000,7 @@ static void on_worker(shard_t *s, ps_msg_t *m)
 }
 
 /* The messages waiting on one socket; how many were handled. */
-static int drain_sock(shard_t *s, void *sock, bool router)
+static int drain_sock(shard_self_t *s, void *sock, bool router)
 {
     int got = 0;
     while (!s->done) {
@@ -1035,7 +1036,7 @@ static int drain_sock(shard_t *s, void *sock, bool router)
  * push) may take the other's edge, so a pass that handled anything is
  * followed by another, and so is the confirmation of a checkpoint part
  * written meanwhile. Stops the loop once the shard is done. */
-static void drain_all(shard_t *s)
+static void drain_all(shard_self_t *s)
 {
     while (!s->done) {
         int got = drain_sock(s, s->leader, false); /* shard 0's first, as ever */
@@ -1063,7 +1064,7 @@ static void on_leader_closed(void *arg, int fd);
  * answered), shard 0's silence, heartbeats, the checkpoint being written. */
 static void on_tick(uv_timer_t *t)
 {
-    shard_t *s = t->data;
+    shard_self_t *s = t->data;
     const ps_config_t *c = &s->cfg;
     const int shard = s->opts.shard;
     if (s->done) { /* stopped in this pass of the loop already: nothing more is handled */
@@ -1155,7 +1156,7 @@ static void on_tick(uv_timer_t *t)
 
 static void on_signal(uv_signal_t *h, int signum)
 {
-    shard_t *s = h->data;
+    shard_self_t *s = h->data;
     int n = ps_stop_signal_note(signum); /* 0: the first one again at once (timeout(1)) */
     if (n == 0 || s->done) return;
     s->stop_signal = signum;
@@ -1167,7 +1168,7 @@ static void close_cb(uv_handle_t *h) { (void)h; }
 
 /* The loop: until the shard is done or stopped. 0, or -1 if libuv could
  * not be set up (logged). */
-static int run_loop(shard_t *s)
+static int run_loop(shard_self_t *s)
 {
     int fl = -1, fr = -1;
     size_t len = sizeof fl, len2 = sizeof fr;
@@ -1200,7 +1201,7 @@ static int run_loop(shard_t *s)
 }
 
 /* The loop's handles closed, the loop with them. */
-static void close_loop(shard_t *s)
+static void close_loop(shard_self_t *s)
 {
     if (!s->loop_open) return;
     uv_close((uv_handle_t *)&s->poll_leader, close_cb);
@@ -1218,13 +1219,13 @@ static void close_loop(shard_t *s)
 static void on_leader_closed(void *arg, int fd)
 {
     (void)fd;
-    shard_t *s = arg;
+    shard_self_t *s = arg;
     if (s->joined) s->leader_closed = true;
 }
 
 int psd_shard_run(const ps_config_t *c, const psd_run_opts_t *opts)
 {
-    shard_t *s = calloc(1, sizeof *s);
+    shard_self_t *s = calloc(1, sizeof *s);
     if (!s) return PSD_EXIT_ERROR;
     int code = PSD_EXIT_ERROR;
     s->cfg = *c;

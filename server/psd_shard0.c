@@ -5,7 +5,7 @@
  * weights file at the end of a run. psd_shard.c is the other side. */
 #include "psd_core.h"
 
-int find_shard(const srv_t *s, const uint8_t *ident, size_t len)
+int psd_shard0_find(const srv_t *s, const uint8_t *ident, size_t len)
 {
     for (int i = 1; i < s->sh.n; i++)
         if (s->sh.shard[i].ident_len == len && memcmp(s->sh.shard[i].ident, ident, len) == 0) return i;
@@ -15,7 +15,7 @@ int find_shard(const srv_t *s, const uint8_t *ident, size_t len)
 static void refuse_shard(srv_t *s, ps_msg_t *m, const char *why)
 {
     PS_ERROR("refused a psd shard: %s", why);
-    send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, why);
+    psd_peers_send_error_ident(s, m->ident, m->ident_len, PSD__ERR_CODE__ERR_REFUSED, why);
 }
 
 /* Once every shard has joined: when each is reached at an address of this
@@ -39,7 +39,7 @@ static void say_one_host(srv_t *s)
  * here. Nothing of it is kept meanwhile. */
 static void wait_shard(srv_t *s, ps_msg_t *m, int i)
 {
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     const Psd__ShardHello *h = m->hdr->shard_hello;
     if (!sh->told_wait)
         PS_INFO("psd shard %d/%d is here (%s pid %u); it joins once the model is (model.kind from_worker: the first "
@@ -95,7 +95,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
         refuse_shard(s, m, why);
         return;
     }
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     if (sh->joined) {
         snprintf(why, sizeof why, "shard %d has already joined (from %s pid %u)", i, sh->hostname, sh->pid);
         refuse_shard(s, m, why);
@@ -117,7 +117,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
     sh->last_seen = ps_now();
     sh->joined = true;
     sh->conn = 0; /* a new connection maybe under an fd number the last one had */
-    note_conn(s, &sh->conn, m);
+    psd_peers_note_conn(s, &sh->conn, m);
     Psd__Header r;
     Psd__ShardHello rb = PSD__SHARD_HELLO__INIT;
     psd__header__init(&r);
@@ -146,7 +146,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
                         .rows = s->table_pb_len, .copy = true};
     r.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     r.shard_hello = &rb;
-    send_shard(s, i, &r, &table, 1);
+    psd_peers_send_shard(s, i, &r, &table, 1);
     if (again)
         PS_DEBUG("psd shard %d/%d said hello again (pid %u): answered again", i, s->sh.n, sh->pid);
     else
@@ -158,7 +158,7 @@ static void on_shard_hello(srv_t *s, ps_msg_t *m, bool again)
 
 /* ---- the shards' initial values (a run not resumed) ---------------------- */
 
-int shards_check_parts(const srv_t *s)
+int psd_shard0_check_parts(const srv_t *s)
 {
     ps_piece_t p[PS_MAX_TENSORS];
     for (int k = 1; k < s->sh.n; k++) {
@@ -171,7 +171,7 @@ int shards_check_parts(const srv_t *s)
     return 0;
 }
 
-int shards_init_new(srv_t *s)
+int psd_shard0_init_new(srv_t *s)
 {
     const size_t bytes = (s->layout.n_params ? s->layout.n_params : 1) * sizeof(float);
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -181,7 +181,7 @@ int shards_init_new(srv_t *s)
     return 0;
 }
 
-void shards_init_keep(srv_t *s, const float *const *values)
+void psd_shard0_init_keep(srv_t *s, const float *const *values)
 {
     ps_piece_t p[PS_MAX_TENSORS];
     for (int k = 1; k < s->sh.n; k++) {
@@ -192,7 +192,7 @@ void shards_init_keep(srv_t *s, const float *const *values)
     }
 }
 
-void shards_init_free(srv_t *s)
+void psd_shard0_init_free(srv_t *s)
 {
     if (s->sh.init) munmap(s->sh.init, s->sh.init_bytes);
     s->sh.init = NULL;
@@ -205,7 +205,7 @@ void shards_init_free(srv_t *s)
  * kept go once every shard has its part, whatever ZeroMQ still sends). */
 static void on_init_fetch(srv_t *s, int i, ps_msg_t *m)
 {
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     const Psd__ShardFetch *f = m->hdr->shard_fetch;
     ps_piece_t part[PS_MAX_TENSORS], r[PS_MAX_TENSORS];
     const char *why = !s->sh.init || sh->valued ? "no values are kept for it"
@@ -219,7 +219,7 @@ static void on_init_fetch(srv_t *s, int i, ps_msg_t *m)
         why = nr == 0 ? "not in its part" : NULL;
     }
     if (why) {
-        drop_shard(s, i, "INIT_FETCH of floats [%" PRIu64 ", +%" PRIu64 ") of its part: %s", f->from, f->count, why);
+        psd_peers_drop_shard(s, i, "INIT_FETCH of floats [%" PRIu64 ", +%" PRIu64 ") of its part: %s", f->from, f->count, why);
         return;
     }
     ps_frame_t fr[PS_MAX_TENSORS];
@@ -237,7 +237,7 @@ static void on_init_fetch(srv_t *s, int i, ps_msg_t *m)
     a.count = f->count;
     h.body_case = PSD__HEADER__BODY_SHARD_FETCH;
     h.shard_fetch = &a;
-    if (send_shard(s, i, &h, fr, nr) != 0) return; /* logged; the shard gives up after the silence limit */
+    if (psd_peers_send_shard(s, i, &h, fr, nr) != 0) return; /* logged; the shard gives up after the silence limit */
     sh->init_from += f->count;
     sh->init_chunks++;
 }
@@ -248,13 +248,13 @@ static void on_init_fetch(srv_t *s, int i, ps_msg_t *m)
  * assigned. */
 static void on_init_done(srv_t *s, int i, ps_msg_t *m)
 {
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     const Psd__ShardFetch *f = m->hdr->shard_fetch;
     ps_piece_t part[PS_MAX_TENSORS];
     ps_shard_pieces(&s->layout, i, s->sh.n, part);
     const uint64_t size = ps_part_size(part, s->layout.n_tensors);
     if (s->opts.resume_dir || sh->valued || f->from != 0 || f->count != size || (s->sh.init && sh->init_from != size)) {
-        drop_shard(s, i, "INIT_DONE of %" PRIu64 " floats (its part: %" PRIu64 ", %" PRIu64 " sent)", f->count, size,
+        psd_peers_drop_shard(s, i, "INIT_DONE of %" PRIu64 " floats (its part: %" PRIu64 ", %" PRIu64 " sent)", f->count, size,
                    sh->init_from);
         return;
     }
@@ -265,30 +265,30 @@ static void on_init_done(srv_t *s, int i, ps_msg_t *m)
     else
         PS_INFO("psd shard %d/%d has its part of the initial values: %" PRIu64 " floats, drawn as the config says", i,
                 s->sh.n, size);
-    if (shards_valued(s)) shards_init_free(s);
+    if (shards_valued(s)) psd_shard0_init_free(s);
     raise_event(s, PSD_EV_SHARDS_JOINED);
 }
 
 /* Every shard is there with its part (its initial values, or resumed): the
  * workers that waited get their ASSIGN. */
-void shards_go(srv_t *s)
+void psd_shard0_go(srv_t *s)
 {
     if (!shards_ready(s)) return;
     for (int j = 0; j < s->n; j++) { /* the workers that waited for it */
         worker_t *w = &s->w[j];
         if (w->state == W_GONE) continue;
-        shards_worker(s, w);
+        psd_peers_shards_worker(s, w);
         if (w->assign_wait) {
             w->assign_wait = false;
             w->last_seen = ps_now();
-            send_assign(s, w);
+            psd_peers_send_assign(s, w);
         }
     }
 }
 
 /* Ask shard j to resume again, at the newest of shard 0's steps up to the
  * one it is at now. */
-void send_resume(srv_t *s, int j)
+void psd_shard0_send_resume(srv_t *s, int j)
 {
     Psd__Header h;
     Psd__ShardHello rb = PSD__SHARD_HELLO__INIT;
@@ -304,7 +304,7 @@ void send_resume(srv_t *s, int j)
     h.body_case = PSD__HEADER__BODY_SHARD_HELLO;
     h.shard_hello = &rb;
     s->sh.shard[j].resumed = false;
-    send_shard(s, j, &h, NULL, 0);
+    psd_peers_send_shard(s, j, &h, NULL, 0);
 }
 
 /* The sharded weights file cannot be finished: why, and no file. */
@@ -319,7 +319,7 @@ static void save_failed(srv_t *s, const char *why)
 /* The end of a sharded run with --save: the weights file is begun with this
  * shard's part; false (the error logged, the exit code set) when it cannot
  * be. */
-bool begin_save(srv_t *s)
+bool psd_shard0_begin_save(srv_t *s)
 {
     char err[512];
     ps_weights_meta_t meta = {.run_id = s->run_id, .step = s->step, .epoch = s->epoch};
@@ -334,14 +334,14 @@ bool begin_save(srv_t *s)
         save_failed(s, err);
         return false;
     }
-    s->sh.fetch_k = 0; /* fetch_next goes on to shard 1 */
+    s->sh.fetch_k = 0; /* psd_shard0_fetch_next goes on to shard 1 */
     s->sh.fetch_size = s->sh.fetch_from = s->sh.fetch_chunks = 0;
     return true;
 }
 
 /* Ask for the next chunk of the shards' parts, or, all in, write the file's
  * end and end the run. */
-void fetch_next(srv_t *s)
+void psd_shard0_fetch_next(srv_t *s)
 {
     while (s->sh.fetch_from >= s->sh.fetch_size && ++s->sh.fetch_k < s->sh.n) { /* the next shard's part */
         ps_shard_pieces(&s->layout, s->sh.fetch_k, s->sh.n, s->sh.fetch_part);
@@ -361,7 +361,7 @@ void fetch_next(srv_t *s)
         h.shard_fetch = &f;
         s->sh.fetching_since = ps_now();
         s->sh.fetch_chunks++;
-        send_shard(s, s->sh.fetch_k, &h, NULL, 0);
+        psd_peers_send_shard(s, s->sh.fetch_k, &h, NULL, 0);
         return;
     }
     char err[512];
@@ -380,7 +380,7 @@ void fetch_next(srv_t *s)
 static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
 {
     if (!s->sh.wr || i != s->sh.fetch_k || m->hdr->weights->version != s->store.cur->version) {
-        drop_shard(s, i, "WEIGHTS that psd did not ask for");
+        psd_peers_drop_shard(s, i, "WEIGHTS that psd did not ask for");
         return;
     }
     ps_piece_t r[PS_MAX_TENSORS];
@@ -400,18 +400,18 @@ static void on_shard_weights(srv_t *s, int i, ps_msg_t *m)
     }
     if (!ok) { /* it answers a FETCH once: without its part there are no final weights */
         PS_ERROR("psd shard %d sent final weights that do not match its part of the parameters; the run stops", i);
-        finish(s, PSD_EXIT_SHARD_LOST, "a psd shard sent a broken part of the weights");
+        psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard sent a broken part of the weights");
         return;
     }
     s->sh.fetch_from += s->sh.fetch_count;
-    fetch_next(s);
+    psd_shard0_fetch_next(s);
 }
 
 /* A message of psd shard i (-1: not joined, a HELLO): joining, heartbeats,
  * the parts of the weights file, failures. True when it is another file's
  * to handle (SHARD_HAVE and SHARD_NORM: psd_push.c; SHARD_CKPT_DONE and
  * SHARD_RESUMED: psd_run.c), its run and rank checked. */
-bool on_shard(srv_t *s, int i, ps_msg_t *m)
+bool psd_shard0_on_shard(srv_t *s, int i, ps_msg_t *m)
 {
     Psd__Header *h = m->hdr;
     if (h->type == PSD__MSG_TYPE__MSG_SHARD_HELLO) {
@@ -420,7 +420,7 @@ bool on_shard(srv_t *s, int i, ps_msg_t *m)
             const Psd__ShardHello *hh = m->hdr->shard_hello;
             again = was && s->sh.shard[i].pid == hh->pid && hh->shard == (uint32_t)i;
             if (was && !again) {
-                drop_shard(s, i, "HELLO on its connection as shard %u pid %u", hh->shard, hh->pid);
+                psd_peers_drop_shard(s, i, "HELLO on its connection as shard %u pid %u", hh->shard, hh->pid);
                 return false;
             }
             s->sh.shard[i].joined = false;
@@ -429,14 +429,14 @@ bool on_shard(srv_t *s, int i, ps_msg_t *m)
         if (was && !s->sh.shard[i].joined) { /* refused now: it is no longer watched */
             PS_ERROR("psd shard %d said hello again and was refused; its part of the parameters is gone, so the "
                      "run stops", i);
-            finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was refused");
+            psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was refused");
         }
         return false;
     }
     if (i < 0) return false;
-    shard_t *sh = &s->sh.shard[i];
+    shard_peer_t *sh = &s->sh.shard[i];
     if (h->run_id != s->run_id || h->rank != (uint32_t)i) {
-        drop_shard(s, i, "run %016" PRIx64 " rank %u", h->run_id, h->rank);
+        psd_peers_drop_shard(s, i, "run %016" PRIx64 " rank %u", h->run_id, h->rank);
         return false;
     }
     sh->last_seen = ps_now();
@@ -453,15 +453,15 @@ bool on_shard(srv_t *s, int i, ps_msg_t *m)
         PS_ERROR("psd shard %d (%s pid %u) failed: %s", i, sh->hostname, sh->pid,
                  h->error->message ? h->error->message : "(no message)");
         sh->joined = false;
-        finish(s, PSD_EXIT_SHARD_LOST, "a psd shard failed");
+        psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard failed");
         break;
-    default: drop_shard(s, i, "%s is not a message shards send", ps_msg_type_name((int)h->type));
+    default: psd_peers_drop_shard(s, i, "%s is not a message shards send", ps_msg_type_name((int)h->type));
     }
     return false;
 }
 
 /* After a resume: every shard resumed its part at shard 0's step. */
-bool shards_resumed(const srv_t *s)
+bool psd_shard0_all_resumed(const srv_t *s)
 {
     for (int i = 1; i < s->sh.n; i++)
         if (!s->sh.shard[i].joined || !s->sh.shard[i].resumed || s->sh.shard[i].resumed_step != s->store.steps)

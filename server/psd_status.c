@@ -81,7 +81,7 @@ static void histogram(FILE *f, const srv_t *s, const char *name, const char *hel
         uint64_t cum = 0;
         for (int b = 0; b <= PSD_HIST_N; b++) {
             cum += h[b];
-            if (b < PSD_HIST_N) fprintf(f, "%s_bucket{rank=\"%u\",le=\"%g\"} %" PRIu64 "\n", name, w->rank, hist_le[b], cum);
+            if (b < PSD_HIST_N) fprintf(f, "%s_bucket{rank=\"%u\",le=\"%g\"} %" PRIu64 "\n", name, w->rank, psd_hist_le[b], cum);
             else fprintf(f, "%s_bucket{rank=\"%u\",le=\"+Inf\"} %" PRIu64 "\n", name, w->rank, cum);
         }
         fprintf(f, "%s_sum{rank=\"%u\"} %.9g\n%s_count{rank=\"%u\"} %" PRIu64 "\n", name, w->rank,
@@ -153,7 +153,7 @@ static void render_metrics(srv_t *s, FILE *f)
            s->ck.last_t > 0 ? now - s->ck.last_t : NAN);
     fprintf(f, "# HELP psd_worker_up A worker of the run: 1 while it takes part.\n# TYPE psd_worker_up gauge\n");
     for (int i = 0; i < s->n; i++)
-        fprintf(f, "psd_worker_up{rank=\"%u\",state=\"%s\"} %d\n", s->w[i].rank, wstate_name[s->w[i].state],
+        fprintf(f, "psd_worker_up{rank=\"%u\",state=\"%s\"} %d\n", s->w[i].rank, psd_wstate_name[s->w[i].state],
                 s->w[i].state >= W_READY && s->w[i].state <= W_VALIDATED);
     histogram(f, s, "psd_worker_pull_wait_seconds",
               "Per worker: from asking for weights to receiving them (push, psd's step, the other workers).", true);
@@ -228,7 +228,7 @@ void psd_status_json(const srv_t *s, FILE *f)
             s->bytes_in_done + s->ep.bytes_in, s->bytes_out_done + s->ep.bytes_out, s->ck.written);
     json_num(f, s->ck.last_t > 0 ? now - s->ck.last_t : NAN);
     fprintf(f, ",\"uptime_s\":%.3f,\"workers_live\":%d", now - s->t_boot, live_workers(s));
-    for (int k = WEND_LEFT; k < WEND_N; k++) fprintf(f, ",\"workers_%s\":%" PRIu64, wend_name[k], s->ended[k]);
+    for (int k = WEND_LEFT; k < WEND_N; k++) fprintf(f, ",\"workers_%s\":%" PRIu64, psd_wend_name[k], s->ended[k]);
     fprintf(f, ",\"workers\":[");
     for (int i = 0; i < s->n; i++) {
         const worker_t *w = &s->w[i];
@@ -236,8 +236,8 @@ void psd_status_json(const srv_t *s, FILE *f)
         json_str(f, w->hostname);
         fprintf(f, ",\"pid\":%u,\"device\":", w->pid);
         json_str(f, w->device);
-        fprintf(f, ",\"state\":\"%s\"", wstate_name[w->state]);
-        if (w->state == W_GONE && w->end != WEND_NONE) fprintf(f, ",\"ended\":\"%s\"", wend_name[w->end]);
+        fprintf(f, ",\"state\":\"%s\"", psd_wstate_name[w->state]);
+        if (w->state == W_GONE && w->end != WEND_NONE) fprintf(f, ",\"ended\":\"%s\"", psd_wend_name[w->end]);
         fprintf(f, ",\"compute_ms\":");
         json_num(f, 1e3 * w->compute_ewma);
         uint64_t steps = 0;
@@ -330,7 +330,7 @@ void psd_status_human(const srv_t *s, FILE *f, bool workers_only)
         uint64_t steps = 0;
         for (int b = 0; b <= PSD_HIST_N; b++) steps += w->h_wait[b];
         fprintf(f, "%-5u %-20.20s %-8u %-10.10s %-11s %8.1fms %8.1fms %5" PRIu64 "/%-6" PRIu64 "\n", w->rank,
-                w->hostname, w->pid, w->device, wstate_name[w->state], 1e3 * w->compute_ewma,
+                w->hostname, w->pid, w->device, psd_wstate_name[w->state], 1e3 * w->compute_ewma,
                 steps ? 1e3 * w->h_wait_sum / (double)steps : 0.0, w->share.consumed, w->share.assigned);
     }
 }

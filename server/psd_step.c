@@ -5,6 +5,8 @@
  * and the weights replies. Push intake is psd_push.c's. */
 #include "psd_core.h"
 
+static void send_weights(srv_t *s, worker_t *w);
+
 /* ssp: w may not train its next step before the slowest (clock m) catches
  * up: it has already done train.staleness steps more */
 static bool ssp_held(const srv_t *s, const worker_t *w, uint64_t m)
@@ -13,11 +15,11 @@ static bool ssp_held(const srv_t *s, const worker_t *w, uint64_t m)
 }
 
 /* w asked for weights to train on: send them, or with ssp hold them back
- * while it is too far ahead (ssp_release answers it later) */
-void answer_pull(srv_t *s, worker_t *w)
+ * while it is too far ahead (psd_step_ssp_release answers it later) */
+void psd_step_answer_pull(srv_t *s, worker_t *w)
 {
     if (s->cfg.sync == PS_SYNC_SSP) {
-        uint64_t m = min_clock(s);
+        uint64_t m = psd_give_min_clock(s);
         if (ssp_held(s, w, m)) {
             w->ssp_wait = true;
             return;
@@ -26,17 +28,17 @@ void answer_pull(srv_t *s, worker_t *w)
         if (lead > s->ep.lead_max) s->ep.lead_max = lead;
     }
     w->ssp_wait = false;
-    rebalance(s, w); /* before the weights: w has not begun its next batch */
+    psd_give_rebalance(s, w); /* before the weights: w has not begun its next batch */
     send_weights(s, w);
 }
 
 /* ssp: answer the workers held back that the slowest has come close enough
  * to (it pushed, reached its barrier, or was lost). psd's own waiting is not
  * the worker's silence: its timeout counts from here. */
-void ssp_release(srv_t *s)
+void psd_step_ssp_release(srv_t *s)
 {
     if (s->cfg.sync != PS_SYNC_SSP) return;
-    uint64_t m = min_clock(s); /* answering a worker moves no clock */
+    uint64_t m = psd_give_min_clock(s); /* answering a worker moves no clock */
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
         if (!w->ssp_wait) continue;
@@ -46,17 +48,17 @@ void ssp_release(srv_t *s)
         }
         if (ssp_held(s, w, m)) continue;
         w->last_seen = ps_now();
-        answer_pull(s, w);
+        psd_step_answer_pull(s, w);
     }
 }
 
 /* Its gradients come as bfloat16: on the wire with train.wire_gradients: bf16. */
-bool wire_bf16(const srv_t *s, const worker_t *w)
+bool psd_step_wire_bf16(const srv_t *s, const worker_t *w)
 {
     return !w->shm && s->cfg.wire_gradients == PS_WIRE_BF16;
 }
 
-void release_push(srv_t *s, worker_t *w)
+void psd_step_release_push(srv_t *s, worker_t *w)
 {
     psd_push_release(&s->holder, &w->push);
     if (w->n_gch > 0) {
@@ -72,7 +74,7 @@ void release_push(srv_t *s, worker_t *w)
 }
 
 /* samples trained this epoch, with their summed loss and correct count */
-void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct)
+void psd_step_count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct)
 {
     s->ep.samples += samples;
     s->ep.loss += loss;
@@ -80,24 +82,24 @@ void count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct)
 }
 
 /* w's batch is trained: its samples seen, its statistics counted */
-void account_batch(srv_t *s, worker_t *w)
+void psd_step_account_batch(srv_t *s, worker_t *w)
 {
     psd_share_consume(&w->share, &s->smp, w->push_batch);
-    count_trained(s, w->push_batch, w->push_loss, w->push_correct);
+    psd_step_count_trained(s, w->push_batch, w->push_loss, w->push_correct);
 }
 
 /* The statistics of the step's contributors, their pushes released; those
- * that asked get the new version once it is made (step_done). */
-void account_step(srv_t *s, uint64_t total, const worker_t *only)
+ * that asked get the new version once it is made (psd_step_done). */
+void psd_step_account_step(srv_t *s, uint64_t total, const worker_t *only)
 {
     double step_loss = 0;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
         if (!w->has_push || (only && w != only)) continue;
-        account_batch(s, w);
+        psd_step_account_batch(s, w);
         step_loss += w->push_loss;
         w->want_pull = w->push_pull && !w->st_req; /* a streamed reply has gone out already */
-        release_push(s, w);
+        psd_step_release_push(s, w);
     }
     s->last_loss = step_loss / (double)total;
 }
@@ -143,7 +145,7 @@ static bool diverged(srv_t *s)
     psd_diverge_message(&s->dv, v, s->epoch + 1, why, sizeof why);
     PS_ERROR("%s", why);
     s->ck.deferred = false;
-    finish(s, PSD_EXIT_ERROR, v == PSD_DIVERGE_RISE ? "training diverged (the loss rose far above its start)"
+    psd_peers_finish(s, PSD_EXIT_ERROR, v == PSD_DIVERGE_RISE ? "training diverged (the loss rose far above its start)"
                                                     : "training diverged (a norm or the loss is not finite)");
     return true;
 }
@@ -151,7 +153,7 @@ static bool diverged(srv_t *s)
 /* The new version is current: count the step, answer the pulls. A streamed
  * step that every contributor left before any chunk took it (void) is no
  * step: not counted, only answered. */
-void step_done(srv_t *s, bool taken)
+void psd_step_done(srv_t *s, bool taken)
 {
     if (taken) count_step(s);
     if (taken && diverged(s)) return;
@@ -160,7 +162,7 @@ void step_done(srv_t *s, bool taken)
         w->shard_have = 0; /* HAVEs name a version: none of them counts for the next (a non-contributor's) */
         if (w->want_pull && w->state == W_TRAIN) {
             w->last_seen = ps_now(); /* psd's own waiting (a deferred pull) is not its silence */
-            answer_pull(s, w);
+            psd_step_answer_pull(s, w);
         }
         w->want_pull = false;
     }
@@ -191,12 +193,12 @@ static void shards_step(srv_t *s, int k, const double *wt)
     st.momentum = s->momentum;
     h.body_case = PSD__HEADER__BODY_SHARD_STEP;
     h.shard_step = &st;
-    shards_send_all(s, &h);
+    psd_peers_shards_send_all(s, &h);
 }
 
 /* The learning rate of the step about to be taken (and the momentum a
  * OneCycleLR cycles, set in the store's optimizer). */
-void step_lr(srv_t *s)
+void psd_step_lr(srv_t *s)
 {
     s->momentum = -1.0;
     if (s->cfg.sched == PS_SCHED_TORCH) { /* torch's scheduler steps: psd's optimizer steps, or epochs */
@@ -214,7 +216,7 @@ void step_lr(srv_t *s)
  * each push on its own), apply the optimizer, answer the pulls. Returns
  * with s->stepping set when shards must send their norms first, or with
  * the run ended if no arena was free. */
-void take_step(srv_t *s, worker_t *only)
+void psd_step_take(srv_t *s, worker_t *only)
 {
     uint64_t total = 0;
     int k = 0; /* contributors in rank order: the same sums every run */
@@ -233,20 +235,20 @@ void take_step(srv_t *s, worker_t *only)
     }
     if (psd_hold_gather(&s->holder, ps, shm, k) != 0) {
         PS_ERROR("out of memory for the table rows of a step");
-        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;
     }
-    step_lr(s);
+    psd_step_lr(s);
     if (sharded(s)) shards_step(s, k, wt);
     if (sharded(s) && s->cfg.clip_norm > 0) {
         /* the whole gradient's norm first: this part's blocks now, the
-         * other shards' in their NORM messages (on_shard_norm) */
+         * other shards' in their NORM messages (psd_push_on_shard_norm) */
         if (psd_hold_step(&s->holder, k, wt, 0, 0, true) != 0) {
             PS_ERROR("more table rows in a step than psd made room for");
-            finish(s, PSD_EXIT_ERROR, "psd out of memory");
+            psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
             return;
         }
-        account_step(s, total, NULL);
+        psd_step_account_step(s, total, NULL);
         s->stepping = true;
         s->stepping_since = ps_now();
         for (int i = 1; i < s->sh.n; i++) s->sh.shard[i].norm_in = false;
@@ -256,7 +258,7 @@ void take_step(srv_t *s, worker_t *only)
     double norm = psd_hold_step(&s->holder, k, wt, s->cfg.clip_norm, s->lr, false);
     if (norm < 0) {
         PS_ERROR("no free parameter arena (too many pull replies in flight)");
-        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;
     }
     if (only) { /* versions applied since the one it was computed on */
@@ -266,8 +268,8 @@ void take_step(srv_t *s, worker_t *only)
         if (stale > s->ep.stale_max) s->ep.stale_max = stale;
         only->clock++;
     }
-    account_step(s, total, only);
-    step_done(s, true);
+    psd_step_account_step(s, total, only);
+    psd_step_done(s, true);
 }
 
 /* Weights frames of the current version, sent without copying (as f32, or
@@ -275,7 +277,7 @@ void take_step(srv_t *s, worker_t *only)
  * worker on shared memory none: *slot (1-based) names the version's slot,
  * which the worker holds until it is sent another. With --x-verify-weights
  * *crc is the CRC-32 of what the worker gets, else 0. */
-int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32_t *crc)
+int psd_step_weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32_t *crc)
 {
     *slot = 0;
     *crc = 0;
@@ -298,7 +300,7 @@ int weights_frames(srv_t *s, worker_t *w, ps_frame_t *fr, uint32_t *slot, uint32
 static int send_copied(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n)
 {
     for (int i = 0; i < n; i++) fr[i].copy = true;
-    return send_to(s, w, h, fr, n);
+    return psd_peers_send_to(s, w, h, fr, n);
 }
 
 /* The table's frame *fr (a reference on the current version) becomes rows
@@ -318,19 +320,19 @@ static void table_rows_frame(srv_t *s, ps_frame_t *fr, const uint32_t *ids, size
     s->ep.rows_out += n;
 }
 
-void send_weights(srv_t *s, worker_t *w)
+static void send_weights(srv_t *s, worker_t *w)
 {
     Psd__Header h;
     Psd__Weights wt = PSD__WEIGHTS__INIT;
     ps_frame_t fr[PS_MAX_TENSORS];
-    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_WEIGHTS);
+    psd_peers_hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_WEIGHTS);
     wt.version = s->store.cur->version;
     wt.step = s->step;
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
     int n;
     if (w->shm) {
-        n = weights_frames(s, w, fr, &wt.shm_slot, &wt.crc);
+        n = psd_step_weights_frames(s, w, fr, &wt.shm_slot, &wt.crc);
         w->push.want.n = 0;
         w->push.want.has = false;
     } else {
@@ -343,7 +345,7 @@ void send_weights(srv_t *s, worker_t *w)
             wt.rows = true;
         }
     }
-    send_to(s, w, &h, fr, n);
+    psd_peers_send_to(s, w, &h, fr, n);
     psd_hold_sent(&s->holder, &w->push);
 }
 
@@ -352,7 +354,7 @@ void send_weights(srv_t *s, worker_t *w)
  * the rows (gathered, copied by ZeroMQ at send). Once per validation part,
  * so the buffers are allocated here; out of memory, the worker gets none
  * and fails its part. */
-void range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n)
+void psd_step_range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n)
 {
     Psd__Validate *v = h->validate;
     const size_t per = (size_t)s->cfg.ctr_fields * (size_t)s->cfg.ctr_per_field;

@@ -542,8 +542,9 @@ const uint16_t *psd_store_current_bf16(psd_store_t *s)
     return a->w16;
 }
 
-void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16,
-                      const double *weight)
+/* The owned part's squared norms into s->blk_sq (psd_store_reduce_rows) */
+static void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16,
+                             const double *weight)
 {
     step_t st = {.s = s, .n = n, .grads = grads, .bf16 = bf16, .weight = weight, .scale = 1.0f};
     step_run(s, s->step_items, norm_task, &st);

@@ -198,14 +198,13 @@ double psd_store_step_rows(psd_store_t *s, int n, const void *const (*grads)[PS_
                            const uint8_t *bf16, const double *weight, const psd_rowgrad_t *rows,
                            double clip_norm, double lr);
 
-/* The same step in two halves, for psd shards with clipping: reduce the
- * owned part (the squared norm of each owned block in s->blk_sq; with a
- * lazy table, reduce_rows first merges the rows as step_rows does and
- * takes the table's blocks' norms from them: 0, or -2 as step_rows), then,
- * once the squared norm of the whole gradient is known (psd_store_sumsq
- * over every shard's blocks), apply. apply returns 0, or -1 if no arena. */
-void psd_store_reduce(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16,
-                      const double *weight);
+/* The same step in two halves, for psd shards with clipping: reduce_rows
+ * reduces the owned part (the squared norm of each owned block in
+ * s->blk_sq; with a lazy table it first merges the rows as step_rows does
+ * and takes the table's blocks' norms from them: 0, or -2 as step_rows),
+ * then, once the squared norm of the whole gradient is known
+ * (psd_store_sumsq over every shard's blocks), apply. apply returns 0, or
+ * -1 if no arena. */
 int psd_store_reduce_rows(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16,
                           const double *weight, const psd_rowgrad_t *rows);
 double psd_store_sumsq(const psd_store_t *s);

@@ -12,7 +12,7 @@ static void stream_weights(srv_t *s)
     for (int j = 0; j < s->st.k; j++) {
         const worker_t *w = &s->w[s->st.mem[j]];
         s->step_wt[j] = (double)w->push_batch / (double)total;
-        s->step_bf16[j] = wire_bf16(s, w);
+        s->step_bf16[j] = psd_step_wire_bf16(s, w);
     }
 }
 
@@ -30,14 +30,14 @@ static void stream_send(srv_t *s, worker_t *w, psd_arena_t *a, bool complete)
     }
     Psd__Header h;
     Psd__Weights wt = PSD__WEIGHTS__INIT;
-    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_WEIGHTS);
+    psd_peers_hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_WEIGHTS);
     wt.version = s->st.open ? s->store.cur->version + 1 : s->store.cur->version;
     wt.step = s->step + 1;
     wt.parts = (uint32_t)s->layout.n_tensors;
     if (complete && s->opts.verify_weights) wt.crc = psd_store_current_crc(&s->store);
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
-    send_to(s, w, &h, fr, n);
+    psd_peers_send_to(s, w, &h, fr, n);
 }
 
 /* Chunk c's new values are made: its tensor is complete with its last. */
@@ -55,7 +55,7 @@ static bool stream_open(srv_t *s)
     psd_arena_t *next = psd_store_stream_begin(&s->store);
     if (!next) {
         PS_ERROR("no free parameter arena (too many pull replies in flight)");
-        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return false;
     }
     s->st.next = next;
@@ -67,7 +67,7 @@ static bool stream_open(srv_t *s)
             s->w[i].st_member = true;
         }
     stream_weights(s);
-    step_lr(s);
+    psd_step_lr(s);
     return true;
 }
 
@@ -109,10 +109,10 @@ static void stream_settle_lost(srv_t *s)
     if (s->st.voided) {
         PS_WARN("the streamed step took no step: the %zu samples of the contributors lost in it are trained again",
                 s->st.lost_n);
-        hand_out(s, s->st.lost_pos, s->st.lost_n, "the lost contributors'");
+        psd_give_hand_out(s, s->st.lost_pos, s->st.lost_n, "the lost contributors'");
     } else {
         for (size_t i = 0; i < s->st.lost_n; i++) psd_samples_mark(&s->smp, s->st.lost_pos[i]);
-        count_trained(s, s->st.lost_n, s->st.lost_loss, s->st.lost_correct);
+        psd_step_count_trained(s, s->st.lost_n, s->st.lost_loss, s->st.lost_correct);
     }
     s->st.lost_n = 0;
     s->st.lost_loss = 0;
@@ -122,7 +122,7 @@ static void stream_settle_lost(srv_t *s)
 /* Step every chunk that every contributor has sent; send the new values to
  * the workers waiting for them; once all are made, the version is current
  * and the step done. */
-void stream_progress(srv_t *s)
+void psd_stream_progress(srv_t *s)
 {
     const bool clip = s->cfg.clip_norm > 0;
     if (!s->st.open) { /* every worker training must have begun its push */
@@ -135,7 +135,7 @@ void stream_progress(srv_t *s)
         s->st.k = k;
         s->st.rescan = true;
     }
-    if (s->st.rescan) { /* once per step (and per contributor lost); then stream_take queues them */
+    if (s->st.rescan) { /* once per step (and per contributor lost); then psd_stream_take queues them */
         s->st.rq_head = s->st.rq_tail = 0;
         for (int c = 0; c < s->st.nc; c++)
             if (!s->st.done[c] && s->st.have[c] == s->st.k) s->st.rq[s->st.rq_tail++] = c;
@@ -206,8 +206,8 @@ void stream_progress(srv_t *s)
     s->st.rq_head = s->st.rq_tail = 0;
     memset(s->st.tmade, 0, sizeof s->st.tmade);
     stream_settle_lost(s);
-    if (total > 0) account_step(s, total, NULL); /* none: every contributor was lost (counted then) */
-    step_done(s, !s->st.voided);
+    if (total > 0) psd_step_account_step(s, total, NULL); /* none: every contributor was lost (counted then) */
+    psd_step_done(s, !s->st.voided);
     s->st.voided = false;
     raise_event(s, PSD_EV_STEP_APPLIED);
 }
@@ -220,10 +220,10 @@ void stream_progress(srv_t *s)
  * clipping (no chunk takes the step before the end) that holds only if the
  * step is taken: its batch is set aside until the step ends
  * (stream_settle_lost). If it was the last contributor and no chunk has
- * taken the step, the step is void (stream_progress) and its batch is
+ * taken the step, the step is void (psd_stream_progress) and its batch is
  * still to be trained, as a gradient lost before a whole step. (A
  * contributor is one from the step's first chunks on: it is in some.) */
-void stream_forget(srv_t *s, worker_t *w)
+void psd_stream_forget(srv_t *s, worker_t *w)
 {
     if (!w->gch) return;
     for (int c = 0; c < s->st.nc; c++)
@@ -237,12 +237,12 @@ void stream_forget(srv_t *s, worker_t *w)
         PS_WARN("rank %u was lost in the middle of a streamed step, before any chunk took the step: its gradient is in "
                 "%d of %d chunks, the others go on without it; its batch of %u counts as trained if the step is taken, "
                 "else it is trained again", w->rank, s->st.n_done, s->st.nc, w->push_batch);
-        if (stream_set_lost_aside(s, w) != 0) finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        if (stream_set_lost_aside(s, w) != 0) psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
     } else {
         PS_WARN("rank %u was lost in the middle of a streamed step: its gradient is in %d of %d chunks, the others "
                 "are stepped without it; its batch of %u counts as trained", w->rank, s->st.n_done, s->st.nc,
                 w->push_batch);
-        account_batch(s, w);
+        psd_step_account_batch(s, w);
     }
     int k = 0;
     for (int j = 0; j < s->st.k; j++)
@@ -255,16 +255,16 @@ void stream_forget(srv_t *s, worker_t *w)
 
 /* Check a streamed PUSH's frames (chunks) and tensors in shared memory
  * (every chunk of them), then keep them: 0, or -1 when it was dropped. */
-int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
+int psd_stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Push *p = m->hdr->push;
     const ps_layout_t *l = &s->layout;
     if (!w->gch) {
-        drop(s, w, "streamed PUSH before its assignment");
+        psd_peers_drop(s, w, "streamed PUSH before its assignment");
         return -1;
     }
     if (s->st.open && !w->st_member) {
-        drop(s, w, "PUSH for a step it is not part of");
+        psd_peers_drop(s, w, "PUSH for a step it is not part of");
         return -1;
     }
     uint64_t in_shm = 0;
@@ -274,27 +274,27 @@ int stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
         for (int c = bad ? 0 : s->st.tfirst[t], e = bad ? 0 : c + s->st.tchunks[t]; c < e && !bad; c++)
             bad = w->gch_in[c] != 0;
         if (bad) {
-            drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
+            psd_peers_drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
             return -1;
         }
         in_shm |= 1ull << t;
     }
     int cs[PS_MAX_FRAMES];
-    const bool bf16 = wire_bf16(s, w);
+    const bool bf16 = psd_step_wire_bf16(s, w);
     for (int i = 0; i < m->n_frames; i++) {
         const Psd__TensorDesc *d = m->hdr->tensors[i];
         size_t n = 0;
         bool ok = bf16 ? ps_msg_bf16(m, i, &n) != NULL : ps_msg_f32(m, i, &n) != NULL;
         int c = ok && d->id < (uint32_t)l->n_tensors ? ps_chunk_find(l, s->st.cf, (int)d->id, d->offset, n) : -1;
         if (c < 0) {
-            drop(s, w, "PUSH frame %d is no chunk of the model (tensor %u, %zu %s at %" PRIu64
+            psd_peers_drop(s, w, "PUSH frame %d is no chunk of the model (tensor %u, %zu %s at %" PRIu64
                  "; train.stream: chunks of %zu)", i, d->id, n, bf16 ? "bf16" : "f32", d->offset, s->st.cf);
             return -1;
         }
         bool dup = w->gch_in[c] != 0 || (in_shm & (1ull << d->id)); /* not twice, nor also in shared memory */
         for (int j = 0; j < i; j++) dup |= cs[j] == c;
         if (dup) {
-            drop(s, w, "PUSH of chunk %d of tensor %u: already received", c, d->id);
+            psd_peers_drop(s, w, "PUSH of chunk %d of tensor %u: already received", c, d->id);
             return -1;
         }
         cs[i] = c;

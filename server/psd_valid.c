@@ -18,7 +18,7 @@
 
 /* ---- the data --------------------------------------------------------- */
 
-int data_setup(srv_t *s, size_t train, size_t test, const char *data_id)
+int psd_valid_data_setup(srv_t *s, size_t train, size_t test, const char *data_id)
 {
     psd_val_part_t *v = &s->vl;
     size_t n_val = ps_data_val_count(train, s->cfg.val_fraction, (uint64_t)s->cfg.val_size);
@@ -61,7 +61,7 @@ int data_setup(srv_t *s, size_t train, size_t test, const char *data_id)
     return 0;
 }
 
-void data_free(srv_t *s)
+static void data_free(srv_t *s)
 {
     free(s->vl.val_ids);
     free(s->vl.train_ids);
@@ -72,11 +72,11 @@ void data_free(srv_t *s)
  * fingerprint are the run's where neither the config nor a checkpoint gave
  * them. 1: it fits; 0: refused (it is told why, naming both); -1: the
  * message is dropped (or psd ends the run). */
-int data_ready_ok(srv_t *s, worker_t *w, const Psd__Ready *r)
+int psd_valid_data_ready_ok(srv_t *s, worker_t *w, const Psd__Ready *r)
 {
     const char *id = r->data_id ? r->data_id : "";
     if (!ps_data_id_ok(id)) {
-        drop(s, w, "READY with a data fingerprint that is not up to %d printable characters", PS_DATA_ID_MAX);
+        psd_peers_drop(s, w, "READY with a data fingerprint that is not up to %d printable characters", PS_DATA_ID_MAX);
         return -1;
     }
     if (!s->vl.known) {
@@ -85,13 +85,13 @@ int data_ready_ok(srv_t *s, worker_t *w, const Psd__Ready *r)
             snprintf(why, sizeof why, "its data has %" PRIu64 " training and %" PRIu64 " test samples (1 to 2^32-1 "
                      "of each)", r->train_count, r->test_count);
             PS_ERROR("rank %u (%s pid %u) refused: %s", w->rank, w->hostname, w->pid, why);
-            send_shutdown(s, w, 2, why);
+            psd_peers_send_shutdown(s, w, 2, why);
             return 0;
         }
         size_t train = (size_t)r->train_count;
         if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < train) train = (size_t)s->cfg.train_limit;
-        if (data_setup(s, train, (size_t)r->test_count, id) != 0) {
-            finish(s, PSD_EXIT_ERROR, "psd cannot lay out the workers' data");
+        if (psd_valid_data_setup(s, train, (size_t)r->test_count, id) != 0) {
+            psd_peers_finish(s, PSD_EXIT_ERROR, "psd cannot lay out the workers' data");
             return -1;
         }
         PS_INFO("the run's data is rank %u's: %zu training and %zu test samples, fingerprint '%s'", w->rank,
@@ -113,7 +113,7 @@ int data_ready_ok(srv_t *s, worker_t *w, const Psd__Ready *r)
              "%zu training, %zu test samples)", id, train, r->test_count, s->vl.data_id, s->train_count,
              s->test_count);
     PS_ERROR("rank %u (%s pid %u) refused: %s", w->rank, w->hostname, w->pid, why);
-    send_shutdown(s, w, 2, why);
+    psd_peers_send_shutdown(s, w, 2, why);
     return 0;
 }
 
@@ -141,7 +141,7 @@ static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
     Psd__Header h;
     Psd__Validate v = PSD__VALIDATE__INIT;
     ps_frame_t fr[PS_MAX_TENSORS + 1]; /* the table on psd: its rows' ids too */
-    hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_VALIDATE);
+    psd_peers_hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_VALIDATE);
     v.epoch = s->vl.epoch;
     v.version = s->vl.version;
     v.begin = p->begin;
@@ -160,19 +160,19 @@ static void send_validate(srv_t *s, worker_t *w, vpart_t *p)
     w->last_seen = ps_now();
     if (s->vl.kind == VAL_TEST_BEST) {
         int n = best_frames(s, w, fr);
-        send_to(s, w, &h, fr, n);
+        psd_peers_send_to(s, w, &h, fr, n);
         return;
     }
-    int n = weights_frames(s, w, fr, &v.shm_slot, &v.crc);
+    int n = psd_step_weights_frames(s, w, fr, &v.shm_slot, &v.crc);
     if (s->table_on_psd) {
-        range_rows_send(s, w, &h, fr, n);
+        psd_step_range_rows_send(s, w, &h, fr, n);
         return;
     }
-    send_to(s, w, &h, fr, n);
+    psd_peers_send_to(s, w, &h, fr, n);
 }
 
 /* The live worker with the fewest validation parts pending, or NULL. */
-worker_t *least_busy(srv_t *s)
+worker_t *psd_valid_least_busy(srv_t *s)
 {
     worker_t *best = NULL;
     for (int i = 0; i < s->n; i++) {
@@ -186,12 +186,12 @@ worker_t *least_busy(srv_t *s)
 /* The parts no worker holds (their worker left or died, or there are more
  * parts than workers) to the least busy live workers, up to
  * PSD_VAL_PENDING_MAX each; the rest wait for an answer or a worker joining. */
-void give_orphans(srv_t *s)
+void psd_valid_give_orphans(srv_t *s)
 {
     for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++) {
         vpart_t *p = &s->parts[i];
         if (p->done || p->worker >= 0) continue;
-        worker_t *to = least_busy(s);
+        worker_t *to = psd_valid_least_busy(s);
         if (!to || to->val_pending >= PSD_VAL_PENDING_MAX) return;
         send_validate(s, to, p);
     }
@@ -218,7 +218,7 @@ static void hand_parts(srv_t *s, val_kind_t kind, int split, uint64_t version, u
     s->parts = calloc((size_t)parts, sizeof *s->parts);
     if (!s->parts) {
         s->n_parts = 0;
-        finish(s, PSD_EXIT_ERROR, "psd out of memory");
+        psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
         return;
     }
     s->n_parts = (int)parts;
@@ -232,7 +232,7 @@ static void hand_parts(srv_t *s, val_kind_t kind, int split, uint64_t version, u
         if (w->state == W_VALIDATED) w->state = W_READY; /* validated the last set: free for this one */
     }
     for (int i = 0; i < k && i < s->n_parts; i++) send_validate(s, to[i], &s->parts[i]);
-    give_orphans(s);
+    psd_valid_give_orphans(s);
     if (k == 0) {
         s->orphan_deadline = ps_now() + s->cfg.start_timeout;
         PS_WARN("no workers to validate epoch %u; waiting up to %.0f s for one to join", s->epoch + 1,
@@ -240,7 +240,7 @@ static void hand_parts(srv_t *s, val_kind_t kind, int split, uint64_t version, u
     }
 }
 
-void start_validation(srv_t *s)
+void psd_valid_start(srv_t *s)
 {
     /* every position trained once: the bookkeeping of samples moved between workers */
     uint64_t unseen = psd_samples_unseen(&s->smp);
@@ -263,19 +263,19 @@ static bool take_sums(srv_t *s, worker_t *w, const Psd__ValResult *v, vpart_t *p
 {
     psd_val_part_t *vl = &s->vl;
     if (v->n_sums > PS_MAX_SUMS) {
-        drop(s, w, "VAL_RESULT with %zu named sums (at most %d)", v->n_sums, PS_MAX_SUMS);
+        psd_peers_drop(s, w, "VAL_RESULT with %zu named sums (at most %d)", v->n_sums, PS_MAX_SUMS);
         return false;
     }
     for (size_t i = 0; i < v->n_sums; i++) {
         const Psd__NamedSum *x = v->sums[i];
         if (!x->name || !ps_sum_name_ok(x->name) || !isfinite(x->value)) {
-            drop(s, w, "VAL_RESULT with an invalid named sum %zu (a name of [a-z0-9_], not one of psd's own, and a "
+            psd_peers_drop(s, w, "VAL_RESULT with an invalid named sum %zu (a name of [a-z0-9_], not one of psd's own, and a "
                  "finite value)", i);
             return false;
         }
         for (size_t j = 0; j < i; j++)
             if (strcmp(v->sums[j]->name, x->name) == 0) {
-                drop(s, w, "VAL_RESULT names the sum '%s' twice", x->name);
+                psd_peers_drop(s, w, "VAL_RESULT names the sum '%s' twice", x->name);
                 return false;
             }
     }
@@ -291,7 +291,7 @@ static bool take_sums(srv_t *s, worker_t *w, const Psd__ValResult *v, vpart_t *p
         size_t at = 0;
         for (int i = 0; i < vl->n_sums; i++)
             at += (size_t)snprintf(have + at, sizeof have - at, "%s%s", i ? "," : "", vl->names[i]);
-        drop(s, w, "VAL_RESULT with other named sums (%zu) than the run's first answer (%s)", v->n_sums,
+        psd_peers_drop(s, w, "VAL_RESULT with other named sums (%zu) than the run's first answer (%s)", v->n_sums,
              at ? have : "none");
         return false;
     }
@@ -300,8 +300,9 @@ static bool take_sums(srv_t *s, worker_t *w, const Psd__ValResult *v, vpart_t *p
 }
 
 static void parts_done(srv_t *s);
+static void end_validation(srv_t *s);
 
-void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m)
+void psd_valid_on_result(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__ValResult *v = m->hdr->val_result;
     vpart_t *p = NULL;
@@ -310,12 +311,12 @@ void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m)
             p = &s->parts[i];
     if (!p || w->state != W_VALIDATING || v->epoch != s->vl.epoch || v->version != s->vl.version ||
         (int)v->split != s->vl.split) {
-        drop(s, w, "VAL_RESULT for epoch %u version %" PRIu64 " from %" PRIu64 " while %s", v->epoch + 1,
-             v->version, v->begin, wstate_name[w->state]);
+        psd_peers_drop(s, w, "VAL_RESULT for epoch %u version %" PRIu64 " from %" PRIu64 " while %s", v->epoch + 1,
+             v->version, v->begin, psd_wstate_name[w->state]);
         return;
     }
     if (v->count != p->end - p->begin || v->correct > v->count || !isfinite(v->loss_sum) || v->loss_sum < 0) {
-        drop(s, w, "VAL_RESULT with invalid sums (count %" PRIu64 ", expected %" PRIu64 ")", v->count,
+        psd_peers_drop(s, w, "VAL_RESULT with invalid sums (count %" PRIu64 ", expected %" PRIu64 ")", v->count,
              p->end - p->begin);
         return;
     }
@@ -326,7 +327,7 @@ void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m)
         bool ok = sc && n == v->count;
         for (size_t i = 0; ok && i < n; i++) ok = sc[i] >= 0 && sc[i] <= 1; /* NaN fails too */
         if (!ok) {
-            drop(s, w, "VAL_RESULT without the range's %" PRIu64 " scores in [0, 1]", v->count);
+            psd_peers_drop(s, w, "VAL_RESULT without the range's %" PRIu64 " scores in [0, 1]", v->count);
             return;
         }
         memcpy(s->val_scores + p->begin, sc, n * sizeof *sc);
@@ -336,7 +337,7 @@ void on_val_result(srv_t *s, worker_t *w, ps_msg_t *m)
     p->count = v->count;
     p->done = true;
     if (--w->val_pending == 0) w->state = W_VALIDATED;
-    give_orphans(s);
+    psd_valid_give_orphans(s);
     for (int i = 0; i < s->n_parts; i++)
         if (!s->parts[i].done) return;
     parts_done(s);
@@ -455,7 +456,7 @@ static void write_metrics_line(srv_t *s, const epoch_stats_t *e, const psd_figs_
         fprintf(f, ",\"best_metric\":\"%s\",\"best_epoch\":%u,\"best_value\":%.9g", kb->metric, kb->epoch, kb->best);
     if (s->vl.test_last.have) put_figs(f, s, "test_", &s->vl.test_last);
     if (s->vl.test_best.have) put_figs(f, s, "best_test_", &s->vl.test_best);
-    for (int k = WEND_LEFT; k < WEND_N; k++) fprintf(f, ",\"workers_%s\":%" PRIu64, wend_name[k], s->ended[k]);
+    for (int k = WEND_LEFT; k < WEND_N; k++) fprintf(f, ",\"workers_%s\":%" PRIu64, psd_wend_name[k], s->ended[k]);
     if (s->vl.stopped_early) fputs(",\"stopped_early\":true", f);
     if (s->resumed) fprintf(f, ",\"resumed_from_step\":%" PRIu64, s->resumed_step);
     fputs("}\n", f);
@@ -486,7 +487,7 @@ static bool score_epoch(srv_t *s, const epoch_stats_t *e, const psd_figs_t *f)
             snprintf(why, sizeof why, "train.%s.metric %s: the workers report no sum '%s'",
                      i ? "early_stop" : "keep_best", b[i]->metric, b[i]->metric + 4);
             PS_ERROR("%s", why);
-            finish(s, PSD_EXIT_USAGE, why);
+            psd_peers_finish(s, PSD_EXIT_USAGE, why);
             return false;
         }
         bool better = psd_best_update(b[i], s->epoch + 1, v);
@@ -497,7 +498,7 @@ static bool score_epoch(srv_t *s, const epoch_stats_t *e, const psd_figs_t *f)
             double t0 = ps_now();
             if (ps_weights_save(s->cfg.best_path, &s->layout, s->store.cur->w, &meta, err, sizeof err) != 0) {
                 PS_ERROR("train.keep_best: %s", err);
-                finish(s, PSD_EXIT_ERROR, "psd cannot write the best epoch's weights");
+                psd_peers_finish(s, PSD_EXIT_ERROR, "psd cannot write the best epoch's weights");
                 return false;
             }
             PS_INFO("epoch %u is the best so far by %s (%.6g): weights kept in %s (%.2f s)", s->epoch + 1,
@@ -563,7 +564,7 @@ static bool next_test(srv_t *s)
 
 /* The last epoch's held line (and the closing test's log line): written
  * by psd_run.c before the run's last checkpoint. */
-void val_write_held(srv_t *s)
+void psd_valid_write_held(srv_t *s)
 {
     psd_val_part_t *v = &s->vl;
     if (v->line_held && s->metrics.fd >= 0) write_metrics_line(s, &v->held, &v->held_figs);
@@ -611,7 +612,7 @@ static void parts_done(srv_t *s)
     else end_validation(s);
 }
 
-void end_validation(srv_t *s)
+static void end_validation(srv_t *s)
 {
     if (s->tty) ps_log_status(NULL); /* the epoch's line takes its place */
     psd_figs_t fg = reduce_parts(s);
@@ -687,7 +688,7 @@ void end_validation(srv_t *s)
     s->events |= PSD_EV_VALIDATED;
 }
 
-void val_free(srv_t *s)
+void psd_valid_free(srv_t *s)
 {
     free(s->vl.best_w);
     free(s->vl.best_w16);

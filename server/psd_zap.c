@@ -146,12 +146,6 @@ int psd_zap_reload(psd_zap_t *z, char *err, size_t errlen)
     return 0;
 }
 
-void psd_zap_counts(psd_zap_t *z, unsigned long *accepted, unsigned long *refused)
-{
-    *accepted = z->accepted;
-    *refused = z->refused;
-}
-
 void psd_zap_stop(psd_zap_t **zp)
 {
     psd_zap_t *z = *zp;

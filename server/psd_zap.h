@@ -18,9 +18,6 @@ psd_zap_t *psd_zap_start(void *ctx, const char *allow_dir, char *err, size_t err
 /* Reload the allow-list (SIGHUP). 0, or -1 + message (the old list stays). */
 int psd_zap_reload(psd_zap_t *z, char *err, size_t errlen);
 
-/* Counts of clients let in and refused so far. */
-void psd_zap_counts(psd_zap_t *z, unsigned long *accepted, unsigned long *refused);
-
 /* Also let in psd's own public key: the psd shards (--shard i/n), which
  * share its key pair, connect to shard 0 with it. 0 or -1. */
 int psd_zap_allow_self(psd_zap_t *z, const char *public_z85);

@@ -12,6 +12,12 @@
 # circle, a use of a layer above, or psd_shard.c (shards 1..n-1) including
 # or using anything of the coordinator's. Functions and data (tables,
 # names) count alike.
+# The names (issue 61): --check also exits 1, naming each, on a global
+# symbol (nm T, D, R, B) of a server object without the prefix psd_ (but
+# those of UNPREFIXED below, each with its reason; compiler-made names,
+# with a "." or a leading "__", aside), on a static (t, d, r, b) of one file
+# named as another file's global, and on psd_core.h including the shell's
+# header (psd_server.h).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CHECK=0
@@ -22,15 +28,26 @@ OBJ="$B/libpsdserver.a.p"
 python3 - "$OBJ" "$CHECK" <<'PY'
 import collections, glob, os, subprocess, sys
 obj, check = sys.argv[1], sys.argv[2] == "1"
-defs, uses = {}, collections.defaultdict(set)
+# globals a server object may define without the prefix psd_: name -> why
+UNPREFIXED = {}
+defs, uses, statics = {}, collections.defaultdict(set), []
 for o in sorted(glob.glob(os.path.join(obj, "server_*.c.o"))):
     f = os.path.basename(o)[len("server_"):-len(".o")]
     for line in subprocess.run(["nm", o], capture_output=True, text=True, check=True).stdout.splitlines():
         p = line.split()
         if len(p) == 3 and p[1] in "TDRB":  # functions, and data (tables, names)
             defs[p[2]] = f
+        elif len(p) == 3 and p[1] in "tdrb":
+            statics.append((f, p[2].split(".")[0]))  # foo.constprop.0, foo.avx2: foo
         elif len(p) == 2 and p[0] == "U":
             uses[f].add(p[1])
+unprefixed = sorted((f, s) for s, f in defs.items()
+                    if not s.startswith("psd_") and s not in UNPREFIXED and "." not in s and not s.startswith("__"))
+for f, s in unprefixed:
+    print(f"unprefixed: {f} exports {s} (name it psd_..., or make it static)")
+shadows = sorted({(f, s, defs[s]) for f, s in statics if s in defs and defs[s] != f})
+for f, s, g in shadows:
+    print(f"static: {f}'s static {s} is named as {g}'s exported {s}")
 edges = collections.defaultdict(set)
 for f, syms in uses.items():
     for s in syms:
@@ -71,9 +88,13 @@ coord = set(order) | {"psd_status.c"}
 bad = sorted(g for g in edges.get("psd_shard.c", ()) if g in coord)
 if bad:
     print("psd_shard.c uses the coordinator's", " ".join(bad))
-sys.exit(1 if check and (out or up or bad) else 0)
+sys.exit(1 if check and (out or up or bad or unprefixed or shadows) else 0)
 PY
 if [ "$CHECK" = 1 ] && grep -nE '#include "(psd_core|psd_server)\.h"' server/psd_shard.c; then
     echo "psd_shard.c includes the coordinator's header" >&2
+    exit 1
+fi
+if [ "$CHECK" = 1 ] && grep -nE '#include "psd_server\.h"' server/psd_core.h; then
+    echo "psd_core.h includes the shell's header (psd_server.h)" >&2
     exit 1
 fi
