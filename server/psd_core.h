@@ -683,7 +683,9 @@ void psd_push_on_push(srv_t *s, worker_t *w, ps_msg_t *m);
 void psd_push_on_shard_have(srv_t *s, int i, ps_msg_t *m);
 void psd_push_on_shard_norm(srv_t *s, int i, ps_msg_t *m);
 
-/* psd_stream.c: streamed steps */
+/* psd_stream.c: streamed steps; it sets up and frees its part (init: once the model is known) */
+int psd_stream_init(srv_t *s, size_t chunk_bytes);
+void psd_stream_free(srv_t *s);
 int psd_stream_take(srv_t *s, worker_t *w, ps_msg_t *m);
 void psd_stream_forget(srv_t *s, worker_t *w);
 void psd_stream_progress(srv_t *s);

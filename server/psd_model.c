@@ -110,23 +110,9 @@ int psd_model_setup(srv_t *s, const float *const *values)
                     "steps not streamed, f32 weights and gradients, and no other sparse-rows tensor", mb,
                     c->ctr_worker_table_mb);
     }
-    if (s->stream) {
-        s->st.cf = ps_chunk_floats((size_t)c->chunk_bytes);
-        s->st.nc = s->store.n_chunks;
-        for (int t = 0, k = 0; t < s->layout.n_tensors; k += s->st.tchunks[t], t++) {
-            s->st.tfirst[t] = k;
-            s->st.tchunks[t] = (int)((s->layout.t[t].numel + s->st.cf - 1) / s->st.cf);
-        }
-        s->st.have = calloc((size_t)s->st.nc, sizeof *s->st.have);
-        s->st.done = calloc((size_t)s->st.nc, 1);
-        s->st.ready = calloc(ST_BATCH, sizeof *s->st.ready);
-        s->st.rq = calloc((size_t)s->st.nc, sizeof *s->st.rq);
-        s->st.src = calloc((size_t)ST_BATCH * MAX_WORKERS, sizeof *s->st.src);
-        s->st.mem = calloc(MAX_WORKERS, sizeof *s->st.mem);
-        if (!s->st.have || !s->st.done || !s->st.ready || !s->st.rq || !s->st.src || !s->st.mem) {
-            PS_ERROR("out of memory for streamed steps");
-            return PSD_EXIT_ERROR;
-        }
+    if (s->stream && psd_stream_init(s, (size_t)c->chunk_bytes) != 0) {
+        PS_ERROR("out of memory for streamed steps");
+        return PSD_EXIT_ERROR;
     }
     s->model_ready = true;
     return 0;

@@ -841,12 +841,12 @@ static void zmq_end(srv_t *s, int linger_ms)
     s->net.zctx = NULL;
 }
 
-int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
+/* The run's set-up before any socket: config policy (keep_best with shards), the model
+ * (unless from the first worker), outputs held, a resume; a checkpoint at the run's end
+ * writes its weights and ends here. true to go on; false with *code the exit code. */
+static bool run_setup(srv_t *s, const ps_config_t *c, const psd_run_opts_t *opts, int *code)
 {
-    srv_t *s = calloc(1, sizeof *s);
-    if (!s) return PSD_EXIT_ERROR;
-    int code = PSD_EXIT_ERROR;
-    bool loop_ok = false;
+    *code = PSD_EXIT_ERROR;
     s->cfg = *c;
     s->opts = *opts;
     psd_metrics_init(&s->metrics);
@@ -854,23 +854,23 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     s->run_id = make_run_id();
     s->w = calloc(MAX_WORKERS, sizeof *s->w);
     s->max_workers = opts->max_workers > 0 && opts->max_workers < MAX_WORKERS ? opts->max_workers : MAX_WORKERS;
-    if (!s->w) goto out;
+    if (!s->w) return false;
     char lerr[512];
     if (c->kind != PS_MODEL_FROM_WORKER && ps_run_layout(c, &s->layout, lerr, sizeof lerr) != 0) {
         PS_ERROR("%s", lerr);
-        code = PSD_EXIT_USAGE;
-        goto out;
+        *code = PSD_EXIT_USAGE;
+        return false;
     }
     if (check_data(s) != 0) {
-        code = PSD_EXIT_USAGE;
-        goto out;
+        *code = PSD_EXIT_USAGE;
+        return false;
     }
     psd_best_init(&s->vl.keep, c->best_metric, c->best_mode, 0, 0);
     psd_best_init(&s->vl.stop, c->stop_metric, c->stop_mode, c->stop_min_delta, c->stop_patience);
     if (c->best_metric[0] && opts->shards > 1) {
         PS_ERROR("train.keep_best: not with psd shards yet (each holds a part of the weights); use one psd");
-        code = PSD_EXIT_USAGE;
-        goto out;
+        *code = PSD_EXIT_USAGE;
+        return false;
     }
     if ((c->best_metric[0] || c->stop_metric[0]) && c->val_fraction <= 0 && c->val_size <= 0)
         PS_WARN("train.%s: no held-out validation set (data.val_fraction): the best epoch is chosen on the test "
@@ -880,7 +880,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     ps_arena_init(&s->net.rx_arena, s->net.rx_buf, sizeof s->net.rx_buf);
     if (!s->step_bf16 || !s->step_wt) {
         PS_ERROR("psd out of memory");
-        goto out;
+        return false;
     }
     s->sh.n = opts->shards > 1 ? opts->shards : 1; /* the store owns shard 0's part (psd_store_init_part) */
     if (c->kind == PS_MODEL_FROM_WORKER && opts->resume_dir) { /* the model is the checkpoint's */
@@ -891,17 +891,17 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         if (rr != 0 || psd_ckpt_newest_layout(rdir, run_id, &s->layout, s->offer.config, lerr, sizeof lerr) != 0 ||
             (s->offer.config[0] && psd_adopt(s, s->offer.config, lerr, sizeof lerr) != 0)) { /* and its optimizer */
             PS_ERROR("cannot resume from %s: %s", opts->resume_dir, lerr);
-            code = PSD_EXIT_USAGE;
-            goto out;
+            *code = PSD_EXIT_USAGE;
+            return false;
         }
     }
     if (c->kind == PS_MODEL_TENSORS || (c->kind == PS_MODEL_FROM_WORKER && s->layout.n_tensors > 0))
         psd_say_optimizer(&s->cfg); /* a user's model: what it took from where (from_worker: psd_offer.c) */
-    if ((c->kind != PS_MODEL_FROM_WORKER || s->layout.n_tensors > 0) && (code = psd_model_setup(s, NULL)) != 0)
-        goto out;
-    code = PSD_EXIT_ERROR;
-    if ((code = psd_run_hold_outputs(s)) != 0 || (opts->resume_dir && (code = psd_run_resume(s)) != 0)) goto out;
-    code = PSD_EXIT_ERROR;
+    if ((c->kind != PS_MODEL_FROM_WORKER || s->layout.n_tensors > 0) && (*code = psd_model_setup(s, NULL)) != 0)
+        return false;
+    *code = PSD_EXIT_ERROR;
+    if ((*code = psd_run_hold_outputs(s)) != 0 || (opts->resume_dir && (*code = psd_run_resume(s)) != 0)) return false;
+    *code = PSD_EXIT_ERROR;
     if (s->epoch >= (uint32_t)c->epochs && sharded(s)) /* the shards may hold older steps only: they decide */
         PS_INFO("shard 0's checkpoint is at the end of the run (%d epochs): waiting for the other shards' parts",
                 c->epochs);
@@ -915,27 +915,36 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
             PS_INFO("the checkpoint is at the end of the run (%d epochs): nothing to train", c->epochs);
         }
         if (opts->check) { /* the start would write the weights and end: nothing to refuse */
-            code = 0;
-            goto out;
+            *code = 0;
+            return false;
         }
         char err[PS_PATH_MAX + 400];
         if (psd_run_resume_metrics(s, err, sizeof err) != 0) { /* psd ends as a run that starts: its lines past it go */
             PS_ERROR("%s", err);
-            code = PSD_EXIT_USAGE;
-            goto out;
+            *code = PSD_EXIT_USAGE;
+            return false;
         }
         s->epoch--; /* the last epoch trained, as the end of the run writes it */
         psd_run_save_weights(s);
-        code = s->exit_code;
-        goto out;
+        *code = s->exit_code;
+        return false;
     }
+    return true;
+}
+
+/* The router socket, the start's log lines, the loop's handles (poll, timer, signals),
+ * shared memory and HTTP: 0, or the exit code (*loop_ok once the loop is made: the
+ * teardown closes it). */
+static int run_open(srv_t *s, const ps_config_t *c, const psd_run_opts_t *opts, bool *loop_ok)
+{
+    int code;
     snprintf(s->ck.run_dir, sizeof s->ck.run_dir, "%s/run-%016" PRIx64, c->ckpt_dir, s->run_id);
     s->net.zctx = psd_zmq_context(c);
     /* from_worker: sized for the largest model psd takes, before any worker exists */
     const size_t n_params = s->model_ready ? s->layout.n_params : (size_t)c->max_params;
     if ((code = psd_router_open(s->net.zctx, c, c->listen, opts->no_zap, n_params, sharded(s), true, &s->locks,
                                 &s->net.sock, &s->net.zap, &s->net.mon)) != 0)
-        goto out;
+        return code;
     s->silence = psd_silence_limit(c, n_params);
     code = PSD_EXIT_ERROR;
     char ep[256] = "";
@@ -971,7 +980,7 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     size_t fdlen = sizeof fd;
     zmq_getsockopt(s->net.sock, ZMQ_FD, &fd, &fdlen);
     uv_loop_init(&s->net.loop);
-    loop_ok = true;
+    *loop_ok = true;
     uv_poll_init(&s->net.loop, &s->net.poll, fd);
     uv_timer_init(&s->net.loop, &s->net.timer);
     uv_signal_init(&s->net.loop, &s->net.sigint);
@@ -990,30 +999,13 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
         if (s->model_ready) start_shm(s);
         else s->net.shm_later = true;
     }
-    s->t_boot = ps_now();
-    s->val_curve = calloc((size_t)c->epochs, sizeof *s->val_curve);
-    if (c->http[0] && (code = start_http(s)) != 0) goto out;
-    if (opts->check) { /* --check-config: every check of the start passed, its sockets bound; nothing written */
-        code = 0;
-        goto out;
-    }
-    if ((code = make_outputs(s)) != 0) goto out;
-    code = PSD_EXIT_ERROR;
-    /* the live progress line: on a terminal, unless the log is for a machine (json) */
-    s->tty = isatty(STDERR_FILENO) && c->log_format == PS_LOG_TEXT && getenv("TERM") &&
-             strcmp(getenv("TERM"), "dumb") != 0;
-    s->phase = PHASE_WAIT;
-    s->phase_deadline = ps_now() + c->start_timeout;
-    /* one that came while psd loaded (counted then): acted on now, as
-     * on_signal would have */
-    int early = ps_early_stop_signal();
-    if (early) request_stop(s, early, strsignal(early));
-    drain(s);
-    ps_malloc_settle(); /* the data's decoding */
-    if (s->phase != PHASE_DONE) uv_run(&s->net.loop, UV_RUN_DEFAULT);
-    if (s->tty) ps_log_status(NULL);
-    code = s->exit_code;
-out:
+    return 0;
+}
+
+/* Everything the run holds, given back once the loop has ended (a checkpoint being
+ * written finished first): the final exit code (the metrics file's loss makes it 6). */
+static int run_teardown(srv_t *s, bool loop_ok, int code)
+{
     if (s->ck.writer || s->ck.open) { /* a last checkpoint still being written: let it finish */
         if (s->stopping > 0 && code >= 128 && s->ck.writer) { /* a second signal: exit at once */
             /* the workers' SHUTDOWN (a few bytes each) is queued: end
@@ -1089,5 +1081,39 @@ out:
     free(s->table_pb);
     free(s);
     return code;
+}
+
+int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
+{
+    srv_t *s = calloc(1, sizeof *s);
+    if (!s) return PSD_EXIT_ERROR;
+    int code = PSD_EXIT_ERROR;
+    bool loop_ok = false;
+    if (!run_setup(s, c, opts, &code) || (code = run_open(s, c, opts, &loop_ok)) != 0) goto out;
+    s->t_boot = ps_now();
+    s->val_curve = calloc((size_t)c->epochs, sizeof *s->val_curve);
+    if (c->http[0] && (code = start_http(s)) != 0) goto out;
+    if (opts->check) { /* --check-config: every check of the start passed, its sockets bound; nothing written */
+        code = 0;
+        goto out;
+    }
+    if ((code = make_outputs(s)) != 0) goto out;
+    code = PSD_EXIT_ERROR;
+    /* the live progress line: on a terminal, unless the log is for a machine (json) */
+    s->tty = isatty(STDERR_FILENO) && c->log_format == PS_LOG_TEXT && getenv("TERM") &&
+             strcmp(getenv("TERM"), "dumb") != 0;
+    s->phase = PHASE_WAIT;
+    s->phase_deadline = ps_now() + c->start_timeout;
+    /* one that came while psd loaded (counted then): acted on now, as
+     * on_signal would have */
+    int early = ps_early_stop_signal();
+    if (early) request_stop(s, early, strsignal(early));
+    drain(s);
+    ps_malloc_settle(); /* the data's decoding */
+    if (s->phase != PHASE_DONE) uv_run(&s->net.loop, UV_RUN_DEFAULT);
+    if (s->tty) ps_log_status(NULL);
+    code = s->exit_code;
+out:
+    return run_teardown(s, loop_ok, code);
 }
 

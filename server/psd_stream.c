@@ -119,6 +119,40 @@ static void stream_settle_lost(srv_t *s)
     s->st.lost_correct = 0;
 }
 
+/* The stream part (psd_stream_part_t) for the model's chunks of chunk_bytes: 0, or -1 (out
+ * of memory; psd_stream_free frees what was made). Called once the model is known
+ * (psd_model.c); the part is this file's from then on. */
+int psd_stream_init(srv_t *s, size_t chunk_bytes)
+{
+    psd_stream_part_t *st = &s->st;
+    st->cf = ps_chunk_floats(chunk_bytes);
+    st->nc = s->store.n_chunks;
+    for (int t = 0, k = 0; t < s->layout.n_tensors; k += st->tchunks[t], t++) {
+        st->tfirst[t] = k;
+        st->tchunks[t] = (int)((s->layout.t[t].numel + st->cf - 1) / st->cf);
+    }
+    st->have = calloc((size_t)st->nc, sizeof *st->have);
+    st->done = calloc((size_t)st->nc, 1);
+    st->ready = calloc(ST_BATCH, sizeof *st->ready);
+    st->rq = calloc((size_t)st->nc, sizeof *st->rq);
+    st->src = calloc((size_t)ST_BATCH * MAX_WORKERS, sizeof *st->src);
+    st->mem = calloc(MAX_WORKERS, sizeof *st->mem);
+    return st->have && st->done && st->ready && st->rq && st->src && st->mem ? 0 : -1;
+}
+
+void psd_stream_free(srv_t *s)
+{
+    psd_stream_part_t *st = &s->st;
+    free(st->have);
+    free(st->done);
+    free(st->ready);
+    free(st->rq);
+    free(st->src);
+    free(st->mem);
+    free(st->lost_pos);
+    memset(st, 0, sizeof *st);
+}
+
 /* Step every chunk that every contributor has sent; send the new values to
  * the workers waiting for them; once all are made, the version is current
  * and the step done. */
