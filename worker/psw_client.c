@@ -12,14 +12,6 @@ _Static_assert(PS_MAX_TENSORS <= 64, "a push's units fit a 64-bit mask");
 _Static_assert(PSW_MAX_TENSORS == PS_MAX_TABLE && PSW_NAME_MAX == PS_NAME_MAX && PSW_MAX_DIMS == PS_MAX_DIMS,
                "the public table is the layout's");
 
-static void defer_free(psw_client_t *c)
-{
-    for (int i = 0; i < c->n_defer; i++) ps_msg_deinit(&c->defer[i]);
-    free(c->defer);
-    c->defer = NULL;
-    c->n_defer = 0;
-}
-
 static void shm_unmap(psw_client_t *c)
 {
     if (c->shm_grad) munmap(c->shm_grad, c->layout.n_params * sizeof(float));
@@ -103,7 +95,7 @@ out:
     return rc;
 }
 
-static void push_frame_done(void *data, void *hint)
+void pswc_push_frame_done(void *data, void *hint)
 {
     (void)data;
     psw_client_t *c = hint;
@@ -129,7 +121,8 @@ psw_client_t *psw_client_new(const char *endpoint, const psw_info_t *info, char 
     pthread_condattr_destroy(&ca);
     pswc_fork_add(c);
     c->info = *info;
-    c->n_shards = 1;
+    c->sh.n = 1;
+    c->ops = &pswc_one_ops;
     c->protocol = info->protocol ? info->protocol : PS_PROTOCOL_VERSION;
     c->run_id = info->run_id;
     c->prev_rank = info->run_id ? (int32_t)info->prev_rank : -1;
@@ -184,26 +177,6 @@ zfail:
 fail:
     psw_client_destroy(&c);
     return NULL;
-}
-
-static void shards_close(psw_client_t *c)
-{
-    for (int k = 1; k < PS_MAX_SHARDS; k++)
-        if (c->ssock[k]) {
-            ps_msg_drain(c->ssock[k], 0.05, 0.3);
-            pswc_fork_forget(c, k);
-            ps_zmq_close_monitored(c->ssock[k], c->smon[k]);
-            c->ssock[k] = NULL;
-            c->smon[k] = NULL;
-            c->tcp_fd[k] = 0;
-        }
-    free(c->wbuf);
-    c->wbuf = NULL;
-    free(c->tbuf);
-    c->tbuf = NULL;
-    c->tbuf_cap = 0;
-    defer_free(c);
-    c->n_shards = 1;
 }
 
 /* Let go of the streamed tensors held. */
@@ -290,7 +263,7 @@ void psw_client_destroy(psw_client_t **cp)
     if (!c) return;
     pswc_fork_remove(c); /* before its sockets close: their fds may then be anything's */
     ps_msg_deinit(&c->cur);
-    shards_close(c);
+    c->ops->close(c);
     shm_unmap(c);
     pswc_stream_release(c);
     free(c->offer_config);
@@ -343,7 +316,7 @@ static int check_monitor(psw_client_t *c)
 
 uint32_t psw_client_rank(const psw_client_t *c) { return c->rank; }
 
-static void header_init(psw_client_t *c, Psd__Header *h, Psd__MsgType type)
+void pswc_header_init(psw_client_t *c, Psd__Header *h, Psd__MsgType type)
 {
     psd__header__init(h);
     h->run_id = c->run_id;
@@ -353,7 +326,7 @@ static void header_init(psw_client_t *c, Psd__Header *h, Psd__MsgType type)
 }
 
 /* A tensor frame's second dimension: the table's cols, 0 for a vector. */
-static uint64_t tcols(const psw_client_t *c, int t) { return c->layout.t[t].ndim >= 2 ? c->layout.t[t].cols : 0; }
+uint64_t pswc_tcols(const psw_client_t *c, int t) { return c->layout.t[t].ndim >= 2 ? c->layout.t[t].cols : 0; }
 
 /* Send with the (possibly overridden) protocol number. */
 static int send_msg(psw_client_t *c, Psd__Header *h, const ps_frame_t *frames, int n)
@@ -388,8 +361,8 @@ int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err,
         }
         /* psd (shard 0), its monitor, the other shards */
         zmq_pollitem_t it[2 + PS_MAX_SHARDS] = {{c->sock, 0, ZMQ_POLLIN, 0}, {c->mon, 0, ZMQ_POLLIN, 0}};
-        int ni = c->mon ? 2 : 1, s0 = ni - 1;
-        for (int k = 1; k < c->n_shards; k++) it[ni++] = (zmq_pollitem_t){c->ssock[k], 0, ZMQ_POLLIN, 0};
+        int ni = c->mon ? 2 : 1, s0 = ni;
+        ni = c->ops->poll_add(c, it, ni);
         /* an hour at most per poll: an infinite timeout (psd's server.start_timeout: .inf)
          * waits for ever without overflowing the conversion; none with a
          * monitor result waiting */
@@ -403,30 +376,10 @@ int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err,
             return -zmq_errno();
         }
         c->from = 0;
-        for (int k = 1; k < c->n_shards && !(it[0].revents & ZMQ_POLLIN); k++)
-            if (it[s0 + k].revents & ZMQ_POLLIN) { /* a shard's message */
-                char why[256];
-                int rc = ps_msg_recv(c->ssock[k], &c->cur, false, ZMQ_DONTWAIT, why, sizeof why);
-                if (rc == -EPROTO) PS_WARN("dropped a malformed message from psd shard %d: %s", k, why);
-                if (rc < 0) break;
-                c->from = k;
-                break;
-            }
-        if (c->from > 0) {
-            Psd__Header *h = c->cur.hdr;
-            if (h->protocol != c->protocol || (c->run_id && h->run_id != c->run_id)) {
-                PS_WARN("dropped a message from psd shard %d of another protocol or run", c->from);
-                ps_msg_deinit(&c->cur);
-                continue;
-            }
-            ps_tcp_cc_conn(&c->tcp_fd[c->from], c->cur.srcfd, c->tcp_cc, false);
-            if (c->cur.srcfd >= 0 && c->cur.srcfd != c->conn[c->from].fd) pswc_fork_drain(c, c->from); /* reconnected */
-            if (h->type == PSD__MSG_TYPE__MSG_ERROR) {
-                snprintf(err, errlen, "psd shard %d refused: %s", c->from,
-                         h->error->message && h->error->message[0] ? h->error->message : "(no reason)");
-                return -EPROTO;
-            }
-            return 0;
+        if (!(it[0].revents & ZMQ_POLLIN)) { /* a shard's message */
+            int rc = c->ops->recv_polled(c, it + s0, err, errlen);
+            if (rc == PSWC_AGAIN) continue;
+            if (rc != PSWC_NONE) return rc == PSWC_GOT ? 0 : rc;
         }
         const bool mon_in = c->mon && ((it[1].revents & ZMQ_POLLIN) || c->mon_rc);
         if (!(it[0].revents & ZMQ_POLLIN) && !mon_in) continue; /* nothing read */
@@ -494,116 +447,6 @@ int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err,
     }
 }
 
-/* Connect to psd shards 1..n-1 (ASSIGN's endpoints) and register with each
- * (rank and token; repeated until it answers: shard 0 tells it about us on
- * its own connection, which may come later than ours). */
-static int shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, char *err, size_t errlen)
-{
-    shards_close(c);
-    if (a->n_shard_endpoints == 0) return 0;
-    if (a->n_shard_endpoints >= PS_MAX_SHARDS || a->shard_token.len != PS_SHM_TOKEN) {
-        snprintf(err, errlen, "psd sent an invalid list of shards");
-        return -EPROTO;
-    }
-    c->n_shards = (int)a->n_shard_endpoints + 1;
-    /* the table on psd: the model but the table (the last tensor), whose
-     * rows asked for go to tbuf */
-    size_t floats = c->table_on_psd ? c->layout.t[c->layout.table].offset : c->layout.n_params;
-    c->wbuf = calloc(floats ? floats : 1, sizeof *c->wbuf);
-    if (!c->wbuf) {
-        snprintf(err, errlen, "out of memory");
-        return -ENOMEM;
-    }
-    memset(c->got, 0, sizeof c->got);
-    c->pending = 0;
-    c->rows_shards = ps_shards_table_rows(&c->layout, c->n_shards);
-    for (int k = 0; k < c->n_shards; k++) ps_shard_pieces(&c->layout, k, c->n_shards, c->pieces[k]);
-    uint8_t token[PS_SHM_TOKEN];
-    memcpy(token, a->shard_token.data, sizeof token);
-    for (int k = 1; k < c->n_shards; k++) {
-        const char *ep = a->shard_endpoints[k - 1];
-        char why[400];
-        if (ps_endpoint_check(ep, PS_EP_CONNECT, why, sizeof why) != 0) {
-            snprintf(err, errlen, "psd's ASSIGN names psd shard %d at %s", k, why);
-            return -EPROTO;
-        }
-        void *so = zmq_socket(c->ctx, ZMQ_DEALER);
-        if (!so) {
-            snprintf(err, errlen, "zeromq: %s", zmq_strerror(zmq_errno()));
-            return -EIO;
-        }
-        c->ssock[k] = so;
-        int linger = 2000, zero = 0;
-        zmq_setsockopt(so, ZMQ_LINGER, &linger, sizeof linger);
-        zmq_setsockopt(so, ZMQ_SNDHWM, &zero, sizeof zero);
-        zmq_setsockopt(so, ZMQ_RCVHWM, &zero, sizeof zero);
-        /* a shard sends its parts of the weights and small messages: a larger frame disconnects it */
-        int64_t most = 4 * (int64_t)c->layout.n_params + (4 << 20);
-        zmq_setsockopt(so, ZMQ_MAXMSGSIZE, &most, sizeof most);
-        if (c->info.curve_server && (zmq_setsockopt(so, ZMQ_CURVE_SERVERKEY, c->info.curve_server, 40) != 0 ||
-                                     zmq_setsockopt(so, ZMQ_CURVE_PUBLICKEY, c->info.curve_public, 40) != 0 ||
-                                     zmq_setsockopt(so, ZMQ_CURVE_SECRETKEY, c->info.curve_secret, 40) != 0)) {
-            snprintf(err, errlen, "cannot set up CURVE: %s", zmq_strerror(zmq_errno()));
-            return -EINVAL;
-        }
-        /* its connection's fd, for forked children (psw_fork.c); without a monitor they keep it */
-        static atomic_uint n_mon;
-        char mon_ep[80];
-        snprintf(mon_ep, sizeof mon_ep, "inproc://psw-monitor-%p-%u", (void *)c, atomic_fetch_add(&n_mon, 1));
-        c->smon[k] = ps_zmq_monitor(c->ctx, so, mon_ep,
-                                    ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CLOSED);
-        if (!c->smon[k]) PS_DEBUG("no monitor of psd shard %d's socket: %s", k, zmq_strerror(zmq_errno()));
-        ps_zmq_endpoint_opts(so, ep);
-        if (zmq_connect(so, ep) != 0) {
-            snprintf(err, errlen, "cannot connect to psd shard %d at '%s': %s", k, ep, zmq_strerror(zmq_errno()));
-            return -EINVAL;
-        }
-    }
-    double deadline = ps_now() + timeout_s;
-    for (int k = 1; k < c->n_shards; k++) {
-        int answered = 0;
-        double next = 0;
-        while (!answered) {
-            double now = ps_now();
-            if (now > deadline) {
-                snprintf(err, errlen, "psd shard %d at %s did not answer in %.0f s", k, a->shard_endpoints[k - 1],
-                         timeout_s);
-                return -ETIMEDOUT;
-            }
-            if (now >= next) {
-                Psd__Header h;
-                Psd__Register r = PSD__REGISTER__INIT;
-                header_init(c, &h, PSD__MSG_TYPE__MSG_REGISTER);
-                r.pid = (uint32_t)getpid();
-                r.version = PSD_VERSION;
-                r.prev_rank = -1;
-                r.shard_token.data = token;
-                r.shard_token.len = sizeof token;
-                h.body_case = PSD__HEADER__BODY_REG;
-                h.reg = &r;
-                ps_msg_send(c->ssock[k], NULL, 0, &h, NULL, 0);
-                next = now + 0.5;
-            }
-            zmq_pollitem_t it = {c->ssock[k], 0, ZMQ_POLLIN, 0};
-            if (zmq_poll(&it, 1, 100) <= 0) continue;
-            ps_msg_t m;
-            char why[256];
-            if (ps_msg_recv(c->ssock[k], &m, false, ZMQ_DONTWAIT, why, sizeof why) != 0) continue;
-            if (m.hdr->type == PSD__MSG_TYPE__MSG_ASSIGN && m.hdr->run_id == c->run_id && m.hdr->assign->rank == c->rank) {
-                answered = 1;
-                pswc_fork_drain(c, k); /* its CONNECTED came before this */
-            } else if (m.hdr->type == PSD__MSG_TYPE__MSG_ERROR) {
-                snprintf(err, errlen, "psd shard %d refused: %s", k, m.hdr->error->message ? m.hdr->error->message : "");
-                ps_msg_deinit(&m);
-                return -EPROTO;
-            }
-            ps_msg_deinit(&m);
-        }
-    }
-    PS_DEBUG("registered with %d psd shards", c->n_shards);
-    return 0;
-}
-
 static int offer_specs(const psw_client_t *c, ps_tensor_spec_t *sp, ps_layout_t *l, uint8_t **tb, size_t *tlen,
                        char *why, size_t why_len, char *err, size_t errlen);
 
@@ -663,7 +506,7 @@ static int send_values(psw_client_t *c, const ps_layout_t *l)
     ps_frame_t fr[PS_MAX_TENSORS];
     float *packed = l->tab ? malloc((l->n_params ? l->n_params : 1) * sizeof *packed) : NULL;
     if (l->tab && !packed) return -ENOMEM;
-    header_init(c, &h, PSD__MSG_TYPE__MSG_VALUES);
+    pswc_header_init(c, &h, PSD__MSG_TYPE__MSG_VALUES);
     h.body_case = PSD__HEADER__BODY_VALUES;
     h.values = &v;
     for (int k = 0; packed && k < l->n_tab; k++)
@@ -690,7 +533,7 @@ static int register_and_wait(psw_client_t *c, double timeout_s, char *err, size_
     ps_host_id(hostid, sizeof hostid);
     Psd__Header h;
     Psd__Register r = PSD__REGISTER__INIT;
-    header_init(c, &h, PSD__MSG_TYPE__MSG_REGISTER);
+    pswc_header_init(c, &h, PSD__MSG_TYPE__MSG_REGISTER);
     r.hostname = host;
     r.host_id = hostid;
     r.pid = (uint32_t)getpid();
@@ -890,7 +733,8 @@ static int assign_setup(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     }
     out->shm = c->shm;
     c->table_on_psd = a->ctr && a->ctr->table_on_psd && c->layout.table >= 0;
-    int src = shards_connect(c, a, timeout_s, err, errlen);
+    int src = pswc_shards_connect(c, a, timeout_s, err, errlen);
+    c->ops = c->sh.n > 1 ? &pswc_shards_ops : &pswc_one_ops; /* the mode, chosen once */
     if (src != 0) return src;
     /* bfloat16 on the wire, when psd asks for it (never through shared memory) */
     c->grad_bf16 = !c->shm && a->grad_dtype == PSD__DTYPE__DT_BF16;
@@ -913,7 +757,7 @@ static int assign_setup(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     }
     pswc_stream_release(c);
     c->stream_cf = 0;
-    if (a->stream_chunk_bytes > 0 && c->n_shards == 1) {
+    if (a->stream_chunk_bytes > 0 && c->ops->stream) {
         if (a->stream_chunk_bytes > (UINT64_C(1) << 30)) {
             snprintf(err, errlen, "psd sent an invalid chunk size");
             return -EPROTO;
@@ -937,7 +781,7 @@ int psw_client_ready(psw_client_t *c, uint64_t train_count, uint64_t test_count,
     if (data_id && !ps_data_id_ok(data_id)) return -EINVAL;
     Psd__Header h;
     Psd__Ready r = PSD__READY__INIT;
-    header_init(c, &h, PSD__MSG_TYPE__MSG_READY);
+    pswc_header_init(c, &h, PSD__MSG_TYPE__MSG_READY);
     r.train_count = train_count;
     r.test_count = test_count;
     r.shm = c->shm != 0;
@@ -954,7 +798,7 @@ int pswc_pull_on(psw_client_t *c, void *sock, uint64_t min_version, const uint32
 {
     Psd__Header h;
     Psd__Pull p = PSD__PULL__INIT;
-    header_init(c, &h, PSD__MSG_TYPE__MSG_PULL);
+    pswc_header_init(c, &h, PSD__MSG_TYPE__MSG_PULL);
     p.min_version = min_version;
     p.want_rows = n > 0;
     h.body_case = PSD__HEADER__BODY_PULL;
@@ -972,16 +816,14 @@ int psw_client_pull(psw_client_t *c, uint64_t min_version)
 {
     c->t_req = ps_now();
     c->weights_due = true;
-    for (int k = 1; k < c->n_shards; k++) { /* and from every other shard */
-        int rc = pswc_pull_on(c, c->ssock[k], min_version, NULL, 0);
-        if (rc < 0) return rc;
-    }
-    return pswc_pull_on(c, c->sock, min_version, NULL, 0);
+    return c->ops->pull(c, min_version);
 }
+
+static int one_pull(psw_client_t *c, uint64_t min_version) { return pswc_pull_on(c, c->sock, min_version, NULL, 0); }
 
 /* Tensor id of the model with numel elements (pushes into buffers laid out
  * like the model: the shared region, the bfloat16 buffer). */
-static bool layout_tensor(const psw_client_t *c, int id, size_t numel)
+bool pswc_layout_tensor(const psw_client_t *c, int id, size_t numel)
 {
     return id >= 0 && id < c->layout.n_tensors && numel == c->layout.t[id].numel;
 }
@@ -998,84 +840,6 @@ size_t pswc_first_row_at(const uint32_t *ids, size_t n, size_t r)
     return lo;
 }
 
-/* A push to psd shards: each shard gets one message with its pieces
- * (sent from the gradients without copies; none if it holds none of them:
- * then, when the push asks for the next version, a PULL for it instead).
- * With rows (rows[i].ids), a sparse-rows tensor goes
- * as rows: to each shard the ids and values of the rows in its piece
- * (slices of the caller's arrays; two empty frames when none are); with
- * want, each shard holding a piece of the table gets the rows of it the
- * next batch reads (a last frame, copied; empty when none), and answers
- * with those rows of its piece. */
-static int push_shards(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
-                       const size_t *numel, const pswc_rows_t *rows, const uint32_t *want, size_t n_want)
-{
-    const void *src[PS_MAX_TENSORS];
-    for (int i = 0; i < n; i++) {
-        if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
-        src[i] = grads[i];
-        if (c->grad_bf16) {
-            uint16_t *dst = c->gconv + c->layout.t[ids[i]].offset;
-            ps_f32_to_bf16_n(dst, grads[i], numel[i]);
-            src[i] = dst;
-        }
-    }
-    size_t es = c->grad_bf16 ? 2 : 4;
-    int pull = h->push->pull;
-    for (int k = c->n_shards - 1; k >= 0; k--) { /* shard 0 last: its push completes the step's wait */
-        ps_frame_t fr[2 * PS_MAX_TENSORS + 1];
-        int m = 0, owed = 0; /* frames, and those sent without copies (push_frame_done) */
-        h->push->want_rows = false;
-        size_t wa = 0, wn = 0; /* want[wa, wa + wn): the rows of this shard's piece wanted */
-        for (int i = 0; i < n; i++) {
-            const ps_piece_t *p = &c->pieces[k][ids[i]];
-            if (p->n == 0) continue;
-            size_t r0, r1;
-            if (rows && rows[i].ids && ps_piece_rows(&c->layout, p, &r0, &r1)) {
-                const uint32_t *row_ids = rows[i].ids;
-                const float *row_vals = rows[i].vals;
-                const size_t n_rows = rows[i].n;
-                size_t a = pswc_first_row_at(row_ids, n_rows, r0), nr = pswc_first_row_at(row_ids, n_rows, r1) - a;
-                size_t D = (size_t)c->layout.t[ids[i]].cols;
-                void (*ffn)(void *, void *) = nr ? push_frame_done : NULL; /* none: two empty frames */
-                fr[m++] = (ps_frame_t){.data = row_ids + a, .nbytes = nr * sizeof *row_ids, .ffn = ffn, .hint = c,
-                                       .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)nr};
-                fr[m++] = (ps_frame_t){.data = row_vals + a * D, .nbytes = nr * D * sizeof(float), .ffn = ffn,
-                                       .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_F32,
-                                       .rows = (uint32_t)nr, .cols = (uint32_t)D};
-                owed += nr ? 2 : 0;
-                if (n_want && ids[i] == c->layout.table) {
-                    wa = pswc_first_row_at(want, n_want, r0);
-                    wn = pswc_first_row_at(want, n_want, r1) - wa;
-                    h->push->want_rows = true;
-                }
-                continue;
-            }
-            fr[m++] = (ps_frame_t){.data = (const char *)src[i] + p->off * es, .nbytes = p->n * es,
-                                   .ffn = push_frame_done, .hint = c, .id = (uint32_t)ids[i],
-                                   .dtype = c->grad_bf16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32,
-                                   .rows = c->layout.t[ids[i]].rows, .cols = tcols(c, ids[i]), .offset = p->off};
-            owed++;
-        }
-        if (h->push->want_rows) /* the message's last frame */
-            fr[m++] = (ps_frame_t){.data = want + wa, .nbytes = wn * sizeof *want, .id = (uint32_t)c->layout.table,
-                                   .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)wn};
-        if (c->layout.table < 0) ps_frames_small_first(fr, m);
-        void *so = k ? c->ssock[k] : c->sock;
-        int rc;
-        if (m > 0) {
-            atomic_fetch_add_explicit(&c->push_inflight, owed, memory_order_relaxed);
-            rc = ps_msg_send(so, NULL, 0, h, fr, m);
-        } else if (pull) { /* its part of the push came before: ask for the next version */
-            rc = pswc_pull_on(c, so, k ? h->push->version + 1 : h->push->version, NULL, 0);
-        } else {
-            continue;
-        }
-        if (rc < 0) return rc;
-    }
-    return 0;
-}
-
 /* A streamed push: every chunk in a message of its own (psd steps each
  * chunk as soon as every worker's copy is in). The PULL flag goes with
  * every one: psd sends the new values of each chunk as soon as they are
@@ -1085,7 +849,7 @@ static int push_stream(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
 {
     size_t es = c->grad_bf16 ? 2 : 4;
     for (int i = 0; i < n; i++) {
-        if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
+        if (!pswc_layout_tensor(c, ids[i], numel[i])) return -EINVAL;
         const void *src = grads[i];
         if (c->grad_bf16) {
             uint16_t *dst = c->gconv + c->layout.t[ids[i]].offset;
@@ -1094,9 +858,9 @@ static int push_stream(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
         }
         for (size_t o = 0; o < numel[i]; o += c->stream_cf) {
             size_t k = numel[i] - o < c->stream_cf ? numel[i] - o : c->stream_cf;
-            ps_frame_t fr = {.data = (const char *)src + o * es, .nbytes = k * es, .ffn = push_frame_done, .hint = c,
+            ps_frame_t fr = {.data = (const char *)src + o * es, .nbytes = k * es, .ffn = pswc_push_frame_done, .hint = c,
                              .id = (uint32_t)ids[i], .dtype = c->grad_bf16 ? PSD__DTYPE__DT_BF16 : PSD__DTYPE__DT_F32,
-                             .rows = c->layout.t[ids[i]].rows, .cols = tcols(c, ids[i]), .offset = o};
+                             .rows = c->layout.t[ids[i]].rows, .cols = pswc_tcols(c, ids[i]), .offset = o};
             if (i > 0 || o > 0) h->seq = ++c->seq; /* every message its own number */
             atomic_fetch_add_explicit(&c->push_inflight, 1, memory_order_relaxed);
             int rc = ps_msg_send(c->sock, NULL, 0, h, &fr, 1);
@@ -1111,7 +875,7 @@ static int push_stream(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
 static void push_header(psw_client_t *c, Psd__Header *h, Psd__Push *p, uint64_t version, uint32_t batch,
                         double loss_sum, uint64_t correct, int pull)
 {
-    header_init(c, h, PSD__MSG_TYPE__MSG_PUSH);
+    pswc_header_init(c, h, PSD__MSG_TYPE__MSG_PUSH);
     p->version = version;
     p->batch = batch;
     p->loss_sum = loss_sum;
@@ -1129,6 +893,72 @@ static void push_header(psw_client_t *c, Psd__Header *h, Psd__Push *p, uint64_t 
     h->push = p;
 }
 
+/* One psd: a push of whole tensors, in one message (bfloat16: rounded
+ * into the conversion buffer first) */
+static int push_whole(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
+                      const size_t *numel)
+{
+    ps_frame_t fr[PS_MAX_TENSORS];
+    for (int i = 0; i < n; i++) {
+        if (c->grad_bf16) { /* rounded into the conversion buffer, sent from there */
+            if (!pswc_layout_tensor(c, ids[i], numel[i])) return -EINVAL;
+            uint16_t *dst = c->gconv + c->layout.t[ids[i]].offset;
+            ps_f32_to_bf16_n(dst, grads[i], numel[i]);
+            fr[i] = (ps_frame_t){.data = dst, .nbytes = numel[i] * sizeof(uint16_t), .ffn = pswc_push_frame_done,
+                                 .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_BF16,
+                                 .rows = c->layout.t[ids[i]].rows, .cols = pswc_tcols(c, ids[i])};
+            continue;
+        }
+        fr[i] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float),
+                             .ffn = pswc_push_frame_done, .hint = c, .id = (uint32_t)ids[i],
+                             .dtype = PSD__DTYPE__DT_F32, .rows = c->layout.t[ids[i]].rows, .cols = pswc_tcols(c, ids[i])};
+    }
+    if (c->layout.table < 0) ps_frames_small_first(fr, n);
+    atomic_fetch_add_explicit(&c->push_inflight, n, memory_order_relaxed);
+    return ps_msg_send(c->sock, NULL, 0, h, fr, n);
+}
+
+/* One psd: a push with some tensors as rows (rows[i].ids) and the rows
+ * of the table the next batch reads (want), in one message */
+static int push_rows_one(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
+                         const size_t *numel, const pswc_rows_t *rows, const uint32_t *want, size_t n_want)
+{
+    const int table = c->layout.table;
+    h->push->want_rows = n_want > 0;
+    ps_frame_t fr[2 * PS_MAX_TENSORS + 1];
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if (!pswc_layout_tensor(c, ids[i], numel[i])) return -EINVAL;
+        if (rows[i].ids) { /* the rows instead of the whole tensor */
+            const uint32_t id = (uint32_t)ids[i], dim = (uint32_t)c->layout.t[ids[i]].cols;
+            fr[m++] = (ps_frame_t){.data = rows[i].ids, .nbytes = rows[i].n * sizeof *rows[i].ids,
+                                   .ffn = pswc_push_frame_done, .hint = c, .id = id, .dtype = PSD__DTYPE__DT_U32,
+                                   .rows = (uint32_t)rows[i].n};
+            fr[m++] = (ps_frame_t){.data = rows[i].vals, .nbytes = rows[i].n * (size_t)dim * sizeof(float),
+                                   .ffn = pswc_push_frame_done, .hint = c, .id = id, .dtype = PSD__DTYPE__DT_F32,
+                                   .rows = (uint32_t)rows[i].n, .cols = dim};
+            continue;
+        }
+        fr[m++] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float), .ffn = pswc_push_frame_done,
+                               .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_F32,
+                               .rows = c->layout.t[ids[i]].rows, .cols = pswc_tcols(c, ids[i])};
+    }
+    if (n_want) /* copied at send: the worker may reuse its list */
+        fr[m++] = (ps_frame_t){.data = want, .nbytes = n_want * sizeof *want, .id = (uint32_t)table,
+                               .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n_want};
+    atomic_fetch_add_explicit(&c->push_inflight, m - (n_want > 0), memory_order_relaxed);
+    return ps_msg_send(c->sock, NULL, 0, h, fr, m);
+}
+
+/* One psd's push: as rows, streamed, or whole */
+static int one_push(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
+                    const size_t *numel, const pswc_rows_t *rows, const uint32_t *want, size_t n_want)
+{
+    if (rows) return push_rows_one(c, h, n, ids, grads, numel, rows, want, n_want);
+    if (c->stream_cf) return push_stream(c, h, n, ids, grads, numel);
+    return push_whole(c, h, n, ids, grads, numel);
+}
+
 int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct, int pull, int n,
               const int *ids, const float *const *grads, const size_t *numel)
 {
@@ -1139,7 +969,7 @@ int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum
     if (c->shm) { /* into the region psd reads (no copy if computed there) */
         uint32_t sid[PS_MAX_TENSORS];
         for (int i = 0; i < n; i++) {
-            if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
+            if (!pswc_layout_tensor(c, ids[i], numel[i])) return -EINVAL;
             float *dst = c->shm_grad + c->layout.t[ids[i]].offset;
             if (grads[i] != dst) memcpy(dst, grads[i], numel[i] * sizeof(float));
             sid[i] = (uint32_t)ids[i];
@@ -1148,26 +978,7 @@ int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum
         p.n_shm_tensors = (size_t)n;
         return ps_msg_send(c->sock, NULL, 0, &h, NULL, 0);
     }
-    ps_frame_t fr[PS_MAX_TENSORS];
-    if (c->n_shards > 1) return push_shards(c, &h, n, ids, grads, numel, NULL, NULL, 0);
-    if (c->stream_cf) return push_stream(c, &h, n, ids, grads, numel);
-    for (int i = 0; i < n; i++) {
-        if (c->grad_bf16) { /* rounded into the conversion buffer, sent from there */
-            if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
-            uint16_t *dst = c->gconv + c->layout.t[ids[i]].offset;
-            ps_f32_to_bf16_n(dst, grads[i], numel[i]);
-            fr[i] = (ps_frame_t){.data = dst, .nbytes = numel[i] * sizeof(uint16_t), .ffn = push_frame_done,
-                                 .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_BF16,
-                                 .rows = c->layout.t[ids[i]].rows, .cols = tcols(c, ids[i])};
-            continue;
-        }
-        fr[i] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float),
-                             .ffn = push_frame_done, .hint = c, .id = (uint32_t)ids[i],
-                             .dtype = PSD__DTYPE__DT_F32, .rows = c->layout.t[ids[i]].rows, .cols = tcols(c, ids[i])};
-    }
-    if (c->layout.table < 0) ps_frames_small_first(fr, n);
-    atomic_fetch_add_explicit(&c->push_inflight, n, memory_order_relaxed);
-    return ps_msg_send(c->sock, NULL, 0, &h, fr, n);
+    return c->ops->push(c, &h, n, ids, grads, numel, NULL, NULL, 0);
 }
 
 /* The gradients of packed unit u's tensors given in this call (c->pk_src):
@@ -1270,7 +1081,7 @@ void psw_client_release_on_push(psw_client_t *c, int on) { c->release_on_push = 
 
 int psw_client_rows_ok(const psw_client_t *c)
 {
-    return !c->shm && (c->n_shards == 1 || c->rows_shards) && !c->stream_cf && !c->grad_bf16 && c->layout.table >= 0;
+    return !c->shm && c->ops->rows_ok(c) && !c->stream_cf && !c->grad_bf16 && c->layout.table >= 0;
 }
 
 /* ids[0..n) are rows of the table, strictly increasing (n >= 1) */
@@ -1290,30 +1101,10 @@ int pswc_keep_want(psw_client_t *c, const uint32_t *want, size_t n)
         c->want = p;
         c->want_cap = n;
     }
-    if (n && !c->table_on_psd && c->n_shards == 1 && !c->replica && /* shards: wbuf holds the table */
-        !(c->replica = calloc(c->layout.t[c->layout.table].numel, sizeof *c->replica)))
-        return -ENOMEM;
-    if (n > c->tbuf_cap && c->table_on_psd && c->n_shards > 1) { /* the shards' rows are put together there */
-        float *b = realloc(c->tbuf, n * (size_t)c->layout.t[c->layout.table].cols * sizeof *b);
-        if (!b) return -ENOMEM;
-        c->tbuf = b;
-        c->tbuf_cap = n;
-    }
+    if (c->ops->rows_room(c, n) != 0) return -ENOMEM;
     if (n) memcpy(c->want, want, n * sizeof *want);
     c->n_want = n;
     return 0;
-}
-
-/* want[*a, *a + *n): the rows of shard k's piece of the table among the n
- * sorted ids (none when its piece holds no rows). */
-void pswc_shard_slice(const psw_client_t *c, int k, const uint32_t *want, size_t n, size_t *a, size_t *m)
-{
-    size_t r0, r1;
-    const ps_piece_t *p = &c->pieces[k][c->layout.table];
-    *a = *m = 0;
-    if (p->n == 0 || !ps_piece_rows(&c->layout, p, &r0, &r1)) return;
-    *a = pswc_first_row_at(want, n, r0);
-    *m = pswc_first_row_at(want, n, r1) - *a;
 }
 
 int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *want, size_t n)
@@ -1323,22 +1114,34 @@ int psw_client_pull_rows(psw_client_t *c, uint64_t min_version, const uint32_t *
     if (rc < 0) return rc;
     c->t_req = ps_now();
     c->weights_due = true;
-    /* with shards: each one the rows of its piece; a part of this version
-     * that came before brought other rows, so every part must come again */
-    memset(c->got, 0, sizeof c->got);
-    for (int k = c->n_shards - 1; k >= 0; k--) {
-        size_t a = 0, m = n;
-        if (c->n_shards > 1) pswc_shard_slice(c, k, c->want, n, &a, &m);
-        if ((rc = pswc_pull_on(c, k ? c->ssock[k] : c->sock, min_version, m ? c->want + a : NULL, m)) < 0) return rc;
-    }
+    return c->ops->pull_rows(c, min_version, n);
+}
+
+static int one_pull_rows(psw_client_t *c, uint64_t min_version, size_t n)
+{
+    return pswc_pull_on(c, c->sock, min_version, n ? c->want : NULL, n);
+}
+
+/* One psd: the replica the rows asked for are scattered into (made the
+ * first time; none when the table stays on psd) */
+static int one_rows_room(psw_client_t *c, size_t n)
+{
+    if (n && !c->table_on_psd && !c->replica &&
+        !(c->replica = calloc(c->layout.t[c->layout.table].numel, sizeof *c->replica)))
+        return -ENOMEM;
     return 0;
+}
+
+static bool one_rows_ok(const psw_client_t *c)
+{
+    (void)c;
+    return true;
 }
 
 int pswc_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum, uint64_t correct, int pull,
                    int n, const int *ids, const float *const *grads, const size_t *numel, const pswc_rows_t *rows,
                    const uint32_t *want, size_t n_want)
 {
-    const int table = c->layout.table;
     if (!psw_client_rows_ok(c) || n < 1 || n > PS_MAX_TENSORS || (n_want && (!pull || !pswc_table_rows(c, want, n_want))))
         return -EINVAL;
     for (int i = 0; i < n; i++) /* each tensor given as rows: rows of it, strictly increasing */
@@ -1352,32 +1155,7 @@ int pswc_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double los
     Psd__Header h;
     Psd__Push p = PSD__PUSH__INIT;
     push_header(c, &h, &p, version, batch, loss_sum, correct, pull);
-    if (c->n_shards > 1)
-        return push_shards(c, &h, n, ids, grads, numel, rows, want, n_want);
-    p.want_rows = n_want > 0;
-    ps_frame_t fr[2 * PS_MAX_TENSORS + 1];
-    int m = 0;
-    for (int i = 0; i < n; i++) {
-        if (!layout_tensor(c, ids[i], numel[i])) return -EINVAL;
-        if (rows[i].ids) { /* the rows instead of the whole tensor */
-            const uint32_t id = (uint32_t)ids[i], dim = (uint32_t)c->layout.t[ids[i]].cols;
-            fr[m++] = (ps_frame_t){.data = rows[i].ids, .nbytes = rows[i].n * sizeof *rows[i].ids,
-                                   .ffn = push_frame_done, .hint = c, .id = id, .dtype = PSD__DTYPE__DT_U32,
-                                   .rows = (uint32_t)rows[i].n};
-            fr[m++] = (ps_frame_t){.data = rows[i].vals, .nbytes = rows[i].n * (size_t)dim * sizeof(float),
-                                   .ffn = push_frame_done, .hint = c, .id = id, .dtype = PSD__DTYPE__DT_F32,
-                                   .rows = (uint32_t)rows[i].n, .cols = dim};
-            continue;
-        }
-        fr[m++] = (ps_frame_t){.data = grads[i], .nbytes = numel[i] * sizeof(float), .ffn = push_frame_done,
-                               .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_F32,
-                               .rows = c->layout.t[ids[i]].rows, .cols = tcols(c, ids[i])};
-    }
-    if (n_want) /* copied at send: the worker may reuse its list */
-        fr[m++] = (ps_frame_t){.data = want, .nbytes = n_want * sizeof *want, .id = (uint32_t)table,
-                               .dtype = PSD__DTYPE__DT_U32, .rows = (uint32_t)n_want};
-    atomic_fetch_add_explicit(&c->push_inflight, m - (n_want > 0), memory_order_relaxed);
-    return ps_msg_send(c->sock, NULL, 0, &h, fr, m);
+    return c->ops->push(c, &h, n, ids, grads, numel, rows, want, n_want);
 }
 
 float *psw_client_push_region(psw_client_t *c) { return c->shm ? c->shm_grad : NULL; }
@@ -1410,7 +1188,7 @@ int psw_client_barrier(psw_client_t *c, uint32_t epoch, uint64_t samples)
 {
     Psd__Header h;
     Psd__Barrier b = PSD__BARRIER__INIT;
-    header_init(c, &h, PSD__MSG_TYPE__MSG_BARRIER);
+    pswc_header_init(c, &h, PSD__MSG_TYPE__MSG_BARRIER);
     b.epoch = epoch;
     b.samples = samples;
     h.body_case = PSD__HEADER__BODY_BARRIER;
@@ -1437,7 +1215,7 @@ int psw_client_val_result(psw_client_t *c, const psw_val_t *r)
     }
     Psd__Header h;
     Psd__ValResult v = PSD__VAL_RESULT__INIT;
-    header_init(c, &h, PSD__MSG_TYPE__MSG_VAL_RESULT);
+    pswc_header_init(c, &h, PSD__MSG_TYPE__MSG_VAL_RESULT);
     v.epoch = r->epoch;
     v.version = r->version;
     v.begin = r->begin;
@@ -1459,7 +1237,7 @@ int psw_client_heartbeat(psw_client_t *c, uint32_t epoch)
 {
     Psd__Header h;
     Psd__Heartbeat hb = PSD__HEARTBEAT__INIT;
-    header_init(c, &h, PSD__MSG_TYPE__MSG_HEARTBEAT);
+    pswc_header_init(c, &h, PSD__MSG_TYPE__MSG_HEARTBEAT);
     hb.epoch = epoch;
     h.body_case = PSD__HEADER__BODY_HEARTBEAT;
     h.heartbeat = &hb;
@@ -1470,7 +1248,7 @@ static int send_leave(psw_client_t *c, const char *reason, bool end_run)
 {
     Psd__Header h;
     Psd__Leave l = PSD__LEAVE__INIT;
-    header_init(c, &h, PSD__MSG_TYPE__MSG_LEAVE);
+    pswc_header_init(c, &h, PSD__MSG_TYPE__MSG_LEAVE);
     l.reason = (char *)(reason ? reason : "");
     l.end_run = end_run;
     h.body_case = PSD__HEADER__BODY_LEAVE;
@@ -1486,7 +1264,7 @@ int psw_client_fail(psw_client_t *c, int data_error, const char *message)
 {
     Psd__Header h;
     Psd__Error e = PSD__ERROR__INIT;
-    header_init(c, &h, PSD__MSG_TYPE__MSG_ERROR);
+    pswc_header_init(c, &h, PSD__MSG_TYPE__MSG_ERROR);
     e.code = data_error ? PSD__ERR_CODE__ERR_DATA : PSD__ERR_CODE__ERR_INTERNAL;
     e.message = (char *)message;
     h.body_case = PSD__HEADER__BODY_ERROR;
@@ -1526,3 +1304,37 @@ size_t psw_struct_size(const char *name)
 #undef PSW_SIZE
     return 0;
 }
+
+/* One psd: its socket only (c->sock, polled by pswc_recv_msg itself) */
+static int one_poll_add(psw_client_t *c, zmq_pollitem_t *it, int ni)
+{
+    (void)c;
+    (void)it;
+    return ni;
+}
+
+static int one_recv_polled(psw_client_t *c, const zmq_pollitem_t *it, char *err, size_t errlen)
+{
+    (void)c;
+    (void)it;
+    (void)err;
+    (void)errlen;
+    return PSWC_NONE;
+}
+
+static void one_close(psw_client_t *c) { (void)c; }
+
+const pswc_ops_t pswc_one_ops = {
+    .name = "one psd",
+    .stream = true,
+    .poll_add = one_poll_add,
+    .recv_polled = one_recv_polled,
+    .next_msg = pswc_recv_msg,
+    .take = pswc_one_take,
+    .push = one_push,
+    .pull = one_pull,
+    .pull_rows = one_pull_rows,
+    .rows_room = one_rows_room,
+    .rows_ok = one_rows_ok,
+    .close = one_close,
+};

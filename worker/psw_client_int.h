@@ -1,9 +1,12 @@
-/* psw_client_int.h - the worker library's client state, shared by its two
- * files: psw_client.c (the connection: registration, requests, pushes and
- * their shards, the socket's messages) and psw_client_rx.c (what comes
- * back: weights, rows and validation parts, whole, by shard or streamed,
- * into events). Private to the library: psworker.h is the public API. One
- * psw_client_t per worker, used by one thread. */
+/* psw_client_int.h - the worker library's client state, shared by its
+ * files: psw_client.c (the connection: registration, requests, pushes, the
+ * socket's messages), psw_client_rx.c (what comes back: weights, rows and
+ * validation parts, whole or streamed, into events) and
+ * psw_client_shards.c (psd shards: their connections, pushes split by
+ * piece, weights put together from their parts). What differs between one
+ * psd and shards is pswc_ops_t, chosen at registration. Private to the
+ * library: psworker.h is the public API. One psw_client_t per worker, used
+ * by one thread. */
 #ifndef PSW_CLIENT_INT_H
 #define PSW_CLIENT_INT_H
 
@@ -71,6 +74,71 @@ typedef struct {
     ino_t ino;
 } pswc_conn_t;
 
+/* psd shards (ASSIGN names shards 1..n-1; psw_client_shards.c): a DEALER
+ * to each, the pieces every shard holds (ps_shard_pieces), and the weights
+ * put together from their parts: an event is returned once every shard's
+ * part of its version is in wbuf. Zero but n with one psd. */
+struct psw_shards {
+    int n;                  /* 1: one psd */
+    void *sock[PS_MAX_SHARDS]; /* [0] unused: psw_client.sock */
+    void *mon[PS_MAX_SHARDS];  /* PAIR receiving sock[k]'s connection events ([0] unused: psw_client.mon) */
+    ps_piece_t pieces[PS_MAX_SHARDS][PS_MAX_TENSORS];
+    int rows;               /* every shard's piece of the table is whole rows: row pushes go to the shards */
+    float *wbuf;
+    float *tbuf;            /* the table on psd: the rows asked for (want's order), put together */
+    size_t tbuf_cap;        /* rows tbuf has room for */
+    uint64_t got[PS_MAX_SHARDS]; /* version + 1 of each shard's part in wbuf (0: none) */
+    uint32_t rows_part;          /* shards whose last part was rows only (the rest of their piece is older) */
+    pswc_event_t pend;      /* WEIGHTS/VALIDATE from shard 0 waiting for the other parts */
+    int pending;
+    /* VALIDATEs from shard 0 that came while one waited for the other
+     * shards' parts (psd may give a worker several parts at once): taken
+     * in order once it is returned, so that the shards' replies answer
+     * the part they were asked for */
+    ps_msg_t *defer;        /* PSW_MAX_DEFER of them, made at the first */
+    int n_defer;
+};
+
+/* A sparse-rows unit's gradient as rows: n >= 1 strictly increasing ids
+ * and their rows (n x its width); ids NULL: the unit goes whole. */
+typedef struct {
+    const uint32_t *ids;
+    const float *vals;
+    size_t n;
+} pswc_rows_t;
+
+/* What the client does one way with one psd and another with psd shards:
+ * one table each (pswc_one_ops: psw_client.c, psw_client_rx.c;
+ * pswc_shards_ops: psw_client_shards.c), chosen once at registration
+ * (assign_setup, after pswc_shards_connect) and called as c->ops->... */
+typedef struct pswc_ops {
+    const char *name;
+    bool stream;            /* streamed steps (ASSIGN's stream_chunk_bytes): one psd only */
+    /* receiving: poll_add adds the mode's sockets to it[ni..] (returns the
+     * new count); recv_polled reads one of them that poll found readable
+     * (it: those it added) into c->cur: PSWC_GOT, PSWC_AGAIN (dropped: poll
+     * again), PSWC_NONE (none: psd's own socket next), or < 0 (err) */
+    int (*poll_add)(psw_client_t *c, zmq_pollitem_t *it, int ni);
+    int (*recv_polled)(psw_client_t *c, const zmq_pollitem_t *it, char *err, size_t errlen);
+    /* the next message for next_event (a held one first): 0 or < 0 */
+    int (*next_msg)(psw_client_t *c, double deadline, double timeout_s, char *err, size_t errlen);
+    /* a WEIGHTS or VALIDATE in c->cur (or, with shards, any message from
+     * shard k > 0): 1: *ev is an event to return; 0: wait for more; < 0: error */
+    int (*take)(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen);
+    /* a PUSH over the wire (h made by push_header; rows NULL: the tensors whole) */
+    int (*push)(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
+                const size_t *numel, const pswc_rows_t *rows, const uint32_t *want, size_t n_want);
+    int (*pull)(psw_client_t *c, uint64_t min_version);
+    int (*pull_rows)(psw_client_t *c, uint64_t min_version, size_t n); /* the rows: c->want[0..n) */
+    int (*rows_room)(psw_client_t *c, size_t n); /* where n rows asked for go (pswc_keep_want): 0 or -ENOMEM */
+    bool (*rows_ok)(const psw_client_t *c);      /* row pushes possible (psw_client_rows_ok's part) */
+    void (*close)(psw_client_t *c);              /* the mode's connections and buffers (then pswc_one_ops) */
+} pswc_ops_t;
+
+enum { PSWC_NONE = 0, PSWC_GOT = 1, PSWC_AGAIN = 2 };
+
+extern const pswc_ops_t pswc_one_ops, pswc_shards_ops;
+
 struct psw_client {
     /* the table rows the last push asked for (Push.want_rows), and the
      * worker's replica of the table the replies' rows are scattered into */
@@ -81,8 +149,6 @@ struct psw_client {
     size_t n_want, want_cap;
     float *replica;
     int table_on_psd;       /* CtrTask.table_on_psd: no replica; events bring the rows asked for */
-    float *tbuf;            /* the table on psd, with shards: the rows asked for (want's order), put together */
-    size_t tbuf_cap;        /* rows tbuf has room for */
     void *ctx, *sock;
     void *mon;              /* PAIR receiving the DEALER's socket events */
     int connected;          /* a connection to psd has been up */
@@ -97,6 +163,7 @@ struct psw_client {
     uint32_t rank;
     uint64_t seq;
     ps_msg_t cur;           /* last received message (event data borrowed from it) */
+    int from;               /* psd shard it came from (0: psd) */
     uint64_t verified;      /* weights messages checked against psd's CRC-32 */
     /* step timing, reported with every push: t_req when weights were asked
      * for, t_weights when they arrived, wait = the latter minus the former */
@@ -119,19 +186,6 @@ struct psw_client {
     int grad_bf16, weight_bf16;
     uint16_t *gconv;
     float *wconv;
-    /* psd shards (ASSIGN names shards 1..n-1): a DEALER to each, the pieces
-     * every shard holds (ps_shard_pieces), and the weights put together
-     * from their parts: an event is returned once every shard's part of
-     * its version is in wbuf */
-    int n_shards;           /* 1: one psd */
-    void *ssock[PS_MAX_SHARDS]; /* [0] unused: sock */
-    ps_piece_t pieces[PS_MAX_SHARDS][PS_MAX_TENSORS];
-    int rows_shards;        /* every shard's piece of the table is whole rows: row pushes go to the shards */
-    float *wbuf;
-    uint64_t got[PS_MAX_SHARDS]; /* version + 1 of each shard's part in wbuf (0: none) */
-    uint32_t rows_part;          /* shards whose last part was rows only (the rest of their piece is older) */
-    int from;               /* shard the message in cur came from */
-    pswc_event_t pend;      /* WEIGHTS/VALIDATE from shard 0 waiting for the other parts */
     /* the table, by tensor (the layout's units pack small ones): what
      * ASSIGN and events give the caller, and a push's packed units */
     psw_tensor_t *tab;      /* ps_layout_ntab of them (psw_assign_t.tensors) */
@@ -147,18 +201,11 @@ struct psw_client {
     int pending;
     /* the connections' fds, closed in forked children (psw_fork.c): conn[k]
      * the connection to psd shard k (0: psd) as its socket's monitor told it
-     * (mon, smon[k]); written under psw_fork.c's lock, read without it by
+     * (mon, sh.mon[k]); written under psw_fork.c's lock, read without it by
      * this client's thread only */
     pswc_conn_t conn[PS_MAX_SHARDS];
-    void *smon[PS_MAX_SHARDS];  /* PAIR receiving ssock[k]'s connection events ([0] unused: mon) */
     int mon_rc;                 /* check_monitor's result when it was read for the fds: the next pswc_recv_msg's */
     psw_client_t *fork_prev, *fork_next; /* psw_fork.c's list of live clients */
-    /* VALIDATEs from shard 0 that came while one waited for the other
-     * shards' parts (psd may give a worker several parts at once): taken
-     * in order once it is returned, so that the shards' replies answer
-     * the part they were asked for */
-    ps_msg_t *defer;        /* PSW_MAX_DEFER of them, made at the first */
-    int n_defer;
     /* streamed steps (ASSIGN's stream_chunk_bytes): gradients go out in
      * chunks of stream_cf floats, one message each; the weights come a few
      * whole tensors at a time, kept where they arrived: sheld[t] holds
@@ -174,6 +221,10 @@ struct psw_client {
     int sdone;
     uint64_t sver;
     uint32_t scrc;
+    /* what differs between one psd and psd shards (set at registration:
+     * pswc_one_ops until an ASSIGN names shards), and the shards' own state */
+    const pswc_ops_t *ops;
+    struct psw_shards sh;
 };
 
 #define PSW_MAX_DEFER 64
@@ -181,14 +232,6 @@ struct psw_client {
 /* psw_client.c's, for psw_client_rx.c */
 size_t pswc_first_row_at(const uint32_t *ids, size_t n, size_t r);
 int pswc_keep_want(psw_client_t *c, const uint32_t *want, size_t n);
-/* A sparse-rows unit's gradient as rows: n >= 1 strictly increasing ids
- * and their rows (n x its width); ids NULL: the unit goes whole. */
-typedef struct {
-    const uint32_t *ids;
-    const float *vals;
-    size_t n;
-} pswc_rows_t;
-
 /* psw_client_push_v's two ways, with the tensors as arrays: whole
  * tensors; and with some sparse-rows tensors' gradients as rows (rows[i]
  * for ids[i]; any number of them) and the rows of the table (l->table)
@@ -200,7 +243,21 @@ int pswc_push_rows(psw_client_t *c, uint64_t version, uint32_t batch, double los
                    const uint32_t *want, size_t n_want);
 int pswc_pull_on(psw_client_t *c, void *sock, uint64_t min_version, const uint32_t *want, size_t n);
 int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err, size_t errlen);
-void pswc_shard_slice(const psw_client_t *c, int k, const uint32_t *want, size_t n, size_t *a, size_t *m);
+/* and for psw_client_shards.c: a message's header (PSD__MSG_TYPE_*), a
+ * pushed frame's free function, a tensor's check and its frame's cols */
+void pswc_header_init(psw_client_t *c, Psd__Header *h, Psd__MsgType type);
+void pswc_push_frame_done(void *data, void *hint);
+bool pswc_layout_tensor(const psw_client_t *c, int id, size_t numel);
+uint64_t pswc_tcols(const psw_client_t *c, int t);
+/* psw_client_rx.c's: pswc_one_ops.take; and for psw_client_shards.c */
+int pswc_one_take(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen);
+void pswc_msg_move(ps_msg_t *dst, ps_msg_t *m);
+int pswc_frames_by_id(const ps_msg_t *m, int nf, int n_tensors, int at[PS_MAX_TENSORS]);
+void pswc_scatter_rows(float *E, size_t D, const uint32_t *ids, size_t n, const float *vals);
+int pswc_take_val_ids(psw_client_t *c, const Psd__Validate *v, pswc_event_t *ev, char *err, size_t errlen);
+/* psw_client_shards.c: connect to the shards ASSIGN names (none: nothing
+ * to do), after closing what the mode before held */
+int pswc_shards_connect(psw_client_t *c, Psd__Assign *a, double timeout_s, char *err, size_t errlen);
 void pswc_stream_release(psw_client_t *c);
 bool pswc_table_rows(const psw_client_t *c, const uint32_t *ids, size_t n);
 
@@ -209,7 +266,7 @@ bool pswc_table_rows(const psw_client_t *c, const uint32_t *ids, size_t n);
  * registered, once), before its sockets connect; remove: before they close.
  * event: socket k's monitor event (k 0: psd's socket; CONNECTED notes the
  * fd, DISCONNECTED and CLOSED forget it); forget: socket k is closing;
- * drain: every event waiting on smon[k] (k >= 1), noted. */
+ * drain: every event waiting on sh.mon[k] (k >= 1), noted. */
 void pswc_fork_add(psw_client_t *c);
 void pswc_fork_remove(psw_client_t *c);
 void pswc_fork_event(psw_client_t *c, int k, uint16_t event, uint32_t value);

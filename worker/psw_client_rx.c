@@ -6,7 +6,7 @@
 #include <math.h>
 
 /* Move m's header and frames into an empty dst (m is left empty). */
-static void msg_move(ps_msg_t *dst, ps_msg_t *m)
+void pswc_msg_move(ps_msg_t *dst, ps_msg_t *m)
 {
     dst->hdr = m->hdr;
     dst->arena = m->arena;
@@ -25,7 +25,7 @@ static void msg_move(ps_msg_t *dst, ps_msg_t *m)
  * descriptors' ids (protocol 5: in any order, smallest first): at[t], or -1
  * for a tensor none holds. 0, or -1 if a frame names no tensor of the model
  * or one named before. */
-static int frames_by_id(const ps_msg_t *m, int nf, int n_tensors, int at[PS_MAX_TENSORS])
+int pswc_frames_by_id(const ps_msg_t *m, int nf, int n_tensors, int at[PS_MAX_TENSORS])
 {
     for (int t = 0; t < PS_MAX_TENSORS; t++) at[t] = -1;
     for (int f = 0; f < nf; f++) {
@@ -65,7 +65,7 @@ static int take_tensors(psw_client_t *c, pswc_event_t *ev, uint32_t slot, uint32
         ev->n_tensors = c->cur.n_frames;
     }
     int at[PS_MAX_TENSORS];
-    if (frames_by_id(&c->cur, c->cur.n_frames, c->layout.n_tensors, at) != 0) {
+    if (pswc_frames_by_id(&c->cur, c->cur.n_frames, c->layout.n_tensors, at) != 0) {
         snprintf(err, errlen, "psd sent weights frames that are not one of each tensor");
         return -EPROTO;
     }
@@ -101,7 +101,7 @@ static int take_tensors(psw_client_t *c, pswc_event_t *ev, uint32_t slot, uint32
 }
 
 /* Rows ids[0..n) of table E (D floats a row) from vals (n x D). */
-static void scatter_rows(float *E, size_t D, const uint32_t *ids, size_t n, const float *vals)
+void pswc_scatter_rows(float *E, size_t D, const uint32_t *ids, size_t n, const float *vals)
 {
     for (size_t j = 0; j < n; j++) memcpy(E + (size_t)ids[j] * D, vals + j * D, D * sizeof(float));
 }
@@ -124,7 +124,7 @@ static int take_rows(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen
         ev->n_row_ids = c->n_want;
         return 0;
     }
-    scatter_rows(c->replica, D, c->want, c->n_want, ev->tensors[t]);
+    pswc_scatter_rows(c->replica, D, c->want, c->n_want, ev->tensors[t]);
     ev->tensors[t] = c->replica;
     ev->tensor_numel[t] = c->layout.t[t].numel;
     return 0;
@@ -160,74 +160,6 @@ static int take_val_rows(psw_client_t *c, pswc_event_t *ev, char *err, size_t er
 }
 
 uint64_t psw_client_verified(const psw_client_t *c) { return c->verified; }
-
-/* Shard k's part of a version (the first nf frames in cur) into wbuf,
- * checked against its pieces and, with crc, against the CRC-32 it sent.
- * With rows, its piece of the table is the rows of it the last push asked
- * for, scattered into wbuf (the others keep older values: the next batch
- * does not read them), or, with the table on psd, copied to their place in
- * tbuf; without the table's piece (skip_table) when the caller takes it. */
-static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, bool rows, int nf, bool skip_table,
-                     char *err, size_t errlen)
-{
-    uLong got = crc32(0L, Z_NULL, 0);
-    int at[PS_MAX_TENSORS], taken = 0; /* frame at[t] holds tensor t (one frame a piece, rows or not) */
-    if (frames_by_id(&c->cur, nf, c->layout.n_tensors, at) != 0) {
-        snprintf(err, errlen, "psd shard %d sent weights frames that are not one of each of its pieces", k);
-        return -EPROTO;
-    }
-    for (int t = 0; t < c->layout.n_tensors; t++) {
-        const ps_piece_t *p = &c->pieces[k][t];
-        if (p->n == 0 || (skip_table && t == c->layout.table)) continue;
-        const int f = at[t];
-        if (f < 0) {
-            snprintf(err, errlen, "psd shard %d sent no frame of its piece of tensor %d", k, t);
-            return -EPROTO;
-        }
-        size_t n = 0, r0, r1, wa = 0, want_n = p->n;
-        const bool as_rows = rows && t == c->layout.table && ps_piece_rows(&c->layout, p, &r0, &r1);
-        const size_t D = as_rows ? (size_t)c->layout.t[t].cols : 0;
-        if (as_rows) { /* the rows of want in this piece */
-            wa = pswc_first_row_at(c->want, c->n_want, r0);
-            want_n = (pswc_first_row_at(c->want, c->n_want, r1) - wa) * D;
-        }
-        const uint16_t *h16 = c->weight_bf16 ? ps_msg_bf16(&c->cur, f, &n) : NULL;
-        const float *h32 = !c->weight_bf16 ? ps_msg_f32(&c->cur, f, &n) : NULL;
-        if ((!h16 && !h32) || c->cur.hdr->tensors[f]->offset != (as_rows ? 0 : p->off) || n != want_n || (as_rows && (h16 || crc)) ||
-            (c->table_on_psd && t == c->layout.table && !as_rows)) { /* never the table's piece whole then */
-            snprintf(err, errlen, "psd shard %d sent an invalid weights frame %d (%zu values of tensor %d, %zu %s "
-                     "expected)", k, f, n, t, want_n, as_rows ? "rows' values" : "of its piece");
-            return -EPROTO;
-        }
-        taken++;
-        if (as_rows && c->table_on_psd) {
-            if (n) memcpy(c->tbuf + wa * D, h32, n * sizeof(float));
-            continue;
-        }
-        if (as_rows) {
-            float *E = c->wbuf + c->layout.t[t].offset;
-            scatter_rows(E, D, c->want + wa, n / D, h32);
-            continue;
-        }
-        float *dst = c->wbuf + c->layout.t[t].offset + p->off;
-        if (h16) ps_bf16_to_f32_n(dst, h16, n);
-        else memcpy(dst, h32, n * sizeof(float));
-        if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[f]), zmq_msg_size(&c->cur.frames[f]));
-    }
-    if (taken != nf) {
-        snprintf(err, errlen, "psd shard %d sent %d weights frames, it holds %d pieces", k, nf, taken);
-        return -EPROTO;
-    }
-    if (crc && (uint32_t)got != crc) {
-        snprintf(err, errlen, "weights of version %llu from psd shard %d do not match its checksum: torn or corrupted "
-                 "in transit", (unsigned long long)version, k);
-        return -EPROTO;
-    }
-    if (crc) c->verified++;
-    c->got[k] = version + 1;
-    c->rows_part = rows ? c->rows_part | (1u << k) : c->rows_part & ~(1u << k);
-    return 0;
-}
 
 /* Streamed weights: the whole tensors of a WEIGHTS in parts, kept where
  * they arrived (valid until the next version's first part comes). 1: the
@@ -289,74 +221,9 @@ static int stream_part(psw_client_t *c, pswc_event_t *ev, char *err, size_t errl
     return 1;
 }
 
-/* With shards: the pending event, once every part of its version is here. */
-static int parts_done(psw_client_t *c, pswc_event_t *ev)
-{
-    if (!c->pending) return 0;
-    for (int k = 0; k < c->n_shards; k++) /* a validation reads the whole table: no part of rows only */
-        if (c->got[k] != c->pend.version + 1 ||
-            (c->pend.kind == PSW_EV_VALIDATE && !c->table_on_psd && (c->rows_part & (1u << k))))
-            return 0;
-    *ev = c->pend;
-    c->pending = 0;
-    ev->n_tensors = c->layout.n_tensors;
-    for (int t = 0; t < c->layout.n_tensors; t++) {
-        ev->tensors[t] = c->wbuf + c->layout.t[t].offset;
-        ev->tensor_numel[t] = c->layout.t[t].numel;
-    }
-    if (c->table_on_psd) { /* the rows asked for (a batch's, or the validation part's), in tbuf */
-        const int t = c->layout.table;
-        ev->tensors[t] = c->tbuf;
-        ev->tensor_numel[t] = c->n_want * (size_t)c->layout.t[t].cols;
-        ev->row_ids = c->want;
-        ev->n_row_ids = c->n_want;
-        c->n_want = 0;
-    }
-    if (ev->kind == PSW_EV_WEIGHTS) {
-        c->n_want = 0; /* the rows asked for came */
-        c->t_weights = ps_now();
-        c->wait = c->t_req > 0 ? c->t_weights - c->t_req : 0;
-        c->t_req = 0;
-    }
-    return 1;
-}
-
-/* VALIDATE from shard 0 with the table on psd: its pieces but the table's,
- * then the ids of the rows the part's examples read (all of them) and the
- * values of those in shard 0's piece of the table (none maybe). The ids
- * become the rows asked for (the other shards are asked for theirs), the
- * values go to their place in tbuf. */
-static int take_val_part0(psw_client_t *c, uint64_t v, char *err, size_t errlen)
-{
-    const int t = c->layout.table, nf = c->cur.n_frames;
-    const size_t D = (size_t)c->layout.t[t].cols;
-    size_t k = 0, nv = 0, a = 0, m = 0;
-    const uint32_t *ids = nf >= 2 && c->cur.hdr->tensors[nf - 2]->id == (uint32_t)t
-                              ? ps_msg_u32(&c->cur, nf - 2, &k) : NULL;
-    const float *vals = ids && c->cur.hdr->tensors[nf - 1]->id == (uint32_t)t ? ps_msg_f32(&c->cur, nf - 1, &nv) : NULL;
-    if (!vals || (k && !pswc_table_rows(c, ids, k))) {
-        snprintf(err, errlen, "psd sent an invalid validation part (the table's rows)");
-        return -EPROTO;
-    }
-    int rc = pswc_keep_want(c, ids, k);
-    if (rc < 0) {
-        snprintf(err, errlen, "out of memory for a validation part's table rows");
-        return rc;
-    }
-    pswc_shard_slice(c, 0, c->want, k, &a, &m);
-    if (nv != m * D) {
-        snprintf(err, errlen, "psd sent %zu values for the %zu rows of its piece a validation part reads", nv / D, m);
-        return -EPROTO;
-    }
-    if (nv) memcpy(c->tbuf + a * D, vals, nv * sizeof(float));
-    return take_part(c, 0, v, 0, false, nf - 2, true, err, errlen);
-}
-
-/* With shards: a message of cur, from shard c->from. 1: *ev is an event to
- * return; 0: wait for more; < 0: error. */
 /* A VALIDATE's part: its range, split and samples (kept in c->val_ids:
  * the message may go before the event does, with psd shards). */
-static int take_val_ids(psw_client_t *c, const Psd__Validate *v, pswc_event_t *ev, char *err, size_t errlen)
+int pswc_take_val_ids(psw_client_t *c, const Psd__Validate *v, pswc_event_t *ev, char *err, size_t errlen)
 {
     const bool val = v->split == PSD__SPLIT__SPLIT_VAL;
     const uint64_t n = v->end - v->begin;
@@ -385,67 +252,41 @@ static int take_val_ids(psw_client_t *c, const Psd__Validate *v, pswc_event_t *e
     return 0;
 }
 
-static int shard_message(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen)
+/* One psd's WEIGHTS or VALIDATE in c->cur (pswc_ops_t.take): whole, in
+ * psd's shared slot, or streamed. 1: *ev is the event; 0: wait for more
+ * (streamed parts); < 0: error. */
+int pswc_one_take(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen)
 {
     Psd__Header *h = c->cur.hdr;
-    int k = c->from;
-    if (k > 0) {
-        if (h->type != PSD__MSG_TYPE__MSG_WEIGHTS) {
-            PS_WARN("dropped an unexpected %s from psd shard %d", ps_msg_type_name((int)h->type), k);
-            return 0;
-        }
-        int rc = take_part(c, k, h->weights->version, h->weights->crc, h->weights->rows, c->cur.n_frames, false, err,
-                           errlen);
-        return rc < 0 ? rc : parts_done(c, ev);
-    }
-    bool val = h->type == PSD__MSG_TYPE__MSG_VALIDATE;
-    uint64_t v = val ? h->validate->version : h->weights->version;
-    if (val && c->pending && c->pend.kind == PSW_EV_VALIDATE) { /* after the one waiting */
-        if (!c->defer && !(c->defer = calloc(PSW_MAX_DEFER, sizeof *c->defer))) {
-            snprintf(err, errlen, "out of memory");
-            return -ENOMEM;
-        }
-        if (c->n_defer == PSW_MAX_DEFER) {
-            snprintf(err, errlen, "psd sent more than %d validation parts at once", PSW_MAX_DEFER);
+    int rc;
+    if (h->type == PSD__MSG_TYPE__MSG_WEIGHTS) {
+        if (h->weights->parts > 0) return stream_part(c, ev, err, errlen);
+        ev->kind = PSW_EV_WEIGHTS;
+        c->t_weights = ps_now();
+        c->wait = c->t_req > 0 ? c->t_weights - c->t_req : 0;
+        c->t_req = 0;
+        ev->version = h->weights->version;
+        ev->step = h->weights->step;
+        if (c->table_on_psd && !h->weights->rows) {
+            snprintf(err, errlen, "psd sent the whole table to a worker that holds only rows of it");
             return -EPROTO;
         }
-        msg_move(&c->defer[c->n_defer++], &c->cur);
-        return 0;
+        rc = take_tensors(c, ev, h->weights->shm_slot, h->weights->crc, h->weights->rows, err, errlen);
+        if (rc == 0 && h->weights->rows) rc = take_rows(c, ev, err, errlen);
+        c->n_want = 0;
+        return rc < 0 ? rc : 1;
     }
-    if (val && c->table_on_psd != h->validate->rows) {
+    ev->kind = PSW_EV_VALIDATE;
+    ev->epoch = h->validate->epoch;
+    ev->version = h->validate->version;
+    if ((rc = pswc_take_val_ids(c, h->validate, ev, err, errlen)) < 0) return rc;
+    if (c->table_on_psd != h->validate->rows) {
         snprintf(err, errlen, "psd sent a validation part with%s the table's rows", h->validate->rows ? "" : "out");
         return -EPROTO;
     }
-    int rc = val && c->table_on_psd
-                 ? take_val_part0(c, v, err, errlen)
-                 : take_part(c, 0, v, val ? h->validate->crc : h->weights->crc, !val && h->weights->rows,
-                             c->cur.n_frames, false, err, errlen);
-    if (rc < 0) return rc;
-    if (c->pending && (c->pend.kind != (val ? PSW_EV_VALIDATE : PSW_EV_WEIGHTS) || c->pend.version != v))
-        PS_WARN("psd sent %s of version %llu while its %s of version %llu waited for the shards' parts: that one is "
-                "dropped", val ? "VALIDATE" : "WEIGHTS", (unsigned long long)v,
-                c->pend.kind == PSW_EV_VALIDATE ? "VALIDATE" : "WEIGHTS", (unsigned long long)c->pend.version);
-    memset(&c->pend, 0, sizeof c->pend);
-    c->pend.kind = val ? PSW_EV_VALIDATE : PSW_EV_WEIGHTS;
-    c->pend.version = v;
-    if (val) {
-        c->pend.epoch = h->validate->epoch;
-        if ((rc = take_val_ids(c, h->validate, &c->pend, err, errlen)) < 0) return rc;
-        for (int j = 1; j < c->n_shards; j++) { /* the other parts of that version */
-            size_t a = 0, m = 0;
-            if (c->table_on_psd) { /* and the rows of their pieces the part reads */
-                pswc_shard_slice(c, j, c->want, c->n_want, &a, &m);
-                c->got[j] = 0;
-            }
-            if ((c->got[j] != v + 1 || (c->rows_part & (1u << j))) &&
-                (rc = pswc_pull_on(c, c->ssock[j], v, m ? c->want + a : NULL, m)) < 0)
-                return rc;
-        }
-    } else {
-        c->pend.step = h->weights->step;
-    }
-    c->pending = 1;
-    return parts_done(c, ev);
+    rc = h->validate->rows ? take_val_rows(c, ev, err, errlen)
+                           : take_tensors(c, ev, h->validate->shm_slot, h->validate->crc, false, err, errlen);
+    return rc < 0 ? rc : 1;
 }
 
 /* psd's last validation (EPOCH, SHUTDOWN: v, NULL for none) into ev,
@@ -478,22 +319,12 @@ static int take_last_val(psw_client_t *c, const Psd__ValSums *v, pswc_event_t *e
 static int next_event(psw_client_t *c, pswc_event_t *ev, double timeout_s, char *err, size_t errlen)
 {
     for (double deadline = ps_now() + timeout_s;;) {
-        int rc = 0;
-        if (c->n_defer > 0 && !c->pending) { /* a validation part that came while another waited */
-            ps_msg_deinit(&c->cur);
-            msg_move(&c->cur, &c->defer[0]);
-            for (int i = 1; i < c->n_defer; i++) msg_move(&c->defer[i - 1], &c->defer[i]);
-            c->n_defer--;
-            c->from = 0;
-        } else {
-            rc = pswc_recv_msg(c, deadline, timeout_s, err, errlen);
-        }
+        int rc = c->ops->next_msg(c, deadline, timeout_s, err, errlen);
         if (rc < 0) return rc;
         Psd__Header *h = c->cur.hdr;
         memset(ev, 0, sizeof *ev);
-        if (c->n_shards > 1 && (c->from > 0 || h->type == PSD__MSG_TYPE__MSG_WEIGHTS ||
-                                h->type == PSD__MSG_TYPE__MSG_VALIDATE)) {
-            rc = shard_message(c, ev, err, errlen);
+        if (c->from > 0 || h->type == PSD__MSG_TYPE__MSG_WEIGHTS || h->type == PSD__MSG_TYPE__MSG_VALIDATE) {
+            rc = c->ops->take(c, ev, err, errlen); /* the weights: whole, streamed or by shard */
             if (rc < 0) return rc;
             if (rc > 0) return 0;
             continue;
@@ -521,39 +352,6 @@ static int next_event(psw_client_t *c, pswc_event_t *ev, double timeout_s, char 
             }
             return take_last_val(c, h->epoch->last_val, ev, err, errlen);
         }
-        case PSD__MSG_TYPE__MSG_WEIGHTS:
-            if (h->weights->parts > 0) {
-                rc = stream_part(c, ev, err, errlen);
-                if (rc < 0) return rc;
-                if (rc > 0) return 0;
-                continue;
-            }
-            ev->kind = PSW_EV_WEIGHTS;
-            c->t_weights = ps_now();
-            c->wait = c->t_req > 0 ? c->t_weights - c->t_req : 0;
-            c->t_req = 0;
-            ev->version = h->weights->version;
-            ev->step = h->weights->step;
-            if (c->table_on_psd && !h->weights->rows) {
-                snprintf(err, errlen, "psd sent the whole table to a worker that holds only rows of it");
-                return -EPROTO;
-            }
-            rc = take_tensors(c, ev, h->weights->shm_slot, h->weights->crc, h->weights->rows, err, errlen);
-            if (rc == 0 && h->weights->rows) rc = take_rows(c, ev, err, errlen);
-            c->n_want = 0;
-            return rc;
-        case PSD__MSG_TYPE__MSG_VALIDATE:
-            ev->kind = PSW_EV_VALIDATE;
-            ev->epoch = h->validate->epoch;
-            ev->version = h->validate->version;
-            if ((rc = take_val_ids(c, h->validate, ev, err, errlen)) < 0) return rc;
-            if (c->table_on_psd != h->validate->rows) {
-                snprintf(err, errlen, "psd sent a validation part with%s the table's rows",
-                         h->validate->rows ? "" : "out");
-                return -EPROTO;
-            }
-            if (h->validate->rows) return take_val_rows(c, ev, err, errlen);
-            return take_tensors(c, ev, h->validate->shm_slot, h->validate->crc, false, err, errlen);
         case PSD__MSG_TYPE__MSG_HEARTBEAT: /* psd is there, and this worker waits on it: wait on */
             deadline = ps_now() + timeout_s;
             continue;

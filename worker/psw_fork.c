@@ -104,5 +104,5 @@ void pswc_fork_drain(psw_client_t *c, int k)
 {
     uint16_t event;
     uint32_t value;
-    while (c->smon[k] && ps_zmq_monitor_event(c->smon[k], &event, &value) == 0) pswc_fork_event(c, k, event, value);
+    while (c->sh.mon[k] && ps_zmq_monitor_event(c->sh.mon[k], &event, &value) == 0) pswc_fork_event(c, k, event, value);
 }
