@@ -1066,13 +1066,7 @@ static int run_teardown(srv_t *s, bool loop_ok, int code)
     free(s->auc_order);
     free(s->step_bf16);
     free(s->step_wt);
-    free(s->st.have);
-    free(s->st.done);
-    free(s->st.ready);
-    free(s->st.rq);
-    free(s->st.src);
-    free(s->st.mem);
-    free(s->st.lost_pos);
+    psd_stream_free(s);
     if (s->net.rx_arena.fallbacks)
         PS_DEBUG("%" PRIu64 " decoded headers did not fit the receive arena", s->net.rx_arena.fallbacks);
     free(s->parts);

@@ -93,45 +93,38 @@ class _ClosureOnly:
         return getattr(self._opt, name)
 
 
-class _TrainLoader:
-    """The training loader Lightning iterates: the user's DataLoader on psd's batch sampler,
-    an epoch of psd a pass. Sized (a constant bound, len(dataset): Lightning then never reads
-    ahead, so each batch is stepped before the next is taken); the epoch's true end comes from
-    psd, through the strategy's look ahead after each step (optimizer_step)."""
+class _Loader:
+    """A loader Lightning iterates in place of the user's DataLoader (inner): sized with a
+    constant bound, len(dataset) (every batch holds a sample), so that Lightning never reads
+    ahead: each batch is done before the next is taken. Where psd's pass ends comes from psd."""
 
-    def __init__(self, strategy, inner):
+    def __init__(self, strategy, inner, batches):
         self._st = strategy
+        self._batches = batches
         self.inner = inner
         self.dataset = inner.dataset
         self.batch_size = inner.batch_size
-        self._bound = max(1, len(inner.dataset))
 
     def __len__(self):
-        return self._bound
+        return max(1, len(self.dataset))
 
     def __iter__(self):
-        return self._st._epoch_batches(self.inner)
+        return self._batches(self.inner)
 
 
-class _ValLoader:
-    """The validation loader Lightning iterates while fitting: this worker's parts of psd's
-    validation (their samples from the user's validation set, in the user's batch size and
-    collate_fn); the sanity check before training reads the user's loader itself."""
+def _train_loader(strategy, inner):
+    """Training: the user's DataLoader on psd's batch sampler, an epoch of psd a pass; the
+    epoch's end comes through the strategy's look ahead after each step (optimizer_step)."""
+    return _Loader(strategy, inner, strategy._epoch_batches)
 
-    def __init__(self, strategy, inner):
-        self._st = strategy
-        self.inner = inner
-        self.dataset = inner.dataset
-        self.batch_size = inner.batch_size
-        self._bound = max(1, len(inner.dataset))
 
-    def __len__(self):
-        return self._bound
-
-    def __iter__(self):
-        if self._st.lightning_module.trainer.sanity_checking:
-            return iter(self.inner)
-        return self._st._val_batches(self.inner)
+def _val_loader(strategy, inner):
+    """Validation while fitting: this worker's parts of psd's validation (their samples from
+    the user's validation set, in its batch size and collate_fn); the sanity check before
+    training reads the user's loader itself."""
+    def batches(dl):
+        return iter(dl) if strategy.lightning_module.trainer.sanity_checking else strategy._val_batches(dl)
+    return _Loader(strategy, inner, batches)
 
 
 _END = object()
@@ -297,8 +290,8 @@ class PsdStrategy(Strategy):
         if self.worker is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return dataloader
         if trainer.state.stage == RunningStage.TRAINING:
-            return _TrainLoader(self, self._on_psd_sampler(dataloader))
-        return _ValLoader(self, dataloader)
+            return _train_loader(self, self._on_psd_sampler(dataloader))
+        return _val_loader(self, dataloader)
 
     def _on_psd_sampler(self, dl):
         """The user's DataLoader (its class, workers, collate_fn) made again on psd's batch sampler."""
