@@ -23,7 +23,8 @@
  *                  srv_t only)
  * Below them, knowing nothing of srv_t: psd_samples.c (the sample
  * accounting, plain data), psd_hold.c (the parameter holder, shared with
- * shards 1..n-1: psd_shard.c), psd_store.c, psd_ckpt.c, psd_net.c,
+ * shards 1..n-1: psd_shard.c), psd_contrib.c (a contributor's push in a
+ * step: its state, head and frames; shared with them too), psd_store.c, psd_ckpt.c, psd_net.c,
  * psd_metrics.c, psd_lock.c, psd_diverge.c, psd_http.c.
  * A lower file that needs the run to act raises an event (PSD_EV_*, below).
  *
@@ -70,6 +71,7 @@
 #include "ps_data.h"
 #include "psd_diverge.h"
 #include "psd_optim.h"
+#include "psd_contrib.h"
 #include "psd_hold.h"
 #include "psd_http.h"
 #include "psd_lock.h"
@@ -86,14 +88,11 @@
 
 #define MAX_WORKERS 1024
 #define ST_BATCH 64 /* streamed steps: chunks stepped in one pool run */
-/* histogram buckets (seconds) of the workers' step times in /metrics */
-#define PSD_HIST_N 12
 /* the live page's curves: at most this many (step, loss) points, thinned
  * by half (and recorded half as often) whenever full */
 #define PSD_CURVE_MAX 2048
 extern const char *const psd_page_html;
 extern const size_t psd_page_html_len;
-extern const double psd_hist_le[PSD_HIST_N]; /* its buckets' upper bounds */
 
 
 typedef enum {
@@ -133,15 +132,12 @@ typedef struct {
     uint64_t lost_replies;
     bool lost_silent;     /* gone for its silence: it may be alive and connected (told when the run ends) */
     psd_share_t share;    /* this epoch: its positions (ranges, in order), given and trained (psd_samples.h) */
-    /* the push of the step in progress: its tensors may come in several
-     * PUSH messages (a GPU worker sends each layer's gradient as soon as its
-     * backward is done); the frames are kept as received until the step
-     * (push: the holder's, psd_hold.h, with the table rows its reply brings) */
-    bool has_push, push_pull, push_started;
-    psd_push_t push;
-    uint32_t push_batch;
-    double push_loss;
-    uint64_t push_correct;
+    /* its push of the step in progress (psd_contrib.h: its state, head,
+     * frames, the other shards' word and the pull it is owed): its tensors
+     * may come in several PUSH messages (a GPU worker sends each layer's
+     * gradient as soon as its backward is done), kept as received until the
+     * step */
+    psd_contrib_t contrib;
     int val_pending;      /* validation parts given and not answered */
     double compute_ewma;  /* its compute time per step (from its pushes), for "slowest worker" */
     /* same host (psd_shm.h): its gradient region, mapped read-only, and the
@@ -150,19 +146,13 @@ typedef struct {
     const float *shm_grad; /* NULL: no region */
     bool shm;             /* READY confirmed: tensors go through shared memory (push.shm: which) */
     psd_arena_t *hold;
-    /* psd shards: the token it presents to shards 1..n-1, which of them
-     * have its whole push for the current version (bit i), and whether its
+    /* psd shards: the token it presents to shards 1..n-1, and whether its
      * ASSIGN waits for every shard to join */
     uint8_t shard_token[PS_SHM_TOKEN];
-    uint32_t shard_have;  /* shards that have its push for the current version (cleared at each step) */
-    bool own_push;        /* this shard's part of its push is complete */
-    double own_push_at;
-    bool want_pull;       /* send it the version the step in progress makes */
     bool assign_wait;
-    /* async and ssp (train.sync): the version its push was computed on, its
-     * pushes applied this epoch (ssp's clock), and whether psd holds back its
-     * weights because it is train.staleness steps ahead of the slowest */
-    uint64_t push_version;
+    /* async and ssp (train.sync): its pushes applied this epoch (ssp's
+     * clock), and whether psd holds back its weights because it is
+     * train.staleness steps ahead of the slowest */
     uint64_t clock;
     bool ssp_wait;
     /* streamed steps (train.stream): the chunks of its push for the step
@@ -177,8 +167,7 @@ typedef struct {
     int st_sent;
     /* for /metrics: its step times (from its pushes) as histograms, and
      * the time it waited at barriers */
-    uint64_t h_wait[PSD_HIST_N + 1], h_compute[PSD_HIST_N + 1];
-    double h_wait_sum, h_compute_sum;
+    psd_hist_t h_wait, h_compute;
     double barrier_at, barrier_wait_s;
 } worker_t;
 
@@ -651,9 +640,14 @@ void psd_run_take_checkpoint(srv_t *s, bool epoch_done);
 void psd_run_worker_gone(srv_t *s, worker_t *w);
 void psd_run_refuse_worker(srv_t *s, worker_t *w, const char *why);
 void psd_run_said_last(const srv_t *s);
+/* the shell's timer: workers whose connection closed, then the tick (lost
+ * workers, the start timeout, orphaned epochs) */
+void psd_run_closed(srv_t *s, double now);
+void psd_run_tick(srv_t *s, double now);
 
 /* psd_valid.c: the data's split, validation parts and their exact reduction, the epochs' metrics lines,
  * the closing test, the best epoch and early stopping */
+int psd_valid_data_init(srv_t *s);
 int psd_valid_data_setup(srv_t *s, size_t train, size_t test, const char *data_id);
 int psd_valid_data_ready_ok(srv_t *s, worker_t *w, const Psd__Ready *r);
 void psd_valid_start(srv_t *s);
@@ -675,6 +669,10 @@ void psd_shard0_fetch_next(srv_t *s);
 bool psd_shard0_on_shard(srv_t *s, int i, ps_msg_t *m);
 void psd_shard0_send_resume(srv_t *s, int j);
 void psd_shard0_go(srv_t *s);
+/* the shell's timer: shards whose connection closed, then the tick
+ * (heartbeats, silent shards; false: the run stopped) */
+void psd_shard0_closed(srv_t *s, double now);
+bool psd_shard0_tick(srv_t *s, double now);
 
 /* psd_push.c: pushes, pulls, the shards' HAVE and NORM, the decision to step */
 void psd_push_maybe_step(srv_t *s);
@@ -686,7 +684,7 @@ void psd_push_on_shard_norm(srv_t *s, int i, ps_msg_t *m);
 /* psd_stream.c: streamed steps; it sets up and frees its part (init: once the model is known) */
 int psd_stream_init(srv_t *s, size_t chunk_bytes);
 void psd_stream_free(srv_t *s);
-int psd_stream_take(srv_t *s, worker_t *w, ps_msg_t *m);
+int psd_stream_take(srv_t *s, worker_t *w, ps_msg_t *m); /* 1: w's push whole, 0: more to come, -1: dropped */
 void psd_stream_forget(srv_t *s, worker_t *w);
 void psd_stream_progress(srv_t *s);
 
@@ -699,6 +697,7 @@ void psd_step_answer_pull(srv_t *s, worker_t *w);
 void psd_step_count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct);
 void psd_step_range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n);
 void psd_step_release_push(srv_t *s, worker_t *w);
+void psd_step_note_times(srv_t *s, worker_t *w, double compute_s, double wait_s);
 void psd_step_ssp_release(srv_t *s);
 void psd_step_done(srv_t *s, bool taken);
 void psd_step_lr(srv_t *s);
@@ -714,6 +713,10 @@ void psd_give_spread(srv_t *s, const uint64_t *pos, size_t n, worker_t **to, int
 /* psd_peers.c: headers, sends, drops, connections, ASSIGN, the end of the run */
 int psd_peers_send_shard(srv_t *s, int i, Psd__Header *h, const ps_frame_t *fr, int n);
 int psd_peers_send_to(srv_t *s, worker_t *w, Psd__Header *h, const ps_frame_t *fr, int n);
+/* a HEARTBEAT header of this epoch for w (NULL: the shards; hb: its body) */
+void psd_peers_heartbeat_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Heartbeat *hb);
+/* workers waiting on psd hear from it at least every second */
+void psd_peers_keep_alive(srv_t *s, double now);
 void psd_peers_control_reply(srv_t *s, const uint8_t *ident, size_t len, bool ok, const char *text, const char *json);
 void psd_peers_drop(srv_t *s, const worker_t *w, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* psd_peers_drop: a message psd cannot take. From a registered worker in

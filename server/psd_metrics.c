@@ -157,3 +157,20 @@ int psd_metrics_trim(psd_metrics_t *m, const char *path, uint64_t run_id, uint32
     if (rc == 0 && dropped > 0 && m->fd >= 0) rc = psd_metrics_open(m, path, err, n); /* the new file */
     return rc != 0 ? rc : dropped;
 }
+
+const double psd_hist_le[PSD_HIST_N] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5};
+
+void psd_hist_add(psd_hist_t *h, double v)
+{
+    int b = 0;
+    while (b < PSD_HIST_N && v > psd_hist_le[b]) b++;
+    h->n[b]++;
+    h->sum += v;
+}
+
+uint64_t psd_hist_count(const psd_hist_t *h)
+{
+    uint64_t c = 0;
+    for (int b = 0; b <= PSD_HIST_N; b++) c += h->n[b];
+    return c;
+}

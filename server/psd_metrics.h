@@ -49,4 +49,17 @@ int psd_metrics_close(psd_metrics_t *m);
 /* Some line was not written. */
 static inline bool psd_metrics_incomplete(const psd_metrics_t *m) { return m->err != 0; }
 
+/* A histogram of durations (seconds) for /metrics (a worker's step times):
+ * counts by bucket (psd_hist_le's upper bounds, then +Inf) and their sum. */
+#define PSD_HIST_N 12
+extern const double psd_hist_le[PSD_HIST_N];
+typedef struct {
+    uint64_t n[PSD_HIST_N + 1];
+    double sum;
+} psd_hist_t;
+/* v (finite, >= 0) counted in its bucket. */
+void psd_hist_add(psd_hist_t *h, double v);
+/* Values counted. */
+uint64_t psd_hist_count(const psd_hist_t *h);
+
 #endif

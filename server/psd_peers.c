@@ -6,7 +6,6 @@
  * these, and these call none of them. */
 #include "psd_core.h"
 
-const double psd_hist_le[PSD_HIST_N] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5};
 const char *const psd_wstate_name[] = {"assigned", "ready",      "training", "at barrier",
                                    "validating", "validated", "gone"};
 const char *const psd_wend_name[] = {"", "left", "failed", "lost", "refused"};
@@ -211,7 +210,7 @@ void psd_peers_shm_forget(srv_t *s, worker_t *w)
 
 /* A worker's table buffers: the rows it asked for (its gradient rows went
  * back to the holder with its push). */
-void psd_peers_rows_free(worker_t *w) { psd_push_free(&w->push); }
+void psd_peers_rows_free(worker_t *w) { psd_push_free(&w->contrib.push); }
 
 /* ---- message handlers --------------------------------------------------- */
 
@@ -383,4 +382,30 @@ void psd_peers_shards_worker(srv_t *s, const worker_t *w)
     h.body_case = PSD__HEADER__BODY_SHARD_WORKER;
     h.shard_worker = &sw;
     psd_peers_shards_send_all(s, &h);
+}
+
+/* A HEARTBEAT header of this epoch (hb: its body, the caller's). */
+void psd_peers_heartbeat_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Heartbeat *hb)
+{
+    psd_peers_hdr_for(s, w, h, PSD__MSG_TYPE__MSG_HEARTBEAT);
+    psd__heartbeat__init(hb);
+    hb->epoch = s->epoch;
+    h->body_case = PSD__HEADER__BODY_HEARTBEAT;
+    h->heartbeat = hb;
+}
+
+/* Workers that wait on psd (at their barrier, for the next epoch, for the
+ * reply to a push that waits for slower workers, held back in ssp) hear
+ * from it at least every second, so that a long wait is not taken for a
+ * psd that is gone (the worker gives psd step_timeout_s of silence). */
+void psd_peers_keep_alive(srv_t *s, double now)
+{
+    for (int i = 0; i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        if (w->state < W_READY || w->state > W_VALIDATED || now - w->sent_at < 1.0) continue;
+        Psd__Header h;
+        Psd__Heartbeat hb;
+        psd_peers_heartbeat_hdr(s, w, &h, &hb);
+        psd_peers_send_to(s, w, &h, NULL, 0);
+    }
 }

@@ -7,15 +7,13 @@
  * PSD_EV_STEP_APPLIED (psd_core.h) for psd_run.c. */
 #include "psd_core.h"
 
-static bool push_check(const srv_t *s, worker_t *w);
-
 /* The last frame of a PULL (or a PUSH) with want_rows: the table rows the
  * worker's next batch reads, kept for the reply (psd_want_take). 0, or -1
  * (dropped, logged). */
 static int want_take(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     char why[256];
-    if (psd_want_take(&s->holder, &w->push, m, s->holder.batch_rows, why, sizeof why) != 0) {
+    if (psd_want_take(&s->holder, &w->contrib.push, m, s->holder.batch_rows, why, sizeof why) != 0) {
         psd_peers_drop(s, w, "PULL %s", why);
         return -1;
     }
@@ -34,46 +32,72 @@ void psd_push_on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
         return;
     }
     if (m->hdr->pull->want_rows && want_take(s, w, m) != 0) return;
-    if (w->own_push) { /* its last push still waits for the step (it was given more samples since, or
+    if (psd_contrib_own_done(&w->contrib)) { /* its last push still waits for the step (it was given more samples since, or
                         * with shards, this asks for the step's version after a push's last part):
                         * answer with the version that step makes; its gradient, in flight or in
                         * its shared region, must not be overwritten before */
-        w->push_pull = true;
+        w->contrib.pull_after = true;
         return;
     }
     if (s->st.open || s->stepping) { /* a streamed step is half taken (maybe in place), or psd shards
                                        * take a step (clipping: waiting for their norms): the version it
                                        * makes, not the one its push would be stale against */
-        w->want_pull = true;
+        w->contrib.owed = true;
         return;
     }
     psd_step_answer_pull(s, w);
 }
 
+/* The tensors of a PUSH not streamed: in frames, taken by the holder, or
+ * in its shared region (named in the header). Returns whether its push is
+ * now whole here, or -1 (dropped, logged). */
+static int take_whole(srv_t *s, worker_t *w, ps_msg_t *m)
+{
+    Psd__Push *p = m->hdr->push;
+    psd_push_t *pu = &w->contrib.push;
+    uint64_t in_shm = 0;
+    for (size_t i = 0; i < p->n_shm_tensors; i++) {
+        uint32_t t = p->shm_tensors[i];
+        if (t >= (uint32_t)s->layout.n_tensors || ((pu->mask | in_shm) & (1ull << t))) {
+            psd_peers_drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
+            return -1;
+        }
+        in_shm |= 1ull << t;
+    }
+    psd_took_t took;
+    char why[256];
+    if (psd_push_take(&s->holder, pu, m, psd_step_wire_bf16(s, w), in_shm, &took, why, sizeof why) != 0) {
+        psd_peers_drop(s, w, "PUSH %s", why);
+        return -1;
+    }
+    s->ep.bytes_in += took.bytes + took.want_bytes;
+    if (took.row_push) {
+        s->ep.rows_in += took.rows;
+        s->ep.rows_pushes++;
+    }
+    pu->mask |= in_shm;
+    pu->shm |= in_shm;
+    return pu->mask == s->holder.all;
+}
+
 void psd_push_on_push(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Push *p = m->hdr->push;
-    const ps_layout_t *l = &s->layout;
     if (w->state != W_TRAIN) {
         psd_peers_drop(s, w, "PUSH while %s", psd_wstate_name[w->state]);
         return;
     }
-    if (w->has_push) {
-        psd_peers_drop(s, w, "second PUSH for version %" PRIu64, p->version);
-        return;
-    }
-    if (s->cfg.sync == PS_SYNC_BSP ? p->version != s->store.cur->version : p->version > s->store.cur->version) {
-        psd_peers_drop(s, w, "PUSH computed on version %" PRIu64 ", current is %" PRIu64, p->version,
-             s->store.cur->version);
-        return;
-    }
-    uint64_t left = w->share.assigned - w->share.consumed;
-    if (p->batch == 0 || p->batch > (uint32_t)s->cfg.batch_size || p->batch > left) {
-        psd_peers_drop(s, w, "PUSH of a batch of %u (train.batch_size %d, %" PRIu64 " samples left)", p->batch,
-             s->cfg.batch_size, left);
-        return;
-    }
-    if (!isfinite(p->loss_sum)) {
+    const psd_contrib_head_t head = {p->version, p->batch, p->loss_sum, p->correct};
+    const psd_contrib_limits_t lim = {
+        .version = s->store.cur->version,
+        .exact = s->cfg.sync == PS_SYNC_BSP,
+        .batch_size = (uint32_t)s->cfg.batch_size,
+        .left = w->share.assigned - w->share.consumed,
+        .shm = w->shm,
+    };
+    char why[256];
+    int rc = psd_contrib_check(&w->contrib, &head, m->n_frames, p->n_shm_tensors, &lim, why, sizeof why);
+    if (rc == PSD_CONTRIB_DIVERGED) {
         /* not a bad message: the model diverged. Dropping it would only get
          * the workers declared lost one after the other. */
         PS_ERROR("training diverged at step %" PRIu64 " (epoch %u): rank %u's batch loss is %s; lower "
@@ -82,87 +106,25 @@ void psd_push_on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         psd_peers_finish(s, PSD_EXIT_ERROR, "training diverged (loss not finite)");
         return;
     }
-    if (p->loss_sum < 0 || p->correct > p->batch) {
-        psd_peers_drop(s, w, "PUSH with invalid statistics");
+    if (rc != PSD_CONTRIB_OK) {
+        psd_peers_drop(s, w, "%s", why);
         return;
     }
-    if (w->push_started && (p->batch != w->push_batch || p->correct != w->push_correct ||
-                            p->loss_sum != w->push_loss || p->version != w->push_version)) {
-        psd_peers_drop(s, w, "PUSH part for another batch than the parts before it");
-        return;
-    }
-    if (m->n_frames < 1 && p->n_shm_tensors < 1) {
-        psd_peers_drop(s, w, "PUSH without tensors");
-        return;
-    }
-    if (p->n_shm_tensors > 0 && !w->shm) {
-        psd_peers_drop(s, w, "PUSH of tensors in shared memory psd does not share with it");
-        return;
-    }
-    bool complete;
-    if (s->stream) {
-        if (psd_stream_take(s, w, m) != 0) return;
-        complete = w->n_gch == s->st.nc;
-    } else {
-        uint64_t in_shm = 0;
-        for (size_t i = 0; i < p->n_shm_tensors; i++) {
-            uint32_t t = p->shm_tensors[i];
-            if (t >= (uint32_t)l->n_tensors || ((w->push.mask | in_shm) & (1ull << t))) {
-                psd_peers_drop(s, w, "PUSH of tensor %u: not in the model or already received", t);
-                return;
-            }
-            in_shm |= 1ull << t;
-        }
-        psd_took_t took;
-        char why[256];
-        if (psd_push_take(&s->holder, &w->push, m, psd_step_wire_bf16(s, w), in_shm, &took, why, sizeof why) != 0) {
-            psd_peers_drop(s, w, "PUSH %s", why);
-            return;
-        }
-        s->ep.bytes_in += took.bytes + took.want_bytes;
-        if (took.row_push) {
-            s->ep.rows_in += took.rows;
-            s->ep.rows_pushes++;
-        }
-        w->push.mask |= in_shm;
-        w->push.shm |= in_shm;
-        complete = w->push.mask == s->holder.all;
-    }
-    w->push_pull |= p->pull;
+    int whole = s->stream ? psd_stream_take(s, w, m) : take_whole(s, w, m);
+    if (whole < 0) return;
+    w->contrib.pull_after |= p->pull;
     if (p->release && w->hold) { /* it reads no more of its slot: the step may update it in place */
         psd_store_frame_free(NULL, w->hold);
         w->hold = NULL;
     }
-    if (!w->push_started) {
-        w->push_started = true;
-        w->push_version = p->version;
-        w->push_batch = p->batch;
-        w->push_loss = p->loss_sum;
-        w->push_correct = p->correct;
-    }
-    if (!complete) { /* more parts to come */
+    psd_contrib_part(&w->contrib, &head);
+    if (!whole) { /* more parts to come */
         if (s->stream) psd_push_maybe_step(s); /* its chunks may complete some */
         return;
     }
-    w->own_push = true;
-    w->own_push_at = ps_now();
-    push_check(s, w);
-    /* the worker's step time, from the part that completes the push */
-    if (isfinite(p->compute_s) && isfinite(p->wait_s) && p->compute_s >= 0 && p->wait_s >= 0 &&
-        p->compute_s < 1e6 && p->wait_s < 1e6) {
-        s->ep.compute_s += p->compute_s;
-        s->ep.wait_s += p->wait_s;
-        s->ep.timed++;
-        w->compute_ewma = w->compute_ewma > 0 ? 0.9 * w->compute_ewma + 0.1 * p->compute_s : p->compute_s;
-        int bw = 0, bc = 0;
-        while (bw < PSD_HIST_N && p->wait_s > psd_hist_le[bw]) bw++;
-        while (bc < PSD_HIST_N && p->compute_s > psd_hist_le[bc]) bc++;
-        w->h_wait[bw]++;
-        w->h_compute[bc]++;
-        w->h_wait_sum += p->wait_s;
-        w->h_compute_sum += p->compute_s;
-    }
-    if (w->has_push) psd_push_maybe_step(s);
+    bool held = psd_contrib_own(&w->contrib, ps_now(), shard_bits(s));
+    psd_step_note_times(s, w, p->compute_s, p->wait_s); /* from the part that completes the push */
+    if (held) psd_push_maybe_step(s);
 }
 
 /* bsp: once every worker still training has pushed for this version,
@@ -172,7 +134,7 @@ void psd_push_maybe_step(srv_t *s)
     if (s->phase != PHASE_TRAIN || s->stepping) return;
     if (s->cfg.sync != PS_SYNC_BSP) {
         for (int i = 0; i < s->n && s->phase == PHASE_TRAIN; i++)
-            if (s->w[i].has_push) {
+            if (psd_contrib_held(&s->w[i].contrib)) {
                 psd_step_take(s, &s->w[i]);
                 if (s->events & PSD_EV_CKPT_DUE) return; /* the checkpoint first: psd_run.c steps on after it */
             }
@@ -182,14 +144,15 @@ void psd_push_maybe_step(srv_t *s)
         psd_stream_progress(s);
         if (s->phase != PHASE_TRAIN || s->st.open) return;
         for (int i = 0; i < s->n; i++)
-            if (s->w[i].push_started) return; /* the step waits for a worker to begin its push */
+            if (psd_contrib_started(&s->w[i].contrib)) return; /* the step waits for a worker to begin its push */
     } else {
         int pending = 0;
         for (int i = 0; i < s->n; i++) {
             worker_t *w = &s->w[i];
-            if (w->state == W_TRAIN && !w->has_push) return; /* still waiting for it */
-            if (w->own_push && !w->has_push) return;        /* or for a shard to have all of its push */
-            pending += w->has_push;
+            bool held = psd_contrib_held(&w->contrib);
+            if (w->state == W_TRAIN && !held) return;                         /* still waiting for it */
+            if (psd_contrib_own_done(&w->contrib) && !held) return; /* or for a shard to have all of its push */
+            pending += held;
         }
         if (pending > 0) psd_step_take(s, NULL);
         if (s->phase != PHASE_TRAIN || s->stepping) return;
@@ -198,14 +161,6 @@ void psd_push_maybe_step(srv_t *s)
         if (s->w[i].state == W_TRAIN) return;
     if (s->smp.n_pool > 0) return; /* samples wait for a worker to join */
     raise_event(s, PSD_EV_EPOCH_TRAINED);
-}
-
-/* A push counts once this part of it is complete and every other shard
- * has its part (SHARD_HAVE): sets and returns has_push. */
-static bool push_check(const srv_t *s, worker_t *w)
-{
-    w->has_push = w->own_push && (w->shard_have & shard_bits(s)) == shard_bits(s);
-    return w->has_push;
 }
 
 void psd_push_on_shard_norm(srv_t *s, int i, ps_msg_t *m)
@@ -273,6 +228,5 @@ void psd_push_on_shard_have(srv_t *s, int i, ps_msg_t *m)
         PS_DEBUG("shard %d has rank %u's push for version %" PRIu64 "; not needed", i, hv->rank, hv->version);
         return;
     }
-    w->shard_have |= 1u << i;
-    if (push_check(s, w)) psd_push_maybe_step(s);
+    if (psd_contrib_have(&w->contrib, i, shard_bits(s))) psd_push_maybe_step(s);
 }

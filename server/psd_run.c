@@ -459,7 +459,7 @@ void psd_run_on_barrier(srv_t *s, worker_t *w, ps_msg_t *m)
         return;
     }
     if (b->samples < w->share.assigned) return; /* sent before it got more samples: it will come again */
-    uint64_t done = w->share.consumed + (w->own_push ? w->push_batch : 0);
+    uint64_t done = w->share.consumed + (psd_contrib_own_done(&w->contrib) ? w->contrib.head.batch : 0);
     if (b->samples != w->share.assigned || done != w->share.assigned) {
         psd_peers_drop(s, w, "BARRIER after %" PRIu64 " samples, psd counted %" PRIu64 " of %" PRIu64, b->samples, done,
              w->share.assigned);
@@ -968,7 +968,7 @@ void psd_run_events(srv_t *s)
  * age: that worker is the one registering. NULL: none. */
 static bool slot_holds_nothing(const srv_t *s, const worker_t *w)
 {
-    if (w->state != W_GONE || w->has_push || w->push_started || w->st_member || w->n_gch || w->push.mask ||
+    if (w->state != W_GONE || psd_contrib_started(&w->contrib) || w->st_member || w->n_gch || w->contrib.push.mask ||
         w->hold || w->shm_grad || w->val_pending)
         return false;
     for (int j = 0; j < s->n_parts; j++)
@@ -1094,4 +1094,89 @@ void psd_run_on_register(srv_t *s, ps_msg_t *m)
     }
     if (sharded(s)) psd_peers_shards_worker(s, w);
     psd_peers_send_assign(s, w);
+}
+
+/* Workers whose connection closed (the shell drained their last words) are
+ * lost at once (a process that ends, killed or crashed, has its
+ * connections closed by its kernel): nobody waits worker_timeout for it.
+ * One still alive reconnects, is told it was declared lost, and registers
+ * again, as after a timeout. Workers lost in the same tick are given
+ * nothing of each other's (psd_give_hand_out, psd_give_take_pool and
+ * psd_valid_least_busy pass over conn_closed). */
+void psd_run_closed(srv_t *s, double now)
+{
+    for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
+        worker_t *w = &s->w[i];
+        if (!w->conn_closed) continue;
+        w->conn_closed = false;
+        if (w->state == W_GONE) continue;
+        PS_WARN("rank %u (%s pid %u) lost: its connection closed, %.1f s after its last message, while %s; going "
+                "on without it",
+                w->rank, w->hostname, w->pid, now - w->last_seen, psd_wstate_name[w->state]);
+        psd_run_worker_gone(s, w);
+    }
+}
+
+/* The tick: the start timeout; workers silent past server.worker_timeout
+ * while psd waits for them (silence counted only over time psd was there
+ * to hear, ps_hearing_t), one whose push a psd shard never got whole, one
+ * registered and never ready; an epoch nobody comes back to finish. */
+void psd_run_tick(srv_t *s, double now)
+{
+    if (s->phase == PHASE_WAIT) {
+        if (now > s->phase_deadline) {
+            int ready = 0;
+            for (int i = 0; i < s->n; i++) ready += s->w[i].state == W_READY;
+            PS_ERROR("start timeout: %d of %d workers registered, %d ready after %.0f s%s", s->n, s->cfg.workers,
+                     ready, s->cfg.start_timeout, sharded(s) && !all_shards(s) ? " (not every psd shard joined)"
+                     : sharded(s) && !shards_ready(s)
+                         ? (s->opts.resume_dir ? " (not every psd shard resumed)"
+                                               : " (not every psd shard has its part of the initial values)")
+                         : "");
+            psd_peers_finish(s, PSD_EXIT_START_TIMEOUT, "not all workers came in time");
+        }
+    } else if (s->phase == PHASE_TRAIN || s->phase == PHASE_VALIDATE) {
+        for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
+            worker_t *w = &s->w[i];
+            bool waited_for = (w->state == W_TRAIN && !psd_contrib_held(&w->contrib) && !w->ssp_wait &&
+                               !w->contrib.owed) || w->state == W_VALIDATING;
+            if (w->contrib.state == PSD_CONTRIB_OWN && now - ps_heard_at(&s->hearing, w->contrib.own_at) >= s->silence) {
+                /* a shard never got all of its push: it died between its messages */
+                PS_WARN("rank %u (%s pid %u) lost: psd shards are missing part of its push for %.1f s; going on "
+                        "without it", w->rank, w->hostname, w->pid, now - w->contrib.own_at);
+                psd_run_worker_gone(s, w);
+                w->lost_silent = true;
+                continue;
+            }
+            if (w->state == W_ASSIGNED && now - w->last_seen > s->cfg.start_timeout) {
+                /* registered and never said its data was ready: its slot is not waited for */
+                PS_WARN("rank %u (%s pid %u) registered %.0f s ago and never said it was ready; forgetting it",
+                        w->rank, w->hostname, w->pid, now - w->last_seen);
+                psd_run_worker_gone(s, w);
+                w->lost_silent = true;
+                continue;
+            }
+            if (!waited_for || now - ps_heard_at(&s->hearing, w->last_seen) < s->silence) continue;
+            time_t last = time(NULL) - (time_t)(now - w->last_seen);
+            struct tm tm;
+            char when[32];
+            gmtime_r(&last, &tm);
+            strftime(when, sizeof when, "%H:%M:%SZ", &tm);
+            PS_WARN("rank %u (%s pid %u) lost: nothing from it for %.1f s (last message at %s) while %s; "
+                    "going on without it",
+                    w->rank, w->hostname, w->pid, now - w->last_seen, when, psd_wstate_name[w->state]);
+            psd_run_worker_gone(s, w);
+            w->lost_silent = true;
+        }
+        bool waiting = s->smp.n_pool > 0 && live_workers(s) == 0, orphans = false;
+        for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++)
+            orphans |= !s->parts[i].done && s->parts[i].worker < 0;
+        waiting |= orphans && !psd_valid_least_busy(s); /* with live workers they wait for one to answer */
+        if (waiting && s->phase != PHASE_DONE && now > s->orphan_deadline) {
+            PS_ERROR("no worker came back within %.0f s to finish epoch %u", s->cfg.start_timeout, s->epoch + 1);
+            psd_run_take_checkpoint(s, false);
+            psd_run_poll_checkpoint(s, true);
+            psd_peers_finish(s, PSD_EXIT_WORKER_LOST, "no workers left");
+        }
+    }
 }

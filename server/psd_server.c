@@ -3,10 +3,11 @@
  *
  * One thread. A libuv loop watches the ROUTER socket's ZMQ_FD (edge
  * triggered: every wake-up drains while ZMQ_EVENTS says readable, and every
- * callback that sent something drains again), a 100 ms timer enforces every
- * deadline and polls the checkpoint writer, and signal handles stop the run
- * cleanly. This file sets it all up, dispatches each message to the file
- * whose concern it is (psd_run.c decides who does what when), cuts off
+ * callback that sent something drains again), a 100 ms timer calls each
+ * part's tick (psd_shard0_tick, psd_run_tick: they decide what their
+ * deadlines mean) and polls the checkpoint writer, and signal handles stop
+ * the run cleanly. This file sets it all up, dispatches each message to the
+ * file whose concern it is (psd_run.c decides who does what when), cuts off
  * peers that send bad messages, and answers psctl.
  *
  * Workers come and go: a worker psd waits for that stays silent past
@@ -30,69 +31,20 @@ static void on_control(srv_t *s, ps_msg_t *m);
 static void request_stop(srv_t *s, int signum, const char *what);
 static void end_asked(srv_t *s, uint32_t rank);
 
-/* A HEARTBEAT header of this epoch (hb: its body, the caller's). */
-static void heartbeat_hdr(srv_t *s, worker_t *w, Psd__Header *h, Psd__Heartbeat *hb)
-{
-    psd_peers_hdr_for(s, w, h, PSD__MSG_TYPE__MSG_HEARTBEAT);
-    psd__heartbeat__init(hb);
-    hb->epoch = s->epoch;
-    h->body_case = PSD__HEADER__BODY_HEARTBEAT;
-    h->heartbeat = hb;
-}
-
-/* Workers that wait on psd (at their barrier, for the next epoch, for the
- * reply to a push that waits for slower workers, held back in ssp) hear
- * from it at least every second, so that a long wait is not taken for a
- * psd that is gone (the worker gives psd step_timeout_s of silence). */
-static void keep_alive(srv_t *s, double now)
-{
-    for (int i = 0; i < s->n; i++) {
-        worker_t *w = &s->w[i];
-        if (w->state < W_READY || w->state > W_VALIDATED || now - w->sent_at < 1.0) continue;
-        Psd__Header h;
-        Psd__Heartbeat hb;
-        heartbeat_hdr(s, w, &h, &hb);
-        psd_peers_send_to(s, w, &h, NULL, 0);
-    }
-}
-
 static void drain(srv_t *s);
 
-/* A worker whose connection closed is lost at once (a process that ends,
- * killed or crashed, has its connections closed by its kernel): nobody
- * waits worker_timeout for it; a psd shard's closed connection ends the
- * run at once, as its silence would. One still alive reconnects, is told it was
- * declared lost, and registers again, as after a timeout. Workers lost in
- * the same tick are given nothing of each other's (psd_give_hand_out, psd_give_take_pool and
- * psd_valid_least_busy pass over conn_closed). */
+/* A peer whose connection closed (the ROUTER's monitor): its last words
+ * first (a LEAVE, an ERROR: queued before the connection closed), then its
+ * part decides (psd_shard0_closed, psd_run_closed). */
 static void reap_closed(srv_t *s, double now)
 {
     bool any = false;
     for (int i = 0; i < s->n; i++) any |= s->w[i].conn_closed;
     for (int i = 1; i < s->sh.n; i++) any |= s->sh.shard[i].conn_closed;
     if (!any) return;
-    drain(s); /* their last words first (a LEAVE, an ERROR): queued before their connection closed */
-    for (int i = 1; i < s->sh.n && s->phase != PHASE_DONE; i++) {
-        shard_peer_t *sh = &s->sh.shard[i];
-        if (!sh->conn_closed) continue;
-        sh->conn_closed = false;
-        if (!sh->joined) continue;
-        PS_ERROR("psd shard %d (%s pid %u) lost: its connection closed, %.1f s after its last message; its part of "
-                 "the parameters is gone, so the run stops", i, sh->hostname, sh->pid, now - sh->last_seen);
-        sh->joined = false;
-        psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was lost");
-        return;
-    }
-    for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
-        worker_t *w = &s->w[i];
-        if (!w->conn_closed) continue;
-        w->conn_closed = false;
-        if (w->state == W_GONE) continue;
-        PS_WARN("rank %u (%s pid %u) lost: its connection closed, %.1f s after its last message, while %s; going "
-                "on without it",
-                w->rank, w->hostname, w->pid, now - w->last_seen, psd_wstate_name[w->state]);
-        psd_run_worker_gone(s, w);
-    }
+    drain(s);
+    psd_shard0_closed(s, now);
+    psd_run_closed(s, now);
 }
 
 /* ---- messages of the psd shards ----------------------------------------- */
@@ -357,13 +309,7 @@ static void on_poll(uv_poll_t *p, int status, int events)
     drain(p->data);
 }
 
-/* Silence is counted only over time psd was there to hear (ps_hearing_t):
- * after its event loop was held up, peers' messages may wait unread in its
- * queue, and libuv runs the overdue timer before it reads them. (Only
- * hold-ups of half the limit on every tick, psd stepping that long each
- * time, would delay a silent worker's loss.) */
-static double heard_at(const srv_t *s, double last) { return ps_heard_at(&s->hearing, last); }
-
+/* The loop's tick (every 100 ms): each part decides what time means to it. */
 static void on_timer(uv_timer_t *t)
 {
     srv_t *s = t->data;
@@ -377,94 +323,9 @@ static void on_timer(uv_timer_t *t)
     psd_run_poll_checkpoint(s, false);
     psd_shm_expire(s->net.shm, now);
     psd_status_progress(s, now);
-    if (s->phase != PHASE_DONE) keep_alive(s, now);
-    if (sharded(s) && s->phase != PHASE_DONE) {
-        if (now - s->sh.hb >= 1.0) { /* they stop when shard 0 falls silent */
-            Psd__Header h;
-            Psd__Heartbeat hb;
-            heartbeat_hdr(s, NULL, &h, &hb);
-            psd_peers_shards_send_all(s, &h);
-            s->sh.hb = now;
-        }
-        for (int i = 1; i < s->sh.n; i++) {
-            shard_peer_t *sh = &s->sh.shard[i];
-            /* an answer shard 0 waits for: its norms (clipping), its part of the final weights */
-            const char *owed = NULL;
-            double since = 0;
-            if (s->stepping && !sh->norm_in)
-                owed = "its part of the gradient's norm", since = s->stepping_since;
-            else if (s->sh.wr && i == s->sh.fetch_k)
-                owed = "its part of the final weights", since = s->sh.fetching_since;
-            if (owed && now - heard_at(s, since) >= s->silence) {
-                PS_ERROR("psd shard %d (%s pid %u) did not send %s in %.1f s; the run stops", i, sh->hostname, sh->pid,
-                         owed, now - since);
-                psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard stopped answering");
-                return;
-            }
-            if (!sh->joined || now - heard_at(s, sh->last_seen) < s->silence) continue;
-            PS_ERROR("psd shard %d (%s pid %u) lost: nothing from it for %.1f s; its part of the parameters is "
-                     "gone, so the run stops", i, sh->hostname, sh->pid, now - sh->last_seen);
-            sh->joined = false;
-            psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was lost");
-            return;
-        }
-    }
-    if (s->phase == PHASE_WAIT) {
-        if (now > s->phase_deadline) {
-            int ready = 0;
-            for (int i = 0; i < s->n; i++) ready += s->w[i].state == W_READY;
-            PS_ERROR("start timeout: %d of %d workers registered, %d ready after %.0f s%s", s->n, s->cfg.workers,
-                     ready, s->cfg.start_timeout, sharded(s) && !all_shards(s) ? " (not every psd shard joined)"
-                     : sharded(s) && !shards_ready(s)
-                         ? (s->opts.resume_dir ? " (not every psd shard resumed)"
-                                               : " (not every psd shard has its part of the initial values)")
-                         : "");
-            psd_peers_finish(s, PSD_EXIT_START_TIMEOUT, "not all workers came in time");
-        }
-    } else if (s->phase == PHASE_TRAIN || s->phase == PHASE_VALIDATE) {
-        for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
-            worker_t *w = &s->w[i];
-            bool waited_for = (w->state == W_TRAIN && !w->has_push && !w->ssp_wait && !w->want_pull) ||
-                              w->state == W_VALIDATING;
-            if (w->own_push && !w->has_push && now - heard_at(s, w->own_push_at) >= s->silence) {
-                /* a shard never got all of its push: it died between its messages */
-                PS_WARN("rank %u (%s pid %u) lost: psd shards are missing part of its push for %.1f s; going on "
-                        "without it", w->rank, w->hostname, w->pid, now - w->own_push_at);
-                psd_run_worker_gone(s, w);
-                w->lost_silent = true;
-                continue;
-            }
-            if (w->state == W_ASSIGNED && now - w->last_seen > s->cfg.start_timeout) {
-                /* registered and never said its data was ready: its slot is not waited for */
-                PS_WARN("rank %u (%s pid %u) registered %.0f s ago and never said it was ready; forgetting it",
-                        w->rank, w->hostname, w->pid, now - w->last_seen);
-                psd_run_worker_gone(s, w);
-                w->lost_silent = true;
-                continue;
-            }
-            if (!waited_for || now - heard_at(s, w->last_seen) < s->silence) continue;
-            time_t last = time(NULL) - (time_t)(now - w->last_seen);
-            struct tm tm;
-            char when[32];
-            gmtime_r(&last, &tm);
-            strftime(when, sizeof when, "%H:%M:%SZ", &tm);
-            PS_WARN("rank %u (%s pid %u) lost: nothing from it for %.1f s (last message at %s) while %s; "
-                    "going on without it",
-                    w->rank, w->hostname, w->pid, now - w->last_seen, when, psd_wstate_name[w->state]);
-            psd_run_worker_gone(s, w);
-            w->lost_silent = true;
-        }
-        bool waiting = s->smp.n_pool > 0 && live_workers(s) == 0, orphans = false;
-        for (int i = 0; i < s->n_parts && s->phase == PHASE_VALIDATE; i++)
-            orphans |= !s->parts[i].done && s->parts[i].worker < 0;
-        waiting |= orphans && !psd_valid_least_busy(s); /* with live workers they wait for one to answer */
-        if (waiting && s->phase != PHASE_DONE && now > s->orphan_deadline) {
-            PS_ERROR("no worker came back within %.0f s to finish epoch %u", s->cfg.start_timeout, s->epoch + 1);
-            psd_run_take_checkpoint(s, false);
-            psd_run_poll_checkpoint(s, true);
-            psd_peers_finish(s, PSD_EXIT_WORKER_LOST, "no workers left");
-        }
-    }
+    if (s->phase != PHASE_DONE) psd_peers_keep_alive(s, now);
+    if (!psd_shard0_tick(s, now)) return; /* a psd shard was lost: the run stops */
+    psd_run_tick(s, now);
     psd_run_events(s);
     drain(s);
 }
@@ -664,99 +525,6 @@ static void on_signal(uv_signal_t *h, int signum)
 /* model.kind ctr: examples from the generator, no files. Logs the best
  * log-loss reachable on the test examples (the planted model's) and a
  * constant's (the test click rate's), the yardsticks of the validation loss. */
-static int ctr_setup(srv_t *s)
-{
-    ps_ctr_t g;
-    ps_ctr_from_config(&s->cfg, &g);
-    s->train_count = (size_t)s->cfg.ctr_train;
-    if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < s->train_count)
-        s->train_count = (size_t)s->cfg.train_limit;
-    s->test_count = (size_t)s->cfg.ctr_test;
-    uint32_t rows[PS_CTR_MAX_IDS];
-    double opt = 0;
-    uint64_t clicks = 0;
-    s->val_scores = malloc(s->test_count * sizeof *s->val_scores);
-    s->test_labels = malloc(s->test_count);
-    s->auc_order = malloc(s->test_count * sizeof *s->auc_order);
-    if (!s->val_scores || !s->test_labels || !s->auc_order) {
-        PS_ERROR("out of memory for %zu test examples", s->test_count);
-        return -1;
-    }
-    for (size_t i = 0; i < s->test_count; i++) {
-        double p = ps_ctr_example(&g, (uint64_t)s->cfg.ctr_train + i, rows, NULL, &s->test_labels[i]);
-        opt += ps_logloss(p, s->test_labels[i]);
-        clicks += s->test_labels[i];
-        s->val_scores[i] = (float)p;
-    }
-    s->ctr_opt_auc = ps_auc(s->val_scores, s->test_labels, s->test_count, s->auc_order);
-    double r = (double)clicks / (double)s->test_count;
-    s->ctr_opt_loss = opt / (double)s->test_count;
-    s->ctr_const_loss = ps_logloss(r, 1) * r + ps_logloss(r, 0) * (1 - r);
-    PS_INFO("ctr task: %d fields x %d values from %lld (zipf %.2f), table %lld x %d; on the %zu test examples "
-            "the planted model's log-loss is %.4f (AUC %.4f), a constant's %.4f (click rate %.4f)",
-            g.fields, g.per_field, (long long)s->cfg.ctr_vocab, g.zipf, (long long)s->cfg.ctr_rows,
-            s->cfg.ctr_dim, s->test_count, s->ctr_opt_loss, s->ctr_opt_auc, s->ctr_const_loss, r);
-    return psd_valid_data_setup(s, s->train_count, s->test_count, NULL);
-}
-
-static int check_data(srv_t *s)
-{
-    if (s->cfg.kind == PS_MODEL_CTR) return ctr_setup(s);
-    if (s->cfg.kind == PS_MODEL_TENSORS || s->cfg.kind == PS_MODEL_FROM_WORKER) { /* the workers hold the data;
-                                                                                    * psd hands out indices */
-        if (s->cfg.train_size < 1 || s->cfg.test_size < 1) return 0; /* the first worker's (psd_valid_data_ready_ok) */
-        size_t train = (size_t)s->cfg.train_size;
-        if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < train) train = (size_t)s->cfg.train_limit;
-        return psd_valid_data_setup(s, train, (size_t)s->cfg.test_size, NULL); /* the fingerprint: the first worker's */
-    }
-    const char *roles[4] = {"train_images", "train_labels", "test_images", "test_labels"};
-    const char *paths[4] = {s->cfg.train_images, s->cfg.train_labels, s->cfg.test_images, s->cfg.test_labels};
-    char err[512];
-    ps_idx_t idx[4] = {0};
-    int rc = -1;
-    for (int i = 0; i < 4; i++) {
-        snprintf(s->files[i].role, sizeof s->files[i].role, "%s", roles[i]);
-        snprintf(s->files[i].path, sizeof s->files[i].path, "%s", paths[i]);
-        if (ps_idx_load(&idx[i], paths[i], i % 2 == 0 ? 3 : 1, err, sizeof err) != 0) {
-            PS_ERROR("%s: %s", roles[i], err);
-            goto out;
-        }
-        int h = ps_file_hash(paths[i], &s->files[i].size, &s->files[i].hash);
-        if (h != 0) {
-            PS_ERROR("%s: %s", paths[i], strerror(-h));
-            goto out;
-        }
-    }
-    int classes = s->cfg.sizes[s->cfg.n_sizes - 1];
-    for (int k = 0; k < 2; k++) {
-        ps_idx_t *im = &idx[2 * k], *lb = &idx[2 * k + 1];
-        if (im->count != lb->count) {
-            PS_ERROR("%s has %zu images but %s has %zu labels", paths[2 * k], im->count, paths[2 * k + 1],
-                     lb->count);
-            goto out;
-        }
-        if (im->item != (size_t)s->cfg.sizes[0]) {
-            PS_ERROR("%s: %zu pixels per image, but model.layers starts with %d", paths[2 * k], im->item,
-                     s->cfg.sizes[0]);
-            goto out;
-        }
-        for (size_t j = 0; j < lb->count; j++)
-            if (lb->data[j] >= classes) {
-                PS_ERROR("%s: label %u of sample %zu, but the model has %d classes", paths[2 * k + 1],
-                         lb->data[j], j, classes);
-                goto out;
-            }
-    }
-    s->train_count = idx[0].count;
-    if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < s->train_count)
-        s->train_count = (size_t)s->cfg.train_limit;
-    s->test_count = idx[2].count;
-    rc = psd_valid_data_setup(s, s->train_count, s->test_count, NULL); /* the files' hashes are checked in ASSIGN */
-out:
-    for (int i = 0; i < 4; i++) ps_idx_deinit(&idx[i]);
-    return rc;
-}
-
 static uint64_t make_run_id(void)
 {
     uint64_t id = 0;
@@ -861,7 +629,7 @@ static bool run_setup(srv_t *s, const ps_config_t *c, const psd_run_opts_t *opts
         *code = PSD_EXIT_USAGE;
         return false;
     }
-    if (check_data(s) != 0) {
+    if (psd_valid_data_init(s) != 0) {
         *code = PSD_EXIT_USAGE;
         return false;
     }

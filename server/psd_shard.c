@@ -52,6 +52,7 @@
 #include "ps_util.h"
 #include "ps_wire.h"
 #include "psd_ckpt.h"
+#include "psd_contrib.h"
 #include "psd_hold.h"
 #include "psd_lock.h"
 #include "psd_net.h"
@@ -69,9 +70,8 @@ typedef struct {
     uint8_t ident[PS_MAX_IDENTITY];
     size_t ident_len;          /* 0: not registered here */
     uint64_t seq_in, seq_out;
-    psd_push_t push;           /* its push of push_version (pieces so far), the rows its reply brings */
-    uint64_t push_version;
-    bool complete;
+    psd_contrib_t c;           /* its push (pieces so far, psd_contrib.h: HELD once whole here, the only
+                                * part a shard knows of), the rows its reply brings */
     uint64_t want;             /* answer a pull with a version >= want - 1 (0: none) */
     int tcp_fd;                /* its connection given server.tcp_congestion (fd + 1, 0: none yet) */
 } fw_t;
@@ -202,11 +202,7 @@ static void hello(shard_self_t *s)
 static void fail(shard_self_t *s, const char *why);
 
 /* w's push goes: its frames, and its row buffer back to the holder. */
-static void release(shard_self_t *s, fw_t *w)
-{
-    psd_push_release(&s->hold, &w->push);
-    w->complete = false;
-}
+static void release(shard_self_t *s, fw_t *w) { psd_contrib_release(&w->c, &s->hold); }
 
 /* A WEIGHTS header of the current version (h's run, rank and sequence to fill). */
 static void weights_header(const shard_self_t *s, Psd__Header *h, Psd__Weights *wt)
@@ -233,14 +229,14 @@ static void send_weights_to(shard_self_t *s, fw_t *w, uint32_t rank)
     h.rank = rank;
     h.seq = ++w->seq_out;
     long rows;
-    int n = psd_hold_reply(&s->hold, &w->push, fr, &wt.crc, &rows);
+    int n = psd_hold_reply(&s->hold, &w->c.push, fr, &wt.crc, &rows);
     if (rows >= 0) {
         wt.rows = true;
         s->rows_out += (uint64_t)rows;
     }
     for (int i = 0; i < n; i++) s->bytes_out += fr[i].nbytes;
     int rc = ps_msg_send(s->router, w->ident, w->ident_len, &h, fr, n);
-    psd_hold_sent(&s->hold, &w->push);
+    psd_hold_sent(&s->hold, &w->c.push);
     if (rc < 0) PS_WARN("shard %d cannot send weights: %s", s->opts.shard, zmq_strerror(-rc));
 }
 
@@ -318,14 +314,14 @@ static void on_step(shard_self_t *s, ps_msg_t *m)
             return;
         }
         if (w) seen[st->ranks[k]] = true;
-        if (!w || !w->complete || w->push_version != st->version) {
+        if (!w || !psd_contrib_held(&w->c) || w->c.head.version != st->version) {
             char why[160];
             snprintf(why, sizeof why, "STEP names rank %u, whose push for version %" PRIu64 " is not here",
                      st->ranks[k], st->version);
             fail(s, why);
             return;
         }
-        ps[k] = &w->push;
+        ps[k] = &w->c.push;
     }
     if (psd_hold_gather(&s->hold, ps, NULL, (int)st->n_ranks) != 0) {
         fail(s, "out of memory for a step's table rows");
@@ -367,7 +363,7 @@ static void on_step(shard_self_t *s, ps_msg_t *m)
         }
     }
     for (int r = 0; r < s->n_w; r++) /* every push of that version is used or stale */
-        if (s->w[r].push.mask && s->w[r].push_version <= st->version) release(s, &s->w[r]);
+        if (s->w[r].c.push.mask && s->w[r].c.head.version <= st->version) release(s, &s->w[r]);
     if (!s->awaiting_apply) applied(s);
 }
 
@@ -889,7 +885,7 @@ static void on_register(shard_self_t *s, ps_msg_t *m)
         return;
     }
     if (w->ident_len && (w->ident_len != m->ident_len || memcmp(w->ident, m->ident, m->ident_len) != 0) &&
-        !w->complete)
+        !psd_contrib_held(&w->c))
         release(s, w); /* the same rank from a new connection: its pieces so far go; a complete push stays, as
                      * shard 0 has been told about it (SHARD_HAVE) and may name it in a STEP */
     memcpy(w->ident, m->ident, m->ident_len);
@@ -897,7 +893,7 @@ static void on_register(shard_self_t *s, ps_msg_t *m)
     w->tcp_fd = 0; /* a new connection maybe under an fd number the last one had */
     w->seq_in = h->seq;
     w->want = 0;
-    w->push.want.has = false;
+    w->c.push.want.has = false;
     Psd__Header a;
     Psd__Assign as = PSD__ASSIGN__INIT;
     psd__header__init(&a);
@@ -919,14 +915,14 @@ static void on_push(shard_self_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
               s->store.cur->version);
         return;
     }
-    if (w->push.mask && w->push_version != p->version) release(s, w); /* a push that never completed */
-    if (w->complete) {
+    if (w->c.push.mask && w->c.head.version != p->version) release(s, w); /* a push that never completed */
+    if (psd_contrib_held(&w->c)) {
         sdrop(s, "second PUSH of rank %u for version %" PRIu64, rank, p->version);
         return;
     }
     psd_took_t took;
     char why[256];
-    if (psd_push_take(&s->hold, &w->push, m, s->hold.wire_bf16, 0, &took, why, sizeof why) != 0) {
+    if (psd_push_take(&s->hold, &w->c.push, m, s->hold.wire_bf16, 0, &took, why, sizeof why) != 0) {
         refuse(s, rank, "PUSH of rank %u %s", rank, why);
         return;
     }
@@ -935,10 +931,13 @@ static void on_push(shard_self_t *s, fw_t *w, uint32_t rank, ps_msg_t *m)
         s->rows_pushes++;
         s->rows_in += took.rows;
     }
-    w->push_version = p->version;
+    /* the version is all a shard checks of the head (shard 0 checks the rest) */
+    const psd_contrib_head_t head = {.version = p->version};
+    psd_contrib_part(&w->c, &head);
+    w->c.head.version = p->version;
     if (p->pull) w->want = p->version + 2; /* the next version */
-    if (w->push.mask != s->hold.all) return;
-    w->complete = true;
+    if (w->c.push.mask != s->hold.all) return;
+    psd_contrib_own(&w->c, ps_now(), 0); /* held: no other shard's word to wait for */
     Psd__Header h;
     Psd__ShardHave hv = PSD__SHARD_HAVE__INIT;
     psd__header__init(&h);
@@ -985,12 +984,12 @@ static void on_worker(shard_self_t *s, ps_msg_t *m)
          * those; without, the piece whole (rows with the table on psd: none) */
         if (h->pull->want_rows) {
             char why[256];
-            if (psd_want_take(&s->hold, &w->push, m, s->hold.piece_rows, why, sizeof why) != 0) {
+            if (psd_want_take(&s->hold, &w->c.push, m, s->hold.piece_rows, why, sizeof why) != 0) {
                 refuse(s, h->rank, "PULL of rank %u %s", h->rank, why);
                 break;
             }
         } else {
-            w->push.want.has = false;
+            w->c.push.want.has = false;
         }
         w->want = h->pull->min_version + 1;
         if (!s->awaiting_apply) answer_pulls(s);
@@ -1317,7 +1316,7 @@ out:
     signal(SIGTERM, SIG_IGN);
     for (int r = 0; s->w && s->hold.sp_free && r < SHARD_MAX_WORKERS; r++) {
         release(s, &s->w[r]);
-        psd_push_free(&s->w[r].push);
+        psd_push_free(&s->w[r].c.push);
     }
     psd_hold_deinit(&s->hold);
     free(s->norm_blk);

@@ -469,3 +469,59 @@ bool psd_shard0_all_resumed(const srv_t *s)
     return true;
 }
 
+/* Psd shards whose connection closed (the shell drained their last words):
+ * a joined one's part of the parameters is gone, so the run stops. */
+void psd_shard0_closed(srv_t *s, double now)
+{
+    for (int i = 1; i < s->sh.n && s->phase != PHASE_DONE; i++) {
+        shard_peer_t *sh = &s->sh.shard[i];
+        if (!sh->conn_closed) continue;
+        sh->conn_closed = false;
+        if (!sh->joined) continue;
+        PS_ERROR("psd shard %d (%s pid %u) lost: its connection closed, %.1f s after its last message; its part of "
+                 "the parameters is gone, so the run stops", i, sh->hostname, sh->pid, now - sh->last_seen);
+        sh->joined = false;
+        psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was lost");
+        return;
+    }
+}
+
+/* The tick: a heartbeat to the shards every second (they stop when shard 0
+ * falls silent), and a shard silent past server.worker_timeout, or one
+ * that owes shard 0 an answer (its part of a clipped step's norm, of the
+ * final weights) that long, stops the run. false: it did. */
+bool psd_shard0_tick(srv_t *s, double now)
+{
+    if (sharded(s) && s->phase != PHASE_DONE) {
+        if (now - s->sh.hb >= 1.0) { /* they stop when shard 0 falls silent */
+            Psd__Header h;
+            Psd__Heartbeat hb;
+            psd_peers_heartbeat_hdr(s, NULL, &h, &hb);
+            psd_peers_shards_send_all(s, &h);
+            s->sh.hb = now;
+        }
+        for (int i = 1; i < s->sh.n; i++) {
+            shard_peer_t *sh = &s->sh.shard[i];
+            /* an answer shard 0 waits for: its norms (clipping), its part of the final weights */
+            const char *owed = NULL;
+            double since = 0;
+            if (s->stepping && !sh->norm_in)
+                owed = "its part of the gradient's norm", since = s->stepping_since;
+            else if (s->sh.wr && i == s->sh.fetch_k)
+                owed = "its part of the final weights", since = s->sh.fetching_since;
+            if (owed && now - ps_heard_at(&s->hearing, since) >= s->silence) {
+                PS_ERROR("psd shard %d (%s pid %u) did not send %s in %.1f s; the run stops", i, sh->hostname, sh->pid,
+                         owed, now - since);
+                psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard stopped answering");
+                return false;
+            }
+            if (!sh->joined || now - ps_heard_at(&s->hearing, sh->last_seen) < s->silence) continue;
+            PS_ERROR("psd shard %d (%s pid %u) lost: nothing from it for %.1f s; its part of the parameters is "
+                     "gone, so the run stops", i, sh->hostname, sh->pid, now - sh->last_seen);
+            sh->joined = false;
+            psd_peers_finish(s, PSD_EXIT_SHARD_LOST, "a psd shard was lost");
+            return false;
+        }
+    }
+    return true;
+}

@@ -77,7 +77,8 @@ static void histogram(FILE *f, const srv_t *s, const char *name, const char *hel
     fprintf(f, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
     for (int i = 0; i < s->n; i++) {
         const worker_t *w = &s->w[i];
-        const uint64_t *h = wait ? w->h_wait : w->h_compute;
+        const psd_hist_t *hist = wait ? &w->h_wait : &w->h_compute;
+        const uint64_t *h = hist->n;
         uint64_t cum = 0;
         for (int b = 0; b <= PSD_HIST_N; b++) {
             cum += h[b];
@@ -85,7 +86,7 @@ static void histogram(FILE *f, const srv_t *s, const char *name, const char *hel
             else fprintf(f, "%s_bucket{rank=\"%u\",le=\"+Inf\"} %" PRIu64 "\n", name, w->rank, cum);
         }
         fprintf(f, "%s_sum{rank=\"%u\"} %.9g\n%s_count{rank=\"%u\"} %" PRIu64 "\n", name, w->rank,
-                wait ? w->h_wait_sum : w->h_compute_sum, name, w->rank, cum);
+                hist->sum, name, w->rank, cum);
     }
 }
 
@@ -240,10 +241,9 @@ void psd_status_json(const srv_t *s, FILE *f)
         if (w->state == W_GONE && w->end != WEND_NONE) fprintf(f, ",\"ended\":\"%s\"", psd_wend_name[w->end]);
         fprintf(f, ",\"compute_ms\":");
         json_num(f, 1e3 * w->compute_ewma);
-        uint64_t steps = 0;
-        for (int b = 0; b <= PSD_HIST_N; b++) steps += w->h_wait[b];
+        uint64_t steps = psd_hist_count(&w->h_wait);
         fprintf(f, ",\"steps\":%" PRIu64 ",\"wait_ms_mean\":", steps);
-        json_num(f, steps ? 1e3 * w->h_wait_sum / (double)steps : NAN);
+        json_num(f, steps ? 1e3 * w->h_wait.sum / (double)steps : NAN);
         fprintf(f, ",\"samples\":%" PRIu64 ",\"assigned\":%" PRIu64 "}", w->share.consumed, w->share.assigned);
     }
     fprintf(f, "],\"config\":{\"layers\":[");
@@ -327,10 +327,9 @@ void psd_status_human(const srv_t *s, FILE *f, bool workers_only)
             "wait", "samples");
     for (int i = 0; i < s->n; i++) {
         const worker_t *w = &s->w[i];
-        uint64_t steps = 0;
-        for (int b = 0; b <= PSD_HIST_N; b++) steps += w->h_wait[b];
+        uint64_t steps = psd_hist_count(&w->h_wait);
         fprintf(f, "%-5u %-20.20s %-8u %-10.10s %-11s %8.1fms %8.1fms %5" PRIu64 "/%-6" PRIu64 "\n", w->rank,
                 w->hostname, w->pid, w->device, psd_wstate_name[w->state], 1e3 * w->compute_ewma,
-                steps ? 1e3 * w->h_wait_sum / (double)steps : 0.0, w->share.consumed, w->share.assigned);
+                steps ? 1e3 * w->h_wait.sum / (double)steps : 0.0, w->share.consumed, w->share.assigned);
     }
 }

@@ -58,9 +58,9 @@ bool psd_step_wire_bf16(const srv_t *s, const worker_t *w)
     return !w->shm && s->cfg.wire_gradients == PS_WIRE_BF16;
 }
 
-void psd_step_release_push(srv_t *s, worker_t *w)
+/* The chunks of its streamed push let go (train.stream). */
+static void release_chunks(worker_t *w)
 {
-    psd_push_release(&s->holder, &w->push);
     if (w->n_gch > 0) {
         for (int c = 0; c < w->n_gch_cap; c++)
             if (w->gch_in[c] == 1) zmq_msg_close(&w->gch[c]);
@@ -69,8 +69,27 @@ void psd_step_release_push(srv_t *s, worker_t *w)
     w->n_gch = 0;
     w->st_member = w->st_req = false;
     w->st_sent = 0;
-    w->has_push = w->push_started = w->push_pull = w->own_push = false;
-    w->shard_have = 0;
+}
+
+void psd_step_release_push(srv_t *s, worker_t *w)
+{
+    psd_contrib_release(&w->contrib, &s->holder);
+    release_chunks(w);
+}
+
+/* w's step times (compute and wait, seconds, from the part that completes
+ * its push): the epoch's sums, its moving average (for "slowest worker")
+ * and its histograms in /metrics. Values out of range are not counted. */
+void psd_step_note_times(srv_t *s, worker_t *w, double compute_s, double wait_s)
+{
+    if (!(isfinite(compute_s) && isfinite(wait_s) && compute_s >= 0 && wait_s >= 0 && compute_s < 1e6 && wait_s < 1e6))
+        return;
+    s->ep.compute_s += compute_s;
+    s->ep.wait_s += wait_s;
+    s->ep.timed++;
+    w->compute_ewma = w->compute_ewma > 0 ? 0.9 * w->compute_ewma + 0.1 * compute_s : compute_s;
+    psd_hist_add(&w->h_wait, wait_s);
+    psd_hist_add(&w->h_compute, compute_s);
 }
 
 /* samples trained this epoch, with their summed loss and correct count */
@@ -84,8 +103,9 @@ void psd_step_count_trained(srv_t *s, uint64_t samples, double loss, uint64_t co
 /* w's batch is trained: its samples seen, its statistics counted */
 void psd_step_account_batch(srv_t *s, worker_t *w)
 {
-    psd_share_consume(&w->share, &s->smp, w->push_batch);
-    psd_step_count_trained(s, w->push_batch, w->push_loss, w->push_correct);
+    const psd_contrib_head_t *h = &w->contrib.head;
+    psd_share_consume(&w->share, &s->smp, h->batch);
+    psd_step_count_trained(s, h->batch, h->loss, h->correct);
 }
 
 /* The statistics of the step's contributors, their pushes released; those
@@ -95,11 +115,11 @@ void psd_step_account_step(srv_t *s, uint64_t total, const worker_t *only)
     double step_loss = 0;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
-        if (!w->has_push || (only && w != only)) continue;
+        if (!psd_contrib_held(&w->contrib) || (only && w != only)) continue;
         psd_step_account_batch(s, w);
-        step_loss += w->push_loss;
-        w->want_pull = w->push_pull && !w->st_req; /* a streamed reply has gone out already */
-        psd_step_release_push(s, w);
+        step_loss += w->contrib.head.loss;
+        psd_contrib_applied(&w->contrib, &s->holder, w->st_req); /* a streamed reply has gone out already */
+        release_chunks(w);
     }
     s->last_loss = step_loss / (double)total;
 }
@@ -159,12 +179,12 @@ void psd_step_done(srv_t *s, bool taken)
     if (taken && diverged(s)) return;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
-        w->shard_have = 0; /* HAVEs name a version: none of them counts for the next (a non-contributor's) */
-        if (w->want_pull && w->state == W_TRAIN) {
+        w->contrib.have = 0; /* HAVEs name a version: none of them counts for the next (a non-contributor's) */
+        if (w->contrib.owed && w->state == W_TRAIN) {
             w->last_seen = ps_now(); /* psd's own waiting (a deferred pull) is not its silence */
             psd_step_answer_pull(s, w);
         }
-        w->want_pull = false;
+        w->contrib.owed = false;
     }
     if (taken && s->cfg.ckpt_every_steps > 0 && s->step % (uint64_t)s->cfg.ckpt_every_steps == 0)
         raise_event(s, PSD_EV_CKPT_DUE);
@@ -176,7 +196,7 @@ static void shards_step(srv_t *s, int k, const double *wt)
     uint32_t ranks[MAX_WORKERS];
     int j = 0;
     for (int i = 0; i < s->n && j < k; i++)
-        if (s->w[i].has_push) ranks[j++] = s->w[i].rank;
+        if (psd_contrib_held(&s->w[i].contrib)) ranks[j++] = s->w[i].rank;
     Psd__Header h;
     Psd__ShardStep st = PSD__SHARD_STEP__INIT;
     psd__header__init(&h);
@@ -224,13 +244,13 @@ void psd_step_take(srv_t *s, worker_t *only)
     const float *shm[MAX_WORKERS];
     double *wt = s->step_wt;
     for (int i = 0; i < s->n; i++)
-        if (s->w[i].has_push && (!only || &s->w[i] == only)) total += s->w[i].push_batch;
+        if (psd_contrib_held(&s->w[i].contrib) && (!only || &s->w[i] == only)) total += s->w[i].contrib.head.batch;
     for (int i = 0; i < s->n; i++) {
         worker_t *w = &s->w[i];
-        if (!w->has_push || (only && w != only)) continue;
-        ps[k] = &w->push;
+        if (!psd_contrib_held(&w->contrib) || (only && w != only)) continue;
+        ps[k] = &w->contrib.push;
         shm[k] = w->shm ? w->shm_grad : NULL;
-        wt[k] = (double)w->push_batch / (double)total;
+        wt[k] = (double)w->contrib.head.batch / (double)total;
         k++;
     }
     if (psd_hold_gather(&s->holder, ps, shm, k) != 0) {
@@ -254,7 +274,7 @@ void psd_step_take(srv_t *s, worker_t *only)
         for (int i = 1; i < s->sh.n; i++) s->sh.shard[i].norm_in = false;
         return;
     }
-    uint64_t computed_on = only ? only->push_version : s->store.cur->version;
+    uint64_t computed_on = only ? only->contrib.head.version : s->store.cur->version;
     double norm = psd_hold_step(&s->holder, k, wt, s->cfg.clip_norm, s->lr, false);
     if (norm < 0) {
         PS_ERROR("no free parameter arena (too many pull replies in flight)");
@@ -333,11 +353,11 @@ static void send_weights(srv_t *s, worker_t *w)
     int n;
     if (w->shm) {
         n = psd_step_weights_frames(s, w, fr, &wt.shm_slot, &wt.crc);
-        w->push.want.n = 0;
-        w->push.want.has = false;
+        w->contrib.push.want.n = 0;
+        w->contrib.push.want.has = false;
     } else {
         long rows;
-        n = psd_hold_reply(&s->holder, &w->push, fr, &wt.crc, &rows);
+        n = psd_hold_reply(&s->holder, &w->contrib.push, fr, &wt.crc, &rows);
         for (int i = 0; i < n; i++) s->ep.bytes_out += fr[i].nbytes;
         if (rows >= 0) {
             s->ep.rows_out += (uint64_t)rows;
@@ -346,7 +366,7 @@ static void send_weights(srv_t *s, worker_t *w)
         }
     }
     psd_peers_send_to(s, w, &h, fr, n);
-    psd_hold_sent(&s->holder, &w->push);
+    psd_hold_sent(&s->holder, &w->contrib.push);
 }
 
 /* The table on psd: VALIDATE's table frame (the last one, a reference on

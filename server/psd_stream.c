@@ -8,10 +8,10 @@
 static void stream_weights(srv_t *s)
 {
     uint64_t total = 0;
-    for (int j = 0; j < s->st.k; j++) total += s->w[s->st.mem[j]].push_batch;
+    for (int j = 0; j < s->st.k; j++) total += s->w[s->st.mem[j]].contrib.head.batch;
     for (int j = 0; j < s->st.k; j++) {
         const worker_t *w = &s->w[s->st.mem[j]];
-        s->step_wt[j] = (double)w->push_batch / (double)total;
+        s->step_wt[j] = (double)w->contrib.head.batch / (double)total;
         s->step_bf16[j] = psd_step_wire_bf16(s, w);
     }
 }
@@ -62,7 +62,7 @@ static bool stream_open(srv_t *s)
     s->st.open = true;
     s->st.k = 0;
     for (int i = 0; i < s->n; i++)
-        if (s->w[i].push_started) {
+        if (psd_contrib_started(&s->w[i].contrib)) {
             s->st.mem[s->st.k++] = i;
             s->w[i].st_member = true;
         }
@@ -87,17 +87,17 @@ static void set_aside(void *ud, uint64_t p)
 
 static int stream_set_lost_aside(srv_t *s, worker_t *w)
 {
-    size_t need = s->st.lost_n + w->push_batch;
+    size_t need = s->st.lost_n + w->contrib.head.batch;
     if (need > s->st.lost_cap) { /* only when a contributor is lost: never per step */
         uint64_t *p = realloc(s->st.lost_pos, need * sizeof *p);
         if (!p) return -1;
         s->st.lost_pos = p;
         s->st.lost_cap = need;
     }
-    psd_share_walk(&w->share, w->share.consumed, w->push_batch, set_aside, s);
-    w->share.consumed += w->push_batch;
-    s->st.lost_loss += w->push_loss;
-    s->st.lost_correct += w->push_correct;
+    psd_share_walk(&w->share, w->share.consumed, w->contrib.head.batch, set_aside, s);
+    w->share.consumed += w->contrib.head.batch;
+    s->st.lost_loss += w->contrib.head.loss;
+    s->st.lost_correct += w->contrib.head.correct;
     return 0;
 }
 
@@ -162,7 +162,7 @@ void psd_stream_progress(srv_t *s)
     if (!s->st.open) { /* every worker training must have begun its push */
         int k = 0;
         for (int i = 0; i < s->n; i++) {
-            if (s->w[i].push_started) k++;
+            if (psd_contrib_started(&s->w[i].contrib)) k++;
             else if (s->w[i].state == W_TRAIN) return;
         }
         if (k == 0) return;
@@ -233,7 +233,7 @@ void psd_stream_progress(srv_t *s)
     if (!complete) return;
     uint64_t total = 0;
     for (int i = 0; i < s->n; i++)
-        if (s->w[i].has_push) total += s->w[i].push_batch;
+        if (psd_contrib_held(&s->w[i].contrib)) total += s->w[i].contrib.head.batch;
     memset(s->st.have, 0, (size_t)s->st.nc * sizeof *s->st.have);
     memset(s->st.done, 0, (size_t)s->st.nc);
     s->st.n_done = s->st.n_made = s->st.n_tord = 0;
@@ -266,16 +266,16 @@ void psd_stream_forget(srv_t *s, worker_t *w)
     if (s->st.k == 1 && stream_none_applied(s))
         PS_WARN("rank %u, the last contributor of a streamed step, was lost in the middle of it, before any chunk "
                 "took the step: no step is taken, and its batch of %u is still to be trained", w->rank,
-                w->push_batch);
+                w->contrib.head.batch);
     else if (stream_none_applied(s)) { /* reduced into some chunks, applied only if the step is taken */
         PS_WARN("rank %u was lost in the middle of a streamed step, before any chunk took the step: its gradient is in "
                 "%d of %d chunks, the others go on without it; its batch of %u counts as trained if the step is taken, "
-                "else it is trained again", w->rank, s->st.n_done, s->st.nc, w->push_batch);
+                "else it is trained again", w->rank, s->st.n_done, s->st.nc, w->contrib.head.batch);
         if (stream_set_lost_aside(s, w) != 0) psd_peers_finish(s, PSD_EXIT_ERROR, "psd out of memory");
     } else {
         PS_WARN("rank %u was lost in the middle of a streamed step: its gradient is in %d of %d chunks, the others "
                 "are stepped without it; its batch of %u counts as trained", w->rank, s->st.n_done, s->st.nc,
-                w->push_batch);
+                w->contrib.head.batch);
         psd_step_account_batch(s, w);
     }
     int k = 0;
@@ -288,7 +288,8 @@ void psd_stream_forget(srv_t *s, worker_t *w)
 }
 
 /* Check a streamed PUSH's frames (chunks) and tensors in shared memory
- * (every chunk of them), then keep them: 0, or -1 when it was dropped. */
+ * (every chunk of them), then keep them: whether w's push is now whole
+ * (1) or not (0), or -1 when it was dropped (logged). */
 int psd_stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
 {
     Psd__Push *p = m->hdr->push;
@@ -351,5 +352,5 @@ int psd_stream_take(srv_t *s, worker_t *w, ps_msg_t *m)
         if (++s->st.have[c] == s->st.k && s->st.open) s->st.rq[s->st.rq_tail++] = c;
     }
     if (p->pull && !w->shm && s->cfg.wire_weights == PS_WIRE_F32) w->st_req = true;
-    return 0;
+    return w->n_gch == s->st.nc;
 }

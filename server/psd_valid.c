@@ -72,6 +72,106 @@ static void data_free(srv_t *s)
  * fingerprint are the run's where neither the config nor a checkpoint gave
  * them. 1: it fits; 0: refused (it is told why, naming both); -1: the
  * message is dropped (or psd ends the run). */
+/* The ctr task's data: generated from the config, its test examples' labels
+ * kept for AUC and the planted model's figures on them logged. */
+static int ctr_setup(srv_t *s)
+{
+    ps_ctr_t g;
+    ps_ctr_from_config(&s->cfg, &g);
+    s->train_count = (size_t)s->cfg.ctr_train;
+    if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < s->train_count)
+        s->train_count = (size_t)s->cfg.train_limit;
+    s->test_count = (size_t)s->cfg.ctr_test;
+    uint32_t rows[PS_CTR_MAX_IDS];
+    double opt = 0;
+    uint64_t clicks = 0;
+    s->val_scores = malloc(s->test_count * sizeof *s->val_scores);
+    s->test_labels = malloc(s->test_count);
+    s->auc_order = malloc(s->test_count * sizeof *s->auc_order);
+    if (!s->val_scores || !s->test_labels || !s->auc_order) {
+        PS_ERROR("out of memory for %zu test examples", s->test_count);
+        return -1;
+    }
+    for (size_t i = 0; i < s->test_count; i++) {
+        double p = ps_ctr_example(&g, (uint64_t)s->cfg.ctr_train + i, rows, NULL, &s->test_labels[i]);
+        opt += ps_logloss(p, s->test_labels[i]);
+        clicks += s->test_labels[i];
+        s->val_scores[i] = (float)p;
+    }
+    s->ctr_opt_auc = ps_auc(s->val_scores, s->test_labels, s->test_count, s->auc_order);
+    double r = (double)clicks / (double)s->test_count;
+    s->ctr_opt_loss = opt / (double)s->test_count;
+    s->ctr_const_loss = ps_logloss(r, 1) * r + ps_logloss(r, 0) * (1 - r);
+    PS_INFO("ctr task: %d fields x %d values from %lld (zipf %.2f), table %lld x %d; on the %zu test examples "
+            "the planted model's log-loss is %.4f (AUC %.4f), a constant's %.4f (click rate %.4f)",
+            g.fields, g.per_field, (long long)s->cfg.ctr_vocab, g.zipf, (long long)s->cfg.ctr_rows,
+            s->cfg.ctr_dim, s->test_count, s->ctr_opt_loss, s->ctr_opt_auc, s->ctr_const_loss, r);
+    return psd_valid_data_setup(s, s->train_count, s->test_count, NULL);
+}
+
+/* What the run knows of its data from the start: the ctr task's (its
+ * sizes, and its test set's figures for the planted model), a tensors
+ * model's sizes from the config (else the first worker's), or the config's
+ * IDX files (read, checked against the model, hashed for ASSIGN). 0, or -1
+ * (logged). */
+int psd_valid_data_init(srv_t *s)
+{
+    if (s->cfg.kind == PS_MODEL_CTR) return ctr_setup(s);
+    if (s->cfg.kind == PS_MODEL_TENSORS || s->cfg.kind == PS_MODEL_FROM_WORKER) { /* the workers hold the data;
+                                                                                    * psd hands out indices */
+        if (s->cfg.train_size < 1 || s->cfg.test_size < 1) return 0; /* the first worker's (psd_valid_data_ready_ok) */
+        size_t train = (size_t)s->cfg.train_size;
+        if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < train) train = (size_t)s->cfg.train_limit;
+        return psd_valid_data_setup(s, train, (size_t)s->cfg.test_size, NULL); /* the fingerprint: the first worker's */
+    }
+    const char *roles[4] = {"train_images", "train_labels", "test_images", "test_labels"};
+    const char *paths[4] = {s->cfg.train_images, s->cfg.train_labels, s->cfg.test_images, s->cfg.test_labels};
+    char err[512];
+    ps_idx_t idx[4] = {0};
+    int rc = -1;
+    for (int i = 0; i < 4; i++) {
+        snprintf(s->files[i].role, sizeof s->files[i].role, "%s", roles[i]);
+        snprintf(s->files[i].path, sizeof s->files[i].path, "%s", paths[i]);
+        if (ps_idx_load(&idx[i], paths[i], i % 2 == 0 ? 3 : 1, err, sizeof err) != 0) {
+            PS_ERROR("%s: %s", roles[i], err);
+            goto out;
+        }
+        int h = ps_file_hash(paths[i], &s->files[i].size, &s->files[i].hash);
+        if (h != 0) {
+            PS_ERROR("%s: %s", paths[i], strerror(-h));
+            goto out;
+        }
+    }
+    int classes = s->cfg.sizes[s->cfg.n_sizes - 1];
+    for (int k = 0; k < 2; k++) {
+        ps_idx_t *im = &idx[2 * k], *lb = &idx[2 * k + 1];
+        if (im->count != lb->count) {
+            PS_ERROR("%s has %zu images but %s has %zu labels", paths[2 * k], im->count, paths[2 * k + 1],
+                     lb->count);
+            goto out;
+        }
+        if (im->item != (size_t)s->cfg.sizes[0]) {
+            PS_ERROR("%s: %zu pixels per image, but model.layers starts with %d", paths[2 * k], im->item,
+                     s->cfg.sizes[0]);
+            goto out;
+        }
+        for (size_t j = 0; j < lb->count; j++)
+            if (lb->data[j] >= classes) {
+                PS_ERROR("%s: label %u of sample %zu, but the model has %d classes", paths[2 * k + 1],
+                         lb->data[j], j, classes);
+                goto out;
+            }
+    }
+    s->train_count = idx[0].count;
+    if (s->cfg.train_limit > 0 && (size_t)s->cfg.train_limit < s->train_count)
+        s->train_count = (size_t)s->cfg.train_limit;
+    s->test_count = idx[2].count;
+    rc = psd_valid_data_setup(s, s->train_count, s->test_count, NULL); /* the files' hashes are checked in ASSIGN */
+out:
+    for (int i = 0; i < 4; i++) ps_idx_deinit(&idx[i]);
+    return rc;
+}
+
 int psd_valid_data_ready_ok(srv_t *s, worker_t *w, const Psd__Ready *r)
 {
     const char *id = r->data_id ? r->data_id : "";
