@@ -615,6 +615,7 @@ void psd_say_optimizer(const ps_config_t *c);
 /* psd_model.c: the model set up (values: the first worker's, NULL: the
  * config's inits or model.init). 0, or a PSD_EXIT_* code after a message */
 int psd_model_setup(srv_t *s, const float *const *values);
+void psd_model_free(srv_t *s); /* at the run's end */
 
 /* psd_run.c: the run's phases, checkpoints, resume; acts on the events */
 /* --resume DIR: the directory its checkpoints are in (out), and the run
@@ -643,6 +644,10 @@ void psd_run_said_last(const srv_t *s);
 /* the shell's timer: workers whose connection closed, then the tick (lost
  * workers, the start timeout, orphaned epochs) */
 void psd_run_closed(srv_t *s, double now);
+/* the workers' slots: made at the start, their holdings released at the end, freed */
+int psd_run_workers_init(srv_t *s, int max_workers);
+void psd_run_workers_release(srv_t *s);
+void psd_run_workers_free(srv_t *s);
 void psd_run_tick(srv_t *s, double now);
 
 /* psd_valid.c: the data's split, validation parts and their exact reduction, the epochs' metrics lines,
@@ -697,6 +702,8 @@ void psd_step_answer_pull(srv_t *s, worker_t *w);
 void psd_step_count_trained(srv_t *s, uint64_t samples, double loss, uint64_t correct);
 void psd_step_range_rows_send(srv_t *s, worker_t *w, Psd__Header *h, ps_frame_t *fr, int n);
 void psd_step_release_push(srv_t *s, worker_t *w);
+int psd_step_init(srv_t *s); /* the step's per-contributor room; psd_step_free */
+void psd_step_free(srv_t *s);
 void psd_step_note_times(srv_t *s, worker_t *w, double compute_s, double wait_s);
 void psd_step_ssp_release(srv_t *s);
 void psd_step_done(srv_t *s, bool taken);

@@ -117,3 +117,13 @@ int psd_model_setup(srv_t *s, const float *const *values)
     s->model_ready = true;
     return 0;
 }
+
+/* The model's part freed at the run's end: the holder, the store, the
+ * packed tensor table. */
+void psd_model_free(srv_t *s)
+{
+    psd_hold_deinit(&s->holder);
+    psd_store_deinit(&s->store);
+    free(s->table_pb);
+    s->table_pb = NULL;
+}

@@ -1180,3 +1180,35 @@ void psd_run_tick(srv_t *s, double now)
         }
     }
 }
+
+/* The workers' slots (max_workers of MAX_WORKERS, 0: all): 0, or -1. */
+int psd_run_workers_init(srv_t *s, int max_workers)
+{
+    s->w = calloc(MAX_WORKERS, sizeof *s->w);
+    s->max_workers = max_workers > 0 && max_workers < MAX_WORKERS ? max_workers : MAX_WORKERS;
+    return s->w ? 0 : -1;
+}
+
+/* What each slot holds let go (pushes, shared regions, shares, row lists,
+ * streamed chunks), at the run's end while the holder and the sockets'
+ * regions are still there. */
+void psd_run_workers_release(srv_t *s)
+{
+    for (int i = 0; s->w && i < s->n; i++) {
+        worker_t *w = &s->w[i];
+        psd_step_release_push(s, w);
+        psd_peers_shm_forget(s, w);
+        psd_share_free(&w->share);
+        psd_peers_rows_free(w);
+        free(w->gch);
+        free(w->gch_in);
+        w->gch = NULL;
+        w->gch_in = NULL;
+    }
+}
+
+void psd_run_workers_free(srv_t *s)
+{
+    free(s->w);
+    s->w = NULL;
+}

@@ -620,9 +620,7 @@ static bool run_setup(srv_t *s, const ps_config_t *c, const psd_run_opts_t *opts
     psd_metrics_init(&s->metrics);
     s->config_hash = ps_config_hash(c);
     s->run_id = make_run_id();
-    s->w = calloc(MAX_WORKERS, sizeof *s->w);
-    s->max_workers = opts->max_workers > 0 && opts->max_workers < MAX_WORKERS ? opts->max_workers : MAX_WORKERS;
-    if (!s->w) return false;
+    if (psd_run_workers_init(s, opts->max_workers) != 0) return false;
     char lerr[512];
     if (c->kind != PS_MODEL_FROM_WORKER && ps_run_layout(c, &s->layout, lerr, sizeof lerr) != 0) {
         PS_ERROR("%s", lerr);
@@ -643,10 +641,8 @@ static bool run_setup(srv_t *s, const ps_config_t *c, const psd_run_opts_t *opts
     if ((c->best_metric[0] || c->stop_metric[0]) && c->val_fraction <= 0 && c->val_size <= 0)
         PS_WARN("train.%s: no held-out validation set (data.val_fraction): the best epoch is chosen on the test "
                 "set, whose figures then flatter it", c->best_metric[0] ? "keep_best" : "early_stop");
-    s->step_bf16 = calloc(MAX_WORKERS, sizeof *s->step_bf16);
-    s->step_wt = calloc(MAX_WORKERS, sizeof *s->step_wt);
     ps_arena_init(&s->net.rx_arena, s->net.rx_buf, sizeof s->net.rx_buf);
-    if (!s->step_bf16 || !s->step_wt) {
+    if (psd_step_init(s) != 0) {
         PS_ERROR("psd out of memory");
         return false;
     }
@@ -803,15 +799,7 @@ static int run_teardown(srv_t *s, bool loop_ok, int code)
             ;
         if (uv_loop_close(&s->net.loop) != 0) PS_WARN("psd's event loop did not close cleanly");
     }
-    if (s->w)
-        for (int i = 0; i < s->n; i++) {
-            psd_step_release_push(s, &s->w[i]);
-            psd_peers_shm_forget(s, &s->w[i]);
-            psd_share_free(&s->w[i].share);
-            psd_peers_rows_free(&s->w[i]);
-            free(s->w[i].gch);
-            free(s->w[i].gch_in);
-        }
+    psd_run_workers_release(s);
     if (s->net.sock) ps_msg_drain(s->net.sock, 0.1, 1.0); /* what workers sent before they saw SHUTDOWN */
     zmq_end(s, -1);
     psd_metrics_close(&s->metrics);
@@ -823,24 +811,16 @@ static int run_teardown(srv_t *s, bool loop_ok, int code)
     }
     psd_locks_release(&s->locks);
     psd_shard0_init_free(s);
-    psd_hold_deinit(&s->holder);
-    psd_store_deinit(&s->store);
+    psd_model_free(s);
     ps_layout_free(&s->layout);
     ps_layout_free(&s->offer.layout);
     psd_samples_free(&s->smp);
     psd_valid_free(s);
-    free(s->val_scores);
-    free(s->test_labels);
-    free(s->auc_order);
-    free(s->step_bf16);
-    free(s->step_wt);
+    psd_step_free(s);
     psd_stream_free(s);
     if (s->net.rx_arena.fallbacks)
         PS_DEBUG("%" PRIu64 " decoded headers did not fit the receive arena", s->net.rx_arena.fallbacks);
-    free(s->parts);
-    free(s->val_curve);
-    free(s->w);
-    free(s->table_pb);
+    psd_run_workers_free(s);
     free(s);
     return code;
 }
@@ -853,7 +833,6 @@ int psd_server_run(const ps_config_t *c, const psd_run_opts_t *opts)
     bool loop_ok = false;
     if (!run_setup(s, c, opts, &code) || (code = run_open(s, c, opts, &loop_ok)) != 0) goto out;
     s->t_boot = ps_now();
-    s->val_curve = calloc((size_t)c->epochs, sizeof *s->val_curve);
     if (c->http[0] && (code = start_http(s)) != 0) goto out;
     if (opts->check) { /* --check-config: every check of the start passed, its sockets bound; nothing written */
         code = 0;

@@ -52,6 +52,22 @@ void psd_step_ssp_release(srv_t *s)
     }
 }
 
+/* The step's per-contributor room (weights, wire types): 0, or -1. */
+int psd_step_init(srv_t *s)
+{
+    s->step_bf16 = calloc(MAX_WORKERS, sizeof *s->step_bf16);
+    s->step_wt = calloc(MAX_WORKERS, sizeof *s->step_wt);
+    return s->step_bf16 && s->step_wt ? 0 : -1;
+}
+
+void psd_step_free(srv_t *s)
+{
+    free(s->step_bf16);
+    free(s->step_wt);
+    s->step_bf16 = NULL;
+    s->step_wt = NULL;
+}
+
 /* Its gradients come as bfloat16: on the wire with train.wire_gradients: bf16. */
 bool psd_step_wire_bf16(const srv_t *s, const worker_t *w)
 {

@@ -112,10 +112,11 @@ static int ctr_setup(srv_t *s)
 /* What the run knows of its data from the start: the ctr task's (its
  * sizes, and its test set's figures for the planted model), a tensors
  * model's sizes from the config (else the first worker's), or the config's
- * IDX files (read, checked against the model, hashed for ASSIGN). 0, or -1
- * (logged). */
+ * IDX files (read, checked against the model, hashed for ASSIGN); and the
+ * validation curve's room. 0, or -1 (logged). Freed by psd_valid_free. */
 int psd_valid_data_init(srv_t *s)
 {
+    s->val_curve = calloc((size_t)s->cfg.epochs, sizeof *s->val_curve); /* the live page's (none: not drawn) */
     if (s->cfg.kind == PS_MODEL_CTR) return ctr_setup(s);
     if (s->cfg.kind == PS_MODEL_TENSORS || s->cfg.kind == PS_MODEL_FROM_WORKER) { /* the workers hold the data;
                                                                                     * psd hands out indices */
@@ -795,4 +796,14 @@ void psd_valid_free(srv_t *s)
     s->vl.best_w = NULL;
     s->vl.best_w16 = NULL;
     data_free(s);
+    free(s->val_scores);
+    free(s->test_labels);
+    free(s->auc_order);
+    free(s->parts);
+    free(s->val_curve);
+    s->val_scores = NULL;
+    s->test_labels = NULL;
+    s->auc_order = NULL;
+    s->parts = NULL;
+    s->val_curve = NULL;
 }
