@@ -54,6 +54,15 @@ map '^\.venv/bin/python examples/lightning/fit\.py --epochs 2 --out runs/single$
 map '^sh deploy/quickstart\.sh lightning --epochs 2$' \
     'lightning: the same test runs it as written (a free port: PSD_PORT)' \
     'python/tests/test_lightning.py:\["sh", "deploy/quickstart.sh", "lightning", "--epochs", "2"\]'
+map '^\.venv/bin/python examples/ignite/autoencoder\.py --epochs 3 --train-limit 12000 --out runs/single$' \
+    'ignite: test_the_readmes_commands_psd_within_2_percent_of_the_single_process runs it as written' \
+    'python/tests/test_ignite.py:py = "\.venv/bin/python"' \
+    'python/tests/test_ignite.py:args = \["--epochs", "3", "--train-limit", "12000"\]' \
+    'python/tests/test_ignite.py:\[py, "examples/ignite/autoencoder\.py", \*args, "--out", "runs/single"\]' \
+    'meson.build:suite : '"'"'ignite'"'"
+map '^sh deploy/quickstart\.sh ignite --epochs 3 --train-limit 12000$' \
+    'ignite: the same test runs it as written (a free port: PSD_PORT)' \
+    'python/tests/test_ignite.py:\["sh", "deploy/quickstart.sh", "ignite", \*args\]'
 map '^sh deploy/quickstart\.sh torch$' \
     'python: test_quickstart_torch_runs_as_written runs it as written (one epoch of 3,000 samples, a free port)' \
     'python/tests/test_torch.py:"deploy/quickstart.sh", "torch"' \

@@ -6,7 +6,28 @@ fn(split, ids) returns {"loss": sum, "correct": n, "count": len(ids), "NAME": su
 (values: numbers or one-element tensors). The answer is (loss, correct, count, {NAME: sum})
 with the named sums in name order, as psd's VAL_RESULT carries them.
 """
+import re
+
 import torch
+
+_RESERVED = {"acc", "correct", "count", "samples", "auc"}
+
+
+def psd_name(key):
+    """The name psd gives a value a framework logs in validation (psd.lightning, psd.ignite):
+    "loss" (psd's val_loss) for val_loss or loss, "correct" (psd's val_acc, counted: the value
+    is a fraction of the samples) for val_acc, acc or accuracy, else the key in [a-z0-9_]
+    without a leading val_ (psd's metrics file: val_NAME)."""
+    n = re.sub("[^a-z0-9_]", "_", key.lower())
+    if n.startswith("val_") and len(n) > 4:
+        n = n[4:]
+    if n == "loss":
+        return "loss"
+    if n in ("acc", "accuracy"):
+        return "correct"
+    if n in _RESERVED:
+        n = "val_" + n
+    return n[:32]
 
 
 class ValidationError(ValueError):

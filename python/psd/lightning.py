@@ -30,7 +30,6 @@ Lightning hook that imports it, so import psd.lightning before building the mode
 import importlib
 import math
 import os
-import re
 import sys
 
 import torch
@@ -40,6 +39,7 @@ from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
+from ._valid import psd_name
 from .torch import RunError, Worker
 
 __all__ = ["PsdStrategy", "psd_name"]
@@ -58,26 +58,6 @@ def _patch_torch113():
 
 
 _patch_torch113()
-
-_RESERVED = {"acc", "correct", "count", "samples", "auc"}
-
-
-def psd_name(key):
-    """The name psd gives a value logged in validation_step: "loss" (psd's val_loss) for
-    val_loss or loss, "correct" (psd's val_acc, counted: the value is a fraction of the
-    batch's samples) for val_acc or acc, else the key in [a-z0-9_] without a leading val_
-    (psd's metrics file: val_NAME)."""
-    n = re.sub("[^a-z0-9_]", "_", key.lower())
-    if n.startswith("val_") and len(n) > 4:
-        n = n[4:]
-    if n == "loss":
-        return "loss"
-    if n in ("acc", "accuracy"):
-        return "correct"
-    if n in _RESERVED:
-        n = "val_" + n
-    return n[:32]
-
 
 class _ClosureOnly:
     """The optimizer Lightning's precision plugin steps: runs the closure (forward, zero_grad,

@@ -20,6 +20,21 @@ schedule: {name: constant}
 """
 
 
+FRAMEWORK_CONFIG = """model: {kind: from_worker}
+run: {epochs: %d}
+train: {batch_size: 20}
+"""
+
+
+def result(out):
+    """The JSON line a framework's test worker (lit_worker.py, ign_worker.py) prints at its end."""
+    return json.loads([x for x in out.splitlines() if x.startswith("{")][-1])
+
+
+def close(a, b, rel=1e-6):
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
 def free_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

@@ -12,31 +12,16 @@ import time
 
 import pytest
 
-from conftest import HERE, free_port
-
-CONFIG = """model: {kind: from_worker}
-run: {epochs: %d}
-train: {batch_size: 20}
-"""
-
+from conftest import FRAMEWORK_CONFIG as CONFIG, HERE, close, free_port, result
 
 def lit(r, i, *args):
     return r.worker(str(r.tmp / ("w%d" % i)), *args, script="lit_worker.py")
-
-
-def result(out):
-    """The JSON line lit_worker.py prints at its end."""
-    return json.loads([x for x in out.splitlines() if x.startswith("{")][-1])
 
 
 def logged(r, rank_dir="w0"):
     """Lightning's CSV log of rank 0: its rows that have validation figures."""
     path = os.path.join(r.tmp, rank_dir, "lightning_logs", "version_0", "metrics.csv")
     return [row for row in csv.DictReader(open(path)) if row.get("val_mae")]
-
-
-def close(a, b, rel=1e-6):
-    return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
