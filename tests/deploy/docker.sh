@@ -15,7 +15,9 @@
 # 5. the user's script as the workers: the image built again with TORCH=1, compose with
 #    PSD_WORKER_CMD="python3 fashion_cnn.py" (examples/torch, mounted as PSD_WORKER_DIR)
 #    and examples/torch/fashion_cnn.yaml for one epoch: exact sample counts, CURVE, the
-#    best weights kept by psd in the volume;
+#    best weights kept by psd in the volume; then examples/ignite's autoencoder_psd.py
+#    (psd.ignite, Ignite from the image's environment) for one epoch on 6000 images:
+#    exact counts, both workers' validation loss psd's;
 # 6. removes every container, network, volume and image, stops dockerd by PID and
 #    restores iptables, the docker0 bridge and ip_forward as they were.
 # Without root or the tools it skips (exit 77) with a message; with CI=true a skip
@@ -90,7 +92,7 @@ cleanup() {
     for p in "${HAND_PIDS[@]}"; do kill "$p" 2>/dev/null; done
     [ -n "${TORCH_BUILD_PID:-}" ] && kill "$TORCH_BUILD_PID" 2>/dev/null
     if [ -n "$DOCKERD_PID" ] && kill -0 "$DOCKERD_PID" 2>/dev/null; then
-        for p in "$PROJECT" "${PROJECT}t"; do
+        for p in "$PROJECT" "${PROJECT}t" "${PROJECT}i"; do
             docker-compose -p "$p" -f "$SRC/deploy/compose/docker-compose.yml" down -v --rmi all \
                 --remove-orphans >>"$T/down.log" 2>&1
         done
@@ -153,6 +155,11 @@ docker run --rm "$IMAGE" id -un | grep -qx psd || { echo "image does not run as 
 # the image with PyTorch (step 5) builds meanwhile: every layer above its own is cached now
 TORCH_BUILD_PID=""
 if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
+    # the image's PyPI packages fetched here (the build's container may lack this host's proxy
+    # and certificates): deploy/wheels, installed from there with their hashes checked
+    "$SRC/.venv/bin/pip" download -q --disable-pip-version-check --no-deps --require-hashes \
+        -r "$SRC/deploy/requirements.txt" -d "$SRC/deploy/wheels" >"$T/wheels.log" 2>&1 ||
+        fail "pip download of deploy/requirements.txt failed (see wheels.log; sh deploy/setup.sh --deploy makes .venv)"
     log "docker build --build-arg TORCH=1 (in the background)"
     docker build -f "$SRC/deploy/docker/Dockerfile" --build-arg TORCH=1 -t "$IMAGE_TORCH" "$SRC" \
         >"$T/build-torch.log" 2>&1 &
@@ -244,5 +251,33 @@ if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
     TACC=$(last "$T/torch-metrics.jsonl" test_acc)
     python3 -c "import sys; sys.exit(0 if float('$TACC') >= 0.80 else 1)" || fail "torch run: test_acc $TACC < 0.80 after 1 epoch"
     log "torch workers: 54000 trained, 6000 validated, 10000 tested, test_acc $TACC, best weights kept"
+
+    # -- 5b. an Ignite script as the workers (examples/ignite, psd.ignite) --------
+    log "docker-compose up, psd + 2 workers running examples/ignite/autoencoder_psd.py (psd.ignite), 1 epoch"
+    export PSD_PUBLISH=127.0.0.1:$(free_port)
+    export PSD_CONFIG_FILE=$SRC/examples/ignite/psd.yaml PSD_WORKER_DIR=$SRC/examples/ignite
+    # (its code directory is read-only in the container: the checkpoints go to /tmp)
+    export PSD_ARGS="--epochs 1 --seed $SEED" \
+        PSD_WORKER_CMD="python3 autoencoder_psd.py --epochs 1 --train-limit 6000 --val-limit 1000 --out /tmp/ckpt"
+    COMPOSE_I=(docker-compose -p "${PROJECT}i" -f "$SRC/deploy/compose/docker-compose.yml")
+    rc=0
+    timeout 600 "${COMPOSE_I[@]}" up --no-build --scale pworker=2 --exit-code-from psd >"$T/compose-ignite.log" 2>&1 ||
+        rc=$?
+    [ "$rc" -eq 0 ] || fail "docker-compose up (ignite workers) exited $rc"
+    PSD_CID=$("${COMPOSE_I[@]}" ps -q psd)
+    docker cp "$PSD_CID:/var/lib/psd/psd-metrics.jsonl" "$T/ignite-metrics.jsonl"
+    [ "$(grep -c "worker registered: rank [01]" "$T/compose-ignite.log")" = 2 ] || fail "ignite run: 2 workers did not register"
+    for kv in epoch=1 train_samples=6000 val_samples=1000; do
+        [ "$(last "$T/ignite-metrics.jsonl" "${kv%=*}")" = "${kv#*=}" ] ||
+            fail "ignite run: ${kv%=*} $(last "$T/ignite-metrics.jsonl" "${kv%=*}"), not ${kv#*=}"
+    done
+    # both workers print psd's reduced validation loss (the evaluator's metrics are psd's)
+    ILOSS=$(grep -o "RESULT val_loss=[0-9.]*" "$T/compose-ignite.log" | sort -u)
+    [ "$(echo "$ILOSS" | wc -l)" = 1 ] && [ "$(grep -c "RESULT val_loss" "$T/compose-ignite.log")" = 2 ] ||
+        fail "ignite run: the two workers' validation losses differ: $ILOSS"
+    PLOSS=$(last "$T/ignite-metrics.jsonl" val_loss)
+    python3 -c "import sys; a = float('${ILOSS#RESULT val_loss=}'); b = float('$PLOSS'); sys.exit(0 if abs(a - b) <= 1e-5 * b and b < 0.05 else 1)" ||
+        fail "ignite run: workers' val_loss ${ILOSS#RESULT val_loss=}, psd's $PLOSS (or not below 0.05)"
+    log "ignite workers: 6000 trained, 1000 validated, val_loss $PLOSS on both workers and psd"
 fi
-log "PASS: compose pworkers = by hand ($COMP/10000), compose torch workers test_acc ${TACC:-skipped}"
+log "PASS: compose pworkers = by hand ($COMP/10000), compose torch workers test_acc ${TACC:-skipped}, ignite workers val_loss ${PLOSS:-skipped}"
