@@ -186,8 +186,6 @@ class PsdIgnite:
             raise ValueError("psd.ignite: scheduler_interval is 'step' (stepped in the train step) or 'epoch'")
         self.trainer = trainer
         self.evaluator = evaluator
-        self.model = model
-        self.optimizer = optimizer
         self.clip_norm = float(clip_norm) if clip_norm else None
         self._interval = scheduler_interval
         self._train_dl = train_loader
@@ -328,10 +326,8 @@ class PsdIgnite:
             self._said_clip = True
             self.worker.log("psd.ignite: psd clips the reduced gradient to %g; the train step's clip_grad_norm_ "
                             "is skipped (clipping each worker's part first would clip twice)" % self.clip_norm)
-        grads = [p.grad.detach() for p in params if p.grad is not None]
-        if not grads:
-            return torch.tensor(0.0)
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        # torch's own norm (its norm_type and the rest as given), clipping nothing
+        return _orig["clip"](params, math.inf, *args, **kw)
 
     def _ended(self, engine):
         """The trainer ended (max_epochs, terminate()) with psd's run still on: end psd's."""
