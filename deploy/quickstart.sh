@@ -11,10 +11,13 @@
 #   sh deploy/quickstart.sh lightning  install what is missing (.venv with Lightning
 #                                   too), build, train examples/lightning/fit.py's
 #                                   DCRNN with psd + 2 Lightning workers (PsdStrategy)
+#   sh deploy/quickstart.sh weather the same for fit.py --model weather (weather.py's
+#                                   mesh forecaster): psd + 2 Lightning workers
 #   sh deploy/quickstart.sh ignite  the same for examples/ignite/autoencoder_psd.py:
 #                                   psd + 2 Ignite workers (psd.ignite)
 # Extra arguments after `train`, `torch` or `lightning` go to psd (e.g. --epochs 3); after
-# `ignite`, to the workers (e.g. --epochs 3 --train-limit 12000: its --epochs is psd's too).
+# `weather` or `ignite`, to the workers (e.g. --epochs 3: the workers' --epochs, which their
+# cosine schedule spans, is psd's run.epochs too).
 set -eu
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -24,7 +27,7 @@ what=${1:-train}
 case "$what" in
 test) sh deploy/setup.sh --deploy ;;
 torch) sh deploy/setup.sh --bench ;;
-lightning|ignite) sh deploy/setup.sh --lightning ;;
+lightning|weather|ignite) sh deploy/setup.sh --lightning ;;
 *) sh deploy/setup.sh ;;
 esac
 if [ ! -f build/build.ninja ]; then
@@ -87,29 +90,37 @@ lightning)
     wait_run $PSD $W0 $W1
     echo "metrics: $ROOT/run/lightning/dcrnn-metrics.jsonl   Lightning's logs and checkpoints: $ROOT/run/lightning/w0"
     ;;
-ignite)
-    mkdir -p run/ignite
-    cd run/ignite
+weather|ignite)
+    mkdir -p "run/$what"
+    cd "run/$what"
     EP="tcp://127.0.0.1:${PSD_PORT:-5555}"
     export PYTHONPATH="$ROOT/python" PSD_WORKER_LIB="$ROOT/build/libpsworker.so.3" PSD_ENDPOINT="$EP"
-    E=5 prev=  # the workers' --epochs (their cosine schedule spans it) is psd's run.epochs
+    E=16 prev=  # the workers' --epochs (their cosine schedule spans it) is psd's run.epochs
+    [ "$what" = ignite ] && E=5
     for a in "$@"; do [ "$prev" = --epochs ] && E=$a; prev=$a; done
-    "$ROOT/build/psd" --config "$ROOT/examples/ignite/psd.yaml" --listen "$EP" --set run.epochs="$E" &
+    PY=${PSD_PY:-$ROOT/.venv/bin/python} # (another Python with Lightning and Ignite: PSD_PY)
+    if [ "$what" = weather ]; then
+        cfg=examples/lightning/weather.yaml out=weather-metrics.jsonl
+        set -- "$ROOT/examples/lightning/fit.py" --model weather --psd "" "$@"
+    else
+        cfg=examples/ignite/psd.yaml out=autoencoder-metrics.jsonl
+        set -- "$ROOT/examples/ignite/autoencoder_psd.py" "$@"
+    fi
+    "$ROOT/build/psd" --config "$ROOT/$cfg" --listen "$EP" --set run.epochs="$E" &
     PSD=$!
-    PY=${PSD_PY:-$ROOT/.venv/bin/python} # (another Python with Ignite: PSD_PY)
-    "$PY" "$ROOT/examples/ignite/autoencoder_psd.py" "$@" --out w0 &
+    "$PY" "$@" --out w0 &
     W0=$!
-    "$PY" "$ROOT/examples/ignite/autoencoder_psd.py" "$@" --out w1 &
+    "$PY" "$@" --out w1 &
     W1=$!
     wait_run $PSD $W0 $W1
-    echo "metrics: $ROOT/run/ignite/autoencoder-metrics.jsonl   rank 0's best checkpoint: $ROOT/run/ignite/w0"
+    echo "metrics: $ROOT/run/$what/$out   rank 0's logs and best checkpoint: $ROOT/run/$what/w0"
     ;;
 test)
     meson test -C build --print-errorlogs --suite unit --suite integration --suite long --suite gpu --suite emu \
         --suite python --suite lightning --suite ignite --suite deploy
     ;;
 *)
-    echo "usage: sh deploy/quickstart.sh train|torch|lightning|ignite|test" >&2
+    echo "usage: sh deploy/quickstart.sh train|torch|lightning|weather|ignite|test" >&2
     exit 2
     ;;
 esac

@@ -49,11 +49,19 @@ map '^sh deploy/quickstart\.sh train$' \
 map '^\.venv/bin/python examples/lightning/fit\.py --epochs 2 --out runs/single$' \
     'lightning: test_the_examples_readme_commands_psd_within_2_percent_of_the_single_trainer runs it as written' \
     'python/tests/test_lightning.py:py = "\.venv/bin/python"' \
-    'python/tests/test_lightning.py:\[py, "examples/lightning/fit\.py", "--epochs", "2", "--out", "runs/single"\]' \
+    'python/tests/test_lightning.py:\[py, "examples/lightning/fit\.py"\] \+ single_args \+ \["--out", "runs/" \+ out\]' \
+    'python/tests/test_lightning.py:single_and_psd\(\["--epochs", "2"\], \["lightning", "--epochs", "2"\], "single"' \
     'meson.build:suite : '"'"'lightning'"'"
 map '^sh deploy/quickstart\.sh lightning --epochs 2$' \
     'lightning: the same test runs it as written (a free port: PSD_PORT)' \
-    'python/tests/test_lightning.py:\["sh", "deploy/quickstart.sh", "lightning", "--epochs", "2"\]'
+    'python/tests/test_lightning.py:\["sh", "deploy/quickstart\.sh"\] \+ quickstart_args'
+map '^\.venv/bin/python examples/lightning/fit\.py --model weather --out runs/wsingle$' \
+    'lightning: test_the_weather_forecasters_readme_commands_psd_within_2_percent_of_the_single_trainer runs it as written' \
+    'python/tests/test_lightning.py:\[py, "examples/lightning/fit\.py"\] \+ single_args \+ \["--out", "runs/" \+ out\]' \
+    'python/tests/test_lightning.py:single_and_psd\(\["--model", "weather"\], \["weather"\], "wsingle"'
+map '^sh deploy/quickstart\.sh weather$' \
+    'lightning: the same test runs it as written (a free port: PSD_PORT)' \
+    'python/tests/test_lightning.py:\["sh", "deploy/quickstart\.sh"\] \+ quickstart_args'
 map '^\.venv/bin/python examples/ignite/autoencoder\.py --epochs 3 --train-limit 12000 --out runs/single$' \
     'ignite: test_the_readmes_commands_psd_within_2_percent_of_the_single_process runs it as written' \
     'python/tests/test_ignite.py:py = "\.venv/bin/python"' \

@@ -17,7 +17,9 @@
 #    and examples/torch/fashion_cnn.yaml for one epoch: exact sample counts, CURVE, the
 #    best weights kept by psd in the volume; then examples/ignite's autoencoder_psd.py
 #    (psd.ignite, Ignite from the image's environment) for one epoch on 6000 images:
-#    exact counts, both workers' validation loss psd's;
+#    exact counts, both workers' validation loss psd's; then examples/lightning/fit.py
+#    --model weather (the graph weather forecaster, psd.lightning) for 2 epochs: exact
+#    counts, Lightning's val_mae psd's;
 # 6. removes every container, network, volume and image, stops dockerd by PID and
 #    restores iptables, the docker0 bridge and ip_forward as they were.
 # Without root or the tools it skips (exit 77) with a message; with CI=true a skip
@@ -92,7 +94,7 @@ cleanup() {
     for p in "${HAND_PIDS[@]}"; do kill "$p" 2>/dev/null; done
     [ -n "${TORCH_BUILD_PID:-}" ] && kill "$TORCH_BUILD_PID" 2>/dev/null
     if [ -n "$DOCKERD_PID" ] && kill -0 "$DOCKERD_PID" 2>/dev/null; then
-        for p in "$PROJECT" "${PROJECT}t" "${PROJECT}i"; do
+        for p in "$PROJECT" "${PROJECT}t" "${PROJECT}i" "${PROJECT}l"; do
             docker-compose -p "$p" -f "$SRC/deploy/compose/docker-compose.yml" down -v --rmi all \
                 --remove-orphans >>"$T/down.log" 2>&1
         done
@@ -222,6 +224,30 @@ log "compose val_correct $COMP/10000 = by hand $HAND/10000 after $EPOCHS epochs 
 grep -E "run finished" "$T/compose.log" | sed 's/^/  /'
 
 # -- 5. the user's script as the workers (PSD_WORKER_CMD, TORCH=1) --------------
+# compose_workers NAME P: compose project PROJECT+P up with psd + 2 workers as exported
+# (PSD_CONFIG_FILE, PSD_WORKER_DIR, PSD_WORKER_CMD, PSD_ARGS); psd exited 0, CURVE, both
+# workers registered; its log T/compose-NAME.log, psd's metrics T/NAME-metrics.jsonl,
+# psd's container PSD_CID
+# expect_last NAME KEY=VALUE...: psd's last metrics line of the NAME run (T/NAME-metrics.jsonl)
+expect_last() {
+    local name=$1 kv
+    shift
+    for kv in "$@"; do
+        [ "$(last "$T/$name-metrics.jsonl" "${kv%=*}")" = "${kv#*=}" ] ||
+            fail "$name run: ${kv%=*} $(last "$T/$name-metrics.jsonl" "${kv%=*}"), not ${kv#*=}"
+    done
+}
+compose_workers() {
+    local name=$1 rc=0
+    local compose=(docker-compose -p "$PROJECT$2" -f "$SRC/deploy/compose/docker-compose.yml")
+    timeout 600 "${compose[@]}" up --no-build --scale pworker=2 --exit-code-from psd >"$T/compose-$name.log" 2>&1 ||
+        rc=$?
+    [ "$rc" -eq 0 ] || fail "docker-compose up ($name workers) exited $rc"
+    PSD_CID=$("${compose[@]}" ps -q psd)
+    docker cp "$PSD_CID:/var/lib/psd/psd-metrics.jsonl" "$T/$name-metrics.jsonl"
+    grep -q "authentication: CURVE" "$T/compose-$name.log" || fail "$name run: psd did not run with CURVE authentication"
+    [ "$(grep -c "worker registered: rank [01]" "$T/compose-$name.log")" = 2 ] || fail "$name run: 2 workers did not register"
+}
 if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
     wait "$TORCH_BUILD_PID" || fail "docker build --build-arg TORCH=1 failed (see build-torch.log)"
     TORCH_BUILD_PID=""
@@ -231,23 +257,12 @@ if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
     export PSD_CONFIG_FILE=$SRC/examples/torch/fashion_cnn.yaml PSD_WORKER_DIR=$SRC/examples/torch
     # PWORKER_ARGS are pworker's: set to one the script does not take, to show they are not passed
     export PSD_ARGS="--epochs 1 --seed $SEED" PSD_WORKER_CMD="python3 fashion_cnn.py --threads 1" PWORKER_ARGS="--no-shm"
-    COMPOSE_T=(docker-compose -p "${PROJECT}t" -f "$SRC/deploy/compose/docker-compose.yml")
-    rc=0
-    timeout 600 "${COMPOSE_T[@]}" up --no-build --scale pworker=2 --exit-code-from psd >"$T/compose-torch.log" 2>&1 ||
-        rc=$?
-    [ "$rc" -eq 0 ] || fail "docker-compose up (torch workers) exited $rc"
-    PSD_CID=$("${COMPOSE_T[@]}" ps -q psd)
-    docker cp "$PSD_CID:/var/lib/psd/psd-metrics.jsonl" "$T/torch-metrics.jsonl"
+    compose_workers torch t
     docker cp "$PSD_CID:/var/lib/psd/fashion_cnn.safetensors" "$T/torch-best.safetensors" ||
         fail "psd kept no best weights (train.keep_best) in the volume"
-    grep -q "authentication: CURVE" "$T/compose-torch.log" || fail "torch run: psd did not run with CURVE authentication"
-    [ "$(grep -c "worker registered: rank [01]" "$T/compose-torch.log")" = 2 ] || fail "torch run: 2 workers did not register"
     # w.log() prints on rank 0 only
     [ "$(grep -c "epoch 1 done" "$T/compose-torch.log")" = 1 ] || fail "torch run: 'epoch 1 done' not logged once"
-    for kv in epoch=1 train_samples=54000 val_samples=6000 test_samples=10000; do
-        [ "$(last "$T/torch-metrics.jsonl" "${kv%=*}")" = "${kv#*=}" ] ||
-            fail "torch run: ${kv%=*} $(last "$T/torch-metrics.jsonl" "${kv%=*}"), not ${kv#*=}"
-    done
+    expect_last torch epoch=1 train_samples=54000 val_samples=6000 test_samples=10000
     TACC=$(last "$T/torch-metrics.jsonl" test_acc)
     python3 -c "import sys; sys.exit(0 if float('$TACC') >= 0.80 else 1)" || fail "torch run: test_acc $TACC < 0.80 after 1 epoch"
     log "torch workers: 54000 trained, 6000 validated, 10000 tested, test_acc $TACC, best weights kept"
@@ -259,18 +274,8 @@ if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
     # (its code directory is read-only in the container: the checkpoints go to /tmp)
     export PSD_ARGS="--epochs 1 --seed $SEED" \
         PSD_WORKER_CMD="python3 autoencoder_psd.py --epochs 1 --train-limit 6000 --val-limit 1000 --out /tmp/ckpt"
-    COMPOSE_I=(docker-compose -p "${PROJECT}i" -f "$SRC/deploy/compose/docker-compose.yml")
-    rc=0
-    timeout 600 "${COMPOSE_I[@]}" up --no-build --scale pworker=2 --exit-code-from psd >"$T/compose-ignite.log" 2>&1 ||
-        rc=$?
-    [ "$rc" -eq 0 ] || fail "docker-compose up (ignite workers) exited $rc"
-    PSD_CID=$("${COMPOSE_I[@]}" ps -q psd)
-    docker cp "$PSD_CID:/var/lib/psd/psd-metrics.jsonl" "$T/ignite-metrics.jsonl"
-    [ "$(grep -c "worker registered: rank [01]" "$T/compose-ignite.log")" = 2 ] || fail "ignite run: 2 workers did not register"
-    for kv in epoch=1 train_samples=6000 val_samples=1000; do
-        [ "$(last "$T/ignite-metrics.jsonl" "${kv%=*}")" = "${kv#*=}" ] ||
-            fail "ignite run: ${kv%=*} $(last "$T/ignite-metrics.jsonl" "${kv%=*}"), not ${kv#*=}"
-    done
+    compose_workers ignite i
+    expect_last ignite epoch=1 train_samples=6000 val_samples=1000
     # both workers print psd's reduced validation loss (the evaluator's metrics are psd's)
     ILOSS=$(grep -o "RESULT val_loss=[0-9.]*" "$T/compose-ignite.log" | sort -u)
     [ "$(echo "$ILOSS" | wc -l)" = 1 ] && [ "$(grep -c "RESULT val_loss" "$T/compose-ignite.log")" = 2 ] ||
@@ -279,5 +284,20 @@ if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
     python3 -c "import sys; a = float('${ILOSS#RESULT val_loss=}'); b = float('$PLOSS'); sys.exit(0 if abs(a - b) <= 1e-5 * b and b < 0.05 else 1)" ||
         fail "ignite run: workers' val_loss ${ILOSS#RESULT val_loss=}, psd's $PLOSS (or not below 0.05)"
     log "ignite workers: 6000 trained, 1000 validated, val_loss $PLOSS on both workers and psd"
+
+    # -- 5c. a Lightning script as the workers (the graph weather forecaster) ----
+    log "docker-compose up, psd + 2 workers running examples/lightning/fit.py --model weather (psd.lightning), 2 epochs"
+    export PSD_PUBLISH=127.0.0.1:$(free_port)
+    export PSD_CONFIG_FILE=$SRC/examples/lightning/weather.yaml PSD_WORKER_DIR=$SRC/examples/lightning
+    export PSD_ARGS="--epochs 2 --seed $SEED" \
+        PSD_WORKER_CMD="python3 fit.py --model weather --epochs 2 --psd '' --out /tmp/runs"
+    compose_workers weather l
+    expect_last weather epoch=2 train_samples=920 val_samples=184
+    # rank 0 prints Lightning's logged val_mae: psd's (persistence scores 0.054)
+    WMAE=$(last "$T/weather-metrics.jsonl" val_mae)
+    LMAE=$(grep -o "RESULT mode=psd .*" "$T/compose-weather.log" | grep -o " val_mae=[0-9.]*" | sed 's/.*=//')
+    python3 -c "import sys; a = float('$LMAE'); b = float('$WMAE'); sys.exit(0 if abs(a - b) <= 1e-4 and b < 0.04 else 1)" ||
+        fail "weather run: Lightning's val_mae '$LMAE', psd's $WMAE (or not below 0.04)"
+    log "weather workers: 2 epochs of 920 trained, 184 validated, val_mae $WMAE (Lightning's and psd's)"
 fi
-log "PASS: compose pworkers = by hand ($COMP/10000), compose torch workers test_acc ${TACC:-skipped}, ignite workers val_loss ${PLOSS:-skipped}"
+log "PASS: compose pworkers = by hand ($COMP/10000), compose torch workers test_acc ${TACC:-skipped}, ignite workers val_loss ${PLOSS:-skipped}, weather workers val_mae ${WMAE:-skipped}"

@@ -10,6 +10,9 @@
 #   5. psd-het.sbatch with PSD_WORKER_CMD: the user's script as the workers (2 psd.torch
 #      workers of examples/torch/fashion_cnn.py, 1 epoch of 3000 samples; deploy-docker runs a
 #      whole epoch): exact counts
+#   6. the same with Lightning: 2 tasks of examples/lightning/fit.py --model weather (the graph
+#      weather forecaster, PsdStrategy; .venv of deploy/setup.sh --lightning), 2 epochs: exact
+#      counts, and a forecast better than persistence
 # Authentication stays on (the scripts' default): keys are made in the temp dir.
 #
 #   bash tests/deploy/slurm.sh
@@ -17,7 +20,7 @@
 # build/pworker; without root or SLURM/munge it prints SKIP and exits 77 (1 when CI=true).
 # Env: PSD_BUILD (default ROOT/build), PSD_TEST_EPOCHS (default 3), PSD_TEST_KEEP=1 keeps
 # the temp dir, PSD_TEST_NODES=0 skips step 4, PSD_TEST_PREEMPT=0 skips step 3,
-# PSD_TEST_TORCH=0 skips step 5 (which needs /usr/bin/python3 with torch).
+# PSD_TEST_TORCH=0 skips steps 5 and 6 (which need /usr/bin/python3 with torch, and 6 ROOT/.venv).
 # It stops every daemon and process it started (by PID) and leaves nothing behind.
 set -euo pipefail
 
@@ -170,7 +173,7 @@ for _ in range(int(sys.argv[1])):
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 EOF
 }
-read -r P_CTLD P_N0 P_N1 P_HAND P_HET P_PRE P_NODES P_TORCH <<<"$(free_ports 8)"
+read -r P_CTLD P_N0 P_N1 P_HAND P_HET P_PRE P_NODES P_TORCH P_WEATHER <<<"$(free_ports 9)"
 
 metric() { # FILE KEY: KEY of the last line
     tail -n 1 "$1" | sed -n "s/.*\"$2\":\([0-9.e+-]*\).*/\1/p"
@@ -312,6 +315,17 @@ check_run() {
     grep -q "authentication: CURVE" "$T/jobs/$name/psd-$j.out" || die "$name: psd did not use CURVE"
 }
 
+# check_worker_job NAME JOBID METRICS KEY=VALUE...: the last metrics line, exit 0, CURVE
+check_worker_job() {
+    local name=$1 j=$2 m=$3 kv
+    shift 3
+    for kv in "$@"; do
+        [ "$(metric "$m" "${kv%=*}")" = "${kv#*=}" ] || die "$name: ${kv%=*} $(metric "$m" "${kv%=*}"), not ${kv#*=}"
+    done
+    [ "$(job_field "$j" ExitCode)" = 0:0 ] || die "$name: job exit code $(job_field "$j" ExitCode)"
+    grep -q "authentication: CURVE" "$T/jobs/$name/psd-$j.out" || die "$name: psd did not use CURVE"
+}
+
 # ---------------------------------------------------------------- 2. heterogeneous job
 say "psd-het.sbatch: 1 psd task + 2 worker tasks (gpus-per-task=1, fake GPUs), port $P_HET"
 J_HET=$(submit het "$P_HET" : --ntasks=2 "$ROOT/deploy/slurm/psd-het.sbatch")
@@ -406,13 +420,33 @@ if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
     wait_job "$J_TORCH" 240
     m=$T/jobs/torch/psd-run-$J_TORCH/psd-metrics.jsonl
     [ -s "$m" ] || die "torch: no metrics file $m"
-    for kv in epoch=1 train_samples=2700 val_samples=300 test_samples=10000; do
-        [ "$(metric "$m" "${kv%=*}")" = "${kv#*=}" ] || die "torch: ${kv%=*} $(metric "$m" "${kv%=*}"), not ${kv#*=}"
-    done
-    [ "$(job_field "$J_TORCH" ExitCode)" = 0:0 ] || die "torch: job exit code $(job_field "$J_TORCH" ExitCode)"
-    grep -q "authentication: CURVE" "$T/jobs/torch/psd-$J_TORCH.out" || die "torch: psd did not use CURVE"
+    check_worker_job torch "$J_TORCH" "$m" epoch=1 train_samples=2700 val_samples=300 test_samples=10000
     TORCH_ACC=$(metric "$m" test_acc)
     say "torch job $J_TORCH: 2700 trained, 300 validated, 10000 tested (test_acc $TORCH_ACC)"
 fi
 
-say "PASS: by hand $HAND_CORRECT, het ${HET_CORRECT:-}, preempted+resumed ${PRE_CORRECT:-skipped}, nodes ${NODES_CORRECT:-skipped}, torch ${TORCH_ACC:-skipped}"
+# ---------------------------------------------------------------- 6. a Lightning script as the workers
+if [ "${PSD_TEST_TORCH:-1}" = 1 ] && ! "$ROOT/.venv/bin/python" -c 'import lightning' 2>/dev/null; then
+    [ "${CI:-}" = true ] && die "no $ROOT/.venv with Lightning (sh deploy/setup.sh --deploy makes it)"
+    say "step 6 skipped: no $ROOT/.venv with Lightning"
+    PSD_TEST_TORCH=0
+fi
+if [ "${PSD_TEST_TORCH:-1}" = 1 ]; then
+    say "psd-het.sbatch, PSD_WORKER_CMD: 2 Lightning workers (fit.py --model weather), port $P_WEATHER"
+    # one task a worker, each Trainer(devices=1): psd's worker count is component 1's tasks
+    J_WEATHER=$(PSD_CONFIG="$ROOT/examples/lightning/weather.yaml" PYTHONPATH="$ROOT/python" \
+        PSD_WORKER_LIB="$BUILD/libpsworker.so" SUBMIT_PSD_ARGS="--epochs 2" \
+        PSD_WORKER_CMD="$ROOT/.venv/bin/python $ROOT/examples/lightning/fit.py --model weather --epochs 2 --psd ''" \
+        submit weather "$P_WEATHER" : --ntasks=2 "$ROOT/deploy/slurm/psd-het.sbatch")
+    JOBS+=("$J_WEATHER")
+    wait_job "$J_WEATHER" 240
+    m=$T/jobs/weather/psd-run-$J_WEATHER/weather-metrics.jsonl
+    [ -s "$m" ] || die "weather: no metrics file $m"
+    check_worker_job weather "$J_WEATHER" "$m" epoch=2 train_samples=920 val_samples=184
+    WEATHER_MAE=$(metric "$m" val_mae)
+    # persistence ("no change") scores 0.054 on these pairs; 2 epochs reach about 0.02
+    awk -v x="$WEATHER_MAE" 'BEGIN { exit !(x < 0.04) }' || die "weather: val_mae $WEATHER_MAE, not below 0.04"
+    say "weather job $J_WEATHER: 2 epochs, 920 trained, 184 validated a epoch (val_mae $WEATHER_MAE)"
+fi
+
+say "PASS: by hand $HAND_CORRECT, het ${HET_CORRECT:-}, preempted+resumed ${PRE_CORRECT:-skipped}, nodes ${NODES_CORRECT:-skipped}, torch ${TORCH_ACC:-skipped}, weather ${WEATHER_MAE:-skipped}"
