@@ -397,6 +397,7 @@ typedef struct {
      * train at */
     uint64_t stale_sum, stale_n, stale_max, lead_max;
     uint64_t moved;       /* async and ssp: samples moved to workers done with theirs (psd_give_rebalance) */
+    uint64_t ahead;       /* pushes made whole here while a lower rank still training had not made its own */
 } psd_epoch_part_t;
 
 /* Streamed steps (train.stream, bsp, one psd; psd_stream.c): the store's

@@ -122,6 +122,11 @@ void psd_push_on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         if (s->stream) psd_push_maybe_step(s); /* its chunks may complete some */
         return;
     }
+    for (int i = 0; i < s->n && &s->w[i] != w; i++) /* (slots in rank order) */
+        if (s->w[i].state == W_TRAIN && !psd_contrib_own_done(&s->w[i].contrib)) {
+            s->ep.ahead++; /* what a sum in rank order as pushes come would have to hold */
+            break;
+        }
     bool held = psd_contrib_own(&w->contrib, ps_now(), shard_bits(s));
     psd_step_note_times(s, w, p->compute_s, p->wait_s); /* from the part that completes the push */
     if (held) psd_push_maybe_step(s);

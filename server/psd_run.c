@@ -62,7 +62,7 @@ static void start_epoch(srv_t *s)
     if (s->cfg.sync != PS_SYNC_BSP) s->spe *= k ? k : 1; /* a step per push, not per round of pushes */
     if (s->spe < 1) s->spe = 1;
     s->ep.stale_sum = s->ep.stale_n = s->ep.stale_max = s->ep.lead_max = 0;
-    s->ep.moved = 0;
+    s->ep.moved = s->ep.ahead = 0;
     s->phase = PHASE_TRAIN;
     s->t_epoch = ps_now();
     for (int i = 0; i < s->n; i++) psd_share_reset(&s->w[i].share);

@@ -534,7 +534,7 @@ static void write_metrics_line(srv_t *s, const epoch_stats_t *e, const psd_figs_
             ",\"workers\":%d,\"lr\":%.9g,\"worker_step_ms\":%.6g,\"worker_wait_frac\":%.6g,\"psd_step_ms\":%.6g"
             ",\"wire_bytes_in\":%" PRIu64 ",\"wire_bytes_out\":%" PRIu64 ",\"sync\":\"%s\""
             ",\"staleness_max\":%" PRIu64 ",\"staleness_mean\":%.6g,\"ssp_lead_max\":%" PRIu64
-            ",\"psd_steps_in_place\":%" PRIu64 ",\"samples_moved\":%" PRIu64,
+            ",\"psd_steps_in_place\":%" PRIu64 ",\"samples_moved\":%" PRIu64 ",\"pushes_ahead\":%" PRIu64,
             s->run_id, s->epoch + 1, s->step, e->train_loss, e->train_acc, s->ep.samples, e->val_loss,
             e->val_acc, e->correct, e->count, s->vl.n_val ? "held_out" : "test", e->sps, e->ep_sps,
             s->train_s_total, e->wall, e->workers, s->lr,
@@ -542,7 +542,7 @@ static void write_metrics_line(srv_t *s, const epoch_stats_t *e, const psd_figs_
             s->ep.compute_s + s->ep.wait_s > 0 ? s->ep.wait_s / (s->ep.compute_s + s->ep.wait_s) : 0.0,
             s->ep.step_n ? 1e3 * (s->store.step_s - s->ep.step_s0) / (double)s->ep.step_n : 0.0, s->ep.bytes_in, s->ep.bytes_out,
             ps_sync_name(s->cfg.sync), s->ep.stale_max, stale_mean(s), s->ep.lead_max,
-            s->store.in_place - s->ep.in_place0, s->ep.moved);
+            s->store.in_place - s->ep.in_place0, s->ep.moved, s->ep.ahead);
     for (int j = 0; j < s->vl.n_sums; j++)
         fprintf(f, ",\"val_%s\":%.9g", s->vl.names[j], mean_of(vf->sums[j], vf->count));
     if (s->cfg.kind == PS_MODEL_CTR)

@@ -384,8 +384,11 @@ static void grad_ready(void *ud, int t)
     wk_t *w = ud;
     beat(w);
     if (t < 0) return;
-    if (w->o->slow_ms > 0) { /* tests: a step that computes slowly, layer by layer (slow_ms in all) */
-        long ns = (long)w->o->slow_ms * 1000000L / w->layout.n_tensors;
+    long slow = w->o->slow_ms; /* tests: a step that computes slowly, layer by layer (slow in all) */
+    if (w->o->slow_rank_ms > 0 && w->a.world > w->a.rank) /* the higher ranks faster: pushes in reverse rank order */
+        slow += (long)w->o->slow_rank_ms * (long)(w->a.world - 1 - w->a.rank);
+    if (slow > 0) {
+        long ns = slow * 1000000L / w->layout.n_tensors;
         nanosleep(&(struct timespec){ns / 1000000000L, ns % 1000000000L}, NULL);
     }
     if (!w->be->host_visible) {

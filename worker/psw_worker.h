@@ -11,6 +11,7 @@ typedef struct {
     int device_index;          /* CUDA ordinal, -1 for cpu */
     int split_push;            /* push each tensor as its own message even on CPU (tests) */
     int slow_ms;               /* sleep this long before each push (tests: a slow worker) */
+    int slow_rank_ms;          /* and this long times (world - 1 - rank): ranks push in reverse order (tests) */
     int device_sim;            /* the CPU backend posing as a device one (tests: the device code paths) */
     unsigned protocol;         /* 0 = ours; tests set another to check refusal */
     double register_timeout_s; /* how long to wait for psd to answer the registration */

@@ -235,7 +235,7 @@ static int supervise(psw_worker_opts_t *o, const device_t *dev, int n_dev)
 
 int main(int argc, char **argv)
 {
-    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT, OPT_RETRY, OPT_KEY, OPT_SERVER_KEY, OPT_NO_SHM, OPT_LOG_FORMAT, OPT_XSLOW, OPT_XDEVSIM };
+    enum { OPT_DATA_DIR = 256, OPT_WAIT, OPT_XPROTO, OPT_VERSION, OPT_DEVICES, OPT_XSPLIT, OPT_RETRY, OPT_KEY, OPT_SERVER_KEY, OPT_NO_SHM, OPT_LOG_FORMAT, OPT_XSLOW, OPT_XDEVSIM, OPT_XSLOWRANK };
     static const struct option longopts[] = {
         {"connect", required_argument, NULL, 'c'}, {"threads", required_argument, NULL, 't'},
         {"verbose", no_argument, NULL, 'v'},       {"help", no_argument, NULL, 'h'},
@@ -243,6 +243,7 @@ int main(int argc, char **argv)
         {"wait", required_argument, NULL, OPT_WAIT}, {"devices", required_argument, NULL, OPT_DEVICES},
         {"x-protocol", required_argument, NULL, OPT_XPROTO}, {"x-split-push", no_argument, NULL, OPT_XSPLIT},
         {"x-slow-ms", required_argument, NULL, OPT_XSLOW}, {"x-device-sim", no_argument, NULL, OPT_XDEVSIM},
+        {"x-slow-rank-ms", required_argument, NULL, OPT_XSLOWRANK},
         {"retry-for", required_argument, NULL, OPT_RETRY},
         {"key", required_argument, NULL, OPT_KEY},
         {"server-key", required_argument, NULL, OPT_SERVER_KEY},
@@ -284,6 +285,10 @@ int main(int argc, char **argv)
         case OPT_XSLOW: /* testing only: a slow worker */
             if (parse_int("--x-slow-ms", optarg, 0, 60000, &v)) return 2;
             o.slow_ms = (int)v;
+            break;
+        case OPT_XSLOWRANK: /* testing only: rank r slower by (world - 1 - r) x this: pushes in reverse rank order */
+            if (parse_int("--x-slow-rank-ms", optarg, 0, 60000, &v)) return 2;
+            o.slow_rank_ms = (int)v;
             break;
         case OPT_KEY: o.key_file = optarg; break;
         case OPT_SERVER_KEY: o.server_key = optarg; break;
