@@ -216,6 +216,7 @@ static const key_spec_t keys[] = {
     K_INT("server.threads", threads, 0, 64, "0"),
     K_INT64("server.chunk_bytes", chunk_bytes, 65536, INT64_C(1) << 30, "1048576"),
     K_BOOL("server.shared_memory", shared_memory, "true"),
+    K_INT("server.grad_room", grad_room, 0, 1024, "2"),
     K_INT("server.io_threads", io_threads, 0, 16, "0"),
     K_STRING("server.tcp_congestion", tcp_congestion, F_NONEMPTY, "auto"),
     K_STRING("server.http", http, 0, ""),

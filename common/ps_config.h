@@ -163,6 +163,7 @@ typedef struct ps_config {
     int threads;                  /* server.threads: threads of a step (reduce + optimizer), 0 = all cores */
     int64_t chunk_bytes;          /* server.chunk_bytes: unit of a step's parallel work (rounded to 64 KiB) */
     bool shared_memory;           /* server.shared_memory: workers on psd's host exchange tensors in shared memory */
+    int grad_room;                /* server.grad_room: wire gradients psd holds at once in bsp (0 = no bound, else >= 2) */
     ps_log_format_t log_format;   /* server.log_format: text | json (one object a line) */
     double progress_every;        /* server.progress_every: seconds between progress lines when stderr is not a terminal (0 = none) */
     char tcp_congestion[16];      /* server.tcp_congestion: auto, off or a name (ps_tcp.h) */

@@ -70,6 +70,10 @@ int ps_config_check_rules(const ps_config_t *c, char *err, size_t errlen)
             return -1;
         }
     }
+    if (c->grad_room == 1) {
+        set_err(err, errlen, "server.grad_room: 1 is too few: the step's sum takes one, a push another (0: no bound)");
+        return -1;
+    }
     if (c->val_fraction > 0 && c->val_size > 0) {
         set_err(err, errlen, "data.val_fraction and data.val_size: give one of them (the held-out validation part)");
         return -1;

@@ -15,7 +15,7 @@ const char *ps_msg_type_name(int type)
                                   "SHARD_HELLO", "SHARD_WORKER", "SHARD_HAVE", "SHARD_STEP", "SHARD_NORM",
                                   "SHARD_APPLY", "SHARD_FETCH", "SHARD_CKPT", "CONTROL", "CONTROL_REPLY",
                                   "SHARD_CKPT_DONE", "SHARD_RESUMED", "SHARD_RESUME", "OFFER", "VALUES",
-                                  "SHARD_INIT_FETCH", "SHARD_INIT_VALUES", "SHARD_INIT_DONE"};
+                                  "SHARD_INIT_FETCH", "SHARD_INIT_VALUES", "SHARD_INIT_DONE", "GO"};
     if (type < 0 || type >= (int)(sizeof names / sizeof names[0])) return "UNKNOWN";
     return names[type];
 }
@@ -56,6 +56,7 @@ static int body_for_type(int type)
     case PSD__MSG_TYPE__MSG_SHARD_INIT_FETCH:
     case PSD__MSG_TYPE__MSG_SHARD_INIT_VALUES:
     case PSD__MSG_TYPE__MSG_SHARD_INIT_DONE: return PSD__HEADER__BODY_SHARD_FETCH;
+    case PSD__MSG_TYPE__MSG_GO: return PSD__HEADER__BODY_HEARTBEAT;
     default: return -1;
     }
 }

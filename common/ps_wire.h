@@ -16,10 +16,10 @@
 
 #include "psd.pb-c.h"
 
-#define PS_PROTOCOL_VERSION 9u /* 5: tensor frames in any order (ps_frames_small_first); 6: EPOCH keep;
+#define PS_PROTOCOL_VERSION 10u /* 5: tensor frames in any order (ps_frames_small_first); 6: EPOCH keep;
                                 * 7: the model as a table of named tensors (ASSIGN's table frame), 64-bit shapes;
                                 * 8: READY data_id, VALIDATE split and ids, VAL_RESULT named sums;
-                                * 9: pad frames (DT_PAD) */
+                                * 9: pad frames (DT_PAD); 10: announced pushes and GO (server.grad_room) */
 #define PS_MAX_FRAMES 64         /* tensor frames in one message */
 #define PS_MAX_IDENTITY 255      /* ZeroMQ routing ids are at most 255 bytes */
 #define PS_MAX_HEADER (1u << 20) /* header frame bytes */

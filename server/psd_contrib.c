@@ -31,6 +31,17 @@ int psd_contrib_check(const psd_contrib_t *c, const psd_contrib_head_t *h, size_
         snprintf(why, why_len, "PUSH part for another batch than the parts before it");
         return PSD_CONTRIB_BAD;
     }
+    if (lim->announce) { /* its header alone, before anything else of the push */
+        if (c->state != PSD_CONTRIB_IDLE || n_frames > 0 || n_shm > 0) {
+            snprintf(why, why_len, "PUSH announced %s", c->state != PSD_CONTRIB_IDLE ? "after its parts" : "with tensors");
+            return PSD_CONTRIB_BAD;
+        }
+        return PSD_CONTRIB_OK;
+    }
+    if (c->waits_go) {
+        snprintf(why, why_len, "PUSH of an announced push before psd's GO");
+        return PSD_CONTRIB_BAD;
+    }
     if (n_frames < 1 && n_shm < 1) {
         snprintf(why, why_len, "PUSH without tensors");
         return PSD_CONTRIB_BAD;
@@ -82,4 +93,5 @@ void psd_contrib_release(psd_contrib_t *c, psd_hold_t *h)
     c->state = PSD_CONTRIB_IDLE;
     c->pull_after = false;
     c->have = 0;
+    c->waits_go = c->in_fold = c->folded = false;
 }

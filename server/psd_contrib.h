@@ -53,6 +53,11 @@ typedef struct {
     uint32_t have;        /* other psd shards that have their part (bit i; for the step in progress) */
     bool pull_after;      /* it asked for the version its step makes (Push.pull, or a PULL meanwhile) */
     bool owed;            /* a reply with the version the step in progress makes is owed to it */
+    /* server.grad_room (psd_fold.c): a push announced (its head, TAKING, no tensors yet) waits for
+     * psd's GO; once in the step's sum its frames are let go (folded, still HELD: it counts) */
+    bool waits_go;        /* announced, GO not sent yet */
+    bool in_fold;         /* a contributor of the sum being made (every worker training when it began) */
+    bool folded;          /* in that sum: its batch accounted, its frames released */
 } psd_contrib_t;
 
 /* The run's limits a push is checked against. */
@@ -62,6 +67,7 @@ typedef struct {
     uint32_t batch_size;  /* train.batch_size */
     uint64_t left;        /* samples its share has left */
     bool shm;             /* psd shares memory with it */
+    bool announce;        /* the PUSH announces the push (no tensors: they come on GO), as psd asked */
 } psd_contrib_limits_t;
 
 enum { PSD_CONTRIB_OK = 0, PSD_CONTRIB_BAD = -1, PSD_CONTRIB_DIVERGED = 1 };

@@ -397,7 +397,7 @@ typedef struct {
      * train at */
     uint64_t stale_sum, stale_n, stale_max, lead_max;
     uint64_t moved;       /* async and ssp: samples moved to workers done with theirs (psd_give_rebalance) */
-    uint64_t ahead;       /* pushes made whole here while a lower rank still training had not made its own */
+    uint64_t ahead;       /* pushes begun while a lower rank still training had not begun its own */
 } psd_epoch_part_t;
 
 /* Streamed steps (train.stream, bsp, one psd; psd_stream.c): the store's
@@ -501,6 +501,14 @@ typedef struct {
     bool stepping;        /* psd shards with clipping: waiting for the shards' block norms */
     double stepping_since;
     bool stream;          /* train.stream in force (st) */
+    struct {              /* server.grad_room (psd_fold.c): the step's sum made as pushes come */
+        bool on;          /* a sum is being made: every worker training has begun its push */
+        uint64_t total;   /* the samples of its contributors (their weights' denominator) */
+        uint64_t summed;  /* of which in the sum */
+        int next;         /* the slot (rank order) to sum next */
+        int count;        /* contributors summed */
+        psd_push_t push;  /* the sum as the step's one contributor (its tensors: psd_store_sum) */
+    } fold;
     bool table_on_psd;    /* ctr.worker_table_mb: workers hold only their batches' rows (CtrTask.table_on_psd) */
     uint8_t *step_bf16;   /* streamed steps: whether each contributor's gradient is bfloat16 */
     double *step_wt;      /* a step's contributors' weights */
@@ -544,6 +552,30 @@ static inline int live_workers(const srv_t *s)
 static inline double stale_mean(const srv_t *s) { return s->ep.stale_n ? (double)s->ep.stale_sum / (double)s->ep.stale_n : 0.0; }
 
 static inline bool sharded(const srv_t *s) { return s->sh.n > 1; }
+
+/* server.grad_room (psd_fold.c) is in force for this run: bsp, one psd, not streamed, no table;
+ * a worker on the wire (not shared memory) counts against it */
+static inline bool psd_fold_roomed(const srv_t *s, const worker_t *w)
+{
+    return s->cfg.grad_room > 0 && s->cfg.sync == PS_SYNC_BSP && !s->stream && !sharded(s) && s->layout.table < 0 &&
+           !w->shm;
+}
+
+/* Weights.go for w: its next push may come at once. Yes for every worker when
+ * no more train over the wire than the room; else for the grad_room - 1 lowest
+ * ranks on the wire (the step's sum takes the last place). */
+static inline bool psd_fold_go(const srv_t *s, const worker_t *w)
+{
+    if (!psd_fold_roomed(s, w)) return true;
+    int on_wire = 0, below = 0;
+    for (int i = 0; i < s->n; i++) {
+        const worker_t *x = &s->w[i];
+        if (x->state != W_TRAIN || x->shm) continue;
+        on_wire++;
+        below += i < (int)(w - s->w);
+    }
+    return on_wire <= s->cfg.grad_room || below < s->cfg.grad_room - 1;
+}
 
 static inline int shards_joined(const srv_t *s)
 {
@@ -693,6 +725,11 @@ void psd_stream_free(srv_t *s);
 int psd_stream_take(srv_t *s, worker_t *w, ps_msg_t *m); /* 1: w's push whole, 0: more to come, -1: dropped */
 void psd_stream_forget(srv_t *s, worker_t *w);
 void psd_stream_progress(srv_t *s);
+
+/* psd_fold.c: server.grad_room: the step's sum made in rank order as announced pushes come; the
+ * rule (which workers announce, which replies say go) is here, read by the ASSIGN and the replies */
+bool psd_fold_wanted(const srv_t *s);
+bool psd_fold_progress(srv_t *s); /* true: the step was taken */
 
 /* psd_step.c: the step, its accounting, pull answers, weights replies */
 bool psd_step_wire_bf16(const srv_t *s, const worker_t *w);

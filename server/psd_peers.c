@@ -225,6 +225,7 @@ void psd_peers_send_assign(srv_t *s, worker_t *w)
     a.rank = w->rank;
     const int live = live_workers(s) + !(w->state >= W_READY && w->state <= W_VALIDATED); /* this one counted */
     a.world = (uint32_t)(live > s->cfg.workers ? live : s->cfg.workers);
+    a.announce_pushes = psd_fold_roomed(s, &(worker_t){.shm = false}); /* on the wire: room for its pushes */
     for (int i = 0; i < s->cfg.n_sizes; i++) layers[i] = (uint32_t)s->cfg.sizes[i];
     a.layers = layers;
     a.n_layers = (size_t)s->cfg.n_sizes;

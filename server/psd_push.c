@@ -39,9 +39,10 @@ void psd_push_on_pull(srv_t *s, worker_t *w, ps_msg_t *m)
         w->contrib.pull_after = true;
         return;
     }
-    if (s->st.open || s->stepping) { /* a streamed step is half taken (maybe in place), or psd shards
-                                       * take a step (clipping: waiting for their norms): the version it
-                                       * makes, not the one its push would be stale against */
+    if (s->st.open || s->stepping || s->fold.on) { /* a streamed step is half taken (maybe in place), psd
+                                       * shards take a step (clipping: waiting for their norms), or the
+                                       * step's sum is being made (psd_fold.c): the version it makes, not
+                                       * the one its push would be stale against */
         w->contrib.owed = true;
         return;
     }
@@ -94,6 +95,7 @@ void psd_push_on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         .batch_size = (uint32_t)s->cfg.batch_size,
         .left = w->share.assigned - w->share.consumed,
         .shm = w->shm,
+        .announce = p->announce,
     };
     char why[256];
     int rc = psd_contrib_check(&w->contrib, &head, m->n_frames, p->n_shm_tensors, &lim, why, sizeof why);
@@ -110,6 +112,21 @@ void psd_push_on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         psd_peers_drop(s, w, "%s", why);
         return;
     }
+    for (int i = 0; i < s->n && &s->w[i] != w && !psd_contrib_started(&w->contrib); i++) /* (rank order) */
+        if (s->w[i].state == W_TRAIN && !psd_contrib_started(&s->w[i].contrib)) {
+            s->ep.ahead++; /* begun before a lower rank: what a sum in rank order must wait on */
+            break;
+        }
+    if (p->announce) { /* its tensors come on GO (psd_fold.c) */
+        if (!psd_fold_roomed(s, w)) {
+            psd_peers_drop(s, w, "PUSH announced, which psd did not ask of it");
+            return;
+        }
+        psd_contrib_part(&w->contrib, &head);
+        w->contrib.waits_go = true;
+        psd_push_maybe_step(s);
+        return;
+    }
     int whole = s->stream ? psd_stream_take(s, w, m) : take_whole(s, w, m);
     if (whole < 0) return;
     w->contrib.pull_after |= p->pull;
@@ -122,11 +139,6 @@ void psd_push_on_push(srv_t *s, worker_t *w, ps_msg_t *m)
         if (s->stream) psd_push_maybe_step(s); /* its chunks may complete some */
         return;
     }
-    for (int i = 0; i < s->n && &s->w[i] != w; i++) /* (slots in rank order) */
-        if (s->w[i].state == W_TRAIN && !psd_contrib_own_done(&s->w[i].contrib)) {
-            s->ep.ahead++; /* what a sum in rank order as pushes come would have to hold */
-            break;
-        }
     bool held = psd_contrib_own(&w->contrib, ps_now(), shard_bits(s));
     psd_step_note_times(s, w, p->compute_s, p->wait_s); /* from the part that completes the push */
     if (held) psd_push_maybe_step(s);
@@ -150,6 +162,9 @@ void psd_push_maybe_step(srv_t *s)
         if (s->phase != PHASE_TRAIN || s->st.open) return;
         for (int i = 0; i < s->n; i++)
             if (psd_contrib_started(&s->w[i].contrib)) return; /* the step waits for a worker to begin its push */
+    } else if (psd_fold_wanted(s)) { /* pushes announced: the sum made as they come */
+        if (!psd_fold_progress(s)) return;
+        if (s->phase != PHASE_TRAIN || s->stepping) return;
     } else {
         int pending = 0;
         for (int i = 0; i < s->n; i++) {

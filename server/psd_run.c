@@ -104,6 +104,8 @@ void psd_run_worker_gone(srv_t *s, worker_t *w)
         s->ended[w->end]++;
     }
     if (s->stream) psd_stream_forget(s, w);
+    if (w->contrib.folded) /* its gradient is in the step's sum (psd_fold.c): its batch is trained */
+        psd_step_account_batch(s, w);
     psd_step_release_push(s, w); /* a gradient from a worker declared gone is never applied (streamed: see psd_stream_forget) */
     psd_peers_shm_forget(s, w);
     psd_peers_rows_free(w); /* the rows sent were copied at send */
@@ -1139,7 +1141,7 @@ void psd_run_tick(srv_t *s, double now)
         for (int i = 0; i < s->n && s->phase != PHASE_DONE; i++) {
             worker_t *w = &s->w[i];
             bool waited_for = (w->state == W_TRAIN && !psd_contrib_held(&w->contrib) && !w->ssp_wait &&
-                               !w->contrib.owed) || w->state == W_VALIDATING;
+                               !w->contrib.owed && !w->contrib.waits_go) || w->state == W_VALIDATING;
             if (w->contrib.state == PSD_CONTRIB_OWN && now - ps_heard_at(&s->hearing, w->contrib.own_at) >= s->silence) {
                 /* a shard never got all of its push: it died between its messages */
                 PS_WARN("rank %u (%s pid %u) lost: psd shards are missing part of its push for %.1f s; going on "

@@ -248,6 +248,22 @@ void psd_step_lr(srv_t *s)
     s->lr = psd_sched_lr(&s->cfg, (double)s->epoch + frac, s->spe);
 }
 
+/* The step's one contributor when psd_fold.c summed its pushes as they came:
+ * the sum (its tensors psd_store_sum, f32), weighted back to the samples in
+ * it when a contributor was lost after the sum began (1 otherwise). */
+static int fold_contributor(srv_t *s, psd_push_t **ps, const float **shm, double *wt, uint64_t *total)
+{
+    psd_push_t *p = &s->fold.push;
+    p->frames = p->rows = 0;
+    p->mask = p->shm = s->holder.all;
+    ps[0] = p;
+    shm[0] = psd_store_sum(&s->store);
+    wt[0] = s->fold.summed == s->fold.total ? 1.0 : (double)s->fold.total / (double)s->fold.summed;
+    *total = s->fold.summed;
+    s->fold.on = false;
+    return 1;
+}
+
 /* Reduce the pushes held (every one, or only `only`'s: async and ssp apply
  * each push on its own), apply the optimizer, answer the pulls. Returns
  * with s->stepping set when shards must send their norms first, or with
@@ -259,9 +275,11 @@ void psd_step_take(srv_t *s, worker_t *only)
     psd_push_t *ps[MAX_WORKERS];
     const float *shm[MAX_WORKERS];
     double *wt = s->step_wt;
-    for (int i = 0; i < s->n; i++)
+    const bool summed = s->fold.on && !only; /* the pushes summed as they came: the sum is the one contributor */
+    if (summed) k = fold_contributor(s, ps, shm, wt, &total);
+    for (int i = 0; i < s->n && !summed; i++)
         if (psd_contrib_held(&s->w[i].contrib) && (!only || &s->w[i] == only)) total += s->w[i].contrib.head.batch;
-    for (int i = 0; i < s->n; i++) {
+    for (int i = 0; i < s->n && !summed; i++) {
         worker_t *w = &s->w[i];
         if (!psd_contrib_held(&w->contrib) || (only && w != only)) continue;
         ps[k] = &w->contrib.push;
@@ -364,6 +382,7 @@ static void send_weights(srv_t *s, worker_t *w)
     psd_peers_hdr_for(s, w, &h, PSD__MSG_TYPE__MSG_WEIGHTS);
     wt.version = s->store.cur->version;
     wt.step = s->step;
+    wt.go = psd_fold_go(s, w);
     h.body_case = PSD__HEADER__BODY_WEIGHTS;
     h.weights = &wt;
     int n;

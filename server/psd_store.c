@@ -366,6 +366,7 @@ typedef struct {
     float scale;
     double lr;
     bool clip;
+    bool add;          /* psd_store_fold: onto the sum so far (else the first contributor sets it) */
 } step_t;
 
 /* Contributor k's gradient for chunk c from its first element: in the
@@ -386,14 +387,14 @@ PSD_VEC static void reduce_range(const step_t *st, int j, const psd_chunk_t *c, 
         const float wk = (float)st->weight[k];
         if (st->bf16 && st->bf16[k]) {
             const uint16_t *h = (const uint16_t *)contrib(st, j, c, k) + o;
-            if (k == 0)
+            if (k == 0 && !st->add)
                 for (size_t i = 0; i < n; i++) acc[i] = wk * ps_bf16_to_f32(h[i]);
             else
                 for (size_t i = 0; i < n; i++) acc[i] += wk * ps_bf16_to_f32(h[i]);
             continue;
         }
         const float *g = (const float *)contrib(st, j, c, k) + o;
-        if (k == 0)
+        if (k == 0 && !st->add)
             for (size_t i = 0; i < n; i++) acc[i] = wk * g[i];
         else
             for (size_t i = 0; i < n; i++) acc[i] += wk * g[i];
@@ -505,6 +506,20 @@ static void norm_task(void *arg, int i)
     step_t *st = arg;
     const psd_chunk_t *c = &st->s->items[i];
     reduce_part(st, i, c, 0, c->n);
+}
+
+static void fold_task(void *arg, int i)
+{
+    step_t *st = arg;
+    const psd_chunk_t *c = &st->s->items[i];
+    reduce_range(st, i, c, 0, c->n, st->s->grad + c->off);
+}
+
+void psd_store_fold(psd_store_t *s, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16, double weight,
+                    bool add)
+{
+    step_t st = {.s = s, .n = 1, .grads = grads, .bf16 = bf16, .weight = &weight, .scale = 1.0f, .add = add};
+    step_run(s, s->step_items, fold_task, &st);
 }
 
 static void apply_task(void *arg, int i)

@@ -208,6 +208,15 @@ double psd_store_step_rows(psd_store_t *s, int n, const void *const (*grads)[PS_
 int psd_store_reduce_rows(psd_store_t *s, int n, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16,
                           const double *weight, const psd_rowgrad_t *rows);
 double psd_store_sumsq(const psd_store_t *s);
+/* One contributor's gradient (grads[0], bf16[0]) times weight into the
+ * step's sum (s->grad): the first sets it, the next add (add), with the
+ * arithmetic of a step over all of them at once, so that contributors
+ * folded one by one in rank order and then stepped as one of weight 1
+ * (its gradient s->grad, f32) give the same bits. Dense tensors only. */
+void psd_store_fold(psd_store_t *s, const void *const (*grads)[PS_MAX_TENSORS], const uint8_t *bf16, double weight,
+                    bool add);
+/* The step's sum, laid out as the model (psd_store_fold's). */
+static inline const float *psd_store_sum(const psd_store_t *s) { return s->grad; }
 int psd_store_apply(psd_store_t *s, double sumsq, double clip_norm, double lr);
 
 /* Streamed steps (train.stream, one psd): the step is taken chunk by chunk

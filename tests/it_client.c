@@ -413,8 +413,10 @@ Test(short, bad_batch_sizes_and_weights_from_psd_are_refused)
 Test(short, more_samples_while_the_last_push_waits_are_trained_on_the_next_version)
 {
     run_t r;
+    /* (grad_room 0: this thread drives the 3 workers one after the other, so none could answer
+     * psd's GO while it waits on another) */
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,16,10]",
-                          "--worker-timeout", "1", "--set", "checkpoint.dir=", NULL};
+                          "--worker-timeout", "1", "--set", "checkpoint.dir=", "--set", "server.grad_room=0", NULL};
     pid_t p = start_psd(&r, "defer", 3, args);
     char err[512];
     psw_event_t ev;

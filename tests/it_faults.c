@@ -57,7 +57,7 @@ static double detection_seconds(const char *psd_log, bool *closed)
 
 /* psd and 3 workers; one of them killed (SIGKILL) in the middle of epoch
  * 2: psd and the others finish the run. */
-static void kill_one_mid_epoch(run_t *r, const char *tag, const char **args, int shards)
+static void kill_one_mid_epoch(run_t *r, const char *tag, const char **args, int shards, const char **wargs)
 {
     fault_seed();
     const char *a0[48];
@@ -67,7 +67,7 @@ static void kill_one_mid_epoch(run_t *r, const char *tag, const char **args, int
     a0[k] = NULL;
     pid_t p = start_psd(r, tag, 3, a0), s1 = shards > 1 ? start_shard(r, tag, 1, 2, args) : 0;
     pid_t w[3];
-    for (int i = 0; i < 3; i++) w[i] = start_worker(r, tag, i, NULL);
+    for (int i = 0; i < 3; i++) w[i] = start_worker(r, tag, i, wargs);
     wait_metrics(r, 1);
     zmq_poll(NULL, 0, rand() % 150); /* mid-epoch 2 */
     int victim = rand() % 3;
@@ -122,12 +122,28 @@ Test(short, killed_worker_the_others_finish_every_sample_once)
     const char *args[] = {"--epochs", "3", "--set", "data.train_limit=12000", "--worker-timeout", "60",
                           "--set", "checkpoint.dir=", NULL};
     double t0 = ps_now();
-    kill_one_mid_epoch(&r, "k9", args, 1);
+    kill_one_mid_epoch(&r, "k9", args, 1, NULL);
     check_every_epoch(&r, 3, 12000);
     bool closed = false;
     double d = detection_seconds(r.psd_log, &closed);
     cr_assert(closed && d >= 0 && d <= 1.0, "declared lost for its closed connection, %.1f s after its last message "
               "(the worker was training)", d);
+    cr_assert_lt(ps_now() - t0, 60.0, "the run did not wait worker_timeout for the killed worker");
+}
+
+/* The same over the wire: 3 workers, more than psd's server.grad_room of 2,
+ * so that they announce their pushes and psd sums them as they come; the
+ * victim dies announced, asked for its push, or summed: every sample once,
+ * the run never waits for it. */
+Test(short, killed_wire_worker_while_pushes_are_summed_as_they_come)
+{
+    run_t r;
+    const char *args[] = {"--epochs", "3", "--set", "data.train_limit=12000", "--worker-timeout", "60",
+                          "--set", "checkpoint.dir=", NULL};
+    const char *wire[] = {"--no-shm", "--x-slow-rank-ms", "4", NULL};
+    double t0 = ps_now();
+    kill_one_mid_epoch(&r, "kw", args, 1, wire);
+    check_every_epoch(&r, 3, 12000);
     cr_assert_lt(ps_now() - t0, 60.0, "the run did not wait worker_timeout for the killed worker");
 }
 
@@ -405,6 +421,34 @@ Test(short, stopped_at_an_epoch_boundary_and_resumed_gives_identical_weights)
                          "--seed 11 --check-config > /dev/null 2>&1", psd_bin, dirbuf), 0);
 }
 
+/* With the pushes summed as they come (3 workers on the wire, more than
+ * server.grad_room's 2): stopped after epoch 1 and resumed, the run ends with
+ * the weights of the run in one go, bit for bit. */
+Test(short, summed_as_they_come_stopped_and_resumed_gives_identical_weights)
+{
+    char ck[300], dirbuf[256];
+    path(dirbuf, sizeof dirbuf, "ckpt-wire");
+    snprintf(ck, sizeof ck, "checkpoint.dir=%s", dirbuf);
+    const char *plain[] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "12", "--set",
+                           "checkpoint.dir=", NULL};
+    const char *first[] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "12", "--set", ck,
+                           "--stop-after-epoch", "1", NULL};
+    const char *second[] = {"--epochs", "2", "--set", "data.train_limit=3000", "--seed", "12", "--set", ck,
+                            "--resume", dirbuf, NULL};
+    const char *wire[] = {"--no-shm", NULL};
+    run_t a, b, c;
+    train_wx(&a, "wfull", 3, plain, wire, 300);
+    check_run(&a, 3, 2);
+    train_wx(&b, "whalf", 3, first, wire, 300);
+    cr_assert_eq(b.psd_code, 0, "stop after epoch 1 exits 0");
+    train_wx(&c, "wrest", 3, second, wire, 300);
+    cr_assert_eq(c.psd_code, 0);
+    char *m = metrics_last(&a);
+    cr_assert_gt(json_num(last_line(m), "wire_bytes_in"), 0, "over the wire: %s", last_line(m));
+    free(m);
+    cr_assert(weights_equal(a.weights, c.weights), "resumed run ends with bit-identical weights");
+}
+
 /* Both workers of run <tag> (--verbose) say the table stayed on psd and was
  * never sent whole, and that `also` */
 static void assert_table_stayed(const char *tag, const char *also)
@@ -661,7 +705,7 @@ Test(short, killed_worker_with_the_table_on_psd)
                           "--set", "train.batch_size=100", NULL};
     for (int shards = 1; shards <= 2; shards++) { /* one psd, and 2 psd shards */
         run_t r;
-        kill_one_mid_epoch(&r, shards > 1 ? "k9psd2" : "k9psd", args, shards);
+        kill_one_mid_epoch(&r, shards > 1 ? "k9psd2" : "k9psd", args, shards, NULL);
         char *m = metrics_last(&r);
         cr_assert_eq(count_lines(m), 3, "%s", m);
         for (char *line = m; line && *line;) {

@@ -551,8 +551,10 @@ Test(short, two_validation_parts_at_once_with_the_table_on_psd_shards)
 Test(short, validation_parts_of_workers_that_left_come_one_at_a_time)
 {
     run_t r;
+    /* (grad_room 0: this thread drives the 4 workers one after the other, so none could answer
+     * psd's GO while it waits on another) */
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=384", "--set", "model.layers=[784,16,10]",
-                          "--set", "checkpoint.dir=", NULL};
+                          "--set", "checkpoint.dir=", "--set", "server.grad_room=0", NULL};
     pid_t p = start_psd(&r, "vparts", 4, args);
     ps_layout_t l;
     float *zero = lib_model(&l, 16);

@@ -1317,6 +1317,41 @@ Test(store, fused_reduce_and_apply_gives_the_same_bits)
     psd_store_deinit(&b);
 }
 
+/* server.grad_room: the contributors folded into the step's sum one by one
+ * in rank order (psd_store_fold), then a step on the sum as the one f32
+ * contributor of weight 1, give the bits of the step over all of them at
+ * once: f32 and bf16 contributors, with clipping and without, any chunking
+ * and thread count. */
+Test(store, contributors_folded_one_by_one_give_the_same_bits)
+{
+    for (int clip = 0; clip < 2; clip++) {
+        psd_store_t a, b;
+        size_t n = store_pair(&a, &b);
+        cr_assert_eq(psd_store_set_parallel(&b, 2, 65536), 0);
+        float *g = malloc(3 * n * sizeof(float));
+        uint16_t *h = malloc(n * sizeof(uint16_t));
+        cr_assert(g && h);
+        const void *f[3][PS_MAX_TENSORS], *sum[1][PS_MAX_TENSORS];
+        three_table(&a, g, h, f);
+        for (int t = 0; t < b.layout.n_tensors; t++) sum[0][t] = psd_store_sum(&b) + b.layout.t[t].offset;
+        const double one[1] = {1.0};
+        const double cn = clip ? 1e-3 : 0; /* (a norm that bites) */
+        for (int k = 0; k < 3; k++) {
+            three_fill(g, h, n, k);
+            double na = psd_store_step(&a, 3, (const void *const(*)[PS_MAX_TENSORS])f, three_bf16, three_wt, cn, 1e-2);
+            for (int j = 0; j < 3; j++) /* contributor j alone, as it comes */
+                psd_store_fold(&b, (const void *const(*)[PS_MAX_TENSORS])&f[j], &three_bf16[j], three_wt[j], j > 0);
+            double nb = psd_store_step(&b, 1, (const void *const(*)[PS_MAX_TENSORS])sum, NULL, one, cn, 1e-2);
+            cr_assert(na == nb, "the same norm: %.17g %.17g", na, nb);
+        }
+        assert_same_state(&a, &b);
+        free(g);
+        free(h);
+        psd_store_deinit(&a);
+        psd_store_deinit(&b);
+    }
+}
+
 /* Streamed steps (train.stream): chunks stepped one batch at a time, in any
  * order, give the bits of the whole step, with clipping (reduce every
  * chunk, then apply with the global norm) and without (each chunk at once);

@@ -212,3 +212,33 @@ Test(contrib, applied_owes_the_pull_it_asked_for_and_release_lets_its_frames_go)
     psd_push_free(&c.push);
     rig_deinit(&r);
 }
+
+/* server.grad_room: an announced push is its header alone, first (its
+ * batch checked as any push's); its tensors come after psd's GO, in parts
+ * that must match the header; a part before the GO, an announcement with
+ * tensors or after parts, is refused. Release forgets the announcement. */
+Test(contrib, an_announced_push_is_its_header_then_its_tensors_on_go)
+{
+    psd_contrib_t c = {0};
+    char why[200];
+    const psd_contrib_head_t h = {.version = 7, .batch = 32, .loss = 12.5, .correct = 30};
+    psd_contrib_limits_t ann = LIM;
+    ann.announce = true;
+    cr_assert_eq(check(&c, h, 1, 0, &ann, why), PSD_CONTRIB_BAD, "an announcement with tensors");
+    cr_assert(strstr(why, "announced with tensors"), "%s", why);
+    cr_assert_eq(check(&c, (psd_contrib_head_t){7, 33, 1, 0}, 0, 0, &ann, why), PSD_CONTRIB_BAD, "its batch checked");
+    cr_assert_eq(check(&c, h, 0, 0, &ann, why), PSD_CONTRIB_OK, "%s", why);
+    psd_contrib_part(&c, &h);
+    c.waits_go = true;
+    cr_assert_eq(c.state, PSD_CONTRIB_TAKING);
+    cr_assert_eq(check(&c, h, 1, 0, &LIM, why), PSD_CONTRIB_BAD, "tensors before the GO");
+    cr_assert(strstr(why, "before psd's GO"), "%s", why);
+    cr_assert_eq(check(&c, h, 0, 0, &ann, why), PSD_CONTRIB_BAD, "announced twice");
+    c.waits_go = false; /* GO sent */
+    cr_assert_eq(check(&c, (psd_contrib_head_t){7, 16, 12.5, 30}, 1, 0, &LIM, why), PSD_CONTRIB_BAD, "another batch");
+    cr_assert_eq(check(&c, h, 1, 0, &LIM, why), PSD_CONTRIB_OK, "%s", why);
+    cr_assert(psd_contrib_own(&c, 1.0, 0));
+    c.in_fold = c.folded = true;
+    psd_contrib_release(&c, NULL);
+    cr_assert(c.state == PSD_CONTRIB_IDLE && !c.waits_go && !c.in_fold && !c.folded);
+}

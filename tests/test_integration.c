@@ -97,27 +97,38 @@ Test(short, same_seed_gives_bit_identical_weights)
 }
 
 /* The step sums the workers' gradients in rank order whatever order their
- * pushes come in: 3 workers over the wire whose pushes come in rank order
- * as much as chance makes them, and the same run with rank r slower by
- * (2 - r) x 15 ms a step, so that rank 2 pushes first and rank 0 last
- * (psd counts the pushes whole before a lower rank's: pushes_ahead), give the
- * same weights, bit for bit (Adam with clipping: the sum, then its norm). */
+ * pushes come in, and whether psd sums them as they come (server.grad_room:
+ * 3 workers on the wire, more than its room of 2) or all at the step
+ * (grad_room 0): 3 workers over the wire whose pushes come in rank order as
+ * much as chance makes them, and the same run with rank r slower by
+ * (2 - r) x 15 ms a step, so that rank 2 pushes first and rank 0 last (psd
+ * counts the pushes begun before a lower rank's: pushes_ahead), with and
+ * without the room, give the same weights, bit for bit (Adam with clipping:
+ * the sum, then its norm). */
 Test(short, pushes_in_reverse_rank_order_give_the_same_weights)
 {
     const char *args[] = {"--epochs", "1", "--set", "data.train_limit=3000", "--seed", "9", "--set",
                           "optimizer.name=adam", "--set", "optimizer.lr=0.002", "--set", "optimizer.clip_norm=1", NULL};
+    const char *unbound[] = {"--epochs", "1", "--set", "data.train_limit=3000", "--seed", "9", "--set",
+                             "optimizer.name=adam", "--set", "optimizer.lr=0.002", "--set", "optimizer.clip_norm=1",
+                             "--set", "server.grad_room=0", NULL};
     const char *plain[] = {"--no-shm", NULL}, *reverse[] = {"--no-shm", "--x-slow-rank-ms", "15", NULL};
-    run_t a, b;
+    run_t a, b, c;
     train_wx(&a, "order", 3, args, plain, 300);
     check_run(&a, 3, 1);
     train_wx(&b, "reverse", 3, args, reverse, 300);
     check_run(&b, 3, 1);
-    char *mb = metrics_last(&b);
+    train_wx(&c, "unbound", 3, unbound, reverse, 300);
+    check_run(&c, 3, 1);
+    char *mb = metrics_last(&b), *mc = metrics_last(&c);
     double steps = json_num(last_line(mb), "step"), ahead = json_num(last_line(mb), "pushes_ahead");
     /* every step: rank 2's push (and rank 1's) before rank 0's, up to the epoch's uneven last steps */
     cr_assert_geq(ahead, steps, "pushes in reverse rank order: %s", last_line(mb));
+    cr_assert_geq(json_num(last_line(mc), "pushes_ahead"), steps, "%s", last_line(mc));
     cr_assert(weights_equal(a.weights, b.weights), "the same weights whatever order the pushes come in");
+    cr_assert(weights_equal(a.weights, c.weights), "summed as they come = summed at the step, bit for bit");
     free(mb);
+    free(mc);
 }
 
 /* psd's step runs on a thread pool in chunks: any chunk size and thread

@@ -263,6 +263,7 @@ void psw_client_destroy(psw_client_t **cp)
     if (!c) return;
     pswc_fork_remove(c); /* before its sockets close: their fds may then be anything's */
     ps_msg_deinit(&c->cur);
+    pswc_room_free(c);
     c->ops->close(c);
     shm_unmap(c);
     pswc_stream_release(c);
@@ -331,6 +332,19 @@ uint64_t pswc_tcols(const psw_client_t *c, int t) { return c->layout.t[t].ndim >
 /* Send with the (possibly overridden) protocol number. */
 static int send_msg(psw_client_t *c, Psd__Header *h, const ps_frame_t *frames, int n)
 {
+    if (c->room.pending && h->type != PSD__MSG_TYPE__MSG_HEARTBEAT) { /* the push announced goes first */
+        if (h->type == PSD__MSG_TYPE__MSG_LEAVE || h->type == PSD__MSG_TYPE__MSG_ERROR) {
+            pswc_room_drop(c);
+        } else {
+            char err[256];
+            int rc = pswc_room_settle(c, c->room.timeout_s, err, sizeof err);
+            if (rc < 0) {
+                PS_ERROR("%s", err);
+                return rc;
+            }
+            h->seq = ++c->seq; /* after the push's */
+        }
+    }
     if (c->protocol == PS_PROTOCOL_VERSION) return ps_msg_send(c->sock, NULL, 0, h, frames, n);
     /* test path: pack by hand with the other protocol number */
     h->protocol = c->protocol;
@@ -765,6 +779,10 @@ static int assign_setup(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
         c->stream_cf = ps_chunk_floats((size_t)a->stream_chunk_bytes);
     }
     out->stream = c->stream_cf > 0;
+    pswc_room_free(c); /* (a new assignment: nothing announced to an earlier psd stays) */
+    c->room.announce = a->announce_pushes;
+    c->room.go = false;
+    c->room.timeout_s = a->step_timeout_s;
     return 0;
 }
 
@@ -978,6 +996,8 @@ int pswc_push(psw_client_t *c, uint64_t version, uint32_t batch, double loss_sum
         p.n_shm_tensors = (size_t)n;
         return ps_msg_send(c->sock, NULL, 0, &h, NULL, 0);
     }
+    int rc = pswc_room_push(c, &h, n, ids, grads, numel); /* announced: its tensors go on psd's GO */
+    if (rc != 0) return rc < 0 ? rc : 0;
     return c->ops->push(c, &h, n, ids, grads, numel, NULL, NULL, 0);
 }
 
@@ -1167,6 +1187,12 @@ int psw_client_push_done(psw_client_t *c)
 
 int psw_client_push_wait(psw_client_t *c, double timeout_s)
 {
+    if (c->room.pending) { /* an announced push: its tensors go on psd's GO (others kept for psw_client_next) */
+        char err[256];
+        int rc = pswc_room_settle(c, timeout_s, err, sizeof err);
+        if (rc == -ETIMEDOUT) return rc;
+        if (rc < 0) PS_WARN("%s", err);
+    }
     if (psw_client_push_done(c)) return 0;
     struct timespec dl;
     clock_gettime(CLOCK_MONOTONIC, &dl);

@@ -139,6 +139,23 @@ enum { PSWC_NONE = 0, PSWC_GOT = 1, PSWC_AGAIN = 2 };
 
 extern const pswc_ops_t pswc_one_ops, pswc_shards_ops;
 
+/* Announced pushes (psw_client_room.c): the push whose tensors wait for
+ * psd's GO, and messages that came before it */
+#define PSWC_ROOM_DEFER 8
+typedef struct {
+    bool announce;          /* ASSIGN's announce_pushes */
+    bool go;                /* the last WEIGHTS said go: this step's push goes at once */
+    bool pending;           /* a push announced, its tensors kept until GO */
+    double timeout_s;       /* how long sending anything else waits for the GO (the step timeout) */
+    Psd__Push push;         /* its header (pull: any part's) */
+    int n;
+    int ids[PS_MAX_TENSORS];
+    const float *grads[PS_MAX_TENSORS];
+    size_t numel[PS_MAX_TENSORS];
+    int n_defer;
+    ps_msg_t defer[PSWC_ROOM_DEFER];
+} pswc_room_t;
+
 struct psw_client {
     /* the table rows the last push asked for (Push.want_rows), and the
      * worker's replica of the table the replies' rows are scattered into */
@@ -225,6 +242,7 @@ struct psw_client {
      * pswc_one_ops until an ASSIGN names shards), and the shards' own state */
     const pswc_ops_t *ops;
     struct psw_shards sh;
+    pswc_room_t room;
 };
 
 #define PSW_MAX_DEFER 64
@@ -252,6 +270,17 @@ uint64_t pswc_tcols(const psw_client_t *c, int t);
 /* psw_client_rx.c's: pswc_one_ops.take; and for psw_client_shards.c */
 int pswc_one_take(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen);
 void pswc_msg_move(ps_msg_t *dst, ps_msg_t *m);
+/* psw_client_room.c: announced pushes. room_push: 1 if the push was kept
+ * (announced), 0 if it goes now, < 0 error; room_go: psd's GO; settle:
+ * before sending anything else, wait for the GO (others kept for next);
+ * drop: the push will not be asked for; next: a kept message into c->cur */
+int pswc_room_push(psw_client_t *c, Psd__Header *h, int n, const int *ids, const float *const *grads,
+                   const size_t *numel);
+int pswc_room_go(psw_client_t *c);
+int pswc_room_settle(psw_client_t *c, double timeout_s, char *err, size_t errlen);
+void pswc_room_drop(psw_client_t *c);
+bool pswc_room_next(psw_client_t *c);
+void pswc_room_free(psw_client_t *c);
 int pswc_frames_by_id(const ps_msg_t *m, int nf, int n_tensors, int at[PS_MAX_TENSORS]);
 void pswc_scatter_rows(float *E, size_t D, const uint32_t *ids, size_t n, const float *vals);
 int pswc_take_val_ids(psw_client_t *c, const Psd__Validate *v, pswc_event_t *ev, char *err, size_t errlen);

@@ -267,6 +267,7 @@ int pswc_one_take(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen)
         c->t_req = 0;
         ev->version = h->weights->version;
         ev->step = h->weights->step;
+        c->room.go = h->weights->go; /* whether the push on these goes at once (psw_client_room.c) */
         if (c->table_on_psd && !h->weights->rows) {
             snprintf(err, errlen, "psd sent the whole table to a worker that holds only rows of it");
             return -EPROTO;
@@ -319,7 +320,7 @@ static int take_last_val(psw_client_t *c, const Psd__ValSums *v, pswc_event_t *e
 static int next_event(psw_client_t *c, pswc_event_t *ev, double timeout_s, char *err, size_t errlen)
 {
     for (double deadline = ps_now() + timeout_s;;) {
-        int rc = c->ops->next_msg(c, deadline, timeout_s, err, errlen);
+        int rc = pswc_room_next(c) ? 0 : c->ops->next_msg(c, deadline, timeout_s, err, errlen);
         if (rc < 0) return rc;
         Psd__Header *h = c->cur.hdr;
         memset(ev, 0, sizeof *ev);
@@ -354,6 +355,12 @@ static int next_event(psw_client_t *c, pswc_event_t *ev, double timeout_s, char 
         }
         case PSD__MSG_TYPE__MSG_HEARTBEAT: /* psd is there, and this worker waits on it: wait on */
             deadline = ps_now() + timeout_s;
+            continue;
+        case PSD__MSG_TYPE__MSG_GO: /* the push announced: its tensors now */
+            if ((rc = pswc_room_go(c)) < 0) {
+                snprintf(err, errlen, "sending the push announced: %s", zmq_strerror(-rc));
+                return rc;
+            }
             continue;
         case PSD__MSG_TYPE__MSG_SHUTDOWN:
             ev->kind = PSW_EV_SHUTDOWN;

@@ -227,6 +227,33 @@ def test_the_device_path_on_cpu_tensors_gives_the_same_tensors(run, tmp_path):
     assert got["early"] == got["plain"]
 
 
+def test_three_workers_on_the_wire_announce_their_pushes_and_give_the_same_tensors(run, tmp_path):
+    """3 psd.torch workers over the wire (no shared memory), more than psd's server.grad_room of
+    2: all but rank 0 announce their pushes and send them when psd asks, psd sums them in rank
+    order as they come; with each layer pushed during backward (w.backward) as well: 2 epochs, bit
+    for bit the tensors of a psd that holds every push until the step (grad_room 0), every sample
+    trained once."""
+    got = {}
+    for mode, room, flags in (("held", "0", ()), ("summed", "2", ()), ("layers", "2", ("--staging", "--early"))):
+        d = tmp_path / mode
+        d.mkdir()
+        r = run(3, extra=("--set", "run.epochs=2", "--set", "server.grad_room=" + room,
+                          "--save", str(d / "w.safetensors")))
+        ps = [r.worker("--no-shm", *flags) for _ in range(3)]
+        for p in ps:
+            o, e = p.communicate(timeout=180)
+            assert p.returncode == 0, e[-3000:]
+        assert r.psd.wait(timeout=60) == 0, r.psd_log()
+        L = r.metrics()[-2:]  # (one metrics file for the test's runs)
+        assert [x["epoch"] for x in L] == [1, 2] and all(x["train_samples"] == 1800 and x["wire_bytes_in"] > 0
+                                                          for x in L), \
+            [(x["train_samples"], x["wire_bytes_in"]) for x in L]
+        got[mode] = safetensors(d / "w.safetensors")
+        r.kill()
+    assert got["summed"] == got["held"]
+    assert got["layers"] == got["held"]
+
+
 def test_keys_and_endpoint_from_the_environment(run, tmp_path):
     """As the SLURM script starts PSD_WORKER_CMD: PSD_ENDPOINT, PSD_KEY_FILE and PSD_SERVER_KEY
     in the environment; psd with CurveZMQ keys. A worker with psd's key wrong is refused, the

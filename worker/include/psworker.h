@@ -309,7 +309,11 @@ int psw_client_push_v(psw_client_t *c, const psw_push_t *p);
 int psw_client_push_done(psw_client_t *c);
 /* Sleep until psw_client_push_done (woken by the I/O thread that lets the
  * last buffer go; a caller from Python through ctypes waits without the
- * GIL): 0, or -ETIMEDOUT after timeout_s. */
+ * GIL): 0, or -ETIMEDOUT after timeout_s. With more workers on the wire
+ * than psd's server.grad_room, a push may be announced and its buffers kept
+ * until psd asks for them (GO): this call, psw_client_next and any other
+ * message sent (barrier, pull, validation result) wait for that, keeping
+ * what else psd sent meanwhile for psw_client_next. */
 int psw_client_push_wait(psw_client_t *c, double timeout_s);
 /* Promise (on: nonzero) that once a push asks for the next version (pull),
  * the caller no longer reads the tensors of the last weights psd sent it
