@@ -553,12 +553,13 @@ static inline double stale_mean(const srv_t *s) { return s->ep.stale_n ? (double
 
 static inline bool sharded(const srv_t *s) { return s->sh.n > 1; }
 
-/* server.grad_room (psd_fold.c) is in force for this run: bsp, one psd, not streamed, no table;
- * a worker on the wire (not shared memory) counts against it */
+/* server.grad_room (psd_fold.c) is in force for this run: bsp, one psd, not streamed, no table
+ * and no tensor pushed as rows (the sum is dense); a worker on the wire (not shared memory)
+ * counts against it */
 static inline bool psd_fold_roomed(const srv_t *s, const worker_t *w)
 {
     return s->cfg.grad_room > 0 && s->cfg.sync == PS_SYNC_BSP && !s->stream && !sharded(s) && s->layout.table < 0 &&
-           !w->shm;
+           s->holder.n_sparse == 0 && !w->shm;
 }
 
 /* Weights.go for w: its next push may come at once. Yes for every worker when
