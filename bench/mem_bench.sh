@@ -10,6 +10,9 @@
 # parameters, measured first: code, libraries, the data set) and the floor:
 # base + weights + Adam's two moments (3 x 4P). "extra" is peak less floor,
 # also in gradient messages (4P bytes each): issue 63's goal is at most 2.
+# "conns" is what as many connections cost psd by themselves: the extra of
+# the base model (messages of 31 KB) with as many workers, over the same
+# wire; "less/msg" the extra less that, in messages.
 # Through shared memory psd maps the workers' gradient regions (the workers'
 # memory, counted in psd's RSS as shared pages): their resident pages are
 # taken out (/proc/PID/smaps, the memfds named psw-grad).
@@ -61,27 +64,41 @@ run() {
 run '[784,10]' 2 --no-shm $((STEPS * 10))
 BASE=$(python3 -c 'import statistics, sys; r = [int(x) for x in open(sys.argv[1]) if x.strip()]; print(int(statistics.median(r[len(r) // 2:])))' "$WORK/rss.txt")
 echo "psd's base (model [784,10], 2 workers, tcp): steady $((BASE / 1024)) MiB"
-printf '%-20s %3s %-4s %9s %9s %9s %9s %9s\n' model W wire "floor" steady peak extra "extra/msg"
+# conns W WIRE: the extra of the base model with W workers (MiB x 1024:
+# KiB): what W connections cost psd (ZeroMQ's per-connection buffers and
+# pipes, psd's per-worker state) with messages of 31 KB; once per W and wire
+declare -A CONNS
+conns() {
+    local key="$1:$2" flags=""
+    [ "$2" = tcp ] && flags=--no-shm
+    if [ -z "${CONNS[$key]:-}" ]; then
+        run '[784,10]' "$1" "$flags" $((STEPS * 10))
+        CONNS[$key]=$(python3 -c 'import sys; r = [int(x) for x in open(sys.argv[1]) if x.strip()]; print(max(r[len(r) // 2:]) - int(sys.argv[2]) - 3 * 31)' "$WORK/rss.txt" "$BASE")
+    fi
+}
+printf '%-20s %3s %-4s %9s %9s %9s %9s %9s %9s %9s\n' model W wire "floor" steady peak extra "extra/msg" conns "less/msg"
 for c in "${CASES[@]}"; do
     IFS=: read -r layers w wire steps <<<"$c"
+    conns "$w" "$wire"
     flags=""
     [ "$wire" = tcp ] && flags=--no-shm
     run "$layers" "$w" "$flags" "${steps:-$STEPS}"
     P=$(grep -o 'model [0-9]* parameters' "$WORK/psd.log" | awk '{print $2}')
     SHM=$(grep -c 'through shared memory' "$WORK/psd.log" || true)
     [ "$wire" = shm ] && [ "$SHM" != "$w" ] && { echo "$c: $SHM of $w workers on shared memory" >&2; exit 1; }
-    python3 - "$WORK/rss.txt" "$P" "$BASE" "$layers" "$w" "$wire" <<'PY'
+    python3 - "$WORK/rss.txt" "$P" "$BASE" "$layers" "$w" "$wire" "${CONNS[$w:$wire]}" <<'PY'
 import statistics, sys
 rows = [int(x) for x in open(sys.argv[1]) if x.strip()]
-P, base = int(sys.argv[2]), int(sys.argv[3])
+P, base, conns = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[7])
 half = rows[len(rows) // 2:]
 steady, peak = statistics.median(half), max(half)
 msg = 4 * P / 1024                     # KiB of one gradient message
 floor = base + 3 * msg                 # weights + Adam's two moments
 extra = peak - floor
 mib = lambda k: "%.1f" % (k / 1024)
-print("%-20s %3s %-4s %9s %9s %9s %9s %9.2f" % (sys.argv[4], sys.argv[5], sys.argv[6], mib(floor),
-      mib(steady), mib(peak), mib(extra), extra / msg))
+print("%-20s %3s %-4s %9s %9s %9s %9s %9.2f %9s %9.2f" % (sys.argv[4], sys.argv[5], sys.argv[6], mib(floor),
+      mib(steady), mib(peak), mib(extra), extra / msg, mib(conns), (extra - max(conns, 0)) / msg))
 PY
 done
-echo "(MiB; psd's RSS less the workers' gradient regions it maps; extra = peak - floor; msg = 4P bytes)"
+echo "(MiB; psd's RSS less the workers' gradient regions it maps; extra = peak - floor; msg = 4P bytes;"
+echo " conns: the base model's extra with as many workers; less/msg: (extra - conns) / msg)"

@@ -228,6 +228,9 @@ out:
     return rc;
 }
 
+static bool malloc_kept;
+static void *small_fence; /* never freed: keeps the small blocks' reserve apart from the heap's top (ps_malloc_settle) */
+
 void ps_malloc_keep(void)
 {
     /* under a sanitizer's allocator these are no-ops */
@@ -235,9 +238,39 @@ void ps_malloc_keep(void)
     mallopt(M_MMAP_MAX, 0);                 /* large blocks from the heap, reused */
     mallopt(M_TRIM_THRESHOLD, INT_MAX);     /* the heap's top is kept */
     mallopt(M_TOP_PAD, 16 << 20);           /* and grows by 16 MiB at least */
+    malloc_kept = true;
 }
 
-void ps_malloc_settle(void) { malloc_trim(0); }
+/* bytes in free blocks other than the heap's top */
+static size_t free_in_bins(void)
+{
+    struct mallinfo2 mi = mallinfo2();
+    return mi.fordblks > mi.keepcost ? mi.fordblks - mi.keepcost : 0;
+}
+
+void ps_malloc_settle(void)
+{
+    malloc_trim(0);
+    if (!malloc_kept || small_fence) return;
+    /* The small blocks' reserve: a free block of 2 MiB (resident as used)
+     * between two blocks in use. glibc serves a request from the smallest
+     * free block that holds it before it cuts the heap's top, so the small
+     * blocks allocated while messages come and go (ZeroMQ's pipe chunks,
+     * small frames) come from here, not from the space the last round's
+     * large messages freed: surviving the step, they would cut it into
+     * pieces that the next round's messages, in another order, no longer
+     * fit. A request larger than every free block is cut from the top: the
+     * reserve is (then shrunk in place, its tail given back to the top), and
+     * so is the fence right after it, never freed. Neither is written:
+     * address space, not memory. (volatile: a malloc freed unused is elided) */
+    const size_t reserve_bytes = (size_t)2 << 20;
+    void *volatile reserve = malloc(free_in_bins() + reserve_bytes);
+    if (!reserve) return;
+    void *volatile shrunk = realloc(reserve, reserve_bytes);
+    if (shrunk) reserve = shrunk;
+    small_fence = malloc(free_in_bins() + 4096);
+    free(reserve);
+}
 
 void ps_hostname(char *buf, size_t n)
 {

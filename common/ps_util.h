@@ -48,7 +48,9 @@ void ps_malloc_keep(void);
 
 /* Give back what a process's start freed (its data files' decoding and the
  * like), which ps_malloc_keep would otherwise hold for good: called once,
- * when the start's loading is done. */
+ * when the start's loading is done. After ps_malloc_keep it also sets aside
+ * a reserve for small blocks (2 MiB of address space, resident as used),
+ * so that they do not land amid the large messages' blocks. */
 void ps_malloc_settle(void);
 
 /* Host name and a stable host id (/etc/machine-id, else the host name). */
