@@ -272,6 +272,7 @@ void psw_client_destroy(psw_client_t **cp)
     pthread_mutex_destroy(&c->push_mu);
     free(c->gconv);
     free(c->wconv);
+    free(c->w16);
     free(c->want);
     free(c->val_ids);
     free(c->replica);
@@ -755,8 +756,10 @@ static int assign_setup(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
     c->weight_bf16 = !c->shm && a->weight_dtype == PSD__DTYPE__DT_BF16;
     free(c->gconv);
     free(c->wconv);
+    free(c->w16);
     c->gconv = c->grad_bf16 ? calloc(c->layout.n_params, sizeof *c->gconv) : NULL;
     c->wconv = c->weight_bf16 ? calloc(c->layout.n_params, sizeof *c->wconv) : NULL;
+    c->w16 = c->weight_bf16 && c->given16 ? calloc(c->layout.n_params, sizeof *c->w16) : NULL;
     free(c->replica); /* the table's replica: made at the first push asking for rows */
     c->replica = NULL;
     c->n_want = 0;
@@ -765,7 +768,7 @@ static int assign_setup(psw_client_t *c, psw_assign_t *out, double timeout_s, ch
                               "whose pieces are not whole rows, streams or bfloat16)");
         return -EPROTO;
     }
-    if ((c->grad_bf16 && !c->gconv) || (c->weight_bf16 && !c->wconv)) {
+    if ((c->grad_bf16 && !c->gconv) || (c->weight_bf16 && !c->wconv) || (c->weight_bf16 && c->given16 && !c->w16)) {
         snprintf(err, errlen, "out of memory for the bfloat16 buffers");
         return -ENOMEM;
     }
@@ -868,12 +871,7 @@ static int push_stream(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
     size_t es = c->grad_bf16 ? 2 : 4;
     for (int i = 0; i < n; i++) {
         if (!pswc_layout_tensor(c, ids[i], numel[i])) return -EINVAL;
-        const void *src = grads[i];
-        if (c->grad_bf16) {
-            uint16_t *dst = c->gconv + c->layout.t[ids[i]].offset;
-            ps_f32_to_bf16_n(dst, grads[i], numel[i]);
-            src = dst;
-        }
+        const void *src = pswc_wire_grad(c, ids[i], grads[i], numel[i]);
         for (size_t o = 0; o < numel[i]; o += c->stream_cf) {
             size_t k = numel[i] - o < c->stream_cf ? numel[i] - o : c->stream_cf;
             ps_frame_t fr = {.data = (const char *)src + o * es, .nbytes = k * es, .ffn = pswc_push_frame_done, .hint = c,
@@ -918,11 +916,9 @@ static int push_whole(psw_client_t *c, Psd__Header *h, int n, const int *ids, co
 {
     ps_frame_t fr[PS_MAX_TENSORS];
     for (int i = 0; i < n; i++) {
-        if (c->grad_bf16) { /* rounded into the conversion buffer, sent from there */
+        if (c->grad_bf16) { /* as given, or rounded into the conversion buffer and sent from there */
             if (!pswc_layout_tensor(c, ids[i], numel[i])) return -EINVAL;
-            uint16_t *dst = c->gconv + c->layout.t[ids[i]].offset;
-            ps_f32_to_bf16_n(dst, grads[i], numel[i]);
-            fr[i] = (ps_frame_t){.data = dst, .nbytes = numel[i] * sizeof(uint16_t), .ffn = pswc_push_frame_done,
+            fr[i] = (ps_frame_t){.data = pswc_wire_grad(c, ids[i], grads[i], numel[i]), .nbytes = numel[i] * sizeof(uint16_t), .ffn = pswc_push_frame_done,
                                  .hint = c, .id = (uint32_t)ids[i], .dtype = PSD__DTYPE__DT_BF16,
                                  .rows = c->layout.t[ids[i]].rows, .cols = pswc_tcols(c, ids[i])};
             continue;
@@ -1098,6 +1094,26 @@ int psw_client_push_v(psw_client_t *c, const psw_push_t *p)
 }
 
 void psw_client_release_on_push(psw_client_t *c, int on) { c->release_on_push = on != 0; }
+
+void psw_client_wire_bf16(const psw_client_t *c, int *grads, int *weights)
+{
+    if (grads) *grads = c->grad_bf16;
+    if (weights) *weights = c->weight_bf16;
+}
+
+void psw_client_bf16_given(psw_client_t *c, int on) { c->given16 = on != 0; }
+
+const uint16_t *psw_client_weights_bf16(const psw_client_t *c) { return c->weight_bf16 ? c->w16 : NULL; }
+
+/* Tensor i's gradient as the wire takes it: f32 as given; bfloat16 as
+ * given (psw_client_bf16_given) or rounded into the conversion buffer */
+const void *pswc_wire_grad(psw_client_t *c, int id, const float *grad, size_t numel)
+{
+    if (!c->grad_bf16 || c->given16) return grad;
+    uint16_t *dst = c->gconv + c->layout.t[id].offset;
+    ps_f32_to_bf16_n(dst, grad, numel);
+    return dst;
+}
 
 int psw_client_rows_ok(const psw_client_t *c)
 {

@@ -203,6 +203,11 @@ struct psw_client {
     int grad_bf16, weight_bf16;
     uint16_t *gconv;
     float *wconv;
+    /* psw_client_bf16_given: the caller's gradients are bfloat16 already,
+     * and the weights are also kept as they came (w16, laid out like the
+     * model; psw_client_weights_bf16) */
+    bool given16;
+    uint16_t *w16;
     /* the table, by tensor (the layout's units pack small ones): what
      * ASSIGN and events give the caller, and a push's packed units */
     psw_tensor_t *tab;      /* ps_layout_ntab of them (psw_assign_t.tensors) */
@@ -266,6 +271,8 @@ int pswc_recv_msg(psw_client_t *c, double deadline, double timeout_s, char *err,
 void pswc_header_init(psw_client_t *c, Psd__Header *h, Psd__MsgType type);
 void pswc_push_frame_done(void *data, void *hint);
 bool pswc_layout_tensor(const psw_client_t *c, int id, size_t numel);
+/* A gradient as the wire takes it (f32, or bfloat16 given or rounded into gconv) */
+const void *pswc_wire_grad(psw_client_t *c, int id, const float *grad, size_t numel);
 uint64_t pswc_tcols(const psw_client_t *c, int t);
 /* psw_client_rx.c's: pswc_one_ops.take; and for psw_client_shards.c */
 int pswc_one_take(psw_client_t *c, pswc_event_t *ev, char *err, size_t errlen);

@@ -77,6 +77,7 @@ static int take_tensors(psw_client_t *c, pswc_event_t *ev, uint32_t slot, uint32
         if (h && i < c->layout.n_tensors && n == c->layout.t[i].numel) { /* bfloat16: widened here */
             float *dst = c->wconv + c->layout.t[i].offset;
             ps_bf16_to_f32_n(dst, h, n);
+            if (c->w16) memcpy(c->w16 + c->layout.t[i].offset, h, n * sizeof *h); /* and kept as it came */
             p = dst;
         } else if (!c->weight_bf16) {
             p = ps_msg_f32(&c->cur, f, &n);

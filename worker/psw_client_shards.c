@@ -186,12 +186,7 @@ static int shards_push(psw_client_t *c, Psd__Header *h, int n, const int *ids, c
     const void *src[PS_MAX_TENSORS];
     for (int i = 0; i < n; i++) {
         if (!pswc_layout_tensor(c, ids[i], numel[i])) return -EINVAL;
-        src[i] = grads[i];
-        if (c->grad_bf16) {
-            uint16_t *dst = c->gconv + c->layout.t[ids[i]].offset;
-            ps_f32_to_bf16_n(dst, grads[i], numel[i]);
-            src[i] = dst;
-        }
+        src[i] = pswc_wire_grad(c, ids[i], grads[i], numel[i]);
     }
     size_t es = c->grad_bf16 ? 2 : 4;
     int pull = h->push->pull;
@@ -300,6 +295,7 @@ static int take_part(psw_client_t *c, int k, uint64_t version, uint32_t crc, boo
         float *dst = c->sh.wbuf + c->layout.t[t].offset + p->off;
         if (h16) ps_bf16_to_f32_n(dst, h16, n);
         else memcpy(dst, h32, n * sizeof(float));
+        if (h16 && c->w16) memcpy(c->w16 + c->layout.t[t].offset + p->off, h16, n * sizeof *h16); /* as it came */
         if (crc) got = crc32_z(got, zmq_msg_data(&c->cur.frames[f]), zmq_msg_size(&c->cur.frames[f]));
     }
     if (taken != nf) {

@@ -1,6 +1,6 @@
 """A PyTorch CNN on Fashion-MNIST trained by psd: run one of these per worker.
 
-    python3 examples/torch/fashion_cnn.py tcp://127.0.0.1:5555 [--threads 1] [--device cuda]
+    python3 examples/torch/fashion_cnn.py tcp://127.0.0.1:5555 [--threads 1] [--device cuda] [--autocast]
 
 with psd started on examples/torch/fashion_cnn.yaml (sh deploy/quickstart.sh torch does
 both, with 2 workers). The data are Debian's dataset-fashion-mnist files, read with numpy.
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import psd.torch as pst
 
-FM = "/usr/share/datasets/fashion-mnist"
+FM = os.environ.get("PSD_FASHION_MNIST", "/usr/share/datasets/fashion-mnist")
 
 
 def idx(path, header):
@@ -52,6 +52,8 @@ def main():
     ap.add_argument("endpoint", nargs="?", help="psd's tcp://HOST:PORT (default: $PSD_ENDPOINT)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: the model and batches on that GPU")
+    ap.add_argument("--autocast", action="store_true", help="the forward under torch.autocast(bfloat16)")
+    ap.add_argument("--no-shm", action="store_true", help="over tcp even on psd's host (bfloat16 on the wire)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)  # the first worker's initial values are the run's
@@ -59,21 +61,24 @@ def main():
     xte, yte = load("t10k")
     model = Net().to(a.device)
     w = pst.Worker(a.endpoint, model, train_size=len(ytr), test_size=len(yte), data_id="fashion-mnist-debian",
-                   threads=a.threads)
+                   threads=a.threads, shared_memory=not a.no_shm)
+    dev = torch.device(a.device).type
 
     def evaluate(split, ids):
         x, y = (xtr, ytr) if split == "val" else (xte, yte)
         xs, ys = x[ids].to(a.device), y[ids].to(a.device)
-        out = model(xs)
-        return {"loss": F.cross_entropy(out, ys, reduction="sum").item(),
-                "correct": int((out.argmax(1) == ys).sum()), "count": len(ids)}
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=a.autocast):
+            out = model(xs)
+            loss = F.cross_entropy(out, ys, reduction="sum")
+        return {"loss": loss.item(), "correct": int((out.argmax(1) == ys).sum()), "count": len(ids)}
 
     for epoch in w.epochs():
         model.train()
         for ids in w.batches():
             xs, ys = xtr[ids].to(a.device), ytr[ids].to(a.device)
-            out = model(xs)
-            loss = F.cross_entropy(out, ys, reduction="sum")
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=a.autocast):  # mixed precision, if asked
+                out = model(xs)
+                loss = F.cross_entropy(out, ys, reduction="sum")
             # backward, each layer's gradient to psd as soon as it is computed, then the step
             w.backward(loss / len(ids), loss_sum=loss.item(), batch=len(ids), correct=int((out.argmax(1) == ys).sum()))
         model.eval()

@@ -20,6 +20,11 @@ from . import _lib as L
 from ._staging import Staging
 
 
+def view16(addr, n):
+    """n bfloat16s at address addr as a 1-d tensor, no copy."""
+    return torch.frombuffer((ctypes.c_uint16 * n).from_address(addr), dtype=torch.bfloat16)
+
+
 def view(ptr, n):
     """n float32s at ptr (a ctypes float pointer) as a 1-d tensor, no copy (none: an empty one)."""
     addr = ctypes.cast(ptr, ctypes.c_void_p).value
@@ -60,15 +65,19 @@ class Exchange:
         self._densified = False
         self._warned_copy = False
 
-    def attach(self, table, offsets, region, rows_ok, staged):
+    def attach(self, table, offsets, region, rows_ok, staged, wire16=(False, False)):
         """A session's layout: the table, psd's offsets of each tensor, its push region (an
-        address, or None), whether it takes rows; staged: through host buffers."""
+        address, or None), whether it takes rows; staged: through host buffers; wire16: the
+        run's gradients, weights go as bfloat16 (staged: converted on the device)."""
         self.table = table
         self.offsets = offsets
         self.rows_ok = rows_ok
         self.region = None if staged else region
+        if self.stg is not None and (self.stg.g16, self.stg.w16) != tuple(wire16):  # another run's wire
+            self.stg.close()
+            self.stg = None
         if staged and self.stg is None:
-            self.stg = Staging(table, offsets)
+            self.stg = Staging(table, offsets, *wire16)
 
     def detach(self):
         """The session ends (its push region is unmapped with its client): no .grad may point
@@ -117,12 +126,18 @@ class Exchange:
                     elif p.grad is not None:
                         p.grad.zero_()
 
-    def load(self, ev):
+    def load(self, ev, w16=None):
         """A reply's (WEIGHTS, VALIDATE) tensors into the parameters; with row ids, only those
-        rows of the sparse tables."""
+        rows of the sparse tables. w16: the address of the reply's weights as bfloat16 came
+        (staged with bfloat16 weights: widened on the device)."""
         if self.stg is not None:
-            self.stg.load([view(ev.tensors[k], ev.tensor_numel[k]).view(p.shape)
-                           for k, (_, p) in enumerate(self.table)])
+            if self.stg.w16 and w16:
+                n = self.stg.weights.numel()
+                flat = view16(w16, n)
+                srcs = [flat[int(o):int(o) + p.numel()].view(p.shape) for o, (_, p) in zip(self.offsets, self.table)]
+            else:
+                srcs = [view(ev.tensors[k], ev.tensor_numel[k]).view(p.shape) for k, (_, p) in enumerate(self.table)]
+            self.stg.load(srcs)
         else:
             with torch.no_grad():
                 rows = None
@@ -198,11 +213,11 @@ class Exchange:
             if self.stg is not None:  # from the host buffer (the tensors pushed during backward aside)
                 if k in self.early_sent:
                     continue
-                g = self.stg.gviews[k]
+                g = self.stg.gviews[k]  # float32, or bfloat16 already (the library sends it as it is)
                 grads[n].tensor = k
                 grads[n].data = ctypes.cast(g.data_ptr(), L.c_float_p)
                 n += 1
-                self.bytes_pushed += 4 * g.numel()
+                self.bytes_pushed += g.element_size() * g.numel()
                 continue
             g = p.grad
             if g is not None and g.is_sparse and g.dtype == torch.float32 and g.device.type == "cpu":
@@ -284,7 +299,7 @@ class Exchange:
                 send(push)
                 self.early_sent.add(j)
                 self.layer_pushes += 1
-                self.bytes_pushed += 4 * stg.gviews[j].numel()
+                self.bytes_pushed += stg.gviews[j].element_size() * stg.gviews[j].numel()
 
         stg.on_ready = ready
         try:

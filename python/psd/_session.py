@@ -65,8 +65,9 @@ class Session:
     loss_sum / count, val_acc = correct / count, val_NAME = sums[NAME] / count)."""
 
     def __init__(self, lib, endpoint, params, sparse=(), data=(0, 0, b""), threads=0, shared_memory=True, keys=None,
-                 offer=None, retry_s=120.0, leaving=lambda: False):
+                 offer=None, retry_s=120.0, leaving=lambda: False, bf16_given=False):
         self.lib = lib
+        self.bf16_given = bf16_given  # bfloat16 on the wire is converted by the caller (staged parameters)
         self.endpoint = endpoint
         self.params = params
         self.sparse = set(sparse)
@@ -87,6 +88,7 @@ class Session:
         self.offsets = None
         self.region = None
         self.rows_ok = False
+        self.wire16 = (False, False)  # the run's gradients, weights go as bfloat16
         self.rejoins = 0
         self.ended_code = 0  # psd's code when a registration was answered with SHUTDOWN
         self.last_val = None
@@ -217,6 +219,7 @@ class Session:
         if self.offer and lib.psw_client_offer_config(self.c, self.offer, err, 512) != 0:  # each registration
             self.destroy()
             return -errno.EINVAL, err.value.decode(errors="replace")
+        lib.psw_client_bf16_given(self.c, 1 if self.bf16_given else 0)
         a = L.Assign()
         rc = lib.psw_client_register(self.c, ctypes.byref(a), timeout, err, 512)
         if rc != 0:
@@ -240,6 +243,9 @@ class Session:
             raise RunError("psd keeps the embedding table and sends rows only: not with psd.torch", 2)
         self.region = lib.psw_client_push_region(self.c)
         self.rows_ok = bool(lib.psw_client_rows_ok(self.c))
+        g16, w16 = ctypes.c_int(), ctypes.c_int()
+        lib.psw_client_wire_bf16(self.c, ctypes.byref(g16), ctypes.byref(w16))
+        self.wire16 = (bool(g16.value), bool(w16.value))
         # the weights of an event are copied into the parameters at once: psd may reuse its slot after a push
         lib.psw_client_release_on_push(self.c, 1)
         if lib.psw_client_ready(self.c, *self.data) != 0:
@@ -290,6 +296,13 @@ class Session:
         if self.c is not None:
             self.lib.psw_client_end_run(self.c, reason.encode())
             self.destroy()
+
+    def weights16(self):
+        """With bf16_given and bfloat16 weights: the address of the last event's weights as psd
+        sent them (the model's bfloat16 values in psd's layout), else None."""
+        if self.c is None or not (self.bf16_given and self.wire16[1]):
+            return None
+        return self.lib.psw_client_weights_bf16(self.c)
 
     def destroy(self):
         if self.c is not None:

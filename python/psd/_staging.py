@@ -8,6 +8,13 @@ caller that knows the batch's figures can push that layer at once. Weights: psd'
 are copied into a second host buffer, then to the parameters on the side stream;
 the compute stream waits for those copies, the caller does not.
 
+bfloat16 on the wire (psd's train.wire_gradients / train.wire_weights: bf16): the
+gradient is rounded on the device (on the side stream) and the host buffer holds
+bfloat16, which the worker library sends as it is (psw_client_bf16_given); the weights
+come into a bfloat16 host buffer as psd sent them and are widened on the device. Host
+buffers and copies are then half the bytes; the parameters and psd's master weights stay
+float32.
+
 On CPU tensors (Worker(staging=True)) the same code runs with the copies made
 synchronously: how the tests cover it without a GPU. Owned by psd.torch.Worker.
 """
@@ -15,13 +22,14 @@ import torch
 
 
 class Staging:
-    def __init__(self, table, offsets):
+    def __init__(self, table, offsets, g16=False, w16=False):
         self.table = table
+        self.g16, self.w16 = bool(g16), bool(w16)
         dev = table[0][1].device
         self.cuda = dev.type == "cuda"
         n = max(int(o) + p.numel() for o, (_, p) in zip(offsets, table))
-        self.grads = torch.zeros(n, dtype=torch.float32, pin_memory=self.cuda)
-        self.weights = torch.empty(n, dtype=torch.float32, pin_memory=self.cuda)
+        self.grads = torch.zeros(n, dtype=torch.bfloat16 if g16 else torch.float32, pin_memory=self.cuda)
+        self.weights = torch.empty(n, dtype=torch.bfloat16 if w16 else torch.float32, pin_memory=self.cuda)
         self.gviews = [self.grads[int(o):int(o) + p.numel()].view(p.shape) for o, (_, p) in zip(offsets, table)]
         self.wviews = [self.weights[int(o):int(o) + p.numel()].view(p.shape) for o, (_, p) in zip(offsets, table)]
         self.stream = torch.cuda.Stream(dev) if self.cuda else None
@@ -48,21 +56,22 @@ class Staging:
         if g.is_sparse:
             raise ValueError("psd: sparse gradients of device parameters are not pushed as rows yet: "
                              "keep the embedding on the CPU")
-        if self.staged[k]:  # a second gradient of the same parameter in this batch: added
+        if self.staged[k]:  # a second gradient of the same parameter in this batch: added (in float32)
             self.wait(k)
-            v.add_(g.to("cpu").view_as(v))
+            v.copy_(v.float() + g.to("cpu").float().view_as(v))
             return
         if self.cuda:
             s = self.stream
             s.wait_stream(torch.cuda.current_stream(g.device))
             with torch.cuda.stream(s):
-                v.copy_(g.view_as(v), non_blocking=True)
+                src = g.to(v.dtype) if v.dtype != g.dtype else g  # bfloat16: rounded on the device
+                v.copy_(src.view_as(v), non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(s)
             g.record_stream(s)  # its memory is not reused before the side stream has read it
             self.events[k] = ev
         else:
-            v.copy_(g.view_as(v))
+            v.copy_((g.to(v.dtype) if v.dtype != g.dtype else g).view_as(v))
         self.staged[k] = True
         self.order.append(k)
         if self.on_ready is not None:
@@ -107,7 +116,10 @@ class Staging:
             s.wait_stream(torch.cuda.current_stream(s.device))  # the last forward and backward read them
             with torch.cuda.stream(s):
                 for (_, p), v in zip(self.table, self.wviews):
-                    p.data.copy_(v, non_blocking=True)
+                    if v.dtype != p.dtype:  # bfloat16: over to the device as it is, widened there
+                        p.data.copy_(v.to(p.device, non_blocking=True))
+                    else:
+                        p.data.copy_(v, non_blocking=True)
                 self.loaded = torch.cuda.Event()
                 self.loaded.record(s)
             torch.cuda.current_stream(s.device).wait_stream(s)

@@ -201,7 +201,7 @@ class Worker:
         # the run with psd: the client, registering (again), the events (psd/_session.py)
         self._s = Session(self._lib, endpoint, self._params, self._sparse,
                           (int(train_size), int(test_size), data_id.encode()), threads, self._shared_memory,
-                          self._keys, offer, retry_s, leaving=lambda: self._leaving)
+                          self._keys, offer, retry_s, leaving=lambda: self._leaving, bf16_given=self._staged)
         self.world = 1
         self.wait_s = 0.0
         self.train_s = 0.0
@@ -589,7 +589,7 @@ class Worker:
         """Registered (first or again): the exchange takes the session's layout."""
         s = self._s
         self.world = s.world
-        self._ex.attach(s.table, s.offsets, s.region, s.rows_ok, self._staged)
+        self._ex.attach(s.table, s.offsets, s.region, s.rows_ok, self._staged, s.wire16)
 
     def _back(self):
         """psd came back: registered again; what was handed out of the epoch is psd's again."""
@@ -627,7 +627,7 @@ class Worker:
             while True:
                 ev = self._take(self._s.timeout)
                 if ev.kind == L.EV_WEIGHTS:
-                    self._ex.load(ev)
+                    self._ex.load(ev, self._s.weights16())
                     self._version = ev.version
                     self._ex.begin()
                     return True
@@ -675,7 +675,7 @@ class Worker:
 
     def _part(self, ev):
         """VALIDATE ev as a Part, psd's weights of it loaded (the event is the library's until the next)."""
-        self._ex.load(ev)
+        self._ex.load(ev, self._s.weights16())
         return Part("val" if ev.split == L.SPLIT_VAL else "test", [ev.val_ids[i] for i in range(ev.n_val_ids)],
                     ev.epoch, ev.version, ev.val_begin, ev.split, bool(ev.final))
 

@@ -61,6 +61,7 @@ def main():
     ap.add_argument("--no-shm", action="store_true")
     ap.add_argument("--staging", action="store_true", help="the device path on CPU tensors (host buffers, hooks)")
     ap.add_argument("--early", action="store_true", help="w.backward(): each layer pushed once computed")
+    ap.add_argument("--autocast", action="store_true", help="the forward under torch.autocast(bfloat16)")
     ap.add_argument("--raise-at", type=int, default=0)
     ap.add_argument("--exit-at", type=int, default=0)
     ap.add_argument("--batch-figure", type=int, default=0)
@@ -92,6 +93,7 @@ def main():
     ids = open(a.ids, "w") if a.ids else None
     last_val = open(a.last_val, "w") if a.last_val else None
     n = 0
+    gdtypes = set()  # the gradients' dtypes backward gave
     for epoch in w.epochs():
         for batch in w.batches(loader):
             n += 1
@@ -105,14 +107,16 @@ def main():
                 x, y, idx = batch[0], batch[1], batch[2].tolist()
             if a.set_to_none:
                 model.zero_grad(set_to_none=True)
-            out = model(x)
-            loss = F.cross_entropy(out, y, reduction="sum")
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast):
+                out = model(x)
+                loss = F.cross_entropy(out, y, reduction="sum")
             figures = dict(loss_sum=loss.item(), batch=a.batch_figure or len(idx),
                            correct=int((out.argmax(1) == y).sum()))
             if a.early:
                 w.backward(loss / len(idx), **figures)
             else:
                 (loss / len(idx)).backward()
+                gdtypes.update(str(p.grad.dtype) for p in model.parameters() if p.grad is not None)
                 if opt:
                     opt.step()
                 if a.slow:
@@ -134,8 +138,11 @@ def main():
         last_val.write(json.dumps(w._s.last_val) + "\n")
     assert isinstance(model, Net) and model.tag == "mine" and model.describe() == "Net(mine)"
     w.log("model intact: %s" % model.describe())
-    w.log("copies %d rejoins %d steps %d dropped %d layer_pushes %d exit_code %s" % (
-        w.copies, w.rejoins, w.steps, w.dropped, w.layer_pushes, w.exit_code))
+    w.log("copies %d rejoins %d steps %d dropped %d layer_pushes %d bytes_pushed %d exit_code %s" % (
+        w.copies, w.rejoins, w.steps, w.dropped, w.layer_pushes, w.bytes_pushed, w.exit_code))
+    if a.autocast:
+        w.log("autocast: parameters %s, gradients %s" % (sorted({str(p.dtype) for p in model.parameters()}),
+                                                          sorted(gdtypes)))
     return 0
 
 

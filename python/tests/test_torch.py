@@ -227,6 +227,51 @@ def test_the_device_path_on_cpu_tensors_gives_the_same_tensors(run, tmp_path):
     assert got["early"] == got["plain"]
 
 
+def test_bfloat16_on_the_wire_rounded_by_the_worker_gives_the_librarys_tensors(run, tmp_path):
+    """train.wire_gradients and train.wire_weights bf16, one worker over the wire: the device
+    path (run on CPU tensors) rounds each gradient to bfloat16 itself and sends half the bytes
+    from a bfloat16 host buffer, and widens psd's bfloat16 weights itself; with each layer
+    pushed during backward as well. 2 epochs: bit for bit the tensors of the plain path, where
+    the worker library rounds and widens."""
+    got, pushed = {}, {}
+    for mode, flags in (("plain", ()), ("staged", ("--staging",)), ("early", ("--staging", "--early"))):
+        d = tmp_path / mode
+        d.mkdir()
+        r = run(1, extra=("--set", "run.epochs=2", "--set", "train.wire_gradients=bf16",
+                          "--set", "train.wire_weights=bf16", "--save", str(d / "w.safetensors")))
+        p = r.worker("--no-shm", *flags)
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+        got[mode] = safetensors(d / "w.safetensors")
+        pushed[mode] = int(o.split(" bytes_pushed ")[1].split()[0])
+        r.kill()
+    assert got["staged"] == got["plain"]
+    assert got["early"] == got["plain"]
+    assert pushed["staged"] * 2 == pushed["plain"] and pushed["early"] == pushed["staged"], pushed
+
+
+def test_autocast_in_the_users_loop_trains_with_float32_parameters(run, tmp_path):
+    """The forward under torch.autocast(bfloat16), as a mixed-precision loop has it, on the
+    plain and the device path: the parameters and their gradients stay float32 (psd's master
+    weights are), the run trains (the loss falls) and ends as close to the float32 run as
+    bfloat16's rounding of the forward allows."""
+    figs = {}
+    for mode, flags in (("f32", ()), ("autocast", ("--autocast",)), ("staged", ("--autocast", "--staging"))):
+        r = run(1, extra=("--set", "run.epochs=2"))
+        p = r.worker(*flags)
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and r.psd.wait(timeout=60) == 0, e + r.psd_log()
+        if mode != "f32":
+            assert "autocast: parameters ['torch.float32'], gradients ['torch.float32']" in o + e, o + e
+        L = r.metrics()[-2:]
+        figs[mode] = [(x["train_loss"], x["val_acc"]) for x in L]
+        r.kill()
+    for mode in ("autocast", "staged"):
+        (l1, _), (l2, acc) = figs[mode]
+        assert l2 < l1, figs
+        assert abs(acc - figs["f32"][1][1]) <= 0.05, figs
+
+
 def test_three_workers_on_the_wire_announce_their_pushes_and_give_the_same_tensors(run, tmp_path):
     """3 psd.torch workers over the wire (no shared memory), more than psd's server.grad_room of
     2: all but rank 0 announce their pushes and send them when psd asks, psd sums them in rank

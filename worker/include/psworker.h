@@ -326,6 +326,23 @@ int psw_client_push_wait(psw_client_t *c, double timeout_s);
  * name before the caller reads them). Off by default: a caller that keeps
  * reading the tensors until the next event must leave it off. */
 void psw_client_release_on_push(psw_client_t *c, int on);
+/* bfloat16 on the wire (psd's train.wire_gradients / train.wire_weights:
+ * bf16; never through shared memory): whether this run's gradients and
+ * weights go as bfloat16 (after psw_client_register; either may be NULL). */
+void psw_client_wire_bf16(const psw_client_t *c, int *grads, int *weights);
+/* The caller converts to and from bfloat16 itself (on: nonzero; e.g. on
+ * its GPU, so that host buffers and copies are half the bytes): where the
+ * gradients go as bfloat16, psw_grad_t.data points at the tensor's numel
+ * bfloat16 values (uint16_t, rounded by the caller), sent as they are; and
+ * where the weights come as bfloat16 the library keeps them as they came
+ * (psw_client_weights_bf16) besides widening them for the event. Set it
+ * before psw_client_register. Dense whole tensors only (no rows). */
+void psw_client_bf16_given(psw_client_t *c, int on);
+/* With psw_client_bf16_given on and bfloat16 weights: the last WEIGHTS or
+ * VALIDATE event's weights as psd sent them, the model's n_params bfloat16
+ * values laid out as psd lays it out (psw_tensor_t offsets), valid until
+ * the next event; NULL otherwise. */
+const uint16_t *psw_client_weights_bf16(const psw_client_t *c);
 /* Whether the run's sparse-rows table may be pushed as rows
  * (psw_grad_t.row_ids): over the wire, whole steps, f32 gradients; with psd
  * shards, when every shard's piece of the table is whole rows (each gets
