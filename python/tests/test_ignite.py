@@ -189,6 +189,7 @@ def test_the_readmes_commands_psd_within_2_percent_of_the_single_process():
     v1, v2 = float(single["val_loss"]), float(a["val_loss"])
     print("val_loss after 3 epochs: single %.6f, psd + 2 workers %.6f (%+.2f%%)" % (v1, v2, 100 * (v2 / v1 - 1)))
     assert abs(v2 / v1 - 1) <= 0.02, (single, a)
-    assert a["val_loss"] == b["val_loss"] and close(v2, M[-1]["val_loss"], 1e-5), (a, b, M[-1])
+    # psd's figure, as the RESULT line prints it (6 decimals: within half of the last one)
+    assert a["val_loss"] == b["val_loss"] and abs(v2 - M[-1]["val_loss"]) <= 5.01e-7, (a, b, M[-1])
     assert len(M) == 3 and M[-1]["train_samples"] == 12000 and M[-1]["val_samples"] == 10000, M
     assert len(ck) == 1, ck
