@@ -80,6 +80,15 @@ class FakeLib:
     def psw_client_release_on_push(self, c, on):
         pass
 
+    def psw_client_bf16_given(self, c, on):
+        pass
+
+    def psw_client_wire_bf16(self, c, grads, weights):  # float32 on the wire
+        pass
+
+    def psw_client_weights_bf16(self, c):
+        return None
+
     def psw_client_ready(self, c, train, test, data_id):
         self.calls.append("ready %d %d %s" % (train, test, data_id.decode()))
         return 0
