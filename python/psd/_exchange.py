@@ -132,9 +132,11 @@ class Exchange:
         (staged with bfloat16 weights: widened on the device)."""
         if self.stg is not None:
             if self.stg.w16 and w16:
-                n = self.stg.weights.numel()
-                flat = view16(w16, n)
-                srcs = [flat[int(o):int(o) + p.numel()].view(p.shape) for o, (_, p) in zip(self.offsets, self.table)]
+                srcs = self._rviews.get(("bf16", w16))  # the library's buffer: one address a registration
+                if srcs is None:
+                    flat = view16(w16, self.stg.weights.numel())
+                    srcs = self._rviews[("bf16", w16)] = [flat[int(o):int(o) + p.numel()].view(p.shape)
+                                                           for o, (_, p) in zip(self.offsets, self.table)]
             else:
                 srcs = [view(ev.tensors[k], ev.tensor_numel[k]).view(p.shape) for k, (_, p) in enumerate(self.table)]
             self.stg.load(srcs)
